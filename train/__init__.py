@@ -1,0 +1,1 @@
+"""The thin Python core of the kit: `python -m train <mode> --flags`."""
