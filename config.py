@@ -1,0 +1,322 @@
+"""Configuration: one dataclass per concern, named presets, and the flag/variable names.
+
+Precedence: dataclass default < preset (BASELINE / OPTIMIZED) < launcher variable / CLI flag.
+Users edit the defaults and presets here. Every field has one name at every layer: the launcher
+variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag is --<field>.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from train.errors import UsageError
+
+KIT_DIR = Path(__file__).resolve().parent
+
+MODEL_SIZES = ("nano", "tiny", "small", "medium")
+PRECISIONS = ("fp32", "fp16", "bf16", "auto")
+MODES = ("pretrain", "sft")
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+# Launcher variable for a field, where it is not simply the field name in upper case.
+ENV_NAMES = {
+    "gradient_accumulation_steps": "GRADIENT_ACCUM",
+    "gradient_checkpointing": "ENABLE_GRAD_CKPT",
+}
+
+
+def env_name(name: str) -> str:
+    """The launcher variable for a config field (DESIGN.md's knob table)."""
+    return ENV_NAMES.get(name, name.upper())
+
+
+def _bad(name: str, accepted: str, value) -> UsageError:
+    return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
+
+
+def _check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(name, f"a whole number >= {minimum}", value)
+
+
+def _check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        raise _bad(name, f"a number {'>' if strict else '>='} {minimum}", value)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    model_size: str | None = None
+    """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium,
+    350M). Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
+    model_config: str | None = None
+    """A transformers causal-LM config.json (or a folder holding one) to train from scratch
+    instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: about 30 % slower per step, far less
+    activation memory. The guides' fix when VRAM is full at the batch size you want."""
+    compile: bool = False
+    """torch.compile the model. Pays a one-off compile time (reported apart from throughput);
+    worth it for runs longer than a few minutes on a GPU."""
+
+    def __post_init__(self):
+        if self.model_size is not None and self.model_size not in MODEL_SIZES:
+            raise _bad("model_size", " | ".join(MODEL_SIZES), self.model_size)
+        if self.model_config is not None and not Path(self.model_config).exists():
+            raise UsageError(f"MODEL_CONFIG (--model_config): no such file: {self.model_config}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: str | None = None
+    """Training text: a .txt file, a folder of .txt files, or a .jsonl file with a "text" field.
+    Empty: the built-in corpus (the standard-library sources of the running Python)."""
+    tokenizer_path: str | None = None
+    """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
+    vocab_size: int = 8192
+    """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of
+    64 in the model, as nanoGPT pads 50257 to 50304, for faster matmuls)."""
+    max_length: int | None = None
+    """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
+    model's context length."""
+    num_workers: int = 0
+    """DataLoader worker processes. 0 loads batches in the training process (the guides'
+    'before'); 4 overlaps loading with compute."""
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead (only with NUM_WORKERS > 0; torch's default is 2)."""
+    pin_memory: bool = False
+    """Page-locked host buffers so host-to-GPU copies run asynchronously (no effect on CPU)."""
+    persistent_workers: bool = False
+    """Keep worker processes alive between epochs instead of restarting them."""
+    cache_dir: str = str(KIT_DIR / ".cache")
+    """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
+
+    def __post_init__(self):
+        _check_int(self, "vocab_size", 256)
+        _check_int(self, "max_length", 2, optional=True)
+        _check_int(self, "num_workers", 0)
+        _check_int(self, "prefetch_factor", 1, optional=True)
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            self.prefetch_factor = None  # torch rejects a prefetch factor without workers
+        if self.persistent_workers and self.num_workers == 0:
+            self.persistent_workers = False
+        if self.data_path is not None and not Path(self.data_path).exists():
+            raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
+        if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
+            raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    batch_size: int = 8
+    """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x
+    GRADIENT_ACCUM x GPUs; raise it to keep the effective batch when BATCH_SIZE must shrink."""
+    learning_rate: float = 6e-4
+    """Peak learning rate of AdamW, reached after the warm-up, then cosine-decayed."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at LEARNING_RATE x this."""
+    warmup_steps: int | None = None
+    """Optimizer steps of linear warm-up. Empty: 5 % of the run, at most 200."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on biases and norms)."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this before each step (0: no clipping)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps."""
+    epochs: float | None = None
+    """Stop after this many passes over the data (fractions allowed). With no MAX_STEPS,
+    EPOCHS or MAX_SAMPLES: one epoch."""
+    max_samples: int | None = None
+    """Stop after this many training sequences (the budget `make compare` holds fixed)."""
+
+    def __post_init__(self):
+        _check_int(self, "batch_size", 1)
+        _check_int(self, "gradient_accumulation_steps", 1)
+        _check_float(self, "learning_rate", 0.0, strict=True)
+        _check_float(self, "min_lr_ratio", 0.0)
+        _check_int(self, "warmup_steps", 0, optional=True)
+        _check_float(self, "weight_decay", 0.0)
+        _check_float(self, "grad_clip", 0.0)
+        _check_int(self, "max_steps", 1, optional=True)
+        _check_float(self, "epochs", 0.0, optional=True, strict=True)
+        _check_int(self, "max_samples", 1, optional=True)
+        if self.min_lr_ratio > 1:
+            raise _bad("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
+
+
+@dataclass(kw_only=True)
+class SystemConfig:
+    device: str = "auto"
+    """auto (CUDA, which ROCm builds also present as cuda, then Apple mps, then CPU), or a
+    torch device such as cuda:1 or cpu."""
+    precision: str = "fp32"
+    """fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto (bf16 where the device runs
+    it fast, fp16 where it has fast fp16 but no bf16, fp32 otherwise; measured on CPU)."""
+    tf32: bool = False
+    """Let fp32 matmuls use TF32 tensor cores (Ampere and newer): about 2-3x faster fp32 matmuls
+    at 10-bit mantissa precision, which training tolerates."""
+    seed: int = 1337
+    """Seeds model init, data order and dropout: the same seed gives the same run."""
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise _bad("precision", " | ".join(PRECISIONS), self.precision)
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device or ""):
+            raise _bad("device", "auto | cpu | mps | cuda | cuda:N", self.device)
+        _check_int(self, "seed", 0)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    mode: str = "pretrain"
+    """pretrain | sft."""
+    output_dir: str = str(KIT_DIR / "runs")
+    """Run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest."""
+    run_name: str | None = None
+    """Name of this run's folder. Empty: the launcher's name and the time, always new."""
+    overwrite: bool = False
+    """Replace an existing run folder of the same RUN_NAME (refused otherwise)."""
+    launcher: str = "train"
+    """Who started the run (the launcher script's name); used in default run names."""
+    log_every: int = 10
+    """Optimizer steps between log lines. Reading the loss syncs host and device, so it is
+    done only here, never per micro-step."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise _bad("mode", " | ".join(MODES), self.mode)
+        if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
+            raise _bad("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
+        _check_int(self, "log_every", 1)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def effective_batch_size(self, world_size: int = 1) -> int:
+        """Sequences per optimizer step: micro-batch x accumulation x processes."""
+        return self.optim.batch_size * self.optim.gradient_accumulation_steps * world_size
+
+    def tokens_per_step(self, max_length: int, world_size: int = 1) -> int:
+        """Tokens per optimizer step at a given (resolved) sequence length."""
+        return self.effective_batch_size(world_size) * max_length
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_flat(cls, values: dict) -> TrainConfig:
+        """Build from a flat {field: value} dict (values already typed)."""
+        unknown = set(values) - set(FIELD_SECTION)
+        if unknown:
+            raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        parts = {sec: {} for sec in SECTIONS}
+        for name, value in values.items():
+            parts[FIELD_SECTION[name]][name] = value
+        return cls(**{sec: SECTIONS[sec](**kw) for sec, kw in parts.items()})
+
+
+FIELD_SECTION = {f.name: sec for sec, klass in SECTIONS.items() for f in fields(klass)}
+
+# Named presets: the guides' numbers. Mixed precision stays opt-in (ENABLE_FP16 / ENABLE_BF16 /
+# PRECISION=auto), as in the guides, because it changes numerics.
+PRESETS: dict[str, dict] = {
+    "baseline": dict(batch_size=8, gradient_accumulation_steps=1, precision="fp32", num_workers=0),
+    "optimized": dict(
+        batch_size=32,
+        gradient_accumulation_steps=4,
+        num_workers=4,
+        prefetch_factor=4,
+        pin_memory=True,
+        persistent_workers=True,
+        tf32=True,
+    ),
+}
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from this file's source (shown by --help)."""
+    docs = {}
+    for klass in SECTIONS.values():
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def field_type(name: str) -> type:
+    """The scalar type of a field (int, float, bool or str), Optional unwrapped."""
+    klass = SECTIONS[FIELD_SECTION[name]]
+    annotation = {f.name: f.type for f in fields(klass)}[name]
+    for scalar in ("bool", "int", "float", "str"):
+        if annotation.split("|")[0].strip() == scalar:
+            return {"bool": bool, "int": int, "float": float, "str": str}[scalar]
+    raise TypeError(f"unsupported annotation {annotation} for {name}")
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_value(name: str, text: str):
+    """Convert one flag's text to the field's type; an empty string means 'not set'."""
+    kind = field_type(name)
+    text = text.strip()
+    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size"):
+        return None
+    if kind is bool:
+        if text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        raise _bad(name, "1 or 0", text)
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise _bad(name, "a whole number", text) from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise _bad(name, "a number", text) from None
+    return text
+
+
+def resolve(preset: str | None, overrides: dict) -> TrainConfig:
+    """Dataclass defaults < preset < explicit overrides (typed values)."""
+    values: dict = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise UsageError(f"PRESET (--preset): expected {' | '.join(PRESETS)}, got {preset!r}")
+        values.update(PRESETS[preset])
+    values.update(overrides)
+    return TrainConfig.from_flat(values)

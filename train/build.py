@@ -1,0 +1,144 @@
+"""Build everything a run needs before its folder exists: device, precision, data, model.
+
+Nothing here writes to runs/, so bad input stops before any run folder is touched. Every
+automatic choice is recorded as a decision with the reason for it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import TrainConfig
+from train import data, model as model_lib
+from train.device import resolve_device, resolve_precision, set_tf32
+from train.errors import UsageError
+
+# With no GPU and no MODEL_SIZE, a demo sized to finish in a few minutes on 2 cores.
+CPU_DEMO_SAMPLES = 2048
+
+
+@dataclass
+class Built:
+    cfg: TrainConfig
+    device: torch.device
+    precision: str
+    model_size: str
+    max_length: int
+    model: torch.nn.Module
+    tokenizer: object
+    dataset: torch.utils.data.Dataset
+    total_steps: int
+    warmup_steps: int
+    decisions: list = field(default_factory=list)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def plan_steps(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
+    """Optimizer steps for this run: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES."""
+    effective = cfg.effective_batch_size()
+    per_epoch = n_samples // cfg.optim.batch_size // cfg.optim.gradient_accumulation_steps
+    if per_epoch == 0:
+        raise UsageError(
+            f"DATA_PATH: {n_samples} sequences of MAX_LENGTH tokens are fewer than one optimizer step "
+            f"needs ({effective} = BATCH_SIZE x GRADIENT_ACCUM); add data or lower those"
+        )
+    limits = {}
+    o = cfg.optim
+    if o.max_steps is not None:
+        limits["MAX_STEPS"] = o.max_steps
+    if o.epochs is not None:
+        limits["EPOCHS"] = max(1, math.ceil(o.epochs * per_epoch))
+    if o.max_samples is not None:
+        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / effective))
+    if not limits:
+        limits["EPOCHS (default 1)"] = per_epoch
+    source = min(limits, key=limits.get)
+    return limits[source], f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
+
+
+def build(cfg: TrainConfig, say) -> Built:
+    decisions = []
+
+    def decide(setting: str, value, reason: str) -> None:
+        decisions.append({"setting": setting, "value": value, "reason": reason})
+        say(f"  {setting} = {value}  ({reason})")
+
+    device, why = resolve_device(cfg.system.device)
+    decide("device", str(device), why)
+    precision, why = resolve_precision(cfg.system.precision, device)
+    decide("precision", precision, why)
+    set_tf32(cfg.system.tf32)
+    seed_everything(cfg.system.seed)
+
+    model_size = cfg.model.model_size
+    demo = False
+    if cfg.model.model_config is not None:
+        model_size = "custom"
+        decide("model_size", model_size, f"MODEL_CONFIG={cfg.model.model_config}")
+    elif model_size is None:
+        demo = device.type == "cpu"
+        model_size = "nano" if demo else "small"
+        reason = (
+            "no GPU: the nano model for a short CPU demo (set MODEL_SIZE to train another size)"
+            if demo
+            else "default on a GPU (GPT-2 small)"
+        )
+        decide("model_size", model_size, reason)
+        if demo:
+            say("No GPU found: running the nano model as a short CPU demo (set MODEL_SIZE to choose).")
+
+    cache_dir = Path(cfg.data.cache_dir)
+    files = data.corpus_files(cfg.data.data_path)
+    key = data.corpus_fingerprint(files)
+    tok = data.load_tokenizer(cfg.data.tokenizer_path, files, key, cfg.data.vocab_size, cache_dir, say)
+    tokens = data.token_cache(files, key, tok, cache_dir, say)
+
+    vocab = model_lib.padded_vocab(len(tok))
+    if vocab != len(tok):
+        decide("vocab_size", vocab, f"tokenizer's {len(tok)} padded to a multiple of 64")
+    eos_id = tok.convert_tokens_to_ids(tok.eos_token)
+    hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, vocab, eos_id)
+    context = model_lib.context_length(hf_cfg)
+    max_length = cfg.data.max_length
+    if max_length is None:
+        max_length = min(context, 2048)
+        decide("max_length", max_length, "the model's context length" + (" (capped)" if context > 2048 else ""))
+    elif max_length > context:
+        raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
+
+    dataset = data.PackedDataset(tokens, max_length)
+    if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
+        cfg.optim.max_samples = CPU_DEMO_SAMPLES
+        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
+    total_steps, why = plan_steps(cfg, len(dataset))
+    decide("total_steps", total_steps, why)
+    warmup = cfg.optim.warmup_steps
+    if warmup is None:
+        warmup = min(200, max(1, total_steps // 20))
+        decide("warmup_steps", warmup, "5 % of the run, at most 200")
+
+    model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
+    return Built(
+        cfg=cfg,
+        device=device,
+        precision=precision,
+        model_size=model_size,
+        max_length=max_length,
+        model=model,
+        tokenizer=tok,
+        dataset=dataset,
+        total_steps=total_steps,
+        warmup_steps=warmup,
+        decisions=decisions,
+    )

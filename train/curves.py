@@ -1,0 +1,200 @@
+"""Training curves from a run folder's metrics.jsonl: loss and samples/s against samples seen.
+
+Reporting code: reads run folders, never imports the loop. Plots use matplotlib's object API
+(Figure + Agg canvas) rather than pyplot, so nothing global changes in the caller's process
+(no backend switch, no open figures to leak when the loop calls this at the end of a run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+# A long run logs tens of thousands of rows; more points than pixels only costs time.
+MAX_POINTS = 2000
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl, skipping blank, truncated or non-object lines.
+
+    A run killed mid-write leaves a half line at the end; that must not hide the rest.
+    A missing file gives no rows.
+    """
+    rows: list[dict] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    except OSError:
+        return []
+    return rows
+
+
+def as_number(value) -> float | None:
+    """A finite-or-not float from a JSON value, or None for null, bools, strings and the like."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def x_key(rows: list[dict]) -> str:
+    """Plot against samples seen (comparable across batch sizes); fall back to step."""
+    return "samples" if any(as_number(r.get("samples")) is not None for r in rows) else "step"
+
+
+def series(rows: list[dict], key: str, xkey: str) -> tuple[list[float], list[float]]:
+    """(x, y) for the rows that carry both numbers, thinned to at most MAX_POINTS."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for row in rows:
+        x, y = as_number(row.get(xkey)), as_number(row.get(key))
+        if x is None or y is None or not math.isfinite(x):
+            continue
+        xs.append(x)
+        ys.append(y)
+    stride = max(1, math.ceil(len(xs) / MAX_POINTS))
+    if stride > 1:
+        # Keep the last point: the final loss is the one people read off the chart.
+        xs, ys = xs[::stride] + xs[-1:], ys[::stride] + ys[-1:]
+    return xs, ys
+
+
+def x_label(xkey: str) -> str:
+    return "samples seen" if xkey == "samples" else "optimizer step"
+
+
+def plot_curves(run_dir: Path) -> Path | None:
+    """Write run_dir/curves.png (loss, and val loss where logged, plus samples/s, against
+    samples seen) and return its path; None when there is nothing to plot.
+
+    Never raises: it runs at the end of training and a chart must not turn a finished run
+    into a failed one.
+    """
+    try:
+        return _plot_curves(Path(run_dir))
+    except Exception:
+        return None
+
+
+def _plot_curves(run_dir: Path) -> Path | None:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        return None
+    xkey = x_key(rows)
+    loss_x, loss_y = series(rows, "loss", xkey)
+    val_x, val_y = series(rows, "val_loss", xkey)
+    sps_x, sps_y = series(rows, "samples_per_sec", xkey)
+    if not (loss_x or val_x or sps_x):
+        return None
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_sps = fig.subplots(1, 2)
+    if loss_x:
+        ax_loss.plot(loss_x, loss_y, lw=1, label="train loss")
+    if val_x:
+        ax_loss.plot(val_x, val_y, "o-", ms=4, label="val loss")
+    ax_loss.set_xlabel(x_label(xkey))
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss")
+    if loss_x or val_x:
+        ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    if sps_x:
+        ax_sps.plot(sps_x, sps_y, lw=1, color="tab:green")
+    ax_sps.set_xlabel(x_label(xkey))
+    ax_sps.set_ylabel("samples/s")
+    ax_sps.set_title("throughput")
+    ax_sps.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+
+    out = run_dir / "curves.png"
+    # Write then rename, so a viewer refreshing the file never sees half a PNG.
+    tmp = run_dir / "curves.png.tmp"
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, out)
+    return out
+
+
+def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Path) -> Path:
+    """compare.png: samples/s bars (min-max whiskers for repeats), peak VRAM bars, and loss
+    against samples seen for every run (val loss as markers), one colour per side.
+
+    result is compare.compare_groups()'s output; curves maps each side's name to the metrics
+    rows of its runs. Unlike plot_curves this raises: the user asked for this file.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    entries = result["runs"]
+    names = [e["name"] for e in entries]
+    colors = [f"C{i % 10}" for i in range(len(entries))]
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_sps, ax_mem, ax_loss = fig.subplots(1, 3)
+
+    sps = [e["samples_per_sec"] or 0.0 for e in entries]
+    # Whiskers from min to max of the repeats; zero length for single runs.
+    lo = [max(0.0, (e["samples_per_sec"] or 0.0) - (e["samples_per_sec_min"] or 0.0)) for e in entries]
+    hi = [max(0.0, (e["samples_per_sec_max"] or 0.0) - (e["samples_per_sec"] or 0.0)) for e in entries]
+    bars = ax_sps.bar(names, sps, color=colors, yerr=[lo, hi], capsize=6)
+    labels = [
+        "n/a"
+        if e["samples_per_sec"] is None
+        else f"{e['samples_per_sec']:.1f}" + (f"\n{e['speedup']:.2f}x" if e["speedup"] is not None else "")
+        for e in entries
+    ]
+    ax_sps.bar_label(bars, labels=labels, label_type="center")
+    ax_sps.set_ylabel("samples/s (median)")
+    ax_sps.set_title("throughput")
+
+    mem = [e["peak_vram_mb"] or 0.0 for e in entries]
+    bars = ax_mem.bar(names, mem, color=colors)
+    labels = [
+        "n/a"
+        if e["peak_vram_mb"] is None
+        else f"{e['peak_vram_mb']:,.0f}" + (f"\n{e['vram_pct']:.0f} %" if e["vram_pct"] is not None else "")
+        for e in entries
+    ]
+    ax_mem.bar_label(bars, labels=labels, label_type="edge" if any(mem) else "center")
+    if not any(mem):
+        ax_mem.set_ylim(0, 1)  # CPU runs: no VRAM; keep the panel, show n/a, not an empty error
+    ax_mem.set_ylabel("peak VRAM MB")
+    ax_mem.set_title("memory")
+
+    for n, entry in enumerate(entries):
+        color = colors[n]
+        for i, rows in enumerate(curves.get(entry["name"], [])):
+            xkey = x_key(rows)
+            label = entry["name"] if i == 0 else None
+            xs, ys = series(rows, "loss", xkey)
+            if xs:
+                ax_loss.plot(xs, ys, color=color, lw=1, alpha=0.8, label=label)
+                label = None
+            xs, ys = series(rows, "val_loss", xkey)
+            if xs:
+                ax_loss.plot(
+                    xs, ys, "o--", color=color, ms=4, lw=1, label=f"{entry['name']} val" if i == 0 else None
+                )
+    ax_loss.set_xlabel("samples seen")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss")
+    ax_loss.grid(alpha=0.3)
+    if ax_loss.get_legend_handles_labels()[0]:
+        ax_loss.legend()
+    fig.suptitle(result.get("verdict", ""))
+    fig.savefig(path, dpi=100, format="png")
+    return Path(path)

@@ -1,0 +1,249 @@
+"""Text -> tokenizer -> token cache on disk (memmap) -> packed Dataset -> DataLoader.
+
+The token cache is keyed by the data's content and the tokenizer, so a second run starts at
+once, and workers read the same memmap pages instead of each holding a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from train.errors import UsageError
+
+EOS = "<|endoftext|>"
+CACHE_VERSION = "1"
+# Standard-library folders left out of the built-in corpus: tests are huge and repetitive.
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo", "tkinter"}
+_CHUNK_CHARS = 1 << 16
+
+
+def builtin_corpus_files() -> list[Path]:
+    """The running Python's standard-library sources: text on every machine with Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+        found += [Path(folder) / f for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def corpus_files(data_path: str | None) -> list[Path]:
+    """The files to train on: DATA_PATH (file or folder of .txt/.jsonl) or the built-in corpus."""
+    if data_path is None:
+        return builtin_corpus_files()
+    path = Path(data_path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".md"))
+        if not files:
+            raise UsageError(f"DATA_PATH: folder {path} holds no .txt, .md or .jsonl files")
+        return files
+    return [path]
+
+
+def read_documents(path: Path) -> Iterator[str]:
+    """The documents of one file: the whole text of a .txt, or each "text" field of a .jsonl."""
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"DATA_PATH: {path} is not UTF-8 text (bad byte at offset {err.start})") from None
+    except OSError as err:
+        raise UsageError(f"DATA_PATH: cannot read {path}: {err.strerror}") from None
+    if path.suffix != ".jsonl":
+        yield text
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"DATA_PATH: {path} line {number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise UsageError(f'DATA_PATH: {path} line {number}: expected an object with a "text" string')
+        yield record["text"]
+
+
+def corpus_fingerprint(files: list[Path]) -> str:
+    """sha256 of every file's name and bytes: the cache key for the data."""
+    digest = hashlib.sha256(CACHE_VERSION.encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def iter_chunks(files: list[Path]) -> Iterator[str]:
+    """Documents cut at line ends into pieces of ~64K characters, each document ending with
+    the end-of-text token, so the tokenizer can work on them in parallel."""
+    for path in files:
+        for doc in read_documents(path):
+            start = 0
+            while start < len(doc):
+                end = doc.find("\n", start + _CHUNK_CHARS)
+                end = len(doc) if end == -1 else end + 1
+                yield doc[start:end]
+                start = end
+            yield EOS
+
+
+def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, vocab_size: int, cache_dir: Path, say):
+    """A local AutoTokenizer folder, or a byte-level BPE trained on the corpus and cached."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if tokenizer_path is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"TOKENIZER_PATH: cannot load a tokenizer from {tokenizer_path}: {err}") from None
+        if tok.eos_token is None:
+            tok.add_special_tokens({"eos_token": EOS})
+        return tok
+    folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}"
+    if (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    say(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on the corpus; cached for next time")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator((c for c in iter_chunks(files) if c != EOS), trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
+    tok.pad_token = EOS
+    tmp = Path(tempfile.mkdtemp(dir=_mkdir(folder.parent)))
+    tok.save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return tok
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tokenizer_fingerprint(tok) -> str:
+    state = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else repr(tok.get_vocab())
+    return hashlib.sha256(state.encode()).hexdigest()[:20]
+
+
+def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> np.ndarray:
+    """The corpus as one flat array of token ids on disk, opened as a read-only memmap."""
+    from tqdm import tqdm
+
+    key = f"{data_key}-{tokenizer_fingerprint(tok)}"
+    folder = _mkdir(cache_dir / "tokens")
+    bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
+    if bin_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
+    dtype = np.uint16 if len(tok) <= 65535 else np.uint32
+    eos_id = tok.convert_tokens_to_ids(tok.eos_token)
+    tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
+    n_tokens, batch = 0, []
+    with open(tmp, "wb") as out, tqdm(desc="tokenizing", unit="chunk", leave=False) as bar:
+
+        def flush():
+            nonlocal n_tokens
+            encoded = tok(batch, add_special_tokens=False)["input_ids"]
+            for ids in encoded:
+                out.write(np.asarray(ids, dtype=dtype).tobytes())
+                n_tokens += len(ids)
+            bar.update(len(batch))
+            batch.clear()
+
+        for chunk in iter_chunks(files):
+            if chunk == EOS:
+                if batch:
+                    flush()
+                out.write(np.asarray([eos_id], dtype=dtype).tobytes())
+                n_tokens += 1
+                continue
+            batch.append(chunk)
+            if len(batch) >= 64:
+                flush()
+        if batch:
+            flush()
+    if n_tokens <= len(files):
+        tmp.unlink()
+        raise UsageError("DATA_PATH: the data holds no text to train on")
+    os.replace(tmp, bin_path)
+    meta_path.write_text(json.dumps({"n_tokens": n_tokens, "dtype": np.dtype(dtype).name, "files": len(files)}))
+    say(f"cached {n_tokens:,} tokens from {len(files)} file(s) in {bin_path}")
+    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+class PackedDataset(Dataset):
+    """Non-overlapping windows of max_length tokens over the token stream (documents packed
+    back to back, separated by the end-of-text token): no padding, every token trains."""
+
+    def __init__(self, tokens: np.memmap, max_length: int):
+        self.tokens, self.max_length = tokens, max_length
+        self._source = (tokens.filename, tokens.dtype.name, len(tokens))
+
+    def __getstate__(self):
+        # Workers reopen the memmap rather than receiving a pickled copy of every token.
+        return {"max_length": self.max_length, "_source": self._source, "tokens": None}
+
+    def __len__(self) -> int:
+        return self._source[2] // self.max_length
+
+    def __getitem__(self, index: int) -> dict:
+        if self.tokens is None:
+            filename, dtype, n = self._source
+            self.tokens = np.memmap(filename, dtype=dtype, mode="r", shape=(n,))
+        start = index * self.max_length
+        window = np.asarray(self.tokens[start : start + self.max_length], dtype=np.int64)
+        return {"input_ids": torch.from_numpy(window)}
+
+
+class EpochSampler(Sampler):
+    """A seeded shuffle per epoch; `start` skips the first samples (a resumed position)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        yield from torch.randperm(self.n, generator=generator)[self.start :].tolist()
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+
+def make_loader(dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None):
+    """The DataLoader with the guides' knobs: workers, prefetch, pinned memory, persistence."""
+    sampler = EpochSampler(len(dataset), seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=data_cfg.num_workers,
+        prefetch_factor=data_cfg.prefetch_factor,
+        pin_memory=data_cfg.pin_memory and device.type == "cuda",
+        persistent_workers=data_cfg.persistent_workers,
+        collate_fn=collate_fn,
+    )
+    return loader, sampler

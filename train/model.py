@@ -1,0 +1,85 @@
+"""The model: a transformers causal LM built from a config (never downloaded), sdpa attention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from train.errors import UsageError
+
+# GPT-2 family shapes. nano is the CPU/test size; tiny ~30M with an 8K vocab (~50M with GPT-2's
+# 50K); small and medium are GPT-2 small (124M) and medium (350M).
+SIZES = {
+    "nano": dict(n_layer=4, n_embd=256, n_head=4, n_positions=256),
+    "tiny": dict(n_layer=8, n_embd=512, n_head=8, n_positions=1024),
+    "small": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+    "medium": dict(n_layer=24, n_embd=1024, n_head=16, n_positions=1024),
+}
+
+
+def padded_vocab(n: int, multiple: int = 64) -> int:
+    """Round the vocabulary up to a multiple of 64: tensor-core friendly matmul shapes
+    (nanoGPT's 50257 -> 50304 gave ~25 % on the LM head)."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def build_config(model_size: str, model_config: str | None, vocab_size: int, eos_id: int):
+    from transformers import AutoConfig, GPT2Config
+
+    if model_config is None:
+        return GPT2Config(
+            vocab_size=vocab_size,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            use_cache=False,
+            loss_type="ForCausalLM",
+            **SIZES[model_size],
+        )
+    path = Path(model_config)
+    try:
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        model_type = raw.pop("model_type")
+        cfg = AutoConfig.for_model(model_type, **raw)
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({err})") from None
+    cfg.vocab_size = vocab_size
+    cfg.bos_token_id = cfg.eos_token_id = eos_id
+    cfg.use_cache = False
+    cfg.loss_type = "ForCausalLM"
+    return cfg
+
+
+def context_length(cfg) -> int:
+    for name in ("n_positions", "max_position_embeddings", "seq_length"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    return 1024
+
+
+def shape(cfg) -> dict:
+    """Layers, heads and head size for the FLOPs count (6N + 12·L·H·Q·T)."""
+    n_layer = cfg.num_hidden_layers
+    n_head = cfg.num_attention_heads
+    return {"n_layer": n_layer, "n_head": n_head, "head_dim": cfg.hidden_size // n_head}
+
+
+def build_model(cfg, gradient_checkpointing: bool, seed: int):
+    """A freshly initialised model from the config, sdpa attention (flash/memory-efficient
+    kernels where the device has them)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    except ValueError:
+        model = AutoModelForCausalLM.from_config(cfg)  # an architecture without sdpa support
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def count_params(model) -> int:
+    """Unique parameters (tied input/output embeddings counted once, as HF and nanoGPT do)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,383 @@
+"""SFT: conversations -> token ids with the loss mask -> batches that are mostly real tokens.
+
+Loss only on what the assistant says. Each example carries labels = -100 on every system,
+user and template-markup token and the token id on assistant content and the end-of-turn
+token after it (the model learns to stop). Labels are not shifted here: transformers' causal
+LM heads shift them by one inside the loss.
+
+How the mask stays exact: a conversation is rendered to a list of segments (text, trained?)
+whose concatenation is the full prompt string, and each segment is tokenized on its own and
+the ids concatenated. A token therefore never straddles a masked/trained boundary, which a
+"tokenize the whole string, then guess where the reply starts" approach cannot promise.
+Segment boundaries fall on special tokens and newlines, where a byte-level BPE splits anyway,
+so the ids equal those of the whole string in practice (the tests check it).
+
+Two templates:
+- the tokenizer's own chat template (tokenizer.chat_template set, e.g. a local instruct
+  model): rendered with apply_chat_template; an assistant turn's characters are found by
+  rendering the conversation up to that turn with the generation prompt (where the reply
+  starts) and up to and including it (where it ends). Needs a template whose output for a
+  prefix of the conversation is a prefix of the output for the whole; the common ones are.
+- otherwise a built-in one, "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose
+  markers ensure_special_tokens adds; it also stores the same template as Jinja on the
+  tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model.
+
+Loading the formats and the built-in default data live in train/sft_formats.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from train.errors import UsageError
+from train.sft_formats import builtin_conversations, load_conversations
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BUILTIN_CHAT_TEMPLATE",
+    "load_conversations",
+    "builtin_conversations",
+    "ensure_special_tokens",
+    "render",
+    "prompt_for_generation",
+    "stop_token_ids",
+    "encode_conversations",
+    "PadCollator",
+    "LengthGroupedSampler",
+    "TokenBudgetBatchSampler",
+    "padding_efficiency",
+]
+
+IGNORE_INDEX = -100  # the ignore_index of torch's cross_entropy, which transformers' loss uses
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+END_TOKEN = "<|end|>"
+PAD_TOKEN = "<|pad|>"
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_ENCODE_CHUNK = 1024  # conversations tokenized per call: batched calls are fast, and memory stays flat
+
+
+def _builtin(tokenizer) -> bool:
+    return tokenizer.chat_template is None or tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
+
+
+def ensure_special_tokens(tokenizer) -> int:
+    """Make the tokenizer ready for SFT; returns how many tokens were added to its vocabulary
+    (the caller resizes the model's embeddings when it is > 0). Safe to call twice.
+
+    Without a chat template of its own the tokenizer gets the built-in template's markers as
+    special tokens (never split, one id each) and BUILTIN_CHAT_TEMPLATE. A pad token is set in
+    any case: the eos token when there is one (padding is masked out by attention_mask and
+    labels, so sharing the id costs nothing), else a new <|pad|>.
+    """
+    added = 0
+    if _builtin(tokenizer):
+        markers = [*ROLE_TOKENS.values(), END_TOKEN]
+        added += tokenizer.add_special_tokens(
+            {"additional_special_tokens": markers}, replace_extra_special_tokens=False
+        )
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            added += tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return added
+
+
+def _check_markers(tokenizer) -> None:
+    if END_TOKEN not in tokenizer.get_vocab():
+        # A programming error, not a user one: the markers would be split into ordinary tokens.
+        raise RuntimeError(
+            "call ensure_special_tokens(tokenizer) before rendering with the built-in template"
+        )
+
+
+def _builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, bool]]:
+    segments: list[tuple[str, bool]] = []
+    for turn in conversation:
+        trained = turn["role"] == "assistant"
+        segments += [
+            (f"{ROLE_TOKENS[turn['role']]}\n", False),
+            (turn["content"] + END_TOKEN, trained),
+            ("\n", False),
+        ]
+    return segments
+
+
+def _apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            list(conversation), tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as e:  # jinja's TemplateError, e.g. a template that refuses system turns
+        raise UsageError(f"the tokenizer's chat template cannot render a conversation: {e}") from None
+
+
+def _template_segments(tokenizer, conversation: Sequence[dict]) -> list[tuple[str, bool]]:
+    full = _apply(tokenizer, conversation, False)
+    segments, pos = [], 0
+    for i, turn in enumerate(conversation):
+        if turn["role"] != "assistant":
+            continue
+        before = _apply(tokenizer, conversation[:i], True) if i else ""
+        through = _apply(tokenizer, conversation[: i + 1], False)
+        if not (full.startswith(before) and full.startswith(through) and pos <= len(before) < len(through)):
+            raise UsageError(
+                "the tokenizer's chat template renders earlier turns differently as the conversation grows, "
+                "so the assistant replies cannot be located; remove chat_template from tokenizer_config.json "
+                "to use the built-in template"
+            )
+        # Trailing newlines after the end-of-turn token are markup, not something to learn.
+        end = max(len(through.rstrip()), len(before) + 1)
+        segments += [(full[pos : len(before)], False), (full[len(before) : end], True)]
+        pos = end
+    segments.append((full[pos:], False))
+    return segments
+
+
+def render(tokenizer, conversation: Sequence[dict]) -> list[tuple[str, bool]]:
+    """A conversation -> segments (text, trained); "".join(texts) is the full prompt string and
+    trained is True exactly on assistant content plus its end-of-turn marker."""
+    if _builtin(tokenizer):
+        _check_markers(tokenizer)
+        segments = _builtin_segments(conversation)
+    else:
+        segments = _template_segments(tokenizer, conversation)
+    merged: list[tuple[str, bool]] = []
+    for text, trained in segments:
+        # Neighbours with the same flag go in one piece: fewer tokenizer calls, same ids.
+        if merged and merged[-1][1] == trained:
+            merged[-1] = (merged[-1][0] + text, trained)
+        elif text:
+            merged.append((text, trained))
+    return merged
+
+
+def prompt_for_generation(tokenizer, conversation: Sequence[dict] | str) -> str:
+    """The text up to where the assistant's reply starts, for `python -m train generate`.
+    A plain string is taken as one user turn."""
+    if isinstance(conversation, str):
+        conversation = [{"role": "user", "content": conversation}]
+    if _builtin(tokenizer):
+        _check_markers(tokenizer)
+        return "".join(text for text, _ in _builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"
+    return _apply(tokenizer, conversation, True)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end an assistant turn, for generate(eos_token_id=...)."""
+    vocab = tokenizer.get_vocab()
+    ids = [vocab[t] for t in (END_TOKEN, "<|im_end|>", "<|eot_id|>", "<end_of_turn>") if t in vocab]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def _truncate(input_ids: list[int], labels: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    if first < max_length:
+        return input_ids[:max_length], labels[:max_length]  # keep the start, as inference sees it
+    # The prompt alone fills max_length: cutting the end would leave nothing to learn, so keep
+    # the prompt's last half-window and the start of the reply.
+    start = first - max_length // 2
+    return input_ids[start : start + max_length], labels[start : start + max_length]
+
+
+def encode_conversations(
+    conversations: Sequence[Sequence[dict]], tokenizer, max_length: int
+) -> tuple[list[dict], int]:
+    """Conversations -> ([{"input_ids", "labels"}], number truncated to max_length).
+
+    Every assistant turn of a multi-turn conversation is trained on. A conversation longer
+    than max_length is cut, not dropped, and counted so the run can report it.
+    """
+    examples: list[dict] = []
+    n_truncated = 0
+    for lo in range(0, len(conversations), _ENCODE_CHUNK):
+        rendered = [render(tokenizer, c) for c in conversations[lo : lo + _ENCODE_CHUNK]]
+        pieces = [text for segments in rendered for text, _ in segments]
+        piece_ids = iter(tokenizer(pieces, add_special_tokens=False)["input_ids"])
+        for segments in rendered:
+            input_ids: list[int] = []
+            labels: list[int] = []
+            for _, trained in segments:
+                ids = list(next(piece_ids))
+                input_ids += ids
+                labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            if len(input_ids) > max_length:
+                input_ids, labels = _truncate(input_ids, labels, max_length)
+                n_truncated += 1
+            examples.append({"input_ids": input_ids, "labels": labels})
+    return examples, n_truncated
+
+
+class PadCollator:
+    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
+    10x, padding everything to max_length spends most of the compute on pad tokens.
+
+    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
+    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
+    size of the padded batch (rows x width, real tokens included). Pop the two ints before
+    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        lengths = [len(e["input_ids"]) for e in examples]
+        m = self.pad_to_multiple_of
+        width = -(-max(lengths) // m) * m
+        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, (example, n) in enumerate(zip(examples, lengths, strict=True)):
+            input_ids[row, :n] = torch.as_tensor(example["input_ids"], dtype=torch.long)
+            labels[row, :n] = torch.as_tensor(example["labels"], dtype=torch.long)
+            attention_mask[row, :n] = 1
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "n_real_tokens": sum(lengths),
+            "n_padded_tokens": len(examples) * width,
+        }
+
+
+def padding_efficiency(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """Real tokens / padded batch size over the given batches of indices (1.0 = no padding)."""
+    lengths = np.asarray(lengths)
+    real = sum(int(lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    return real / padded if padded else 1.0
+
+
+def _longest_first(batches: list[list[int]], lengths: np.ndarray) -> list[list[int]]:
+    # The batch with the longest sample goes first, so an out-of-memory shows at step 1 rather
+    # than an hour in (the same trick as transformers' length-grouped sampler).
+    top = max(range(len(batches)), key=lambda k: int(lengths[batches[k]].max()))
+    batches[0], batches[top] = batches[top], batches[0]
+    return batches
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """DataLoader(sampler=..., batch_size=batch_size): an order in which each run of batch_size
+    indices has similar lengths, so PadCollator pads little, yet the epoch stays random.
+
+    Shuffle, cut into mega-batches of mega_batch_mult x batch_size, sort each by length, split
+    into batches, shuffle the batches. Deterministic for (seed, epoch); call set_epoch each
+    epoch. The one short batch (if len % batch_size) stays last so batches never straddle.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        mega_batch_mult: int = 50,
+    ):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = (
+            batch_size,
+            seed,
+            epoch,
+            mega_batch_mult,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        if len(self.lengths) == 0:
+            return []
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.lengths))
+        mega = self.batch_size * self.mega_batch_mult
+        batches: list[list[int]] = []
+        for lo in range(0, len(order), mega):
+            chunk = order[lo : lo + mega]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            batches += [
+                chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)
+            ]
+        tail = [batches.pop()] if len(batches[-1]) < self.batch_size else []
+        rng.shuffle(batches)
+        return _longest_first(batches, self.lengths) + tail if batches else tail
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.batches():
+            yield from batch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """DataLoader(batch_sampler=...): batches sized by tokens, not samples. Each batch's padded
+    size (rows x its longest sample) stays <= max_tokens, so short samples come many to a batch
+    and long ones few, and memory per step stays flat. A single sample longer than the budget
+    is a batch of its own. With shuffle=False the order is longest first and fixed (for eval).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        mega_batch_mult: int = 50,
+    ):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.max_tokens, self.seed, self.epoch, self.shuffle = max_tokens, seed, epoch, shuffle
+        self.mega_batch_mult = mega_batch_mult
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self, rng: np.random.Generator) -> np.ndarray:
+        if not self.shuffle:
+            return np.argsort(-self.lengths, kind="stable")
+        order = rng.permutation(len(self.lengths))
+        per_batch = max(1, self.max_tokens // max(1, int(self.lengths.mean())))
+        mega = per_batch * self.mega_batch_mult
+        chunks = [order[lo : lo + mega] for lo in range(0, len(order), mega)]
+        return np.concatenate([c[np.argsort(-self.lengths[c], kind="stable")] for c in chunks])
+
+    def batches(self) -> list[list[int]]:
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, self.epoch])
+        batches: list[list[int]] = []
+        current: list[int] = []
+        widest = 0
+        for i in self._order(rng).tolist() if len(self.lengths) else []:
+            n = int(self.lengths[i])
+            if current and (len(current) + 1) * max(widest, n) > self.max_tokens:
+                batches.append(current)
+                current, widest = [], 0
+            current.append(i)
+            widest = max(widest, n)
+        if current:
+            batches.append(current)
+        if self.shuffle and batches:
+            rng.shuffle(batches)
+            batches = _longest_first(batches, self.lengths)
+        self._cache = (self.epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.batches()
+
+    def __len__(self) -> int:
+        return len(self.batches())

@@ -1,0 +1,293 @@
+"""SFT records in the formats users already have -> conversations; plus the built-in default set.
+
+A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Every
+loader below ends there, so the template and the loss mask (train/sft_data.py) see one shape.
+Errors are UsageError with one line that names the file and the line (JSONL) or the 1-based
+record number (.json), because "bad record" without a place is useless on a 100k-line file.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+from train.errors import UsageError
+
+# name -> the keys that identify it (detect_format checks them, in its own order).
+FORMATS = {
+    "alpaca": "instruction/input/output",
+    "messages": "messages: [{role, content}]",
+    "sharegpt": "conversations: [{from, value}]",
+    "prompt_response": "prompt/response",
+}
+ACCEPTED = "; ".join(f"{name} ({keys})" for name, keys in FORMATS.items())
+
+# ShareGPT and friends name roles differently; everything maps to the three the template knows.
+ROLE_NAMES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+}
+
+
+class BadRecord(ValueError):
+    """One record that cannot be used; the loader adds the file and place to the message."""
+
+
+def detect_format(record: object) -> str | None:
+    """The format name whose keys the record carries, or None."""
+    if not isinstance(record, dict):
+        return None
+    # Turn lists first: such records may also carry stray "prompt" or "instruction" fields.
+    if isinstance(record.get("messages"), list):
+        return "messages"
+    if isinstance(record.get("conversations"), list):
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "prompt" in record and "response" in record:
+        return "prompt_response"
+    return None
+
+
+def _text(value: object, what: str) -> str:
+    # OpenAI-style content can be a list of parts; the text parts are what a text model can use.
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        value = "".join(str(p.get("text", "")) for p in value)
+    if not isinstance(value, str):
+        raise BadRecord(f"{what} is {type(value).__name__}, expected a string")
+    return value
+
+
+def _turns(raw: list, role_key: str, content_key: str) -> list[dict]:
+    turns = []
+    for i, turn in enumerate(raw, 1):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"turn {i} is {type(turn).__name__}, expected an object")
+        # Accept role/content inside "conversations" and from/value inside "messages": both occur.
+        role = turn.get(role_key, turn.get("role", turn.get("from")))
+        content = turn.get(content_key, turn.get("content", turn.get("value")))
+        if role not in ROLE_NAMES:
+            raise BadRecord(f"turn {i} has role {role!r}; accepted: {', '.join(ROLE_NAMES)}")
+        turns.append({"role": ROLE_NAMES[role], "content": _text(content, f"turn {i} content")})
+    return turns
+
+
+def to_conversation(record: dict, fmt: str) -> list[dict]:
+    """One record of format `fmt` -> a conversation; raises BadRecord with the reason."""
+    if detect_format(record) != fmt:
+        keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+        raise BadRecord(f"does not match the file's format {fmt} ({FORMATS[fmt]}); has: {keys}")
+    if fmt == "messages":
+        conv = _turns(record["messages"], "role", "content")
+    elif fmt == "sharegpt":
+        conv = _turns(record["conversations"], "from", "value")
+    elif fmt == "alpaca":
+        prompt = _text(record["instruction"], "'instruction'")
+        extra = _text(record.get("input") or "", "'input'")
+        if extra.strip():
+            prompt = f"{prompt}\n\n{extra}"
+        conv = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": _text(record["output"], "'output'")},
+        ]
+        if record.get("system"):
+            conv.insert(0, {"role": "system", "content": _text(record["system"], "'system'")})
+    else:
+        conv = [
+            {"role": "user", "content": _text(record["prompt"], "'prompt'")},
+            {"role": "assistant", "content": _text(record["response"], "'response'")},
+        ]
+    for i, turn in enumerate(conv, 1):
+        # An empty reply would teach the model to end its turn at once.
+        if turn["role"] == "assistant" and not turn["content"].strip():
+            raise BadRecord(f"no response (assistant turn {i} is empty)")
+    # Trailing user/system turns carry no loss and only cost tokens.
+    while conv and conv[-1]["role"] != "assistant":
+        conv.pop()
+    if not conv:
+        raise BadRecord("no response (no assistant turn)")
+    return conv
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise UsageError(f"DATA_PATH {path}: no such file")
+    if path.is_dir():
+        raise UsageError(f"DATA_PATH {path}: is a folder; SFT data is one .json or .jsonl file")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # -sig: files saved by Windows tools start with a BOM
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UsageError(
+            f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8"
+        ) from None
+
+
+def _records(path: Path, text: str) -> Iterator[tuple[str, object]]:
+    """(place, parsed record or a BadRecord) for each record; place is 'line N' or 'record N'."""
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            # A .json file holding JSON lines is common enough to just accept.
+            if e.msg != "Extra data":
+                raise UsageError(
+                    f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+                ) from None
+        else:
+            if not isinstance(data, list):
+                raise UsageError(f"{path}: expected a JSON list of records, found a {type(data).__name__}")
+            for i, record in enumerate(data, 1):
+                yield f"record {i}", record
+            return
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            yield f"line {n}", BadRecord(f"not valid JSON ({e.msg}, column {e.colno})")
+
+
+def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list[list[dict]], str, int]:
+    """Read DATA_PATH (.json list or .jsonl lines) -> (conversations, format name, records skipped).
+
+    The format is detected from the first record that matches one; every record must then be
+    in that format. With skip_bad_records a bad record is counted instead of stopping the run,
+    but an empty file, an unknown format, or a file with no good record still stops it.
+    """
+    path = Path(path)
+    records = list(_records(path, _read_text(path)))
+    if not records:
+        raise UsageError(f"{path}: no records (the file is empty)")
+    fmt = next((f for _, r in records if (f := detect_format(r))), None)
+    if fmt is None:
+        first = next((r for _, r in records if isinstance(r, dict)), None)
+        seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
+        raise UsageError(f"{path}: unknown SFT format ({seen}); accepted: {ACCEPTED}")
+    conversations, skipped, first_error = [], 0, ""
+    for place, record in records:
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            conversations.append(to_conversation(record, fmt))
+        except BadRecord as e:
+            message = f"{path} {place}: {e}"
+            if not skip_bad_records:
+                raise UsageError(f"{message} (SKIP_BAD_RECORDS=1 skips such records)") from None
+            skipped += 1
+            first_error = first_error or message
+    if not conversations:
+        raise UsageError(f"{path}: all {skipped} records are bad; the first: {first_error}")
+    return conversations, fmt, skipped
+
+
+# --- built-in default: instruction/response pairs mined from the standard library -------------
+
+DEFAULT_BUILTIN_LIMIT = 3000
+# Tests, GUI demos, codec tables and vendored code are repetitive or not code worth imitating.
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "turtledemo",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "encodings",
+    "__pycache__",
+    "__phello__",
+    "config-3",
+}
+# Longer bodies would be cut by MAX_LENGTH anyway, and they dominate the token count.
+_MAX_BODY_CHARS = 4000
+
+
+def _stdlib_files() -> Iterator[Path]:
+    root = sysconfig.get_paths()["stdlib"]
+    for folder, dirs, files in os.walk(root):
+        # In-place sort and prune: os.walk then visits in a fixed order and skips those folders.
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith(("config-", "test")))
+        for name in sorted(files):
+            if name.endswith(".py") and not name.startswith("test"):
+                yield Path(folder, name)
+
+
+def _summary(doc: str) -> str:
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def _statements(node: ast.AST) -> Iterator[ast.AST]:
+    # Functions are statements, so only statement blocks need visiting; ast.walk also visits
+    # every expression node, which made mining three times slower.
+    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+        for child in getattr(node, field, None) or ():
+            if isinstance(child, ast.AST):
+                yield child
+                yield from _statements(child)
+
+
+def _is_stub(stmt: ast.stmt) -> bool:
+    # Abstract methods (`pass`, `...`, `raise NotImplementedError`) teach nothing.
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr):
+        return isinstance(stmt.value, ast.Constant)
+    return isinstance(stmt, ast.Raise) and "NotImplementedError" in ast.unparse(stmt)
+
+
+def _pairs_from_source(source: str) -> Iterator[tuple[str, str]]:
+    lines = source.splitlines()
+    for node in _statements(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+            continue
+        doc = ast.get_docstring(node)
+        body = node.body[1:]
+        if not doc or not body or not _summary(doc):
+            continue
+        if len(body) == 1 and _is_stub(body[0]):
+            continue
+        start = min([body[0].lineno] + [d.lineno for d in getattr(body[0], "decorator_list", [])])
+        code = textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno])).strip("\n")
+        if not code.strip() or len(code) > _MAX_BODY_CHARS:
+            continue
+        prefix = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+        returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+        signature = f"{prefix} {node.name}({ast.unparse(node.args)}){returns}"
+        yield f"Write a Python function `{signature}`: {_summary(doc)}", code
+
+
+def builtin_conversations(limit: int | None = None) -> list[list[dict]]:
+    """SFT pairs mined offline from this Python's standard library: the instruction is a
+    function's signature and docstring summary, the response its body without the docstring.
+
+    Deterministic (files and functions in a fixed order) and quick: it stops after `limit`
+    records (None = DEFAULT_BUILTIN_LIMIT), so it reads only the first files it needs.
+    Response lengths range from one line to pages, as in real SFT data.
+    """
+    limit = DEFAULT_BUILTIN_LIMIT if limit is None else limit
+    conversations: list[list[dict]] = []
+    for path in _stdlib_files():
+        if len(conversations) >= limit:
+            break
+        try:
+            source = path.read_text(encoding="utf-8")
+            pairs = list(_pairs_from_source(source))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue  # a few stdlib files are Python 2 examples or other encodings
+        for instruction, code in pairs:
+            conversations.append(
+                [{"role": "user", "content": instruction}, {"role": "assistant", "content": code}]
+            )
+    return conversations[:limit]
