@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Baseline launcher: the guides' "before" settings (batch 8, no accumulation, fp32, 0 workers).
+# Usage: [VAR=value ...] ./run_single_gpu.sh [--any_flag value ...]
+#   e.g. MODEL_SIZE=nano MAX_STEPS=20 ./run_single_gpu.sh
+# Every variable below maps to one flag of `python -m train pretrain` (see README's knob table).
+set -euo pipefail
+
+MODEL_SIZE=${MODEL_SIZE:-}              # nano | tiny | small | medium; empty: small on a GPU, nano demo on CPU
+BATCH_SIZE=${BATCH_SIZE:-8}             # micro-batch per GPU
+GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # micro-batches per optimizer step
+ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1) for fp16 autocast + GradScaler
+ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1) for bf16 autocast
+ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1)
+MAX_LENGTH=${MAX_LENGTH:-}              # tokens per sequence; empty: the model's context
+NUM_WORKERS=${NUM_WORKERS:-0}           # DataLoader workers
+LEARNING_RATE=${LEARNING_RATE:-}        # empty: 6e-4
+MAX_STEPS=${MAX_STEPS:-}                # stop after N optimizer steps (or EPOCHS / MAX_SAMPLES)
+EPOCHS=${EPOCHS:-}
+DATA_PATH=${DATA_PATH:-}                # .txt, folder of .txt, or .jsonl; empty: built-in corpus
+RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu-<time>
+SEED=${SEED:-}
+
+source "$(dirname "$0")/scripts/common.sh"
+kit_launch pretrain baseline "$@"

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Optimized launcher: the guides' fixes as one variable each (batch 32 x accumulation 4,
+# 4 workers with prefetch, pinned memory and persistent workers, TF32; mixed precision opt-in).
+# Usage: [VAR=value ...] ./run_single_gpu_optimized.sh [--any_flag value ...]
+#   e.g. MODEL_SIZE=medium BATCH_SIZE=16 GRADIENT_ACCUM=8 ENABLE_FP16="--fp16" ./run_single_gpu_optimized.sh
+set -euo pipefail
+
+MODEL_SIZE=${MODEL_SIZE:-}              # nano | tiny | small | medium; empty: small on a GPU, nano demo on CPU
+BATCH_SIZE=${BATCH_SIZE:-32}            # micro-batch per GPU: raise until VRAM is ~70-85 % full
+GRADIENT_ACCUM=${GRADIENT_ACCUM:-4}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
+ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
+ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)
+PRECISION=${PRECISION:-}                # auto: bf16 where fast, fp16 where not, fp32 otherwise
+ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): less memory, ~30 % slower
+MAX_LENGTH=${MAX_LENGTH:-}              # tokens per sequence; empty: the model's context
+NUM_WORKERS=${NUM_WORKERS:-4}           # DataLoader workers loading ahead of the GPU
+PREFETCH_FACTOR=${PREFETCH_FACTOR:-4}   # batches each worker prepares ahead
+PIN_MEMORY=${PIN_MEMORY:-1}             # page-locked buffers for asynchronous host-to-GPU copies
+PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-1}
+TF32=${TF32:-1}                         # TF32 tensor cores for fp32 matmuls (Ampere+)
+COMPILE=${COMPILE:-0}                   # 1: torch.compile the model
+LEARNING_RATE=${LEARNING_RATE:-}        # empty: 6e-4
+MAX_STEPS=${MAX_STEPS:-}                # stop after N optimizer steps (or EPOCHS / MAX_SAMPLES)
+EPOCHS=${EPOCHS:-}
+DATA_PATH=${DATA_PATH:-}                # .txt, folder of .txt, or .jsonl; empty: built-in corpus
+RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu_optimized-<time>
+SEED=${SEED:-}
+
+source "$(dirname "$0")/scripts/common.sh"
+kit_launch pretrain optimized "$@"

@@ -1,0 +1,66 @@
+# Shared by the four launchers (sourced, not run): maps the launcher variables to the CLI
+# flags of `python -m train`, one name per knob (see DESIGN.md), and starts the run.
+# SHOW_COMMAND=1 prints the command instead of running it.
+
+KIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# Variable -> flag for every knob that takes a value. Empty means "not set": the preset or
+# the dataclass default applies.
+KIT_VALUE_KNOBS=(
+  MODEL_SIZE:--model_size MODEL_CONFIG:--model_config BATCH_SIZE:--batch_size
+  GRADIENT_ACCUM:--gradient_accumulation_steps MAX_LENGTH:--max_length NUM_WORKERS:--num_workers
+  PREFETCH_FACTOR:--prefetch_factor PIN_MEMORY:--pin_memory PERSISTENT_WORKERS:--persistent_workers
+  PRECISION:--precision TF32:--tf32 COMPILE:--compile LEARNING_RATE:--learning_rate
+  MIN_LR_RATIO:--min_lr_ratio WARMUP_STEPS:--warmup_steps WEIGHT_DECAY:--weight_decay
+  GRAD_CLIP:--grad_clip MAX_STEPS:--max_steps EPOCHS:--epochs MAX_SAMPLES:--max_samples
+  DATA_PATH:--data_path TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
+  CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
+  SEED:--seed DEVICE:--device LOG_EVERY:--log_every
+)
+# Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
+KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)
+
+kit_fail() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+kit_python() {
+  if [ -x "$KIT_DIR/.venv/bin/python" ]; then
+    echo "$KIT_DIR/.venv/bin/python"
+  elif python3 -c "import torch, transformers" >/dev/null 2>&1; then
+    echo python3
+  else
+    kit_fail "no Python environment with torch and transformers: run 'make setup' in $KIT_DIR first"
+  fi
+}
+
+# kit_launch MODE PRESET [extra flags...]: build the flag list from the variables and run.
+kit_launch() {
+  local mode=$1 preset=$2 pair var flag value
+  shift 2
+  local args=(-m train "$mode" --preset "$preset" --launcher "$(basename "$0" .sh)")
+  for pair in "${KIT_VALUE_KNOBS[@]}"; do
+    var=${pair%%:*} flag=${pair#*:}
+    value=${!var:-}
+    if [ -n "$value" ]; then args+=("$flag" "$value"); fi
+  done
+  for pair in "${KIT_SWITCH_KNOBS[@]}"; do
+    var=${pair%%:*} flag=${pair#*:}
+    value=${!var:-}
+    case "${value,,}" in
+      "" | 0 | false | no | off) ;;
+      1 | true | yes | on | "$flag") args+=("$flag") ;;
+      *) kit_fail "$var must be \"$flag\", 1 or 0 (or empty), got '$value'" ;;
+    esac
+  done
+  args+=("$@")
+  if [ "${SHOW_COMMAND:-0}" = 1 ]; then
+    printf '%q ' python "${args[@]}"
+    echo
+    return 0
+  fi
+  local python
+  python=$(kit_python)
+  PYTHONPATH="$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "${args[@]}"
+}

@@ -1,0 +1,103 @@
+"""Shared fixtures: a deterministic small corpus, a tiny GPT-2 config, a shared token cache.
+
+Tests never download anything and never read ../shared: the corpus is generated here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wise kings of old sang songs about "
+    "rivers mountains bread wine summer winter light darkness and every small thing under heaven"
+).split()
+
+
+def make_text(seed: int, n_lines: int) -> str:
+    """Deterministic across Python versions (random.Random with an int seed is stable)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 14)
+        lines.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+TINY_CONFIG = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 2,
+    "n_positions": 64,
+    "vocab_size": 512,
+}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(make_text(0, 4000))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def tiny_flags(corpus, tiny_config, cache_dir, tmp_path) -> list[str]:
+    """Flags for a fast real run: tiny model, small corpus, shared tokenizer cache."""
+    return [
+        "--model_config", str(tiny_config),
+        "--data_path", str(corpus),
+        "--vocab_size", "512",
+        "--cache_dir", str(cache_dir),
+        "--output_dir", str(tmp_path / "runs"),
+        "--max_length", "64",
+        "--log_every", "1",
+    ]  # fmt: skip
+
+
+def run_cli(*argv: str) -> int:
+    """Run `python -m train ...` in this process (fast: torch is imported once)."""
+    from train.__main__ import run
+
+    old = sys.argv
+    sys.argv = ["train", *argv]
+    try:
+        return run()
+    finally:
+        sys.argv = old
+
+
+def launch(script: str, env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a launcher as a user would, with only the given variables added to a clean env."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    base.update(env)
+    return subprocess.run(
+        ["bash", str(ROOT / script), *args], env=base, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
