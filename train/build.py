@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import data, model as model_lib
+from train import data
+from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.errors import UsageError
 
