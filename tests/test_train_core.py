@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CONFIG, read_jsonl, run_cli
 
+from conftest import TINY_CONFIG, read_jsonl, run_cli
 from train import data
 from train.loop import lr_at, train_step
 from train.model import build_config, build_model

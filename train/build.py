@@ -99,17 +99,9 @@ def build(cfg: TrainConfig, say) -> Built:
         if demo:
             say("No GPU found: running the nano model as a short CPU demo (set MODEL_SIZE to choose).")
 
-    cache_dir = Path(cfg.data.cache_dir)
-    files = data.corpus_files(cfg.data.data_path)
-    key = data.corpus_fingerprint(files)
-    tok = data.load_tokenizer(cfg.data.tokenizer_path, files, key, cfg.data.vocab_size, cache_dir, say)
-    tokens = data.token_cache(files, key, tok, cache_dir, say)
-
-    vocab = model_lib.padded_vocab(len(tok))
-    if vocab != len(tok):
-        decide("vocab_size", vocab, f"tokenizer's {len(tok)} padded to a multiple of 64")
-    eos_id = tok.convert_tokens_to_ids(tok.eos_token)
-    hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, vocab, eos_id)
+    # The model's shape first (vocab set once the tokenizer is known): a MAX_LENGTH longer than
+    # its context stops here, before any data work.
+    hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
     context = model_lib.context_length(hf_cfg)
     max_length = cfg.data.max_length
     if max_length is None:
@@ -117,6 +109,17 @@ def build(cfg: TrainConfig, say) -> Built:
         decide("max_length", max_length, "the model's context length" + (" (capped)" if context > 2048 else ""))
     elif max_length > context:
         raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
+
+    cache_dir = Path(cfg.data.cache_dir)
+    files = data.corpus_files(cfg.data.data_path)
+    key = data.corpus_fingerprint(files)
+    tok = data.load_tokenizer(cfg.data.tokenizer_path, files, key, cfg.data.vocab_size, cache_dir, say)
+    tokens = data.token_cache(files, key, tok, cache_dir, say)
+
+    hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
+    if hf_cfg.vocab_size != len(tok):
+        decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
+    hf_cfg.bos_token_id = hf_cfg.eos_token_id = tok.convert_tokens_to_ids(tok.eos_token)
 
     dataset = data.PackedDataset(tokens, max_length)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:

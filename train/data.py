@@ -159,7 +159,7 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
     eos_id = tok.convert_tokens_to_ids(tok.eos_token)
     tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
     n_tokens, batch = 0, []
-    with open(tmp, "wb") as out, tqdm(desc="tokenizing", unit="chunk", leave=False) as bar:
+    with open(tmp, "wb") as out, tqdm(desc="tokenizing", unit="chunk", leave=False, disable=None) as bar:
 
         def flush():
             nonlocal n_tokens

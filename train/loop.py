@@ -134,7 +134,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     loss = None
     exit_reason = "completed"
     step = 0
-    bar = tqdm(total=b.total_steps, desc=cfg.run.mode, unit="step", dynamic_ncols=True)
+    # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
+    bar = tqdm(total=b.total_steps, desc=cfg.run.mode, unit="step", dynamic_ncols=True, disable=None)
     try:
         for step in range(b.total_steps):
             lr = lr_at(step, o.learning_rate, b.warmup_steps, b.total_steps, o.min_lr_ratio)
@@ -177,10 +178,14 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 if device.type == "cuda":
                     postfix["VRAM"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
                 bar.set_postfix(postfix)
-                run_dir.log(
+                line = (
                     f"step {step + 1}/{b.total_steps} loss {loss:.4f} lr {lr:.2e} "
                     f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%}"
                 )
+                if bar.disable:
+                    say(line)
+                else:
+                    run_dir.log(line)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 interval_t0, interval_steps, wait_interval = now, 0, 0.0

@@ -41,11 +41,10 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     try:
         raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         model_type = raw.pop("model_type")
+        raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
     except (OSError, ValueError, KeyError) as err:
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({err})") from None
-    cfg.vocab_size = vocab_size
-    cfg.bos_token_id = cfg.eos_token_id = eos_id
     cfg.use_cache = False
     cfg.loss_type = "ForCausalLM"
     return cfg
