@@ -192,16 +192,16 @@ class RunConfig:
     """Replace an existing run folder of the same RUN_NAME (refused otherwise)."""
     launcher: str = "train"
     """Who started the run (the launcher script's name); used in default run names."""
-    log_every: int = 10
+    log_every: int | None = None
     """Optimizer steps between log lines. Reading the loss syncs host and device, so it is
-    done only here, never per micro-step."""
+    done only here, never per micro-step. Empty: every 10 steps, more often in short runs."""
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise _bad("mode", " | ".join(MODES), self.mode)
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
             raise _bad("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
-        _check_int(self, "log_every", 1)
+        _check_int(self, "log_every", 1, optional=True)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}
@@ -290,7 +290,7 @@ def parse_value(name: str, text: str):
     """Convert one flag's text to the field's type; an empty string means 'not set'."""
     kind = field_type(name)
     text = text.strip()
-    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size"):
+    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size", "log_every"):
         return None
     if kind is bool:
         if text.lower() in TRUE_WORDS:

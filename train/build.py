@@ -7,6 +7,7 @@ automatic choice is recorded as a decision with the reason for it.
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,12 +122,19 @@ def build(cfg: TrainConfig, say) -> Built:
         decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
     hf_cfg.bos_token_id = hf_cfg.eos_token_id = tok.convert_tokens_to_ids(tok.eos_token)
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cfg.data.num_workers > cores:
+        decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
+        cfg.data.num_workers = cores
     dataset = data.PackedDataset(tokens, max_length)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
     total_steps, why = plan_steps(cfg, len(dataset))
     decide("total_steps", total_steps, why)
+    if cfg.run.log_every is None:
+        cfg.run.log_every = max(1, min(10, total_steps // 10))
+        decide("log_every", cfg.run.log_every, "every 10 steps, or ~10 lines in a short run")
     warmup = cfg.optim.warmup_steps
     if warmup is None:
         warmup = min(200, max(1, total_steps // 20))

@@ -45,7 +45,7 @@ def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
         text = getattr(args, name, None)
         if text is not None:
             value = config.parse_value(name, text)
-            if value is not None or name in ("model_size", "max_length", "warmup_steps"):
+            if value is not None or name in ("model_size", "max_length", "warmup_steps", "log_every"):
                 overrides[name] = value
     if args.fp16 and args.bf16:
         raise UsageError("ENABLE_FP16 and ENABLE_BF16 are both set: choose one precision")

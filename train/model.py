@@ -34,7 +34,6 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
             bos_token_id=eos_id,
             eos_token_id=eos_id,
             use_cache=False,
-            loss_type="ForCausalLM",
             **SIZES[model_size],
         )
     path = Path(model_config)
@@ -46,7 +45,6 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     except (OSError, ValueError, KeyError) as err:
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({err})") from None
     cfg.use_cache = False
-    cfg.loss_type = "ForCausalLM"
     return cfg
 
 
@@ -74,6 +72,8 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     except ValueError:
         model = AutoModelForCausalLM.from_config(cfg)  # an architecture without sdpa support
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
