@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -287,6 +288,30 @@ def test_disk_full_keeps_the_previous_checkpoint(failure, tiny_flags, tmp_path, 
     folder = tmp_path / "runs" / "full" / "checkpoints"
     assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
     assert not list(folder.glob(".tmp-*"))
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_flags, tmp_path):
+    run = tmp_path / "runs" / "ctrl_c"
+
+    def press_ctrl_c():  # as the terminal does, once training is under way
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "1000", "--save_every", "500", "--run_name", "ctrl_c"]
+    assert run_cli("pretrain", *argv) == 130
+    presser.join()
+    summary = summary_of(run)
+    assert summary["exit_reason"] == "interrupted" and summary["stop_signal"] == "SIGINT"
+    assert 3 <= summary["steps"] < 1000 and summary["checkpoint"] == checkpoint.checkpoint_name(summary["steps"])
+    assert len(read_jsonl(run / "metrics.jsonl")) == summary["steps"]  # the step in progress finished and logged
+    assert (run / "final" / "model.safetensors").exists()
 
 
 def test_second_signal_quits_at_once(monkeypatch):

@@ -126,18 +126,42 @@ class Loaded:
     rng: dict
 
 
+# The fields resume relies on, and their types: a hand-edited or foreign meta.json is reported
+# as a bad checkpoint, never met later as a KeyError.
+META_FIELDS = {
+    "step": int,
+    "samples": int,
+    "data": {"epoch": int, "position": int, "identity": dict},
+    "schedule": {"unit_samples": int, "warmup_samples": int, "budget_samples": int},
+    "settings": dict,
+    "counters": dict,
+    "files": dict,
+}
+
+
+def _check_meta(meta, fields=META_FIELDS, where="") -> None:
+    for key, kind in fields.items():
+        value = meta.get(key) if isinstance(meta, dict) else None
+        if isinstance(kind, dict):
+            _check_meta(value, kind, f"{where}{key}.")
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise BadCheckpoint(f"{META} has no valid {where}{key}")
+
+
 def _check_files(path: Path, meta: dict) -> None:
-    for name, expected in meta.get("files", {}).items():
+    if set(meta["files"]) != {WEIGHTS, STATE}:
+        raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
+    for name, expected in meta["files"].items():
         file = path / name
         if not file.is_file():
             raise BadCheckpoint(f"{name} is missing")
         size = file.stat().st_size
+        if not isinstance(expected, dict) or not isinstance(expected.get("bytes"), int):
+            raise BadCheckpoint(f"{META} has no valid size for {name}")
         if size != expected["bytes"]:
             raise BadCheckpoint(f"{name} is truncated or altered ({size} bytes, {expected['bytes']} written)")
         if _sha256(file) != expected["sha256"]:
             raise BadCheckpoint(f"{name} is corrupt (its sha256 differs from the one written)")
-    if set(meta.get("files", {})) != {WEIGHTS, STATE}:
-        raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
 
 
 def _load_weights(model: torch.nn.Module, file: Path) -> None:
@@ -284,6 +308,7 @@ class CheckpointManager:
             raise BadCheckpoint(f"{META} is not valid JSON ({err})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
+        _check_meta(meta)
         _check_files(path, meta)
         try:
             # weights_only: only tensors, numbers, strings and containers; a pickled object that
@@ -295,6 +320,16 @@ class CheckpointManager:
         if not isinstance(state, dict) or not {"optimizer", "scaler", "rng"} <= set(state):
             raise BadCheckpoint(f"{STATE} does not hold optimizer, scaler and rng states")
         _check_optimizer(state["optimizer"], param_groups)
+        scaler = state["scaler"]
+        if not isinstance(scaler, dict) or (scaler and not {"scale", "_growth_tracker"} <= set(scaler)):
+            raise BadCheckpoint(f"{STATE} holds no usable GradScaler state")
+        current = rng_state()
+        try:  # applied for real once the data stream is positioned (RunGuard.start)
+            set_rng_state(state["rng"])
+        except Exception as err:  # any malformed entry: wrong types, sizes, missing keys
+            raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
+        finally:
+            set_rng_state(current)
         _load_weights(model, path / WEIGHTS)
         return Loaded(
             path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"]

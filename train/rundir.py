@@ -49,7 +49,7 @@ def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite
         return root / name
     path = root / run_name
     if path.exists() and not overwrite:
-        raise UsageError(f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it or pick another name")
+        raise UsageError(f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it, RESUME=1 to continue it, or pick another name")
     return path
 
 
