@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CONFIG, launch, run_cli
+from conftest import ROOT, TINY_CONFIG, launch, run_cli
 
 from train import checkpoint
 
@@ -153,3 +153,26 @@ def test_bad_input_exit_2_one_line_nothing_damaged(world, capsys, name, variable
         assert result.stderr.strip().splitlines() == errors, result.stderr[-2000:]
     assert not world["marker"].exists()  # no shell or pickle payload ran
     assert tree(world["top"]) == before  # no run folder (or anything else) touched
+
+
+def test_shell_characters_in_a_real_path_reach_python_as_text(world, tmp_path):
+    strange = tmp_path / "my data; $(touch PWNED) `touch PWNED`.txt"
+    strange.write_text("hello\n")
+    shown = launch("run_single_gpu.sh", {**world["env"], "DATA_PATH": str(strange), "SHOW_COMMAND": "1"})
+    argv = shlex.split(shown.stdout)
+    assert argv[argv.index("--data_path") + 1] == str(strange)
+    from train.cli import parse_training_args
+
+    assert parse_training_args("pretrain", argv[4:]).data.data_path == str(strange)
+    planted = [p for p in (ROOT / "PWNED", tmp_path / "PWNED") if p.exists()]
+    for path in planted:
+        path.unlink()
+    assert planted == []  # launch() runs in the kit's folder: that is where a command would have run
+
+
+@pytest.mark.parametrize("form", [["--is_keep_training=True"], ["--is_keep_training", "True"], ["--resume", "1"]])
+def test_the_guides_keep_training_flag_is_resume(form):
+    from train.cli import parse_training_args
+
+    assert parse_training_args("pretrain", form).run.resume is True
+    assert parse_training_args("pretrain", []).run.resume is False

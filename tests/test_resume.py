@@ -21,6 +21,7 @@ import torch
 from conftest import ROOT, read_jsonl, run_cli
 
 from train import checkpoint, resume
+from train import signals as signals_module
 from train.data import EpochSampler
 
 STEPS = 40
@@ -318,9 +319,9 @@ def test_second_signal_quits_at_once(monkeypatch):
     def fake_exit(code):  # os._exit would end the test process itself
         raise SystemExit(code)
 
-    monkeypatch.setattr(resume.os, "_exit", fake_exit)
+    monkeypatch.setattr(signals_module.os, "_exit", fake_exit)
     before = signal.getsignal(signal.SIGINT)
-    signals = resume.StopSignals()
+    signals = signals_module.StopSignals()
     signals.install()
     try:
         os.kill(os.getpid(), signal.SIGINT)

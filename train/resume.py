@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from config import env_name
 from train.checkpoint import CheckpointManager, checkpoint_name, list_checkpoints, set_rng_state
 from train.errors import UsageError
+from train.signals import QuietWorkers, StopSignals
 
 # Settings compared with the checkpoint's on resume, to say what changed.
 COMPARED = (
@@ -117,56 +117,6 @@ class BatchStream:
             self.consumed += self.batch_size
             return batch
         raise RuntimeError("the data yields no batch in a whole epoch")
-
-
-def _ignore_stop_signals(inner, worker_id: int) -> None:
-    # DataLoader workers share the terminal's process group: without this, Ctrl+C kills them
-    # mid-step and the step the main process is finishing fails.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if inner is not None:
-        inner(worker_id)
-
-
-class _QuietWorkers:
-    """Picklable worker_init_fn (spawned workers receive it by pickle)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, worker_id: int) -> None:
-        _ignore_stop_signals(self.inner, worker_id)
-
-
-class StopSignals:
-    """SIGINT/SIGTERM: the first asks the loop to stop after the current optimizer step; a
-    second exits at once (saves are atomic, so the last checkpoint stays valid)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            os.write(2, f"\n{name} again: quitting now; the last checkpoint is intact\n".encode())
-            os._exit(128 + signum)
-        self.received = signum
-        # os.write, not print: a handler may run in the middle of another write to the console.
-        os.write(
-            2, f"\n{name}: finishing this optimizer step, then saving ({name} again quits at once)\n".encode()
-        )
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
 
 class RunGuard:
@@ -284,7 +234,7 @@ class RunGuard:
             if scaler.is_enabled() and self.loaded.scaler:
                 scaler.load_state_dict(self.loaded.scaler)
         if loader.num_workers > 0:
-            loader.worker_init_fn = _QuietWorkers(loader.worker_init_fn)
+            loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
         stream = BatchStream(loader, sampler, self.cfg.optim.batch_size, self.epoch, self.consumed)
         if self.loaded is not None:
             set_rng_state(self.loaded.rng)
