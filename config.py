@@ -195,6 +195,18 @@ class RunConfig:
     log_every: int | None = None
     """Optimizer steps between log lines. Reading the loss syncs host and device, so it is
     done only here, never per micro-step. Empty: every 10 steps, more often in short runs."""
+    save_every: int = 500
+    """Optimizer steps between checkpoints in runs/<name>/checkpoints/ (0: only at the end and
+    when stopped). Each holds weights, optimizer, GradScaler, RNG states and data position."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept: the newest N (an older one is deleted only once a newer one is complete)."""
+    resume: bool = False
+    """Continue runs/RUN_NAME (empty RUN_NAME: the newest run of this launcher) from its newest
+    valid checkpoint; the same settings give the same losses as an uninterrupted run. The guides'
+    --is_keep_training=True is accepted for it."""
+    nan_patience: int = 5
+    """Stop after this many optimizer steps in a row with a non-finite loss, keeping the newest
+    checkpoint from before them (0: never stop). fp16 steps the GradScaler skips are counted."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -202,6 +214,11 @@ class RunConfig:
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
             raise _bad("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
         _check_int(self, "log_every", 1, optional=True)
+        _check_int(self, "save_every", 0)
+        _check_int(self, "keep_checkpoints", 1)
+        _check_int(self, "nan_patience", 0)
+        if self.resume and self.overwrite:
+            raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}

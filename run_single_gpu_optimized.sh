@@ -25,6 +25,8 @@ EPOCHS=${EPOCHS:-}
 DATA_PATH=${DATA_PATH:-}                # .txt, folder of .txt, or .jsonl; empty: built-in corpus
 RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu_optimized-<time>
 SEED=${SEED:-}
+SAVE_EVERY=${SAVE_EVERY:-}              # optimizer steps between checkpoints; empty: 500
+RESUME=${RESUME:-}                      # 1: continue runs/$RUN_NAME (empty: this launcher's newest run)
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch pretrain optimized "$@"

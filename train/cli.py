@@ -24,6 +24,7 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(config.PRESETS), help="named preset applied under the flags")
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
+    parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
     for name in config.FIELD_SECTION:
         if name == "mode":
             continue
@@ -47,6 +48,11 @@ def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
             value = config.parse_value(name, text)
             if value is not None or name in ("model_size", "max_length", "warmup_steps", "log_every"):
                 overrides[name] = value
+    if args.is_keep_training is not None:  # the guides' --is_keep_training=True: --resume under another name
+        keep = config.parse_value("resume", args.is_keep_training)
+        if args.resume is not None and config.parse_value("resume", args.resume) != keep:
+            raise UsageError("--is_keep_training and RESUME (--resume) disagree: set one")
+        overrides["resume"] = keep
     if args.fp16 and args.bf16:
         raise UsageError("ENABLE_FP16 and ENABLE_BF16 are both set: choose one precision")
     if (args.fp16 or args.bf16) and args.precision not in (None, ""):

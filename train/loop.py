@@ -15,6 +15,7 @@ from train.build import Built, build
 from train.device import autocast, device_name, synchronize
 from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
 from train.model import count_params, shape
+from train.resume import RunGuard
 from train.rundir import RunDir, plan_run_dir
 
 INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run is input-bound
@@ -109,7 +110,7 @@ def steady_start(total_steps: int) -> int:
     return 0 if total_steps < 2 else min(5, max(1, total_steps // 10))
 
 
-def run_loop(b: Built, run_dir: RunDir, say) -> dict:
+def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> dict:
     cfg, device, model = b.cfg, b.device, b.model
     o = cfg.optim
     optimizer, kind = make_optimizer(model, cfg, device)
@@ -117,9 +118,11 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(model) if cfg.model.compile else model
     loader, sampler = data_loader(b)
-    batches = batch_stream(loader, sampler)
+    guard = guard or RunGuard(b, run_dir.path, say, lambda: [g["params"] for g in optimizer.param_groups])
+    # Checkpoints, resume, signals: restores the saved state and positions the data (train/resume.py).
+    batches = guard.start(model, optimizer, scaler, loader, sampler)
+    first = guard.first_step
     effective = cfg.effective_batch_size()
-    tokens_per_step = cfg.tokens_per_step(b.max_length)
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
     if device.type == "cuda":
@@ -133,39 +136,42 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     interval_t0, interval_steps = t0, 0
     loss = None
     exit_reason = "completed"
-    step = 0
+    done = first
     # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
-    bar = tqdm(total=b.total_steps, desc=cfg.run.mode, unit="step", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=b.total_steps, initial=first, desc=cfg.run.mode, unit="step", dynamic_ncols=True, disable=None)
     try:
-        for step in range(b.total_steps):
-            lr = lr_at(step, o.learning_rate, b.warmup_steps, b.total_steps, o.min_lr_ratio)
+        for step in range(first, b.total_steps):
+            position, warmup, total = guard.schedule_at(step)  # (step, warmup, total) unless the batch changed
+            lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_t, norm_t, waited = train_step(
                 step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision
             )
+            done = step + 1
             wait_total += waited
             wait_interval += waited
             interval_steps += 1
-            if step + 1 > skip:
+            if done - first > skip:
                 wait_steady += waited
-            if step + 1 == skip or first_step_s is None:
+            if done - first == skip or first_step_s is None:
                 synchronize(device)
                 now = time.perf_counter()
                 if first_step_s is None:
                     first_step_s = now - t0
-                if step + 1 == skip:
+                if done - first == skip:
                     steady_t0 = now
             bar.update(1)
             last = step + 1 == b.total_steps
-            if (step + 1) % cfg.run.log_every == 0 or last:
+            log_due = (step + 1) % cfg.run.log_every == 0 or last
+            if log_due:
                 loss = loss_t.item()  # the one host sync, only when a line is due
                 now = time.perf_counter()
                 span = now - interval_t0
                 row = {
                     "step": step + 1,
-                    "samples": (step + 1) * effective,
-                    "tokens": (step + 1) * tokens_per_step,
+                    "samples": guard.samples_at(step + 1),
+                    "tokens": guard.samples_at(step + 1) * b.max_length,
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": norm_t.item(),
@@ -189,26 +195,31 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 interval_t0, interval_steps, wait_interval = now, 0, 0.0
-        step = b.total_steps
-    except KeyboardInterrupt:
-        exit_reason = "interrupted"
-        say(f"interrupted at step {step}; saving what was trained")
+            stop = guard.step_done(step + 1, loss_t, synced=log_due)  # save every SAVE_EVERY; signals; NaN
+            if stop:
+                exit_reason = stop
+                break
     finally:
         bar.close()
+        guard.close()
         synchronize(device)
         gpu_summary = gpu.stop()
     end = time.perf_counter()
+    if exit_reason == "interrupted":
+        say(f"interrupted at step {done}; saving what was trained")
+    guard.finish(done, exit_reason)
 
-    steps_done = step
-    steady_steps = max(0, steps_done - skip)
-    steady_s = end - steady_t0 if steady_steps else end - t0
-    steady_steps = steady_steps or steps_done
-    samples_per_sec = steady_steps * effective / steady_s if steady_s > 0 and steps_done else None
+    steps_done = done
+    run_steps = done - first  # this session's steps (a resumed run started at `first`)
+    steady_steps = max(0, run_steps - skip)
+    steady_s = (end - steady_t0 if steady_steps else end - t0) - guard.seconds_saving_since(steady_t0)
+    steady_steps = steady_steps or run_steps
+    samples_per_sec = steady_steps * effective / steady_s if steady_s > 0 and run_steps else None
     n_params = count_params(model)
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=b.max_length)
     tokens_per_sec = samples_per_sec * b.max_length if samples_per_sec else None
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
-    data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and steps_done > skip else None
+    data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and run_steps > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {
         "mode": cfg.run.mode,
@@ -225,8 +236,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,
         "steps": steps_done,
-        "samples": steps_done * effective,
-        "tokens": steps_done * tokens_per_step,
+        "samples": guard.samples_at(steps_done),
+        "tokens": guard.samples_at(steps_done) * b.max_length,
         "wall_time_s": end - t0,
         "time_to_first_step_s": first_step_s,
         "steady_state_steps": steady_steps,
@@ -246,6 +257,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
         "final_loss": loss,
         "exit_reason": exit_reason,
+        **guard.summary(),
     }
 
 
@@ -265,10 +277,13 @@ def save_final(b: Built, run_dir: RunDir) -> None:
 
 def train(cfg: TrainConfig) -> int:
     say = Console()
-    run_path = plan_run_dir(cfg.run.output_dir, cfg.run.run_name, cfg.run.launcher, cfg.run.overwrite)
+    r = cfg.run
+    run_path = plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
     say(f"{cfg.run.mode}: resolving settings")
     b = build(cfg, say)
-    run_dir = RunDir(run_path, cfg.run.overwrite)
+    # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
+    guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
+    run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming)
     say.attach(run_dir)
     n_params = count_params(b.model)
     effective = cfg.effective_batch_size()
@@ -297,12 +312,13 @@ def train(cfg: TrainConfig) -> int:
             "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
         },
     )
-    summary = run_loop(b, run_dir, say)
-    save_final(b, run_dir)
+    summary = run_loop(b, run_dir, say, guard)
+    if summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
+        save_final(b, run_dir)
     run_dir.write("summary.json", summary)
     _report(summary, run_dir, say)
     run_dir.close()
-    return 130 if summary["exit_reason"] == "interrupted" else 0
+    return guard.exit_code(summary["exit_reason"])
 
 
 def _report(s: dict, run_dir: RunDir, say) -> None:

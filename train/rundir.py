@@ -31,10 +31,14 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite: bool) -> Path:
+def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite: bool, resume: bool = False) -> Path:
     """Pick the run folder without creating it: a new unique name by default; an explicit
-    RUN_NAME that exists is refused unless OVERWRITE=1."""
+    RUN_NAME that exists is refused unless OVERWRITE=1; RESUME=1 picks the run to continue."""
     root = Path(output_dir)
+    if resume:
+        from train.resume import find_run_dir
+
+        return find_run_dir(root, run_name, launcher)
     if run_name is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = f"{launcher}-{stamp}"
@@ -45,18 +49,18 @@ def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite
         return root / name
     path = root / run_name
     if path.exists() and not overwrite:
-        raise UsageError(f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it or pick another name")
+        raise UsageError(f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it, RESUME=1 to continue it, or pick another name")
     return path
 
 
 class RunDir:
     """Owns one run folder: creates it, logs to train.log, appends metrics rows."""
 
-    def __init__(self, path: Path, overwrite: bool):
+    def __init__(self, path: Path, overwrite: bool, resume: bool = False):
         self.path = path
         if path.exists() and overwrite:
             shutil.rmtree(path)
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=resume)  # a resumed run appends to its own folder
         self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
         self._log = open(path / "train.log", "a", buffering=1)
         self._point_latest()

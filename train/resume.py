@@ -1,0 +1,379 @@
+"""Never lose a run: periodic checkpoints, exact resume, Ctrl+C / SIGTERM, non-finite losses.
+
+The loop calls a RunGuard at start (restore the state, position the data), after every
+optimizer step (count skipped and non-finite steps on the device, save every SAVE_EVERY steps,
+stop on a signal or NAN_PATIENCE) and at the end (save). Exact resume restores the weights,
+optimizer, GradScaler, every RNG, the step and sample counters and the data position (epoch and
+samples consumed in it), so a continued run repeats the uninterrupted one step for step.
+
+The LR schedule is a function of samples consumed, not of steps: with the same settings that is
+the same curve step for step; with a changed BATCH_SIZE or GRADIENT_ACCUM the run continues at
+the same sample, at the same point of the warm-up and cosine, and ends at the same sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from config import env_name
+from train.checkpoint import CheckpointManager, checkpoint_name, list_checkpoints, set_rng_state
+from train.errors import UsageError
+from train.signals import QuietWorkers, StopSignals
+
+# Settings compared with the checkpoint's on resume, to say what changed.
+COMPARED = (
+    "batch_size gradient_accumulation_steps precision learning_rate min_lr_ratio max_steps epochs "
+    "max_samples warmup_steps num_workers"
+).split()
+BUDGET = ("max_steps", "epochs", "max_samples")
+
+
+def find_run_dir(root: Path, run_name: str | None, launcher: str) -> Path:
+    """The run folder RESUME=1 continues: runs/RUN_NAME, or the newest run of this launcher
+    that has a checkpoint. Checked before anything is built or written."""
+    if run_name is not None:
+        path = root / run_name
+        if not path.is_dir():
+            raise UsageError(
+                f"RESUME=1: {path} does not exist (RUN_NAME={run_name}); leave RESUME empty to start it"
+            )
+        if not list_checkpoints(path / "checkpoints"):
+            raise UsageError(
+                f"RESUME=1: {path} has no checkpoint (it stopped before its first save; SAVE_EVERY sets how often)"
+            )
+        return path
+    candidates = []
+    for config_file in root.glob("*/config.json"):
+        try:
+            started_by = json.loads(config_file.read_text())["config"]["run"]["launcher"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        saved = list_checkpoints(config_file.parent / "checkpoints")
+        if started_by == launcher and saved:
+            candidates.append((max(p.stat().st_mtime for p in saved), config_file.parent.name))
+    if not candidates:
+        raise UsageError(
+            f"RESUME=1: no run of {launcher} in {root} has a checkpoint; set RUN_NAME to the run to continue"
+        )
+    return root / max(candidates)[1]
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop metrics rows after `step` (written after the checkpoint, by the run that died), so
+    metrics.jsonl stays one clean record. Returns how many were dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            dropped += 1  # half a line from a kill mid-write
+            continue
+        if row_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+class BatchStream:
+    """Micro-batches forever, epoch after epoch, knowing where it is: `epoch` and `consumed`
+    (samples of that epoch's seeded permutation handed out so far). Opening the first epoch
+    here, before the RNG states are restored, matters: a DataLoader draws a seed from torch's
+    generator each time it starts an epoch."""
+
+    def __init__(self, loader, sampler, batch_size: int, epoch: int = 0, consumed: int = 0):
+        self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
+        self.epoch, self.consumed = epoch, consumed
+        self._it = self._open()
+
+    def _open(self):
+        self.sampler.set_position(self.epoch, self.consumed)
+        return iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        for _ in range(3):  # a resumed position at an epoch's very end yields nothing: next epoch
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self.epoch, self.consumed = self.epoch + 1, 0
+                self._it = self._open()
+                continue
+            self.consumed += self.batch_size
+            return batch
+        raise RuntimeError("the data yields no batch in a whole epoch")
+
+
+class RunGuard:
+    """Checkpoints, resume, signals and non-finite losses for one run (see the module doc)."""
+
+    def __init__(self, b, run_path: Path, say, param_groups):
+        """Fresh run: plan the schedule. RESUME=1: find the newest valid checkpoint (weights
+        go into b.model), re-plan the remaining steps, and only then touch the run folder."""
+        self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
+        r = self.cfg.run
+        self.effective = self.cfg.effective_batch_size()
+        self.manager = CheckpointManager(self.run_path / "checkpoints", r.keep_checkpoints, say)
+        self.signals = StopSignals()
+        self.loaded = None
+        self.first_step = self.base_samples = self.epoch = self.consumed = 0
+        self.unit = self.effective
+        self.warmup_samples = b.warmup_steps * self.effective
+        self.budget_samples = b.total_steps * self.effective
+        self.counters = {"skipped_steps": 0, "non_finite_steps": 0}
+        self.saving_s: list[tuple[float, float]] = []
+        self.stop_detail = ""
+        self.resuming = r.resume
+        if r.resume:
+            self._resume(param_groups())
+
+    # ---- resume ---------------------------------------------------------------------------
+
+    def _resume(self, param_groups) -> None:
+        loaded, rejected = self.manager.newest_valid(self.b.model, param_groups)
+        if loaded is None:
+            reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
+            raise UsageError(f"RESUME=1: no usable checkpoint in {self.manager.folder} ({reasons})")
+        self.loaded, meta = loaded, loaded.meta
+        self.first_step, self.base_samples = meta["step"], meta["samples"]
+        self.counters.update(meta.get("counters", {}))
+        sched = meta["schedule"]
+        self.unit, self.warmup_samples, self.budget_samples = (
+            sched["unit_samples"],
+            sched["warmup_samples"],
+            sched["budget_samples"],
+        )
+        say, saved = self.say, meta["settings"]
+        say(
+            f"resuming {self.run_path} from checkpoint {loaded.path.name}: step {meta['step']}, "
+            f"{meta['samples']:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
+        )
+        now = self._settings()
+        changed = [f"{env_name(k)} {saved.get(k)} -> {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
+        if changed:
+            say("changed since the checkpoint: " + ", ".join(changed))
+        if any(saved.get(k) != now[k] for k in BUDGET):
+            self.budget_samples = self.b.total_steps * self.effective
+            say(f"the run's length changed: the schedule now ends at {self.budget_samples:,} samples")
+        if saved.get("warmup_steps") != now["warmup_steps"]:
+            self.warmup_samples = self.b.warmup_steps * self.effective
+        data_now = self._data_identity()
+        if meta["data"]["identity"] == data_now:
+            self.epoch, self.consumed = meta["data"]["epoch"], meta["data"]["position"]
+        else:
+            self.epoch, self.consumed = meta["data"]["epoch"] + 1, 0
+            say(
+                "the data changed since the checkpoint (sequences, MAX_LENGTH, SEED or DATA_PATH): its position "
+                "cannot carry over, so the new data is read from the start of a new epoch"
+            )
+        remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
+        planned = self.b.total_steps
+        self.b.total_steps = self.first_step + remaining
+        self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)
+        progress = min(1.0, self.base_samples / max(1, self.budget_samples))
+        why = (
+            f"resumed at step {self.first_step} ({progress:.0%} of the schedule's {self.budget_samples:,} samples); "
+            f"{remaining} steps of {self.effective} sequences remain"
+        )
+        if saved.get("effective_batch_size") != self.effective:
+            why += (
+                f"; effective batch {saved.get('effective_batch_size')} -> {self.effective}: same sample position, "
+                f"the LR schedule keeps its progress in samples (steps continue from {self.first_step})"
+            )
+        if planned != self.b.total_steps:
+            why += f"; a new run with these settings would plan {planned} steps"
+        self.b.decisions.append({"setting": "total_steps", "value": self.b.total_steps, "reason": why})
+        say(f"  total_steps = {self.b.total_steps}  ({why})")
+        # Everything checked: now the run folder may change.
+        self.manager.set_aside(rejected)
+        self.manager.clean_temporary()
+        dropped = trim_metrics(self.run_path / "metrics.jsonl", self.first_step)
+        if dropped:
+            say(f"dropped {dropped} metrics row(s) written after step {self.first_step} by the stopped run")
+
+    def _settings(self) -> dict:
+        o = self.cfg.optim
+        settings = {k: getattr(o, k) for k in COMPARED if hasattr(o, k)}
+        settings.update(precision=self.b.precision, num_workers=self.cfg.data.num_workers)
+        settings.update(
+            effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length
+        )
+        return settings
+
+    def _data_identity(self) -> dict:
+        source = getattr(self.b.dataset, "_source", None)
+        return {
+            "sequences": len(self.b.dataset),
+            "max_length": self.b.max_length,
+            "seed": self.cfg.system.seed,
+            "source": Path(str(source[0])).name if source else type(self.b.dataset).__name__,
+        }
+
+    # ---- the loop's calls -----------------------------------------------------------------
+
+    def start(self, model, optimizer, scaler, loader, sampler) -> BatchStream:
+        """Apply the loaded state and return the positioned batch stream (RNG restored last)."""
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        if self.loaded is not None:
+            optimizer.load_state_dict(self.loaded.optimizer)
+            if scaler.is_enabled() and self.loaded.scaler:
+                scaler.load_state_dict(self.loaded.scaler)
+        if loader.num_workers > 0:
+            loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
+        stream = BatchStream(loader, sampler, self.cfg.optim.batch_size, self.epoch, self.consumed)
+        if self.loaded is not None:
+            set_rng_state(self.loaded.rng)
+            self.loaded = None  # free the host copies of the optimizer state
+        self.stream = stream
+        self._streak = self._nonfinite = self._skipped = self._last_scale = None
+        self.signals.install()
+        return stream
+
+    def samples_at(self, steps_done: int) -> int:
+        return self.base_samples + (steps_done - self.first_step) * self.effective
+
+    def schedule_at(self, step: int) -> tuple[float, float, float]:
+        """(position, warm-up, length) for lr_at, in steps of the run's first effective batch.
+        With unchanged settings these are exactly (step, WARMUP_STEPS, total steps)."""
+        return (
+            self.samples_at(step) / self.unit,
+            self.warmup_samples / self.unit,
+            self.budget_samples / self.unit,
+        )
+
+    def step_done(self, steps_done: int, loss: torch.Tensor, synced: bool) -> str | None:
+        """After each optimizer step. Counts on the device (no host sync); reads the counts only
+        where the loop already synced (a log line) or is about to save. Returns a stop reason."""
+        bad = (~torch.isfinite(loss)).to(torch.int64)
+        if self._streak is None:
+            self._streak, self._nonfinite = torch.zeros_like(bad), torch.zeros_like(bad)
+            self._skipped = torch.zeros_like(bad)
+        self._streak = (self._streak + 1) * bad
+        self._nonfinite += bad
+        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
+        if scale is not None:
+            # GradScaler lowers its scale exactly when it skipped the step (inf/NaN gradients).
+            previous = (
+                self._last_scale
+                if self._last_scale is not None
+                else torch.full_like(scale, self.scaler._init_scale)
+            )
+            self._skipped += (scale < previous).to(torch.int64).reshape(())
+            self._last_scale = scale.clone()
+        r = self.cfg.run
+        if self.signals.received is not None:
+            return "interrupted"
+        save_due = r.save_every > 0 and steps_done % r.save_every == 0 and steps_done < self.b.total_steps
+        if (synced or save_due) and r.nan_patience > 0:
+            streak = int(self._streak.item())
+            if streak >= r.nan_patience:
+                first_bad = steps_done - streak + 1
+                last = self.manager.last_saved or (list_checkpoints(self.manager.folder) or [None])[0]
+                last = getattr(last, "name", last)
+                self.stop_detail = (
+                    f"loss non-finite for {streak} steps in a row from step {first_bad} (NAN_PATIENCE={r.nan_patience}); "
+                    f"newest good checkpoint: {last or 'none'}; lower LEARNING_RATE and resume with RESUME=1"
+                )
+                self.say("stopping: " + self.stop_detail)
+                return "non_finite_loss"
+        if save_due:
+            self.save(steps_done)
+        return None
+
+    def save(self, steps_done: int) -> None:
+        """Save unless the model is unhealthy (a non-finite loss at this step or non-finite
+        weights): a checkpoint must be one worth resuming from."""
+        start = time.perf_counter()
+        if self._streak is not None and int(self._streak.item()) > 0 or not self._weights_finite():
+            self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
+            return
+        self._read_counters()
+        self.manager.save(steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done))
+        self.saving_s.append((start, time.perf_counter() - start))
+        self.say(f"saved checkpoint {self.manager.last_saved} ({time.perf_counter() - start:.1f} s)")
+
+    def seconds_saving_since(self, t0: float) -> float:
+        """Time spent saving inside the loop after t0 (left out of the throughput figures)."""
+        return sum(span for start, span in self.saving_s if start >= t0)
+
+    def close(self) -> None:
+        self.signals.restore()
+
+    def finish(self, steps_done: int, exit_reason: str) -> None:
+        """The checkpoint at the end (and after a stop signal), unless the run stopped on
+        non-finite losses: then the newest checkpoint is the good one from before them."""
+        self.close()
+        trained = self._streak is not None  # at least one step in this session
+        if (
+            exit_reason in ("completed", "interrupted")
+            and trained
+            and self.manager.last_saved != checkpoint_name(steps_done)
+        ):
+            self.save(steps_done)
+        self._read_counters()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _weights_finite(self) -> bool:
+        flags = [torch.isfinite(p).all() for p in self.model.parameters()]
+        return bool(torch.stack(flags).all().item()) if flags else True
+
+    def _read_counters(self) -> None:
+        if self._streak is not None:
+            self.counters["non_finite_steps"] += int(self._nonfinite.item())
+            self.counters["skipped_steps"] += int(self._skipped.item())
+            self._nonfinite.zero_()
+            self._skipped.zero_()
+
+    def _meta(self, steps_done: int) -> dict:
+        samples = self.samples_at(steps_done)
+        return {
+            "samples": samples,
+            "tokens": samples * self.b.max_length,
+            "data": {
+                "epoch": self.stream.epoch,
+                "position": self.stream.consumed,
+                "identity": self._data_identity(),
+            },
+            "schedule": {
+                "unit_samples": self.unit,
+                "warmup_samples": self.warmup_samples,
+                "budget_samples": self.budget_samples,
+            },
+            "settings": self._settings(),
+            "counters": dict(self.counters),
+        }
+
+    def summary(self) -> dict:
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        return {
+            "resumed_from_step": self.first_step if self.resuming else None,
+            "checkpoint": self.manager.last_saved,
+            "skipped_steps": self.counters["skipped_steps"],
+            "non_finite_steps": self.counters["non_finite_steps"],
+            "loss_scale": scale,
+            "stop_signal": signal.Signals(self.signals.received).name if self.signals.received else None,
+            "stop_detail": self.stop_detail or None,
+        }
+
+    def exit_code(self, exit_reason: str) -> int:
+        """0 completed; 128 + the signal number when stopped by one (130 Ctrl+C, 143 SIGTERM),
+        as shells report it; 1 when non-finite losses stopped the run."""
+        if exit_reason == "interrupted":
+            return 128 + (self.signals.received or signal.SIGINT)
+        return 1 if exit_reason == "non_finite_loss" else 0
