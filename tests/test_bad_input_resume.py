@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_CONFIG, launch, run_cli
 
+from conftest import ROOT, TINY_CONFIG, launch, run_cli
 from train import checkpoint
 
 

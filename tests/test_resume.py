@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, read_jsonl, run_cli
 
+from conftest import ROOT, read_jsonl, run_cli
 from train import checkpoint, resume
 from train import signals as signals_module
 from train.data import EpochSampler
