@@ -19,6 +19,9 @@ EPOCHS=${EPOCHS:-}
 DATA_PATH=${DATA_PATH:-}                # .txt, folder of .txt, or .jsonl; empty: built-in corpus
 RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu-<time>
 SEED=${SEED:-}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
+SHARDING=${SHARDING:-}                  # zero2 | zero3: FSDP2 sharding (the guides' DeepSpeed ZeRO-2/3)
+OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-} # 1 (with SHARDING): optimizer state in host memory
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch pretrain baseline "$@"
