@@ -303,7 +303,14 @@ def full_state_dict(model: torch.nn.Module) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # The gather copies tied weights (LM head = embeddings) apart; alias them again so
+    # save_pretrained stores one copy, as it does for an unsharded model.
+    ties = getattr(model, "all_tied_weights_keys", None)
+    for target, source in (ties.items() if isinstance(ties, dict) else ()):
+        if target in state and source in state:
+            state[target] = state[source]
+    return state
 
 
 def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
