@@ -90,7 +90,9 @@ def test_launcher_starts_torchrun_in_module_form():
     assert runner[:3] == ["python", "-m", "train.torchrun"]
     assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
     assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
-    code, args, _ = argv({"NPROC_PER_NODE": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"})
+    code, args, _ = argv(
+        {"NPROC_PER_NODE": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    )
     assert args[args.index("--rdzv_backend") + 1] == "c10d"
     assert args[args.index("--rdzv_endpoint") + 1] == "10.0.0.1:29600"
     code, args, _ = argv({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"})
@@ -109,7 +111,9 @@ def test_launcher_starts_torchrun_in_module_form():
 def spawn(fn, *args, nprocs=2):
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + SPAWN_TIMEOUT
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -144,8 +148,9 @@ def _sgd_step(model, loader, accum, sync):
 def _ddp_matches_one_big_batch(world):
     """2 ranks x (2 micro-batches of 2) = 1 rank x batch 8 on the same samples, and DDP's
     all-reduce runs on the last micro-step only."""
-    from config import DataConfig
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from config import DataConfig
 
     gen = torch.Generator().manual_seed(0)
     dataset = [{"input_ids": row} for row in torch.randint(0, 512, (16, 32), generator=gen)]
@@ -177,7 +182,9 @@ def _local_state(model, optimizer):
         return t.to_local().clone() if hasattr(t, "to_local") else t.clone()
 
     params = [local(p.detach()) for p in model.parameters()]
-    optim = [local(v) for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+    optim = [
+        local(v) for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
+    ]
     return params, optim
 
 
@@ -192,7 +199,9 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     def steps(model, optimizer, chunk):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train_step(model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", distributed.sync_context(model))
+        train_step(
+            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", distributed.sync_context(model)
+        )
 
     a = distributed.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert distributed.is_sharded(a)
@@ -204,7 +213,8 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     saved = _local_state(a, opt_a)
     steps(a, opt_a, batches[4:6])
 
-    b = distributed.wrap(tiny_model(1), world, sharding, offload, cpu)  # different init: the load must replace it
+    # a different init: the load must replace all of it
+    b = distributed.wrap(tiny_model(1), world, sharding, offload, cpu)
     opt_b, _ = make_optimizer(b, cfg, cpu)
     distributed.load_sharded(where, b, opt_b)
     loaded = _local_state(b, opt_b)
@@ -273,5 +283,7 @@ def test_two_process_run_through_the_launcher(tmp_path, corpus, tiny_config, cac
     assert result.stdout.count("done:") == 1  # rank 0 alone prints
     assert (run / "final" / "model.safetensors").exists()
 
-    bad = launch("run_single_gpu_optimized.sh", {**env, "RUN_NAME": "two", "MAX_STEPS": "1"}, timeout=SPAWN_TIMEOUT)
+    bad = launch(
+        "run_single_gpu_optimized.sh", {**env, "RUN_NAME": "two", "MAX_STEPS": "1"}, timeout=SPAWN_TIMEOUT
+    )
     assert bad.returncode == 2 and "OVERWRITE=1" in bad.stderr and "Traceback" not in bad.stderr

@@ -59,7 +59,9 @@ def from_env(environ) -> Dist:
         values[name] = int(text)
     world = Dist(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"])
     if world.world_size < 1 or world.rank >= world.world_size:
-        raise UsageError(f"RANK={world.rank} with WORLD_SIZE={world.world_size}: the rank must be below the world size")
+        raise UsageError(
+            f"RANK={world.rank} with WORLD_SIZE={world.world_size}: the rank must be below the world size"
+        )
     return world
 
 
@@ -92,9 +94,13 @@ def launch(train_fn, cfg, world: Dist) -> int:
             torch.cuda.set_device(world.local_rank)
         if world.world_size == 1:
             # SHARDING on one process (offload on one GPU): a group of one, no rendezvous needed.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=GROUP_TIMEOUT)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=GROUP_TIMEOUT
+            )
         else:
-            dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT)
+            dist.init_process_group(
+                backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT
+            )
         try:
             code = train_fn(cfg, world)
             dist.barrier()  # no rank tears the group down while another still talks to it
@@ -189,7 +195,9 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def wrap(model: torch.nn.Module, world: Dist, sharding: str, offload: bool, device: torch.device) -> torch.nn.Module:
+def wrap(
+    model: torch.nn.Module, world: Dist, sharding: str, offload: bool, device: torch.device
+) -> torch.nn.Module:
     """The module the loop trains: the model itself (one process), DDP around it, or the model
     sharded in place by fully_shard (every block its own FSDP group, then the root, which
     holds the embeddings and the tied LM head)."""
@@ -307,7 +315,7 @@ def full_state_dict(model: torch.nn.Module) -> dict | None:
     # The gather copies tied weights (LM head = embeddings) apart; alias them again so
     # save_pretrained stores one copy, as it does for an unsharded model.
     ties = getattr(model, "all_tied_weights_keys", None)
-    for target, source in (ties.items() if isinstance(ties, dict) else ()):
+    for target, source in ties.items() if isinstance(ties, dict) else ():
         if target in state and source in state:
             state[target] = state[source]
     return state
@@ -326,8 +334,8 @@ def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Read save_sharded's checkpoint into a model wrapped the same way (same SHARDING; the
-    number of processes may differ: DCP reshards on load) and its optimizer."""
+    """Read save_sharded's checkpoint into a model wrapped the same way (same SHARDING) and its
+    freshly made optimizer. Every rank calls it with the same directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
