@@ -249,9 +249,11 @@ def test_sharding_on_one_process_trains_and_saves_final(tiny_flags, tmp_path):
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
-def test_offload_without_sharding_is_refused(tiny_flags, capsys):
+def test_bad_sharding_settings_name_the_variable(tiny_flags, capsys):
     assert run_cli("pretrain", *tiny_flags, "--offload_optimizer", "1") == 2
-    assert "SHARDING" in capsys.readouterr().err
+    assert "OFFLOAD_OPTIMIZER=1 (--offload_optimizer) needs SHARDING" in capsys.readouterr().err
+    assert run_cli("pretrain", *tiny_flags, "--sharding", "zero5") == 2
+    assert capsys.readouterr().err.startswith("error: SHARDING (--sharding): expected none | zero2 | zero3")
 
 
 def test_two_process_run_through_the_launcher(tmp_path, corpus, tiny_config, cache_dir):
