@@ -21,6 +21,7 @@ KIT_DIR = Path(__file__).resolve().parent
 MODEL_SIZES = ("nano", "tiny", "small", "medium")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 MODES = ("pretrain", "sft")
+SHARDINGS = ("none", "zero2", "zero3")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Launcher variable for a field, where it is not simply the field name in upper case.
@@ -171,10 +172,23 @@ class SystemConfig:
     at 10-bit mantissa precision, which training tolerates."""
     seed: int = 1337
     """Seeds model init, data order and dropout: the same seed gives the same run."""
+    sharding: str = "none"
+    """none: every process holds the whole model (DDP when NPROC_PER_NODE > 1). zero2: FSDP2
+    shards optimizer state and gradients, parameters stay gathered from forward to backward
+    (DeepSpeed ZeRO-2). zero3: parameters sharded too, gathered per block (ZeRO-3): least memory,
+    more communication. For when the model or the optimizer state does not fit."""
+    offload_optimizer: bool = False
+    """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run
+    the optimizer step on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded
+    for host-to-GPU copies every step."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise _bad("precision", " | ".join(PRECISIONS), self.precision)
+        if self.sharding not in SHARDINGS:
+            raise _bad("sharding", " | ".join(SHARDINGS), self.sharding)
+        if self.offload_optimizer and self.sharding == "none":
+            raise UsageError("OFFLOAD_OPTIMIZER=1 (--offload_optimizer) needs SHARDING=zero2 or zero3")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device or ""):
             raise _bad("device", "auto | cpu | mps | cuda | cuda:N", self.device)
         _check_int(self, "seed", 0)

@@ -27,6 +27,9 @@ RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu_optimized-<time>
 SEED=${SEED:-}
 SAVE_EVERY=${SAVE_EVERY:-}              # optimizer steps between checkpoints; empty: 500
 RESUME=${RESUME:-}                      # 1: continue runs/$RUN_NAME (empty: this launcher's newest run)
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
+SHARDING=${SHARDING:-}                  # zero2 | zero3: FSDP2 sharding (the guides' DeepSpeed ZeRO-2/3)
+OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-} # 1 (with SHARDING): optimizer state in host memory
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch pretrain optimized "$@"

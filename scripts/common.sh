@@ -1,6 +1,7 @@
 # Shared by the four launchers (sourced, not run): maps the launcher variables to the CLI
 # flags of `python -m train`, one name per knob (see DESIGN.md), and starts the run.
-# SHOW_COMMAND=1 prints the command instead of running it.
+# SHOW_COMMAND=1 prints the command instead of running it. NPROC_PER_NODE > 1 (or NNODES > 1)
+# starts the run through torchrun (see kit_torchrun), one process per GPU.
 
 KIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -17,6 +18,7 @@ KIT_VALUE_KNOBS=(
   CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
   SEED:--seed DEVICE:--device LOG_EVERY:--log_every
   SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
+  SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)
@@ -56,12 +58,45 @@ kit_launch() {
     esac
   done
   args+=("$@")
+  local runner=()
+  kit_torchrun runner
   if [ "${SHOW_COMMAND:-0}" = 1 ]; then
-    printf '%q ' python "${args[@]}"
+    printf '%q ' python "${runner[@]}" "${args[@]}"
     echo
     return 0
   fi
   local python
   python=$(kit_python)
-  PYTHONPATH="$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "${args[@]}"
+  PYTHONPATH="$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "${runner[@]}" "${args[@]}"
+}
+
+# kit_torchrun ARRAY: the torchrun arguments for NPROC_PER_NODE / NNODES / NODE_RANK /
+# MASTER_ADDR / MASTER_PORT (none for one process). torchrun in module form (no PATH lookup),
+# through train/torchrun.py so that bad input still ends in one line and exit code 2.
+# The trainer itself reads only RANK, LOCAL_RANK and WORLD_SIZE, which torchrun sets.
+kit_torchrun() {
+  local -n out=$1
+  local nproc=${NPROC_PER_NODE:-1} nnodes=${NNODES:-1} var
+  for var in NPROC_PER_NODE NNODES; do
+    [[ ${!var:-1} =~ ^[1-9][0-9]*$ ]] || kit_fail "$var: expected a whole number >= 1, got '${!var}'"
+  done
+  [[ ${NODE_RANK:-0} =~ ^[0-9]+$ ]] || kit_fail "NODE_RANK: expected a whole number >= 0, got '$NODE_RANK'"
+  [[ ${MASTER_PORT:-1} =~ ^[1-9][0-9]*$ ]] || kit_fail "MASTER_PORT: expected a port number, got '$MASTER_PORT'"
+  out=()
+  if [ "$nproc" = 1 ] && [ "$nnodes" = 1 ]; then
+    return 0
+  fi
+  out=(-m train.torchrun --nproc_per_node "$nproc" --nnodes "$nnodes")
+  if [ "$nnodes" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+    kit_fail "NNODES=$nnodes: set MASTER_ADDR to the address of the first machine (and the same MASTER_PORT on every machine)"
+  fi
+  if [ -n "${NODE_RANK:-}" ]; then
+    # fixed ranks, the guides' form: every machine says which one it is
+    out+=(--node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
+  elif [ "$nnodes" -gt 1 ] || [ -n "${MASTER_PORT:-}" ]; then
+    # c10d rendezvous: machines join in any order at MASTER_ADDR:MASTER_PORT
+    out+=(--rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv_id "${RUN_NAME:-gpu-train-kit}")
+  else
+    out+=(--standalone)  # one machine: c10d rendezvous on a free local port
+  fi
 }

@@ -19,6 +19,7 @@ from config import TrainConfig
 from train import data
 from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
+from train.distributed import SINGLE, Dist, describe, rank_device
 from train.errors import UsageError
 
 # With no GPU and no MODEL_SIZE, a demo sized to finish in a few minutes on 2 cores.
@@ -38,6 +39,7 @@ class Built:
     total_steps: int
     warmup_steps: int
     decisions: list = field(default_factory=list)
+    world: Dist = SINGLE
 
 
 def seed_everything(seed: int) -> None:
@@ -46,14 +48,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def plan_steps(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
+def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[int, str]:
     """Optimizer steps for this run: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES."""
-    effective = cfg.effective_batch_size()
-    per_epoch = n_samples // cfg.optim.batch_size // cfg.optim.gradient_accumulation_steps
+    effective = cfg.effective_batch_size(world_size)
+    # every rank reads its own 1/world_size of the data
+    per_epoch = n_samples // world_size // cfg.optim.batch_size // cfg.optim.gradient_accumulation_steps
     if per_epoch == 0:
+        processes = " x processes" if world_size > 1 else ""
         raise UsageError(
             f"DATA_PATH: {n_samples} sequences of MAX_LENGTH tokens are fewer than one optimizer step "
-            f"needs ({effective} = BATCH_SIZE x GRADIENT_ACCUM); add data or lower those"
+            f"needs ({effective} = BATCH_SIZE x GRADIENT_ACCUM{processes}); add data or lower those"
         )
     limits = {}
     o = cfg.optim
@@ -69,14 +73,14 @@ def plan_steps(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
     return limits[source], f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
-def build(cfg: TrainConfig, say) -> Built:
+def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     decisions = []
 
     def decide(setting: str, value, reason: str) -> None:
         decisions.append({"setting": setting, "value": value, "reason": reason})
         say(f"  {setting} = {value}  ({reason})")
 
-    device, why = resolve_device(cfg.system.device)
+    device, why = rank_device(*resolve_device(cfg.system.device), world)
     decide("device", str(device), why)
     precision, why = resolve_precision(cfg.system.precision, device)
     decide("precision", precision, why)
@@ -130,7 +134,7 @@ def build(cfg: TrainConfig, say) -> Built:
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
-    total_steps, why = plan_steps(cfg, len(dataset))
+    total_steps, why = plan_steps(cfg, len(dataset), world.world_size)
     decide("total_steps", total_steps, why)
     if cfg.run.log_every is None:
         cfg.run.log_every = max(1, min(10, total_steps // 10))
@@ -141,6 +145,9 @@ def build(cfg: TrainConfig, say) -> Built:
         decide("warmup_steps", warmup, "5 % of the run, at most 200")
 
     model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
+    parallel = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
+    if parallel:
+        decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", parallel)
     return Built(
         cfg=cfg,
         device=device,
@@ -153,4 +160,5 @@ def build(cfg: TrainConfig, say) -> Built:
         total_steps=total_steps,
         warmup_steps=warmup,
         decisions=decisions,
+        world=world,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import config
@@ -82,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in TRAIN_COMMANDS:
-        cfg = parse_training_args(command, rest)
+        from train import distributed
+
+        # RANK / LOCAL_RANK / WORLD_SIZE (torchrun, accelerate launch) are read here and only here.
+        world = distributed.from_env(os.environ)
+        with distributed.quiet_errors(world):
+            cfg = parse_training_args(command, rest)
         from train.loop import train
 
-        return train(cfg)
+        return distributed.launch(train, cfg, world)
     if command == "compare":
         from train.compare import compare_main
 

@@ -216,25 +216,34 @@ class PackedDataset(Dataset):
 
 
 class EpochSampler(Sampler):
-    """A seeded shuffle per epoch; `start` skips the first samples (a resumed position)."""
+    """A seeded shuffle per epoch; `start` skips the first samples (a resumed position).
 
-    def __init__(self, n: int, seed: int):
+    With several processes every rank draws the same permutation and takes a disjoint share of
+    it, perm[rank::world_size] after trimming to a multiple of world_size (equal shares, so no
+    rank waits for another at the end of an epoch); `start` then counts samples of this rank's
+    share, the same number on every rank."""
+
+    def __init__(self, n: int, seed: int, rank: int = 0, world_size: int = 1):
         self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
+        self.rank, self.world_size = rank, world_size
 
     def set_position(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        yield from torch.randperm(self.n, generator=generator)[self.start :].tolist()
+        perm = torch.randperm(self.n, generator=generator)[: self.n - self.n % self.world_size]
+        yield from perm[self.rank :: self.world_size][self.start :].tolist()
 
     def __len__(self) -> int:
-        return self.n - self.start
+        return self.n // self.world_size - self.start
 
 
-def make_loader(dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None):
+def make_loader(
+    dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None, rank: int = 0, world_size: int = 1
+):
     """The DataLoader with the guides' knobs: workers, prefetch, pinned memory, persistence."""
-    sampler = EpochSampler(len(dataset), seed)
+    sampler = EpochSampler(len(dataset), seed, rank, world_size)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict
@@ -10,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
+from train import distributed
 from train import monitor as monitor_lib
 from train.build import Built, build
 from train.device import autocast, device_name, synchronize
@@ -60,22 +62,24 @@ def forward_loss(model, batch: dict, device: torch.device, precision: str) -> to
         return model(**batch, labels=labels).loss
 
 
-def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision):
+def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None):
     """One optimizer step: micro-steps (autocast, backward of loss/accum) -> unscale -> clip
     -> step -> zero_grad. Returns (mean loss, grad norm) as device tensors, so nothing here
-    waits for the device, and the seconds spent waiting for batches."""
+    waits for the device, and the seconds spent waiting for batches. gradient_sync(last) (from
+    train.distributed) keeps gradients local on all but the last micro-step."""
     loss_sum = torch.zeros((), device=device)
     waited = 0.0
-    for _ in range(accum):
+    for micro in range(accum):
         start = time.perf_counter()
         batch = next(batches)
         waited += time.perf_counter() - start
-        loss = forward_loss(model, batch, device, precision)
-        scaler.scale(loss / accum).backward()
+        with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
+            loss = forward_loss(model, batch, device, precision)
+            scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)
     if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     else:
         grad_norm = torch.zeros((), device=device)
     scaler.step(optimizer)
@@ -113,16 +117,19 @@ def steady_start(total_steps: int) -> int:
 def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> dict:
     cfg, device, model = b.cfg, b.device, b.model
     o = cfg.optim
-    optimizer, kind = make_optimizer(model, cfg, device)
+    # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
+    train_model = distributed.wrap(model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
+    gradient_sync = distributed.sync_context(train_model)
+    optimizer, kind = make_optimizer(train_model, cfg, device)
     say(f"optimizer: AdamW ({kind})")
-    scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
-    step_model = torch.compile(model) if cfg.model.compile else model
+    scaler = distributed.grad_scaler(device, b.precision == "fp16", train_model)
+    step_model = torch.compile(train_model) if cfg.model.compile else train_model
     loader, sampler = data_loader(b)
     guard = guard or RunGuard(b, run_dir.path, say, lambda: [g["params"] for g in optimizer.param_groups])
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/resume.py).
     batches = guard.start(model, optimizer, scaler, loader, sampler)
     first = guard.first_step
-    effective = cfg.effective_batch_size()
+    effective = cfg.effective_batch_size(b.world.world_size)
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
     if device.type == "cuda":
@@ -138,7 +145,10 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     exit_reason = "completed"
     done = first
     # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
-    bar = tqdm(total=b.total_steps, initial=first, desc=cfg.run.mode, unit="step", dynamic_ncols=True, disable=None)
+    bar = tqdm(
+        total=b.total_steps, initial=first, desc=cfg.run.mode, unit="step", dynamic_ncols=True,
+        disable=None if b.world.is_main else True,
+    )
     try:
         for step in range(first, b.total_steps):
             position, warmup, total = guard.schedule_at(step)  # (step, warmup, total) unless the batch changed
@@ -146,7 +156,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_t, norm_t, waited = train_step(
-                step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision
+                step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision,
+                gradient_sync,
             )
             done = step + 1
             wait_total += waited
@@ -165,6 +176,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             last = step + 1 == b.total_steps
             log_due = (step + 1) % cfg.run.log_every == 0 or last
             if log_due:
+                loss_t, wait_interval = distributed.mean_across(b.world, loss_t, wait_interval)
                 loss = loss_t.item()  # the one host sync, only when a line is due
                 now = time.perf_counter()
                 span = now - interval_t0
@@ -221,7 +233,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
     data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and run_steps > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return {
+    summary = {
         "mode": cfg.run.mode,
         "run_name": run_dir.path.name,
         "device": str(device),
@@ -259,37 +271,49 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "exit_reason": exit_reason,
         **guard.summary(),
     }
+    return distributed.add_rank_figures(summary, b.world, device)
 
 
 def data_loader(b: Built):
     from train.data import make_loader
 
-    return make_loader(b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device)
+    w = b.world
+    return make_loader(
+        b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size
+    )
 
 
-def save_final(b: Built, run_dir: RunDir) -> None:
-    """final/: save_pretrained (safetensors) and the tokenizer; loads offline with from_pretrained."""
+def save_final(b: Built, run_dir: RunDir, state_dict: dict | None = None) -> None:
+    """final/: save_pretrained (safetensors) and the tokenizer; loads offline with from_pretrained.
+    A sharded model passes its full state dict, gathered on rank 0."""
     final = run_dir.path / "final"
     b.model.config.use_cache = True  # training turned the KV cache off; generation wants it
-    b.model.save_pretrained(final)
+    b.model.save_pretrained(final, state_dict=state_dict)
     b.tokenizer.save_pretrained(final)
 
 
-def train(cfg: TrainConfig) -> int:
-    say = Console()
+def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE) -> int:
+    """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
+    say = Console() if world.is_main else distributed.Quiet()
     r = cfg.run
-    run_path = plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
+    run_path = distributed.on_main(
+        world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
+    )
     say(f"{cfg.run.mode}: resolving settings")
-    b = build(cfg, say)
+    b = distributed.main_first(world, lambda: build(cfg, say, world))
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
-    run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming)
+    if world.is_main:
+        run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming)
+    else:
+        run_dir = distributed.NullRunDir(run_path)
     say.attach(run_dir)
     n_params = count_params(b.model)
-    effective = cfg.effective_batch_size()
+    effective = cfg.effective_batch_size(world.world_size)
+    processes = f" x {world.world_size} processes" if world.world_size > 1 else ""
     say(
         f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
-        f"batch {cfg.optim.batch_size} x accum {cfg.optim.gradient_accumulation_steps} = effective {effective}  "
+        f"batch {cfg.optim.batch_size} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {effective}  "
         f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {b.total_steps}"
     )
     run_dir.write(
@@ -304,7 +328,8 @@ def train(cfg: TrainConfig) -> int:
                 "total_steps": b.total_steps,
                 "warmup_steps": b.warmup_steps,
                 "effective_batch_size": effective,
-                "tokens_per_step": cfg.tokens_per_step(b.max_length),
+                "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
+                "world_size": world.world_size,
                 "n_params": n_params,
                 "model_config": b.model.config.to_dict(),
             },
@@ -313,8 +338,9 @@ def train(cfg: TrainConfig) -> int:
         },
     )
     summary = run_loop(b, run_dir, say, guard)
-    if summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
-        save_final(b, run_dir)
+    full_state = distributed.full_state_dict(b.model)  # sharded: a gather every rank joins
+    if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
+        save_final(b, run_dir, full_state)
     run_dir.write("summary.json", summary)
     _report(summary, run_dir, say)
     run_dir.close()

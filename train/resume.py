@@ -127,7 +127,10 @@ class RunGuard:
         go into b.model), re-plan the remaining steps, and only then touch the run folder."""
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
         r = self.cfg.run
-        self.effective = self.cfg.effective_batch_size()
+        self.effective = self.cfg.effective_batch_size(b.world.world_size)
+        # Checkpoints hold whole (unsharded) weights written by one process: rank 0 of a DDP run
+        # saves for all (every rank holds the same weights); FSDP2-sharded runs don't save yet.
+        self.saves = b.world.is_main and self.cfg.system.sharding == "none"
         self.manager = CheckpointManager(self.run_path / "checkpoints", r.keep_checkpoints, say)
         self.signals = StopSignals()
         self.loaded = None
@@ -139,6 +142,8 @@ class RunGuard:
         self.saving_s: list[tuple[float, float]] = []
         self.stop_detail = ""
         self.resuming = r.resume
+        if r.resume and self.cfg.system.sharding != "none":
+            raise UsageError("RESUME=1 with SHARDING is not supported yet: sharded runs save no checkpoints")
         if r.resume:
             self._resume(param_groups())
 
@@ -298,6 +303,8 @@ class RunGuard:
     def save(self, steps_done: int) -> None:
         """Save unless the model is unhealthy (a non-finite loss at this step or non-finite
         weights): a checkpoint must be one worth resuming from."""
+        if not self.saves:
+            return
         start = time.perf_counter()
         if self._streak is not None and int(self._streak.item()) > 0 or not self._weights_finite():
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")

@@ -1,0 +1,291 @@
+"""Past one process, on CPU with gloo: the rank-aware sampler, DDP equivalence with one big batch
+and no all-reduce on accumulation micro-steps, FSDP2 (zero2 / zero3) sharded checkpoints that
+load back and train on identically, and a 2-process run through the launcher (torchrun)."""
+
+import json
+import os
+import shlex
+import socket
+import time
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIG, launch, read_jsonl, run_cli
+from train import distributed
+from train.data import EpochSampler, make_loader
+from train.errors import UsageError
+
+SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model(seed=0):
+    from train.model import build_config, build_model
+
+    cfg = build_config("nano", None, 512, 0)
+    for key in ("n_layer", "n_embd", "n_head", "n_positions"):
+        setattr(cfg, key, TINY_CONFIG[key])
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return build_model(cfg, gradient_checkpointing=False, seed=seed)
+
+
+def flat(model):
+    return torch.cat([distributed.full_value(p.detach()).flatten() for p in model.parameters()])
+
+
+# ---- sampler: disjoint shares of one permutation, restorable position ----
+
+
+def test_sampler_shares_are_disjoint_and_cover_the_epoch():
+    whole = list(EpochSampler(103, seed=7))
+    assert sorted(whole) == list(range(103))
+    shares = [list(EpochSampler(103, seed=7, rank=r, world_size=3)) for r in range(3)]
+    assert [len(s) for s in shares] == [34, 34, 34]  # trimmed to a multiple of 3: equal shares
+    assert all(len(EpochSampler(103, 7, r, 3)) == 34 for r in range(3))
+    interleaved = [shares[i % 3][i // 3] for i in range(102)]
+    assert interleaved == whole[:102]  # the same permutation, dealt out in turn
+
+
+def test_sampler_position_resumes_without_repeats_or_gaps():
+    """A killed 2-process run restored with set_position(epoch, start) reads exactly what the
+    uninterrupted run would have read (the checkpoint stores epoch and per-rank start)."""
+    for rank in range(2):
+        full = EpochSampler(50, seed=3, rank=rank, world_size=2)
+        full.set_position(1)
+        uninterrupted = list(full)
+        before = uninterrupted[:10]
+        resumed = EpochSampler(50, seed=3, rank=rank, world_size=2)
+        resumed.set_position(1, start=10)
+        assert before + list(resumed) == uninterrupted
+        assert len(resumed) == 15
+    ranks = [set(EpochSampler(50, 3, r, 2)) for r in range(2)]
+    assert not ranks[0] & ranks[1]
+
+
+def test_from_env_reads_only_the_standard_variables():
+    assert distributed.from_env({}) == distributed.SINGLE
+    assert distributed.from_env({"MASTER_ADDR": "x"}) == distributed.SINGLE
+    world = distributed.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+    assert (world.rank, world.local_rank, world.world_size, world.is_main) == (3, 1, 4, False)
+    with pytest.raises(UsageError, match="WORLD_SIZE"):
+        distributed.from_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "two"})
+    with pytest.raises(UsageError, match="RANK=4"):
+        distributed.from_env({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+
+
+def test_launcher_starts_torchrun_in_module_form():
+    def argv(env):
+        result = launch("run_single_gpu_optimized.sh", {"SHOW_COMMAND": "1", **env})
+        return result.returncode, shlex.split(result.stdout), result.stderr
+
+    code, args, _ = argv({"NPROC_PER_NODE": "2", "SHARDING": "zero2", "OFFLOAD_OPTIMIZER": "1"})
+    assert code == 0
+    runner = args[: args.index("train")]
+    assert runner[:3] == ["python", "-m", "train.torchrun"]
+    assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
+    assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
+    code, args, _ = argv(
+        {"NPROC_PER_NODE": "4", "NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    )
+    assert args[args.index("--rdzv_backend") + 1] == "c10d"
+    assert args[args.index("--rdzv_endpoint") + 1] == "10.0.0.1:29600"
+    code, args, _ = argv({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"})
+    assert args[args.index("--node_rank") + 1] == "1" and args[args.index("--master_addr") + 1] == "10.0.0.1"
+    code, _, err = argv({"NNODES": "2"})
+    assert code == 2 and "MASTER_ADDR" in err
+    code, _, err = argv({"NPROC_PER_NODE": "0"})
+    assert code == 2 and "NPROC_PER_NODE" in err
+    code, args, _ = argv({})
+    assert args[:3] == ["python", "-m", "train"]  # one process: no torchrun
+
+
+# ---- two processes (torch.multiprocessing spawn, gloo) ----
+
+
+def spawn(fn, *args, nprocs=2):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__} did not finish in {SPAWN_TIMEOUT} s (a hung collective?)")
+
+
+def _ranks_worker(rank, world_size, port, folder):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # this child's own environment
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        world = distributed.Dist(rank=rank, local_rank=rank, world_size=world_size)
+        _ddp_matches_one_big_batch(world)
+        _sharded_checkpoint_round_trip(world, folder, "zero2", offload=False)
+        _sharded_checkpoint_round_trip(world, folder, "zero3", offload=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _sgd_step(model, loader, accum, sync):
+    from train.loop import train_step
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync)
+
+
+def _ddp_matches_one_big_batch(world):
+    """2 ranks x (2 micro-batches of 2) = 1 rank x batch 8 on the same samples, and DDP's
+    all-reduce runs on the last micro-step only."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from config import DataConfig
+
+    gen = torch.Generator().manual_seed(0)
+    dataset = [{"input_ids": row} for row in torch.randint(0, 512, (16, 32), generator=gen)]
+    cpu = torch.device("cpu")
+    loader, _ = make_loader(dataset, DataConfig(), 2, 5, cpu, rank=world.rank, world_size=world.world_size)
+    ddp = distributed.wrap(tiny_model(), world, "none", False, cpu)
+    allreduces = []
+
+    def counting_hook(state, bucket):
+        allreduces.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    _sgd_step(ddp, loader, 2, distributed.sync_context(ddp))
+    per_accumulated_step = len(allreduces)
+    after = flat(ddp.module)
+    _sgd_step(ddp, loader, 1, distributed.sync_context(ddp))
+    assert per_accumulated_step == len(allreduces) - per_accumulated_step > 0  # micro-step 1 sent nothing
+
+    if world.rank == 0:
+        reference = tiny_model()
+        big, _ = make_loader(dataset, DataConfig(), 8, 5, cpu)
+        _sgd_step(reference, big, 1, None)
+        torch.testing.assert_close(after, flat(reference), rtol=1e-5, atol=1e-6)
+
+
+def _local_state(model, optimizer):
+    def local(t):
+        return t.to_local().clone() if hasattr(t, "to_local") else t.clone()
+
+    params = [local(p.detach()) for p in model.parameters()]
+    optim = [
+        local(v) for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
+    ]
+    return params, optim
+
+
+def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
+    from config import TrainConfig
+    from train.loop import make_optimizer, train_step
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data
+    batches = [{"input_ids": torch.randint(0, 512, (2, 32), generator=gen)} for _ in range(8)]
+    cfg = TrainConfig()
+
+    def steps(model, optimizer, chunk):
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        train_step(
+            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", distributed.sync_context(model)
+        )
+
+    a = distributed.wrap(tiny_model(0), world, sharding, offload, cpu)
+    assert distributed.is_sharded(a)
+    opt_a, _ = make_optimizer(a, cfg, cpu)
+    steps(a, opt_a, batches[0:2])
+    steps(a, opt_a, batches[2:4])
+    where = os.path.join(folder, sharding)
+    distributed.save_sharded(where, a, opt_a)
+    saved = _local_state(a, opt_a)
+    steps(a, opt_a, batches[4:6])
+
+    # a different init: the load must replace all of it
+    b = distributed.wrap(tiny_model(1), world, sharding, offload, cpu)
+    opt_b, _ = make_optimizer(b, cfg, cpu)
+    distributed.load_sharded(where, b, opt_b)
+    loaded = _local_state(b, opt_b)
+    for x, y in zip(saved[0] + saved[1], loaded[0] + loaded[1], strict=True):
+        assert torch.equal(x, y)
+    steps(b, opt_b, batches[4:6])
+    torch.testing.assert_close(flat(b), flat(a), rtol=0, atol=0)  # continues exactly as the saved run did
+
+
+def test_two_ranks_ddp_and_sharded_checkpoints(tmp_path):
+    spawn(_ranks_worker, str(tmp_path))
+
+
+# ---- whole runs ----
+
+
+def test_sharding_on_one_process_trains_and_saves_final(tiny_flags, tmp_path):
+    """SHARDING=zero3 with OFFLOAD_OPTIMIZER=1 on one process (the guides' offload on one GPU):
+    a group of one, FSDP2 in the real loop, final/ gathered and loadable."""
+    argv = ["--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "3", "--run_name", "z"]
+    assert run_cli("pretrain", *tiny_flags, *argv, "--sharding", "zero3", "--offload_optimizer", "1") == 0
+    run = tmp_path / "runs" / "z"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 3
+    decisions = json.loads((run / "config.json").read_text())["decisions"]
+    assert any(d["setting"] == "parallel" and "reshard_after_forward=True" in d["reason"] for d in decisions)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert "lm_head.weight" not in load_file(run / "final" / "model.safetensors")  # tied: stored once
+    model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
+def test_bad_sharding_settings_name_the_variable(tiny_flags, capsys):
+    assert run_cli("pretrain", *tiny_flags, "--offload_optimizer", "1") == 2
+    assert "OFFLOAD_OPTIMIZER=1 (--offload_optimizer) needs SHARDING" in capsys.readouterr().err
+    assert run_cli("pretrain", *tiny_flags, "--sharding", "zero5") == 2
+    assert capsys.readouterr().err.startswith("error: SHARDING (--sharding): expected none | zero2 | zero3")
+
+
+def test_two_process_run_through_the_launcher(tmp_path, corpus, tiny_config, cache_dir):
+    env = {
+        "NPROC_PER_NODE": "2",
+        "MODEL_CONFIG": str(tiny_config),
+        "DATA_PATH": str(corpus),
+        "VOCAB_SIZE": "512",
+        "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(tmp_path / "runs"),
+        "RUN_NAME": "two",
+        "MAX_LENGTH": "64",
+        "BATCH_SIZE": "4",
+        "GRADIENT_ACCUM": "2",
+        "NUM_WORKERS": "0",
+        "MAX_STEPS": "4",
+        "LOG_EVERY": "2",
+    }
+    result = launch("run_single_gpu_optimized.sh", env, timeout=SPAWN_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["latest", "two"]  # one set of outputs
+    run = tmp_path / "runs" / "two"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["effective_batch_size"] == 4 * 2 * 2
+    assert summary["samples"] == 4 * 16 and [r["rank"] for r in summary["per_rank"]] == [0, 1]
+    assert all(r["peak_rss_mb"] > 0 for r in summary["per_rank"])
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == [2, 4]  # rank 0 alone writes
+    assert "x 2 processes = effective 16" in (run / "train.log").read_text()
+    assert result.stdout.count("done:") == 1  # rank 0 alone prints
+    assert (run / "final" / "model.safetensors").exists()
+
+    bad = launch(
+        "run_single_gpu_optimized.sh", {**env, "RUN_NAME": "two", "MAX_STEPS": "1"}, timeout=SPAWN_TIMEOUT
+    )
+    assert bad.returncode == 2 and "OVERWRITE=1" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,377 @@
+"""Past one process: torchrun's variables, the process group, DDP / FSDP2 wrapping, rank-0-only
+outputs, reductions for the log, and sharded checkpoints through torch.distributed.checkpoint.
+
+The kit scales on the engines PyTorch has: DistributedDataParallel, and fully_shard (FSDP2) for
+the guides' ZeRO-2 / ZeRO-3. The trainer reads only RANK, LOCAL_RANK and WORLD_SIZE (here, once,
+in `from_env`), so torchrun, `accelerate launch` and a cluster scheduler start it the same way;
+the loop gets a `Dist` and never reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from train.errors import EXIT_USAGE, UsageError
+
+# Rank 0 builds the data caches (tokenizer training, tokenizing) while the others wait in a
+# barrier: on a large corpus that takes minutes, longer than NCCL's 10-minute default.
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process stands: its rank among all processes, its GPU index on this machine."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, writes the run folder and saves final/."""
+        return self.rank == 0
+
+
+SINGLE = Dist()
+
+
+def from_env(environ) -> Dist:
+    """The standard launcher variables (torchrun, accelerate launch, a scheduler's torchrun).
+    None set: one process."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    if not any(environ.get(name) for name in names):
+        return SINGLE
+    values = {}
+    for name in names:
+        text = environ.get(name, "")
+        if name == "LOCAL_RANK" and text == "":
+            text = environ.get("RANK", "")  # one machine: the local rank is the rank
+        if not text.strip().isdigit():
+            raise UsageError(f"{name}: expected a whole number >= 0 (set by torchrun), got {text!r}")
+        values[name] = int(text)
+    world = Dist(rank=values["RANK"], local_rank=values["LOCAL_RANK"], world_size=values["WORLD_SIZE"])
+    if world.world_size < 1 or world.rank >= world.world_size:
+        raise UsageError(
+            f"RANK={world.rank} with WORLD_SIZE={world.world_size}: the rank must be below the world size"
+        )
+    return world
+
+
+def needs_group(world: Dist, sharding: str) -> bool:
+    """A process group exists with several processes, and for FSDP2 even with one."""
+    return world.world_size > 1 or sharding != "none"
+
+
+def _backend(device_setting: str) -> str:
+    from train.device import resolve_device
+
+    device, _ = resolve_device(device_setting)
+    if device.type == "mps":
+        raise UsageError("NPROC_PER_NODE / SHARDING: Apple mps has no collective backend; set DEVICE=cpu")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launch(train_fn, cfg, world: Dist) -> int:
+    """Run train_fn(cfg, world) inside a process group when one is needed, and take it down after.
+    Bad input stops every rank with exit code 2; only rank 0 prints the line."""
+    with quiet_errors(world):
+        if not needs_group(world, cfg.system.sharding):
+            return train_fn(cfg, world)
+        backend = _backend(cfg.system.device)
+        if backend == "nccl":
+            if world.local_rank >= torch.cuda.device_count():
+                raise UsageError(
+                    f"NPROC_PER_NODE: LOCAL_RANK {world.local_rank} but only {torch.cuda.device_count()} GPU(s) visible"
+                )
+            torch.cuda.set_device(world.local_rank)
+        if world.world_size == 1:
+            # SHARDING on one process (offload on one GPU): a group of one, no rendezvous needed.
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=GROUP_TIMEOUT
+            )
+        else:
+            dist.init_process_group(
+                backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT
+            )
+        try:
+            code = train_fn(cfg, world)
+            dist.barrier()  # no rank tears the group down while another still talks to it
+            return code
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def quiet_errors(world: Dist):
+    """Every rank meets the same bad input; one error line is enough."""
+    try:
+        yield
+    except UsageError:
+        if world.is_main:
+            raise
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def agree(error: str | None) -> None:
+    """Raise the same UsageError on every rank when any rank met one, so none waits forever in
+    a collective that a failed rank will never join."""
+    if not _active() or dist.get_world_size() == 1:
+        if error:
+            raise UsageError(error)
+        return
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UsageError(first)
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except UsageError as err:
+        return None, str(err)
+
+
+def on_main(world: Dist, fn):
+    """fn() on rank 0 only; its result (or its error) reaches every rank."""
+    result, error = _attempt(fn) if world.is_main else (None, None)
+    agree(error)
+    if _active() and dist.get_world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    return result
+
+
+def main_first(world: Dist, fn):
+    """fn() on each machine's local rank 0 first (it fills the tokenizer and token caches), then
+    on the other ranks, which find the caches ready instead of racing to write them."""
+    result, error = _attempt(fn) if world.local_rank == 0 else (None, None)
+    agree(error)
+    if world.local_rank != 0:
+        result, error = _attempt(fn)
+    agree(error)
+    return result
+
+
+def rank_device(device: torch.device, why: str, world: Dist) -> tuple[torch.device, str]:
+    """One GPU per process: cuda:LOCAL_RANK."""
+    if world.world_size > 1 and device.type == "cuda":
+        return torch.device("cuda", world.local_rank), f"one GPU per process: LOCAL_RANK={world.local_rank}"
+    return device, why
+
+
+def describe(world: Dist, sharding: str, offload: bool) -> str | None:
+    """What wrap() will do, for the decisions in config.json (None: a plain single process)."""
+    if not needs_group(world, sharding):
+        return None
+    if sharding == "none":
+        return f"DDP over {world.world_size} processes: gradients all-reduced on the last micro-step only"
+    kind = (
+        "zero2 (reshard_after_forward=False: parameters stay gathered from forward to backward)"
+        if sharding == "zero2"
+        else "zero3 (reshard_after_forward=True: parameters gathered per block and freed again)"
+    )
+    where = ", parameters, gradients and AdamW state in host memory" if offload else ""
+    return f"FSDP2 fully_shard over {world.world_size} process(es), {kind}{where}"
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the classes transformers names as not to be split across devices."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def wrap(
+    model: torch.nn.Module, world: Dist, sharding: str, offload: bool, device: torch.device
+) -> torch.nn.Module:
+    """The module the loop trains: the model itself (one process), DDP around it, or the model
+    sharded in place by fully_shard (every block its own FSDP group, then the root, which
+    holds the embeddings and the tied LM head)."""
+    if not needs_group(world, sharding):
+        return model
+    if sharding == "none":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets, no second copy.
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    options = {"reshard_after_forward": sharding == "zero3"}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in _blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def sync_context(model: torch.nn.Module):
+    """gradient_sync(last) -> a context for one micro-step: all but the last micro-step of an
+    optimizer step keep their gradients local (DDP no_sync; FSDP2 set_requires_gradient_sync),
+    so the all-reduce runs once per optimizer step instead of once per micro-batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return lambda last: contextlib.nullcontext() if last else model.no_sync()
+    if is_sharded(model):
+
+        @contextlib.contextmanager
+        def fsdp_sync(last: bool):
+            model.set_requires_gradient_sync(last)
+            yield
+
+        return fsdp_sync
+    return None
+
+
+def grad_scaler(device: torch.device, enabled: bool, model: torch.nn.Module):
+    """fp16 loss scaling; with sharded gradients the overflow check must agree across ranks, or
+    one rank steps while another skips (ShardedGradScaler all-reduces found_inf)."""
+    if enabled and is_sharded(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's grad norm) as a plain tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def mean_across(world: Dist, loss: torch.Tensor, waited: float) -> tuple[torch.Tensor, float]:
+    """Loss and data-wait averaged over ranks: one all-reduce, at log points only (gloo has no
+    AVG, so SUM / world size)."""
+    if world.world_size == 1 or not _active():
+        return loss, waited
+    both = torch.stack([loss.detach().float(), torch.tensor(waited, device=loss.device, dtype=torch.float32)])
+    dist.all_reduce(both)
+    both /= world.world_size
+    return both[0], both[1].item()
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (OSError, ValueError):
+        return None
+    return round(peak / 2**20 if sys.platform == "darwin" else peak / 1024, 1)  # bytes on macOS, kB on Linux
+
+
+def add_rank_figures(summary: dict, world: Dist, device: torch.device) -> dict:
+    """Per-rank peak memory (all_gather, once at the end) and per-rank throughput; the totals
+    stay global (samples over all ranks), MFU is per GPU."""
+    mine = {
+        "rank": world.rank,
+        "peak_vram_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    ranks = [mine]
+    if world.world_size > 1 and _active():
+        ranks = [None] * world.world_size
+        dist.all_gather_object(ranks, mine)
+    vram = [r["peak_vram_mb"] for r in ranks if r["peak_vram_mb"] is not None]
+    n = world.world_size
+    summary["world_size"] = n
+    summary["per_rank"] = ranks
+    summary["peak_vram_mb"] = max(vram) if vram else summary.get("peak_vram_mb")
+    summary["peak_vram_mb_total"] = sum(vram) if vram else None
+    for key in ("samples_per_sec", "tokens_per_sec"):
+        summary[f"{key}_per_rank"] = summary[key] / n if summary.get(key) is not None else None
+    if summary.get("mfu") is not None:
+        summary["mfu"] /= n  # achieved FLOPs are over all GPUs, the peak is one GPU's
+    return summary
+
+
+def full_state_dict(model: torch.nn.Module) -> dict | None:
+    """For final/ of a sharded model: the full state dict gathered onto rank 0's CPU (a
+    collective: every rank calls it). None when the model is not sharded."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # The gather copies tied weights (LM head = embeddings) apart; alias them again so
+    # save_pretrained stores one copy, as it does for an unsharded model.
+    ties = getattr(model, "all_tied_weights_keys", None)
+    for target, source in ties.items() if isinstance(ties, dict) else ():
+        if target in state and source in state:
+            state[target] = state[source]
+    return state
+
+
+def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state through torch.distributed.checkpoint: each rank writes its own
+    shards (no gather onto one GPU). Every rank calls it with the same directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory)))
+    if _active():
+        dist.barrier()  # measured: without it the processes abort at exit while files are written
+
+
+def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read save_sharded's checkpoint into a model wrapped the same way (same SHARDING) and its
+    freshly made optimizer. Every rank calls it with the same directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(directory)
+    if not (path / ".metadata").exists():
+        raise UsageError(f"RESUME: {path} is not a sharded checkpoint (no .metadata)")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class NullRunDir:
+    """What ranks other than 0 write: nothing. Same methods as RunDir."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log(self, line: str) -> None:
+        pass
+
+    def metrics(self, row: dict) -> None:
+        pass
+
+    def write(self, name: str, data) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Quiet:
+    """The console of ranks other than 0: N copies of every line help no one."""
+
+    def __call__(self, line: str) -> None:
+        pass
+
+    def attach(self, run_dir) -> None:
+        pass

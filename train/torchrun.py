@@ -1,0 +1,44 @@
+"""`python -m train.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
+start it with NPROC_PER_NODE > 1, except that bad input stays what it is with one process: one
+line from rank 0 and exit code 2, not torchrun's report of a failed child with a traceback.
+
+Any other failure (a crash, an out-of-memory error, a lost node) is reported by torchrun as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from train.errors import EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet = _DropUsageExits()
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.addFilter(quiet)  # a filter acts on the logger a record starts from, not its parents
+    try:
+        run(args)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        if failure.exitcode == EXIT_USAGE:
+            return EXIT_USAGE  # every rank stopped on the same bad input; rank 0 printed it
+        raise
+    return 0
+
+
+class _DropUsageExits(logging.Filter):
+    """The agent logs each worker's exit; for exit code 2 rank 0's own line says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return f"exitcode: {EXIT_USAGE})" not in text and "closing signal" not in text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
