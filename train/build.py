@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,10 @@ class Built:
     total_steps: int
     warmup_steps: int
     decisions: list = field(default_factory=list)
+    make_loader: Callable | None = None
+    """SFT: (Built) -> (loader, sampler); None: the packed pretraining loader."""
+    summary_extra: dict = field(default_factory=dict)
+    """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -69,6 +74,11 @@ def plan_steps(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
 
 
 def build(cfg: TrainConfig, say) -> Built:
+    from train.sft import build_sft, refuse_sft_settings
+
+    if cfg.run.mode == "sft":
+        return build_sft(cfg, say)
+    refuse_sft_settings(cfg)
     decisions = []
 
     def decide(setting: str, value, reason: str) -> None:

@@ -53,6 +53,11 @@ def batch_stream(loader, sampler, epoch: int = 0):
 
 
 def forward_loss(model, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
+    # Only tensors reach the model: SFT's PadCollator also hands over the ints n_real_tokens and
+    # n_padded_tokens, which BatchCounter has already read on the host. With padded SFT batches
+    # transformers' loss is the mean over this micro-batch's trained tokens (labels != -100), so
+    # with accumulation each micro-batch weighs the same whatever its token count, as in the
+    # transformers Trainer for years; acceptable, and the same rule for every run compared.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
     with autocast(device, precision):
@@ -81,6 +86,28 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm, waited
+
+
+class BatchCounter:
+    """Passes micro-batches through and counts rows, real and padded tokens on the host (shapes
+    and the collator's ints: no device sync). Packed pretraining batches are all real tokens."""
+
+    def __init__(self, batches):
+        self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.batches)
+        ids = batch["input_ids"]
+        self.rows += ids.shape[0]
+        self.real += int(batch.get("n_real_tokens", ids.numel()))
+        self.padded += int(batch.get("n_padded_tokens", ids.numel()))
+        return batch
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.rows, self.real, self.padded
 
 
 class Console:
@@ -117,9 +144,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(model) if cfg.model.compile else model
     loader, sampler = data_loader(b)
-    batches = batch_stream(loader, sampler)
+    batches = BatchCounter(batch_stream(loader, sampler))
     effective = cfg.effective_batch_size()
-    tokens_per_step = cfg.tokens_per_step(b.max_length)
+    done = steady_at = interval_at = (0, 0, 0)  # (rows, real, padded tokens) after whole steps
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
     if device.type == "cuda":
@@ -143,6 +170,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
             loss_t, norm_t, waited = train_step(
                 step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision
             )
+            done = batches.counts()
             wait_total += waited
             wait_interval += waited
             interval_steps += 1
@@ -154,7 +182,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 if first_step_s is None:
                     first_step_s = now - t0
                 if step + 1 == skip:
-                    steady_t0 = now
+                    steady_t0, steady_at = now, done
             bar.update(1)
             last = step + 1 == b.total_steps
             if (step + 1) % cfg.run.log_every == 0 or last:
@@ -163,12 +191,12 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 span = now - interval_t0
                 row = {
                     "step": step + 1,
-                    "samples": (step + 1) * effective,
-                    "tokens": (step + 1) * tokens_per_step,
+                    "samples": done[0],
+                    "tokens": done[1],
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": norm_t.item(),
-                    "samples_per_sec": interval_steps * effective / span,
+                    "samples_per_sec": (done[0] - interval_at[0]) / span,
                     "data_wait_frac": min(1.0, wait_interval / span),
                     "elapsed_s": now - t0,
                 }
@@ -183,7 +211,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 )
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
-                interval_t0, interval_steps, wait_interval = now, 0, 0.0
+                interval_t0, interval_steps, wait_interval, interval_at = now, 0, 0.0, done
         step = b.total_steps
     except KeyboardInterrupt:
         exit_reason = "interrupted"
@@ -198,10 +226,14 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     steady_steps = max(0, steps_done - skip)
     steady_s = end - steady_t0 if steady_steps else end - t0
     steady_steps = steady_steps or steps_done
-    samples_per_sec = steady_steps * effective / steady_s if steady_s > 0 and steps_done else None
+    # Throughput on real tokens and rows counted as they passed (SFT batches vary in both).
+    base = steady_at if steps_done > skip else (0, 0, 0)
+    rows, real = done[0] - base[0], done[1] - base[1]
+    samples_per_sec = rows / steady_s if steady_s > 0 and steps_done else None
     n_params = count_params(model)
-    fpt = flops_per_token(n_params, **shape(model.config), seq_len=b.max_length)
-    tokens_per_sec = samples_per_sec * b.max_length if samples_per_sec else None
+    seq_len = round(done[1] / done[0]) if done[0] else b.max_length  # pretraining: max_length
+    fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
+    tokens_per_sec = real / steady_s if samples_per_sec else None
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
     data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and steps_done > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
@@ -220,8 +252,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,
         "steps": steps_done,
-        "samples": steps_done * effective,
-        "tokens": steps_done * tokens_per_step,
+        "samples": done[0],
+        "tokens": done[1],
+        "padding_efficiency": done[1] / done[2] if done[2] else None,
         "wall_time_s": end - t0,
         "time_to_first_step_s": first_step_s,
         "steady_state_steps": steady_steps,
@@ -241,10 +274,13 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
         "final_loss": loss,
         "exit_reason": exit_reason,
+        **b.summary_extra,
     }
 
 
 def data_loader(b: Built):
+    if b.make_loader is not None:
+        return b.make_loader(b)
     from train.data import make_loader
 
     return make_loader(b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device)
