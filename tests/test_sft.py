@@ -28,7 +28,10 @@ FORMATS = {
         ]
     },
     "sharegpt": lambda i: {
-        "conversations": [{"from": "human", "value": f"Hi {i}"}, {"from": "gpt", "value": "Hello there." * (1 + i % 2)}]
+        "conversations": [
+            {"from": "human", "value": f"Hi {i}"},
+            {"from": "gpt", "value": "Hello there." * (1 + i % 2)},
+        ]
     },
     "prompt_response": lambda i: {"prompt": f"Say {i}.", "response": f"{i} it is."},
 }
@@ -122,7 +125,12 @@ def test_chinese_round_trips_through_tokenization_and_generation(base_model, sft
     assert run_cli("sft", *argv) == 0
     capsys.readouterr()
     final = str(tmp_path / "runs" / "zh" / "final")
-    assert run_cli("generate", "--model", final, "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "30") == 0
+    assert (
+        run_cli(
+            "generate", "--model", final, "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "30"
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == reply
 
 
@@ -131,7 +139,17 @@ def test_length_grouping_raises_padding_efficiency(sft_flags, tmp_path):
     data = write_jsonl(tmp_path / "mixed.jsonl", records)
     efficiency = {}
     for grouping in ("0", "1"):
-        argv = [*sft_flags, "--data_path", data, "--batch_size", "8", "--max_steps", "4", "--run_name", f"g{grouping}"]
+        argv = [
+            *sft_flags,
+            "--data_path",
+            data,
+            "--batch_size",
+            "8",
+            "--max_steps",
+            "4",
+            "--run_name",
+            f"g{grouping}",
+        ]
         assert run_cli("sft", *argv, "--length_grouping", grouping) == 0
         efficiency[grouping] = summary_of(tmp_path, f"g{grouping}")["padding_efficiency"]
     assert efficiency["1"] > efficiency["0"] + 0.15 and efficiency["1"] > 0.85, efficiency
@@ -163,7 +181,10 @@ def test_default_model_is_newest_pretraining_run(tmp_path):
 
 
 BAD = {
-    "malformed": ('{"prompt": "a", "response": "b"}\n{"prompt": oops\n', ["bad.jsonl line 2", "not valid JSON"]),
+    "malformed": (
+        '{"prompt": "a", "response": "b"}\n{"prompt": oops\n',
+        ["bad.jsonl line 2", "not valid JSON"],
+    ),
     "empty": ("", ["no records"]),
     "no_response": ('{"prompt": "a", "response": "  "}\n', ["line 1", "no response"]),
     "unknown": ('{"question": "a", "answer": "b"}\n', ["unknown SFT format", "alpaca"]),

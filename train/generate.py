@@ -25,8 +25,12 @@ DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
 
 
 def parser() -> _Parser:
-    p = _Parser(prog="python -m train generate", description="Sample from a trained model with its chat template.")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="a run's final/ folder (default: runs/latest/final)")
+    p = _Parser(
+        prog="python -m train generate", description="Sample from a trained model with its chat template."
+    )
+    p.add_argument(
+        "--model", default=str(DEFAULT_MODEL), help="a run's final/ folder (default: runs/latest/final)"
+    )
     p.add_argument("--prompt", help="one user message; without it, read one message per line from stdin")
     p.add_argument("--interactive", action="store_true", help="chat on stdin (the default without --prompt)")
     p.add_argument("--system", help="a system message put before the conversation")
@@ -49,7 +53,9 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: not a model folder (no config.json); give a run's final/ folder")
+        raise UsageError(
+            f"--model {model_dir}: not a model folder (no config.json); give a run's final/ folder"
+        )
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, **offline)

@@ -77,13 +77,17 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-    hint = "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
+    hint = (
+        "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
+    )
     tok_source = tokenizer_path or path
     try:
         tok = AutoTokenizer.from_pretrained(tok_source, **offline)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
         var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
-        raise UsageError(f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}") from None
+        raise UsageError(
+            f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
+        ) from None
     # float32 weights whatever the checkpoint's dtype (transformers 5 loads "auto"): AdamW on
     # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
     load = partial(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **offline)
@@ -95,7 +99,9 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
                 raise
             model = load()  # an architecture without sdpa support
     except Exception as err:
-        raise UsageError(f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}") from None
+        raise UsageError(
+            f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}"
+        ) from None
     return model, tok
 
 
@@ -164,7 +170,9 @@ def sft_loader(b: Built, collate: PadCollator):
         return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
     if d.length_grouping:
         sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed)
-        return DataLoader(b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common), sampler
+        return DataLoader(
+            b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common
+        ), sampler
     return data_lib.make_loader(b.dataset, d, b.cfg.optim.batch_size, seed, device, collate_fn=collate)
 
 
@@ -188,7 +196,8 @@ def plan_sft_steps(cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micr
     if not limits:
         limits["EPOCHS (default 1)"] = per_epoch
     source = min(limits, key=limits.get)
-    return limits[source], f"{source}; one epoch is {per_epoch} steps of ~{rows_per_micro * accum:.0f} conversations"
+    why = f"{source}; one epoch is {per_epoch} steps of ~{rows_per_micro * accum:.0f} conversations"
+    return limits[source], why
 
 
 def _model_label(path: Path, model) -> str:
@@ -197,6 +206,48 @@ def _model_label(path: Path, model) -> str:
         return str(json.loads((path.parent / "summary.json").read_text())["model_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return model.config.model_type
+
+
+def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
+    """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
+    added = ensure_special_tokens(tok)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        decide(
+            "vocab_size",
+            model.get_input_embeddings().num_embeddings,
+            f"{added} chat-template token(s) added to the tokenizer; embeddings resized (multiple of 64)",
+        )
+    # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
+    model.generation_config.eos_token_id = stop_token_ids(tok)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.config.use_cache = False  # the KV cache only costs memory in training
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # from_pretrained returns the model in eval mode (dropout off)
+
+
+def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDataset, str, int, int]:
+    """DATA_PATH (or the built-in set) -> encoded examples; says the format and every count."""
+    skipped = 0
+    if cfg.data.data_path is None:
+        conversations = builtin_conversations()
+        fmt = "built-in (standard-library functions: signature and docstring -> body)"
+    else:
+        conversations, fmt, skipped = load_conversations(Path(cfg.data.data_path), cfg.data.skip_bad_records)
+    source = cfg.data.data_path or "built-in"
+    say(f"SFT data: {source}, format {fmt}, {len(conversations)} conversations")
+    if skipped:
+        say(f"skipped {skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train")
+    examples, truncated = encode_conversations(conversations, tok, max_length)
+    if truncated:
+        say(
+            f"truncated {truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens"
+        )
+    return SFTDataset(examples), fmt, skipped, truncated
 
 
 def build_sft(cfg: TrainConfig, say) -> Built:
@@ -229,50 +280,31 @@ def build_sft(cfg: TrainConfig, say) -> Built:
         decide("model_path", path, "the newest pretraining run's final/ (set MODEL_PATH to choose)")
     model, tok = load_pretrained(Path(path), cfg.data.tokenizer_path, cfg.model.trust_remote_code)
 
-    added = ensure_special_tokens(tok)
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tok) > rows:
-        model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
-        decide("vocab_size", model.get_input_embeddings().num_embeddings,
-               f"{added} chat-template token(s) added to the tokenizer; embeddings resized (multiple of 64)")
-    # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
-    model.generation_config.eos_token_id = stop_token_ids(tok)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.config.use_cache = False  # the KV cache only costs memory in training
-    if getattr(model, "loss_type", None) is None:
-        model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()  # from_pretrained returns the model in eval mode (dropout off)
+    prepare_model(model, tok, cfg.model.gradient_checkpointing, decide)
 
     context = model_lib.context_length(model.config)
     max_length = cfg.data.max_length
     if max_length is None:
         max_length = min(context, MAX_LENGTH_CAP)
-        decide("max_length", max_length, "the model's context length" + (" (capped)" if context > MAX_LENGTH_CAP else ""))
+        decide(
+            "max_length",
+            max_length,
+            "the model's context length" + (" (capped)" if context > MAX_LENGTH_CAP else ""),
+        )
     elif max_length > context:
         raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
 
-    skipped = 0
-    if cfg.data.data_path is None:
-        conversations = builtin_conversations()
-        fmt = "built-in (standard-library functions: signature and docstring -> body)"
-    else:
-        conversations, fmt, skipped = load_conversations(Path(cfg.data.data_path), cfg.data.skip_bad_records)
-    source = cfg.data.data_path or "built-in"
-    say(f"SFT data: {source}, format {fmt}, {len(conversations)} conversations")
-    if skipped:
-        say(f"skipped {skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train")
-    examples, truncated = encode_conversations(conversations, tok, max_length)
-    if truncated:
-        say(f"truncated {truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens")
-    dataset = SFTDataset(examples)
+    dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
 
     bs = cfg.optim.batch_size
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
         micro, rows_per_micro = len(batches), len(dataset) / max(1, len(batches))
-        decide("batch_size", f"~{rows_per_micro:.1f}", f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused")
+        decide(
+            "batch_size",
+            f"~{rows_per_micro:.1f}",
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused",
+        )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:
@@ -296,7 +328,10 @@ def build_sft(cfg: TrainConfig, say) -> Built:
         "token_budget": cfg.data.token_budget,
     }
     if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
-        extra.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps, 2))
+        extra.update(
+            batch_size=round(rows_per_micro, 2),
+            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps, 2),
+        )
     # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
     collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
     return Built(
