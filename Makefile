@@ -3,12 +3,16 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline test lint clean
+.PHONY: help setup train baseline test lint clean sft sft-fast chat sft-bench
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
 	@echo "make train     train with the optimized launcher (built-in corpus by default)"
 	@echo "make baseline  train with the baseline launcher"
+	@echo "make sft       SFT with ./train_sft_custom.sh (micro-batch 16; MODEL_PATH, DATA_PATH ...)"
+	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
+	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final)"
+	@echo "make sft-bench LENGTH_GROUPING=0 vs 1 on the same SFT run: padding efficiency and samples/s"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -23,6 +27,19 @@ train: $(STAMP)
 
 baseline: $(STAMP)
 	./run_single_gpu.sh
+
+sft: $(STAMP)
+	./train_sft_custom.sh
+
+sft-fast: $(STAMP)
+	./quick_start_sft_fast.sh
+
+MODEL ?= runs/latest/final
+chat: $(STAMP)
+	$(PY) -m train generate --model "$(MODEL)" --interactive
+
+sft-bench: $(STAMP)
+	scripts/bench_sft.sh
 
 test: $(STAMP)
 	$(PY) -m pytest

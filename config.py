@@ -71,10 +71,20 @@ class ModelConfig:
     compile: bool = False
     """torch.compile the model. Pays a one-off compile time (reported apart from throughput);
     worth it for runs longer than a few minutes on a GPU."""
+    model_path: str | None = None
+    """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer
+    (loaded offline). Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
+    trust_remote_code: bool = False
+    """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only
+    architectures transformers knows are loaded, as the code runs with your permissions."""
 
     def __post_init__(self):
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise _bad("model_size", " | ".join(MODEL_SIZES), self.model_size)
+        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+            raise UsageError(
+                f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
+            )
         if self.model_config is not None and not Path(self.model_config).exists():
             raise UsageError(f"MODEL_CONFIG (--model_config): no such file: {self.model_config}")
 
@@ -103,9 +113,21 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
+    length_grouping: bool = False
+    """SFT: batch samples of similar length together (the guides' "dynamic batch size by
+    sequence length"): batches are padded to their longest sample, so less compute goes to pad
+    tokens. The order stays random from batch to batch."""
+    token_budget: int | None = None
+    """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this
+    many padded tokens (rows x longest), so short samples come many to a batch and memory per
+    step stays flat. Replaces BATCH_SIZE as the batch size; groups by length by itself."""
+    skip_bad_records: bool = False
+    """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how
+    many, instead of stopping at the first. An empty file or an unknown format still stops."""
 
     def __post_init__(self):
         _check_int(self, "vocab_size", 256)
+        _check_int(self, "token_budget", 1, optional=True)
         _check_int(self, "max_length", 2, optional=True)
         _check_int(self, "num_workers", 0)
         _check_int(self, "prefetch_factor", 1, optional=True)
@@ -280,6 +302,19 @@ PRESETS: dict[str, dict] = {
         gradient_accumulation_steps=4,
         num_workers=4,
         prefetch_factor=4,
+        pin_memory=True,
+        persistent_workers=True,
+        tf32=True,
+    ),
+    # Fine-tuning: a lower peak LR than pretraining (6e-4) and no weight decay, as SFT recipes
+    # use. 1e-4 suits the kit's own small models (GPT-2 class, briefly pretrained); for a
+    # well-trained model of a billion parameters or more, set LEARNING_RATE=2e-5.
+    "sft": dict(
+        batch_size=16,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        num_workers=2,
         pin_memory=True,
         persistent_workers=True,
         tf32=True,

@@ -19,6 +19,8 @@ KIT_VALUE_KNOBS=(
   SEED:--seed DEVICE:--device LOG_EVERY:--log_every
   SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
   SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer
+  MODEL_PATH:--model_path TRUST_REMOTE_CODE:--trust_remote_code LENGTH_GROUPING:--length_grouping
+  TOKEN_BUDGET:--token_budget SKIP_BAD_RECORDS:--skip_bad_records
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class Built:
     warmup_steps: int
     decisions: list = field(default_factory=list)
     world: Dist = SINGLE
+    make_loader: Callable | None = None
+    """SFT: (Built) -> (loader, sampler); None: the packed pretraining loader."""
+    summary_extra: dict = field(default_factory=dict)
+    """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -73,7 +78,24 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
     return limits[source], f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
+def resolve_pacing(cfg: TrainConfig, total_steps: int, decide) -> int:
+    """The log interval and the warm-up length for a run of total_steps; returns the warm-up."""
+    if cfg.run.log_every is None:
+        cfg.run.log_every = max(1, min(10, total_steps // 10))
+        decide("log_every", cfg.run.log_every, "every 10 steps, or ~10 lines in a short run")
+    warmup = cfg.optim.warmup_steps
+    if warmup is None:
+        warmup = min(200, max(1, total_steps // 20))
+        decide("warmup_steps", warmup, "5 % of the run, at most 200")
+    return warmup
+
+
 def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
+    from train.sft import build_sft, refuse_sft_settings
+
+    if cfg.run.mode == "sft":
+        return build_sft(cfg, say, world)
+    refuse_sft_settings(cfg)
     decisions = []
 
     def decide(setting: str, value, reason: str) -> None:
@@ -136,13 +158,7 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
     total_steps, why = plan_steps(cfg, len(dataset), world.world_size)
     decide("total_steps", total_steps, why)
-    if cfg.run.log_every is None:
-        cfg.run.log_every = max(1, min(10, total_steps // 10))
-        decide("log_every", cfg.run.log_every, "every 10 steps, or ~10 lines in a short run")
-    warmup = cfg.optim.warmup_steps
-    if warmup is None:
-        warmup = min(200, max(1, total_steps // 20))
-        decide("warmup_steps", warmup, "5 % of the run, at most 200")
+    warmup = resolve_pacing(cfg, total_steps, decide)
 
     model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
     parallel = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)

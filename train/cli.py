@@ -70,6 +70,7 @@ USAGE = """usage: python -m train <command> [--flags]
 commands:
   pretrain   train a causal LM from scratch on text (run_single_gpu*.sh)
   sft        supervised fine-tuning on chat/instruction data
+  generate   sample from a trained model with its chat template: generate --model DIR --prompt TEXT
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
 
@@ -96,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         from train.compare import compare_main
 
         return compare_main(rest)
+    if command == "generate":
+        from train.generate import generate_main
+
+        return generate_main(rest)
     if command == "monitor":
         from train.monitor import monitor_main
 
         return monitor_main(rest)
-    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, compare, monitor")
+    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor")

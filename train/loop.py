@@ -56,6 +56,11 @@ def batch_stream(loader, sampler, epoch: int = 0):
 
 
 def forward_loss(model, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
+    # Only tensors reach the model: SFT's PadCollator also hands over the ints n_real_tokens and
+    # n_padded_tokens, which BatchCounter has already read on the host. With padded SFT batches
+    # transformers' loss is the mean over this micro-batch's trained tokens (labels != -100), so
+    # with accumulation each micro-batch weighs the same whatever its token count, as in the
+    # transformers Trainer for years; acceptable, and the same rule for every run compared.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
     with autocast(device, precision):
@@ -86,6 +91,28 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm, waited
+
+
+class BatchCounter:
+    """Passes micro-batches through and counts rows, real and padded tokens on the host (shapes
+    and the collator's ints: no device sync). Packed pretraining batches are all real tokens."""
+
+    def __init__(self, batches):
+        self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.batches)
+        ids = batch["input_ids"]
+        self.rows += ids.shape[0]
+        self.real += int(batch.get("n_real_tokens", ids.numel()))
+        self.padded += int(batch.get("n_padded_tokens", ids.numel()))
+        return batch
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.rows, self.real, self.padded
 
 
 class Console:
@@ -130,6 +157,15 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     batches = guard.start(model, optimizer, scaler, loader, sampler)
     first = guard.first_step
     effective = cfg.effective_batch_size(b.world.world_size)
+    batches = BatchCounter(batches)  # rows and real/padded tokens (SFT batches vary in both)
+    seen = steady_at = interval_at = (0, 0, 0)  # (rows, real, padded tokens) after whole steps
+    base = guard.samples_at(first)  # samples trained before this session (a resumed run)
+
+    def totals(counts) -> tuple[int, int]:
+        """(samples, tokens) since the run began, earlier sessions included."""
+        per_row = counts[1] / counts[0] if counts[0] else b.max_length
+        return base + counts[0], round(base * per_row) + counts[1]
+
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
     if device.type == "cuda":
@@ -160,6 +196,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 gradient_sync,
             )
             done = step + 1
+            seen = tuple(c * b.world.world_size for c in batches.counts())  # every rank takes an equal share
             wait_total += waited
             wait_interval += waited
             interval_steps += 1
@@ -171,7 +208,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 if first_step_s is None:
                     first_step_s = now - t0
                 if done - first == skip:
-                    steady_t0 = now
+                    steady_t0, steady_at = now, seen
             bar.update(1)
             last = step + 1 == b.total_steps
             log_due = (step + 1) % cfg.run.log_every == 0 or last
@@ -182,12 +219,12 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 span = now - interval_t0
                 row = {
                     "step": step + 1,
-                    "samples": guard.samples_at(step + 1),
-                    "tokens": guard.samples_at(step + 1) * b.max_length,
+                    "samples": totals(seen)[0],
+                    "tokens": totals(seen)[1],
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": norm_t.item(),
-                    "samples_per_sec": interval_steps * effective / span,
+                    "samples_per_sec": (seen[0] - interval_at[0]) / span,
                     "data_wait_frac": min(1.0, wait_interval / span),
                     "elapsed_s": now - t0,
                 }
@@ -206,7 +243,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                     run_dir.log(line)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
-                interval_t0, interval_steps, wait_interval = now, 0, 0.0
+                interval_t0, interval_steps, wait_interval, interval_at = now, 0, 0.0, seen
             stop = guard.step_done(step + 1, loss_t, synced=log_due)  # save every SAVE_EVERY; signals; NaN
             if stop:
                 exit_reason = stop
@@ -226,10 +263,14 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     steady_steps = max(0, run_steps - skip)
     steady_s = (end - steady_t0 if steady_steps else end - t0) - guard.seconds_saving_since(steady_t0)
     steady_steps = steady_steps or run_steps
-    samples_per_sec = steady_steps * effective / steady_s if steady_s > 0 and run_steps else None
+    # Throughput on real tokens and rows counted as they passed (SFT batches vary in both).
+    start_at = steady_at if run_steps > skip else (0, 0, 0)
+    rows, real = seen[0] - start_at[0], seen[1] - start_at[1]
+    samples_per_sec = rows / steady_s if steady_s > 0 and run_steps else None
     n_params = count_params(model)
-    fpt = flops_per_token(n_params, **shape(model.config), seq_len=b.max_length)
-    tokens_per_sec = samples_per_sec * b.max_length if samples_per_sec else None
+    seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
+    fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
+    tokens_per_sec = real / steady_s if samples_per_sec else None
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
     data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and run_steps > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
@@ -248,8 +289,9 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,
         "steps": steps_done,
-        "samples": guard.samples_at(steps_done),
-        "tokens": guard.samples_at(steps_done) * b.max_length,
+        "samples": totals(seen)[0],
+        "tokens": totals(seen)[1],
+        "padding_efficiency": seen[1] / seen[2] if seen[2] else None,
         "wall_time_s": end - t0,
         "time_to_first_step_s": first_step_s,
         "steady_state_steps": steady_steps,
@@ -270,11 +312,14 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "final_loss": loss,
         "exit_reason": exit_reason,
         **guard.summary(),
+        **b.summary_extra,
     }
     return distributed.add_rank_figures(summary, b.world, device)
 
 
 def data_loader(b: Built):
+    if b.make_loader is not None:
+        return b.make_loader(b)
     from train.data import make_loader
 
     w = b.world

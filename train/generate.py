@@ -1,0 +1,152 @@
+"""`python -m train generate`: sample from a trained model with its chat template, so a user
+can see what SFT did. One --prompt, or (--interactive / no --prompt) a chat on stdin: one line
+per turn, an empty line or end of input stops.
+
+The prompt is the tokenizer's chat template up to where the assistant's reply starts
+(prompt_for_generation), and generation stops at the end-of-turn token, exactly as SFT framed
+the training examples. A model without a chat template (a pretraining run's final/) has never
+seen one, so its prompt is continued as plain text instead, and the user is told.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import config
+from train.cli import _Parser
+from train.errors import UsageError
+from train.model import context_length
+from train.sft_data import prompt_for_generation, stop_token_ids
+
+DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
+
+
+def parser() -> _Parser:
+    p = _Parser(
+        prog="python -m train generate", description="Sample from a trained model with its chat template."
+    )
+    p.add_argument(
+        "--model", default=str(DEFAULT_MODEL), help="a run's final/ folder (default: runs/latest/final)"
+    )
+    p.add_argument("--prompt", help="one user message; without it, read one message per line from stdin")
+    p.add_argument("--interactive", action="store_true", help="chat on stdin (the default without --prompt)")
+    p.add_argument("--system", help="a system message put before the conversation")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="most tokens in one reply")
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy, the same reply every time")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--trust_remote_code", action="store_true", help="let the model folder run its own code")
+    return p
+
+
+def load(model_dir: str, device: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from train.device import resolve_device
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar before each reply is noise here
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise UsageError(
+            f"--model {model_dir}: not a model folder (no config.json); give a run's final/ folder"
+        )
+    offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **offline)
+        model = AutoModelForCausalLM.from_pretrained(path, **offline)
+    except Exception as err:  # a folder transformers cannot load: one line, not a traceback
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UsageError(f"--model {model_dir}: cannot load the model: {first}") from None
+    dev, _ = resolve_device(device)
+    return model.to(dev).eval(), tok, dev
+
+
+class Chat:
+    """The conversation so far and the reply to the next message."""
+
+    def __init__(self, model, tok, device, args):
+        self.model, self.tok, self.device, self.args = model, tok, device, args
+        self.templated = tok.chat_template is not None
+        self.context = context_length(model.config)
+        self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+
+    def _prompt_ids(self) -> list[int]:
+        if self.templated:
+            text = prompt_for_generation(self.tok, self.turns)
+        else:
+            text = "\n".join(t["content"] for t in self.turns)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def reply(self, message: str, keep: bool) -> str:
+        self.turns.append({"role": "user", "content": message})
+        ids = self._prompt_ids()
+        # Oldest exchanges go first when the conversation outgrows the model's context.
+        first = 1 if self.turns[0]["role"] == "system" else 0
+        while len(ids) + self.args.max_new_tokens > self.context and len(self.turns) > first + 1:
+            del self.turns[first : first + 2]
+            ids = self._prompt_ids()
+        if len(ids) >= self.context:
+            self.turns.pop()
+            raise UsageError(
+                f"--prompt: {len(ids)} tokens with the template; the model's context is {self.context}"
+            )
+        new = min(self.args.max_new_tokens, self.context - len(ids))
+        input_ids = torch.tensor([ids], device=self.device)
+        sampling = self.args.temperature > 0
+        options = dict(do_sample=sampling)
+        if sampling:
+            options.update(temperature=self.args.temperature, top_k=self.args.top_k)
+        stops = stop_token_ids(self.tok) if self.templated else [self.tok.eos_token_id]
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else stops[0]
+        torch.manual_seed(self.args.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new,
+                eos_token_id=stops,
+                pad_token_id=pad,
+                **options,
+            )
+        text = self.tok.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
+        if keep and self.templated:
+            self.turns.append({"role": "assistant", "content": text})
+        else:
+            self.turns.pop()
+        return text
+
+
+def generate_main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens: expected a whole number >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature: expected a number >= 0, got {args.temperature}")
+    model, tok, device = load(args.model, args.device, args.trust_remote_code)
+    chat = Chat(model, tok, device, args)
+    if not chat.templated:
+        print(
+            f"note: {args.model} has no chat template (not an SFT run): continuing the prompt as plain text",
+            file=sys.stderr,
+        )
+    if args.prompt is not None and not args.interactive:
+        print(chat.reply(args.prompt, keep=False))
+        return 0
+    if args.prompt is not None:
+        print(chat.reply(args.prompt, keep=True), flush=True)
+    tty = sys.stdin.isatty()
+    if tty:
+        print("chat with the model; an empty line ends", file=sys.stderr)
+    while True:
+        if tty:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():  # end of input or an empty line
+            return 0
+        print(chat.reply(line.strip(), keep=True), flush=True)

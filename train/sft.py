@@ -1,0 +1,351 @@
+"""`python -m train sft`: build what an SFT run needs and hand it to the same loop as pretraining.
+
+build_sft returns the same Built that train/build.py returns, so train/loop.py (train_step,
+run_loop, the run folder and summary.json) is shared: SFT differs only in where the model and
+the batches come from. The model is MODEL_PATH (any local transformers causal LM with its
+tokenizer, loaded offline); batches are conversations padded to their own longest sample
+(train/sft_data.py), optionally grouped by length or sized by a token budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from config import TrainConfig
+from train import data as data_lib
+from train import model as model_lib
+from train.build import Built, resolve_pacing, seed_everything
+from train.device import resolve_device, resolve_precision, set_tf32
+from train.distributed import SINGLE, Dist
+from train.errors import UsageError
+from train.sft_data import (
+    LengthGroupedSampler,
+    PadCollator,
+    TokenBudgetBatchSampler,
+    builtin_conversations,
+    encode_conversations,
+    ensure_special_tokens,
+    load_conversations,
+    stop_token_ids,
+)
+
+MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
+MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
+SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "skip_bad_records")
+
+
+def refuse_sft_settings(cfg: TrainConfig) -> None:
+    """Pretraining: an SFT-only knob that is set would be ignored, so say so and stop."""
+    for name in SFT_ONLY:
+        section = getattr(cfg, "model" if name in ("model_path", "trust_remote_code") else "data")
+        if getattr(section, name) not in (None, False):
+            raise UsageError(
+                f"{name.upper()} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
+            )
+
+
+def newest_pretrained(output_dir: Path) -> Path | None:
+    """final/ of the newest run under output_dir whose summary.json says mode "pretrain".
+    runs/latest is no help here: it may point at an SFT run."""
+    best, best_time = None, -math.inf
+    for run in output_dir.iterdir() if output_dir.is_dir() else ():
+        summary, final = run / "summary.json", run / "final"
+        if run.is_symlink() or not summary.is_file() or not (final / "config.json").is_file():
+            continue
+        try:
+            mode = json.loads(summary.read_text()).get("mode")
+        except (OSError, ValueError, AttributeError):
+            continue  # a half-written or foreign file: not a run to start from
+        if mode == "pretrain" and summary.stat().st_mtime > best_time:
+            best, best_time = final, summary.stat().st_mtime
+    return best
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: bool):
+    """(model, tokenizer) from local folders only; every failure is one UsageError line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    hint = (
+        "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
+    )
+    tok_source = tokenizer_path or path
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_source, **offline)
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
+        var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
+        raise UsageError(
+            f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
+        ) from None
+    # float32 weights whatever the checkpoint's dtype (transformers 5 loads "auto"): AdamW on
+    # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
+    load = partial(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **offline)
+    try:
+        try:
+            model = load(attn_implementation="sdpa")
+        except ValueError as err:
+            if "sdpa" not in str(err).lower():
+                raise
+            model = load()  # an architecture without sdpa support
+    except Exception as err:
+        raise UsageError(
+            f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}"
+        ) from None
+    return model, tok
+
+
+class SFTDataset(Dataset):
+    """Encoded examples in memory ({"input_ids", "labels"} lists); lengths for the samplers."""
+
+    def __init__(self, examples: list[dict]):
+        self.examples = examples
+        self.lengths = [len(e["input_ids"]) for e in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.examples[index]
+
+
+class GroupedSampler(LengthGroupedSampler):
+    """LengthGroupedSampler with the loop's set_position(epoch, start): start skips samples."""
+
+    start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        order = [i for batch in self.batches() for i in batch]
+        yield from order[self.start :]
+
+    def __len__(self) -> int:
+        return len(self.lengths) - self.start
+
+
+class BudgetSampler(TokenBudgetBatchSampler):
+    """TokenBudgetBatchSampler with set_position(epoch, start): skips whole batches until
+    `start` samples have been passed."""
+
+    start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        passed = 0
+        for batch in self.batches():
+            if passed >= self.start:
+                yield batch
+            passed += len(batch)
+
+
+def sft_loader(b: Built, collate: PadCollator):
+    """(DataLoader, sampler) for Built.make_loader: the loop's knobs (workers, prefetch, pinned
+    memory) with one of three batchings: by token budget, length-grouped, or plain shuffled."""
+    d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
+    common = dict(
+        num_workers=d.num_workers,
+        prefetch_factor=d.prefetch_factor,
+        pin_memory=d.pin_memory and device.type == "cuda",
+        persistent_workers=d.persistent_workers,
+        collate_fn=collate,
+    )
+    if d.token_budget is not None:
+        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed)
+        return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
+    if d.length_grouping:
+        sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed)
+        return DataLoader(
+            b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common
+        ), sampler
+    return data_lib.make_loader(b.dataset, d, b.cfg.optim.batch_size, seed, device, collate_fn=collate)
+
+
+def plan_sft_steps(cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float) -> tuple[int, str]:
+    """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch)."""
+    o = cfg.optim
+    accum = o.gradient_accumulation_steps
+    per_epoch = micro_per_epoch // accum
+    if per_epoch == 0:
+        raise UsageError(
+            f"DATA_PATH: {n} conversations make {micro_per_epoch} micro-batches, fewer than one optimizer "
+            f"step needs (GRADIENT_ACCUM={accum}); add data or lower BATCH_SIZE / GRADIENT_ACCUM"
+        )
+    limits = {}
+    if o.max_steps is not None:
+        limits["MAX_STEPS"] = o.max_steps
+    if o.epochs is not None:
+        limits["EPOCHS"] = max(1, math.ceil(o.epochs * per_epoch))
+    if o.max_samples is not None:
+        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / (rows_per_micro * accum)))
+    if not limits:
+        limits["EPOCHS (default 1)"] = per_epoch
+    source = min(limits, key=limits.get)
+    why = f"{source}; one epoch is {per_epoch} steps of ~{rows_per_micro * accum:.0f} conversations"
+    return limits[source], why
+
+
+def _model_label(path: Path, model) -> str:
+    """summary.json's model_size: the source run's size where MODEL_PATH is a kit run's final/."""
+    try:
+        return str(json.loads((path.parent / "summary.json").read_text())["model_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return model.config.model_type
+
+
+def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
+    """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
+    added = ensure_special_tokens(tok)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        decide(
+            "vocab_size",
+            model.get_input_embeddings().num_embeddings,
+            f"{added} chat-template token(s) added to the tokenizer; embeddings resized (multiple of 64)",
+        )
+    # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
+    model.generation_config.eos_token_id = stop_token_ids(tok)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.config.use_cache = False  # the KV cache only costs memory in training
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # from_pretrained returns the model in eval mode (dropout off)
+
+
+def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDataset, str, int, int]:
+    """DATA_PATH (or the built-in set) -> encoded examples; says the format and every count."""
+    skipped = 0
+    if cfg.data.data_path is None:
+        conversations = builtin_conversations()
+        fmt = "built-in (standard-library functions: signature and docstring -> body)"
+    else:
+        conversations, fmt, skipped = load_conversations(Path(cfg.data.data_path), cfg.data.skip_bad_records)
+    source = cfg.data.data_path or "built-in"
+    say(f"SFT data: {source}, format {fmt}, {len(conversations)} conversations")
+    if skipped:
+        say(f"skipped {skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train")
+    examples, truncated = encode_conversations(conversations, tok, max_length)
+    if truncated:
+        say(
+            f"truncated {truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens"
+        )
+    return SFTDataset(examples), fmt, skipped, truncated
+
+
+def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
+    if world.world_size > 1:
+        raise UsageError("NPROC_PER_NODE: SFT on several processes is not supported yet; run it with NPROC_PER_NODE=1")
+    decisions = []
+
+    def decide(setting: str, value, reason: str) -> None:
+        decisions.append({"setting": setting, "value": value, "reason": reason})
+        say(f"  {setting} = {value}  ({reason})")
+
+    if cfg.model.model_config is not None:
+        raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
+    device, why = resolve_device(cfg.system.device)
+    decide("device", str(device), why)
+    precision, why = resolve_precision(cfg.system.precision, device)
+    decide("precision", precision, why)
+    set_tf32(cfg.system.tf32)
+    seed_everything(cfg.system.seed)
+
+    if cfg.model.model_size is not None:
+        say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
+    path = cfg.model.model_path
+    if path is None:
+        found = newest_pretrained(Path(cfg.run.output_dir))
+        if found is None:
+            raise UsageError(
+                f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
+                f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
+            )
+        path = str(found)
+        decide("model_path", path, "the newest pretraining run's final/ (set MODEL_PATH to choose)")
+    model, tok = load_pretrained(Path(path), cfg.data.tokenizer_path, cfg.model.trust_remote_code)
+
+    prepare_model(model, tok, cfg.model.gradient_checkpointing, decide)
+
+    context = model_lib.context_length(model.config)
+    max_length = cfg.data.max_length
+    if max_length is None:
+        max_length = min(context, MAX_LENGTH_CAP)
+        decide(
+            "max_length",
+            max_length,
+            "the model's context length" + (" (capped)" if context > MAX_LENGTH_CAP else ""),
+        )
+    elif max_length > context:
+        raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
+
+    dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
+
+    bs = cfg.optim.batch_size
+    if cfg.data.token_budget is not None:
+        batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
+        micro, rows_per_micro = len(batches), len(dataset) / max(1, len(batches))
+        decide(
+            "batch_size",
+            f"~{rows_per_micro:.1f}",
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused",
+        )
+        if cfg.data.length_grouping:
+            say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
+    else:
+        micro, rows_per_micro = len(dataset) // bs, float(bs)
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro)
+    decide("total_steps", total_steps, why)
+    warmup = resolve_pacing(cfg, total_steps, decide)
+
+    lengths = np.asarray(dataset.lengths)
+    say(f"conversation lengths in tokens: median {int(np.median(lengths))}, max {int(lengths.max())}")
+    extra = {
+        "model_path": str(path),
+        "data_format": fmt,
+        "n_conversations": len(dataset),
+        "n_truncated": truncated,
+        "n_skipped": skipped,
+        "length_grouping": cfg.data.length_grouping,
+        "token_budget": cfg.data.token_budget,
+    }
+    if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
+        extra.update(
+            batch_size=round(rows_per_micro, 2),
+            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps, 2),
+        )
+    # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
+    collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
+    return Built(
+        cfg=cfg,
+        device=device,
+        precision=precision,
+        model_size=_model_label(Path(path), model),
+        max_length=max_length,
+        model=model.to(device),
+        tokenizer=tok,
+        dataset=dataset,
+        total_steps=total_steps,
+        warmup_steps=warmup,
+        decisions=decisions,
+        make_loader=partial(sft_loader, collate=collate),
+        summary_extra=extra,
+    )
