@@ -3,12 +3,13 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline test lint clean
+.PHONY: help setup train baseline show-config test lint clean
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
 	@echo "make train     train with the optimized launcher (built-in corpus by default)"
 	@echo "make baseline  train with the baseline launcher"
+	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -23,6 +24,9 @@ train: $(STAMP)
 
 baseline: $(STAMP)
 	./run_single_gpu.sh
+
+show-config: $(STAMP)
+	DRY_RUN=1 ./run_single_gpu_optimized.sh
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -19,6 +19,8 @@ EPOCHS=${EPOCHS:-}
 DATA_PATH=${DATA_PATH:-}                # .txt, folder of .txt, or .jsonl; empty: built-in corpus
 RUN_NAME=${RUN_NAME:-}                  # empty: run_single_gpu-<time>
 SEED=${SEED:-}
+EVAL_EVERY=${EVAL_EVERY:-}              # steps between validation passes (one always at the end); empty: 250
+DRY_RUN=${DRY_RUN:-}                    # 1: print settings, derived numbers and a memory estimate, then exit
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch pretrain baseline "$@"

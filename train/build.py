@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import data
+from train import data, evaluate
 from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.errors import UsageError
@@ -37,6 +37,7 @@ class Built:
     total_steps: int
     warmup_steps: int
     decisions: list = field(default_factory=list)
+    val_dataset: torch.utils.data.Dataset | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -119,6 +120,7 @@ def build(cfg: TrainConfig, say) -> Built:
         raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
 
     dataset = data.PackedDataset(tokens, max_length)
+    dataset, val_dataset = evaluate.split_pretraining(cfg, dataset, tok, cache_dir, max_length, say, decide)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
@@ -129,7 +131,11 @@ def build(cfg: TrainConfig, say) -> Built:
         warmup = min(200, max(1, total_steps // 20))
         decide("warmup_steps", warmup, "5 % of the run, at most 200")
 
-    model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
+    if cfg.run.dry_run:
+        with torch.device("meta"):  # shapes and parameter count only: nothing allocated anywhere
+            model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed)
+    else:
+        model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
     return Built(
         cfg=cfg,
         device=device,
@@ -142,4 +148,5 @@ def build(cfg: TrainConfig, say) -> Built:
         total_steps=total_steps,
         warmup_steps=warmup,
         decisions=decisions,
+        val_dataset=val_dataset,
     )

@@ -10,12 +10,16 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
+from train import compile_guard
 from train import monitor as monitor_lib
 from train.build import Built, build
 from train.device import autocast, device_name, synchronize
+from train.estimate import MIB, estimate_for_run
+from train.evaluate import Evaluator
 from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
 from train.model import count_params, shape
 from train.rundir import RunDir, plan_run_dir
+from train.runlog import capture_warnings
 
 INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run is input-bound
 
@@ -115,9 +119,12 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     optimizer, kind = make_optimizer(model, cfg, device)
     say(f"optimizer: AdamW ({kind})")
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
-    step_model = torch.compile(model) if cfg.model.compile else model
     loader, sampler = data_loader(b)
     batches = batch_stream(loader, sampler)
+    step_model, compiled = model, {"compile": False, "compile_error": None, "compile_s": None}
+    if cfg.model.compile:
+        step_model, batches, compiled = compile_guard.compile_model(model, batches, device, b.precision, say)
+    evaluator = Evaluator(b, run_dir, say)
     effective = cfg.effective_batch_size()
     tokens_per_step = cfg.tokens_per_step(b.max_length)
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
@@ -177,13 +184,19 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 if device.type == "cuda":
                     postfix["VRAM"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
                 bar.set_postfix(postfix)
+                train_s = now - t0 - evaluator.seconds
+                eta = train_s / (step + 1) * (b.total_steps - step - 1)
                 run_dir.log(
                     f"step {step + 1}/{b.total_steps} loss {loss:.4f} lr {lr:.2e} "
-                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%}"
+                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%} "
+                    f"ETA {format_eta(eta)}"
                 )
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 interval_t0, interval_steps, wait_interval = now, 0, 0.0
+            if evaluator.due(step + 1, last):
+                spent = evaluator.run(step + 1, (step + 1) * effective)
+                steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
         step = b.total_steps
     except KeyboardInterrupt:
         exit_reason = "interrupted"
@@ -205,6 +218,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
     data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and steps_done > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type)
     return {
         "mode": cfg.run.mode,
         "run_name": run_dir.path.name,
@@ -231,6 +245,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "data_wait_frac": data_wait_frac,
         "input_bound": data_wait_frac is not None and data_wait_frac > INPUT_BOUND_FRAC,
         "peak_vram_mb": peak_vram,
+        "estimate_peak_mb": estimate["peak"] / MIB,
+        "estimate_mb": {k: v / MIB for k, v in estimate.items() if k != "n_params"},
         "peak_vram_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
         "vram_total_mb": gpu_summary.get("vram_total_mb"),
         "avg_gpu_util": gpu_summary.get("avg_gpu_util"),
@@ -240,6 +256,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "achieved_tflops": achieved_tflops(tokens_per_sec, fpt) if tokens_per_sec else None,
         "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
         "final_loss": loss,
+        **evaluator.summary(),
+        **compiled,
         "exit_reason": exit_reason,
     }
 
@@ -258,13 +276,33 @@ def save_final(b: Built, run_dir: RunDir) -> None:
     b.tokenizer.save_pretrained(final)
 
 
+def format_eta(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 def train(cfg: TrainConfig) -> int:
     say = Console()
+    with capture_warnings(say):  # library warnings reach train.log too
+        return _train(cfg, say)
+
+
+def _train(cfg: TrainConfig, say) -> int:
+    if cfg.run.dry_run:
+        from train.dryrun import dry_run
+
+        return dry_run(cfg, say)
     run_path = plan_run_dir(cfg.run.output_dir, cfg.run.run_name, cfg.run.launcher, cfg.run.overwrite)
     say(f"{cfg.run.mode}: resolving settings")
     b = build(cfg, say)
     run_dir = RunDir(run_path, cfg.run.overwrite)
     say.attach(run_dir)
+    from train.dryrun import config_lines
+
+    say("resolved config:")
+    for line in config_lines(cfg):
+        say(line)
     n_params = count_params(b.model)
     effective = cfg.effective_batch_size()
     say(
@@ -309,6 +347,10 @@ def _report(s: dict, run_dir: RunDir, say) -> None:
         f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
         f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
     )
+    if s.get("final_val_loss") is not None:
+        say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}")
+    if s.get("peak_vram_mb") is not None:
+        say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
     if s["input_bound"]:
         say(
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
