@@ -34,7 +34,9 @@ def test_eval_rows_and_val_loss_equal_a_plain_loop(tiny_flags, tmp_path, corpus,
     assert summary["final_val_loss"] == rows[-1]["val_loss"]
     assert summary["best_val_loss"] == min(r["val_loss"] for r in rows)
     assert (run / "best" / "model.safetensors").exists() and (run / "final" / "model.safetensors").exists()
-    assert "eval step 10: val_loss" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert "eval step 10: val_loss" in log and "resolved config:" in log
+    assert "step 10/10 loss" in log and " ETA 0:00" in log
 
     # The plain loop: the last val_sequences windows of the token stream, batches of 4 in
     # order, model(**batch, labels=...) on the saved final model in eval mode.
@@ -115,3 +117,29 @@ def test_bad_eval_settings_name_the_variable(argv, variable):
     with pytest.raises(UsageError) as err:
         parse_training_args("pretrain", argv)
     assert variable in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_log_gets_library_warnings(tmp_path):
+    import logging
+    import warnings
+
+    from train.loop import Console
+    from train.rundir import RunDir
+    from train.runlog import capture_warnings
+
+    console = Console()
+    shown = warnings.showwarning
+    with capture_warnings(console):
+        logging.getLogger("transformers.modeling_utils").warning("before the run folder\nsecond line")
+        console.attach(RunDir(tmp_path / "run", overwrite=False))
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a deprecated knob", FutureWarning, stacklevel=1)
+    assert warnings.showwarning is shown  # hooks removed after the run
+    logging.getLogger("transformers").warning("after the run: not logged")
+    console.run_dir.close()
+    lines = (tmp_path / "run" / "train.log").read_text().splitlines()
+    assert lines == [
+        "warning: [transformers] before the run folder",
+        "warning: FutureWarning: a deprecated knob",
+    ]
