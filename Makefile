@@ -4,6 +4,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed
 
 .PHONY: help setup train baseline test lint clean sft sft-fast chat sft-bench
+.PHONY: help setup train baseline show-config test lint clean
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -13,6 +14,7 @@ help:
 	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
 	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final)"
 	@echo "make sft-bench LENGTH_GROUPING=0 vs 1 on the same SFT run: padding efficiency and samples/s"
+	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -40,6 +42,8 @@ chat: $(STAMP)
 
 sft-bench: $(STAMP)
 	scripts/bench_sft.sh
+show-config: $(STAMP)
+	DRY_RUN=1 ./run_single_gpu_optimized.sh
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -124,6 +124,13 @@ class DataConfig:
     skip_bad_records: bool = False
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how
     many, instead of stopping at the first. An empty file or an unknown format still stops."""
+    val_fraction: float = 0.01
+    """Share of the data held out for validation (the last part of the token stream, never
+    trained on); raised to fill EVAL_BATCHES x BATCH_SIZE sequences where the data allows (at
+    most 10 %). 0: no validation."""
+    val_path: str | None = None
+    """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same
+    tokenizer; used instead of VAL_FRACTION."""
 
     def __post_init__(self):
         _check_int(self, "vocab_size", 256)
@@ -137,6 +144,11 @@ class DataConfig:
             self.persistent_workers = False
         if self.data_path is not None and not Path(self.data_path).exists():
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
+        _check_float(self, "val_fraction", 0.0)
+        if self.val_fraction >= 0.5:
+            raise _bad("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
+        if self.val_path is not None and not Path(self.val_path).exists():
+            raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
             raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")
 
@@ -243,6 +255,18 @@ class RunConfig:
     nan_patience: int = 5
     """Stop after this many optimizer steps in a row with a non-finite loss, keeping the newest
     checkpoint from before them (0: never stop). fp16 steps the GradScaler skips are counted."""
+    eval_every: int = 250
+    """Optimizer steps between validation passes; one always runs at the end. 0: only at the
+    end. Each pass costs about EVAL_BATCHES / 3 training micro-steps (forward only)."""
+    eval_batches: int = 20
+    """Validation micro-batches (of BATCH_SIZE sequences) per pass, the same ones every time:
+    more gives a steadier number."""
+    keep_best: bool = False
+    """Also save the model with the lowest validation loss so far in best/ (final/ is always
+    the last model)."""
+    dry_run: bool = False
+    """Print the resolved settings, the derived numbers and a peak-memory estimate, then exit:
+    no model on the device, no run folder (`make show-config`)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -255,6 +279,8 @@ class RunConfig:
         _check_int(self, "nan_patience", 0)
         if self.resume and self.overwrite:
             raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
+        _check_int(self, "eval_every", 0)
+        _check_int(self, "eval_batches", 1)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}

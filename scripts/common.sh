@@ -21,6 +21,8 @@ KIT_VALUE_KNOBS=(
   SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer
   MODEL_PATH:--model_path TRUST_REMOTE_CODE:--trust_remote_code LENGTH_GROUPING:--length_grouping
   TOKEN_BUDGET:--token_budget SKIP_BAD_RECORDS:--skip_bad_records
+  VAL_FRACTION:--val_fraction VAL_PATH:--val_path EVAL_EVERY:--eval_every EVAL_BATCHES:--eval_batches
+  KEEP_BEST:--keep_best DRY_RUN:--dry_run
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)

@@ -280,7 +280,7 @@ def test_two_process_run_through_the_launcher(tmp_path, corpus, tiny_config, cac
     assert summary["world_size"] == 2 and summary["effective_batch_size"] == 4 * 2 * 2
     assert summary["samples"] == 4 * 16 and [r["rank"] for r in summary["per_rank"]] == [0, 1]
     assert all(r["peak_rss_mb"] > 0 for r in summary["per_rank"])
-    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == [2, 4]  # rank 0 alone writes
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "loss" in row] == [2, 4]  # rank 0 alone writes
     assert "x 2 processes = effective 16" in (run / "train.log").read_text()
     assert result.stdout.count("done:") == 1  # rank 0 alone prints
     assert (run / "final" / "model.safetensors").exists()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import data
+from train import data, evaluate
 from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.distributed import SINGLE, Dist, describe, rank_device
@@ -45,6 +45,7 @@ class Built:
     """SFT: (Built) -> (loader, sampler); None: the packed pretraining loader."""
     summary_extra: dict = field(default_factory=dict)
     """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
+    val_dataset: torch.utils.data.Dataset | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -153,6 +154,7 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
         cfg.data.num_workers = cores
     dataset = data.PackedDataset(tokens, max_length)
+    dataset, val_dataset = evaluate.split_pretraining(cfg, dataset, tok, cache_dir, max_length, say, decide)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
@@ -160,7 +162,11 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
 
-    model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
+    if cfg.run.dry_run:
+        with torch.device("meta"):  # shapes and parameter count only: nothing allocated anywhere
+            model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed)
+    else:
+        model = model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)
     parallel = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
     if parallel:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", parallel)
@@ -177,4 +183,5 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         warmup_steps=warmup,
         decisions=decisions,
         world=world,
+        val_dataset=val_dataset,
     )

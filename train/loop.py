@@ -11,14 +11,17 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
-from train import distributed
+from train import compile_guard, distributed
 from train import monitor as monitor_lib
 from train.build import Built, build
 from train.device import autocast, device_name, synchronize
+from train.estimate import MIB, estimate_for_run
+from train.evaluate import Evaluator
 from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
 from train.model import count_params, shape
 from train.resume import RunGuard
 from train.rundir import RunDir, plan_run_dir
+from train.runlog import capture_warnings
 
 INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run is input-bound
 
@@ -150,12 +153,15 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     optimizer, kind = make_optimizer(train_model, cfg, device)
     say(f"optimizer: AdamW ({kind})")
     scaler = distributed.grad_scaler(device, b.precision == "fp16", train_model)
-    step_model = torch.compile(train_model) if cfg.model.compile else train_model
     loader, sampler = data_loader(b)
     guard = guard or RunGuard(b, run_dir.path, say, lambda: [g["params"] for g in optimizer.param_groups])
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/resume.py).
     batches = guard.start(model, optimizer, scaler, loader, sampler)
     first = guard.first_step
+    step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
+    if cfg.model.compile:
+        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
+    evaluator = Evaluator(b, run_dir, say)
     effective = cfg.effective_batch_size(b.world.world_size)
     batches = BatchCounter(batches)  # rows and real/padded tokens (SFT batches vary in both)
     seen = steady_at = interval_at = (0, 0, 0)  # (rows, real, padded tokens) after whole steps
@@ -233,9 +239,12 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 if device.type == "cuda":
                     postfix["VRAM"] = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MB"
                 bar.set_postfix(postfix)
+                train_s = now - t0 - evaluator.seconds
+                eta = train_s / (step + 1 - first) * (b.total_steps - step - 1)
                 line = (
                     f"step {step + 1}/{b.total_steps} loss {loss:.4f} lr {lr:.2e} "
-                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%}"
+                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%} "
+                    f"ETA {format_eta(eta)}"
                 )
                 if bar.disable:
                     say(line)
@@ -244,6 +253,9 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 interval_t0, interval_steps, wait_interval, interval_at = now, 0, 0.0, seen
+            if evaluator.due(step + 1, last):
+                spent = evaluator.run(step + 1, totals(seen)[0])
+                steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
             stop = guard.step_done(step + 1, loss_t, synced=log_due)  # save every SAVE_EVERY; signals; NaN
             if stop:
                 exit_reason = stop
@@ -274,6 +286,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
     data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and run_steps > skip else None
     peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type)
     summary = {
         "mode": cfg.run.mode,
         "run_name": run_dir.path.name,
@@ -301,6 +314,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "data_wait_frac": data_wait_frac,
         "input_bound": data_wait_frac is not None and data_wait_frac > INPUT_BOUND_FRAC,
         "peak_vram_mb": peak_vram,
+        "estimate_peak_mb": estimate["peak"] / MIB,
+        "estimate_mb": {k: v / MIB for k, v in estimate.items() if k != "n_params"},
         "peak_vram_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
         "vram_total_mb": gpu_summary.get("vram_total_mb"),
         "avg_gpu_util": gpu_summary.get("avg_gpu_util"),
@@ -310,6 +325,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "achieved_tflops": achieved_tflops(tokens_per_sec, fpt) if tokens_per_sec else None,
         "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
         "final_loss": loss,
+        **evaluator.summary(),
+        **compiled,
         "exit_reason": exit_reason,
         **guard.summary(),
         **b.summary_extra,
@@ -337,9 +354,24 @@ def save_final(b: Built, run_dir: RunDir, state_dict: dict | None = None) -> Non
     b.tokenizer.save_pretrained(final)
 
 
+def format_eta(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE) -> int:
     """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
     say = Console() if world.is_main else distributed.Quiet()
+    with capture_warnings(say):  # library warnings reach train.log too
+        return _train(cfg, say, world)
+
+
+def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
+    if cfg.run.dry_run:
+        from train.dryrun import dry_run
+
+        return dry_run(cfg, say)
     r = cfg.run
     run_path = distributed.on_main(
         world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
@@ -353,6 +385,11 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE) -> int
     else:
         run_dir = distributed.NullRunDir(run_path)
     say.attach(run_dir)
+    from train.dryrun import config_lines
+
+    say("resolved config:")
+    for line in config_lines(cfg):
+        say(line)
     n_params = count_params(b.model)
     effective = cfg.effective_batch_size(world.world_size)
     processes = f" x {world.world_size} processes" if world.world_size > 1 else ""
@@ -401,6 +438,10 @@ def _report(s: dict, run_dir: RunDir, say) -> None:
         f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
         f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
     )
+    if s.get("final_val_loss") is not None:
+        say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}")
+    if s.get("peak_vram_mb") is not None:
+        say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
     if s["input_bound"]:
         say(
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "

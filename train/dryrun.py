@@ -1,0 +1,118 @@
+"""DRY_RUN=1 (--dry_run, `make show-config`): check the settings before launching.
+
+Prints the resolved config, the derived numbers and a peak-memory estimate, then exits. The
+model is built on the meta device (shapes only), so nothing is allocated on the GPU, and no
+run folder is created. The tokenizer and the token cache are built or reused, because the
+steps per epoch depend on the number of tokens; that cache is the same one a real run uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from config import SECTIONS, TrainConfig, env_name
+from train.errors import UsageError
+from train.estimate import MIB, describe, estimate_for_run
+from train.mfu import flops_per_token
+from train.model import count_params, shape
+
+NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
+
+
+def config_lines(cfg: TrainConfig) -> list[str]:
+    """The resolved config, one line per section, as launcher variables."""
+    lines = []
+    for section, klass in SECTIONS.items():
+        part = getattr(cfg, section)
+        items = []
+        for f in fields(klass):
+            value = getattr(part, f.name)
+            if isinstance(value, bool):
+                value = int(value)
+            items.append(f"{env_name(f.name)}={'' if value is None else value}")
+        lines.append(f"  {section}: " + " ".join(items))
+    return lines
+
+
+def derived_numbers(b) -> dict:
+    """The numbers a user checks before launching, from a built (meta-device) run."""
+    cfg, o = b.cfg, b.cfg.optim
+    n_params = count_params(b.model)
+    effective = cfg.effective_batch_size()
+    return {
+        "n_params": n_params,
+        "effective_batch_size": effective,
+        "tokens_per_step": cfg.tokens_per_step(b.max_length),
+        "train_sequences": len(b.dataset),
+        "val_sequences": None if b.val_dataset is None else len(b.val_dataset),
+        "steps_per_epoch": len(b.dataset) // o.batch_size // o.gradient_accumulation_steps,
+        "total_steps": b.total_steps,
+        "warmup_steps": b.warmup_steps,
+        "samples": b.total_steps * effective,
+        "tokens": b.total_steps * cfg.tokens_per_step(b.max_length),
+        "flops_per_token": flops_per_token(n_params, **shape(b.model.config), seq_len=b.max_length),
+    }
+
+
+def device_total_mb(device) -> float | None:
+    """The GPU's memory from its properties (no allocation), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory / MIB
+
+
+def dry_run(cfg: TrainConfig, say) -> int:
+    from train.build import build
+    from train.rundir import plan_run_dir
+
+    say(
+        f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing trains"
+    )
+    try:
+        run_path = plan_run_dir(cfg.run.output_dir, cfg.run.run_name, cfg.run.launcher, cfg.run.overwrite)
+        where = f"a real run would write {run_path}/"
+    except UsageError as err:
+        where = f"warning: a real run would stop here: {err}"
+    b = build(cfg, say)
+    say("resolved config:")
+    for line in config_lines(cfg):
+        say(line)
+    n = derived_numbers(b)
+    o = cfg.optim
+    val = "off" if n["val_sequences"] is None else f"{n['val_sequences']:,}"
+    say(
+        f"model {b.model_size}: {n['n_params']:,} parameters ({n['n_params'] / 1e6:.1f}M), "
+        f"max_length {b.max_length}, device {b.device}, precision {b.precision}"
+    )
+    say(
+        f"effective batch {n['effective_batch_size']} = BATCH_SIZE {o.batch_size} x GRADIENT_ACCUM "
+        f"{o.gradient_accumulation_steps} x 1 GPU; {n['tokens_per_step']:,} tokens per optimizer step"
+    )
+    say(
+        f"data: {n['train_sequences']:,} training sequences, validation {val}; "
+        f"{n['steps_per_epoch']:,} steps per epoch"
+    )
+    say(
+        f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
+        f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
+    )
+    est = estimate_for_run(b.model.config, n["n_params"], cfg, b.max_length, b.precision, b.device.type)
+    say("peak device memory estimate:")
+    for line in describe(est):
+        say(line)
+    total = device_total_mb(b.device)
+    if total:
+        share = est["peak"] / MIB / total
+        say(f"  that is {share:.0%} of this GPU's {total:,.0f} MB")
+        if share > NEAR_FULL:
+            say(
+                "warning: likely out of memory; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective "
+                "batch), or set ENABLE_GRAD_CKPT=1 or ENABLE_BF16=1"
+            )
+    say(where)
+    say(
+        f"dry run: no model on the device, no run folder; the token cache in {cfg.data.cache_dir} was reused or built"
+    )
+    return 0

@@ -1,0 +1,210 @@
+"""Peak device memory of a training step, counted the way the guides count it: weights,
+gradients and optimizer state by precision, plus activations by batch, length and
+gradient checkpointing. Plain functions of a transformers config and the settings.
+
+The kit keeps parameters in fp32 (they are the master weights); fp16/bf16 autocast adds a
+half-precision copy of each matmul weight for the step. AdamW holds two fp32 states per
+parameter. Activations are the tensors autograd saves for the backward pass, counted per
+token for the kit's GPT-2 block (transformers' implementation: its Python tanh-GELU saves
+five tensors of the MLP width, the guides' fused-GELU formula assumes two). The peak comes at
+the start of the backward pass, when every activation is alive and the loss adds three
+fp32 tensors of batch x length x vocab (log-softmax output, its gradient and the logits'
+gradient); with one micro-step per optimizer step the gradients are allocated only as the
+activations are freed, so they count at the peak only with accumulation.
+
+Checked without a GPU against torch's MemTracker under FakeTensorMode (CPU kernels, fp32):
+see tests/test_estimate.py and bench/estimate_memory.py.
+"""
+
+from __future__ import annotations
+
+MIB = 2**20
+HALF = ("fp16", "bf16")
+FUSED_GELU = ("gelu", "gelu_pytorch_tanh", "gelu_fast", "relu", "quick_gelu")
+GATED = ("silu", "swish", "gelu_pytorch_tanh_gated", "geglu")
+
+
+def count_params(hf_cfg) -> int:
+    """Unique parameters of the model a config describes, built on the meta device (shapes
+    only: nothing is allocated), so every architecture transformers knows is counted exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def shapes(hf_cfg) -> dict:
+    """Hidden size, layers, heads, MLP width and vocabulary, under any of the usual names."""
+    hidden = hf_cfg.hidden_size
+    width = getattr(hf_cfg, "intermediate_size", None) or getattr(hf_cfg, "n_inner", None) or 4 * hidden
+    act = getattr(hf_cfg, "activation_function", None) or getattr(hf_cfg, "hidden_act", None) or "gelu_new"
+    return {
+        "hidden": hidden,
+        "layers": hf_cfg.num_hidden_layers,
+        "heads": hf_cfg.num_attention_heads,
+        "width": width,
+        "vocab": hf_cfg.vocab_size,
+        "act": act,
+        "gated": getattr(hf_cfg, "model_type", "") != "gpt2" and act in GATED,
+        "dropout": float(
+            getattr(hf_cfg, "resid_pdrop", None) or getattr(hf_cfg, "hidden_dropout", None) or 0.0
+        ),
+        "attn_dropout": float(
+            getattr(hf_cfg, "attn_pdrop", None) or getattr(hf_cfg, "attention_dropout", None) or 0.0
+        ),
+    }
+
+
+def attention_kind(hf_cfg, device_type: str) -> str:
+    """'fused': sdpa's flash / memory-efficient kernels save only the output and a log-sum-exp
+    (GPUs; CPU without attention dropout). 'math': the scores are materialised and saved
+    (eager attention; CPU sdpa with dropout)."""
+    if getattr(hf_cfg, "_attn_implementation", "sdpa") == "eager":
+        return "math"
+    if device_type == "cpu" and shapes(hf_cfg)["attn_dropout"] > 0:
+        return "math"
+    return "fused"
+
+
+def layer_bytes_per_token(hf_cfg, precision: str) -> float:
+    """Bytes autograd saves per token in one transformer block (attention scores aside)."""
+    s = shapes(hf_cfg)
+    h, f = s["hidden"], s["width"]
+    half = precision in HALF
+    masks = 2 * h if s["dropout"] > 0 else 0  # dropout keeps a 1-byte mask per element
+    if not s["gated"]:
+        # GPT-2 block: residual x and x2 stay fp32 (the embeddings are fp32); layer norms run in
+        # fp32 under autocast and the next matmul saves its half-precision cast; q,k,v (3h),
+        # attention output, its contiguous copy.
+        attn = 4 * h + 2 * h + 6 * h + 2 * h + 2 * h + 4 * h + 2 * h if half else 36 * h
+        if s["act"] in FUSED_GELU:
+            mlp = 4 * f if half else 8 * f  # fc output and activation output
+        else:
+            # Python tanh-GELU: pow's input, tanh's output, 0.5x, 1+tanh, and the product that
+            # the projection saves; under autocast pow and tanh run in fp32.
+            mlp = 16 * f if half else 20 * f
+        return attn + mlp + masks
+    # Gated MLP (Llama/Qwen/Mistral style, approximate): two RMS norms in fp32 (input and
+    # normalised copy each), q,k,v and rotated q,k, output and its copy; gate, up, act, product.
+    ab = 2 if half else 4
+    return 2 * 8 * h + ab * (2 * h + 5 * h + 2 * h) + ab * 4 * f + masks
+
+
+def attention_scores_bytes(hf_cfg, batch_size: int, max_length: int, precision: str, kind: str) -> float:
+    """Per layer, the saved score-sized tensors of unfused attention: softmax output (fp32),
+    dropout mask, dropped probabilities and the scaled scores (about 12 bytes per score in
+    fp32, measured; 10 under autocast)."""
+    if kind != "math":
+        return 0.0
+    s = shapes(hf_cfg)
+    per_score = 10 if precision in HALF else 12
+    return per_score * batch_size * s["heads"] * max_length**2
+
+
+def activation_bytes(
+    hf_cfg,
+    batch_size: int,
+    max_length: int,
+    precision: str,
+    gradient_checkpointing: bool,
+    kind: str = "fused",
+) -> dict:
+    """Activation bytes at the peak of a micro-step, with its parts."""
+    s = shapes(hf_cfg)
+    tokens = batch_size * max_length
+    half = precision in HALF
+    h, n_layer = s["hidden"], s["layers"]
+    layer = layer_bytes_per_token(hf_cfg, precision) * tokens + attention_scores_bytes(
+        hf_cfg, batch_size, max_length, precision, kind
+    )
+    # Final norm: its fp32 input and the (cast) input of the LM head; embedding dropout mask.
+    final = (4 * h + (2 if half else 4) * h + (h if s["dropout"] > 0 else 0)) * tokens
+    loss = 12 * s["vocab"] * tokens  # log-softmax output + its gradient + the logits' gradient, fp32
+    if gradient_checkpointing:
+        # Each block keeps only its fp32 input; in the backward pass one block at a time is
+        # recomputed, after the loss tensors are gone, and its backward holds two MLP-wide
+        # fp32 gradients at once (measured: the peak of that phase).
+        kept = n_layer * 4 * h * tokens
+        peak = kept + max(final + loss, layer + (4 * h + 8 * s["width"]) * tokens)
+        stored = kept
+    else:
+        stored = n_layer * layer
+        peak = stored + final + loss
+    return {"per_layer": layer, "stored": stored, "loss": loss, "final": final, "peak": peak}
+
+
+def estimate_memory(
+    hf_cfg,
+    n_params: int,
+    *,
+    batch_size: int,
+    max_length: int,
+    precision: str,
+    gradient_checkpointing: bool = False,
+    gradient_accumulation_steps: int = 1,
+    device_type: str = "cuda",
+) -> dict:
+    """Bytes of each part and of the peak (the larger of the backward-start peak and the
+    optimizer-step peak: weights + gradients + AdamW state)."""
+    s = shapes(hf_cfg)
+    half = precision in HALF
+    weights = 4 * n_params  # fp32: the master weights themselves
+    gradients = 4 * n_params  # fp32, like the parameters
+    optimizer = 2 * 4 * n_params  # AdamW: exp_avg and exp_avg_sq in fp32
+    embed = s["vocab"] * s["hidden"]
+    if not half:
+        copies = 0
+    elif gradient_checkpointing:
+        # Recomputed blocks cast again and free their casts; the LM head's stays until backward.
+        copies = 2 * (embed + (n_params - embed) / max(1, s["layers"]))
+    else:
+        copies = 2 * n_params  # the guides' 6 bytes per parameter for mixed-precision weights
+    acts = activation_bytes(
+        hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type)
+    )
+    held_grads = gradients if gradient_accumulation_steps > 1 else 0
+    backward_peak = weights + copies + optimizer + held_grads + acts["peak"]
+    step_peak = weights + gradients + optimizer
+    parts = {
+        "weights": weights,
+        "weight_copies": copies,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "activations": acts["peak"],
+        "activations_per_layer": acts["per_layer"],
+        "loss_logits": acts["loss"],
+    }
+    return {**parts, "peak": max(backward_peak, step_peak), "n_params": n_params}
+
+
+def estimate_for_run(hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str) -> dict:
+    """estimate_memory with a run's settings."""
+    return estimate_memory(
+        hf_cfg,
+        n_params,
+        batch_size=cfg.optim.batch_size,
+        max_length=max_length,
+        precision=precision,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
+        device_type=device_type,
+    )
+
+
+def describe(estimate: dict) -> list[str]:
+    """The estimate as console lines, in MiB."""
+
+    def mb(key):
+        return f"{estimate[key] / MIB:,.0f} MB"
+
+    lines = [
+        f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
+        f"gradients {mb('gradients')}, AdamW state {mb('optimizer')}",
+        f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
+        f"{mb('activations_per_layer')} per layer)",
+        f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
+        "allocator's cache come on top)",
+    ]
+    return lines
