@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import data
+from train import adapt, data
 from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.errors import UsageError
@@ -127,6 +127,8 @@ def build(cfg: TrainConfig, say) -> Built:
         decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
         cfg.data.num_workers = cores
     dataset = data.PackedDataset(tokens, max_length)
+    # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
+    adapt.adapt(cfg, device, dataset, decide)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import config
 from train.errors import UsageError
 
 TRAIN_COMMANDS = ("pretrain", "sft")
+# Commands that take the training flags and run real steps: module and entry point, imported late.
+TOOL_COMMANDS = {
+    "find-batch": ("train.find_batch", "find_batch_main"),
+    "doctor": ("train.doctor", "doctor_main"),
+    "autotune": ("train.autotune", "autotune_main"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,6 +72,9 @@ commands:
   sft        supervised fine-tuning on chat/instruction data
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
+  find-batch the fastest micro-batch that fits TARGET_VRAM, same effective batch (training flags)
+  doctor     a short profiled run of your config and what to change (--apply: try it)
+  autotune   timed trials of batch x accumulation, workers, precision, compile; writes the winner
 
 `python -m train <command> --help` lists the flags."""
 
@@ -88,4 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         from train.monitor import monitor_main
 
         return monitor_main(rest)
-    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, compare, monitor")
+    if command in TOOL_COMMANDS:
+        module, function = TOOL_COMMANDS[command]
+        return getattr(importlib.import_module(module), function)(rest)
+    raise UsageError(
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, compare, monitor, {', '.join(TOOL_COMMANDS)}"
+    )

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from config import TrainConfig
 from train import monitor as monitor_lib
+from train import oom as oom_lib
 from train.build import Built, build
 from train.device import autocast, device_name, synchronize
 from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
@@ -116,8 +117,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     say(f"optimizer: AdamW ({kind})")
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(model) if cfg.model.compile else model
-    loader, sampler = data_loader(b)
-    batches = batch_stream(loader, sampler)
+    # OOM: free, halve the micro-batch, double accumulation, redo the step (train/oom.py)
+    guard = oom_lib.OomGuard(b, lambda: data_loader(b), optimizer, scaler, say)
+    batches = guard.batches()
     effective = cfg.effective_batch_size()
     tokens_per_step = cfg.tokens_per_step(b.max_length)
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
@@ -141,9 +143,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
             lr = lr_at(step, o.learning_rate, b.warmup_steps, b.total_steps, o.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_t, norm_t, waited = train_step(
+            loss_t, norm_t, waited = guard.step(lambda: train_step(
                 step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision
-            )
+            ))
             wait_total += waited
             wait_interval += waited
             interval_steps += 1
@@ -193,6 +195,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     except KeyboardInterrupt:
         exit_reason = "interrupted"
         say(f"interrupted at step {step}; saving what was trained")
+    except oom_lib.OutOfMemoryStop as err:
+        exit_reason = "out_of_memory"
+        say(f"error: {err}")
     finally:
         bar.close()
         synchronize(device)
@@ -246,6 +251,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
         "final_loss": loss,
         "exit_reason": exit_reason,
+        "oom_retries": guard.retries,
+        "oom_events": guard.events,
     }
 
 
@@ -266,6 +273,10 @@ def save_final(b: Built, run_dir: RunDir) -> None:
 def train(cfg: TrainConfig) -> int:
     say = Console()
     run_path = plan_run_dir(cfg.run.output_dir, cfg.run.run_name, cfg.run.launcher, cfg.run.overwrite)
+    if cfg.optim.auto_batch:  # AUTO_BATCH=1: find-batch sets BATCH_SIZE x GRADIENT_ACCUM first
+        from train.find_batch import auto_batch
+
+        auto_batch(cfg, say)
     say(f"{cfg.run.mode}: resolving settings")
     b = build(cfg, say)
     run_dir = RunDir(run_path, cfg.run.overwrite)
@@ -302,7 +313,7 @@ def train(cfg: TrainConfig) -> int:
     run_dir.write("summary.json", summary)
     _report(summary, run_dir, say)
     run_dir.close()
-    return 130 if summary["exit_reason"] == "interrupted" else 0
+    return {"interrupted": 130, "out_of_memory": 1}.get(summary["exit_reason"], 0)
 
 
 def _report(s: dict, run_dir: RunDir, say) -> None:
