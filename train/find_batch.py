@@ -155,10 +155,12 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if run(sizes[mid]) else (lo, mid)
-    del optimizer, step_model
-    free_memory(b.device)
     ooms = [t.batch_size for t in trials if t.status == "out of memory"]
     cap = b.cfg.system.target_vram * min(ooms) if ooms else float("inf")
+    fitted = [t.batch_size for t in trials if t.status == "fits"]
+    below = [s for s in sizes if s <= cap and fitted and s <= max(fitted)]
+    if below and below[-1] not in [t.batch_size for t in trials]:
+        run(below[-1])  # the margin excludes sizes that ran: measure the largest one it allows
     safe = [t.batch_size for t in trials if t.status == "fits" and t.batch_size <= cap]
     return (max(safe) if safe else 0), trials
 

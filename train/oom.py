@@ -62,7 +62,7 @@ def remedies(cfg, max_length: int, precision: str, hint: bool = True) -> str:
         steps.append("PRECISION=bf16 (fp16 before Ampere)")
     if not cfg.model.gradient_checkpointing:
         steps.append("ENABLE_GRAD_CKPT=1")
-    if max_length >= 128:
+    if max_length >= 4:  # attention memory grows with the square of the length
         steps.append(f"MAX_LENGTH={max_length // 2}")
     if hint:
         steps.append("make find-batch (or AUTO_BATCH=1) for the largest micro-batch that fits")
