@@ -3,12 +3,15 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline test lint clean
+.PHONY: help setup train baseline find-batch doctor autotune test lint clean
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
 	@echo "make train     train with the optimized launcher (built-in corpus by default)"
 	@echo "make baseline  train with the baseline launcher"
+	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
+	@echo "make doctor    short profiled run and what to change (ARGS=--apply tries the fix)"
+	@echo "make autotune  timed trials; writes the winner to runs/autotune.env"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -23,6 +26,11 @@ train: $(STAMP)
 
 baseline: $(STAMP)
 	./run_single_gpu.sh
+
+# The launchers' variables (MODEL_SIZE, MAX_LENGTH, PRECISION, DATA_PATH, MAX_MEMORY_MB ...) over
+# the optimized preset; PRESET=baseline for the other. ARGS: extra flags (doctor: --apply).
+find-batch doctor autotune: $(STAMP)
+	bash scripts/kit.sh $@ $${PRESET:-optimized} $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

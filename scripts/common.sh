@@ -16,6 +16,8 @@ KIT_VALUE_KNOBS=(
   DATA_PATH:--data_path TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
   CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
   SEED:--seed DEVICE:--device LOG_EVERY:--log_every
+  EFFECTIVE_BATCH:--effective_batch AUTO_BATCH:--auto_batch LR_SCALING:--lr_scaling
+  LR_REFERENCE_BATCH:--lr_reference_batch TARGET_VRAM:--target_vram MAX_MEMORY_MB:--max_memory_mb
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)

@@ -82,3 +82,27 @@ def test_budget_below_one_sequence_is_one_line_naming_the_variable(tiny_flags, c
     assert run_cli("find-batch", *tiny_flags, "--max_memory_mb", "64") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "MAX_MEMORY_MB" in err and "BATCH_SIZE=1" in err
+
+
+def test_make_targets_take_the_launchers_variables():
+    import shlex
+    import subprocess
+
+    from conftest import ROOT, launch
+
+    env = {"SHOW_COMMAND": "1", "MODEL_SIZE": "nano", "MAX_LENGTH": "128", "PRECISION": "bf16",
+           "MAX_MEMORY_MB": "900", "TARGET_VRAM": "0.7", "EFFECTIVE_BATCH": "64"}
+    argv = shlex.split(launch("scripts/kit.sh", env, "find-batch").stdout)
+    assert argv[:4] == ["python", "-m", "train", "find-batch"] and argv[argv.index("--preset") + 1] == "optimized"
+    for flag, value in [("--model_size", "nano"), ("--max_length", "128"), ("--precision", "bf16"),
+                        ("--max_memory_mb", "900"), ("--target_vram", "0.7"), ("--effective_batch", "64")]:
+        assert argv[argv.index(flag) + 1] == value
+    argv = shlex.split(launch("scripts/kit.sh", {"SHOW_COMMAND": "1"}, "doctor", "baseline", "--apply").stdout)
+    assert argv[argv.index("--preset") + 1] == "baseline" and argv[-1] == "--apply"
+    argv = shlex.split(launch("run_single_gpu_optimized.sh", {"SHOW_COMMAND": "1", "AUTO_BATCH": "1"}).stdout)
+    assert argv[argv.index("--auto_batch") + 1] == "1"
+    make = subprocess.run(["make", "-n", "-o", ".venv/.installed", "find-batch", "doctor", "autotune", "ARGS=--apply"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert make.returncode == 0, make.stderr
+    assert [line.split()[:3] for line in make.stdout.splitlines()] == [
+        ["bash", "scripts/kit.sh", cmd] for cmd in ("find-batch", "doctor", "autotune")]
