@@ -108,7 +108,7 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
         host = monitor.host_memory()
         avail, rss = host.get("ram_available_mb"), host.get("rss_mb") or 0.0
         cap = None if avail is None else avail + rss
-        why = f"host RAM this process can reach (available {avail} MB + its RSS {rss:.0f} MB)"
+        why = "host RAM unknown" if avail is None else f"host RAM: {avail:.0f} MB available + {rss:.0f} MB this process holds"
     if max_memory_mb is not None and (cap is None or max_memory_mb < cap):
         return float(max_memory_mb), "MAX_MEMORY_MB"
     return cap, why

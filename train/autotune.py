@@ -30,7 +30,7 @@ import config
 from train.adapt import PeakMeter, capacity_mb, cpu_cores
 from train.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.errors import UsageError
-from train.find_batch import divisors
+from train.find_batch import divisors, wants_help
 from train.oom import free_memory, is_oom
 
 TRIAL_STEPS = 2
@@ -241,6 +241,9 @@ def autotune_main(argv: list[str]) -> int:
     """`python -m train autotune [--steps N] [--skip compile,workers] [training flags]`."""
     from train.cli import parse_training_args
 
+    if wants_help("autotune", f"[--steps N ({TRIAL_STEPS})] [--skip {','.join(DIMENSIONS)}] [training flags]: "
+                  "timed trials, a ranked table, the winner in OUTPUT_DIR/autotune.env", argv):
+        return 0
     parser = argparse.ArgumentParser(prog="python -m train autotune", add_help=False, allow_abbrev=False)
     parser.add_argument("--steps", default=str(TRIAL_STEPS))
     parser.add_argument("--skip", default="", help=f"dimensions to leave as they are: {','.join(DIMENSIONS)}")

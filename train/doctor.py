@@ -203,7 +203,11 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
 def doctor_main(argv: list[str]) -> int:
     """`python -m train doctor [--apply] [--steps N] [training flags]`."""
     from train.cli import parse_training_args
+    from train.find_batch import wants_help
 
+    if wants_help("doctor", f"[--apply] [--steps N ({DOCTOR_STEPS})] [training flags]: a short profiled run, "
+                  "a verdict, and with --apply the fix tried", argv):
+        return 0
     parser = argparse.ArgumentParser(prog="python -m train doctor", add_help=False, allow_abbrev=False)
     parser.add_argument("--apply", action="store_true", help="run the suggested fix and show before/after")
     parser.add_argument("--steps", default=str(DOCTOR_STEPS), help=f"optimizer steps per profiled run ({DOCTOR_STEPS})")

@@ -290,10 +290,24 @@ def auto_batch(cfg, say) -> Result:
     return result
 
 
+def wants_help(command: str, usage: str, argv: list[str]) -> bool:
+    """-h/--help for a tool command: its own usage, then the training flags it takes."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    from train.cli import training_parser
+
+    print(f"usage: python -m train {command} {usage}\n")
+    training_parser(command).print_help()
+    return True
+
+
 def find_batch_main(argv: list[str]) -> int:
     """`python -m train find-batch [training flags]`: search, print the variables, save them."""
     from train.cli import parse_training_args
 
+    if wants_help("find-batch", "[training flags]: the fastest micro-batch that fits TARGET_VRAM, "
+                  "effective batch kept; saved for AUTO_BATCH=1", argv):
+        return 0
     cfg = parse_training_args("pretrain", argv)
     result = find_everywhere(cfg, print)
     rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} samples/s"
