@@ -3,8 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline test lint clean sft sft-fast chat sft-bench
-.PHONY: help setup train baseline show-config test lint clean
+.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -15,6 +14,9 @@ help:
 	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final)"
 	@echo "make sft-bench LENGTH_GROUPING=0 vs 1 on the same SFT run: padding efficiency and samples/s"
 	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
+	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
+	@echo "make doctor    short profiled run and what to change (ARGS=--apply tries the fix)"
+	@echo "make autotune  timed trials; writes the winner to runs/autotune.env"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -44,6 +46,11 @@ sft-bench: $(STAMP)
 	scripts/bench_sft.sh
 show-config: $(STAMP)
 	DRY_RUN=1 ./run_single_gpu_optimized.sh
+
+# The launchers' variables (MODEL_SIZE, MAX_LENGTH, PRECISION, DATA_PATH, MAX_MEMORY_MB ...) over
+# the optimized preset; PRESET=baseline for the other. ARGS: extra flags (doctor: --apply).
+find-batch doctor autotune: $(STAMP)
+	bash scripts/kit.sh $@ $${PRESET:-optimized} $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -20,6 +20,7 @@ KIT_DIR = Path(__file__).resolve().parent
 
 MODEL_SIZES = ("nano", "tiny", "small", "medium")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
+LR_SCALINGS = ("none", "linear", "sqrt")
 MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -177,6 +178,20 @@ class OptimConfig:
     EPOCHS or MAX_SAMPLES: one epoch."""
     max_samples: int | None = None
     """Stop after this many training sequences (the budget `make compare` holds fixed)."""
+    effective_batch: int | None = None
+    """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against
+    GRADIENT_ACCUM (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes
+    EFFECTIVE_BATCH / BATCH_SIZE. Empty: BATCH_SIZE x GRADIENT_ACCUM."""
+    auto_batch: bool = False
+    """1: before training, find the fastest micro-batch that fits TARGET_VRAM (make find-batch)
+    and set BATCH_SIZE and GRADIENT_ACCUM from it, keeping the effective batch. An earlier
+    result for the same model, length, precision and device is reused."""
+    lr_scaling: str = "none"
+    """none | linear | sqrt: scale LEARNING_RATE by (effective batch / LR_REFERENCE_BATCH), or
+    its square root, when the effective batch differs from the reference. none keeps it."""
+    lr_reference_batch: int | None = None
+    """The effective batch LEARNING_RATE is meant for. Empty: the preset's BATCH_SIZE x
+    GRADIENT_ACCUM (baseline 8, optimized 128; 8 without a preset)."""
 
     def __post_init__(self):
         _check_int(self, "batch_size", 1)
@@ -191,6 +206,15 @@ class OptimConfig:
         _check_int(self, "max_samples", 1, optional=True)
         if self.min_lr_ratio > 1:
             raise _bad("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
+        _check_int(self, "effective_batch", 1, optional=True)
+        _check_int(self, "lr_reference_batch", 1, optional=True)
+        if self.lr_scaling not in LR_SCALINGS:
+            raise _bad("lr_scaling", " | ".join(LR_SCALINGS), self.lr_scaling)
+        if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
+            raise UsageError(
+                f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
+                "the effective batch must be BATCH_SIZE x GRADIENT_ACCUM (or set AUTO_BATCH=1)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -215,6 +239,13 @@ class SystemConfig:
     """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run
     the optimizer step on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded
     for host-to-GPU copies every step."""
+    target_vram: float = 0.8
+    """Share of device memory find-batch, AUTO_BATCH and autotune may fill (the guides' 70-85 %);
+    the rest is headroom for fragmentation and spikes."""
+    max_memory_mb: int | None = None
+    """Memory budget in MiB. On a GPU, a hard cap on this process's VRAM (share a card); on CPU,
+    the process RSS find-batch and doctor measure against. Empty: the device's memory (on CPU,
+    the RAM available at start)."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -226,6 +257,10 @@ class SystemConfig:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device or ""):
             raise _bad("device", "auto | cpu | mps | cuda | cuda:N", self.device)
         _check_int(self, "seed", 0)
+        _check_int(self, "max_memory_mb", 1, optional=True)
+        _check_float(self, "target_vram", 0.0, strict=True)
+        if self.target_vram > 1:
+            raise _bad("target_vram", "a fraction above 0 and at most 1 (e.g. 0.8)", self.target_vram)
 
 
 @dataclass(kw_only=True)
@@ -410,5 +445,8 @@ def resolve(preset: str | None, overrides: dict) -> TrainConfig:
         if preset not in PRESETS:
             raise UsageError(f"PRESET (--preset): expected {' | '.join(PRESETS)}, got {preset!r}")
         values.update(PRESETS[preset])
+    # LR_SCALING's reference: the effective batch the preset (or the defaults) were tuned with.
+    base = {"batch_size": OptimConfig.batch_size, "gradient_accumulation_steps": OptimConfig.gradient_accumulation_steps, **values}
+    values["lr_reference_batch"] = base["batch_size"] * base["gradient_accumulation_steps"]
     values.update(overrides)
     return TrainConfig.from_flat(values)

@@ -8,6 +8,7 @@ set -euo pipefail
 MODEL_SIZE=${MODEL_SIZE:-}              # nano | tiny | small | medium; empty: small on a GPU, nano demo on CPU
 BATCH_SIZE=${BATCH_SIZE:-32}            # micro-batch per GPU: raise until VRAM is ~70-85 % full
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-4}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
+AUTO_BATCH=${AUTO_BATCH:-0}             # 1: find-batch picks BATCH_SIZE x GRADIENT_ACCUM first, same effective batch
 ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
 ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)
 PRECISION=${PRECISION:-}                # auto: bf16 where fast, fp16 where not, fp32 otherwise

@@ -23,6 +23,8 @@ KIT_VALUE_KNOBS=(
   TOKEN_BUDGET:--token_budget SKIP_BAD_RECORDS:--skip_bad_records
   VAL_FRACTION:--val_fraction VAL_PATH:--val_path EVAL_EVERY:--eval_every EVAL_BATCHES:--eval_batches
   KEEP_BEST:--keep_best DRY_RUN:--dry_run
+  EFFECTIVE_BATCH:--effective_batch AUTO_BATCH:--auto_batch LR_SCALING:--lr_scaling
+  LR_REFERENCE_BATCH:--lr_reference_batch TARGET_VRAM:--target_vram MAX_MEMORY_MB:--max_memory_mb
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import data, evaluate
+from train import adapt, data, evaluate
 from train import model as model_lib
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.distributed import SINGLE, Dist, describe, rank_device
@@ -155,6 +155,8 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         cfg.data.num_workers = cores
     dataset = data.PackedDataset(tokens, max_length)
     dataset, val_dataset = evaluate.split_pretraining(cfg, dataset, tok, cache_dir, max_length, say, decide)
+    # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
+    adapt.adapt(cfg, device, dataset, decide)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")

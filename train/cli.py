@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -10,6 +11,12 @@ import config
 from train.errors import UsageError
 
 TRAIN_COMMANDS = ("pretrain", "sft")
+# Commands that take the training flags and run real steps: module and entry point, imported late.
+TOOL_COMMANDS = {
+    "find-batch": ("train.find_batch", "find_batch_main"),
+    "doctor": ("train.doctor", "doctor_main"),
+    "autotune": ("train.autotune", "autotune_main"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +80,9 @@ commands:
   generate   sample from a trained model with its chat template: generate --model DIR --prompt TEXT
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
+  find-batch the fastest micro-batch that fits TARGET_VRAM, same effective batch (training flags)
+  doctor     a short profiled run of your config and what to change (--apply: try it)
+  autotune   timed trials of batch x accumulation, workers, precision, compile; writes the winner
 
 `python -m train <command> --help` lists the flags."""
 
@@ -105,4 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         from train.monitor import monitor_main
 
         return monitor_main(rest)
-    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor")
+    if command in TOOL_COMMANDS:
+        module, function = TOOL_COMMANDS[command]
+        return getattr(importlib.import_module(module), function)(rest)
+    raise UsageError(
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, {', '.join(TOOL_COMMANDS)}"
+    )

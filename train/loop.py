@@ -13,13 +13,14 @@ from tqdm import tqdm
 from config import TrainConfig
 from train import compile_guard, distributed
 from train import monitor as monitor_lib
+from train import oom as oom_lib
 from train.build import Built, build
 from train.device import autocast, device_name, synchronize
 from train.estimate import MIB, estimate_for_run
 from train.evaluate import Evaluator
 from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
 from train.model import count_params, shape
-from train.resume import RunGuard
+from train.resume import BatchStream, RunGuard
 from train.rundir import RunDir, plan_run_dir
 from train.runlog import capture_warnings
 
@@ -156,7 +157,16 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     loader, sampler = data_loader(b)
     guard = guard or RunGuard(b, run_dir.path, say, lambda: [g["params"] for g in optimizer.param_groups])
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/resume.py).
-    batches = guard.start(model, optimizer, scaler, loader, sampler)
+    stream = guard.start(model, optimizer, scaler, loader, sampler)
+
+    def reopen(epoch: int, start: int):
+        """A new stream at a sample position for the current micro-batch (after an OOM)."""
+        guard.stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size, epoch, start)
+        return guard.stream
+
+    # OOM: free, halve the micro-batch, double accumulation, redo the step (train/oom.py)
+    oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
+    batches = oom.batches()
     first = guard.first_step
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
     if cfg.model.compile:
@@ -197,10 +207,10 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_t, norm_t, waited = train_step(
+            loss_t, norm_t, waited = oom.step(lambda: train_step(
                 step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision,
                 gradient_sync,
-            )
+            ))
             done = step + 1
             seen = tuple(c * b.world.world_size for c in batches.counts())  # every rank takes an equal share
             wait_total += waited
@@ -260,6 +270,9 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             if stop:
                 exit_reason = stop
                 break
+    except oom_lib.OutOfMemoryStop as err:
+        exit_reason = "out_of_memory"
+        say(f"error: {err}")
     finally:
         bar.close()
         guard.close()
@@ -330,6 +343,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "exit_reason": exit_reason,
         **guard.summary(),
         **b.summary_extra,
+        "oom_retries": oom.retries,
+        "oom_events": oom.events,
     }
     return distributed.add_rank_figures(summary, b.world, device)
 
@@ -373,6 +388,10 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
 
         return dry_run(cfg, say)
     r = cfg.run
+    if cfg.optim.auto_batch:  # AUTO_BATCH=1: find-batch sets BATCH_SIZE x GRADIENT_ACCUM first
+        from train.find_batch import auto_batch
+
+        auto_batch(cfg, say)
     run_path = distributed.on_main(
         world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
     )

@@ -327,7 +327,7 @@ class RunGuard:
         self.close()
         trained = self._streak is not None  # at least one step in this session
         if (
-            exit_reason in ("completed", "interrupted")
+            exit_reason in ("completed", "interrupted", "out_of_memory")
             and trained
             and self.manager.last_saved != checkpoint_name(steps_done)
         ):
@@ -380,7 +380,7 @@ class RunGuard:
 
     def exit_code(self, exit_reason: str) -> int:
         """0 completed; 128 + the signal number when stopped by one (130 Ctrl+C, 143 SIGTERM),
-        as shells report it; 1 when non-finite losses stopped the run."""
+        as shells report it; 1 when non-finite losses or repeated out-of-memory stopped the run."""
         if exit_reason == "interrupted":
             return 128 + (self.signals.received or signal.SIGINT)
-        return 1 if exit_reason == "non_finite_loss" else 0
+        return 1 if exit_reason in ("non_finite_loss", "out_of_memory") else 0

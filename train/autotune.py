@@ -1,0 +1,262 @@
+"""autotune: short timed trials of the real loop over micro-batch x accumulation (the effective batch
+fixed), DataLoader workers, precision and torch.compile; a ranked table; the winner written as
+launcher variables.
+
+Each trial is the run's own code: build(), make_optimizer, the real DataLoader (workers, prefetch,
+pinned memory) and train_step, one warm-up step (worker start-up, compilation, allocator) and
+TRIAL_STEPS timed optimizer steps. The full grid (3 precisions x 5 sizes x 4 worker counts x 2)
+is too long for "short", so the search is coordinate descent from the OPTIMIZED preset: one
+dimension at a time (precision, micro-batch, workers, compile), keeping the best so far.
+
+The preset's own settings (its micro-batch, or the largest divisor of the effective batch under
+it) are always the first trial, and the best alternative is re-measured side by side with it at
+the end; the winner is the faster on the mean of its measurements. So the winner is at least as
+fast as the OPTIMIZED preset on this machine by construction: when nothing beats it, the preset
+wins. Trials that run out of memory or go over TARGET_VRAM are shown and never win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+import config
+from train.adapt import PeakMeter, capacity_mb, cpu_cores
+from train.device import device_name, resolve_device, resolve_precision, supports, synchronize
+from train.errors import UsageError
+from train.find_batch import divisors, wants_help
+from train.oom import free_memory, is_oom
+
+TRIAL_STEPS = 2
+CONFIRM = 3  # side-by-side re-measurements of the leader against the preset
+DIMENSIONS = ("precision", "batch", "workers", "compile")
+ENV_FILE = "autotune.env"  # in OUTPUT_DIR: VAR=value lines this module writes (ints and fixed words only)
+WRITTEN = ("batch_size", "gradient_accumulation_steps", "num_workers", "prefetch_factor", "pin_memory",
+           "persistent_workers", "precision", "compile", "tf32")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    batch_size: int
+    gradient_accumulation_steps: int
+    num_workers: int
+    precision: str
+    compile: bool
+    preset: bool = False  # the OPTIMIZED preset: its other DataLoader and TF32 settings apply too
+
+    def label(self) -> str:
+        name = f"{self.batch_size} x {self.gradient_accumulation_steps}, {self.num_workers} workers, {self.precision}"
+        return name + (", compile" if self.compile else "") + (" (optimized preset)" if self.preset else "")
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    status: str = "ok"  # ok | over target | out of memory | failed: ...
+    rates: list = field(default_factory=list)  # samples/s of each measurement
+    data_wait_frac: float | None = None
+    peak_mb: float | None = None
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        return statistics.mean(self.rates) if self.rates and self.status == "ok" else None
+
+
+def trial_config(cfg, cand: Candidate):
+    """The user's config with the candidate's settings (and the preset's, for the preset)."""
+    new = copy.deepcopy(cfg)
+    if cand.preset:
+        for name, value in config.PRESETS["optimized"].items():
+            setattr(getattr(new, config.FIELD_SECTION[name]), name, value)
+    new.optim.batch_size, new.optim.gradient_accumulation_steps = cand.batch_size, cand.gradient_accumulation_steps
+    new.optim.effective_batch, new.optim.auto_batch, new.optim.lr_scaling = None, False, "none"
+    new.data.num_workers, new.system.precision, new.model.compile = cand.num_workers, cand.precision, cand.compile
+    if cand.num_workers == 0:
+        new.data.prefetch_factor, new.data.persistent_workers = None, False
+    return new
+
+
+def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
+    """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
+    from train.build import build
+    from train.loop import batch_stream, data_loader, make_optimizer, train_step
+
+    b = build(trial_config(cfg, cand), lambda line: None)
+    device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
+    optimizer, _ = make_optimizer(b.model, b.cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
+    loader, sampler = data_loader(b)
+    batches = batch_stream(loader, sampler)
+    meter = PeakMeter(device)
+    meter.reset()
+    outcome, spent, waited, error = Outcome(cand), 0.0, 0.0, None
+    try:
+        step_model = torch.compile(b.model) if cand.compile else b.model
+        for i in range(1 + steps):
+            synchronize(device)
+            start = time.perf_counter()
+            _, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
+                                    b.cfg.optim.grad_clip, device, b.precision)
+            synchronize(device)
+            if i:  # the first step pays for worker start-up and compilation
+                spent, waited = spent + time.perf_counter() - start, waited + wait
+    except Exception as err:
+        if not (is_oom(err) or cand.compile):  # compile may fail for want of a compiler: a result
+            raise
+        error = "out of memory" if is_oom(err) else f"failed: {type(err).__name__}"
+    finally:
+        batches.close()  # ends the loader's iterator and its worker processes
+    peak = meter.peak_mb()
+    del b, optimizer, loader
+    free_memory(device)
+    if error:
+        outcome.status = error
+        return outcome
+    outcome.rates.append(steps * effective / spent)
+    outcome.data_wait_frac, outcome.peak_mb = min(1.0, waited / spent), peak
+    if limit is not None and peak is not None and peak > limit:
+        outcome.status = "over target"
+    return outcome
+
+
+def preset_candidate(effective: int, cores: int) -> Candidate:
+    p, defaults = config.PRESETS["optimized"], (config.SystemConfig(), config.ModelConfig())
+    size = max(d for d in divisors(effective) if d <= p["batch_size"])
+    return Candidate(size, effective // size, min(p["num_workers"], cores), p.get("precision", defaults[0].precision),
+                     p.get("compile", defaults[1].compile), preset=True)
+
+
+def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> list[Candidate]:
+    """The current best with one dimension changed (never the current best itself again)."""
+    base = replace(cur, preset=False)
+    if dim == "precision":
+        found = [replace(base, precision=p) for p in ("fp32", "bf16", "fp16") if supports(device, p)]
+    elif dim == "batch":
+        sizes = {max(d for d in divisors(effective) if d <= max(1, cur.batch_size * f)) for f in (0.25, 0.5, 2, 4)}
+        found = [replace(base, batch_size=s, gradient_accumulation_steps=effective // s) for s in sorted(sizes)]
+    elif dim == "workers":
+        found = [replace(base, num_workers=w) for w in sorted({0, 2, 4, cores}) if w <= cores]
+    else:
+        found = [replace(base, compile=not cur.compile)]
+    return [c for c in found if c != base]
+
+
+def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome, Outcome, list[Outcome]]:
+    """Returns (winner, preset, every outcome)."""
+    device, _ = resolve_device(cfg.system.device)
+    cores = cpu_cores()
+    effective = cfg.optim.effective_batch or cfg.effective_batch_size()
+    capacity, _ = capacity_mb(device, cfg.system.max_memory_mb)
+    limit = None if capacity is None else cfg.system.target_vram * capacity
+    seen: dict[Candidate, Outcome] = {}
+
+    def run(cand: Candidate) -> Outcome:
+        if cand not in seen:
+            seen[cand] = measure(cfg, cand, steps, limit)
+            o = seen[cand]
+            say(f"  {cand.label():<48} {o.samples_per_sec or 0:8.1f} samples/s  {o.status}")
+        return seen[cand]
+
+    def faster(a: Outcome, b: Outcome) -> Outcome:
+        return a if (a.samples_per_sec or -1) > (b.samples_per_sec or -1) else b
+
+    say(f"autotune: effective batch {effective}, {steps} timed steps per trial, on {device_name(device)}")
+    preset = run(preset_candidate(effective, cores))
+    o = cfg.optim
+    if effective % o.batch_size == 0:  # the user's own settings, when they keep the effective batch
+        precision, _ = resolve_precision(cfg.system.precision, device)
+        mine = Candidate(o.batch_size, effective // o.batch_size, min(cfg.data.num_workers, cores), precision,
+                         cfg.model.compile)
+        if mine != replace(preset.candidate, preset=False):
+            run(mine)
+    best = max(seen.values(), key=lambda x: x.samples_per_sec or -1)
+    for dim in DIMENSIONS:
+        if dim in skip:
+            continue
+        for cand in neighbours(best.candidate, dim, effective, device, cores):
+            best = faster(run(cand), best)
+    # One timing can be lucky: the top of the table is re-measured side by side with the preset
+    # until the top is the preset or has been measured twice (at most CONFIRM rounds).
+    for _ in range(CONFIRM):
+        best = max(seen.values(), key=lambda x: x.samples_per_sec or -1)
+        if best is preset or best.samples_per_sec is None or len(best.rates) > 1:
+            break
+        say(f"autotune: re-measuring {best.candidate.label()} and the preset, side by side")
+        for outcome in (preset, best):
+            again = measure(cfg, outcome.candidate, steps, limit)
+            outcome.rates += again.rates
+            if again.status != "ok":
+                outcome.status = again.status
+    confirmed = [o for o in seen.values() if len(o.rates) > 1 or o is preset]
+    best = max(confirmed, key=lambda x: x.samples_per_sec or -1)
+    best = faster(best, preset)  # a tie goes to the preset
+    if best.samples_per_sec is None:
+        raise UsageError("autotune: no trial completed (all ran out of memory or over TARGET_VRAM); try make find-batch")
+    return best, preset, list(seen.values())
+
+
+def table(outcomes: list[Outcome], winner: Outcome, preset: Outcome, limit_note: str) -> list[str]:
+    """Ranked by mean samples/s; the winner is the top among those measured twice (or the preset)."""
+    ranked = sorted(outcomes, key=lambda x: (x is not winner, -(x.samples_per_sec or -1)))
+    ref = preset.samples_per_sec
+    lines = [f"{'rank':>4}  {'micro x accum, workers, precision':<48} {'samples/s':>10} {'vs preset':>10} "
+             f"{'data wait':>9} {'peak MB':>8} {'runs':>4}  result"]
+    for i, o in enumerate(ranked, 1):
+        rate = o.samples_per_sec
+        lines.append(
+            f"{i:>4}  {o.candidate.label():<48} {'-' if rate is None else f'{rate:.1f}':>10} "
+            f"{'-' if not (rate and ref) else f'{rate / ref:.2f}x':>10} "
+            f"{'-' if o.data_wait_frac is None else f'{o.data_wait_frac:.0%}':>9} "
+            f"{'-' if o.peak_mb is None else f'{o.peak_mb:.0f}':>8} {len(o.rates):>4}  "
+            f"{'winner' if o is winner else o.status}"
+        )
+    lines.append(limit_note)
+    return lines
+
+
+def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
+    """The winner's settings as launcher variables (`set -a; . runs/autotune.env; set +a`)."""
+    full = trial_config(cfg, winner.candidate)
+    pairs = []
+    for name in WRITTEN:
+        value = getattr(getattr(full, config.FIELD_SECTION[name]), name)
+        if value is not None:
+            pairs.append(f"{config.env_name(name)}={int(value) if isinstance(value, bool) else value}")
+    ref = preset.samples_per_sec
+    head = (f"# python -m train autotune, {time.strftime('%Y-%m-%d %H:%M')}: {winner.samples_per_sec:.1f} samples/s"
+            + (f", {winner.samples_per_sec / ref:.2f}x the optimized preset ({ref:.1f})" if ref else ", the preset failed")
+            + f"; effective batch {full.effective_batch_size()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([head, *pairs]) + "\n")
+    return pairs
+
+
+def autotune_main(argv: list[str]) -> int:
+    """`python -m train autotune [--steps N] [--skip compile,workers] [training flags]`."""
+    from train.cli import parse_training_args
+
+    if wants_help("autotune", f"[--steps N ({TRIAL_STEPS})] [--skip {','.join(DIMENSIONS)}] [training flags]: "
+                  "timed trials, a ranked table, the winner in OUTPUT_DIR/autotune.env", argv):
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m train autotune", add_help=False, allow_abbrev=False)
+    parser.add_argument("--steps", default=str(TRIAL_STEPS))
+    parser.add_argument("--skip", default="", help=f"dimensions to leave as they are: {','.join(DIMENSIONS)}")
+    mine, rest = parser.parse_known_args(argv)
+    skip = tuple(s for s in mine.skip.split(",") if s)
+    if not mine.steps.isdigit() or int(mine.steps) < 1 or set(skip) - set(DIMENSIONS):
+        raise UsageError(f"autotune: --steps takes a whole number >= 1 and --skip some of {','.join(DIMENSIONS)}")
+    cfg = parse_training_args("pretrain", rest)
+    winner, preset, outcomes = tune(cfg, print, int(mine.steps), skip)
+    note = f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never wins)"
+    print("\n".join(table(outcomes, winner, preset, note)))
+    path = Path(cfg.run.output_dir) / ENV_FILE
+    pairs = write_env(path, cfg, winner, preset)
+    print(f"winner: {winner.candidate.label()}, {winner.samples_per_sec:.1f} samples/s")
+    print(f"written to {path}; use: {' '.join(pairs)} ./run_single_gpu_optimized.sh")
+    return 0

@@ -1,0 +1,320 @@
+"""find-batch: the fastest micro-batch that fits, measured with real training steps.
+
+How: the model, optimizer and step of a real run (build, make_optimizer, train_step) at the
+worst-case length (every packed sequence is MAX_LENGTH tokens long), at micro-batches growing by
+doubling, then a binary search between the last size that fit and the first that did not.
+A size fits when its steps run and their peak memory stays under TARGET_VRAM x the memory this
+process can use (train/adapt.py: peak reserved VRAM on a GPU; peak RSS against MAX_MEMORY_MB or
+the reachable host RAM on CPU). An out-of-memory error at size F also caps the answer at
+TARGET_VRAM x F: activation memory grows with the micro-batch, and a size just under a crash has
+no headroom for fragmentation or a spike later in the run. Each size's samples/s is measured and
+the fastest safe size wins (within TIE of the fastest, the smaller one: same speed, more room).
+
+Only divisors of the effective batch are tried, so GRADIENT_ACCUM = EFFECTIVE_BATCH / BATCH_SIZE
+keeps the effective batch exactly. Under torchrun, rank 0 searches and broadcasts the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from train.adapt import PeakMeter, capacity_mb, world_size
+from train.device import device_name, synchronize
+from train.errors import UsageError
+from train.oom import free_memory, is_oom, remedies
+
+TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
+TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
+RESULT_FILE = ".auto_batch.json"  # in OUTPUT_DIR; read back by AUTO_BATCH=1 (JSON: never sourced)
+
+
+@dataclass
+class Trial:
+    batch_size: int
+    status: str  # fits | over target | out of memory | skipped
+    peak_mb: float | None = None
+    samples_per_sec: float | None = None
+
+
+@dataclass
+class Result:
+    batch_size: int
+    gradient_accumulation_steps: int
+    effective_batch: int
+    largest_safe: int
+    limit_mb: float
+    capacity_mb: float
+    capacity_source: str
+    samples_per_sec: float | None = None
+    peak_mb: float | None = None
+    trials: list = field(default_factory=list)
+    source: str = "searched"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _sampler(dataset, seed: int):
+    """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def sample(size: int) -> dict:
+        picks = torch.randint(len(dataset), (size,), generator=generator).tolist()
+        return {"input_ids": torch.stack([dataset[i]["input_ids"] for i in picks])}
+
+    return sample
+
+
+def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
+    from train.loop import train_step
+
+    device, precision = b.device, b.precision
+    meter.reset()
+    times, failed = [], False
+    try:
+        for _ in range(1 + steps):
+            batch = sample(size)
+            synchronize(device)
+            start = time.perf_counter()
+            train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device, precision)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    except Exception as err:  # anything but OOM is a real error
+        if not is_oom(err):
+            raise
+        failed = True
+    if failed:  # freed outside the except block, once the traceback's frames are gone
+        free_memory(device, optimizer)
+        if hasattr(scaler, "_per_optimizer_states"):
+            scaler._per_optimizer_states.clear()
+        return Trial(size, "out of memory")
+    return Trial(size, "fits", meter.peak_mb(), size / statistics.median(times[1:]))
+
+
+def _predict(trials: list[Trial], size: int) -> float | None:
+    """Peak memory at `size` from the two largest sizes that ran (memory is linear in the batch)."""
+    ran = sorted((t for t in trials if t.peak_mb is not None and t.status != "skipped"), key=lambda t: t.batch_size)
+    if len(ran) < 2:
+        return None
+    a, c = ran[-2], ran[-1]
+    slope = (c.peak_mb - a.peak_mb) / (c.batch_size - a.batch_size)
+    return c.peak_mb + max(0.0, slope) * (size - c.batch_size)
+
+
+def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
+    """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
+    The largest safe size is 0 when even a micro-batch of 1 does not fit."""
+    from train.loop import make_optimizer
+
+    optimizer, _ = make_optimizer(b.model, b.cfg, b.device)
+    scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
+    step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
+    sample, meter = _sampler(b.dataset, b.cfg.system.seed), PeakMeter(b.device)
+    sizes, trials = divisors(effective), []
+    # Never try a size predicted past halfway between the target and the whole capacity: on CPU
+    # the OOM killer, unlike a CUDA OOM, cannot be caught.
+    ceiling = (limit + capacity) / 2
+    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {'samples/s':>10}  result")
+
+    def run(size: int) -> bool:
+        predicted = _predict(trials, size)
+        if predicted is not None and predicted > ceiling:
+            trial = Trial(size, "skipped", predicted)
+        else:
+            trial = _trial(step_model, optimizer, scaler, b, sample, size, steps, meter)
+            if trial.status == "fits" and trial.peak_mb is not None and trial.peak_mb > limit:
+                trial.status = "over target"
+        trials.append(trial)
+        peak = "-" if trial.peak_mb is None else f"{trial.peak_mb:.0f}"
+        share = "-" if trial.peak_mb is None else f"{trial.peak_mb / limit:.0%}"
+        rate = "-" if trial.samples_per_sec is None else f"{trial.samples_per_sec:.1f}"
+        note = f" (predicted {trial.peak_mb:.0f} MB)" if trial.status == "skipped" else ""
+        say(f"{size:>12} {peak:>9} {share:>9} {rate:>10}  {trial.status}{note}")
+        return trial.status == "fits"
+
+    lo = hi = None  # indices into sizes: last that fit, first that did not
+    i = 0
+    while i is not None:
+        if not run(sizes[i]):
+            hi = i
+            break
+        lo = i
+        bigger = [j for j, s in enumerate(sizes) if s >= 2 * sizes[i]]
+        i = bigger[0] if bigger else (len(sizes) - 1 if i < len(sizes) - 1 else None)
+    if lo is not None and hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if run(sizes[mid]) else (lo, mid)
+    ooms = [t.batch_size for t in trials if t.status == "out of memory"]
+    cap = b.cfg.system.target_vram * min(ooms) if ooms else float("inf")
+    fitted = [t.batch_size for t in trials if t.status == "fits"]
+    below = [s for s in sizes if s <= cap and fitted and s <= max(fitted)]
+    if below and below[-1] not in [t.batch_size for t in trials]:
+        run(below[-1])  # the margin excludes sizes that ran: measure the largest one it allows
+    safe = [t.batch_size for t in trials if t.status == "fits" and t.batch_size <= cap]
+    return (max(safe) if safe else 0), trials
+
+
+def choose(trials: list[Trial], largest_safe: int) -> Trial:
+    """The fastest safe size; within TIE of it, the smallest (same speed, more headroom)."""
+    safe = [t for t in trials if t.status == "fits" and t.batch_size <= largest_safe]
+    best = max(t.samples_per_sec for t in safe)
+    return min((t for t in safe if t.samples_per_sec >= (1 - TIE) * best), key=lambda t: t.batch_size)
+
+
+def settings_key(b, effective: int) -> dict:
+    """What the answer depends on; a saved result is reused only when all of it matches."""
+    model_cfg = json.dumps(b.model.config.to_dict(), sort_keys=True, default=str)
+    return {
+        "model": hashlib.sha256(model_cfg.encode()).hexdigest()[:16],
+        "max_length": b.max_length,
+        "precision": b.precision,
+        "gradient_checkpointing": b.cfg.model.gradient_checkpointing,
+        "compile": b.cfg.model.compile,
+        "device": device_name(b.device),
+        "target_vram": b.cfg.system.target_vram,
+        "max_memory_mb": b.cfg.system.max_memory_mb,
+        "effective_batch": effective,
+        "world_size": world_size(),
+        "torch": torch.__version__,
+    }
+
+
+def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | None, str]:
+    """A saved (batch, accumulation) if the file is valid and for these settings, else the reason."""
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, "no earlier result"
+    except (OSError, ValueError):
+        return None, f"{path} is unreadable"
+    if not isinstance(saved, dict):
+        return None, f"{path} is not a find-batch result"
+    size, accum = saved.get("batch_size"), saved.get("gradient_accumulation_steps")
+    whole = all(type(v) is int and v >= 1 for v in (size, accum))  # type(): bools are ints too
+    if not whole or size * accum != per_rank:
+        return None, f"{path} holds no valid BATCH_SIZE x GRADIENT_ACCUM = {per_rank}"
+    if saved.get("key") != key:
+        return None, "the model, length, precision, device or budget changed since the saved result"
+    return (size, accum), f"saved by find-batch at {saved.get('written', '?')} in {path}"
+
+
+def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
+    """Build the run's model and data (quietly), then search or reuse; frees what it built."""
+    from train.build import build
+
+    world = world_size()
+    effective = cfg.optim.effective_batch or cfg.effective_batch_size(world)
+    if effective % world:
+        raise UsageError(f"EFFECTIVE_BATCH={effective} is not a multiple of the {world} processes")
+    per_rank = effective // world
+    trial_cfg = copy.deepcopy(cfg)
+    trial_cfg.optim.batch_size, trial_cfg.optim.gradient_accumulation_steps = 1, per_rank
+    trial_cfg.optim.effective_batch, trial_cfg.optim.lr_scaling = None, "none"
+    b = build(trial_cfg, lambda line: None)
+    path = Path(cfg.run.output_dir) / RESULT_FILE
+    key = settings_key(b, effective)
+    capacity, source = capacity_mb(b.device, cfg.system.max_memory_mb)
+    if capacity is None:
+        raise UsageError("MAX_MEMORY_MB: this system does not report its memory; set a budget in MiB")
+    limit = cfg.system.target_vram * capacity
+    if reuse:
+        saved, why = read_saved(path, key, per_rank)
+        if saved is not None:
+            return Result(saved[0], saved[1], effective, saved[0], limit, capacity, source, source=why)
+        say(f"find-batch: {why}; searching")
+    say(
+        f"find-batch: {b.model_size} model, MAX_LENGTH {b.max_length}, {b.precision} on {device_name(b.device)}; "
+        f"limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
+        f"effective batch {effective} kept"
+    )
+    largest, trials = search(b, per_rank, limit, capacity, say, steps)
+    device, fixes = b.device, remedies(trial_cfg, b.max_length, b.precision, hint=False)
+    del b
+    free_memory(device)
+    if largest == 0:
+        first = trials[0]
+        need = "runs out of memory" if first.peak_mb is None else f"needs {first.peak_mb:.0f} MB"
+        raise UsageError(
+            f"find-batch: even BATCH_SIZE=1 {need}, over TARGET_VRAM x {capacity:.0f} MB = {limit:.0f} MB; "
+            f"raise MAX_MEMORY_MB or TARGET_VRAM, or try: {fixes}"
+        )
+    best = choose(trials, largest)
+    result = Result(best.batch_size, per_rank // best.batch_size, effective, largest, limit, capacity, source,
+                    best.samples_per_sec, best.peak_mb, [asdict(t) for t in trials])
+    write(path, key, result)
+    return result
+
+
+def write(path: Path, key: dict, result: Result) -> None:
+    from train.rundir import write_json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {**asdict(result), "key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def find_everywhere(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
+    """Under torchrun, rank 0 searches (one GPU's answer holds for identical GPUs) and the others
+    receive its result, so every rank trains with the same micro-batch. Not yet exercised by a
+    test: the DDP launcher lands on another branch."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return find(cfg, say, reuse, steps)
+    box = [find(cfg, say, reuse, steps) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def auto_batch(cfg, say) -> Result:
+    """AUTO_BATCH=1: set BATCH_SIZE and GRADIENT_ACCUM in cfg from find-batch (reusing a saved result
+    for the same settings), keeping the effective batch."""
+    before = (cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps)
+    result = find_everywhere(cfg, say, reuse=True)
+    cfg.optim.batch_size = result.batch_size
+    cfg.optim.gradient_accumulation_steps = result.gradient_accumulation_steps
+    gc.collect()
+    say(
+        f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} "
+        f"(was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source})"
+    )
+    return result
+
+
+def wants_help(command: str, usage: str, argv: list[str]) -> bool:
+    """-h/--help for a tool command: its own usage, then the training flags it takes."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    from train.cli import training_parser
+
+    print(f"usage: python -m train {command} {usage}\n")
+    training_parser(command).print_help()
+    return True
+
+
+def find_batch_main(argv: list[str]) -> int:
+    """`python -m train find-batch [training flags]`: search, print the variables, save them."""
+    from train.cli import parse_training_args
+
+    if wants_help("find-batch", "[training flags]: the fastest micro-batch that fits TARGET_VRAM, "
+                  "effective batch kept; saved for AUTO_BATCH=1", argv):
+        return 0
+    cfg = parse_training_args("pretrain", argv)
+    result = find_everywhere(cfg, print)
+    rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} samples/s"
+    print(
+        f"largest safe micro-batch {result.largest_safe}; fastest {result.batch_size}{rate}, "
+        f"peak {result.peak_mb:.0f} of {result.limit_mb:.0f} MB"
+    )
+    print(f"BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps}")
+    print(f"saved to {Path(cfg.run.output_dir) / RESULT_FILE}; AUTO_BATCH=1 uses it for these settings")
+    return 0

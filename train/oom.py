@@ -1,0 +1,148 @@
+"""Out of memory during training: free, halve the micro-batch, double accumulation, redo the step.
+
+The effective batch (BATCH_SIZE x GRADIENT_ACCUM) stays what the user asked for, so the learning
+rate and the schedule stay right; the loader restarts at the sample the failed step started at,
+so no step is lost and the redone step trains the same samples (with the same dropout: the RNG
+state is restored too). After MAX_FAILURES the run stops with the guides' remedies and the model
+trained so far is saved by the caller.
+
+Under DDP an OOM on one rank leaves the others waiting in an all-reduce; recovery there needs
+the ranks to agree first, which this module does not do yet.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+MAX_FAILURES = 3
+# HIP (ROCm) raises the same torch.OutOfMemoryError from the allocator, but a kernel or library
+# call (hipBLAS, rccl) reports it as a RuntimeError with one of these in the message.
+_OOM_WORDS = ("out of memory", "hiperroroutofmemory", "can't allocate memory", "failed to allocate")
+
+
+def is_oom(err: BaseException) -> bool:
+    """torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class) or a device error
+    whose message says out of memory (CUDA, HIP, MPS, CPU allocator)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _OOM_WORDS)
+
+
+def free_memory(device: torch.device, optimizer=None) -> None:
+    """Drop half-accumulated gradients and cached blocks so the retry starts clean."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    gc.collect()  # the exception's frames held activations; they are unreachable only now
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
+def smaller_micro_batch(batch_size: int, per_rank_effective: int) -> int | None:
+    """The largest micro-batch at most half the current one that divides the effective batch
+    (so accumulation can make it up exactly); None when there is none."""
+    for size in range(batch_size // 2, 0, -1):
+        if per_rank_effective % size == 0:
+            return size
+    return None
+
+
+def remedies(cfg, max_length: int, precision: str, hint: bool = True) -> str:
+    """The guides' fixes for a run that does not fit, as variables to set, most effective first."""
+    o = cfg.optim
+    effective = o.batch_size * o.gradient_accumulation_steps
+    steps = []
+    smaller = smaller_micro_batch(o.batch_size, effective)
+    if smaller:
+        steps.append(f"BATCH_SIZE={smaller} GRADIENT_ACCUM={effective // smaller} (same effective batch)")
+    if precision == "fp32":
+        steps.append("PRECISION=bf16 (fp16 before Ampere)")
+    if not cfg.model.gradient_checkpointing:
+        steps.append("ENABLE_GRAD_CKPT=1")
+    if max_length >= 4:  # attention memory grows with the square of the length
+        steps.append(f"MAX_LENGTH={max_length // 2}")
+    if hint:
+        steps.append("make find-batch (or AUTO_BATCH=1) for the largest micro-batch that fits")
+    return "; ".join(steps)
+
+
+class OutOfMemoryStop(Exception):
+    """Raised by OomGuard.step after MAX_FAILURES: the message is the one line to show."""
+
+
+class OomGuard:
+    """Owns the batch stream of a run so that a failed step can be redone from its first sample.
+
+    batches() is the micro-batch iterator train_step reads; step(fn) runs one optimizer step and,
+    on OOM, shrinks the micro-batch in b.cfg (the loop reads it back for the summary) and retries.
+    The stream's sampler is data.EpochSampler (set_position(epoch, start) skips the first samples
+    of an epoch).
+    """
+
+    def __init__(self, b, reopen, optimizer, scaler, say, stream):
+        """stream: the run's positioned batch stream (train/resume.py BatchStream, with epoch,
+        consumed and sampler); reopen(epoch, start) builds a new one for the current
+        b.cfg.optim.batch_size at that position (and hands it to the checkpointing too)."""
+        self.b, self.reopen, self.optimizer, self.scaler, self.say = b, reopen, optimizer, scaler, say
+        self.failures = 0
+        self.retries = 0
+        self.events: list[dict] = []
+        self.step_index = 0
+        self._stream = stream
+
+    def batches(self):
+        while True:
+            yield next(self._stream)
+
+    # -- one step, redone on OOM --
+
+    def step(self, fn):
+        mark = (self._stream.epoch, self._stream.consumed)
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self.b.device.type == "cuda" else None
+        while True:
+            try:
+                out = fn()
+                self.step_index += 1
+                return out
+            except Exception as err:  # anything but OOM is re-raised at once
+                if not is_oom(err):
+                    raise
+                reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            # Out of the except block: the traceback (and the activations its frames hold) is gone.
+            self._recover(mark, reason)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
+
+    def _recover(self, mark: tuple[int, int], reason: str) -> None:
+        o = self.b.cfg.optim
+        free_memory(self.b.device, self.optimizer)
+        if hasattr(self.scaler, "_per_optimizer_states"):
+            # an OOM after unscale_ would make the retry's unscale_ refuse ("already called")
+            self.scaler._per_optimizer_states.clear()
+        self.failures += 1
+        effective = o.batch_size * o.gradient_accumulation_steps
+        smaller = smaller_micro_batch(o.batch_size, effective)
+        step = self.step_index + 1
+        if self.failures >= MAX_FAILURES or smaller is None:
+            why = f"out of memory {self.failures} time(s)" + ("" if smaller else f" at micro-batch {o.batch_size}")
+            raise OutOfMemoryStop(
+                f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. "
+                f"Try: {remedies(self.b.cfg, self.b.max_length, self.b.precision)}"
+            )
+        old = o.batch_size
+        o.batch_size, o.gradient_accumulation_steps = smaller, effective // smaller
+        self.retries += 1
+        self.events.append({"step": step, "batch_size_from": old, "batch_size_to": smaller, "reason": reason})
+        self.say(
+            f"out of memory at step {step} with micro-batch {old} ({reason}): retrying the step with "
+            f"BATCH_SIZE={smaller} GRADIENT_ACCUM={o.gradient_accumulation_steps} (effective batch {effective} kept)"
+        )
+        epoch, offset = mark
+        if len(self._stream.sampler) + self._stream.sampler.start - offset < old:
+            epoch, offset = epoch + 1, 0  # the old loader would have ended the epoch here (drop_last)
+        self._stream = self.reopen(epoch, offset)
