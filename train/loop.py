@@ -12,12 +12,12 @@ from tqdm import tqdm
 from config import TrainConfig
 from train import monitor as monitor_lib
 from train.build import Built, build
+from train.curves import plot_curves
 from train.device import autocast, device_name, synchronize
-from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
+from train.mfu import flops_per_token, mfu_report
 from train.model import count_params, shape
 from train.rundir import RunDir, plan_run_dir
-
-INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run is input-bound
+from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
@@ -117,11 +117,15 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(model) if cfg.model.compile else model
     loader, sampler = data_loader(b)
-    batches = batch_stream(loader, sampler)
+    timer = StepTimer(device)  # data wait vs compute; CUDA events, read only at log points
+    batches = timer.wrap(batch_stream(loader, sampler))
     effective = cfg.effective_batch_size()
     tokens_per_step = cfg.tokens_per_step(b.max_length)
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
+    if gpu.note:
+        say(gpu.note)  # once per run: why avg_gpu_util and the VRAM total are null
+    host = monitor_lib.HostMemoryPeaks()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -129,7 +133,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     t0 = time.perf_counter()
     steady_t0 = t0
     first_step_s = None
-    wait_total = wait_steady = wait_interval = 0.0
+    if skip == 0:
+        timer.start_steady()
     interval_t0, interval_steps = t0, 0
     loss = None
     exit_reason = "completed"
@@ -140,14 +145,11 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
             lr = lr_at(step, o.learning_rate, b.warmup_steps, b.total_steps, o.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_t, norm_t, waited = train_step(
+            loss_t, norm_t, _ = train_step(
                 step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision
             )
-            wait_total += waited
-            wait_interval += waited
+            timer.step_end()
             interval_steps += 1
-            if step + 1 > skip:
-                wait_steady += waited
             if step + 1 == skip or first_step_s is None:
                 synchronize(device)
                 now = time.perf_counter()
@@ -155,12 +157,14 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                     first_step_s = now - t0
                 if step + 1 == skip:
                     steady_t0 = now
+                    timer.start_steady()
             bar.update(1)
             last = step + 1 == b.total_steps
             if (step + 1) % cfg.run.log_every == 0 or last:
                 loss = loss_t.item()  # the one host sync, only when a line is due
                 now = time.perf_counter()
                 span = now - interval_t0
+                wait_s, compute_s = timer.take_interval()
                 row = {
                     "step": step + 1,
                     "samples": (step + 1) * effective,
@@ -169,7 +173,8 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                     "lr": lr,
                     "grad_norm": norm_t.item(),
                     "samples_per_sec": interval_steps * effective / span,
-                    "data_wait_frac": min(1.0, wait_interval / span),
+                    "data_wait_frac": exposed_wait_frac(wait_s, compute_s, span),
+                    "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
                     "elapsed_s": now - t0,
                 }
                 run_dir.metrics(row)
@@ -179,11 +184,15 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
                 bar.set_postfix(postfix)
                 run_dir.log(
                     f"step {step + 1}/{b.total_steps} loss {loss:.4f} lr {lr:.2e} "
-                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%}"
+                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac'] or 0:.0%}"
+                    + (" (input-bound)" if (row["data_wait_frac"] or 0) > INPUT_BOUND_FRAC else "")
                 )
+                warning = host.sample()
+                if warning:
+                    say(warning)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
-                interval_t0, interval_steps, wait_interval = now, 0, 0.0
+                interval_t0, interval_steps = now, 0
         step = b.total_steps
     except KeyboardInterrupt:
         exit_reason = "interrupted"
@@ -192,6 +201,7 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         bar.close()
         synchronize(device)
         gpu_summary = gpu.stop()
+        steady_split = timer.steady_totals()
     end = time.perf_counter()
 
     steps_done = step
@@ -202,9 +212,9 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
     n_params = count_params(model)
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=b.max_length)
     tokens_per_sec = samples_per_sec * b.max_length if samples_per_sec else None
-    peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
-    data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and steps_done > skip else None
-    peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    wait_s, compute_s = steady_split if steady_split and steps_done > skip else (None, None)
+    data_wait_frac = exposed_wait_frac(wait_s, compute_s, steady_s) if wait_s is not None else None
+    torch_mem = monitor_lib.torch_memory(device)
     return {
         "mode": cfg.run.mode,
         "run_name": run_dir.path.name,
@@ -229,16 +239,19 @@ def run_loop(b: Built, run_dir: RunDir, say) -> dict:
         "tokens_per_sec": tokens_per_sec,
         "step_time_ms": 1000 * steady_s / steady_steps if steady_steps else None,
         "data_wait_frac": data_wait_frac,
+        "data_wait_s": wait_s,
+        "compute_s": compute_s,
+        "compute_frac": min(1.0, compute_s / steady_s) if compute_s is not None and steady_s > 0 else None,
         "input_bound": data_wait_frac is not None and data_wait_frac > INPUT_BOUND_FRAC,
-        "peak_vram_mb": peak_vram,
-        "peak_vram_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
-        "vram_total_mb": gpu_summary.get("vram_total_mb"),
+        "peak_vram_mb": torch_mem["peak_allocated_mb"],
+        "peak_vram_reserved_mb": torch_mem["peak_reserved_mb"],
+        "vram_total_mb": gpu_summary.get("vram_total_mb") or torch_mem["total_mb"],
         "avg_gpu_util": gpu_summary.get("avg_gpu_util"),
         "gpu_monitor": gpu_summary,
-        "host_memory": monitor_lib.host_memory(),
+        "host_memory": host.summary(),
         "flops_per_token": fpt,
-        "achieved_tflops": achieved_tflops(tokens_per_sec, fpt) if tokens_per_sec else None,
-        "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
+        **mfu_report(tokens_per_sec, fpt, device_name(device) if device.type == "cuda" else None,
+                     b.precision, tf32=cfg.system.tf32),
         "final_loss": loss,
         "exit_reason": exit_reason,
     }
@@ -295,6 +308,7 @@ def train(cfg: TrainConfig) -> int:
     summary = run_loop(b, run_dir, say)
     save_final(b, run_dir)
     run_dir.write("summary.json", summary)
+    plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
     _report(summary, run_dir, say)
     run_dir.close()
     return 130 if summary["exit_reason"] == "interrupted" else 0
@@ -309,12 +323,15 @@ def _report(s: dict, run_dir: RunDir, say) -> None:
         f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
         f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
     )
+    if s.get("mfu_note"):
+        say(f"MFU: {s['mfu_note']}")
     if s["input_bound"]:
         say(
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
             "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
         )
-    say(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log, final/)")
+    curves = ", curves.png" if (run_dir.path / "curves.png").exists() else ""
+    say(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log{curves}, final/)")
 
 
 def _version(package: str) -> str | None:
