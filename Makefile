@@ -3,12 +3,15 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline test lint clean
+.PHONY: help setup train baseline compare compare-sft monitor test lint clean
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
 	@echo "make train     train with the optimized launcher (built-in corpus by default)"
 	@echo "make baseline  train with the baseline launcher"
+	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES; REPEAT=N"
+	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh, the same way"
+	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -23,6 +26,15 @@ train: $(STAMP)
 
 baseline: $(STAMP)
 	./run_single_gpu.sh
+
+compare: $(STAMP)
+	@bash scripts/compare.sh pretrain
+
+compare-sft: $(STAMP)
+	@bash scripts/compare.sh sft
+
+monitor: $(STAMP)
+	@$(PY) -m train monitor
 
 test: $(STAMP)
 	$(PY) -m pytest
