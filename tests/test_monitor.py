@@ -322,3 +322,17 @@ def test_cli_real_machine(capsys):
         assert out.startswith("Device")
     else:
         assert out.startswith("no GPU found (") and len(out.splitlines()) == 1
+
+
+def test_python_m_train_monitor_once(monkeypatch, capsys):
+    """The command a user types, through the CLI dispatch: a fake GPU, then none."""
+    from conftest import run_cli
+
+    monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(names=("NVIDIA A100-SXM4-80GB",)))
+    assert run_cli("monitor", "--once") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Device") and lines[1].startswith("0 NVIDIA A100-SXM4-80GB") and len(lines) == 2
+    monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(init_error="Driver Not Loaded"))
+    assert run_cli("monitor", "--once") == 0
+    assert capsys.readouterr().out.startswith("no GPU found (no NVIDIA driver / NVML (Driver Not Loaded))")
+    assert run_cli("monitor", "--interval", "-1") == 2

@@ -115,7 +115,7 @@ def slow_data(monkeypatch):
 
     def build(cfg, say):
         built = real_build(cfg, say)
-        built.dataset = SlowDataset(built.dataset, delay=0.1)
+        built.dataset = SlowDataset(built.dataset, delay=0.25)
         return built
 
     monkeypatch.setattr(train.loop, "build", build)
@@ -130,7 +130,7 @@ def slow_data(monkeypatch):
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 6 workers on 2 cores: they only sleep
 def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp_path, monkeypatch):
     runs = tmp_path / "runs"
-    common = [*tiny_flags, "--batch_size", "2", "--max_steps", "16", "--log_every", "4"]
+    common = [*tiny_flags, "--batch_size", "2", "--max_steps", "10", "--log_every", "5"]
     assert run_cli("pretrain", *common, "--num_workers", "0", "--run_name", "w0") == 0
     def broken_plot(run_dir):
         raise RuntimeError("no display")
@@ -140,7 +140,7 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     w0 = json.loads((runs / "w0" / "summary.json").read_text())
     w6 = json.loads((runs / "w6" / "summary.json").read_text())
 
-    # 200 ms of sleep per batch against ~30 ms of compute on a 2-layer model
+    # 500 ms of sleep per batch against ~30 ms of compute on a 2-layer model
     assert w0["data_wait_frac"] > 0.75 and w0["input_bound"] is True
     log = (runs / "w0" / "train.log").read_text()
     assert "the run was input-bound" in log and "(input-bound)" in log
