@@ -113,9 +113,9 @@ class SlowDataset(torch.utils.data.Dataset):
 def slow_data(monkeypatch):
     real_build = train.loop.build
 
-    def build(cfg, say):
-        built = real_build(cfg, say)
-        built.dataset = SlowDataset(built.dataset, delay=0.25)
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        built.dataset = SlowDataset(built.dataset, delay=0.15)
         return built
 
     monkeypatch.setattr(train.loop, "build", build)
@@ -127,20 +127,21 @@ def slow_data(monkeypatch):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 6 workers on 2 cores: they only sleep
 def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     common = [*tiny_flags, "--batch_size", "2", "--max_steps", "10", "--log_every", "5"]
     assert run_cli("pretrain", *common, "--num_workers", "0", "--run_name", "w0") == 0
+
     def broken_plot(run_dir):
         raise RuntimeError("no display")
 
     monkeypatch.setattr(train.curves, "_plot_curves", broken_plot)  # a chart failure must not fail the run
-    assert run_cli("pretrain", *common, "--num_workers", "6", "--prefetch_factor", "4", "--run_name", "w6") == 0
+    # two workers (the kit caps NUM_WORKERS at the core count, 2 here), loading ahead of the loop
+    assert run_cli("pretrain", *common, "--num_workers", "2", "--prefetch_factor", "4", "--run_name", "w2") == 0
     w0 = json.loads((runs / "w0" / "summary.json").read_text())
-    w6 = json.loads((runs / "w6" / "summary.json").read_text())
+    w2 = json.loads((runs / "w2" / "summary.json").read_text())
 
-    # 500 ms of sleep per batch against ~30 ms of compute on a 2-layer model
+    # 300 ms of sleep per batch against ~30 ms of compute on a 2-layer model
     assert w0["data_wait_frac"] > 0.75 and w0["input_bound"] is True
     log = (runs / "w0" / "train.log").read_text()
     assert "the run was input-bound" in log and "(input-bound)" in log
@@ -148,8 +149,13 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     assert w0["data_wait_s"] + w0["compute_s"] <= w0["wall_time_s"]
     assert (runs / "w0" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
-    # six workers sleep in parallel, ahead of the loop
-    assert w6["data_wait_frac"] < w0["data_wait_frac"] - 0.2
-    assert w6["samples_per_sec"] > w0["samples_per_sec"]
-    assert not (runs / "w6" / "curves.png").exists()
+    # Two workers halve the wait per step (to 300 ms / 2 minus the compute they overlap), so the
+    # share falls too, by more the larger the compute: 0.95 -> ~0.9 on an idle machine, more when
+    # the cores are busy and each step computes longer.
+    def wait_per_step(s):
+        return s["data_wait_s"] / s["steady_state_steps"]
 
+    assert wait_per_step(w2) < 0.7 * wait_per_step(w0)
+    assert w2["data_wait_frac"] < w0["data_wait_frac"] - 0.02
+    assert w2["samples_per_sec"] > 1.5 * w0["samples_per_sec"]
+    assert not (runs / "w2" / "curves.png").exists()
