@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune
+.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -17,6 +17,9 @@ help:
 	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
 	@echo "make doctor    short profiled run and what to change (ARGS=--apply tries the fix)"
 	@echo "make autotune  timed trials; writes the winner to runs/autotune.env"
+	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES; REPEAT=N"
+	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh, the same way"
+	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -51,6 +54,15 @@ show-config: $(STAMP)
 # the optimized preset; PRESET=baseline for the other. ARGS: extra flags (doctor: --apply).
 find-batch doctor autotune: $(STAMP)
 	bash scripts/kit.sh $@ $${PRESET:-optimized} $(ARGS)
+
+compare: $(STAMP)
+	@bash scripts/compare.sh pretrain
+
+compare-sft: $(STAMP)
+	@bash scripts/compare.sh sft
+
+monitor: $(STAMP)
+	@$(PY) -m train monitor
 
 test: $(STAMP)
 	$(PY) -m pytest

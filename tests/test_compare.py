@@ -243,3 +243,10 @@ def test_plot_curves(tmp_path):
 
     steps_only = make_run(tmp_path, "steps", rows=[{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}])
     assert plot_curves(steps_only) == steps_only / "curves.png"
+
+
+def test_different_sample_budgets_are_flagged(tmp_path):
+    a = make_run(tmp_path, "a")
+    b = make_run(tmp_path, "b", samples=1024, samples_per_sec=20.0)
+    md = render_markdown(compare_runs([a, b]))
+    assert "note: runs differ in samples (800 vs 1024): samples/s are not like for like" in md

@@ -118,3 +118,22 @@ def test_mfu_arithmetic():
     assert 0.41 < mfu(tokens_per_sec, fpt, peak) < 0.42
     assert mfu(tokens_per_sec, fpt, None) is None
     assert mfu(None, fpt, peak) is None
+
+
+def test_mfu_report_fields_and_notes():
+    from train.mfu import mfu_report
+
+    fpt = flops_per_token(124_000_000, 12, 12, 64, 1024)
+    report = mfu_report(100_000.0, fpt, "NVIDIA H100 80GB HBM3", "bf16")
+    assert report["peak_tflops"] == 989 and report["mfu_note"] is None
+    assert report["achieved_tflops"] == pytest.approx(100_000 * fpt / 1e12)
+    assert report["mfu"] == pytest.approx(100_000 * fpt / 989e12)
+    two = mfu_report(200_000.0, fpt, "NVIDIA H100 80GB HBM3", "bf16", world_size=2)
+    assert two["mfu"] == pytest.approx(report["mfu"]) and two["peak_tflops"] == 2 * 989
+
+    unknown = mfu_report(100_000.0, fpt, "Some Future GPU 9000", "bf16")
+    assert unknown["mfu"] is None and unknown["peak_tflops"] is None
+    assert "Some Future GPU 9000" in unknown["mfu_note"] and unknown["achieved_tflops"] is not None
+    cpu = mfu_report(500.0, fpt, None, "fp32")
+    assert cpu["mfu"] is None and "no GPU" in cpu["mfu_note"]
+    assert mfu_report(None, fpt, "NVIDIA A100-SXM4-80GB", "bf16")["mfu"] is None

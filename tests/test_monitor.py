@@ -224,6 +224,30 @@ def test_host_memory_without_proc(tmp_path):
     assert mem["ram_available_mb"] is None and mem["ram_used_pct"] is None and mem["swap_used_pct"] is None
 
 
+def test_host_memory_peaks_and_one_warning(tmp_path):
+    from train.monitor import HostMemoryPeaks
+
+    (tmp_path / "self").mkdir()
+
+    def write(rss_kb, available_kb):
+        (tmp_path / "self" / "status").write_text(f"VmRSS:\t{rss_kb} kB\n")
+        (tmp_path / "meminfo").write_text(f"MemTotal: 1000000 kB\nMemAvailable: {available_kb} kB\n"
+                                          "SwapTotal: 0 kB\nSwapFree: 0 kB\n")
+
+    peaks = HostMemoryPeaks(proc_dir=str(tmp_path))
+    write(102400, 500000)
+    assert peaks.sample() is None  # 50 % used
+    write(409600, 60000)
+    warning = peaks.sample()  # 94 % used: the guides' danger sign
+    assert warning.startswith("warning: host RAM 94 % used") and "NUM_WORKERS" in warning
+    assert peaks.sample() is None  # said once
+    write(204800, 700000)
+    summary = peaks.summary()
+    assert summary["rss_mb"] == 200.0 and summary["ram_used_pct"] == 30.0  # now
+    assert summary["peak_rss_mb"] == 400.0 and summary["peak_ram_used_pct"] == 94.0  # worst moment
+    assert summary["peak_swap_used_pct"] == 0.0
+
+
 def test_torch_memory_cpu_is_none():
     assert torch_memory("cpu") == {"peak_allocated_mb": None, "peak_reserved_mb": None, "total_mb": None}
 
@@ -298,3 +322,17 @@ def test_cli_real_machine(capsys):
         assert out.startswith("Device")
     else:
         assert out.startswith("no GPU found (") and len(out.splitlines()) == 1
+
+
+def test_python_m_train_monitor_once(monkeypatch, capsys):
+    """The command a user types, through the CLI dispatch: a fake GPU, then none."""
+    from conftest import run_cli
+
+    monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(names=("NVIDIA A100-SXM4-80GB",)))
+    assert run_cli("monitor", "--once") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Device") and lines[1].startswith("0 NVIDIA A100-SXM4-80GB") and len(lines) == 2
+    monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(init_error="Driver Not Loaded"))
+    assert run_cli("monitor", "--once") == 0
+    assert capsys.readouterr().out.startswith("no GPU found (no NVIDIA driver / NVML (Driver Not Loaded))")
+    assert run_cli("monitor", "--interval", "-1") == 2

@@ -134,6 +134,7 @@ def scaled_lr(lr: float, effective: int, reference: int, rule: str) -> tuple[flo
 def adapt(cfg, device: torch.device, dataset, decide, host: dict | None = None) -> None:
     """Settings chosen from the machine at start, before the loader and the step plan exist.
     Order matters: the effective batch and LR first (they define the run), then memory."""
+    dataset = getattr(dataset, "dataset", dataset)  # the packed dataset under a validation Subset
     o, d = cfg.optim, cfg.data
     world = world_size()
     if o.effective_batch is not None and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world:

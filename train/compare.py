@@ -41,8 +41,9 @@ NUMERIC = (
 )
 # Throughput numbers also get their spread, because they are what the verdict rests on.
 SPREAD = ("samples_per_sec", "tokens_per_sec", "step_time_ms")
-# Settings that should match across the sides for samples/s to be like for like.
-LIKE_FOR_LIKE = ("model_size", "max_length", "device_name")
+# Settings that should match across the sides for samples/s to be like for like ("samples": the
+# budget make compare holds fixed; a different count means the sides trained on different data).
+LIKE_FOR_LIKE = ("model_size", "max_length", "device_name", "samples")
 
 
 def load_run(path) -> dict:

@@ -69,6 +69,12 @@ def series(rows: list[dict], key: str, xkey: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
+def dots(xs: list) -> dict:
+    """Markers for short series: a run with few log lines (8 optimizer steps at LOG_EVERY=10 is one
+    row) would otherwise draw an invisible one-point line."""
+    return {"marker": "o", "ms": 3} if len(xs) < 30 else {}
+
+
 def x_label(xkey: str) -> str:
     return "samples seen" if xkey == "samples" else "optimizer step"
 
@@ -104,7 +110,7 @@ def _plot_curves(run_dir: Path) -> Path | None:
     FigureCanvasAgg(fig)
     ax_loss, ax_sps = fig.subplots(1, 2)
     if loss_x:
-        ax_loss.plot(loss_x, loss_y, lw=1, label="train loss")
+        ax_loss.plot(loss_x, loss_y, lw=1, label="train loss", **dots(loss_x))
     if val_x:
         ax_loss.plot(val_x, val_y, "o-", ms=4, label="val loss")
     ax_loss.set_xlabel(x_label(xkey))
@@ -114,7 +120,7 @@ def _plot_curves(run_dir: Path) -> Path | None:
         ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     if sps_x:
-        ax_sps.plot(sps_x, sps_y, lw=1, color="tab:green")
+        ax_sps.plot(sps_x, sps_y, lw=1, color="tab:green", **dots(sps_x))
     ax_sps.set_xlabel(x_label(xkey))
     ax_sps.set_ylabel("samples/s")
     ax_sps.set_title("throughput")
@@ -182,7 +188,7 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
             label = entry["name"] if i == 0 else None
             xs, ys = series(rows, "loss", xkey)
             if xs:
-                ax_loss.plot(xs, ys, color=color, lw=1, alpha=0.8, label=label)
+                ax_loss.plot(xs, ys, color=color, lw=1, alpha=0.8, label=label, **dots(xs))
                 label = None
             xs, ys = series(rows, "val_loss", xkey)
             if xs:

@@ -125,11 +125,13 @@ class Evaluator:
         run = b.cfg.run
         self.every, self.batches, self.keep_best = run.eval_every, run.eval_batches, run.keep_best
         dataset = getattr(b, "val_dataset", None)
+        self.dataset, self.collate_fn = dataset, collate_fn
         self.loader = (
             None
             if dataset is None
             else make_val_loader(dataset, b.cfg.optim.batch_size, b.device, collate_fn)
         )
+        self.sequences = self.batches * b.cfg.optim.batch_size  # the same held-out sequences every pass
         self.last = self.best = self.best_step = None
         self.passes, self.seconds = 0, 0.0
 
@@ -139,6 +141,10 @@ class Evaluator:
     def run(self, step: int, samples: int) -> float:
         """One pass; returns the seconds it took, which the loop keeps out of throughput."""
         start = time.perf_counter()
+        batch_size = self.b.cfg.optim.batch_size
+        if self.loader.batch_size != batch_size:  # the micro-batch shrank after an out-of-memory
+            self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
+            self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
         loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision)
         self.passes += 1

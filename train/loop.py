@@ -15,16 +15,16 @@ from train import compile_guard, distributed
 from train import monitor as monitor_lib
 from train import oom as oom_lib
 from train.build import Built, build
+from train.curves import plot_curves
 from train.device import autocast, device_name, synchronize
 from train.estimate import MIB, estimate_for_run
 from train.evaluate import Evaluator
-from train.mfu import achieved_tflops, flops_per_token, mfu, peak_flops
+from train.mfu import flops_per_token, mfu_report
 from train.model import count_params, shape
 from train.resume import BatchStream, RunGuard
 from train.rundir import RunDir, plan_run_dir
 from train.runlog import capture_warnings
-
-INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run is input-bound
+from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
@@ -173,7 +173,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     evaluator = Evaluator(b, run_dir, say)
     effective = cfg.effective_batch_size(b.world.world_size)
-    batches = BatchCounter(batches)  # rows and real/padded tokens (SFT batches vary in both)
+    timer = StepTimer(device)  # data wait vs compute; CUDA events, read only at log points
+    batches = BatchCounter(timer.wrap(batches))  # rows and real/padded tokens (SFT batches vary in both)
     seen = steady_at = interval_at = (0, 0, 0)  # (rows, real, padded tokens) after whole steps
     base = guard.samples_at(first)  # samples trained before this session (a resumed run)
 
@@ -184,6 +185,9 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
 
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()
+    if gpu.note:
+        say(gpu.note)  # once per run: why avg_gpu_util and the VRAM total are null
+    host = monitor_lib.HostMemoryPeaks()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -191,7 +195,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     t0 = time.perf_counter()
     steady_t0 = t0
     first_step_s = None
-    wait_total = wait_steady = wait_interval = 0.0
+    if skip == 0:
+        timer.start_steady()
     interval_t0, interval_steps = t0, 0
     loss = None
     exit_reason = "completed"
@@ -201,23 +206,29 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         total=b.total_steps, initial=first, desc=cfg.run.mode, unit="step", dynamic_ncols=True,
         disable=None if b.world.is_main else True,
     )
+    def one_step():
+        """One optimizer step; a failed attempt (an OOM, redone smaller) leaves no count behind."""
+        mark = batches.counts()
+        try:
+            return train_step(
+                step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device,
+                b.precision, gradient_sync,
+            )
+        except BaseException:
+            batches.rows, batches.real, batches.padded = mark
+            raise
+
     try:
         for step in range(first, b.total_steps):
             position, warmup, total = guard.schedule_at(step)  # (step, warmup, total) unless the batch changed
             lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_t, norm_t, waited = oom.step(lambda: train_step(
-                step_model, optimizer, scaler, batches, o.gradient_accumulation_steps, o.grad_clip, device, b.precision,
-                gradient_sync,
-            ))
+            loss_t, norm_t, _ = oom.step(one_step)
+            timer.step_end()
             done = step + 1
             seen = tuple(c * b.world.world_size for c in batches.counts())  # every rank takes an equal share
-            wait_total += waited
-            wait_interval += waited
             interval_steps += 1
-            if done - first > skip:
-                wait_steady += waited
             if done - first == skip or first_step_s is None:
                 synchronize(device)
                 now = time.perf_counter()
@@ -225,11 +236,13 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                     first_step_s = now - t0
                 if done - first == skip:
                     steady_t0, steady_at = now, seen
+                    timer.start_steady()
             bar.update(1)
             last = step + 1 == b.total_steps
             log_due = (step + 1) % cfg.run.log_every == 0 or last
             if log_due:
-                loss_t, wait_interval = distributed.mean_across(b.world, loss_t, wait_interval)
+                wait_s, compute_s = timer.take_interval()
+                loss_t, wait_s = distributed.mean_across(b.world, loss_t, wait_s)
                 loss = loss_t.item()  # the one host sync, only when a line is due
                 now = time.perf_counter()
                 span = now - interval_t0
@@ -241,7 +254,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                     "lr": lr,
                     "grad_norm": norm_t.item(),
                     "samples_per_sec": (seen[0] - interval_at[0]) / span,
-                    "data_wait_frac": min(1.0, wait_interval / span),
+                    "data_wait_frac": exposed_wait_frac(wait_s, compute_s, span),
+                    "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
                     "elapsed_s": now - t0,
                 }
                 run_dir.metrics(row)
@@ -253,16 +267,19 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 eta = train_s / (step + 1 - first) * (b.total_steps - step - 1)
                 line = (
                     f"step {step + 1}/{b.total_steps} loss {loss:.4f} lr {lr:.2e} "
-                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac']:.0%} "
-                    f"ETA {format_eta(eta)}"
+                    f"samples/s {row['samples_per_sec']:.1f} data-wait {row['data_wait_frac'] or 0:.0%} "
+                    f"ETA {format_eta(eta)}" + (" (input-bound)" if (row["data_wait_frac"] or 0) > INPUT_BOUND_FRAC else "")
                 )
                 if bar.disable:
                     say(line)
                 else:
                     run_dir.log(line)
+                warning = host.sample()
+                if warning:
+                    say(warning)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
-                interval_t0, interval_steps, wait_interval, interval_at = now, 0, 0.0, seen
+                interval_t0, interval_steps, interval_at = now, 0, seen
             if evaluator.due(step + 1, last):
                 spent = evaluator.run(step + 1, totals(seen)[0])
                 steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
@@ -278,6 +295,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         guard.close()
         synchronize(device)
         gpu_summary = gpu.stop()
+        steady_split = timer.steady_totals()
     end = time.perf_counter()
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
@@ -296,9 +314,9 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
     tokens_per_sec = real / steady_s if samples_per_sec else None
-    peak = peak_flops(device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32)
-    data_wait_frac = min(1.0, wait_steady / steady_s) if steady_s > 0 and run_steps > skip else None
-    peak_vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    wait_s, compute_s = steady_split if steady_split and run_steps > skip else (None, None)
+    data_wait_frac = exposed_wait_frac(wait_s, compute_s, steady_s) if wait_s is not None else None
+    torch_mem = monitor_lib.torch_memory(device)
     estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type)
     summary = {
         "mode": cfg.run.mode,
@@ -325,18 +343,21 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         "tokens_per_sec": tokens_per_sec,
         "step_time_ms": 1000 * steady_s / steady_steps if steady_steps else None,
         "data_wait_frac": data_wait_frac,
+        "data_wait_s": wait_s,
+        "compute_s": compute_s,
+        "compute_frac": min(1.0, compute_s / steady_s) if compute_s is not None and steady_s > 0 else None,
         "input_bound": data_wait_frac is not None and data_wait_frac > INPUT_BOUND_FRAC,
-        "peak_vram_mb": peak_vram,
+        "peak_vram_mb": torch_mem["peak_allocated_mb"],
         "estimate_peak_mb": estimate["peak"] / MIB,
         "estimate_mb": {k: v / MIB for k, v in estimate.items() if k != "n_params"},
-        "peak_vram_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
-        "vram_total_mb": gpu_summary.get("vram_total_mb"),
+        "peak_vram_reserved_mb": torch_mem["peak_reserved_mb"],
+        "vram_total_mb": gpu_summary.get("vram_total_mb") or torch_mem["total_mb"],
         "avg_gpu_util": gpu_summary.get("avg_gpu_util"),
         "gpu_monitor": gpu_summary,
-        "host_memory": monitor_lib.host_memory(),
+        "host_memory": host.summary(),
         "flops_per_token": fpt,
-        "achieved_tflops": achieved_tflops(tokens_per_sec, fpt) if tokens_per_sec else None,
-        "mfu": mfu(tokens_per_sec, fpt, peak) if tokens_per_sec and peak else None,
+        **mfu_report(tokens_per_sec, fpt, device_name(device) if device.type == "cuda" else None,
+                     b.precision, tf32=cfg.system.tf32),
         "final_loss": loss,
         **evaluator.summary(),
         **compiled,
@@ -443,6 +464,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
         save_final(b, run_dir, full_state)
     run_dir.write("summary.json", summary)
+    plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
     _report(summary, run_dir, say)
     run_dir.close()
     return guard.exit_code(summary["exit_reason"])
@@ -461,12 +483,15 @@ def _report(s: dict, run_dir: RunDir, say) -> None:
         say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}")
     if s.get("peak_vram_mb") is not None:
         say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
+    if s.get("mfu_note"):
+        say(f"MFU: {s['mfu_note']}")
     if s["input_bound"]:
         say(
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
             "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
         )
-    say(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log, final/)")
+    curves = ", curves.png" if (run_dir.path / "curves.png").exists() else ""
+    say(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log{curves}, final/)")
 
 
 def _version(package: str) -> str | None:

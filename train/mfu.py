@@ -147,3 +147,27 @@ def mfu(tokens_per_sec: float | None, flops_per_token: float, peak: float | None
     if peak is None or peak <= 0 or tokens_per_sec is None:
         return None
     return tokens_per_sec * flops_per_token / peak
+
+
+def mfu_report(tokens_per_sec: float | None, flops_per_token: float, device_name: str | None,
+               precision: str, tf32: bool = False, world_size: int = 1) -> dict:
+    """The summary's MFU fields: achieved TFLOP/s, the peak used, MFU, and a note when MFU is null.
+
+    device_name None means "not a GPU" (CPU, mps): no datasheet peak applies, so MFU is null.
+    """
+    peak = peak_flops(device_name, precision, tf32=tf32) if device_name else None
+    total_peak = peak * world_size if peak else None
+    note = None
+    if tokens_per_sec is None:
+        note = "no steady-state throughput: MFU not computed"
+    elif device_name is None:
+        note = "no GPU: MFU is measured against a GPU's datasheet peak, so it is null on this device"
+    elif peak is None:
+        note = (f"no dense {precision} peak known for {device_name!r}: MFU is null rather than a guess "
+                "(add the device to PEAK_TFLOPS in train/mfu.py)")
+    return {
+        "achieved_tflops": achieved_tflops(tokens_per_sec, flops_per_token) if tokens_per_sec else None,
+        "peak_tflops": total_peak / 1e12 if total_peak else None,
+        "mfu": mfu(tokens_per_sec, flops_per_token, total_peak),
+        "mfu_note": note,
+    }

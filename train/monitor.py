@@ -7,11 +7,8 @@ NVML (the library behind nvidia-smi) from a daemon thread and never raises into 
 """
 
 import argparse
-import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -100,93 +97,12 @@ def _open_nvml(nvml, selectors: list[int | str] | None) -> _Gpus:
     return _Gpus("nvml", names, lambda i: _nvml_sample(nvml, handles[i]), nvml.nvmlShutdown)
 
 
-# ---- AMD, best effort: amdsmi (ROCm 6+) or the rocm-smi tool. Field names differ across ROCm
-# releases, so every field is optional; only the NVML path and the no-GPU path are tested. ----
-
-def _number(value) -> float | None:
-    match = re.search(r"-?\d+(\.\d+)?", str(value)) if value is not None else None
-    return float(match.group()) if match else None
-
-
-def _amdsmi_sample(amd, handle) -> dict:
-    def power(key):
-        watts = _number(amd.amdsmi_get_power_info(handle).get(key))
-        return watts / 1e6 if watts and watts > 1e5 else watts  # some releases report microwatts
-
-    def temp():
-        for sensor in ("HOTSPOT", "EDGE"):  # MI300 has no edge sensor
-            value = _try(lambda s=sensor: _number(amd.amdsmi_get_temp_metric(
-                handle, getattr(amd.AmdSmiTemperatureType, s), amd.AmdSmiTemperatureMetric.CURRENT)))
-            if value is not None:
-                return value
-        return None
-
-    def clock(kind):
-        return _number(amd.amdsmi_get_clock_info(handle, getattr(amd.AmdSmiClkType, kind))["clk"])
-
-    return {
-        "gpu_util": _try(lambda: _number(amd.amdsmi_get_gpu_activity(handle)["gfx_activity"])),
-        "vram_used_mb": _try(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_used"])),  # MB
-        "vram_total_mb": _try(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_total"])),
-        "power_w": _try(lambda: power("average_socket_power") or power("current_socket_power")),
-        "power_limit_w": _try(lambda: power("power_limit")),
-        "sm_clock_mhz": _try(lambda: clock("GFX")),
-        "mem_clock_mhz": _try(lambda: clock("MEM")),
-        "temp_c": temp(),
-    }
-
-
-def _rocm_smi_query() -> dict:
-    # One call reports every card; it takes a fraction of a second, which is why it runs in the thread.
-    out = subprocess.run(["rocm-smi", "--showuse", "--showpower", "--showmaxpower", "--showclocks",
-                          "--showtemp", "--showmeminfo", "vram", "--showproductname", "--json"],
-                         capture_output=True, text=True, timeout=10, check=True).stdout
-    return {k: v for k, v in json.loads(out).items() if k.startswith("card")}
-
-
-def _rocm_smi_sample(card: dict) -> dict:
-    def field(*words: str, scale: float = 1.0) -> float | None:
-        for key, value in card.items():
-            if all(w.lower() in key.lower() for w in words) and _number(value) is not None:
-                return _number(value) / scale
-        return None
-
-    return {
-        "gpu_util": field("GPU use (%)"),
-        "vram_used_mb": field("VRAM Total Used Memory (B)", scale=MIB),
-        "vram_total_mb": field("VRAM Total Memory (B)", scale=MIB),
-        "power_w": field("Power (W)", "Average") or field("Power (W)", "Current"),
-        "power_limit_w": field("Max Graphics Package Power"),
-        "sm_clock_mhz": field("sclk clock speed"),
-        "mem_clock_mhz": field("mclk clock speed"),
-        "temp_c": field("Temperature", "edge") or field("Temperature", "junction"),
-    }
-
+# ---- AMD, best effort (amdsmi or rocm-smi): in train/monitor_amd.py ----
 
 def _open_amd(indices: list[int] | None) -> _Gpus | None:
-    """amdsmi, else rocm-smi, else None (no AMD GPU or no ROCm tools). Indices are as ROCm lists the
-    cards; HIP_VISIBLE_DEVICES remapping is not followed (best effort)."""
-    try:
-        import amdsmi
+    from train.monitor_amd import open_amd
 
-        amdsmi.amdsmi_init()
-        handles = amdsmi.amdsmi_get_processor_handles()
-        handles = [handles[i] for i in indices] if indices is not None else handles
-        names = [_try(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["market_name"], str) or "AMD GPU"
-                 for h in handles]
-        return _Gpus("amdsmi", names, lambda i: _amdsmi_sample(amdsmi, handles[i]), amdsmi.amdsmi_shut_down)
-    except Exception:
-        pass
-    if shutil.which("rocm-smi") is None:
-        return None
-    try:
-        info = _rocm_smi_query()
-        cards = sorted(info, key=lambda c: int(c[4:]) if c[4:].isdigit() else 0)
-        cards = [cards[i] for i in indices] if indices is not None else cards
-        names = [str(info[c].get("Card Series") or info[c].get("Card series") or c) for c in cards]
-        return _Gpus("rocm-smi", names, lambda i: _rocm_smi_sample(_rocm_smi_query()[cards[i]]), lambda: None)
-    except Exception:
-        return None
+    return open_amd(indices)
 
 
 # ---- the sampler thread ----
@@ -361,6 +277,39 @@ def host_memory(proc_dir: str = "/proc") -> dict:
         "swap_used_pct": (_round(100 * (swap_total - swap_free) / swap_total) if swap_total
                           else None if swap_total is None else 0.0),
     }
+
+
+HOST_RAM_WARN_PCT = 90.0  # the guides' warning sign: host RAM at 94 % before workers got OOM-killed
+
+
+class HostMemoryPeaks:
+    """host_memory() read at a run's log points (a /proc read, well under a millisecond), keeping
+    the peaks, so summary.json shows the worst moment and not only the end."""
+
+    def __init__(self, warn_pct: float = HOST_RAM_WARN_PCT, proc_dir: str = "/proc"):
+        self.warn_pct, self.proc_dir = warn_pct, proc_dir
+        self.peaks = {"peak_rss_mb": None, "peak_ram_used_pct": None, "peak_swap_used_pct": None}
+        self.warned = False
+
+    def sample(self) -> str | None:
+        """Read once; returns a warning line the first time system RAM use reaches warn_pct."""
+        now = host_memory(self.proc_dir)
+        for key, field in (("peak_rss_mb", "rss_mb"), ("peak_ram_used_pct", "ram_used_pct"),
+                           ("peak_swap_used_pct", "swap_used_pct")):
+            if now[field] is not None:
+                old = self.peaks[key]
+                self.peaks[key] = now[field] if old is None else max(old, now[field])
+        pct = now["ram_used_pct"]
+        if pct is not None and pct >= self.warn_pct and not self.warned:
+            self.warned = True
+            return (f"warning: host RAM {pct:.0f} % used (swap {_cell(now['swap_used_pct'], '{:.0f}')} %): "
+                    "DataLoader workers are copies of this process and get OOM-killed first; "
+                    "lower NUM_WORKERS or BATCH_SIZE")
+        return None
+
+    def summary(self) -> dict:
+        self.sample()
+        return {**host_memory(self.proc_dir), **self.peaks}
 
 
 def torch_memory(device) -> dict:
