@@ -65,6 +65,7 @@ commands:
   sft        supervised fine-tuning on chat/instruction data
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
+  bench      time the real training loop (--vs-plain: against a plain PyTorch loop)
 
 `python -m train <command> --help` lists the flags."""
 
@@ -88,4 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from train.monitor import monitor_main
 
         return monitor_main(rest)
-    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, compare, monitor")
+    if command == "bench":
+        from train.bench import bench_main
+
+        return bench_main(rest)
+    raise UsageError(f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, compare, monitor, bench")
