@@ -22,7 +22,8 @@ INPUT_BOUND_FRAC = 0.2  # waiting on data above this share of step time: the run
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """AdamW with decay on matrices only; fused (one kernel for all parameters) where the
-    device has it, which saves the per-parameter launch overhead of the for-loop version."""
+    device has it, which saves the per-parameter launch overhead of the for-loop version.
+    On CPU too (bench/RESULTS.md): nano's step takes 4.9 ms fused vs 18.3 foreach, 17.2 for-loop."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
