@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor
+.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -20,6 +20,7 @@ help:
 	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES; REPEAT=N"
 	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh, the same way"
 	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
+	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
@@ -63,6 +64,9 @@ compare-sft: $(STAMP)
 
 monitor: $(STAMP)
 	@$(PY) -m train monitor
+
+bench: $(STAMP)
+	bash scripts/bench.sh
 
 test: $(STAMP)
 	$(PY) -m pytest

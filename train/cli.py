@@ -83,6 +83,7 @@ commands:
   find-batch the fastest micro-batch that fits TARGET_VRAM, same effective batch (training flags)
   doctor     a short profiled run of your config and what to change (--apply: try it)
   autotune   timed trials of batch x accumulation, workers, precision, compile; writes the winner
+  bench      time the real training loop (--vs-plain: against a plain PyTorch loop)
 
 `python -m train <command> --help` lists the flags."""
 
@@ -115,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         from train.monitor import monitor_main
 
         return monitor_main(rest)
+    if command == "bench":
+        from train.bench import bench_main
+
+        return bench_main(rest)
     if command in TOOL_COMMANDS:
         module, function = TOOL_COMMANDS[command]
         return getattr(importlib.import_module(module), function)(rest)
     raise UsageError(
-        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, {', '.join(TOOL_COMMANDS)}"
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, {', '.join(TOOL_COMMANDS)}"
     )

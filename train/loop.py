@@ -29,7 +29,8 @@ from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """AdamW with decay on matrices only; fused (one kernel for all parameters) where the
-    device has it, which saves the per-parameter launch overhead of the for-loop version."""
+    device has it, which saves the per-parameter launch overhead of the for-loop version.
+    On CPU too (bench/RESULTS.md): nano's step takes 4.9 ms fused vs 18.3 foreach, 17.2 for-loop."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
