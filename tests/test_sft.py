@@ -83,6 +83,17 @@ def test_each_format_trains(fmt, sft_flags, tmp_path):
     assert tok.chat_template and "<|assistant|>" in tok.get_vocab()
 
 
+def test_sft_validation_rows(sft_flags, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [FORMATS["messages"](i) for i in range(40)])
+    argv = ["--data_path", path, "--max_steps", "4", "--eval_every", "2", "--val_fraction", "0.1", "--run_name", "v"]
+    assert run_cli("sft", *sft_flags, *argv) == 0
+    rows = read_jsonl(tmp_path / "runs" / "v" / "metrics.jsonl")
+    val = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4] and all(r["val_loss"] > 0 for r in val)
+    summary = summary_of(tmp_path, "v")
+    assert summary["n_val_conversations"] >= 4 and summary["final_val_loss"] == val[-1]["val_loss"]
+
+
 def test_loss_mask_through_forward_loss(base_model):
     """A user turn after the reply changes only prompt tokens' targets (causal attention keeps
     the reply's logits): the loss must not move. Unmasked, the same change moves it."""
@@ -271,4 +282,4 @@ def test_quick_start_trains_and_prints_the_effective_batch(base_model, tmp_path)
     summary = summary_of(tmp_path, "q")
     assert (summary["mode"], summary["batch_size"], summary["gradient_accumulation_steps"]) == ("sft", 4, 2)
     assert summary["effective_batch_size"] == 8 and summary["num_workers"] == 2 and summary["length_grouping"]
-    assert summary["samples"] == 16 and len(read_jsonl(tmp_path / "runs" / "q" / "metrics.jsonl")) == 2
+    assert summary["samples"] == 16 and len([r for r in read_jsonl(tmp_path / "runs" / "q" / "metrics.jsonl") if "loss" in r]) == 2

@@ -46,6 +46,8 @@ class Built:
     summary_extra: dict = field(default_factory=dict)
     """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
     val_dataset: torch.utils.data.Dataset | None = None
+    val_collate: Callable | None = None
+    """SFT: the collator for validation batches (padding); None: default stacking."""
 
 
 def seed_everything(seed: int) -> None:

@@ -172,7 +172,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
     if cfg.model.compile:
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
-    evaluator = Evaluator(b, run_dir, say)
+    evaluator = Evaluator(b, run_dir, say, b.val_collate)
     effective = cfg.effective_batch_size(b.world.world_size)
     timer = StepTimer(device)  # data wait vs compute; CUDA events, read only at log points
     batches = BatchCounter(timer.wrap(batches))  # rows and real/padded tokens (SFT batches vary in both)

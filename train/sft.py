@@ -9,6 +9,8 @@ tokenizer, loaded offline); batches are conversations padded to their own longes
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from functools import partial
@@ -25,6 +27,7 @@ from train.build import Built, resolve_pacing, seed_everything
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.distributed import SINGLE, Dist
 from train.errors import UsageError
+from train.evaluate import val_windows
 from train.sft_data import (
     LengthGroupedSampler,
     PadCollator,
@@ -298,6 +301,10 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
 
     dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
+    n_loaded = len(dataset)
+    val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
+    if val_dataset is not None and cfg.data.val_path is None:
+        dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
 
     bs = cfg.optim.batch_size
     if cfg.data.token_budget is not None:
@@ -321,7 +328,8 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     extra = {
         "model_path": str(path),
         "data_format": fmt,
-        "n_conversations": len(dataset),
+        "n_conversations": n_loaded,
+        "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
         "n_truncated": truncated,
         "n_skipped": skipped,
         "length_grouping": cfg.data.length_grouping,
@@ -348,4 +356,22 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         decisions=decisions,
         make_loader=partial(sft_loader, collate=collate),
         summary_extra=extra,
+        val_dataset=val_dataset,
+        val_collate=collate,
     )
+
+
+def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide):
+    """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
+    the data (never trained on). None when VAL_FRACTION is 0."""
+    if cfg.data.val_path is not None:
+        val_cfg = copy.copy(cfg)
+        val_cfg.data = dataclasses.replace(cfg.data, data_path=cfg.data.val_path)
+        val, *_ = load_dataset(val_cfg, tok, max_length, say)
+        decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
+        return val
+    n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * cfg.optim.batch_size)
+    if n_val == 0:
+        return None
+    decide("validation", f"{n_val} conversations", f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)")
+    return SFTDataset(dataset.examples[len(dataset) - n_val :])
