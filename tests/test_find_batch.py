@@ -101,7 +101,7 @@ def test_make_targets_take_the_launchers_variables():
     assert argv[argv.index("--preset") + 1] == "baseline" and argv[-1] == "--apply"
     argv = shlex.split(launch("run_single_gpu_optimized.sh", {"SHOW_COMMAND": "1", "AUTO_BATCH": "1"}).stdout)
     assert argv[argv.index("--auto_batch") + 1] == "1"
-    make = subprocess.run(["make", "-n", "-o", ".venv/.installed", "find-batch", "doctor", "autotune", "ARGS=--apply"],
+    make = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "find-batch", "doctor", "autotune", "ARGS=--apply"],
                           cwd=ROOT, capture_output=True, text=True)
     assert make.returncode == 0, make.stderr
     assert [line.split()[:3] for line in make.stdout.splitlines()] == [

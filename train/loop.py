@@ -305,7 +305,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     steps_done = done
     run_steps = done - first  # this session's steps (a resumed run started at `first`)
     steady_steps = max(0, run_steps - skip)
-    steady_s = (end - steady_t0 if steady_steps else end - t0) - guard.seconds_saving_since(steady_t0)
+    steady_s = (end - steady_t0 if steady_steps else end - t0) - guard.seconds_saving_since(steady_t0, end)
     steady_steps = steady_steps or run_steps
     # Throughput on real tokens and rows counted as they passed (SFT batches vary in both).
     start_at = steady_at if run_steps > skip else (0, 0, 0)

@@ -314,9 +314,10 @@ class RunGuard:
         self.saving_s.append((start, time.perf_counter() - start))
         self.say(f"saved checkpoint {self.manager.last_saved} ({time.perf_counter() - start:.1f} s)")
 
-    def seconds_saving_since(self, t0: float) -> float:
-        """Time spent saving inside the loop after t0 (left out of the throughput figures)."""
-        return sum(span for start, span in self.saving_s if start >= t0)
+    def seconds_saving_since(self, t0: float, t1: float = float("inf")) -> float:
+        """Time spent saving inside the loop between t0 and t1 (left out of the throughput
+        figures); the save at the end, after the loop's clock stopped, is not inside."""
+        return sum(span for start, span in self.saving_s if t0 <= start < t1)
 
     def close(self) -> None:
         self.signals.restore()
