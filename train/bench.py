@@ -5,9 +5,10 @@ DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a
 the figure (STYLE.md 7, nanoGPT's bench.py idea). `--vs-plain` times the simplest correct loop,
 pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
 opt.zero_grad()` with torch's default AdamW, on a copy of the same initial model and the same
-batches, in the same process. Rounds alternate kit/plain because a shared machine's load drifts
-(two threads here vary about 9 % run to run); figures are medians over rounds. Nothing is
-written to runs/: each kit round logs into a temporary folder that is deleted.
+batches, in the same process. Rounds alternate kit/plain (ABBA order) because a shared machine's
+load drifts; figures are medians over rounds and the ratio is the median of the per-round
+kit/plain ratios. Nothing is written to runs/: each kit round logs into a temporary folder that
+is deleted.
 """
 
 from __future__ import annotations
