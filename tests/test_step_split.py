@@ -142,7 +142,7 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     w2 = json.loads((runs / "w2" / "summary.json").read_text())
 
     # 300 ms of sleep per batch against ~30 ms of compute on a 2-layer model
-    assert w0["data_wait_frac"] > 0.75 and w0["input_bound"] is True
+    assert w0["data_wait_frac"] > 0.75 and w0["input_bound"] is True, (w0["data_wait_s"], w0["compute_s"])
     log = (runs / "w0" / "train.log").read_text()
     assert "the run was input-bound" in log and "(input-bound)" in log
     assert all(row["data_wait_frac"] > 0.5 for row in read_jsonl(runs / "w0" / "metrics.jsonl"))
@@ -155,7 +155,8 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     def wait_per_step(s):
         return s["data_wait_s"] / s["steady_state_steps"]
 
-    assert wait_per_step(w2) < 0.7 * wait_per_step(w0)
-    assert w2["data_wait_frac"] < w0["data_wait_frac"] - 0.02
-    assert w2["samples_per_sec"] > 1.5 * w0["samples_per_sec"]
+    seen = {k: (w0[k], w2[k]) for k in ("data_wait_frac", "data_wait_s", "compute_s", "samples_per_sec")}
+    assert wait_per_step(w2) < 0.7 * wait_per_step(w0), seen
+    assert w2["data_wait_frac"] < w0["data_wait_frac"] - 0.02, seen
+    assert w2["samples_per_sec"] > 1.5 * w0["samples_per_sec"], seen
     assert not (runs / "w2" / "curves.png").exists()
