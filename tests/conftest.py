@@ -43,6 +43,17 @@ TINY_CONFIG = {
 }
 
 
+def tiny_model(seed: int = 0):
+    """The tiny GPT-2 of TINY_CONFIG, built in memory, without dropout (for exact comparisons)."""
+    from train.model import build_config, build_model
+
+    cfg = build_config("nano", None, 512, 0)
+    for key in ("n_layer", "n_embd", "n_head", "n_positions"):
+        setattr(cfg, key, TINY_CONFIG[key])
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return build_model(cfg, gradient_checkpointing=False, seed=seed)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"

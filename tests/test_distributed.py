@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, launch, read_jsonl, run_cli
+from conftest import launch, read_jsonl, run_cli, tiny_model
 from train import distributed
 from train.data import EpochSampler, make_loader
 from train.errors import UsageError
@@ -25,14 +25,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_model(seed=0):
-    from train.model import build_config, build_model
-
-    cfg = build_config("nano", None, 512, 0)
-    for key in ("n_layer", "n_embd", "n_head", "n_positions"):
-        setattr(cfg, key, TINY_CONFIG[key])
-    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
-    return build_model(cfg, gradient_checkpointing=False, seed=seed)
 
 
 def flat(model):

@@ -9,20 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, read_jsonl, run_cli
+from conftest import read_jsonl, run_cli, tiny_model
 from train import data
 from train.loop import lr_at, train_step
-from train.model import build_config, build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 
 
-def tiny_model(seed=0):
-    cfg = build_config("nano", None, 512, 0)
-    for key in ("n_layer", "n_embd", "n_head", "n_positions"):
-        setattr(cfg, key, TINY_CONFIG[key])
-    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
-    return build_model(cfg, gradient_checkpointing=False, seed=seed)
 
 
 def test_accumulation_4x8_equals_one_batch_of_32():
