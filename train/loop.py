@@ -198,7 +198,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     first_step_s = None
     if skip == 0:
         timer.start_steady()
-    interval_t0, interval_steps = t0, 0
+    interval_t0 = t0
     loss = None
     exit_reason = "completed"
     done = first
@@ -229,7 +229,6 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             timer.step_end()
             done = step + 1
             seen = tuple(c * b.world.world_size for c in batches.counts())  # every rank takes an equal share
-            interval_steps += 1
             if done - first == skip or first_step_s is None:
                 synchronize(device)
                 now = time.perf_counter()
@@ -280,7 +279,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                     say(warning)
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
-                interval_t0, interval_steps, interval_at = now, 0, seen
+                interval_t0, interval_at = now, seen
             if evaluator.due(step + 1, last):
                 spent = evaluator.run(step + 1, totals(seen)[0])
                 steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
