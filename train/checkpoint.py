@@ -9,6 +9,12 @@ One checkpoint folder holds
   meta.json           counters, data position, schedule, settings, and each file's size and
                       sha256 (so truncation or corruption is caught before anything is parsed)
 It is written to checkpoints/.tmp-step-.../, every file fsynced, then renamed into place.
+
+A sharded run (SHARDING=zero2|zero3) holds shards/ instead of model.safetensors: every rank
+writes its own part of the weights and AdamW state through torch.distributed.checkpoint, and
+rank 0 writes state.pt and meta.json (which lists and hashes every shard file) once all are
+written. Such a checkpoint resumes with any number of processes (torch.distributed.checkpoint
+reshards on load), but only into a sharded run, as a whole one resumes only into a whole run.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from train.errors import UsageError
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
-WEIGHTS, STATE, META = "model.safetensors", "state.pt", "meta.json"
+WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
 SPACE_MARGIN = 1.05  # safetensors/zip headers and meta.json on top of the tensor bytes
 
 
@@ -148,9 +154,19 @@ def _check_meta(meta, fields=META_FIELDS, where="") -> None:
             raise BadCheckpoint(f"{META} has no valid {where}{key}")
 
 
+def layout(meta: dict) -> str:
+    """"sharded" (shards/, SHARDING=zero2|zero3) or "whole" (model.safetensors)."""
+    return "sharded" if meta.get("sharding", "none") != "none" else "whole"
+
+
 def _check_files(path: Path, meta: dict) -> None:
-    if set(meta["files"]) != {WEIGHTS, STATE}:
+    names = set(meta["files"])
+    if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
         raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
+    if layout(meta) == "sharded" and not (
+        {STATE, f"{SHARDS}/.metadata"} <= names and all(n == STATE or n.startswith(f"{SHARDS}/") for n in names)
+    ):
+        raise BadCheckpoint(f"{META} does not list {STATE} and {SHARDS}/.metadata")
     for name, expected in meta["files"].items():
         file = path / name
         if not file.is_file():
@@ -238,27 +254,69 @@ class CheckpointManager:
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
             state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state()}
             torch.save(state, tmp / STATE)
-            files = {}
-            for file in (WEIGHTS, STATE):
-                _fsync(tmp / file)
-                files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": _sha256(tmp / file)}
-            record = {"format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
-            record["files"] = files
-            (tmp / META).write_text(json.dumps(record, indent=2) + "\n")
-            _fsync(tmp / META)
-            _fsync(tmp)
-            target = self.folder / name
-            if target.exists():  # an invalid checkpoint of this step from an earlier attempt
-                aside = self.folder / f".old-{name}-{os.getpid()}"
-                os.replace(target, aside)
-                shutil.rmtree(aside, ignore_errors=True)
-            os.replace(tmp, target)
-            _fsync(self.folder)
+            target = self._complete(tmp, name, step, meta, [WEIGHTS, STATE])
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise self._disk_full(name, needed, self.free_bytes()) from None
             raise
+        return target
+
+    def save_sharded(self, step: int, model, optimizer, scaler, meta: dict, world) -> Path:
+        """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
+        temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
+        meta.json and renames it into place; no rank goes on before the checkpoint is there."""
+        from train import distributed
+
+        name = checkpoint_name(step)
+        tmp = self.folder / f".tmp-{name}-sharded"
+        needed = self.needed_bytes(model, optimizer)
+
+        def prepare():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            free = self.free_bytes()
+            if free < needed:
+                raise self._disk_full(name, needed, free)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+        distributed.on_main(world, prepare)
+        try:
+            distributed.save_sharded(tmp / SHARDS, model, optimizer)
+            if world.is_main:
+                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), "rng": rng_state()}, tmp / STATE)
+                shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
+                _fsync(tmp / SHARDS)
+                self._complete(tmp, name, step, meta, [*shards, STATE])
+        except Exception as err:
+            if world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise self._disk_full(name, needed, self.free_bytes()) from None
+            raise
+        distributed.agree(None)  # a barrier: the checkpoint is complete for every rank
+        self.last_saved = name
+        return self.folder / name
+
+    def _complete(self, tmp: Path, name: str, step: int, meta: dict, names: list[str]) -> Path:
+        """fsync and hash the written files, write meta.json, rename the folder into place,
+        point latest at it and drop the oldest checkpoints."""
+        files = {}
+        for file in names:
+            _fsync(tmp / file)
+            files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": _sha256(tmp / file)}
+        record = {"format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
+        record["files"] = files
+        (tmp / META).write_text(json.dumps(record, indent=2) + "\n")
+        _fsync(tmp / META)
+        _fsync(tmp)
+        target = self.folder / name
+        if target.exists():  # an invalid checkpoint of this step from an earlier attempt
+            aside = self.folder / f".old-{name}-{os.getpid()}"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(tmp, target)
+        _fsync(self.folder)
         self.last_saved = name
         self._point_latest(name)
         self.prune()
@@ -298,8 +356,10 @@ class CheckpointManager:
 
     # ---- loading ------------------------------------------------------------------------
 
-    def load(self, path: Path, model, param_groups) -> Loaded:
-        """Check and load one checkpoint; raises BadCheckpoint with the reason."""
+    def load(self, path: Path, model, param_groups, sharding: str = "none") -> Loaded:
+        """Check and load one checkpoint; raises BadCheckpoint with the reason. A sharded
+        checkpoint is checked here but its weights and optimizer state are read later, into
+        the sharded model (RunGuard.start)."""
         try:
             meta = json.loads((path / META).read_text())
         except FileNotFoundError:
@@ -309,6 +369,13 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         _check_meta(meta)
+        now = "sharded" if sharding != "none" else "whole"
+        if layout(meta) != now:
+            saved = meta.get("sharding", "none")
+            raise UsageError(
+                f"RESUME=1: checkpoint {path.name} was saved by a SHARDING={saved} run; resume it with "
+                f"SHARDING={saved} ({layout(meta)} and {now} checkpoints do not convert)"
+            )
         _check_files(path, meta)
         try:
             # weights_only: only tensors, numbers, strings and containers; a pickled object that
@@ -319,7 +386,8 @@ class CheckpointManager:
             raise BadCheckpoint(f"{STATE} refused by the safe loader ({reason[:160]})") from None
         if not isinstance(state, dict) or not {"optimizer", "scaler", "rng"} <= set(state):
             raise BadCheckpoint(f"{STATE} does not hold optimizer, scaler and rng states")
-        _check_optimizer(state["optimizer"], param_groups)
+        if now == "whole":
+            _check_optimizer(state["optimizer"], param_groups)
         scaler = state["scaler"]
         if not isinstance(scaler, dict) or (scaler and not {"scale", "_growth_tracker"} <= set(scaler)):
             raise BadCheckpoint(f"{STATE} holds no usable GradScaler state")
@@ -330,18 +398,21 @@ class CheckpointManager:
             raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
         finally:
             set_rng_state(current)
-        _load_weights(model, path / WEIGHTS)
+        if now == "whole":
+            _load_weights(model, path / WEIGHTS)
         return Loaded(
             path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"]
         )
 
-    def newest_valid(self, model, param_groups) -> tuple[Loaded | None, list[tuple[Path, str]]]:
+    def newest_valid(
+        self, model, param_groups, sharding: str = "none"
+    ) -> tuple[Loaded | None, list[tuple[Path, str]]]:
         """The newest checkpoint that loads, and the (folder, reason) of each newer one that
         did not (each reported by name)."""
         rejected = []
         for path in list_checkpoints(self.folder):
             try:
-                loaded = self.load(path, model, param_groups)
+                loaded = self.load(path, model, param_groups, sharding)
             except BadCheckpoint as err:
                 rejected.append((path, str(err)))
                 self.say(f"checkpoint {path.name} cannot be used: {err}; trying the previous one")

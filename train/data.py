@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import tempfile
 from collections.abc import Iterator
@@ -131,7 +132,15 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
     tok.pad_token = EOS
     tmp = Path(tempfile.mkdtemp(dir=_mkdir(folder.parent)))
     tok.save_pretrained(tmp)
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "tokenizer.json").exists():
+            raise
+        # Another run on the same corpus (same key) saved it first: use that one, so every run
+        # of this corpus tokenizes with the same files.
+        shutil.rmtree(tmp, ignore_errors=True)
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
 
 
@@ -216,12 +225,14 @@ class PackedDataset(Dataset):
 
 
 class EpochSampler(Sampler):
-    """A seeded shuffle per epoch; `start` skips the first samples (a resumed position).
+    """A seeded shuffle per epoch; `start` skips the samples already consumed (a resumed position).
 
     With several processes every rank draws the same permutation and takes a disjoint share of
     it, perm[rank::world_size] after trimming to a multiple of world_size (equal shares, so no
-    rank waits for another at the end of an epoch); `start` then counts samples of this rank's
-    share, the same number on every rank."""
+    rank waits for another at the end of an epoch). `start` is the global position, samples of
+    the whole permutation consumed by all ranks together: dealt in turn, the first start of the
+    permutation are start // world_size of each rank's share. A position saved by a run with
+    another number of processes therefore carries over (to within world_size - 1 samples)."""
 
     def __init__(self, n: int, seed: int, rank: int = 0, world_size: int = 1):
         self.n, self.seed, self.epoch, self.start = n, seed, 0, 0
@@ -233,10 +244,10 @@ class EpochSampler(Sampler):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         perm = torch.randperm(self.n, generator=generator)[: self.n - self.n % self.world_size]
-        yield from perm[self.rank :: self.world_size][self.start :].tolist()
+        yield from perm[self.rank :: self.world_size][self.start // self.world_size :].tolist()
 
     def __len__(self) -> int:
-        return self.n // self.world_size - self.start
+        return max(0, self.n // self.world_size - self.start // self.world_size)
 
 
 def make_loader(

@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 from train.errors import EXIT_USAGE, UsageError
 
+# Host-side agreement (stop signals, non-finite streaks) runs on gloo: with NCCL the default
+# group's collectives would need a CUDA tensor and a device sync each step.
+_host_group = None
+
 # Rank 0 builds the data caches (tokenizer training, tokenizing) while the others wait in a
 # barrier: on a large corpus that takes minutes, longer than NCCL's 10-minute default.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -101,11 +105,14 @@ def launch(train_fn, cfg, world: Dist) -> int:
             dist.init_process_group(
                 backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT
             )
+        global _host_group
+        _host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
         try:
             code = train_fn(cfg, world)
             dist.barrier()  # no rank tears the group down while another still talks to it
             return code
         finally:
+            _host_group = None
             dist.destroy_process_group()
 
 
@@ -136,6 +143,25 @@ def agree(error: str | None) -> None:
     first = next((e for e in errors if e), None)
     if first:
         raise UsageError(first)
+
+
+def gather(value) -> list:
+    """value from every rank, in rank order ([value] with one process)."""
+    if not _active() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def max_across(world: Dist, values: list[int]) -> list[int]:
+    """The largest of each number over all ranks: one all-reduce of a few integers on the host
+    (no device sync); the numbers themselves with one process."""
+    if world.world_size == 1 or not _active():
+        return list(values)
+    box = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_host_group)
+    return box.tolist()
 
 
 def _attempt(fn):
@@ -253,6 +279,11 @@ def grad_scaler(device: torch.device, enabled: bool, model: torch.nn.Module):
 
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a sharded parameter); a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

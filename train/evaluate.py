@@ -160,7 +160,11 @@ class Evaluator:
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                save_model(self.b, self.run_dir.path / "best")
+                from train.distributed import full_state_dict
+
+                state = full_state_dict(self.b.model)  # sharded: a gather every rank joins
+                if self.b.world.is_main:  # one writer: the other ranks hold the same weights
+                    save_model(self.b, self.run_dir.path / "best", state)
                 line += " (best so far; saved to best/)"
         self.say(line)
         elapsed = time.perf_counter() - start
@@ -179,7 +183,7 @@ class Evaluator:
         }
 
 
-def save_model(b, folder: Path) -> None:
+def save_model(b, folder: Path, state_dict: dict | None = None) -> None:
     """save_pretrained + tokenizer into folder, replaced whole: written beside it, then renamed,
     so a crash mid-save never leaves a half-written best/."""
     tmp = folder.with_name(f".{folder.name}.tmp")
@@ -189,7 +193,7 @@ def save_model(b, folder: Path) -> None:
     use_cache = b.model.config.use_cache
     b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
     try:
-        b.model.save_pretrained(tmp)
+        b.model.save_pretrained(tmp, state_dict=state_dict)
     finally:
         b.model.config.use_cache = use_cache
     b.tokenizer.save_pretrained(tmp)

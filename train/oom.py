@@ -143,6 +143,6 @@ class OomGuard:
             f"BATCH_SIZE={smaller} GRADIENT_ACCUM={o.gradient_accumulation_steps} (effective batch {effective} kept)"
         )
         epoch, offset = mark
-        if len(self._stream.sampler) + self._stream.sampler.start - offset < old:
+        if self._stream.remaining(offset) < old:
             epoch, offset = epoch + 1, 0  # the old loader would have ended the epoch here (drop_last)
         self._stream = self.reopen(epoch, offset)

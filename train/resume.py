@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from config import env_name
-from train.checkpoint import CheckpointManager, checkpoint_name, list_checkpoints, set_rng_state
+from train import distributed
+from train.checkpoint import SHARDS, CheckpointManager, checkpoint_name, list_checkpoints, set_rng_state
 from train.errors import UsageError
 from train.signals import QuietWorkers, StopSignals
 
@@ -90,12 +91,15 @@ def trim_metrics(path: Path, step: int) -> int:
 
 class BatchStream:
     """Micro-batches forever, epoch after epoch, knowing where it is: `epoch` and `consumed`
-    (samples of that epoch's seeded permutation handed out so far). Opening the first epoch
-    here, before the RNG states are restored, matters: a DataLoader draws a seed from torch's
-    generator each time it starts an epoch."""
+    (samples of that epoch's seeded order handed out so far, by all ranks together: each rank
+    takes one micro-batch per micro-step, so a micro-step moves the position by batch_size x
+    world_size, or by a round's rows where batches vary in size, sampler.round_rows). Opening
+    the first epoch here, before the RNG states are restored, matters: a DataLoader draws a seed
+    from torch's generator each time it starts an epoch."""
 
     def __init__(self, loader, sampler, batch_size: int, epoch: int = 0, consumed: int = 0):
         self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
+        self.world_size = getattr(sampler, "world_size", 1)
         self.epoch, self.consumed = epoch, consumed
         self._it = self._open()
 
@@ -114,9 +118,15 @@ class BatchStream:
                 self.epoch, self.consumed = self.epoch + 1, 0
                 self._it = self._open()
                 continue
-            self.consumed += self.batch_size
+            round_rows = getattr(self.sampler, "round_rows", None)
+            self.consumed += round_rows(self.consumed) if round_rows else self.batch_size * self.world_size
             return batch
         raise RuntimeError("the data yields no batch in a whole epoch")
+
+    def remaining(self, position: int) -> int:
+        """Samples left of this rank's share of the epoch after global `position`."""
+        s = self.sampler
+        return len(s) + s.start // self.world_size - position // self.world_size
 
 
 class RunGuard:
@@ -128,11 +138,13 @@ class RunGuard:
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
         r = self.cfg.run
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
-        # Checkpoints hold whole (unsharded) weights written by one process: rank 0 of a DDP run
-        # saves for all (every rank holds the same weights); FSDP2-sharded runs don't save yet.
-        self.saves = b.world.is_main and self.cfg.system.sharding == "none"
+        # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
+        # every rank writes its own shards (train/checkpoint.py).
+        self.sharding = self.cfg.system.sharding
+        self.saves = b.world.is_main or self.sharding != "none"
         self.manager = CheckpointManager(self.run_path / "checkpoints", r.keep_checkpoints, say)
-        self.signals = StopSignals()
+        self.signals = StopSignals(announce=b.world.is_main)
+        self.stop_signal: int | None = None
         self.loaded = None
         self.first_step = self.base_samples = self.epoch = self.consumed = 0
         self.unit = self.effective
@@ -142,18 +154,19 @@ class RunGuard:
         self.saving_s: list[tuple[float, float]] = []
         self.stop_detail = ""
         self.resuming = r.resume
-        if r.resume and self.cfg.system.sharding != "none":
-            raise UsageError("RESUME=1 with SHARDING is not supported yet: sharded runs save no checkpoints")
         if r.resume:
             self._resume(param_groups())
 
     # ---- resume ---------------------------------------------------------------------------
 
     def _resume(self, param_groups) -> None:
-        loaded, rejected = self.manager.newest_valid(self.b.model, param_groups)
+        loaded, rejected = self.manager.newest_valid(self.b.model, param_groups, self.sharding)
         if loaded is None:
             reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
             raise UsageError(f"RESUME=1: no usable checkpoint in {self.manager.folder} ({reasons})")
+        names = distributed.gather(loaded.path.name)
+        if len(set(names)) > 1:  # a checkpoint folder not shared by every machine
+            raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
         self.loaded, meta = loaded, loaded.meta
         self.first_step, self.base_samples = meta["step"], meta["samples"]
         self.counters.update(meta.get("counters", {}))
@@ -178,8 +191,14 @@ class RunGuard:
         if saved.get("warmup_steps") != now["warmup_steps"]:
             self.warmup_samples = self.b.warmup_steps * self.effective
         data_now = self._data_identity()
+        saved_world, world = meta["data"].get("world_size", 1), self.b.world.world_size
         if meta["data"]["identity"] == data_now:
             self.epoch, self.consumed = meta["data"]["epoch"], meta["data"]["position"]
+            if saved_world != world:
+                say(
+                    f"{saved_world} process(es) saved this checkpoint, {world} continue it: the data position "
+                    f"carries over (each takes its share of the epoch from sample {self.consumed:,})"
+                )
         else:
             self.epoch, self.consumed = meta["data"]["epoch"] + 1, 0
             say(
@@ -204,7 +223,11 @@ class RunGuard:
             why += f"; a new run with these settings would plan {planned} steps"
         self.b.decisions.append({"setting": "total_steps", "value": self.b.total_steps, "reason": why})
         say(f"  total_steps = {self.b.total_steps}  ({why})")
-        # Everything checked: now the run folder may change.
+        # Everything checked: now the run folder may change (rank 0 alone, once every rank has
+        # read its checkpoint).
+        distributed.agree(None)
+        if not self.b.world.is_main:
+            return
         self.manager.set_aside(rejected)
         self.manager.clean_temporary()
         dropped = trim_metrics(self.run_path / "metrics.jsonl", self.first_step)
@@ -234,7 +257,9 @@ class RunGuard:
     def start(self, model, optimizer, scaler, loader, sampler) -> BatchStream:
         """Apply the loaded state and return the positioned batch stream (RNG restored last)."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        if self.loaded is not None:
+        if self.loaded is not None and self.sharding != "none":
+            distributed.load_sharded(self.loaded.path / SHARDS, model, optimizer)
+        elif self.loaded is not None:
             optimizer.load_state_dict(self.loaded.optimizer)
             if scaler.is_enabled() and self.loaded.scaler:
                 scaler.load_state_dict(self.loaded.scaler)
@@ -281,21 +306,25 @@ class RunGuard:
             self._skipped += (scale < previous).to(torch.int64).reshape(())
             self._last_scale = scale.clone()
         r = self.cfg.run
-        if self.signals.received is not None:
-            return "interrupted"
         save_due = r.save_every > 0 and steps_done % r.save_every == 0 and steps_done < self.b.total_steps
-        if (synced or save_due) and r.nan_patience > 0:
-            streak = int(self._streak.item())
-            if streak >= r.nan_patience:
-                first_bad = steps_done - streak + 1
-                last = self.manager.last_saved or (list_checkpoints(self.manager.folder) or [None])[0]
-                last = getattr(last, "name", last)
-                self.stop_detail = (
-                    f"loss non-finite for {streak} steps in a row from step {first_bad} (NAN_PATIENCE={r.nan_patience}); "
-                    f"newest good checkpoint: {last or 'none'}; lower LEARNING_RATE and resume with RESUME=1"
-                )
-                self.say("stopping: " + self.stop_detail)
-                return "non_finite_loss"
+        streak = int(self._streak.item()) if (synced or save_due) and r.nan_patience > 0 else 0
+        # Every rank stops at the same step, or one waits forever in a collective: a signal seen
+        # by any rank (torchrun forwards one to each, at different moments) and the longest
+        # non-finite streak are shared, one small all-reduce per step on the host.
+        signum, streak = distributed.max_across(self.b.world, [self.signals.received or 0, streak])
+        if signum:
+            self.stop_signal = signum
+            return "interrupted"
+        if streak >= r.nan_patience > 0:
+            first_bad = steps_done - streak + 1
+            last = self.manager.last_saved or (list_checkpoints(self.manager.folder) or [None])[0]
+            last = getattr(last, "name", last)
+            self.stop_detail = (
+                f"loss non-finite for {streak} steps in a row from step {first_bad} (NAN_PATIENCE={r.nan_patience}); "
+                f"newest good checkpoint: {last or 'none'}; lower LEARNING_RATE and resume with RESUME=1"
+            )
+            self.say("stopping: " + self.stop_detail)
+            return "non_finite_loss"
         if save_due:
             self.save(steps_done)
         return None
@@ -306,11 +335,19 @@ class RunGuard:
         if not self.saves:
             return
         start = time.perf_counter()
-        if self._streak is not None and int(self._streak.item()) > 0 or not self._weights_finite():
+        healthy = not (self._streak is not None and int(self._streak.item()) > 0) and self._weights_finite()
+        if self.sharding != "none":
+            healthy = not distributed.max_across(self.b.world, [int(not healthy)])[0]  # all save or none
+        if not healthy:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
         self._read_counters()
-        self.manager.save(steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done))
+        if self.sharding != "none":
+            self.manager.save_sharded(
+                steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done), self.b.world
+            )
+        else:
+            self.manager.save(steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done))
         self.saving_s.append((start, time.perf_counter() - start))
         self.say(f"saved checkpoint {self.manager.last_saved} ({time.perf_counter() - start:.1f} s)")
 
@@ -338,7 +375,7 @@ class RunGuard:
     # ---- state ----------------------------------------------------------------------------
 
     def _weights_finite(self) -> bool:
-        flags = [torch.isfinite(p).all() for p in self.model.parameters()]
+        flags = [torch.isfinite(distributed.local(p)).all() for p in self.model.parameters()]
         return bool(torch.stack(flags).all().item()) if flags else True
 
     def _read_counters(self) -> None:
@@ -355,9 +392,11 @@ class RunGuard:
             "tokens": samples * self.b.max_length,
             "data": {
                 "epoch": self.stream.epoch,
-                "position": self.stream.consumed,
+                "position": self.stream.consumed,  # global: samples of the epoch all ranks consumed
+                "world_size": self.b.world.world_size,
                 "identity": self._data_identity(),
             },
+            "sharding": self.sharding,
             "schedule": {
                 "unit_samples": self.unit,
                 "warmup_samples": self.warmup_samples,
@@ -375,7 +414,7 @@ class RunGuard:
             "skipped_steps": self.counters["skipped_steps"],
             "non_finite_steps": self.counters["non_finite_steps"],
             "loss_scale": scale,
-            "stop_signal": signal.Signals(self.signals.received).name if self.signals.received else None,
+            "stop_signal": signal.Signals(self.stop_signal).name if self.stop_signal else None,
             "stop_detail": self.stop_detail or None,
         }
 
@@ -383,5 +422,5 @@ class RunGuard:
         """0 completed; 128 + the signal number when stopped by one (130 Ctrl+C, 143 SIGTERM),
         as shells report it; 1 when non-finite losses or repeated out-of-memory stopped the run."""
         if exit_reason == "interrupted":
-            return 128 + (self.signals.received or signal.SIGINT)
+            return 128 + (self.stop_signal or signal.SIGINT)
         return 1 if exit_reason in ("non_finite_loss", "out_of_memory") else 0

@@ -35,9 +35,10 @@ class StopSignals:
     """SIGINT/SIGTERM: the first asks the loop to stop after the current optimizer step; a
     second exits at once (saves are atomic, so the last checkpoint stays valid)."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.received: int | None = None
         self._previous: dict = {}
+        self.announce = announce  # under torchrun, rank 0 alone says it
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -51,6 +52,8 @@ class StopSignals:
             os.write(2, f"\n{name} again: quitting now; the last checkpoint is intact\n".encode())
             os._exit(128 + signum)
         self.received = signum
+        if not self.announce:
+            return
         # os.write, not print: a handler may run in the middle of another write to the console.
         os.write(
             2, f"\n{name}: finishing this optimizer step, then saving ({name} again quits at once)\n".encode()

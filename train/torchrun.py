@@ -2,7 +2,10 @@
 start it with NPROC_PER_NODE > 1, except that bad input stays what it is with one process: one
 line from rank 0 and exit code 2, not torchrun's report of a failed child with a traceback.
 
-Any other failure (a crash, an out-of-memory error, a lost node) is reported by torchrun as usual.
+A stop signal (Ctrl+C, a scheduler's SIGTERM) reaches torchrun, which passes it to every rank;
+the ranks finish the step, save and exit, and this exits with 128 + the signal number, as one
+process does, without torchrun's traceback. Any other failure (a crash, an out-of-memory error,
+a lost node) is reported by torchrun as usual.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from train.errors import EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -24,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.addFilter(quiet)  # a filter acts on the logger a record starts from, not its parents
     try:
         run(args)
+    except SignalException as err:
+        return 128 + int(err.sigval)  # the ranks got it too and stopped cleanly (train/signals.py)
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
         if failure.exitcode == EXIT_USAGE:
@@ -37,7 +43,8 @@ class _DropUsageExits(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return f"exitcode: {EXIT_USAGE})" not in text and "closing signal" not in text
+        # ... and for a stop signal the ranks' own lines say it ("SIGTERM: finishing this step")
+        return f"exitcode: {EXIT_USAGE})" not in text and "closing signal" not in text and "death signal" not in text
 
 
 if __name__ == "__main__":
