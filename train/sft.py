@@ -4,7 +4,8 @@ build_sft returns the same Built that train/build.py returns, so train/loop.py (
 run_loop, the run folder and summary.json) is shared: SFT differs only in where the model and
 the batches come from. The model is MODEL_PATH (any local transformers causal LM with its
 tokenizer, loaded offline); batches are conversations padded to their own longest sample
-(train/sft_data.py), optionally grouped by length or sized by a token budget.
+(train/sft_data.py), optionally grouped by length or sized by a token budget (train/sft_batching.py),
+with every process reading its own share of each epoch.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from train import data as data_lib
 from train import model as model_lib
 from train.build import Built, resolve_pacing, seed_everything
 from train.device import resolve_device, resolve_precision, set_tf32
-from train.distributed import SINGLE, Dist
+from train.distributed import SINGLE, Dist, describe, rank_device
 from train.errors import UsageError
 from train.evaluate import val_windows
+from train.sft_batching import BudgetSampler, GroupedSampler
 from train.sft_data import (
-    LengthGroupedSampler,
     PadCollator,
-    TokenBudgetBatchSampler,
     builtin_conversations,
     encode_conversations,
     ensure_special_tokens,
@@ -123,45 +123,12 @@ class SFTDataset(Dataset):
         return self.examples[index]
 
 
-class GroupedSampler(LengthGroupedSampler):
-    """LengthGroupedSampler with the loop's set_position(epoch, start): start skips samples."""
-
-    start = 0
-
-    def set_position(self, epoch: int, start: int = 0) -> None:
-        self.set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        order = [i for batch in self.batches() for i in batch]
-        yield from order[self.start :]
-
-    def __len__(self) -> int:
-        return len(self.lengths) - self.start
-
-
-class BudgetSampler(TokenBudgetBatchSampler):
-    """TokenBudgetBatchSampler with set_position(epoch, start): skips whole batches until
-    `start` samples have been passed."""
-
-    start = 0
-
-    def set_position(self, epoch: int, start: int = 0) -> None:
-        self.set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        passed = 0
-        for batch in self.batches():
-            if passed >= self.start:
-                yield batch
-            passed += len(batch)
-
-
 def sft_loader(b: Built, collate: PadCollator):
     """(DataLoader, sampler) for Built.make_loader: the loop's knobs (workers, prefetch, pinned
-    memory) with one of three batchings: by token budget, length-grouped, or plain shuffled."""
+    memory) with one of three batchings: by token budget, length-grouped, or plain shuffled.
+    Every rank builds the same epoch order (same seed) and reads its own share of it."""
     d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
+    share = dict(rank=b.world.rank, world_size=b.world.world_size)
     common = dict(
         num_workers=d.num_workers,
         prefetch_factor=d.prefetch_factor,
@@ -170,37 +137,46 @@ def sft_loader(b: Built, collate: PadCollator):
         collate_fn=collate,
     )
     if d.token_budget is not None:
-        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed)
+        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, **share)
         return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
     if d.length_grouping:
-        sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed)
+        sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed, **share)
         return DataLoader(
             b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common
         ), sampler
-    return data_lib.make_loader(b.dataset, d, b.cfg.optim.batch_size, seed, device, collate_fn=collate)
+    return data_lib.make_loader(
+        b.dataset, d, b.cfg.optim.batch_size, seed, device, collate_fn=collate, **share
+    )
 
 
-def plan_sft_steps(cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float) -> tuple[int, str]:
-    """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch)."""
+def plan_sft_steps(
+    cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float, world_size: int = 1
+) -> tuple[int, str]:
+    """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch).
+    micro_per_epoch and rows_per_micro are per rank; a step takes one from every rank."""
     o = cfg.optim
     accum = o.gradient_accumulation_steps
     per_epoch = micro_per_epoch // accum
+    processes = f" on each of {world_size} processes" if world_size > 1 else ""
     if per_epoch == 0:
         raise UsageError(
-            f"DATA_PATH: {n} conversations make {micro_per_epoch} micro-batches, fewer than one optimizer "
-            f"step needs (GRADIENT_ACCUM={accum}); add data or lower BATCH_SIZE / GRADIENT_ACCUM"
+            f"DATA_PATH: {n} conversations make {micro_per_epoch} micro-batches{processes}, fewer than one "
+            f"optimizer step needs (GRADIENT_ACCUM={accum}); add data or lower BATCH_SIZE / GRADIENT_ACCUM"
         )
+    per_step = rows_per_micro * accum * world_size
     limits = {}
     if o.max_steps is not None:
         limits["MAX_STEPS"] = o.max_steps
     if o.epochs is not None:
         limits["EPOCHS"] = max(1, math.ceil(o.epochs * per_epoch))
     if o.max_samples is not None:
-        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / (rows_per_micro * accum)))
+        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / per_step))
     if not limits:
         limits["EPOCHS (default 1)"] = per_epoch
     source = min(limits, key=limits.get)
-    why = f"{source}; one epoch is {per_epoch} steps of ~{rows_per_micro * accum:.0f} conversations"
+    why = f"{source}; one epoch is {per_epoch} steps of ~{per_step:.0f} conversations"
+    if world_size > 1:
+        why += f" ({world_size} processes, each reading its own 1/{world_size} of every epoch)"
     return limits[source], why
 
 
@@ -255,8 +231,6 @@ def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDatase
 
 
 def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
-    if world.world_size > 1:
-        raise UsageError("NPROC_PER_NODE: SFT on several processes is not supported yet; run it with NPROC_PER_NODE=1")
     decisions = []
 
     def decide(setting: str, value, reason: str) -> None:
@@ -265,7 +239,7 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
 
     if cfg.model.model_config is not None:
         raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
-    device, why = resolve_device(cfg.system.device)
+    device, why = rank_device(*resolve_device(cfg.system.device), world)
     decide("device", str(device), why)
     precision, why = resolve_precision(cfg.system.precision, device)
     decide("precision", precision, why)
@@ -306,10 +280,10 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     if val_dataset is not None and cfg.data.val_path is None:
         dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
 
-    bs = cfg.optim.batch_size
+    bs, w = cfg.optim.batch_size, world.world_size
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
-        micro, rows_per_micro = len(batches), len(dataset) / max(1, len(batches))
+        micro, rows_per_micro = len(batches) // w, len(dataset) / max(1, len(batches))
         decide(
             "batch_size",
             f"~{rows_per_micro:.1f}",
@@ -318,8 +292,8 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:
-        micro, rows_per_micro = len(dataset) // bs, float(bs)
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro)
+        micro, rows_per_micro = len(dataset) // w // bs, float(bs)  # every rank reads 1/w of the epoch
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, w)
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
 
@@ -338,8 +312,11 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
         extra.update(
             batch_size=round(rows_per_micro, 2),
-            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps, 2),
+            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps * w, 2),
         )
+    parallel = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
+    if parallel:
+        decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", parallel)
     # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
     collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
     return Built(
@@ -354,6 +331,7 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         total_steps=total_steps,
         warmup_steps=warmup,
         decisions=decisions,
+        world=world,
         make_loader=partial(sft_loader, collate=collate),
         summary_extra=extra,
         val_dataset=val_dataset,
@@ -373,5 +351,9 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
     n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * cfg.optim.batch_size)
     if n_val == 0:
         return None
-    decide("validation", f"{n_val} conversations", f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)")
+    decide(
+        "validation",
+        f"{n_val} conversations",
+        f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
+    )
     return SFTDataset(dataset.examples[len(dataset) - n_val :])

@@ -22,18 +22,22 @@ Two templates:
   markers ensure_special_tokens adds; it also stores the same template as Jinja on the
   tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model.
 
-Loading the formats and the built-in default data live in train/sft_formats.py.
+Loading the formats and the built-in default data live in train/sft_formats.py; padding and
+batching (length grouping, token budgets, each rank's share) in train/sft_batching.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-
-import numpy as np
-import torch
-from torch.utils.data import Sampler
+from collections.abc import Sequence
 
 from train.errors import UsageError
+from train.sft_batching import (
+    IGNORE_INDEX,
+    LengthGroupedSampler,
+    PadCollator,
+    TokenBudgetBatchSampler,
+    padding_efficiency,
+)
 from train.sft_formats import builtin_conversations, load_conversations
 
 __all__ = [
@@ -52,7 +56,6 @@ __all__ = [
     "padding_efficiency",
 ]
 
-IGNORE_INDEX = -100  # the ignore_index of torch's cross_entropy, which transformers' loss uses
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
@@ -216,168 +219,3 @@ def encode_conversations(
                 n_truncated += 1
             examples.append({"input_ids": input_ids, "labels": labels})
     return examples, n_truncated
-
-
-class PadCollator:
-    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
-    10x, padding everything to max_length spends most of the compute on pad tokens.
-
-    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
-    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
-    size of the padded batch (rows x width, real tokens included). Pop the two ints before
-    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost.
-    """
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __call__(self, examples: Sequence[dict]) -> dict:
-        lengths = [len(e["input_ids"]) for e in examples]
-        m = self.pad_to_multiple_of
-        width = -(-max(lengths) // m) * m
-        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-        for row, (example, n) in enumerate(zip(examples, lengths, strict=True)):
-            input_ids[row, :n] = torch.as_tensor(example["input_ids"], dtype=torch.long)
-            labels[row, :n] = torch.as_tensor(example["labels"], dtype=torch.long)
-            attention_mask[row, :n] = 1
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": attention_mask,
-            "n_real_tokens": sum(lengths),
-            "n_padded_tokens": len(examples) * width,
-        }
-
-
-def padding_efficiency(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
-    """Real tokens / padded batch size over the given batches of indices (1.0 = no padding)."""
-    lengths = np.asarray(lengths)
-    real = sum(int(lengths[b].sum()) for b in batches)
-    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
-    return real / padded if padded else 1.0
-
-
-def _longest_first(batches: list[list[int]], lengths: np.ndarray) -> list[list[int]]:
-    # The batch with the longest sample goes first, so an out-of-memory shows at step 1 rather
-    # than an hour in (the same trick as transformers' length-grouped sampler).
-    top = max(range(len(batches)), key=lambda k: int(lengths[batches[k]].max()))
-    batches[0], batches[top] = batches[top], batches[0]
-    return batches
-
-
-class LengthGroupedSampler(Sampler[int]):
-    """DataLoader(sampler=..., batch_size=batch_size): an order in which each run of batch_size
-    indices has similar lengths, so PadCollator pads little, yet the epoch stays random.
-
-    Shuffle, cut into mega-batches of mega_batch_mult x batch_size, sort each by length, split
-    into batches, shuffle the batches. Deterministic for (seed, epoch); call set_epoch each
-    epoch. The one short batch (if len % batch_size) stays last so batches never straddle.
-    """
-
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        batch_size: int,
-        seed: int = 0,
-        epoch: int = 0,
-        mega_batch_mult: int = 50,
-    ):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = (
-            batch_size,
-            seed,
-            epoch,
-            mega_batch_mult,
-        )
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def batches(self) -> list[list[int]]:
-        if len(self.lengths) == 0:
-            return []
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.lengths))
-        mega = self.batch_size * self.mega_batch_mult
-        batches: list[list[int]] = []
-        for lo in range(0, len(order), mega):
-            chunk = order[lo : lo + mega]
-            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            batches += [
-                chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)
-            ]
-        tail = [batches.pop()] if len(batches[-1]) < self.batch_size else []
-        rng.shuffle(batches)
-        return _longest_first(batches, self.lengths) + tail if batches else tail
-
-    def __iter__(self) -> Iterator[int]:
-        for batch in self.batches():
-            yield from batch
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-
-class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """DataLoader(batch_sampler=...): batches sized by tokens, not samples. Each batch's padded
-    size (rows x its longest sample) stays <= max_tokens, so short samples come many to a batch
-    and long ones few, and memory per step stays flat. A single sample longer than the budget
-    is a batch of its own. With shuffle=False the order is longest first and fixed (for eval).
-    """
-
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        max_tokens: int,
-        seed: int = 0,
-        epoch: int = 0,
-        shuffle: bool = True,
-        mega_batch_mult: int = 50,
-    ):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.max_tokens, self.seed, self.epoch, self.shuffle = max_tokens, seed, epoch, shuffle
-        self.mega_batch_mult = mega_batch_mult
-        self._cache: tuple[int, list[list[int]]] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _order(self, rng: np.random.Generator) -> np.ndarray:
-        if not self.shuffle:
-            return np.argsort(-self.lengths, kind="stable")
-        order = rng.permutation(len(self.lengths))
-        per_batch = max(1, self.max_tokens // max(1, int(self.lengths.mean())))
-        mega = per_batch * self.mega_batch_mult
-        chunks = [order[lo : lo + mega] for lo in range(0, len(order), mega)]
-        return np.concatenate([c[np.argsort(-self.lengths[c], kind="stable")] for c in chunks])
-
-    def batches(self) -> list[list[int]]:
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
-        rng = np.random.default_rng([self.seed, self.epoch])
-        batches: list[list[int]] = []
-        current: list[int] = []
-        widest = 0
-        for i in self._order(rng).tolist() if len(self.lengths) else []:
-            n = int(self.lengths[i])
-            if current and (len(current) + 1) * max(widest, n) > self.max_tokens:
-                batches.append(current)
-                current, widest = [], 0
-            current.append(i)
-            widest = max(widest, n)
-        if current:
-            batches.append(current)
-        if self.shuffle and batches:
-            rng.shuffle(batches)
-            batches = _longest_first(batches, self.lengths)
-        self._cache = (self.epoch, batches)
-        return batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.batches()
-
-    def __len__(self) -> int:
-        return len(self.batches())
