@@ -24,9 +24,10 @@ SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0}  # 1: let MODEL_PATH run the code it ships
 RUN_NAME=${RUN_NAME:-}                  # empty: quick_start_sft_fast-<time>
 SEED=${SEED:-}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
 
 if [[ $BATCH_SIZE =~ ^[0-9]+$ && $GRADIENT_ACCUM =~ ^[0-9]+$ ]]; then
-  echo "effective batch = BATCH_SIZE $BATCH_SIZE x GRADIENT_ACCUM $GRADIENT_ACCUM = $((BATCH_SIZE * GRADIENT_ACCUM)) per GPU"
+  echo "effective batch = BATCH_SIZE $BATCH_SIZE x GRADIENT_ACCUM $GRADIENT_ACCUM = $((BATCH_SIZE * GRADIENT_ACCUM)) per GPU (x NPROC_PER_NODE $NPROC_PER_NODE processes)"
 fi
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch sft sft "$@"

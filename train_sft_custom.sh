@@ -28,6 +28,7 @@ SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0}  # 1: let MODEL_PATH run the code it ships
 RUN_NAME=${RUN_NAME:-}                  # empty: train_sft_custom-<time>
 SEED=${SEED:-}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch sft sft "$@"

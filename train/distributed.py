@@ -164,6 +164,15 @@ def max_across(world: Dist, values: list[int]) -> list[int]:
     return box.tolist()
 
 
+def sum_across(world: Dist, counts) -> tuple[int, ...]:
+    """Whole numbers (rows, tokens) summed over all ranks, on the host like max_across."""
+    if world.world_size == 1 or not _active():
+        return tuple(counts)
+    box = torch.tensor(list(counts), dtype=torch.int64)
+    dist.all_reduce(box, group=_host_group)
+    return tuple(box.tolist())
+
+
 def _attempt(fn):
     try:
         return fn(), None

@@ -228,7 +228,13 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
             loss_t, norm_t, _ = oom.step(one_step)
             timer.step_end()
             done = step + 1
-            seen = tuple(c * b.world.world_size for c in batches.counts())  # every rank takes an equal share
+            last = step + 1 == b.total_steps
+            log_due = (step + 1) % cfg.run.log_every == 0 or last
+            eval_due = evaluator.due(step + 1, last)
+            if log_due or eval_due or done - first == skip or first_step_s is None:
+                # all ranks' rows and tokens (TOKEN_BUDGET batches differ between ranks), summed
+                # only where a figure needs them: the same steps on every rank
+                seen = distributed.sum_across(b.world, batches.counts())
             if done - first == skip or first_step_s is None:
                 synchronize(device)
                 now = time.perf_counter()
@@ -238,8 +244,6 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                     steady_t0, steady_at = now, seen
                     timer.start_steady()
             bar.update(1)
-            last = step + 1 == b.total_steps
-            log_due = (step + 1) % cfg.run.log_every == 0 or last
             if log_due:
                 wait_s, compute_s = timer.take_interval()
                 loss_t, wait_s = distributed.mean_across(b.world, loss_t, wait_s)
@@ -280,7 +284,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 if not math.isfinite(loss):
                     say(f"warning: loss is {loss} at step {step + 1}")
                 interval_t0, interval_at = now, seen
-            if evaluator.due(step + 1, last):
+            if eval_due:
                 spent = evaluator.run(step + 1, totals(seen)[0])
                 steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
             stop = guard.step_done(step + 1, loss_t, synced=log_due)  # save every SAVE_EVERY; signals; NaN
@@ -297,6 +301,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
         gpu_summary = gpu.stop()
         steady_split = timer.steady_totals()
     end = time.perf_counter()
+    seen = distributed.sum_across(b.world, batches.counts())
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
     guard.finish(done, exit_reason)

@@ -11,6 +11,7 @@ a lost node) is reported by torchrun as usual.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from train.errors import EXIT_USAGE
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # After passing a stop signal on, torchrun SIGKILLs ranks still running after this many
+    # seconds (30 by default): short for a GPT-2 medium to finish its step, save a checkpoint
+    # and write final/; longer would keep ranks stuck behind a dead one waiting as long.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     quiet = _DropUsageExits()
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
