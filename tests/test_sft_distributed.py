@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
+import numpy as np
 import pytest
 
 from conftest import launch, read_jsonl, run_cli
+from train.checkpoint import list_checkpoints
 from train.sft_batching import BudgetSampler, GroupedSampler, LengthGroupedSampler, TokenBudgetBatchSampler
 
 EPOCH = 1  # not 0: the epoch must reach the order
@@ -154,7 +157,8 @@ def test_two_process_sft_through_the_launcher(batching, base_model, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     env = {"NPROC_PER_NODE": "2", "MODEL_PATH": str(base_model), "DATA_PATH": str(data),
            "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "two", "MAX_LENGTH": "64", "GRADIENT_ACCUM": "2",
-           "MAX_STEPS": "3", "NUM_WORKERS": "0", "LOG_EVERY": "1", **batching}  # fmt: skip
+           "MAX_STEPS": "3", "NUM_WORKERS": "0", "LOG_EVERY": "1", "SAVE_EVERY": "1", "KEEP_CHECKPOINTS": "3",
+           **batching}  # fmt: skip
     result = launch("train_sft_custom.sh", env, "4", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["latest", "two"]  # one set of outputs
@@ -177,3 +181,24 @@ def test_two_process_sft_through_the_launcher(batching, base_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True).num_parameters() > 0
+
+    # A copy stopped after step 1, resumed on 2 processes: every rank's position (and RNG) is
+    # restored, so steps 2-3 read the same rows and reach the same losses.
+    again = tmp_path / "runs" / "again"
+    shutil.copytree(run, again, symlinks=True)
+    for path in list_checkpoints(again / "checkpoints")[:-1]:
+        shutil.rmtree(path)
+    shutil.rmtree(again / "final")
+    (again / "summary.json").unlink()
+    resumed = launch("train_sft_custom.sh", {**env, "RUN_NAME": "again", "RESUME": "1"}, "4", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((again / "summary.json").read_text())["resumed_from_step"] == 1
+
+    def rows(folder):
+        return [(r["step"], r["samples"], r["tokens"]) for r in read_jsonl(folder / "metrics.jsonl") if "loss" in r]
+
+    def losses(folder):
+        return [r["loss"] for r in read_jsonl(folder / "metrics.jsonl") if "loss" in r]
+
+    assert rows(again) == rows(run)
+    np.testing.assert_allclose(losses(again), losses(run), rtol=0, atol=1e-5)

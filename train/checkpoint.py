@@ -121,6 +121,15 @@ def set_rng_state(state: dict) -> None:
         torch.mps.set_rng_state(state["mps"])
 
 
+def _rngs(rngs: list | None) -> dict:
+    """state.pt's RNG entries: rank 0's (or this process's) states, and with several processes
+    every rank's, so each draws its own dropout masks again after a resume (ranks whose batches
+    differ in shape, as SFT's do, draw different amounts and drift apart)."""
+    if not rngs:
+        return {"rng": rng_state()}
+    return {"rng": rngs[0], **({"rng_ranks": rngs} if len(rngs) > 1 else {})}
+
+
 @dataclass
 class Loaded:
     """A checkpoint that passed every check; the weights are already in the model."""
@@ -130,6 +139,7 @@ class Loaded:
     optimizer: dict
     scaler: dict
     rng: dict
+    rng_ranks: list | None = None  # every rank's RNG states, where several processes saved
 
 
 # The fields resume relies on, and their types: a hand-edited or foreign meta.json is reported
@@ -240,7 +250,7 @@ class CheckpointManager:
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.folder).free
 
-    def save(self, step: int, model, optimizer, scaler, meta: dict) -> Path:
+    def save(self, step: int, model, optimizer, scaler, meta: dict, rngs: list | None = None) -> Path:
         """Write checkpoint `step` (temporary folder, fsync, rename), then drop the oldest."""
         self.folder.mkdir(parents=True, exist_ok=True)
         name = checkpoint_name(step)
@@ -252,7 +262,7 @@ class CheckpointManager:
         try:
             tmp.mkdir()
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
-            state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state()}
+            state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **_rngs(rngs)}
             torch.save(state, tmp / STATE)
             target = self._complete(tmp, name, step, meta, [WEIGHTS, STATE])
         except OSError as err:
@@ -262,7 +272,7 @@ class CheckpointManager:
             raise
         return target
 
-    def save_sharded(self, step: int, model, optimizer, scaler, meta: dict, world) -> Path:
+    def save_sharded(self, step: int, model, optimizer, scaler, meta: dict, world, rngs: list | None = None) -> Path:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
@@ -284,7 +294,7 @@ class CheckpointManager:
         try:
             distributed.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
-                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), "rng": rng_state()}, tmp / STATE)
+                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **_rngs(rngs)}, tmp / STATE)
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
                 _fsync(tmp / SHARDS)
                 self._complete(tmp, name, step, meta, [*shards, STATE])
@@ -392,8 +402,10 @@ class CheckpointManager:
         if not isinstance(scaler, dict) or (scaler and not {"scale", "_growth_tracker"} <= set(scaler)):
             raise BadCheckpoint(f"{STATE} holds no usable GradScaler state")
         current = rng_state()
+        ranks = state.get("rng_ranks")
         try:  # applied for real once the data stream is positioned (RunGuard.start)
-            set_rng_state(state["rng"])
+            for rng in [state["rng"], *(ranks if isinstance(ranks, list) else [])]:
+                set_rng_state(rng)
         except Exception as err:  # any malformed entry: wrong types, sizes, missing keys
             raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
         finally:
@@ -401,7 +413,8 @@ class CheckpointManager:
         if now == "whole":
             _load_weights(model, path / WEIGHTS)
         return Loaded(
-            path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"]
+            path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"],
+            rng_ranks=ranks if isinstance(ranks, list) else None,
         )
 
     def newest_valid(

@@ -180,9 +180,14 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     base = guard.samples_at(first)  # samples trained before this session (a resumed run)
 
     def totals(counts) -> tuple[int, int]:
-        """(samples, tokens) since the run began, earlier sessions included."""
+        """(samples, tokens) since the run began, earlier sessions included (as counted where
+        the checkpoint has the counts; older checkpoints: steps x effective batch)."""
+        if guard.counted_before is not None:
+            return guard.counted_before[0] + counts[0], guard.counted_before[1] + counts[1]
         per_row = counts[1] / counts[0] if counts[0] else b.max_length
         return base + counts[0], round(base * per_row) + counts[1]
+
+    guard.counted = lambda: totals(distributed.sum_across(b.world, batches.counts()))
 
     gpu = monitor_lib.GpuMonitor((device.index or 0) if device.type == "cuda" else None)
     gpu.start()

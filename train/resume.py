@@ -24,7 +24,14 @@ import torch
 
 from config import env_name
 from train import distributed
-from train.checkpoint import SHARDS, CheckpointManager, checkpoint_name, list_checkpoints, set_rng_state
+from train.checkpoint import (
+    SHARDS,
+    CheckpointManager,
+    checkpoint_name,
+    list_checkpoints,
+    rng_state,
+    set_rng_state,
+)
 from train.errors import UsageError
 from train.signals import QuietWorkers, StopSignals
 
@@ -123,6 +130,14 @@ class BatchStream:
             return batch
         raise RuntimeError("the data yields no batch in a whole epoch")
 
+    def close(self) -> None:
+        """Stop the loader's workers now. Left to garbage collection, a loader still referenced
+        at exit (a traceback's frames hold it) is stopped by multiprocessing's exit handler
+        with SIGTERM, which the workers ignore (train/signals.py): the process would hang."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # what the iterator's __del__ calls
+        if shutdown is not None:
+            shutdown()
+
     def remaining(self, position: int) -> int:
         """Samples left of this rank's share of the epoch after global `position`."""
         s = self.sampler
@@ -145,6 +160,9 @@ class RunGuard:
         self.manager = CheckpointManager(self.run_path / "checkpoints", r.keep_checkpoints, say)
         self.signals = StopSignals(announce=b.world.is_main)
         self.stop_signal: int | None = None
+        # () -> (samples, tokens) trained so far, all ranks, set by the loop; a collective
+        self.counted = None
+        self.counted_before: tuple[int, int] | None = None  # the same at the checkpoint resumed
         self.loaded = None
         self.first_step = self.base_samples = self.epoch = self.consumed = 0
         self.unit = self.effective
@@ -169,6 +187,9 @@ class RunGuard:
             raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
         self.loaded, meta = loaded, loaded.meta
         self.first_step, self.base_samples = meta["step"], meta["samples"]
+        counted = meta.get("counted")
+        if isinstance(counted, dict) and all(isinstance(counted.get(k), int) for k in ("samples", "tokens")):
+            self.counted_before = (counted["samples"], counted["tokens"])
         self.counters.update(meta.get("counters", {}))
         sched = meta["schedule"]
         self.unit, self.warmup_samples, self.budget_samples = (
@@ -177,9 +198,10 @@ class RunGuard:
             sched["budget_samples"],
         )
         say, saved = self.say, meta["settings"]
+        samples = self.counted_before[0] if self.counted_before else meta["samples"]
         say(
             f"resuming {self.run_path} from checkpoint {loaded.path.name}: step {meta['step']}, "
-            f"{meta['samples']:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
+            f"{samples:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
         )
         now = self._settings()
         changed = [f"{env_name(k)} {saved.get(k)} -> {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
@@ -267,7 +289,9 @@ class RunGuard:
             loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
         stream = BatchStream(loader, sampler, self.cfg.optim.batch_size, self.epoch, self.consumed)
         if self.loaded is not None:
-            set_rng_state(self.loaded.rng)
+            ranks, world = self.loaded.rng_ranks, self.b.world
+            # each rank its own states; with another number of processes, rank 0's for all
+            set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.world_size else self.loaded.rng)
             self.loaded = None  # free the host copies of the optimizer state
         self.stream = stream
         self._streak = self._nonfinite = self._skipped = self._last_scale = None
@@ -331,23 +355,27 @@ class RunGuard:
 
     def save(self, steps_done: int) -> None:
         """Save unless the model is unhealthy (a non-finite loss at this step or non-finite
-        weights): a checkpoint must be one worth resuming from."""
-        if not self.saves:
-            return
+        weights on any rank): a checkpoint must be one worth resuming from. Every rank calls
+        it at the same step (the RNG states and counts are gathered); rank 0 writes, or with
+        SHARDING every rank writes its shards."""
         start = time.perf_counter()
         healthy = not (self._streak is not None and int(self._streak.item()) > 0) and self._weights_finite()
-        if self.sharding != "none":
-            healthy = not distributed.max_across(self.b.world, [int(not healthy)])[0]  # all save or none
-        if not healthy:
+        if distributed.max_across(self.b.world, [int(not healthy)])[0]:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
+        rngs = distributed.gather(rng_state())
+        counted = self.counted() if self.counted else None
+        if not self.saves:
+            self.manager.last_saved = checkpoint_name(steps_done)  # as rank 0 will have it
+            return
         self._read_counters()
+        meta = self._meta(steps_done, counted)
         if self.sharding != "none":
             self.manager.save_sharded(
-                steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done), self.b.world
+                steps_done, self.model, self.optimizer, self.scaler, meta, self.b.world, rngs
             )
         else:
-            self.manager.save(steps_done, self.model, self.optimizer, self.scaler, self._meta(steps_done))
+            self.manager.save(steps_done, self.model, self.optimizer, self.scaler, meta, rngs)
         self.saving_s.append((start, time.perf_counter() - start))
         self.say(f"saved checkpoint {self.manager.last_saved} ({time.perf_counter() - start:.1f} s)")
 
@@ -358,6 +386,9 @@ class RunGuard:
 
     def close(self) -> None:
         self.signals.restore()
+        stream = getattr(self, "stream", None)
+        if stream is not None:
+            stream.close()
 
     def finish(self, steps_done: int, exit_reason: str) -> None:
         """The checkpoint at the end (and after a stop signal), unless the run stopped on
@@ -385,11 +416,13 @@ class RunGuard:
             self._nonfinite.zero_()
             self._skipped.zero_()
 
-    def _meta(self, steps_done: int) -> dict:
-        samples = self.samples_at(steps_done)
+    def _meta(self, steps_done: int, counted: tuple[int, int] | None) -> dict:
+        samples = self.samples_at(steps_done)  # in the schedule's units: steps x effective batch
         return {
             "samples": samples,
             "tokens": samples * self.b.max_length,
+            # rows and real tokens as counted (SFT batches vary in both), for the figures
+            "counted": {"samples": counted[0], "tokens": counted[1]} if counted else None,
             "data": {
                 "epoch": self.stream.epoch,
                 "position": self.stream.consumed,  # global: samples of the epoch all ranks consumed
