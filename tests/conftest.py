@@ -87,6 +87,17 @@ def tiny_flags(corpus, tiny_config, cache_dir, tmp_path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory, corpus, tiny_config, cache_dir) -> Path:
+    """A tiny pretraining run's final/: what SFT starts from."""
+    out = tmp_path_factory.mktemp("pretrain")
+    argv = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
+            "--cache_dir", str(cache_dir), "--output_dir", str(out), "--max_length", "64",
+            "--batch_size", "4", "--max_steps", "2", "--run_name", "base"]  # fmt: skip
+    assert run_cli("pretrain", *argv) == 0
+    return out / "base" / "final"
+
+
 def run_cli(*argv: str) -> int:
     """Run `python -m train ...` in this process (fast: torch is imported once)."""
     from train.__main__ import run

@@ -42,17 +42,6 @@ def write_jsonl(path, records) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory, corpus, tiny_config, cache_dir):
-    """A tiny pretraining run's final/: what SFT starts from by default."""
-    out = tmp_path_factory.mktemp("pretrain")
-    argv = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-            "--cache_dir", str(cache_dir), "--output_dir", str(out), "--max_length", "64",
-            "--batch_size", "4", "--max_steps", "2", "--run_name", "base"]  # fmt: skip
-    assert run_cli("pretrain", *argv) == 0
-    return out / "base" / "final"
-
-
 @pytest.fixture
 def sft_flags(base_model, tmp_path):
     return ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--max_length", "64",

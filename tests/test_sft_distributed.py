@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import launch, read_jsonl, run_cli
+from conftest import launch, read_jsonl
 from train.checkpoint import list_checkpoints
 from train.sft_batching import BudgetSampler, GroupedSampler, LengthGroupedSampler, TokenBudgetBatchSampler
 
@@ -134,16 +134,6 @@ def test_budget_on_one_process_yields_the_batches_it_did_before_and_resumes_exac
 
 
 # ---- a real 2-process run ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory, corpus, tiny_config, cache_dir):
-    out = tmp_path_factory.mktemp("pretrain")
-    argv = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-            "--cache_dir", str(cache_dir), "--output_dir", str(out), "--max_length", "64",
-            "--batch_size", "4", "--max_steps", "1", "--run_name", "base"]  # fmt: skip
-    assert run_cli("pretrain", *argv) == 0
-    return out / "base" / "final"
 
 
 @pytest.mark.parametrize(

@@ -75,8 +75,19 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int):
     if getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """ENABLE_GRAD_CKPT: recompute each block's activations in the backward pass (non-reentrant,
+    the form torch recommends). transformers 5.2x renamed the call; older ones have only the
+    old name, which newer ones still accept with a FutureWarning."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def count_params(model) -> int:

@@ -206,7 +206,7 @@ def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     if getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model_lib.enable_checkpointing(model)
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
 
 
