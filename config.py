@@ -127,8 +127,9 @@ class DataConfig:
     many, instead of stopping at the first. An empty file or an unknown format still stops."""
     val_fraction: float = 0.01
     """Share of the data held out for validation (the last part of the token stream, never
-    trained on); raised to fill EVAL_BATCHES x BATCH_SIZE sequences where the data allows (at
-    most 10 %). 0: no validation."""
+    trained on); raised to fill EVAL_BATCHES x 8 sequences where the data allows (at most
+    10 %), the same whatever BATCH_SIZE, so runs that differ in it hold out the same data.
+    0: no validation."""
     val_path: str | None = None
     """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same
     tokenizer; used instead of VAL_FRACTION."""

@@ -26,7 +26,7 @@ RUN_NAME=${RUN_NAME:-}                  # empty: quick_start_sft_fast-<time>
 SEED=${SEED:-}
 NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
 
-if [[ $BATCH_SIZE =~ ^[0-9]+$ && $GRADIENT_ACCUM =~ ^[0-9]+$ ]]; then
+if [[ -z $TOKEN_BUDGET && $BATCH_SIZE =~ ^[0-9]+$ && $GRADIENT_ACCUM =~ ^[0-9]+$ ]]; then  # TOKEN_BUDGET: rows vary
   echo "effective batch = BATCH_SIZE $BATCH_SIZE x GRADIENT_ACCUM $GRADIENT_ACCUM = $((BATCH_SIZE * GRADIENT_ACCUM)) per GPU (x NPROC_PER_NODE $NPROC_PER_NODE processes)"
 fi
 source "$(dirname "$0")/scripts/common.sh"

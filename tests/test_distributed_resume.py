@@ -184,7 +184,11 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_and_resumes(stopped, r
 
 def test_sigkill_of_one_rank_then_resume_repeats_and_skips_no_sample(stopped, resumed):
     runs, _, results, at = stopped
-    assert results["killed"]["rc"] != 0 and not results["killed"]["summary"]  # died, wrote nothing more
+    killed = results["killed"]
+    assert killed["rc"] == 1 and not killed["summary"]  # died, wrote nothing more
+    # what the user reads: which rank died and how, and what to run; no traceback per rank
+    assert "rank 1 was killed by SIGKILL" in killed["err"] and "RESUME=1" in killed["err"]
+    assert "Traceback" not in killed["err"], killed["err"][-3000:]
     assert resumed["killed"]["rc"] == 0, resumed["killed"]["err"][-3000:]
     resumed_from = summary(runs / "killed")["resumed_from_step"]
     assert 3 <= resumed_from <= at["killed"] + 3 and resumed_from % 3 == 0

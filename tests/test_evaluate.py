@@ -16,11 +16,24 @@ from train.evaluate import evaluate, make_val_loader, val_windows
 
 def test_val_windows_arithmetic():
     assert val_windows(10_000, 0.01, 80) == 100  # the fraction already fills the passes
-    assert val_windows(10_000, 0.001, 80) == 80  # raised to EVAL_BATCHES x BATCH_SIZE
+    assert val_windows(10_000, 0.001, 80) == 80  # raised to EVAL_BATCHES x VAL_ROWS
     assert val_windows(500, 0.01, 80) == 50  # ... but never past 10 % of the data
     assert val_windows(5, 0.01, 80) == 1  # tiny data: still one held-out window
     assert val_windows(10_000, 0.0, 80) == 0  # VAL_FRACTION=0: no validation
     assert val_windows(1, 0.2, 80) == 0  # nothing to hold out from a single window
+
+
+def test_held_out_split_does_not_depend_on_batch_size():
+    """Runs that differ only in BATCH_SIZE (make compare: baseline 8, optimized 32) train and
+    validate on the same data."""
+    from train.evaluate import split_pretraining
+
+    def split(batch_size):
+        cfg = parse_training_args("pretrain", ["--batch_size", str(batch_size), "--val_fraction", "0.001"])
+        _, val = split_pretraining(cfg, list(range(5000)), None, None, 64, print, lambda *a: None)
+        return list(val)
+
+    assert split(4) == split(8) == split(32) == list(range(5000 - 160, 5000))  # 20 x 8 rows
 
 
 def test_eval_rows_and_val_loss_equal_a_plain_loop(tiny_flags, tmp_path, corpus, cache_dir):

@@ -216,6 +216,16 @@ def test_changed_batch_size_keeps_sample_position_and_schedule(base, reference):
     assert "changed since the checkpoint: BATCH_SIZE 4 -> 8" in log and "effective batch 4 -> 8" in log
 
 
+def test_resume_of_a_finished_run_touches_nothing(base, reference, capsys):
+    """A scheduler's requeue or a repeated command: exit 0, say so, leave every file as it was."""
+    runs, flags = base
+    run = copy_run(runs, "finished")
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert run_cli("pretrain", *flags, *RUN, "--run_name", "finished", "--resume", "1") == 0
+    assert "is complete" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
 def test_resume_without_run_name_continues_the_newest_run(base, reference):
     runs, flags = base
     old, new = copy_run(runs, "older", keep_up_to=30), copy_run(runs, "newer", keep_up_to=36)

@@ -111,9 +111,25 @@ def launch(train_fn, cfg, world: Dist) -> int:
             code = train_fn(cfg, world)
             dist.barrier()  # no rank tears the group down while another still talks to it
             return code
+        except Exception as err:
+            if world.world_size == 1 or not _lost_peer(err):
+                raise
+            # Another rank died: a traceback per survivor says nothing more than this line.
+            if world.is_main:
+                print(f"error: lost contact with another process of the run ({type(err).__name__})", file=sys.stderr)
+            return 1
         finally:
             _host_group = None
             dist.destroy_process_group()
+
+
+def _lost_peer(err: Exception) -> bool:
+    """A collective failed because another rank is gone (gloo raises RuntimeError, NCCL a
+    DistError)."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset by peer"))
+    )
 
 
 @contextlib.contextmanager

@@ -23,12 +23,16 @@ from train import data
 from train.errors import UsageError
 
 IGNORE_INDEX = -100  # the label transformers' causal-LM loss skips
-MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x BATCH_SIZE never holds out more than this
+MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
+# The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
+# runs that differ only in BATCH_SIZE (make compare, ./train_sft_custom.sh 16 vs 20) must train
+# and validate on the same data.
+VAL_ROWS = 8
 
 
 def val_windows(n_windows: int, fraction: float, want: int) -> int:
     """How many of n_windows to hold out: ceil(fraction x n), raised towards `want` sequences
-    (EVAL_BATCHES x BATCH_SIZE) but never past MAX_AUTO_FRACTION of the data, and at least one."""
+    (EVAL_BATCHES x VAL_ROWS) but never past MAX_AUTO_FRACTION of the data, and at least one."""
     if fraction <= 0 or n_windows < 2:
         return 0
     n_val = max(1, math.ceil(fraction * n_windows))
@@ -50,7 +54,7 @@ def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, 
             )
         decide("validation", f"{len(val)} sequences", f"VAL_PATH={cfg.data.val_path}")
         return dataset, val
-    want = cfg.run.eval_batches * cfg.optim.batch_size
+    want = cfg.run.eval_batches * VAL_ROWS
     n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
     if n_val == 0:
         reason = "VAL_FRACTION=0" if cfg.data.val_fraction == 0 else "too little data to hold any out"
@@ -61,7 +65,7 @@ def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, 
         f"the last {n_val / len(dataset):.1%} of the token stream (VAL_FRACTION={cfg.data.val_fraction:g}"
     )
     if n_val > math.ceil(cfg.data.val_fraction * len(dataset)):
-        reason += f", raised towards EVAL_BATCHES x BATCH_SIZE = {want}"
+        reason += f", raised towards EVAL_BATCHES x {VAL_ROWS} = {want}"
     decide("validation", f"{n_val} sequences", reason + "); never trained on")
     # Subset over a range pickles as two numbers, so workers still reopen the memmap.
     return Subset(dataset, range(n_train)), Subset(dataset, range(n_train, len(dataset)))
@@ -192,8 +196,11 @@ def save_model(b, folder: Path, state_dict: dict | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
     use_cache = b.model.config.use_cache
     b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
+    from train.runlog import quiet_saving
+
     try:
-        b.model.save_pretrained(tmp, state_dict=state_dict)
+        with quiet_saving():
+            b.model.save_pretrained(tmp, state_dict=state_dict)
     finally:
         b.model.config.use_cache = use_cache
     b.tokenizer.save_pretrained(tmp)

@@ -23,7 +23,7 @@ from train.mfu import flops_per_token, mfu_report
 from train.model import count_params, shape
 from train.resume import BatchStream, RunGuard
 from train.rundir import RunDir, plan_run_dir
-from train.runlog import capture_warnings
+from train.runlog import capture_warnings, quiet_saving
 from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 
 
@@ -396,7 +396,8 @@ def save_final(b: Built, run_dir: RunDir, state_dict: dict | None = None) -> Non
     A sharded model passes its full state dict, gathered on rank 0."""
     final = run_dir.path / "final"
     b.model.config.use_cache = True  # training turned the KV cache off; generation wants it
-    b.model.save_pretrained(final, state_dict=state_dict)
+    with quiet_saving():
+        b.model.save_pretrained(final, state_dict=state_dict)
     b.tokenizer.save_pretrained(final)
 
 
@@ -409,6 +410,11 @@ def format_eta(seconds: float) -> str:
 def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE) -> int:
     """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
     say = Console() if world.is_main else distributed.Quiet()
+    if not world.is_main:  # N copies of transformers' loading bars and notes help no one
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
     with capture_warnings(say):  # library warnings reach train.log too
         return _train(cfg, say, world)
 
@@ -430,6 +436,8 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     b = distributed.main_first(world, lambda: build(cfg, say, world))
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
+    if guard.complete:
+        return 0
     if world.is_main:
         run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming)
     else:
@@ -443,9 +451,14 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     n_params = count_params(b.model)
     effective = cfg.effective_batch_size(world.world_size)
     processes = f" x {world.world_size} processes" if world.world_size > 1 else ""
+    batch, shown = cfg.optim.batch_size, effective
+    if cfg.data.token_budget is not None:  # SFT: rows vary per micro-batch; the epoch's mean
+        rows = b.summary_extra["batch_size"]
+        batch = f"~{rows:.1f} (TOKEN_BUDGET={cfg.data.token_budget})"
+        shown = f"~{rows * cfg.optim.gradient_accumulation_steps * world.world_size:.0f}"
     say(
         f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
-        f"batch {cfg.optim.batch_size} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {effective}  "
+        f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
         f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {b.total_steps}"
     )
     run_dir.write(

@@ -172,6 +172,7 @@ class RunGuard:
         self.saving_s: list[tuple[float, float]] = []
         self.stop_detail = ""
         self.resuming = r.resume
+        self.complete = False  # RESUME=1 of a run that has nothing left to train
         if r.resume:
             self._resume(param_groups())
 
@@ -228,6 +229,16 @@ class RunGuard:
                 "cannot carry over, so the new data is read from the start of a new epoch"
             )
         remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
+        if remaining == 0:
+            # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
+            # nothing of the run folder is touched, its summary.json and final/ included.
+            self.complete = True
+            say(
+                f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of the "
+                f"schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or MAX_SAMPLES "
+                "to train it further)"
+            )
+            return
         planned = self.b.total_steps
         self.b.total_steps = self.first_step + remaining
         self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)

@@ -56,3 +56,18 @@ def capture_warnings(console):
         warnings.showwarning = shown
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def quiet_saving():
+    """save_pretrained without its "Writing model shards" bar: one file for these sizes, and
+    "shards" on the console reads as if SHARDING were on."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

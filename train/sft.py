@@ -28,7 +28,7 @@ from train.build import Built, resolve_pacing, seed_everything
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.distributed import SINGLE, Dist, describe, rank_device
 from train.errors import UsageError
-from train.evaluate import val_windows
+from train.evaluate import VAL_ROWS, val_windows
 from train.sft_batching import BudgetSampler, GroupedSampler
 from train.sft_data import (
     PadCollator,
@@ -348,7 +348,7 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         val, *_ = load_dataset(val_cfg, tok, max_length, say)
         decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
         return val
-    n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * cfg.optim.batch_size)
+    n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * VAL_ROWS)
     if n_val == 0:
         return None
     decide(

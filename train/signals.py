@@ -49,7 +49,8 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            os.write(2, f"\n{name} again: quitting now; the last checkpoint is intact\n".encode())
+            if self.announce:
+                os.write(2, f"\n{name} again: quitting now; the last checkpoint is intact\n".encode())
             os._exit(128 + signum)
         self.received = signum
         if not self.announce:

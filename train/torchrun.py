@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from train.errors import EXIT_USAGE
@@ -39,17 +40,32 @@ def main(argv: list[str] | None = None) -> int:
         _, failure = err.get_first_failure()
         if failure.exitcode == EXIT_USAGE:
             return EXIT_USAGE  # every rank stopped on the same bad input; rank 0 printed it
-        raise
+        print(f"error: {_what_failed(err.failures)}", file=sys.stderr)
+        return 1
     return 0
 
 
+def _what_failed(failures: dict) -> str:
+    """One line for torchrun's report of failed ranks: which died and how, and what to do.
+    A rank killed by a signal (the out-of-memory killer, a lost node) is named rather than the
+    ranks that then failed talking to it; a rank's own Python error is printed above by it."""
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    rank, failure = min((killed or failures).items(), key=lambda item: item[1].timestamp)
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    return (
+        f"rank {rank} {how}; torchrun stopped the other ranks. Checkpoints already written are intact: "
+        "RESUME=1 with the same RUN_NAME continues from the newest one"
+    )
+
+
 class _DropUsageExits(logging.Filter):
-    """The agent logs each worker's exit; for exit code 2 rank 0's own line says it all."""
+    """The agent logs each worker's exit; for exit code 2 rank 0's own line says it all ..."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        # ... and for a stop signal the ranks' own lines say it ("SIGTERM: finishing this step")
-        return f"exitcode: {EXIT_USAGE})" not in text and "closing signal" not in text and "death signal" not in text
+        # ... for a stop signal the ranks' own lines say it ("SIGTERM: finishing this step"), and
+        # for a failed rank main() prints one line of its own (_what_failed)
+        return not any(k in text for k in ("failed (exitcode:", "closing signal", "death signal"))
 
 
 if __name__ == "__main__":
