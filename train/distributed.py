@@ -170,23 +170,24 @@ def gather(value) -> list:
     return values
 
 
-def max_across(world: Dist, values: list[int]) -> list[int]:
-    """The largest of each number over all ranks: one all-reduce of a few integers on the host
-    (no device sync); the numbers themselves with one process."""
+def _on_host(world: Dist, values, op) -> list[int]:
+    """One all-reduce of a few integers on the host (no device sync); the numbers themselves
+    with one process."""
     if world.world_size == 1 or not _active():
         return list(values)
-    box = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_host_group)
+    box = torch.tensor(list(values), dtype=torch.int64)
+    dist.all_reduce(box, op=op, group=_host_group)
     return box.tolist()
 
 
+def max_across(world: Dist, values: list[int]) -> list[int]:
+    """The largest of each number over all ranks (a stop signal, a non-finite streak)."""
+    return _on_host(world, values, dist.ReduceOp.MAX)
+
+
 def sum_across(world: Dist, counts) -> tuple[int, ...]:
-    """Whole numbers (rows, tokens) summed over all ranks, on the host like max_across."""
-    if world.world_size == 1 or not _active():
-        return tuple(counts)
-    box = torch.tensor(list(counts), dtype=torch.int64)
-    dist.all_reduce(box, group=_host_group)
-    return tuple(box.tolist())
+    """Whole numbers (rows, tokens) summed over all ranks."""
+    return tuple(_on_host(world, counts, dist.ReduceOp.SUM))
 
 
 def _attempt(fn):
