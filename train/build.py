@@ -67,18 +67,25 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
             f"DATA_PATH: {n_samples} sequences of MAX_LENGTH tokens are fewer than one optimizer step "
             f"needs ({effective} = BATCH_SIZE x GRADIENT_ACCUM{processes}); add data or lower those"
         )
-    limits = {}
+    steps, source = shortest_limit(cfg, per_epoch, effective)
+    return steps, f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
+
+
+def shortest_limit(cfg: TrainConfig, per_epoch: int, per_step: float) -> tuple[int, str]:
+    """(steps, the variable that set them): the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES,
+    one epoch when none is set. per_step: samples one optimizer step takes (all ranks)."""
     o = cfg.optim
+    limits = {}
     if o.max_steps is not None:
         limits["MAX_STEPS"] = o.max_steps
     if o.epochs is not None:
         limits["EPOCHS"] = max(1, math.ceil(o.epochs * per_epoch))
     if o.max_samples is not None:
-        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / effective))
+        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / per_step))
     if not limits:
         limits["EPOCHS (default 1)"] = per_epoch
     source = min(limits, key=limits.get)
-    return limits[source], f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
+    return limits[source], source
 
 
 def resolve_pacing(cfg: TrainConfig, total_steps: int, decide) -> int:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from config import TrainConfig
 from train import data as data_lib
 from train import model as model_lib
-from train.build import Built, resolve_pacing, seed_everything
+from train.build import Built, resolve_pacing, seed_everything, shortest_limit
 from train.device import resolve_device, resolve_precision, set_tf32
 from train.distributed import SINGLE, Dist, describe, rank_device
 from train.errors import UsageError
@@ -164,20 +164,11 @@ def plan_sft_steps(
             f"optimizer step needs (GRADIENT_ACCUM={accum}); add data or lower BATCH_SIZE / GRADIENT_ACCUM"
         )
     per_step = rows_per_micro * accum * world_size
-    limits = {}
-    if o.max_steps is not None:
-        limits["MAX_STEPS"] = o.max_steps
-    if o.epochs is not None:
-        limits["EPOCHS"] = max(1, math.ceil(o.epochs * per_epoch))
-    if o.max_samples is not None:
-        limits["MAX_SAMPLES"] = max(1, math.ceil(o.max_samples / per_step))
-    if not limits:
-        limits["EPOCHS (default 1)"] = per_epoch
-    source = min(limits, key=limits.get)
+    steps, source = shortest_limit(cfg, per_epoch, per_step)
     why = f"{source}; one epoch is {per_epoch} steps of ~{per_step:.0f} conversations"
     if world_size > 1:
         why += f" ({world_size} processes, each reading its own 1/{world_size} of every epoch)"
-    return limits[source], why
+    return steps, why
 
 
 def _model_label(path: Path, model) -> str:

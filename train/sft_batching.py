@@ -190,20 +190,26 @@ def deal(batches: list[list[int]], rank: int, world_size: int) -> list[list[int]
     return batches[rank:usable:world_size]
 
 
-class GroupedSampler(LengthGroupedSampler):
-    """LengthGroupedSampler for the loop: this rank's share of each epoch's batches (dealt in
-    turn by `deal`), and set_position(epoch, start) where start counts the samples all ranks
-    together have consumed; each rank skips start // world_size of its own share."""
+class _Dealt:
+    """What the loop's samplers add to their parents: this rank's place among world_size, and
+    set_position(epoch, start) with start the global position (samples all ranks consumed)."""
 
     start = 0
 
-    def __init__(self, lengths, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1):
-        super().__init__(lengths, batch_size, seed=seed)
+    def __init__(self, lengths, size: int, seed: int = 0, rank: int = 0, world_size: int = 1):
+        super().__init__(lengths, size, seed=seed)  # batch_size or max_tokens
         self.rank, self.world_size = rank, world_size
 
     def set_position(self, epoch: int, start: int = 0) -> None:
         self.set_epoch(epoch)
         self.start = start
+
+
+class GroupedSampler(_Dealt, LengthGroupedSampler):
+    """LengthGroupedSampler for the loop: this rank's share of each epoch's batches (dealt in
+    turn by `deal`), and set_position(epoch, start) where start counts the samples all ranks
+    together have consumed; each rank skips start // world_size of its own share."""
+
 
     def __iter__(self):
         # The short tail batch goes: on one process the loader drops it anyway (drop_last); dealt
@@ -217,22 +223,13 @@ class GroupedSampler(LengthGroupedSampler):
         return max(0, share - self.start // self.world_size)
 
 
-class BudgetSampler(TokenBudgetBatchSampler):
+class BudgetSampler(_Dealt, TokenBudgetBatchSampler):
     """TokenBudgetBatchSampler for the loop: batches dealt in turn like GroupedSampler's, so
     each optimizer micro-step is a round of world_size batches (one per rank). Batches vary in
     rows, so a global position is a row count at a round boundary: round_rows(position) says
     how far one round moves it, and set_position(epoch, start) skips whole rounds until the
     rows passed reach start."""
 
-    start = 0
-
-    def __init__(self, lengths, max_tokens: int, seed: int = 0, rank: int = 0, world_size: int = 1):
-        super().__init__(lengths, max_tokens, seed=seed)
-        self.rank, self.world_size = rank, world_size
-
-    def set_position(self, epoch: int, start: int = 0) -> None:
-        self.set_epoch(epoch)
-        self.start = start
 
     def rounds(self) -> list[list[list[int]]]:
         """This epoch's rounds: world_size consecutive batches, the k-th for rank k."""
