@@ -33,7 +33,7 @@ ENV_NAMES = {
 
 
 def env_name(name: str) -> str:
-    """The launcher variable for a config field (DESIGN.md's knob table)."""
+    """The launcher variable for a config field (the README's knob table)."""
     return ENV_NAMES.get(name, name.upper())
 
 

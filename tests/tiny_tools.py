@@ -15,7 +15,7 @@ import torch
 
 def one_thread():
     """On a loaded 2-core machine two OpenMP threads spin against each other (tens of times
-    slower); one thread is fast and steady (DESIGN.md: about ±1.5 %)."""
+    slower); one thread is fast and steady (bench/RESULTS.md: about ±1.5 %)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -2,7 +2,7 @@
 
 The kit side is train.loop.run_loop itself (the code the launchers run: same optimizer, step,
 DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in
-the figure (STYLE.md 7, nanoGPT's bench.py idea). `--vs-plain` times the simplest correct loop,
+the figure (nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
 pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
 opt.zero_grad()` with torch's default AdamW, on a copy of the same initial model and the same
 batches, in the same process. Rounds alternate kit/plain (ABBA order) because a shared machine's

@@ -3,7 +3,7 @@
 Reporting code: reads run folders (summary.json, metrics.jsonl), never imports the loop.
 Every comparison is a comparison of groups: a single run is a group of one, and with
 `--group N` each side is N repeated runs, summarised by the median with its min-max spread.
-On a shared 2-core CPU, runs of one config vary about +-9 % (DESIGN.md), so a speed-up only
+On a shared 2-core CPU, runs of one config vary about +-9 % (bench/RESULTS.md, reference figures), so a speed-up only
 counts when the two sides' throughput ranges do not overlap.
 
 Units, as the run folder writes them: data_wait_frac and mfu are fractions (0-1) and are shown

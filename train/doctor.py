@@ -36,7 +36,7 @@ MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound
 ROOM = 0.70  # under the low end of the guides' 70-85 % band: memory to spare
 RAM_PRESSURE_PCT = 90.0
 SWAP_PRESSURE_PCT = 10.0
-FASTER = 1.03  # a fix has to beat the run-to-run noise of one thread (DESIGN.md: about 1.5 %)
+FASTER = 1.03  # a fix has to beat the run-to-run noise of one thread (bench/RESULTS.md: about 1.5 %)
 
 
 @dataclass
