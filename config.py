@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 KIT_DIR = Path(__file__).resolve().parent
 

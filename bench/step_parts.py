@@ -38,8 +38,8 @@ def main() -> int:
     import torch
 
     import config
-    from train.build import build
-    from train.loop import batch_stream, data_loader, make_optimizer
+    from train.run.build import build
+    from train.run.loop import batch_stream, data_loader, make_optimizer
 
     torch.set_num_threads(1)
     cfg = config.resolve(

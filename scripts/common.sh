@@ -92,7 +92,7 @@ kit_torchrun() {
   if [ "$nproc" = 1 ] && [ "$nnodes" = 1 ]; then
     return 0
   fi
-  out=(-m train.torchrun --nproc_per_node "$nproc" --nnodes "$nnodes")
+  out=(-m train.dist.torchrun --nproc_per_node "$nproc" --nnodes "$nnodes")
   if [ "$nnodes" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     kit_fail "NNODES=$nnodes: set MASTER_ADDR to the address of the first machine (and the same MASTER_PORT on every machine)"
   fi

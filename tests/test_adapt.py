@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import config
-from train.adapt import adapt, scaled_lr
-from train.data import PackedDataset
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.data.text import PackedDataset
+from train.run.adapt import adapt, scaled_lr
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ import pytest
 from tiny_tools import one_thread
 
 from conftest import run_cli
-from train.autotune import ENV_FILE, preset_candidate
+from train.tools.autotune import ENV_FILE, preset_candidate
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,16 @@ import json
 
 import pytest
 
-from train.compare import compare_groups, compare_main, compare_runs, load_run, render_markdown, write_outputs
-from train.curves import plot_curves
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.observe.compare import (
+    compare_groups,
+    compare_main,
+    compare_runs,
+    load_run,
+    render_markdown,
+    write_outputs,
+)
+from train.observe.curves import plot_curves
 
 BASE = {
     "mode": "pretrain",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, read_jsonl
-from train import data
+from train.data import text as data
 
 # Stands in for .venv/bin/python: `-m train compare` runs for real; a training command is recorded
 # and leaves a summary.json whose samples/s is read from SPEEDS (a queue per preset).
@@ -142,7 +142,7 @@ def test_both_sides_train_on_the_same_sequences(tmp_path):
     both exactly the same sequences, in the same order."""
     from types import SimpleNamespace
 
-    from train.loop import batch_stream
+    from train.run.loop import batch_stream
 
     tokens = tmp_path / "tokens.bin"
     np.arange(40_000, dtype=np.uint16).tofile(tokens)

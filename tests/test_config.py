@@ -4,7 +4,7 @@ import pytest
 
 import config
 from train.cli import parse_training_args
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 
 def test_precedence_default_preset_flag():

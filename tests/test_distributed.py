@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import launch, read_jsonl, run_cli, tiny_model
-from train import distributed
-from train.data import EpochSampler, make_loader
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.data.text import EpochSampler, make_loader
+from train.dist import distributed
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
 
@@ -90,7 +90,7 @@ def test_launcher_starts_torchrun_in_module_form():
     code, args, _ = argv({"NPROC_PER_NODE": "2", "SHARDING": "zero2", "OFFLOAD_OPTIMIZER": "1"})
     assert code == 0
     runner = args[: args.index("train")]
-    assert runner[:3] == ["python", "-m", "train.torchrun"]
+    assert runner[:3] == ["python", "-m", "train.dist.torchrun"]
     assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
     assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
     code, args, _ = argv(
@@ -141,7 +141,7 @@ def _ranks_worker(rank, world_size, port, folder):
 
 
 def _sgd_step(model, loader, accum, sync):
-    from train.loop import train_step
+    from train.run.loop import train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -193,7 +193,7 @@ def _local_state(model, optimizer):
 
 def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     from config import TrainConfig
-    from train.loop import make_optimizer, train_step
+    from train.run.loop import make_optimizer, train_step
 
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data
@@ -266,7 +266,7 @@ def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_
 
     import numpy as np
 
-    from train import checkpoint
+    from train.run import checkpoint
 
     argv = [*tiny_flags, "--batch_size", "2", "--max_steps", "4", "--save_every", "2", "--sharding", "zero2"]
     assert run_cli("pretrain", *argv, "--run_name", "ref") == 0

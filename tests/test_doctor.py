@@ -8,9 +8,10 @@ import pytest
 from tiny_tools import one_thread, summary
 
 from conftest import run_cli
-from train import adapt, data
 from train.cli import parse_training_args
-from train.doctor import Reading, diagnose
+from train.data import text as data
+from train.run import adapt
+from train.tools.doctor import Reading, diagnose
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli
-from train import data
-from train.build import build
 from train.cli import parse_training_args
-from train.errors import UsageError
-from train.evaluate import evaluate, make_val_loader, val_windows
+from train.core.errors import UsageError
+from train.data import text as data
+from train.run.build import build
+from train.run.evaluate import evaluate, make_val_loader, val_windows
 
 
 def test_val_windows_arithmetic():
@@ -26,7 +26,7 @@ def test_val_windows_arithmetic():
 def test_held_out_split_does_not_depend_on_batch_size():
     """Runs that differ only in BATCH_SIZE (make compare: baseline 8, optimized 32) train and
     validate on the same data."""
-    from train.evaluate import split_pretraining
+    from train.run.evaluate import split_pretraining
 
     def split(batch_size):
         cfg = parse_training_args("pretrain", ["--batch_size", str(batch_size), "--val_fraction", "0.001"])
@@ -136,9 +136,9 @@ def test_train_log_gets_library_warnings(tmp_path):
     import logging
     import warnings
 
-    from train.loop import Console
-    from train.rundir import RunDir
-    from train.runlog import capture_warnings
+    from train.run.loop import Console
+    from train.run.rundir import RunDir
+    from train.run.runlog import capture_warnings
 
     console = Console()
     shown = warnings.showwarning

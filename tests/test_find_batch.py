@@ -7,9 +7,9 @@ import pytest
 from tiny_tools import one_thread, patch_fake_oom, summary
 
 from conftest import run_cli
-from train import adapt
 from train.cli import parse_training_args
-from train.find_batch import RESULT_FILE, TIE, find, read_saved
+from train.run import adapt
+from train.tools.find_batch import RESULT_FILE, TIE, find, read_saved
 
 
 @pytest.fixture(autouse=True)

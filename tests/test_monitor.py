@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from train import monitor
-from train.errors import UsageError
-from train.monitor import GpuMonitor, host_memory, monitor_main, torch_memory
+from train.core.errors import UsageError
+from train.observe import monitor
+from train.observe.monitor import GpuMonitor, host_memory, monitor_main, torch_memory
 
 GIB = 2**30
 
@@ -225,7 +225,7 @@ def test_host_memory_without_proc(tmp_path):
 
 
 def test_host_memory_peaks_and_one_warning(tmp_path):
-    from train.monitor import HostMemoryPeaks
+    from train.observe.monitor import HostMemoryPeaks
 
     (tmp_path / "self").mkdir()
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from conftest import ROOT, read_jsonl, run_cli
-from train import checkpoint, resume
-from train import signals as signals_module
-from train.data import EpochSampler
+from train.data.text import EpochSampler
+from train.run import checkpoint, resume
+from train.run import signals as signals_module
 
 STEPS = 40
 RUN = ["--batch_size", "4", "--max_steps", str(STEPS), "--save_every", "3", "--keep_checkpoints", "20", "--seed", "7"]

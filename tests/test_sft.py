@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import launch, read_jsonl, run_cli
-from train.loop import forward_loss
-from train.sft import newest_pretrained
-from train.sft_data import IGNORE_INDEX, PadCollator, encode_conversations, ensure_special_tokens
+from train.data.sft_data import IGNORE_INDEX, PadCollator, encode_conversations, ensure_special_tokens
+from train.run.loop import forward_loss
+from train.run.sft import newest_pretrained
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"Name fruit {i}.", "input": "", "output": "An apple." * (1 + i % 3)},

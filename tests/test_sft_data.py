@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
-from train.errors import UsageError
-from train.sft_data import (
+from train.core.errors import UsageError
+from train.data.sft_data import (
     BUILTIN_CHAT_TEMPLATE,
     IGNORE_INDEX,
     LengthGroupedSampler,

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-import train.curves
-import train.loop
+import train.observe.curves
+import train.run.loop
 from conftest import read_jsonl, run_cli
-from train.timing import StepTimer, exposed_wait_frac
+from train.core.timing import StepTimer, exposed_wait_frac
 
 
 def test_exposed_wait_frac():
@@ -112,14 +112,14 @@ class SlowDataset(torch.utils.data.Dataset):
 
 @pytest.fixture
 def slow_data(monkeypatch):
-    real_build = train.loop.build
+    real_build = train.run.loop.build
 
     def build(*args, **kwargs):
         built = real_build(*args, **kwargs)
         built.dataset = SlowDataset(built.dataset, delay=0.25)
         return built
 
-    monkeypatch.setattr(train.loop, "build", build)
+    monkeypatch.setattr(train.run.loop, "build", build)
     # One compute thread: on a shared 2-core machine two OpenMP threads spinning against other
     # processes made a 30 ms step take 1.5 s, which would drown the planted wait.
     threads = torch.get_num_threads()
@@ -136,7 +136,7 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     def broken_plot(run_dir):
         raise RuntimeError("no display")
 
-    monkeypatch.setattr(train.curves, "_plot_curves", broken_plot)  # a chart failure must not fail the run
+    monkeypatch.setattr(train.observe.curves, "_plot_curves", broken_plot)  # a chart failure must not fail the run
     # One worker per batch of the run, all sleeping at once during the (excluded) first step: a
     # loader that waits on I/O, not CPU, is what extra workers fix. The kit caps NUM_WORKERS at the
     # core count; this stands in for a machine with the cores (on 2 cores, 2 workers only halve

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli, tiny_model
-from train import data
-from train.loop import lr_at, train_step
+from train.data import text as data
+from train.run.loop import lr_at, train_step
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 
@@ -43,9 +43,9 @@ def test_mixed_precision_trains_on_cpu(precision, tiny_flags, tmp_path):
 
 
 def test_fp16_on_a_device_without_it_stops(tiny_flags, monkeypatch, capsys):
-    import train.device
+    import train.core.device
 
-    monkeypatch.setattr(train.device, "supports", lambda device, precision: precision == "fp32")
+    monkeypatch.setattr(train.core.device, "supports", lambda device, precision: precision == "fp32")
     assert run_cli("pretrain", *tiny_flags, "--fp16", "--max_steps", "2") == 2
     err = capsys.readouterr().err.strip()
     assert "ENABLE_FP16" in err and len(err.splitlines()) == 1

@@ -2,7 +2,7 @@
 
 import sys
 
-from train.errors import EXIT_USAGE, UsageError
+from train.core.errors import EXIT_USAGE, UsageError
 
 
 def run() -> int:

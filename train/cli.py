@@ -8,14 +8,14 @@ import os
 import sys
 
 import config
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 TRAIN_COMMANDS = ("pretrain", "sft")
 # Commands that take the training flags and run real steps: module and entry point, imported late.
 TOOL_COMMANDS = {
-    "find-batch": ("train.find_batch", "find_batch_main"),
-    "doctor": ("train.doctor", "doctor_main"),
-    "autotune": ("train.autotune", "autotune_main"),
+    "find-batch": ("train.tools.find_batch", "find_batch_main"),
+    "doctor": ("train.tools.doctor", "doctor_main"),
+    "autotune": ("train.tools.autotune", "autotune_main"),
 }
 
 
@@ -95,29 +95,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in TRAIN_COMMANDS:
-        from train import distributed
+        from train.dist import distributed
 
         # RANK / LOCAL_RANK / WORLD_SIZE (torchrun, accelerate launch) are read here and only here.
         world = distributed.from_env(os.environ)
         with distributed.quiet_errors(world):
             cfg = parse_training_args(command, rest)
-        from train.loop import train
+        from train.run.loop import train
 
         return distributed.launch(train, cfg, world)
     if command == "compare":
-        from train.compare import compare_main
+        from train.observe.compare import compare_main
 
         return compare_main(rest)
     if command == "generate":
-        from train.generate import generate_main
+        from train.tools.generate import generate_main
 
         return generate_main(rest)
     if command == "monitor":
-        from train.monitor import monitor_main
+        from train.observe.monitor import monitor_main
 
         return monitor_main(rest)
     if command == "bench":
-        from train.bench import bench_main
+        from train.tools.bench import bench_main
 
         return bench_main(rest)
     if command in TOOL_COMMANDS:

@@ -1,6 +1,6 @@
 """`python -m train bench`: throughput of the real training loop, optionally against a plain loop.
 
-The kit side is train.loop.run_loop itself (the code the launchers run: same optimizer, step,
+The kit side is train.run.loop.run_loop itself (the code the launchers run: same optimizer, step,
 DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in
 the figure (nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
 pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 DEFAULT_ROUNDS = 5
 DEFAULT_STEPS = {"cpu": 10, "other": 50}  # optimizer steps per round when MAX_STEPS is unset
@@ -83,7 +83,7 @@ def cpu_model() -> str | None:
 
 
 def result_device_name(device) -> str:
-    from train.device import device_name
+    from train.core.device import device_name
 
     return (cpu_model() if device.type == "cpu" else None) or device_name(device)
 
@@ -92,7 +92,7 @@ def plain_round(model, batches: list, accum: int, lr: float, device, precision: 
     """The reference: the simplest correct loop over tensors already on the device."""
     import torch
 
-    from train.device import synchronize
+    from train.core.device import synchronize
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -127,10 +127,10 @@ def plain_round(model, batches: list, accum: int, lr: float, device, precision: 
 
 
 def kit_round(b, say) -> dict:
-    """One run of train.loop.run_loop (what `python -m train pretrain` runs) into a temporary
+    """One run of train.run.loop.run_loop (what `python -m train pretrain` runs) into a temporary
     run folder; its own steady-state figures (warm-up excluded) are the kit's."""
-    from train.loop import run_loop
-    from train.rundir import RunDir
+    from train.run.loop import run_loop
+    from train.run.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         run_dir = RunDir(Path(tmp) / "round", overwrite=False)
@@ -159,7 +159,7 @@ def kit_round(b, say) -> dict:
 
 def figures(rounds: list[dict], effective: int, max_length: int, fpt: float, peak: float | None) -> dict:
     """Medians over rounds of ms/step, samples/s, tokens/s, TFLOP/s and MFU."""
-    from train.mfu import achieved_tflops, mfu
+    from train.core.mfu import achieved_tflops, mfu
 
     per_round = [sps(r, effective) for r in rounds]
     median = statistics.median(per_round)
@@ -183,11 +183,11 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     """Build as `pretrain` does, then alternate kit and plain rounds; returns every figure."""
     import torch
 
-    from train.build import build
-    from train.device import device_name, resolve_device
-    from train.loop import batch_stream, data_loader, steady_start
-    from train.mfu import flops_per_token, peak_flops
-    from train.model import count_params, shape
+    from train.core.device import device_name, resolve_device
+    from train.core.mfu import flops_per_token, peak_flops
+    from train.core.model import count_params, shape
+    from train.run.build import build
+    from train.run.loop import batch_stream, data_loader, steady_start
 
     if threads is not None:
         torch.set_num_threads(threads)

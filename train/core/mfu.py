@@ -7,7 +7,7 @@ was running. The count and the peaks follow nanoGPT's estimate_mfu and torchtita
 import re
 from typing import NamedTuple
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 

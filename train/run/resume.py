@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from config import env_name
-from train import distributed
-from train.checkpoint import (
+from train.core.errors import UsageError
+from train.dist import distributed
+from train.run.checkpoint import (
     SHARDS,
     CheckpointManager,
     checkpoint_name,
@@ -32,8 +33,7 @@ from train.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from train.errors import UsageError
-from train.signals import QuietWorkers, StopSignals
+from train.run.signals import QuietWorkers, StopSignals
 
 # Settings compared with the checkpoint's on resume, to say what changed.
 COMPARED = (

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 EOS = "<|endoftext|>"
 CACHE_VERSION = "1"

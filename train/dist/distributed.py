@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.errors import EXIT_USAGE, UsageError
+from train.core.errors import EXIT_USAGE, UsageError
 
 # Host-side agreement (stop signals, non-finite streaks) runs on gloo: with NCCL the default
 # group's collectives would need a CUDA tensor and a device sync each step.
@@ -75,7 +75,7 @@ def needs_group(world: Dist, sharding: str) -> bool:
 
 
 def _backend(device_setting: str) -> str:
-    from train.device import resolve_device
+    from train.core.device import resolve_device
 
     device, _ = resolve_device(device_setting)
     if device.type == "mps":

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train import adapt, data, evaluate
-from train import model as model_lib
-from train.device import resolve_device, resolve_precision, set_tf32
-from train.distributed import SINGLE, Dist, describe, rank_device
-from train.errors import UsageError
+from train.core import model as model_lib
+from train.core.device import resolve_device, resolve_precision, set_tf32
+from train.core.errors import UsageError
+from train.data import text as data
+from train.dist.distributed import SINGLE, Dist, describe, rank_device
+from train.run import adapt, evaluate
 
 # With no GPU and no MODEL_SIZE, a demo sized to finish in a few minutes on 2 cores.
 CPU_DEMO_SAMPLES = 2048
@@ -101,7 +102,7 @@ def resolve_pacing(cfg: TrainConfig, total_steps: int, decide) -> int:
 
 
 def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
-    from train.sft import build_sft, refuse_sft_settings
+    from train.run.sft import build_sft, refuse_sft_settings
 
     if cfg.run.mode == "sft":
         return build_sft(cfg, say, world)

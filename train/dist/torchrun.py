@@ -1,4 +1,4 @@
-"""`python -m train.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
+"""`python -m train.dist.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
 start it with NPROC_PER_NODE > 1, except that bad input stays what it is with one process: one
 line from rank 0 and exit code 2, not torchrun's report of a failed child with a traceback.
 
@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from train.errors import EXIT_USAGE
+from train.core.errors import EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
@@ -276,7 +276,7 @@ class CheckpointManager:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
-        from train import distributed
+        from train.dist import distributed
 
         name = checkpoint_name(step)
         tmp = self.folder / f".tmp-{name}-sharded"

@@ -18,8 +18,8 @@ import re
 import statistics
 from pathlib import Path
 
-from train.curves import as_number, plot_comparison, read_metrics
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.observe.curves import as_number, plot_comparison, read_metrics
 
 # Numbers summarised per group (median over the repeats).
 NUMERIC = (

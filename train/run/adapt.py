@@ -17,8 +17,8 @@ import re
 import numpy as np
 import torch
 
-from train import monitor
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.observe import monitor
 
 MIB = 2**20
 # A DataLoader worker is a forked copy of the process; the token memmap is shared pages, but

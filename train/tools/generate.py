@@ -17,9 +17,9 @@ import torch
 
 import config
 from train.cli import _Parser
-from train.errors import UsageError
-from train.model import context_length
-from train.sft_data import prompt_for_generation, stop_token_ids
+from train.core.errors import UsageError
+from train.core.model import context_length
+from train.data.sft_data import prompt_for_generation, stop_token_ids
 
 DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
 
@@ -47,7 +47,7 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from train.device import resolve_device
+    from train.core.device import resolve_device
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar before each reply is noise here
 

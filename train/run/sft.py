@@ -22,15 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from config import TrainConfig
-from train import data as data_lib
-from train import model as model_lib
-from train.build import Built, resolve_pacing, seed_everything, shortest_limit
-from train.device import resolve_device, resolve_precision, set_tf32
-from train.distributed import SINGLE, Dist, describe, rank_device
-from train.errors import UsageError
-from train.evaluate import VAL_ROWS, val_windows
-from train.sft_batching import BudgetSampler, GroupedSampler
-from train.sft_data import (
+from train.core import model as model_lib
+from train.core.device import resolve_device, resolve_precision, set_tf32
+from train.core.errors import UsageError
+from train.data import text as data_lib
+from train.data.sft_batching import BudgetSampler, GroupedSampler
+from train.data.sft_data import (
     PadCollator,
     builtin_conversations,
     encode_conversations,
@@ -38,6 +35,9 @@ from train.sft_data import (
     load_conversations,
     stop_token_ids,
 )
+from train.dist.distributed import SINGLE, Dist, describe, rank_device
+from train.run.build import Built, resolve_pacing, seed_everything, shortest_limit
+from train.run.evaluate import VAL_ROWS, val_windows
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples

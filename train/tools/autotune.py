@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 import config
-from train.adapt import PeakMeter, capacity_mb, cpu_cores
-from train.device import device_name, resolve_device, resolve_precision, supports, synchronize
-from train.errors import UsageError
-from train.find_batch import divisors, wants_help
-from train.oom import free_memory, is_oom
+from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
+from train.core.errors import UsageError
+from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
+from train.run.oom import free_memory, is_oom
+from train.tools.find_batch import divisors, wants_help
 
 TRIAL_STEPS = 2
 CONFIRM = 3  # side-by-side re-measurements of the leader against the preset
@@ -84,8 +84,8 @@ def trial_config(cfg, cand: Candidate):
 
 def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
-    from train.build import build
-    from train.loop import batch_stream, data_loader, make_optimizer, train_step
+    from train.run.build import build
+    from train.run.loop import batch_stream, data_loader, make_optimizer, train_step
 
     b = build(trial_config(cfg, cand), lambda line: None)
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps

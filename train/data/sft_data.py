@@ -30,15 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from train.errors import UsageError
-from train.sft_batching import (
+from train.core.errors import UsageError
+from train.data.sft_batching import (
     IGNORE_INDEX,
     LengthGroupedSampler,
     PadCollator,
     TokenBudgetBatchSampler,
     padding_efficiency,
 )
-from train.sft_formats import builtin_conversations, load_conversations
+from train.data.sft_formats import builtin_conversations, load_conversations
 
 __all__ = [
     "IGNORE_INDEX",

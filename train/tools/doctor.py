@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import config
-from train import monitor
-from train.adapt import PeakMeter, capacity_mb, cpu_cores
-from train.device import resolve_device, supports
-from train.errors import UsageError
-from train.loop import INPUT_BOUND_FRAC
-from train.rundir import plan_run_dir, write_json
+from train.core.device import resolve_device, supports
+from train.core.errors import UsageError
+from train.observe import monitor
+from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
+from train.run.loop import INPUT_BOUND_FRAC
+from train.run.rundir import plan_run_dir, write_json
 
 DOCTOR_STEPS = 10
 MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound
@@ -68,7 +68,7 @@ class Verdict:
 
 def profile(cfg, steps: int, label: str) -> Reading:
     """Run `steps` real training steps of cfg (a copy) in a new run folder and read the numbers."""
-    from train.loop import train
+    from train.run.loop import train
 
     run_cfg = copy.deepcopy(cfg)
     o = run_cfg.optim
@@ -203,7 +203,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
 def doctor_main(argv: list[str]) -> int:
     """`python -m train doctor [--apply] [--steps N] [training flags]`."""
     from train.cli import parse_training_args
-    from train.find_batch import wants_help
+    from train.tools.find_batch import wants_help
 
     if wants_help("doctor", f"[--apply] [--steps N ({DOCTOR_STEPS})] [training flags]: a short profiled run, "
                   "a verdict, and with --apply the fix tried", argv):

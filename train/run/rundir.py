@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 
 def _clean(value):
@@ -36,7 +36,7 @@ def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite
     RUN_NAME that exists is refused unless OVERWRITE=1; RESUME=1 picks the run to continue."""
     root = Path(output_dir)
     if resume:
-        from train.resume import find_run_dir
+        from train.run.resume import find_run_dir
 
         return find_run_dir(root, run_name, launcher)
     if run_name is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 # GPT-2 family shapes. nano is the CPU/test size; tiny ~30M with an 8K vocab (~50M with GPT-2's
 # 50K); small and medium are GPT-2 small (124M) and medium (350M).

@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 
-from train.monitor import MIB, _Gpus, _try
+from train.observe.monitor import MIB, _Gpus, _try
 
 # ---- AMD, best effort: amdsmi (ROCm 6+) or the rocm-smi tool. Field names differ across ROCm
 # releases, so every field is optional; only the NVML path and the no-GPU path are tested. ----

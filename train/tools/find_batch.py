@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from train.adapt import PeakMeter, capacity_mb, world_size
-from train.device import device_name, synchronize
-from train.errors import UsageError
-from train.oom import free_memory, is_oom, remedies
+from train.core.device import device_name, synchronize
+from train.core.errors import UsageError
+from train.run.adapt import PeakMeter, capacity_mb, world_size
+from train.run.oom import free_memory, is_oom, remedies
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -76,7 +76,7 @@ def _sampler(dataset, seed: int):
 
 
 def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
-    from train.loop import train_step
+    from train.run.loop import train_step
 
     device, precision = b.device, b.precision
     meter.reset()
@@ -114,7 +114,7 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
-    from train.loop import make_optimizer
+    from train.run.loop import make_optimizer
 
     optimizer, _ = make_optimizer(b.model, b.cfg, b.device)
     scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
@@ -211,7 +211,7 @@ def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | 
 
 def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
     """Build the run's model and data (quietly), then search or reuse; frees what it built."""
-    from train.build import build
+    from train.run.build import build
 
     world = world_size()
     effective = cfg.optim.effective_batch or cfg.effective_batch_size(world)
@@ -257,7 +257,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
 
 
 def write(path: Path, key: dict, result: Result) -> None:
-    from train.rundir import write_json
+    from train.run.rundir import write_json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {**asdict(result), "key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})

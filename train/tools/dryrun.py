@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import fields
 
 from config import SECTIONS, TrainConfig, env_name
-from train.errors import UsageError
-from train.estimate import MIB, describe, estimate_for_run
-from train.mfu import flops_per_token
-from train.model import count_params, shape
+from train.core.errors import UsageError
+from train.core.estimate import MIB, describe, estimate_for_run
+from train.core.mfu import flops_per_token
+from train.core.model import count_params, shape
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
 
@@ -64,8 +64,8 @@ def device_total_mb(device) -> float | None:
 
 
 def dry_run(cfg: TrainConfig, say) -> int:
-    from train.build import build
-    from train.rundir import plan_run_dir
+    from train.run.build import build
+    from train.run.rundir import plan_run_dir
 
     say(
         f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing trains"

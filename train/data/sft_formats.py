@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 # name -> the keys that identify it (detect_format checks them, in its own order).
 FORMATS = {

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 
 def resolve_device(name: str) -> tuple[torch.device, str]:

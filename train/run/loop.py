@@ -11,20 +11,21 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
-from train import compile_guard, distributed
-from train import monitor as monitor_lib
-from train import oom as oom_lib
-from train.build import Built, build
-from train.curves import plot_curves
-from train.device import autocast, device_name, synchronize
-from train.estimate import MIB, estimate_for_run
-from train.evaluate import Evaluator
-from train.mfu import flops_per_token, mfu_report
-from train.model import count_params, shape
-from train.resume import BatchStream, RunGuard
-from train.rundir import RunDir, plan_run_dir
-from train.runlog import capture_warnings, quiet_saving
-from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
+from train.core.device import autocast, device_name, synchronize
+from train.core.estimate import MIB, estimate_for_run
+from train.core.mfu import flops_per_token, mfu_report
+from train.core.model import count_params, shape
+from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
+from train.dist import distributed
+from train.observe import monitor as monitor_lib
+from train.observe.curves import plot_curves
+from train.run import compile_guard
+from train.run import oom as oom_lib
+from train.run.build import Built, build
+from train.run.evaluate import Evaluator
+from train.run.resume import BatchStream, RunGuard
+from train.run.rundir import RunDir, plan_run_dir
+from train.run.runlog import capture_warnings, quiet_saving
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
@@ -76,7 +77,7 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     """One optimizer step: micro-steps (autocast, backward of loss/accum) -> unscale -> clip
     -> step -> zero_grad. Returns (mean loss, grad norm) as device tensors, so nothing here
     waits for the device, and the seconds spent waiting for batches. gradient_sync(last) (from
-    train.distributed) keeps gradients local on all but the last micro-step."""
+    train.dist.distributed) keeps gradients local on all but the last micro-step."""
     loss_sum = torch.zeros((), device=device)
     waited = 0.0
     for micro in range(accum):
@@ -383,7 +384,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
 def data_loader(b: Built):
     if b.make_loader is not None:
         return b.make_loader(b)
-    from train.data import make_loader
+    from train.data.text import make_loader
 
     w = b.world
     return make_loader(
@@ -421,12 +422,12 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE) -> int
 
 def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     if cfg.run.dry_run:
-        from train.dryrun import dry_run
+        from train.tools.dryrun import dry_run
 
         return dry_run(cfg, say)
     r = cfg.run
     if cfg.optim.auto_batch:  # AUTO_BATCH=1: find-batch sets BATCH_SIZE x GRADIENT_ACCUM first
-        from train.find_batch import auto_batch
+        from train.tools.find_batch import auto_batch
 
         auto_batch(cfg, say)
     run_path = distributed.on_main(
@@ -443,7 +444,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     else:
         run_dir = distributed.NullRunDir(run_path)
     say.attach(run_dir)
-    from train.dryrun import config_lines
+    from train.tools.dryrun import config_lines
 
     say("resolved config:")
     for line in config_lines(cfg):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 MIB = 2**20
 _AVERAGED = ("gpu_util", "power_w", "sm_clock_mhz", "mem_clock_mhz")
@@ -100,7 +100,7 @@ def _open_nvml(nvml, selectors: list[int | str] | None) -> _Gpus:
 # ---- AMD, best effort (amdsmi or rocm-smi): in train/monitor_amd.py ----
 
 def _open_amd(indices: list[int] | None) -> _Gpus | None:
-    from train.monitor_amd import open_amd
+    from train.observe.monitor_amd import open_amd
 
     return open_amd(indices)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from train import data
-from train.errors import UsageError
+from train.core.errors import UsageError
+from train.data import text as data
 
 IGNORE_INDEX = -100  # the label transformers' causal-LM loss skips
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
@@ -91,7 +91,7 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
     Each batch's mean loss is weighted by its predicted tokens (labels after the shift that
     are not IGNORE_INDEX), so a short last batch or masked SFT prompts count by their tokens.
     One host read per call. The model is put back in the mode it was in."""
-    from train.loop import forward_loss
+    from train.run.loop import forward_loss
 
     was_training = model.training
     model.eval()
@@ -164,7 +164,7 @@ class Evaluator:
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train.distributed import full_state_dict
+                from train.dist.distributed import full_state_dict
 
                 state = full_state_dict(self.b.model)  # sharded: a gather every rank joins
                 if self.b.world.is_main:  # one writer: the other ranks hold the same weights
@@ -196,7 +196,7 @@ def save_model(b, folder: Path, state_dict: dict | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
     use_cache = b.model.config.use_cache
     b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
-    from train.runlog import quiet_saving
+    from train.run.runlog import quiet_saving
 
     try:
         with quiet_saving():
