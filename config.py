@@ -7,8 +7,6 @@ variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag i
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -37,7 +35,7 @@ def env_name(name: str) -> str:
     return ENV_NAMES.get(name, name.upper())
 
 
-def _bad(name: str, accepted: str, value) -> UsageError:
+def bad_value(name: str, accepted: str, value) -> UsageError:
     return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
 
 
@@ -46,7 +44,7 @@ def _check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _bad(name, f"a whole number >= {minimum}", value)
+        raise bad_value(name, f"a whole number >= {minimum}", value)
 
 
 def _check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:
@@ -55,7 +53,7 @@ def _check_float(obj, name: str, minimum: float, optional: bool = False, strict:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < minimum or (strict and value == minimum):
-        raise _bad(name, f"a number {'>' if strict else '>='} {minimum}", value)
+        raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
 
 
 @dataclass(kw_only=True)
@@ -81,7 +79,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
-            raise _bad("model_size", " | ".join(MODEL_SIZES), self.model_size)
+            raise bad_value("model_size", " | ".join(MODEL_SIZES), self.model_size)
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise UsageError(
                 f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
@@ -148,7 +146,7 @@ class DataConfig:
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
         _check_float(self, "val_fraction", 0.0)
         if self.val_fraction >= 0.5:
-            raise _bad("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
+            raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
         if self.val_path is not None and not Path(self.val_path).exists():
             raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
@@ -206,11 +204,11 @@ class OptimConfig:
         _check_float(self, "epochs", 0.0, optional=True, strict=True)
         _check_int(self, "max_samples", 1, optional=True)
         if self.min_lr_ratio > 1:
-            raise _bad("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
+            raise bad_value("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
         _check_int(self, "effective_batch", 1, optional=True)
         _check_int(self, "lr_reference_batch", 1, optional=True)
         if self.lr_scaling not in LR_SCALINGS:
-            raise _bad("lr_scaling", " | ".join(LR_SCALINGS), self.lr_scaling)
+            raise bad_value("lr_scaling", " | ".join(LR_SCALINGS), self.lr_scaling)
         if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
             raise UsageError(
                 f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
@@ -250,18 +248,18 @@ class SystemConfig:
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
-            raise _bad("precision", " | ".join(PRECISIONS), self.precision)
+            raise bad_value("precision", " | ".join(PRECISIONS), self.precision)
         if self.sharding not in SHARDINGS:
-            raise _bad("sharding", " | ".join(SHARDINGS), self.sharding)
+            raise bad_value("sharding", " | ".join(SHARDINGS), self.sharding)
         if self.offload_optimizer and self.sharding == "none":
             raise UsageError("OFFLOAD_OPTIMIZER=1 (--offload_optimizer) needs SHARDING=zero2 or zero3")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device or ""):
-            raise _bad("device", "auto | cpu | mps | cuda | cuda:N", self.device)
+            raise bad_value("device", "auto | cpu | mps | cuda | cuda:N", self.device)
         _check_int(self, "seed", 0)
         _check_int(self, "max_memory_mb", 1, optional=True)
         _check_float(self, "target_vram", 0.0, strict=True)
         if self.target_vram > 1:
-            raise _bad("target_vram", "a fraction above 0 and at most 1 (e.g. 0.8)", self.target_vram)
+            raise bad_value("target_vram", "a fraction above 0 and at most 1 (e.g. 0.8)", self.target_vram)
 
 
 @dataclass(kw_only=True)
@@ -306,9 +304,9 @@ class RunConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise _bad("mode", " | ".join(MODES), self.mode)
+            raise bad_value("mode", " | ".join(MODES), self.mode)
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
-            raise _bad("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
+            raise bad_value("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
         _check_int(self, "log_every", 1, optional=True)
         _check_int(self, "save_every", 0)
         _check_int(self, "keep_checkpoints", 1)
@@ -382,61 +380,6 @@ PRESETS: dict[str, dict] = {
         tf32=True,
     ),
 }
-
-
-def field_docs() -> dict[str, str]:
-    """The docstring under each field, read from this file's source (shown by --help)."""
-    docs = {}
-    for klass in SECTIONS.values():
-        body = ast.parse(inspect.getsource(klass)).body[0].body
-        for node, nxt in zip(body, body[1:], strict=False):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def field_type(name: str) -> type:
-    """The scalar type of a field (int, float, bool or str), Optional unwrapped."""
-    klass = SECTIONS[FIELD_SECTION[name]]
-    annotation = {f.name: f.type for f in fields(klass)}[name]
-    for scalar in ("bool", "int", "float", "str"):
-        if annotation.split("|")[0].strip() == scalar:
-            return {"bool": bool, "int": int, "float": float, "str": str}[scalar]
-    raise TypeError(f"unsupported annotation {annotation} for {name}")
-
-
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def parse_value(name: str, text: str):
-    """Convert one flag's text to the field's type; an empty string means 'not set'."""
-    kind = field_type(name)
-    text = text.strip()
-    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size", "log_every"):
-        return None
-    if kind is bool:
-        if text.lower() in TRUE_WORDS:
-            return True
-        if text.lower() in FALSE_WORDS:
-            return False
-        raise _bad(name, "1 or 0", text)
-    if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise _bad(name, "a whole number", text) from None
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise _bad(name, "a number", text) from None
-    return text
 
 
 def resolve(preset: str | None, overrides: dict) -> TrainConfig:

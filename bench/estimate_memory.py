@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import config  # noqa: E402
-from train.core.estimate import MIB, count_params, estimate_memory  # noqa: E402
+from train.core.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import build_config, build_model, padded_vocab  # noqa: E402
+from train.core.units import MIB  # noqa: E402
 from train.run.loop import make_optimizer, train_step  # noqa: E402
 
 

@@ -161,7 +161,7 @@ def test_shell_characters_in_a_real_path_reach_python_as_text(world, tmp_path):
     shown = launch("run_single_gpu.sh", {**world["env"], "DATA_PATH": str(strange), "SHOW_COMMAND": "1"})
     argv = shlex.split(shown.stdout)
     assert argv[argv.index("--data_path") + 1] == str(strange)
-    from train.cli import parse_training_args
+    from train.config.flags import parse_training_args
 
     assert parse_training_args("pretrain", argv[4:]).data.data_path == str(strange)
     planted = [p for p in (ROOT / "PWNED", tmp_path / "PWNED") if p.exists()]
@@ -172,7 +172,7 @@ def test_shell_characters_in_a_real_path_reach_python_as_text(world, tmp_path):
 
 @pytest.mark.parametrize("form", [["--is_keep_training=True"], ["--is_keep_training", "True"], ["--resume", "1"]])
 def test_the_guides_keep_training_flag_is_resume(form):
-    from train.cli import parse_training_args
+    from train.config.flags import parse_training_args
 
     assert parse_training_args("pretrain", form).run.resume is True
     assert parse_training_args("pretrain", []).run.resume is False

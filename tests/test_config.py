@@ -3,7 +3,7 @@
 import pytest
 
 import config
-from train.cli import parse_training_args
+from train.config.flags import field_docs, parse_training_args
 from train.core.errors import UsageError
 
 
@@ -69,6 +69,6 @@ def test_switch_flags_and_bool_values():
 
 
 def test_every_field_has_a_docstring():
-    docs = config.field_docs()
+    docs = field_docs()
     missing = [name for name in config.FIELD_SECTION if not docs.get(name)]
     assert missing == []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli
-from train.cli import parse_training_args
+from train.config.flags import parse_training_args
 from train.core.errors import UsageError
 from train.data import text as data
 from train.run.build import build

@@ -7,7 +7,7 @@ import pytest
 from tiny_tools import one_thread, patch_fake_oom, summary
 
 from conftest import run_cli
-from train.cli import parse_training_args
+from train.config.flags import parse_training_args
 from train.run import adapt
 from train.tools.find_batch import RESULT_FILE, TIE, find, read_saved
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
-import config
+from train.config.flags import parse_training_args
 from train.core.errors import UsageError
 
 TRAIN_COMMANDS = ("pretrain", "sft")
@@ -17,59 +16,6 @@ TOOL_COMMANDS = {
     "doctor": ("train.tools.doctor", "doctor_main"),
     "autotune": ("train.tools.autotune", "autotune_main"),
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one UsageError line instead of usage + exit."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def training_parser(command: str) -> argparse.ArgumentParser:
-    docs = config.field_docs()
-    parser = _Parser(prog=f"python -m train {command}", description=f"Train ({command}).")
-    parser.add_argument("--preset", choices=sorted(config.PRESETS), help="named preset applied under the flags")
-    parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
-    parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
-    parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
-    for name in config.FIELD_SECTION:
-        if name == "mode":
-            continue
-        kind = config.field_type(name)
-        help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
-        if kind is bool:
-            # `--pin_memory` alone means on; `--pin_memory 0` turns a preset's setting off.
-            parser.add_argument(f"--{name}", nargs="?", const="1", default=None, help=help_text)
-        else:
-            parser.add_argument(f"--{name}", default=None, help=help_text)
-    return parser
-
-
-def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
-    """Flags -> validated TrainConfig (precedence: default < preset < flag)."""
-    args = training_parser(command).parse_args(argv)
-    overrides = {"mode": command}
-    for name in config.FIELD_SECTION:
-        text = getattr(args, name, None)
-        if text is not None:
-            value = config.parse_value(name, text)
-            if value is not None or name in ("model_size", "max_length", "warmup_steps", "log_every"):
-                overrides[name] = value
-    if args.is_keep_training is not None:  # the guides' --is_keep_training=True: --resume under another name
-        keep = config.parse_value("resume", args.is_keep_training)
-        if args.resume is not None and config.parse_value("resume", args.resume) != keep:
-            raise UsageError("--is_keep_training and RESUME (--resume) disagree: set one")
-        overrides["resume"] = keep
-    if args.fp16 and args.bf16:
-        raise UsageError("ENABLE_FP16 and ENABLE_BF16 are both set: choose one precision")
-    if (args.fp16 or args.bf16) and args.precision not in (None, ""):
-        raise UsageError("PRECISION is set together with ENABLE_FP16/ENABLE_BF16: choose one")
-    if args.fp16:
-        overrides["precision"] = "fp16"
-    if args.bf16:
-        overrides["precision"] = "bf16"
-    return config.resolve(args.preset, overrides)
 
 
 USAGE = """usage: python -m train <command> [--flags]

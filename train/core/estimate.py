@@ -18,7 +18,8 @@ see tests/test_estimate.py and bench/estimate_memory.py.
 
 from __future__ import annotations
 
-MIB = 2**20
+from train.core.units import MIB
+
 HALF = ("fp16", "bf16")
 FUSED_GELU = ("gelu", "gelu_pytorch_tanh", "gelu_fast", "relu", "quick_gelu")
 GATED = ("silu", "swish", "gelu_pytorch_tanh_gated", "geglu")

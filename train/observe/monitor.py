@@ -13,11 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from train.core.errors import UsageError
+from train.core.units import MIB
+from train.observe.gpus import Gpus, try_read
 
-MIB = 2**20
 _AVERAGED = ("gpu_util", "power_w", "sm_clock_mhz", "mem_clock_mhz")
 
 
@@ -29,29 +29,11 @@ def _load_nvml():
     return pynvml
 
 
-def _try(read: Callable, cast: Callable = float):
-    # One unsupported field (power on some boards, clocks under MIG) must not lose the others.
-    try:
-        value = read()
-        return None if value is None else cast(value)
-    except Exception:
-        return None
-
-
 def _quietly(action: Callable[[], object]) -> None:
     try:
         action()
     except Exception:  # shutting down a metrics library must never fail the run
         pass
-
-
-class _Gpus(NamedTuple):
-    """An opened metrics backend: device names and a reader per device (by position in names)."""
-
-    backend: str  # "nvml", "amdsmi" or "rocm-smi"
-    names: list[str]
-    read: Callable[[int], dict]
-    close: Callable[[], None]
 
 
 # ---- NVIDIA (NVML) ----
@@ -67,21 +49,21 @@ def _nvml_selector(device_index: int) -> int | str:
 
 
 def _nvml_sample(nvml, handle) -> dict:
-    memory = _try(lambda: nvml.nvmlDeviceGetMemoryInfo(handle), cast=lambda m: m)
+    memory = try_read(lambda: nvml.nvmlDeviceGetMemoryInfo(handle), cast=lambda m: m)
     return {
-        "gpu_util": _try(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-        "vram_used_mb": _try(lambda: memory.used / MIB),
-        "vram_total_mb": _try(lambda: memory.total / MIB),
+        "gpu_util": try_read(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+        "vram_used_mb": try_read(lambda: memory.used / MIB),
+        "vram_total_mb": try_read(lambda: memory.total / MIB),
         # NVML reports milliwatts
-        "power_w": _try(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
-        "power_limit_w": _try(lambda: nvml.nvmlDeviceGetEnforcedPowerManagementLimit(handle) / 1000),
-        "sm_clock_mhz": _try(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
-        "mem_clock_mhz": _try(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)),
-        "temp_c": _try(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+        "power_w": try_read(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+        "power_limit_w": try_read(lambda: nvml.nvmlDeviceGetEnforcedPowerManagementLimit(handle) / 1000),
+        "sm_clock_mhz": try_read(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+        "mem_clock_mhz": try_read(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)),
+        "temp_c": try_read(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
     }
 
 
-def _open_nvml(nvml, selectors: list[int | str] | None) -> _Gpus:
+def _open_nvml(nvml, selectors: list[int | str] | None) -> Gpus:
     """Init NVML and open the given devices (None: all). Raises when there is no driver."""
     nvml.nvmlInit()
     try:
@@ -94,12 +76,12 @@ def _open_nvml(nvml, selectors: list[int | str] | None) -> _Gpus:
     except Exception:
         nvml.nvmlShutdown()
         raise
-    return _Gpus("nvml", names, lambda i: _nvml_sample(nvml, handles[i]), nvml.nvmlShutdown)
+    return Gpus("nvml", names, lambda i: _nvml_sample(nvml, handles[i]), nvml.nvmlShutdown)
 
 
 # ---- AMD, best effort (amdsmi or rocm-smi): in train/monitor_amd.py ----
 
-def _open_amd(indices: list[int] | None) -> _Gpus | None:
+def _open_amd(indices: list[int] | None) -> Gpus | None:
     from train.observe.monitor_amd import open_amd
 
     return open_amd(indices)
@@ -108,7 +90,7 @@ def _open_amd(indices: list[int] | None) -> _Gpus | None:
 # ---- the sampler thread ----
 
 def _open_gpus(nvml, nvml_selectors: list[int | str] | None,
-               amd_indices: list[int] | None) -> tuple[_Gpus | None, str]:
+               amd_indices: list[int] | None) -> tuple[Gpus | None, str]:
     """NVML first, then AMD; returns (gpus, reason), the reason saying why there are none."""
     reason = "no NVIDIA or AMD GPU"
     try:
@@ -134,7 +116,7 @@ class GpuMonitor:
         self.device_index = device_index
         self.interval_s = interval_s
         self._nvml = nvml
-        self._gpus: _Gpus | None = None
+        self._gpus: Gpus | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._summary: dict | None = None
@@ -260,7 +242,7 @@ def host_memory(proc_dir: str = "/proc") -> dict:
         key, _, rest = line.partition(":")
         if rest.split() and rest.split()[0].isdigit():
             info[key] = int(rest.split()[0]) / 1024  # kB -> MB
-    total = info.get("MemTotal") or _try(lambda: os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    total = info.get("MemTotal") or try_read(lambda: os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     total = total / MIB if total and "MemTotal" not in info else total
     available = info.get("MemAvailable")
     if available is None and "MemFree" in info:  # kernels before 3.14 lack MemAvailable

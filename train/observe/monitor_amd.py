@@ -8,7 +8,8 @@ import re
 import shutil
 import subprocess
 
-from train.observe.monitor import MIB, _Gpus, _try
+from train.core.units import MIB
+from train.observe.gpus import Gpus, try_read
 
 # ---- AMD, best effort: amdsmi (ROCm 6+) or the rocm-smi tool. Field names differ across ROCm
 # releases, so every field is optional; only the NVML path and the no-GPU path are tested. ----
@@ -25,7 +26,7 @@ def _amdsmi_sample(amd, handle) -> dict:
 
     def temp():
         for sensor in ("HOTSPOT", "EDGE"):  # MI300 has no edge sensor
-            value = _try(lambda s=sensor: _number(amd.amdsmi_get_temp_metric(
+            value = try_read(lambda s=sensor: _number(amd.amdsmi_get_temp_metric(
                 handle, getattr(amd.AmdSmiTemperatureType, s), amd.AmdSmiTemperatureMetric.CURRENT)))
             if value is not None:
                 return value
@@ -35,13 +36,13 @@ def _amdsmi_sample(amd, handle) -> dict:
         return _number(amd.amdsmi_get_clock_info(handle, getattr(amd.AmdSmiClkType, kind))["clk"])
 
     return {
-        "gpu_util": _try(lambda: _number(amd.amdsmi_get_gpu_activity(handle)["gfx_activity"])),
-        "vram_used_mb": _try(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_used"])),  # MB
-        "vram_total_mb": _try(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_total"])),
-        "power_w": _try(lambda: power("average_socket_power") or power("current_socket_power")),
-        "power_limit_w": _try(lambda: power("power_limit")),
-        "sm_clock_mhz": _try(lambda: clock("GFX")),
-        "mem_clock_mhz": _try(lambda: clock("MEM")),
+        "gpu_util": try_read(lambda: _number(amd.amdsmi_get_gpu_activity(handle)["gfx_activity"])),
+        "vram_used_mb": try_read(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_used"])),  # MB
+        "vram_total_mb": try_read(lambda: _number(amd.amdsmi_get_gpu_vram_usage(handle)["vram_total"])),
+        "power_w": try_read(lambda: power("average_socket_power") or power("current_socket_power")),
+        "power_limit_w": try_read(lambda: power("power_limit")),
+        "sm_clock_mhz": try_read(lambda: clock("GFX")),
+        "mem_clock_mhz": try_read(lambda: clock("MEM")),
         "temp_c": temp(),
     }
 
@@ -73,7 +74,7 @@ def _rocm_smi_sample(card: dict) -> dict:
     }
 
 
-def open_amd(indices: list[int] | None) -> _Gpus | None:
+def open_amd(indices: list[int] | None) -> Gpus | None:
     """amdsmi, else rocm-smi, else None (no AMD GPU or no ROCm tools). Indices are as ROCm lists the
     cards; HIP_VISIBLE_DEVICES remapping is not followed (best effort)."""
     try:
@@ -82,9 +83,9 @@ def open_amd(indices: list[int] | None) -> _Gpus | None:
         amdsmi.amdsmi_init()
         handles = amdsmi.amdsmi_get_processor_handles()
         handles = [handles[i] for i in indices] if indices is not None else handles
-        names = [_try(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["market_name"], str) or "AMD GPU"
+        names = [try_read(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["market_name"], str) or "AMD GPU"
                  for h in handles]
-        return _Gpus("amdsmi", names, lambda i: _amdsmi_sample(amdsmi, handles[i]), amdsmi.amdsmi_shut_down)
+        return Gpus("amdsmi", names, lambda i: _amdsmi_sample(amdsmi, handles[i]), amdsmi.amdsmi_shut_down)
     except Exception:
         pass
     if shutil.which("rocm-smi") is None:
@@ -94,6 +95,6 @@ def open_amd(indices: list[int] | None) -> _Gpus | None:
         cards = sorted(info, key=lambda c: int(c[4:]) if c[4:].isdigit() else 0)
         cards = [cards[i] for i in indices] if indices is not None else cards
         names = [str(info[c].get("Card Series") or info[c].get("Card series") or c) for c in cards]
-        return _Gpus("rocm-smi", names, lambda i: _rocm_smi_sample(_rocm_smi_query()[cards[i]]), lambda: None)
+        return Gpus("rocm-smi", names, lambda i: _rocm_smi_sample(_rocm_smi_query()[cards[i]]), lambda: None)
     except Exception:
         return None

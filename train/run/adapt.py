@@ -3,7 +3,7 @@ the learning-rate rule for a changed effective batch.
 
 The guides' low-memory trainer, done openly: every setting chosen here is logged through
 build's decide() with the numbers behind it, and the effective batch never changes silently.
-"MB" is MiB (2**20 bytes), as in train/monitor.py.
+"MB" is MiB (2**20 bytes), train/core/units.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from train.core.errors import UsageError
+from train.core.units import MIB
 from train.observe import monitor
 
-MIB = 2**20
 # A DataLoader worker is a forked copy of the process; the token memmap is shared pages, but
 # Python touches its own objects (reference counts), so each worker soon owns a few hundred MB.
 WORKER_MB = 400

@@ -12,10 +12,11 @@ from tqdm import tqdm
 
 from config import TrainConfig
 from train.core.device import autocast, device_name, synchronize
-from train.core.estimate import MIB, estimate_for_run
+from train.core.estimate import estimate_for_run
 from train.core.mfu import flops_per_token, mfu_report
 from train.core.model import count_params, shape
 from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
+from train.core.units import MIB
 from train.dist import distributed
 from train.observe import monitor as monitor_lib
 from train.observe.curves import plot_curves

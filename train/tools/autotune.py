@@ -239,7 +239,7 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
 
 def autotune_main(argv: list[str]) -> int:
     """`python -m train autotune [--steps N] [--skip compile,workers] [training flags]`."""
-    from train.cli import parse_training_args
+    from train.config.flags import parse_training_args
 
     if wants_help("autotune", f"[--steps N ({TRIAL_STEPS})] [--skip {','.join(DIMENSIONS)}] [training flags]: "
                   "timed trials, a ranked table, the winner in OUTPUT_DIR/autotune.env", argv):

@@ -29,9 +29,9 @@ DEFAULT_STEPS = {"cpu": 10, "other": 50}  # optimizer steps per round when MAX_S
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    from train.cli import _Parser
+    from train.config.flags import ArgParser
 
-    parser = _Parser(
+    parser = ArgParser(
         prog="python -m train bench",
         add_help=False,
         description="Time the real training loop (warm-up excluded); every training flag applies. "
@@ -318,7 +318,7 @@ def report(r: dict, say) -> None:
 
 
 def bench_main(argv: list[str]) -> int:
-    from train.cli import parse_training_args, training_parser
+    from train.config.flags import parse_training_args, training_parser
 
     if any(a in ("-h", "--help") for a in argv):
         bench_parser().print_help()

@@ -202,7 +202,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
 
 def doctor_main(argv: list[str]) -> int:
     """`python -m train doctor [--apply] [--steps N] [training flags]`."""
-    from train.cli import parse_training_args
+    from train.config.flags import parse_training_args
     from train.tools.find_batch import wants_help
 
     if wants_help("doctor", f"[--apply] [--steps N ({DOCTOR_STEPS})] [training flags]: a short profiled run, "

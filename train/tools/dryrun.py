@@ -12,9 +12,10 @@ from dataclasses import fields
 
 from config import SECTIONS, TrainConfig, env_name
 from train.core.errors import UsageError
-from train.core.estimate import MIB, describe, estimate_for_run
+from train.core.estimate import describe, estimate_for_run
 from train.core.mfu import flops_per_token
 from train.core.model import count_params, shape
+from train.core.units import MIB
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
 

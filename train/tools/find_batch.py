@@ -294,7 +294,7 @@ def wants_help(command: str, usage: str, argv: list[str]) -> bool:
     """-h/--help for a tool command: its own usage, then the training flags it takes."""
     if not {"-h", "--help"} & set(argv):
         return False
-    from train.cli import training_parser
+    from train.config.flags import training_parser
 
     print(f"usage: python -m train {command} {usage}\n")
     training_parser(command).print_help()
@@ -303,7 +303,7 @@ def wants_help(command: str, usage: str, argv: list[str]) -> bool:
 
 def find_batch_main(argv: list[str]) -> int:
     """`python -m train find-batch [training flags]`: search, print the variables, save them."""
-    from train.cli import parse_training_args
+    from train.config.flags import parse_training_args
 
     if wants_help("find-batch", "[training flags]: the fastest micro-batch that fits TARGET_VRAM, "
                   "effective batch kept; saved for AUTO_BATCH=1", argv):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import config
-from train.cli import _Parser
+from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.model import context_length
 from train.data.sft_data import prompt_for_generation, stop_token_ids
@@ -24,8 +24,8 @@ from train.data.sft_data import prompt_for_generation, stop_token_ids
 DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
 
 
-def parser() -> _Parser:
-    p = _Parser(
+def parser() -> ArgParser:
+    p = ArgParser(
         prog="python -m train generate", description="Sample from a trained model with its chat template."
     )
     p.add_argument(

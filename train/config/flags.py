@@ -1,0 +1,123 @@
+"""Flags -> a validated TrainConfig: every config field is a --<field> flag, typed from its
+annotation and documented by the docstring under it in config.py."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+from dataclasses import fields
+
+import config
+from train.core.errors import UsageError
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from this file's source (shown by --help)."""
+    docs = {}
+    for klass in config.SECTIONS.values():
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def field_type(name: str) -> type:
+    """The scalar type of a field (int, float, bool or str), Optional unwrapped."""
+    klass = config.SECTIONS[config.FIELD_SECTION[name]]
+    annotation = {f.name: f.type for f in fields(klass)}[name]
+    for scalar in ("bool", "int", "float", "str"):
+        if annotation.split("|")[0].strip() == scalar:
+            return {"bool": bool, "int": int, "float": float, "str": str}[scalar]
+    raise TypeError(f"unsupported annotation {annotation} for {name}")
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_value(name: str, text: str):
+    """Convert one flag's text to the field's type; an empty string means 'not set'."""
+    kind = field_type(name)
+    text = text.strip()
+    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size", "log_every"):
+        return None
+    if kind is bool:
+        if text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        raise config.bad_value(name, "1 or 0", text)
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise config.bad_value(name, "a whole number", text) from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise config.bad_value(name, "a number", text) from None
+    return text
+
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one UsageError line instead of usage + exit."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def training_parser(command: str) -> argparse.ArgumentParser:
+    docs = field_docs()
+    parser = ArgParser(prog=f"python -m train {command}", description=f"Train ({command}).")
+    parser.add_argument("--preset", choices=sorted(config.PRESETS), help="named preset applied under the flags")
+    parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
+    parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
+    parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
+    for name in config.FIELD_SECTION:
+        if name == "mode":
+            continue
+        kind = field_type(name)
+        help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
+        if kind is bool:
+            # `--pin_memory` alone means on; `--pin_memory 0` turns a preset's setting off.
+            parser.add_argument(f"--{name}", nargs="?", const="1", default=None, help=help_text)
+        else:
+            parser.add_argument(f"--{name}", default=None, help=help_text)
+    return parser
+
+
+def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
+    """Flags -> validated TrainConfig (precedence: default < preset < flag)."""
+    args = training_parser(command).parse_args(argv)
+    overrides = {"mode": command}
+    for name in config.FIELD_SECTION:
+        text = getattr(args, name, None)
+        if text is not None:
+            value = parse_value(name, text)
+            if value is not None or name in ("model_size", "max_length", "warmup_steps", "log_every"):
+                overrides[name] = value
+    if args.is_keep_training is not None:  # the guides' --is_keep_training=True: --resume under another name
+        keep = parse_value("resume", args.is_keep_training)
+        if args.resume is not None and parse_value("resume", args.resume) != keep:
+            raise UsageError("--is_keep_training and RESUME (--resume) disagree: set one")
+        overrides["resume"] = keep
+    if args.fp16 and args.bf16:
+        raise UsageError("ENABLE_FP16 and ENABLE_BF16 are both set: choose one precision")
+    if (args.fp16 or args.bf16) and args.precision not in (None, ""):
+        raise UsageError("PRECISION is set together with ENABLE_FP16/ENABLE_BF16: choose one")
+    if args.fp16:
+        overrides["precision"] = "fp16"
+    if args.bf16:
+        overrides["precision"] = "bf16"
+    return config.resolve(args.preset, overrides)
+
+

@@ -1,0 +1,4 @@
+"""Units every layer shares. "MB" in summary.json and the log is MiB (2**20 bytes), as
+nvidia-smi and torch.cuda's memory statistics count it."""
+
+MIB = 2**20
