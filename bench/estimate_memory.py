@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import config  # noqa: E402
 from train.core.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import build_config, build_model, padded_vocab  # noqa: E402
+from train.core.step import make_optimizer, train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402
-from train.run.loop import make_optimizer, train_step  # noqa: E402
 
 
 def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake) -> float:

@@ -38,8 +38,10 @@ def main() -> int:
     import torch
 
     import config
+    from train.core.step import make_optimizer
+    from train.data.stream import BatchStream
     from train.run.build import build
-    from train.run.loop import batch_stream, data_loader, make_optimizer
+    from train.run.parts import data_loader
 
     torch.set_num_threads(1)
     cfg = config.resolve(
@@ -47,7 +49,7 @@ def main() -> int:
     )
     b = build(cfg, lambda line: None)
     model, params = b.model, list(b.model.parameters())
-    stream = batch_stream(*data_loader(b))
+    stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size)
     x = next(stream)["input_ids"]
 
     def forward_backward():

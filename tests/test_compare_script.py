@@ -142,7 +142,7 @@ def test_both_sides_train_on_the_same_sequences(tmp_path):
     both exactly the same sequences, in the same order."""
     from types import SimpleNamespace
 
-    from train.run.loop import batch_stream
+    from train.data.stream import BatchStream
 
     tokens = tmp_path / "tokens.bin"
     np.arange(40_000, dtype=np.uint16).tofile(tokens)
@@ -152,7 +152,7 @@ def test_both_sides_train_on_the_same_sequences(tmp_path):
         cfg = SimpleNamespace(num_workers=workers, prefetch_factor=2 if workers else None,
                               pin_memory=False, persistent_workers=False)
         loader, sampler = data.make_loader(dataset, cfg, batch_size, 1337, torch.device("cpu"))
-        stream, rows = batch_stream(loader, sampler), []
+        stream, rows = BatchStream(loader, sampler, batch_size), []
         while len(rows) < budget:
             rows.extend(next(stream)["input_ids"])
         return torch.stack(rows)

@@ -13,6 +13,7 @@ import torch
 
 from conftest import launch, read_jsonl, run_cli, tiny_model
 from train.core.errors import UsageError
+from train.core.step import full_value
 from train.data.text import EpochSampler, make_loader
 from train.dist import distributed
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 
 def flat(model):
-    return torch.cat([distributed.full_value(p.detach()).flatten() for p in model.parameters()])
+    return torch.cat([full_value(p.detach()).flatten() for p in model.parameters()])
 
 
 # ---- sampler: disjoint shares of one permutation, restorable position ----
@@ -141,7 +142,7 @@ def _ranks_worker(rank, world_size, port, folder):
 
 
 def _sgd_step(model, loader, accum, sync):
-    from train.run.loop import train_step
+    from train.core.step import train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -193,7 +194,7 @@ def _local_state(model, optimizer):
 
 def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     from config import TrainConfig
-    from train.run.loop import make_optimizer, train_step
+    from train.core.step import make_optimizer, train_step
 
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data

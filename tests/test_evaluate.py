@@ -136,9 +136,8 @@ def test_train_log_gets_library_warnings(tmp_path):
     import logging
     import warnings
 
-    from train.run.loop import Console
     from train.run.rundir import RunDir
-    from train.run.runlog import capture_warnings
+    from train.run.runlog import Console, capture_warnings
 
     console = Console()
     shown = warnings.showwarning

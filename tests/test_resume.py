@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from conftest import ROOT, read_jsonl, run_cli
+from train.data.stream import BatchStream
 from train.data.text import EpochSampler
-from train.run import checkpoint, resume
+from train.run import checkpoint
 from train.run import signals as signals_module
 
 STEPS = 40
@@ -244,11 +245,11 @@ def test_batch_stream_continues_the_permutation_across_batch_sizes():
         return torch.utils.data.DataLoader(list(range(50)), batch_size=bs, sampler=sampler, drop_last=True)
 
     sampler = EpochSampler(50, seed=3)
-    whole = resume.BatchStream(loader_of(sampler, 4), sampler, 4)
+    whole = BatchStream(loader_of(sampler, 4), sampler, 4)
     uninterrupted = [int(i) for _ in range(24) for i in next(whole)]  # 96 samples: into epoch 1
-    first = resume.BatchStream(loader_of(sampler, 4), sampler, 4)
+    first = BatchStream(loader_of(sampler, 4), sampler, 4)
     seen = [int(i) for _ in range(5) for i in next(first)]  # stop after 20 samples
-    second = resume.BatchStream(loader_of(sampler, 8), sampler, 8, first.epoch, first.consumed)
+    second = BatchStream(loader_of(sampler, 8), sampler, 8, first.epoch, first.consumed)
     seen += [int(i) for _ in range(3) for i in next(second)]
     assert seen == uninterrupted[:44]  # none repeated, none skipped
     assert (second.epoch, second.consumed) == (0, 44)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import launch, read_jsonl, run_cli
+from train.core.step import forward_loss
 from train.data.sft_data import IGNORE_INDEX, PadCollator, encode_conversations, ensure_special_tokens
-from train.run.loop import forward_loss
 from train.run.sft import newest_pretrained
 
 FORMATS = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train.observe.curves
-import train.run.loop
+import train.run.pipeline
 from conftest import read_jsonl, run_cli
 from train.core.timing import StepTimer, exposed_wait_frac
 
@@ -112,14 +112,14 @@ class SlowDataset(torch.utils.data.Dataset):
 
 @pytest.fixture
 def slow_data(monkeypatch):
-    real_build = train.run.loop.build
+    real_build = train.run.pipeline.build
 
     def build(*args, **kwargs):
         built = real_build(*args, **kwargs)
         built.dataset = SlowDataset(built.dataset, delay=0.25)
         return built
 
-    monkeypatch.setattr(train.run.loop, "build", build)
+    monkeypatch.setattr(train.run.pipeline, "build", build)
     # One compute thread: on a shared 2-core machine two OpenMP threads spinning against other
     # processes made a 30 ms step take 1.5 s, which would drown the planted wait.
     threads = torch.get_num_threads()

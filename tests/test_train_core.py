@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli, tiny_model
+from train.core.step import lr_at, train_step
 from train.data import text as data
-from train.run.loop import lr_at, train_step
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from functools import partial
 
 from train.config.flags import parse_training_args
 from train.core.errors import UsageError
@@ -34,6 +35,20 @@ commands:
 `python -m train <command> --help` lists the flags."""
 
 
+def _ahead_of_the_run(cfg, say) -> int | None:
+    """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch sets
+    BATCH_SIZE x GRADIENT_ACCUM, then the run goes on (None)."""
+    if cfg.run.dry_run:
+        from train.tools.dryrun import dry_run
+
+        return dry_run(cfg, say)
+    if cfg.optim.auto_batch:
+        from train.tools.find_batch import auto_batch
+
+        auto_batch(cfg, say)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -47,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         world = distributed.from_env(os.environ)
         with distributed.quiet_errors(world):
             cfg = parse_training_args(command, rest)
-        from train.run.loop import train
+        from train.run.pipeline import train
 
-        return distributed.launch(train, cfg, world)
+        return distributed.launch(partial(train, before=_ahead_of_the_run), cfg, world)
     if command == "compare":
         from train.observe.compare import compare_main
 

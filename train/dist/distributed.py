@@ -312,11 +312,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2's grad norm) as a plain tensor."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def mean_across(world: Dist, loss: torch.Tensor, waited: float) -> tuple[torch.Tensor, float]:
     """Loss and data-wait averaged over ranks: one all-reduce, at log points only (gloo has no
     AVG, so SUM / world size)."""

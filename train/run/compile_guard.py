@@ -85,7 +85,7 @@ def compile_model(model, batches, device: torch.device, precision: str, say):
         return model, batches, info
     first = next(batches)
     batches = itertools.chain([first], batches)
-    from train.run.loop import forward_loss
+    from train.core.step import forward_loss
 
     devices = [device] if device.type == "cuda" else []
     try:

@@ -91,7 +91,7 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
     Each batch's mean loss is weighted by its predicted tokens (labels after the shift that
     are not IGNORE_INDEX), so a short last batch or masked SFT prompts count by their tokens.
     One host read per call. The model is put back in the mode it was in."""
-    from train.run.loop import forward_loss
+    from train.core.step import forward_loss
 
     was_training = model.training
     model.eval()

@@ -1,12 +1,15 @@
 """Warnings into train.log: what the libraries print to the console during a run (Python
 warnings, transformers' and torch's logged warnings) also goes to the run's log, one line
-each, so `tail -f runs/latest/train.log` shows everything the console did."""
+each, so `tail -f runs/latest/train.log` shows everything the console did. Console: the
+run's own lines, through tqdm so the progress bar stays intact."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import warnings
+
+from tqdm import tqdm
 
 LOGGERS = ("transformers", "torch")
 
@@ -71,3 +74,23 @@ def quiet_saving():
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+class Console:
+    """Console lines (through tqdm so the bar stays intact), copied into train.log."""
+
+    def __init__(self):
+        self.pending, self.run_dir = [], None
+
+    def __call__(self, line: str) -> None:
+        tqdm.write(line)
+        if self.run_dir is None:
+            self.pending.append(line)
+        else:
+            self.run_dir.log(line)
+
+    def attach(self, run_dir) -> None:
+        self.run_dir = run_dir
+        for line in self.pending:
+            run_dir.log(line)
+        self.pending = []

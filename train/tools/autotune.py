@@ -84,15 +84,17 @@ def trial_config(cfg, cand: Candidate):
 
 def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
+    from train.core.step import make_optimizer, train_step
+    from train.data.stream import BatchStream
     from train.run.build import build
-    from train.run.loop import batch_stream, data_loader, make_optimizer, train_step
+    from train.run.parts import data_loader
 
     b = build(trial_config(cfg, cand), lambda line: None)
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
     optimizer, _ = make_optimizer(b.model, b.cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
     loader, sampler = data_loader(b)
-    batches = batch_stream(loader, sampler)
+    batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)
     meter.reset()
     outcome, spent, waited, error = Outcome(cand), 0.0, 0.0, None

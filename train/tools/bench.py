@@ -186,8 +186,10 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     from train.core.device import device_name, resolve_device
     from train.core.mfu import flops_per_token, peak_flops
     from train.core.model import count_params, shape
+    from train.data.stream import BatchStream
     from train.run.build import build
-    from train.run.loop import batch_stream, data_loader, steady_start
+    from train.run.meter import steady_start
+    from train.run.parts import data_loader
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -236,7 +238,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         line = f"round {i + 1}: kit {1000 * kit['steady_s'] / kit['steady_steps']:.1f} ms/step"
         if vs_plain:
             if not batches:  # the batches the kit's DataLoader yields first, already on the device
-                stream = batch_stream(*data_loader(b))
+                stream = BatchStream(*data_loader(b), o.batch_size)
                 batches = [next(stream)["input_ids"].to(device) for _ in range(steps * accum)]
             if plain is None:
                 plain = plain_round(plain_model, batches, accum, o.learning_rate, device, b.precision, skip)

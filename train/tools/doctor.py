@@ -26,9 +26,9 @@ from pathlib import Path
 import config
 from train.core.device import resolve_device, supports
 from train.core.errors import UsageError
+from train.core.timing import INPUT_BOUND_FRAC
 from train.observe import monitor
 from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
-from train.run.loop import INPUT_BOUND_FRAC
 from train.run.rundir import plan_run_dir, write_json
 
 DOCTOR_STEPS = 10
@@ -68,7 +68,7 @@ class Verdict:
 
 def profile(cfg, steps: int, label: str) -> Reading:
     """Run `steps` real training steps of cfg (a copy) in a new run folder and read the numbers."""
-    from train.run.loop import train
+    from train.run.pipeline import train
 
     run_cfg = copy.deepcopy(cfg)
     o = run_cfg.optim

@@ -8,31 +8,15 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from config import SECTIONS, TrainConfig, env_name
+from config import TrainConfig
 from train.core.errors import UsageError
 from train.core.estimate import describe, estimate_for_run
 from train.core.mfu import flops_per_token
 from train.core.model import count_params, shape
 from train.core.units import MIB
+from train.run.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
-
-
-def config_lines(cfg: TrainConfig) -> list[str]:
-    """The resolved config, one line per section, as launcher variables."""
-    lines = []
-    for section, klass in SECTIONS.items():
-        part = getattr(cfg, section)
-        items = []
-        for f in fields(klass):
-            value = getattr(part, f.name)
-            if isinstance(value, bool):
-                value = int(value)
-            items.append(f"{env_name(f.name)}={'' if value is None else value}")
-        lines.append(f"  {section}: " + " ".join(items))
-    return lines
 
 
 def derived_numbers(b) -> dict:

@@ -76,7 +76,7 @@ def _sampler(dataset, seed: int):
 
 
 def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
-    from train.run.loop import train_step
+    from train.core.step import train_step
 
     device, precision = b.device, b.precision
     meter.reset()
@@ -114,7 +114,7 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
-    from train.run.loop import make_optimizer
+    from train.core.step import make_optimizer
 
     optimizer, _ = make_optimizer(b.model, b.cfg, b.device)
     scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")

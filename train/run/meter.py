@@ -1,0 +1,220 @@
+"""What one session of a run measured: rows, tokens, data wait, steady-state throughput, the
+log line and progress bar, and the GPU and host samplers. The loop tells the meter when a step
+ended and when a line is due; the meter never changes the run.
+
+Throughput leaves out the first steps (allocator warm-up, worker start-up, compilation: see
+steady_start), the validation passes and the checkpoint saves. Counting is on the host (batch
+shapes and the collator's ints), and the one device sync is at log points.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from train.core.device import synchronize
+from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
+from train.core.units import MIB
+from train.dist import distributed
+from train.observe import monitor as monitor_lib
+
+NO_COUNTS = (0, 0, 0)
+
+
+def steady_start(total_steps: int) -> int:
+    """Optimizer steps excluded from throughput: the first ones pay for allocator warm-up,
+    worker start-up and compilation."""
+    return 0 if total_steps < 2 else min(5, max(1, total_steps // 10))
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class BatchCounter:
+    """Passes micro-batches through and counts rows, real and padded tokens on the host (shapes
+    and the collator's ints: no device sync). Packed pretraining batches are all real tokens."""
+
+    def __init__(self, batches):
+        self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.batches)
+        ids = batch["input_ids"]
+        self.rows += ids.shape[0]
+        self.real += int(batch.get("n_real_tokens", ids.numel()))
+        self.padded += int(batch.get("n_padded_tokens", ids.numel()))
+        return batch
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.rows, self.real, self.padded
+
+    def attempt(self, fn):
+        """fn() (one optimizer step); a failed attempt (an OOM, redone smaller) leaves no count."""
+        mark = self.counts()
+        try:
+            return fn()
+        except BaseException:
+            self.rows, self.real, self.padded = mark
+            raise
+
+
+class Meter:
+    """Counts, times and logs one session of a run (see the module doc)."""
+
+    def __init__(self, b, run_dir, say, guard, batches):
+        self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
+        self.device, self.world = b.device, b.world
+        self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
+        self.batches = BatchCounter(self.timer.wrap(batches))  # rows, real/padded tokens
+        self.first = guard.first_step
+        self.base = guard.samples_at(self.first)  # samples trained before this session
+        self.skip = steady_start(b.total_steps)
+        self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
+        self.loss: float | None = None  # the last logged loss
+        self.first_step_s = None
+        self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
+        self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
+        self.host = monitor_lib.HostMemoryPeaks()
+        guard.counted = lambda: self.totals(distributed.sum_across(self.world, self.batches.counts()))
+
+    def start(self) -> None:
+        self.gpu.start()
+        if self.gpu.note:
+            self.say(self.gpu.note)  # once per run: why avg_gpu_util and the VRAM total are null
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = self.steady_t0 = self.interval_t0 = time.perf_counter()
+        if self.skip == 0:
+            self.timer.start_steady()
+        # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
+        self.bar = tqdm(
+            total=self.b.total_steps, initial=self.first, desc=self.b.cfg.run.mode, unit="step",
+            dynamic_ncols=True, disable=None if self.world.is_main else True,
+        )
+
+    def totals(self, counts) -> tuple[int, int]:
+        """(samples, tokens) since the run began, earlier sessions included (as counted where
+        the checkpoint has the counts; older checkpoints: steps x effective batch)."""
+        before = self.guard.counted_before
+        if before is not None:
+            return before[0] + counts[0], before[1] + counts[1]
+        per_row = counts[1] / counts[0] if counts[0] else self.b.max_length
+        return self.base + counts[0], round(self.base * per_row) + counts[1]
+
+    def step_end(self, done: int, counts_due: bool) -> None:
+        """After optimizer step `done`: all ranks' counts where a figure needs them (the same
+        steps on every rank), the first step's time, and the start of the steady state."""
+        self.timer.step_end()
+        warmed = done - self.first == self.skip
+        if counts_due or warmed or self.first_step_s is None:
+            self.seen = distributed.sum_across(self.world, self.batches.counts())
+        if warmed or self.first_step_s is None:
+            synchronize(self.device)
+            now = time.perf_counter()
+            if self.first_step_s is None:
+                self.first_step_s = now - self.t0
+            if warmed:
+                self.steady_t0, self.steady_at = now, self.seen
+                self.timer.start_steady()
+        self.bar.update(1)
+
+    def log(self, step: int, loss_t, norm_t, lr: float) -> None:
+        """One metrics row and console line: the one host sync of the interval."""
+        wait_s, compute_s = self.timer.take_interval()
+        loss_t, wait_s = distributed.mean_across(self.world, loss_t, wait_s)
+        self.loss = loss = loss_t.item()
+        now = time.perf_counter()
+        span = now - self.interval_t0
+        samples, tokens = self.totals(self.seen)
+        row = {
+            "step": step, "samples": samples, "tokens": tokens, "loss": loss, "lr": lr,
+            "grad_norm": norm_t.item(),
+            "samples_per_sec": (self.seen[0] - self.interval_at[0]) / span,
+            "data_wait_frac": exposed_wait_frac(wait_s, compute_s, span),
+            "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
+            "elapsed_s": now - self.t0,
+        }
+        self.run_dir.metrics(row)
+        self._show(step, row, now)
+        warning = self.host.sample()
+        if warning:
+            self.say(warning)
+        if not math.isfinite(loss):
+            self.say(f"warning: loss is {loss} at step {step}")
+        self.interval_t0, self.interval_at = now, self.seen
+
+    def _show(self, step: int, row: dict, now: float) -> None:
+        postfix = {"loss": f"{row['loss']:.3f}", "samples/s": f"{row['samples_per_sec']:.1f}"}
+        if self.device.type == "cuda":
+            postfix["VRAM"] = f"{torch.cuda.max_memory_allocated(self.device) / MIB:.0f}MB"
+        self.bar.set_postfix(postfix)
+        total, wait = self.b.total_steps, row["data_wait_frac"] or 0
+        train_s = now - self.t0 - self.excluded
+        eta = train_s / (step - self.first) * (total - step)
+        line = (
+            f"step {step}/{total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+            f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
+            f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
+        )
+        if self.bar.disable:
+            self.say(line)
+        else:
+            self.run_dir.log(line)
+
+    def exclude(self, seconds: float) -> None:
+        """A validation pass took `seconds`: throughput counts training only."""
+        self.excluded += seconds
+        self.steady_t0, self.interval_t0 = self.steady_t0 + seconds, self.interval_t0 + seconds
+
+    def samples(self) -> int:
+        return self.totals(self.seen)[0]
+
+    def stop(self) -> None:
+        """The end of the timed loop (before the final save): stop the samplers, sum the counts."""
+        self.bar.close()
+        synchronize(self.device)
+        self.gpu_summary = self.gpu.stop()
+        self.steady_split = self.timer.steady_totals()
+        self.end = time.perf_counter()
+        self.seen = distributed.sum_across(self.world, self.batches.counts())
+
+    def figures(self, done: int) -> dict:
+        """Throughput, step time and data wait of the steady state, on real tokens and rows
+        counted as they passed (SFT batches vary in both)."""
+        run_steps = done - self.first  # this session's steps (a resumed run started at `first`)
+        steady_steps = max(0, run_steps - self.skip)
+        began = self.steady_t0 if steady_steps else self.t0
+        steady_s = self.end - began - self.guard.seconds_saving_since(self.steady_t0, self.end)
+        steady_steps = steady_steps or run_steps
+        start_at = self.steady_at if run_steps > self.skip else NO_COUNTS
+        rows, real = self.seen[0] - start_at[0], self.seen[1] - start_at[1]
+        samples_per_sec = rows / steady_s if steady_s > 0 and run_steps else None
+        split = self.steady_split if self.steady_split and run_steps > self.skip else (None, None)
+        wait_s, compute_s = split
+        data_wait = exposed_wait_frac(wait_s, compute_s, steady_s) if wait_s is not None else None
+        samples, tokens = self.totals(self.seen)
+        return {
+            "samples": samples,
+            "tokens": tokens,
+            "padding_efficiency": self.seen[1] / self.seen[2] if self.seen[2] else None,
+            "wall_time_s": self.end - self.t0,
+            "time_to_first_step_s": self.first_step_s,
+            "steady_state_steps": steady_steps,
+            "samples_per_sec": samples_per_sec,
+            "tokens_per_sec": real / steady_s if samples_per_sec else None,
+            "step_time_ms": 1000 * steady_s / steady_steps if steady_steps else None,
+            "data_wait_frac": data_wait,
+            "data_wait_s": wait_s,
+            "compute_s": compute_s,
+            "compute_frac": min(1.0, compute_s / steady_s) if compute_s is not None and steady_s > 0 else None,
+            "input_bound": data_wait is not None and data_wait > INPUT_BOUND_FRAC,
+        }

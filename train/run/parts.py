@@ -1,0 +1,87 @@
+"""What the loop holds for one session, built once before the first step: the model as it
+trains (DDP-wrapped, FSDP2-sharded or plain; compiled when asked), AdamW, the GradScaler, the
+positioned batch stream (restored by RESUME=1), the out-of-memory guard and the evaluator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from train.core.step import lr_at, make_optimizer, train_step
+from train.data.stream import BatchStream
+from train.dist import distributed
+from train.run import compile_guard
+from train.run import oom as oom_lib
+from train.run.evaluate import Evaluator
+
+
+def data_loader(b):
+    """(loader, sampler) for this run: SFT's own (b.make_loader) or the packed pretraining one."""
+    if b.make_loader is not None:
+        return b.make_loader(b)
+    from train.data.text import make_loader
+
+    w = b.world
+    return make_loader(
+        b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size
+    )
+
+
+@dataclass
+class Parts:
+    b: object
+    model: torch.nn.Module  # what runs the step: wrapped for DDP/FSDP2, compiled when asked
+    optimizer: torch.optim.Optimizer
+    scaler: object
+    gradient_sync: object  # (last micro-step) -> context: gradients stay local until the last
+    oom: oom_lib.OomGuard
+    evaluator: Evaluator
+    batches: object  # micro-batches: positioned, OOM-aware, compile-aware
+    compiled: dict = field(default_factory=dict)
+
+    def set_lr(self, position: float, warmup: float, total: float) -> float:
+        o = self.b.cfg.optim
+        lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def step(self, batches):
+        """One optimizer step over `batches` (accumulation and micro-batch as they are now:
+        an out-of-memory retry changes both)."""
+        o, b = self.b.cfg.optim, self.b
+        return train_step(
+            self.model, self.optimizer, self.scaler, batches, o.gradient_accumulation_steps, o.grad_clip,
+            b.device, b.precision, self.gradient_sync,
+        )
+
+
+def prepare(b, run_dir, say, guard) -> Parts:
+    """Build the session's parts; RESUME=1 restores the saved state into them (guard.start)."""
+    cfg, device = b.cfg, b.device
+    # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
+    train_model = distributed.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
+    optimizer, kind = make_optimizer(train_model, cfg, device)
+    say(f"optimizer: AdamW ({kind})")
+    scaler = distributed.grad_scaler(device, b.precision == "fp16", train_model)
+    loader, sampler = data_loader(b)
+    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
+    stream = guard.start(b.model, optimizer, scaler, loader, sampler)
+
+    def reopen(epoch: int, start: int):
+        """A new stream at a sample position for the current micro-batch (after an OOM)."""
+        guard.stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size, epoch, start)
+        return guard.stream
+
+    # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/oom.py)
+    oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
+    batches = oom.batches()
+    step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
+    if cfg.model.compile:
+        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
+    return Parts(
+        b=b, model=step_model, optimizer=optimizer, scaler=scaler,
+        gradient_sync=distributed.sync_context(train_model), oom=oom,
+        evaluator=Evaluator(b, run_dir, say, b.val_collate), batches=batches, compiled=compiled,
+    )

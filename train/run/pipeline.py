@@ -1,0 +1,76 @@
+"""One training run, start to end, in one direction:
+
+    config (validated TrainConfig)  ->  build: the plan (every automatic decision and its reason,
+    saved as config.json) and the objects it needs  ->  resume state (RESUME=1: the newest valid
+    checkpoint, checked before the run folder is touched)  ->  run folder  ->  loop  ->
+    final/, summary.json, curves and the closing lines.
+
+`before` is the command line's step ahead of the run (DRY_RUN=1 stops after the plan;
+AUTO_BATCH=1 lets find-batch set the micro-batch first): tools sit above this layer.
+"""
+
+from __future__ import annotations
+
+from config import TrainConfig
+from train.core.step import make_optimizer
+from train.dist import distributed
+from train.observe.curves import plot_curves
+from train.run import report
+from train.run.build import build
+from train.run.loop import run_loop
+from train.run.resume import RunGuard
+from train.run.rundir import RunDir, plan_run_dir
+from train.run.runlog import Console, capture_warnings, quiet_saving
+
+
+def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before=None) -> int:
+    """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
+    say = Console() if world.is_main else distributed.Quiet()
+    if not world.is_main:  # N copies of transformers' loading bars and notes help no one
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    with capture_warnings(say):  # library warnings reach train.log too
+        code = before(cfg, say) if before else None
+        return code if code is not None else _train(cfg, say, world)
+
+
+def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
+    r = cfg.run
+    run_path = distributed.on_main(
+        world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
+    )
+    say(f"{cfg.run.mode}: resolving settings")
+    b = distributed.main_first(world, lambda: build(cfg, say, world))
+    # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
+    guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
+    if guard.complete:
+        return 0
+    run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming) if world.is_main else distributed.NullRunDir(run_path)
+    say.attach(run_dir)
+    say("resolved config:")
+    for line in report.config_lines(cfg):
+        say(line)
+    say(report.start_line(b, run_path))
+    run_dir.write("config.json", report.config_record(b))
+    summary = run_loop(b, run_dir, say, guard)
+    full_state = distributed.full_state_dict(b.model)  # sharded: a gather every rank joins
+    if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
+        save_final(b, run_dir, full_state)
+    run_dir.write("summary.json", summary)
+    plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
+    for line in report.closing_lines(summary, run_dir):
+        say(line)
+    run_dir.close()
+    return guard.exit_code(summary["exit_reason"])
+
+
+def save_final(b, run_dir, state_dict: dict | None = None) -> None:
+    """final/: save_pretrained (safetensors) and the tokenizer; loads offline with from_pretrained.
+    A sharded model passes its full state dict, gathered on rank 0."""
+    final = run_dir.path / "final"
+    b.model.config.use_cache = True  # training turned the KV cache off; generation wants it
+    with quiet_saving():
+        b.model.save_pretrained(final, state_dict=state_dict)
+    b.tokenizer.save_pretrained(final)

@@ -1,0 +1,160 @@
+"""What a run tells: the resolved config (console and config.json), summary.json, and the
+closing lines. Built from what the other parts measured; nothing here changes the run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+import torch
+
+from config import SECTIONS, TrainConfig, env_name
+from train.core.device import device_name
+from train.core.estimate import estimate_for_run
+from train.core.mfu import flops_per_token, mfu_report
+from train.core.model import count_params, shape
+from train.core.units import MIB
+from train.dist import distributed
+from train.observe import monitor as monitor_lib
+
+
+def config_lines(cfg: TrainConfig) -> list[str]:
+    """The resolved config, one line per section, as launcher variables."""
+    lines = []
+    for section, klass in SECTIONS.items():
+        part = getattr(cfg, section)
+        items = []
+        for f in fields(klass):
+            value = getattr(part, f.name)
+            if isinstance(value, bool):
+                value = int(value)
+            items.append(f"{env_name(f.name)}={'' if value is None else value}")
+        lines.append(f"  {section}: " + " ".join(items))
+    return lines
+
+
+def start_line(b, run_path) -> str:
+    """run ... model ... precision ... batch x accum (x processes) = effective ... steps ..."""
+    cfg, world = b.cfg, b.world
+    n_params = count_params(b.model)
+    processes = f" x {world.world_size} processes" if world.world_size > 1 else ""
+    batch, shown = cfg.optim.batch_size, cfg.effective_batch_size(world.world_size)
+    if cfg.data.token_budget is not None:  # SFT: rows vary per micro-batch; the epoch's mean
+        rows = b.summary_extra["batch_size"]
+        batch = f"~{rows:.1f} (TOKEN_BUDGET={cfg.data.token_budget})"
+        shown = f"~{rows * cfg.optim.gradient_accumulation_steps * world.world_size:.0f}"
+    return (
+        f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
+        f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
+        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {b.total_steps}"
+    )
+
+
+def config_record(b) -> dict:
+    """config.json: the config as resolved, the numbers derived from it, every automatic
+    decision with its reason, and the library versions."""
+    cfg, world = b.cfg, b.world
+    return {
+        "config": asdict(cfg),
+        "resolved": {
+            "device": str(b.device),
+            "precision": b.precision,
+            "model_size": b.model_size,
+            "max_length": b.max_length,
+            "total_steps": b.total_steps,
+            "warmup_steps": b.warmup_steps,
+            "effective_batch_size": cfg.effective_batch_size(world.world_size),
+            "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
+            "world_size": world.world_size,
+            "n_params": count_params(b.model),
+            "model_config": b.model.config.to_dict(),
+        },
+        "decisions": b.decisions,
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+    }
+
+
+def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
+    """summary.json: what the run was, what it measured, how it ended."""
+    cfg, device, model, o = b.cfg, b.device, b.model, b.cfg.optim
+    measured = meter.figures(done)
+    n_params = count_params(model)
+    seen = meter.seen
+    seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
+    fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
+    torch_mem = monitor_lib.torch_memory(device)
+    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type)
+    gpu = meter.gpu_summary
+    record = {
+        "mode": cfg.run.mode,
+        "run_name": run_dir.path.name,
+        "device": str(device),
+        "device_name": device_name(device),
+        "world_size": 1,
+        "model_size": b.model_size,
+        "n_params": n_params,
+        "precision": b.precision,
+        "batch_size": o.batch_size,
+        "gradient_accumulation_steps": o.gradient_accumulation_steps,
+        "effective_batch_size": cfg.effective_batch_size(b.world.world_size),
+        "max_length": b.max_length,
+        "num_workers": cfg.data.num_workers,
+        "steps": done,
+        **measured,
+        "peak_vram_mb": torch_mem["peak_allocated_mb"],
+        "estimate_peak_mb": estimate["peak"] / MIB,
+        "estimate_mb": {k: v / MIB for k, v in estimate.items() if k != "n_params"},
+        "peak_vram_reserved_mb": torch_mem["peak_reserved_mb"],
+        "vram_total_mb": gpu.get("vram_total_mb") or torch_mem["total_mb"],
+        "avg_gpu_util": gpu.get("avg_gpu_util"),
+        "gpu_monitor": gpu,
+        "host_memory": meter.host.summary(),
+        "flops_per_token": fpt,
+        **mfu_report(measured["tokens_per_sec"], fpt, device_name(device) if device.type == "cuda" else None,
+                     b.precision, tf32=cfg.system.tf32),
+        "final_loss": meter.loss,
+        **parts.evaluator.summary(),
+        **parts.compiled,
+        "exit_reason": exit_reason,
+        **guard.summary(),
+        **b.summary_extra,
+        "oom_retries": parts.oom.retries,
+        "oom_events": parts.oom.events,
+    }
+    return distributed.add_rank_figures(record, b.world, device)
+
+
+def closing_lines(s: dict, run_dir) -> list[str]:
+    """The run's last lines on the console: figures, validation, memory, what to change."""
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        f"done: {s['steps']} steps, final loss {fmt(s['final_loss'], '.4f')}, "
+        f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
+        f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
+    ]
+    if s.get("final_val_loss") is not None:
+        lines.append(
+            f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}"
+        )
+    if s.get("peak_vram_mb") is not None:
+        lines.append(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
+    if s.get("mfu_note"):
+        lines.append(f"MFU: {s['mfu_note']}")
+    if s["input_bound"]:
+        lines.append(
+            f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
+            "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
+        )
+    curves = ", curves.png" if (run_dir.path / "curves.png").exists() else ""
+    lines.append(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log{curves}, final/)")
+    return lines
+
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return None
