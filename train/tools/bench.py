@@ -130,13 +130,15 @@ def kit_round(b, say) -> dict:
     """One run of train.run.loop.run_loop (what `python -m train pretrain` runs) into a temporary
     run folder; its own steady-state figures (warm-up excluded) are the kit's."""
     from train.run.loop import run_loop
+    from train.run.resume import RunGuard
     from train.run.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         run_dir = RunDir(Path(tmp) / "round", overwrite=False)
         cpu0, call0 = time.process_time(), time.perf_counter()
         try:
-            summary = run_loop(b, run_dir, say)
+            # a fresh run: no checkpoint to find, so no optimizer groups to check one against
+            summary = run_loop(b, run_dir, say, RunGuard(b, run_dir.path, say, param_groups=list))
         finally:
             run_dir.close()
         call_s = time.perf_counter() - call0
