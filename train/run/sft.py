@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from config import TrainConfig
 from train.core import model as model_lib
-from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.data import text as data_lib
 from train.data.sft_batching import BudgetSampler, GroupedSampler
@@ -35,9 +34,17 @@ from train.data.sft_data import (
     load_conversations,
     stop_token_ids,
 )
-from train.dist.distributed import SINGLE, Dist, describe, rank_device
-from train.run.build import Built, resolve_pacing, seed_everything, shortest_limit
+from train.dist.distributed import SINGLE, Dist
 from train.run.evaluate import VAL_ROWS, val_windows
+from train.run.plan import (
+    Built,
+    Decisions,
+    device_and_precision,
+    parallel,
+    resolve_pacing,
+    sequence_length,
+    shortest_limit,
+)
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
@@ -222,70 +229,23 @@ def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDatase
 
 
 def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
-    decisions = []
-
-    def decide(setting: str, value, reason: str) -> None:
-        decisions.append({"setting": setting, "value": value, "reason": reason})
-        say(f"  {setting} = {value}  ({reason})")
-
+    decide = Decisions(say)
     if cfg.model.model_config is not None:
         raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
-    device, why = rank_device(*resolve_device(cfg.system.device), world)
-    decide("device", str(device), why)
-    precision, why = resolve_precision(cfg.system.precision, device)
-    decide("precision", precision, why)
-    set_tf32(cfg.system.tf32)
-    seed_everything(cfg.system.seed)
-
+    device, precision = device_and_precision(cfg, world, decide)
     if cfg.model.model_size is not None:
         say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
-    path = cfg.model.model_path
-    if path is None:
-        found = newest_pretrained(Path(cfg.run.output_dir))
-        if found is None:
-            raise UsageError(
-                f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
-                f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
-            )
-        path = str(found)
-        decide("model_path", path, "the newest pretraining run's final/ (set MODEL_PATH to choose)")
+    path = model_source(cfg, decide)
     model, tok = load_pretrained(Path(path), cfg.data.tokenizer_path, cfg.model.trust_remote_code)
-
     prepare_model(model, tok, cfg.model.gradient_checkpointing, decide)
-
-    context = model_lib.context_length(model.config)
-    max_length = cfg.data.max_length
-    if max_length is None:
-        max_length = min(context, MAX_LENGTH_CAP)
-        decide(
-            "max_length",
-            max_length,
-            "the model's context length" + (" (capped)" if context > MAX_LENGTH_CAP else ""),
-        )
-    elif max_length > context:
-        raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
+    max_length = sequence_length(cfg, model_lib.context_length(model.config), MAX_LENGTH_CAP, decide)
 
     dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
     n_loaded = len(dataset)
     val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
     if val_dataset is not None and cfg.data.val_path is None:
         dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
-
-    bs, w = cfg.optim.batch_size, world.world_size
-    if cfg.data.token_budget is not None:
-        batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
-        micro, rows_per_micro = len(batches) // w, len(dataset) / max(1, len(batches))
-        decide(
-            "batch_size",
-            f"~{rows_per_micro:.1f}",
-            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused",
-        )
-        if cfg.data.length_grouping:
-            say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
-    else:
-        micro, rows_per_micro = len(dataset) // w // bs, float(bs)  # every rank reads 1/w of the epoch
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, w)
-    decide("total_steps", total_steps, why)
+    total_steps, rows_per_micro = sft_steps(cfg, dataset, world.world_size, say, decide)
     warmup = resolve_pacing(cfg, total_steps, decide)
 
     lengths = np.asarray(dataset.lengths)
@@ -303,31 +263,51 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
         extra.update(
             batch_size=round(rows_per_micro, 2),
-            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps * w, 2),
+            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps * world.world_size, 2),
         )
-    parallel = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
-    if parallel:
-        decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", parallel)
+    parallel(cfg, world, decide)
     # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
     collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
     return Built(
-        cfg=cfg,
-        device=device,
-        precision=precision,
-        model_size=_model_label(Path(path), model),
-        max_length=max_length,
-        model=model.to(device),
-        tokenizer=tok,
-        dataset=dataset,
-        total_steps=total_steps,
-        warmup_steps=warmup,
-        decisions=decisions,
-        world=world,
-        make_loader=partial(sft_loader, collate=collate),
-        summary_extra=extra,
-        val_dataset=val_dataset,
-        val_collate=collate,
+        cfg=cfg, device=device, precision=precision, model_size=_model_label(Path(path), model),
+        max_length=max_length, model=model.to(device), tokenizer=tok, dataset=dataset,
+        total_steps=total_steps, warmup_steps=warmup, decisions=decide.items, world=world,
+        make_loader=partial(sft_loader, collate=collate), summary_extra=extra,
+        val_dataset=val_dataset, val_collate=collate,
     )
+
+
+def model_source(cfg: TrainConfig, decide) -> str:
+    """MODEL_PATH, or the newest pretraining run's final/ under OUTPUT_DIR."""
+    if cfg.model.model_path is not None:
+        return cfg.model.model_path
+    found = newest_pretrained(Path(cfg.run.output_dir))
+    if found is None:
+        raise UsageError(
+            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
+            f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
+        )
+    decide("model_path", str(found), "the newest pretraining run's final/ (set MODEL_PATH to choose)")
+    return str(found)
+
+
+def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, float]:
+    """(optimizer steps, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
+    if cfg.data.token_budget is not None:
+        batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
+        micro, rows_per_micro = len(batches) // world_size, len(dataset) / max(1, len(batches))
+        decide(
+            "batch_size",
+            f"~{rows_per_micro:.1f}",
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused",
+        )
+        if cfg.data.length_grouping:
+            say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
+    else:  # every rank reads 1/world_size of the epoch
+        micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size)
+    decide("total_steps", total_steps, why)
+    return total_steps, rows_per_micro
 
 
 def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide):
