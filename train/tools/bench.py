@@ -250,6 +250,22 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
                 f"ratio {sps(kit, effective) / sps(plain, effective):.3f}"
             )
         say(line)
+    result = bench_result(b, rounds, skip, fpt, startup, kit_rounds, plain_rounds, peak)
+    report(result, say)
+    return result
+
+
+
+def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_rounds: list, plain_rounds: list,
+                 peak: float | None) -> dict:
+    """Every figure of a bench: the setting, the kit's rounds and, with --vs-plain, the plain
+    loop's and the ratios."""
+    import torch
+
+    from train.core.model import count_params
+
+    cfg, o, device, steps = b.cfg, b.cfg.optim, b.device, b.total_steps
+    effective, accum, n_params = cfg.effective_batch_size(), o.gradient_accumulation_steps, count_params(b.model)
     result = {
         "model_size": b.model_size,
         "n_params": n_params,
@@ -276,7 +292,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     if cfg.model.compile:
         # the first step pays for tracing and code generation; a steady step is what is left
         startup["compile_s"] = max(0.0, startup["loop_first_step_s"] - result["kit"]["ms_per_step"] / 1000)
-    if vs_plain:
+    if plain_rounds:
         result["plain"] = figures(plain_rounds, effective, b.max_length, fpt, peak)
         result["plain_first_loss"] = plain_rounds[0]["first_loss"]
         result["plain_final_loss"] = plain_rounds[-1]["final_loss"]
@@ -291,7 +307,6 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         # CPU seconds per step (whole rounds, set-up and warm-up included on both sides): other
         # processes' load changes wall time far more than the CPU time this process needs.
         result["cpu_time_ratio"] = result["plain"]["cpu_ms_per_step"] / result["kit"]["cpu_ms_per_step"]
-    report(result, say)
     return result
 
 
