@@ -35,7 +35,7 @@ commands:
 `python -m train <command> --help` lists the flags."""
 
 
-def _ahead_of_the_run(cfg, say) -> int | None:
+def _ahead_of_the_run(cfg, say, world) -> int | None:
     """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch sets
     BATCH_SIZE x GRADIENT_ACCUM, then the run goes on (None)."""
     if cfg.run.dry_run:
@@ -45,7 +45,7 @@ def _ahead_of_the_run(cfg, say) -> int | None:
     if cfg.optim.auto_batch:
         from train.tools.find_batch import auto_batch
 
-        auto_batch(cfg, say)
+        auto_batch(cfg, say, world)
     return None
 
 

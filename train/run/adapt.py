@@ -30,12 +30,6 @@ TOKENS_IN_RAM_SHARE = 0.10  # a token cache under this share of available RAM is
 PREFETCH_RAM_SHARE = 0.05  # batches in flight (workers x prefetch) may take at most this share
 
 
-def world_size() -> int:
-    """Processes in the job (torchrun); 1 without torch.distributed."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -131,12 +125,11 @@ def scaled_lr(lr: float, effective: int, reference: int, rule: str) -> tuple[flo
 # ---- settings chosen at start ----
 
 
-def adapt(cfg, device: torch.device, dataset, decide, host: dict | None = None) -> None:
+def adapt(cfg, device: torch.device, dataset, decide, world: int = 1, host: dict | None = None) -> None:
     """Settings chosen from the machine at start, before the loader and the step plan exist.
     Order matters: the effective batch and LR first (they define the run), then memory."""
     dataset = getattr(dataset, "dataset", dataset)  # the packed dataset under a validation Subset
     o, d = cfg.optim, cfg.data
-    world = world_size()
     if o.effective_batch is not None and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world:
         per = o.batch_size * world
         if o.effective_batch % per:

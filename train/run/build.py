@@ -59,7 +59,7 @@ def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     max_length = sequence_length(cfg, model_lib.context_length(hf_cfg), MAX_LENGTH_CAP, decide)
     tok, dataset, val_dataset = pretraining_data(cfg, hf_cfg, max_length, say, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
-    adapt.adapt(cfg, device, dataset, decide)
+    adapt.adapt(cfg, device, dataset, decide, world.world_size)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")

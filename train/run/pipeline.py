@@ -32,7 +32,7 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
     with capture_warnings(say):  # library warnings reach train.log too
-        code = before(cfg, say) if before else None
+        code = before(cfg, say, world) if before else None
         return code if code is not None else _train(cfg, say, world)
 
 

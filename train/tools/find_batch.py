@@ -29,7 +29,8 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
-from train.run.adapt import PeakMeter, capacity_mb, world_size
+from train.dist.distributed import SINGLE, Dist
+from train.run.adapt import PeakMeter, capacity_mb
 from train.run.oom import free_memory, is_oom, remedies
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
@@ -172,7 +173,7 @@ def choose(trials: list[Trial], largest_safe: int) -> Trial:
     return min((t for t in safe if t.samples_per_sec >= (1 - TIE) * best), key=lambda t: t.batch_size)
 
 
-def settings_key(b, effective: int) -> dict:
+def settings_key(b, effective: int, world_size: int) -> dict:
     """What the answer depends on; a saved result is reused only when all of it matches."""
     model_cfg = json.dumps(b.model.config.to_dict(), sort_keys=True, default=str)
     return {
@@ -185,7 +186,7 @@ def settings_key(b, effective: int) -> dict:
         "target_vram": b.cfg.system.target_vram,
         "max_memory_mb": b.cfg.system.max_memory_mb,
         "effective_batch": effective,
-        "world_size": world_size(),
+        "world_size": world_size,
         "torch": torch.__version__,
     }
 
@@ -209,11 +210,10 @@ def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | 
     return (size, accum), f"saved by find-batch at {saved.get('written', '?')} in {path}"
 
 
-def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
+def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1) -> Result:
     """Build the run's model and data (quietly), then search or reuse; frees what it built."""
     from train.run.build import build
 
-    world = world_size()
     effective = cfg.optim.effective_batch or cfg.effective_batch_size(world)
     if effective % world:
         raise UsageError(f"EFFECTIVE_BATCH={effective} is not a multiple of the {world} processes")
@@ -223,7 +223,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
     trial_cfg.optim.effective_batch, trial_cfg.optim.lr_scaling = None, "none"
     b = build(trial_cfg, lambda line: None)
     path = Path(cfg.run.output_dir) / RESULT_FILE
-    key = settings_key(b, effective)
+    key = settings_key(b, effective, world)
     capacity, source = capacity_mb(b.device, cfg.system.max_memory_mb)
     if capacity is None:
         raise UsageError("MAX_MEMORY_MB: this system does not report its memory; set a budget in MiB")
@@ -263,23 +263,22 @@ def write(path: Path, key: dict, result: Result) -> None:
     write_json(path, {**asdict(result), "key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
-def find_everywhere(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
+def find_everywhere(cfg, say, world: Dist = SINGLE, reuse: bool = False, steps: int = TRIAL_STEPS) -> Result:
     """Under torchrun, rank 0 searches (one GPU's answer holds for identical GPUs) and the others
     receive its result, so every rank trains with the same micro-batch. Not yet exercised by a
     test: the DDP launcher lands on another branch."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if world.world_size == 1:
         return find(cfg, say, reuse, steps)
-    box = [find(cfg, say, reuse, steps) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    box = [find(cfg, say, reuse, steps, world.world_size) if world.is_main else None]
+    torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def auto_batch(cfg, say) -> Result:
+def auto_batch(cfg, say, world: Dist = SINGLE) -> Result:
     """AUTO_BATCH=1: set BATCH_SIZE and GRADIENT_ACCUM in cfg from find-batch (reusing a saved result
     for the same settings), keeping the effective batch."""
     before = (cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps)
-    result = find_everywhere(cfg, say, reuse=True)
+    result = find_everywhere(cfg, say, world, reuse=True)
     cfg.optim.batch_size = result.batch_size
     cfg.optim.gradient_accumulation_steps = result.gradient_accumulation_steps
     gc.collect()
