@@ -4,6 +4,7 @@ and the objects it needs (tokenizer, token cache, model). `build` picks SFT's bu
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -46,7 +47,10 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
     return steps, f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
-def build(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
+def build(asked: TrainConfig, say, world: Dist = SINGLE) -> Built:
+    """The plan and the objects of a run. `asked` is left as it is: what was decided (adapted
+    workers, derived accumulation, the demo budget ...) is in Built.cfg and Built.decisions."""
+    cfg = copy.deepcopy(asked)
     if cfg.run.mode == "sft":
         return build_sft(cfg, say, world)
     refuse_sft_settings(cfg)

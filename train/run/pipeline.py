@@ -43,6 +43,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     )
     say(f"{cfg.run.mode}: resolving settings")
     b = distributed.main_first(world, lambda: build(cfg, say, world))
+    cfg = b.cfg  # as decided (the asked config is left as it was)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
     if guard.complete:

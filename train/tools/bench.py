@@ -200,6 +200,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         o.max_steps = DEFAULT_STEPS["cpu" if resolve_device(cfg.system.device)[0].type == "cpu" else "other"]
     build0 = time.perf_counter()
     b = build(cfg, say)
+    cfg, o = b.cfg, b.cfg.optim  # as decided
     startup = {"build_s": time.perf_counter() - build0}
     device, steps, accum = b.device, b.total_steps, o.gradient_accumulation_steps
     if steps < 2:

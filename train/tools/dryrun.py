@@ -61,6 +61,7 @@ def dry_run(cfg: TrainConfig, say) -> int:
     except UsageError as err:
         where = f"warning: a real run would stop here: {err}"
     b = build(cfg, say)
+    cfg = b.cfg  # as decided
     say("resolved config:")
     for line in config_lines(cfg):
         say(line)
