@@ -1,4 +1,4 @@
-"""Peak-memory estimate (train/estimate.py) against a measured peak, through the kit's own
+"""Peak-memory estimate (train/core/estimate.py) against a measured peak, through the kit's own
 optimizer and train_step.
 
 On a GPU: torch.cuda.max_memory_allocated over three optimizer steps of random tokens.

@@ -78,7 +78,7 @@ kit_launch() {
 
 # kit_torchrun ARRAY: the torchrun arguments for NPROC_PER_NODE / NNODES / NODE_RANK /
 # MASTER_ADDR / MASTER_PORT (none for one process). torchrun in module form (no PATH lookup),
-# through train/torchrun.py so that bad input still ends in one line and exit code 2.
+# through train/dist/torchrun.py so that bad input still ends in one line and exit code 2.
 # The trainer itself reads only RANK, LOCAL_RANK and WORLD_SIZE, which torchrun sets.
 kit_torchrun() {
   local -n out=$1

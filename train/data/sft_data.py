@@ -22,8 +22,8 @@ Two templates:
   markers ensure_special_tokens adds; it also stores the same template as Jinja on the
   tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model.
 
-Loading the formats and the built-in default data live in train/sft_formats.py; padding and
-batching (length grouping, token budgets, each rank's share) in train/sft_batching.py.
+Loading the formats and the built-in default data live in train/data/sft_formats.py; padding and
+batching (length grouping, token budgets, each rank's share) in train/data/sft_batching.py.
 """
 
 from __future__ import annotations

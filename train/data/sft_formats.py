@@ -1,7 +1,7 @@
 """SFT records in the formats users already have -> conversations; plus the built-in default set.
 
 A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Every
-loader below ends there, so the template and the loss mask (train/sft_data.py) see one shape.
+loader below ends there, so the template and the loss mask (train/data/sft_data.py) see one shape.
 Errors are UsageError with one line that names the file and the line (JSONL) or the 1-based
 record number (.json), because "bad record" without a place is useless on a 100k-line file.
 """

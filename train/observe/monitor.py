@@ -79,7 +79,7 @@ def _open_nvml(nvml, selectors: list[int | str] | None) -> Gpus:
     return Gpus("nvml", names, lambda i: _nvml_sample(nvml, handles[i]), nvml.nvmlShutdown)
 
 
-# ---- AMD, best effort (amdsmi or rocm-smi): in train/monitor_amd.py ----
+# ---- AMD, best effort (amdsmi or rocm-smi): in train/observe/monitor_amd.py ----
 
 def _open_amd(indices: list[int] | None) -> Gpus | None:
     from train.observe.monitor_amd import open_amd

@@ -1,4 +1,4 @@
-"""AMD GPU readings for train/monitor.py, best effort: amdsmi (ROCm 6+) or the rocm-smi tool.
+"""AMD GPU readings for train/observe/monitor.py, best effort: amdsmi (ROCm 6+) or the rocm-smi tool.
 
 Split from monitor.py to keep it short; monitor.py imports this only when NVML finds no GPU.
 """

@@ -107,7 +107,7 @@ class RunGuard:
         r = self.cfg.run
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
         # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
-        # every rank writes its own shards (train/checkpoint.py).
+        # every rank writes its own shards (train/run/checkpoint.py).
         self.sharding = self.cfg.system.sharding
         self.saves = b.world.is_main or self.sharding != "none"
         self.manager = CheckpointManager(self.run_path / "checkpoints", r.keep_checkpoints, say)

@@ -4,7 +4,7 @@ How: the model, optimizer and step of a real run (build, make_optimizer, train_s
 worst-case length (every packed sequence is MAX_LENGTH tokens long), at micro-batches growing by
 doubling, then a binary search between the last size that fit and the first that did not.
 A size fits when its steps run and their peak memory stays under TARGET_VRAM x the memory this
-process can use (train/adapt.py: peak reserved VRAM on a GPU; peak RSS against MAX_MEMORY_MB or
+process can use (train/run/adapt.py: peak reserved VRAM on a GPU; peak RSS against MAX_MEMORY_MB or
 the reachable host RAM on CPU). An out-of-memory error at size F also caps the answer at
 TARGET_VRAM x F: activation memory grows with the micro-batch, and a size just under a crash has
 no headroom for fragmentation or a spike later in the run. Each size's samples/s is measured and
