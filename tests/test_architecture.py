@@ -120,3 +120,18 @@ def test_functions_and_files_are_short():
                 if size > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {size} lines")
     assert not long, "\n".join(long)
+
+
+def test_the_readme_map_names_every_package_and_module():
+    readme = (ROOT.parent / "README.md").read_text()
+    block = readme[readme.index("## Layout"):]
+    block = block[: block.index("```", block.index("```") + 3)]
+    missing = []
+    for module, path in modules().items():
+        if path.name == "__init__.py":
+            continue
+        if path.parent != ROOT and f"  {path.parent.name}/" not in block:
+            missing.append(f"package {path.parent.name}/")
+        if path.stem not in block:
+            missing.append(module)
+    assert not missing, "README's Layout does not name: " + ", ".join(sorted(set(missing)))
