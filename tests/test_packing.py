@@ -154,7 +154,7 @@ def test_eager_float_mask_gives_the_same_logits():
     assert torch.isfinite(b).all() and torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
-def test_flash_form_flattens_without_padding():
+def test_flash_form_flattens_without_padding(model):
     examples, rows, batch = _packed_batch(FLASH)
     n = sum(len(e["input_ids"]) for e in examples)
     assert batch["input_ids"].shape == (1, n) and "attention_mask" not in batch
@@ -167,6 +167,13 @@ def test_flash_form_flattens_without_padding():
     order = [i for row in rows for i in row]
     assert lengths == [len(examples[i]["input_ids"]) for i in order]
     assert all(batch["labels"][0, a] == IGNORE_INDEX and batch["position_ids"][0, a] == 0 for a in cu[:-1])
+    # The layout is right whatever the kernel: an sdpa model given the flat row and position_ids
+    # alone (transformers then builds the block mask) computes each conversation as if alone.
+    with torch.no_grad():
+        flat = model(batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        for i, a, b in zip(order, cu, cu[1:], strict=False):
+            alone = model(torch.tensor([examples[i]["input_ids"]])).logits[0]
+            assert torch.allclose(flat[a:b], alone, atol=1e-5, rtol=0)
 
 
 def test_attention_for_names_the_path_and_why(model, monkeypatch):

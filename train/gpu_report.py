@@ -92,41 +92,47 @@ def section(fig: dict, device: str, date: str) -> str:
         lines += ["", f"Optimized / baseline: **x{ratio:.2f}** tokens/s"
                   + (f" (the compiled first step took about {compile_s:.0f} s more than a steady one)."
                      if compile_s is not None else ".")]
-    fb = fig["find_batch"]
-    lines += ["", "| tool | result | took |", "|---|---|---|"]
-    label = f"find-batch ({fb.get('key', {}).get('precision', '?')})" if fb else "find-batch"
+    lines += _tool_rows(fig)
+    lines += _sft_rows(fig)
+    return "\n".join(lines) + "\n"
+
+
+def _tool_rows(fig: dict) -> list[str]:
+    lines = ["", "| tool | result | took |", "|---|---|---|"]
+    fb, doc = fig["find_batch"], fig["doctor"]
     if fb:
+        label = f"find-batch ({fb.get('key', {}).get('precision', '?')})"
         rate = "" if fb.get("samples_per_sec") is None else f", {fb['samples_per_sec']:.1f} samples/s"
         lines.append(f"| {label} | BATCH_SIZE={fb['batch_size']} GRADIENT_ACCUM="
                      f"{fb['gradient_accumulation_steps']} (largest safe {fb['largest_safe']}{rate}, peak "
                      f"{_fmt(fb.get('peak_mb'), ',.0f')} of {fb['limit_mb']:,.0f} MB) | {_took(fig, 'find-batch')} |")
     else:
-        lines.append(f"| {label} | no result | {_took(fig, 'find-batch')} |")
-    doc = fig["doctor"]
+        lines.append(f"| find-batch | no result | {_took(fig, 'find-batch')} |")
     if doc:
         v = doc["verdict"]
-        lines.append(f"| doctor ({doc['before']['precision']}) | {v['kind']}: {v['why']}; try: {doc.get('try') or 'nothing'} "
-                     f"| {_took(fig, 'doctor')} |")
+        lines.append(f"| doctor ({doc['before']['precision']}) | {v['kind']}: {v['why']}; "
+                     f"try: {doc.get('try') or 'nothing'} | {_took(fig, 'doctor')} |")
     else:
         lines.append(f"| doctor | no result | {_took(fig, 'doctor')} |")
-    lines += _sft_rows(fig)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _sft_rows(fig: dict) -> list[str]:
     sft = fig["sft"]
     lines = ["", "SFT on the built-in conversations from the doctor run's model, one conversation per row "
              "(PACKING=0) vs packed rows (PACKING=1):", "",
-             "| PACKING | batch | precision | padding efficiency | samples/s | real tokens/s | step ms | final loss | took |",
+             "| PACKING | batch | precision | padding efficiency | samples/s | real tokens/s | step ms | "
+             "final loss | took |",
              "|---|---|---|---|---|---|---|---|---|"]
     for p in (0, 1):
         s = sft.get(p)
         if s is None:
             lines.append(f"| {p} | | | | | | | | {_took(fig, f'sft-packing{p}')} |")
             continue
-        lines.append(f"| {p} | {s.get('batch_size')} | {s.get('precision')} | {_fmt(s.get('padding_efficiency'), '.1%')} | {_fmt(s.get('samples_per_sec'), '.2f')} | "
-                     f"{_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('step_time_ms'), '.0f')} | "
-                     f"{_fmt(s.get('final_loss'), '.4f')} | {_took(fig, f'sft-packing{p}')} |")
+        cells = [p, s.get("batch_size"), s.get("precision"), _fmt(s.get("padding_efficiency"), ".1%"),
+                 _fmt(s.get("samples_per_sec"), ".2f"), _fmt(s.get("tokens_per_sec"), ",.0f"),
+                 _fmt(s.get("step_time_ms"), ".0f"), _fmt(s.get("final_loss"), ".4f"), _took(fig, f"sft-packing{p}")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(s is not None and "packing" not in s for s in sft.values()):
         lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both SFT "
                   "runs used one conversation per row."]

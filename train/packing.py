@@ -231,7 +231,9 @@ def attention_for(model_or_device, precision: str | None = None) -> Attention:
     device, precision, impl = _device_and_precision(model_or_device, precision)
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if device.type == "cuda" and has_flash and precision in ("bf16", "fp16"):
-        switch = "" if impl in (None, FLASH) else f" (load or switch the model to attn_implementation='{FLASH}'; it uses {impl} now)"
+        switch = ""
+        if impl not in (None, FLASH):
+            switch = f" (load or switch the model to attn_implementation='{FLASH}'; it uses {impl} now)"
         return Attention(FLASH, (
             f"packed attention: flash-attention 2 varlen ({precision} on {device}): conversations flattened "
             f"into one row with cu_seq_lens, so no mask tensor, no padding, and no work across "
