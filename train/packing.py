@@ -139,8 +139,9 @@ class PackedCollator:
     """Rows of conversations (PackedRows items) -> a batch for the model.
 
     attention=sdpa/eager: input_ids, labels, position_ids and attention_mask (batch, 1, T, T),
-    padded to the fullest row of the batch (rounded up to pad_to_multiple_of); the padding is
-    a segment of its own with label -100. attention=flash_attention_2: every conversation of
+    padded to the fullest row of the batch (rounded up to pad_to_multiple_of: 8 on CUDA, as
+    PadCollator, where the masked kernels want aligned widths); the padding is a segment of its
+    own with label -100. attention=flash_attention_2: every conversation of
     the batch in one row (1, N) without padding, position_ids, and the varlen kwargs
     cu_seq_lens_q/k (int32 tensors) and max_length_q/k (ints, as transformers'
     DataCollatorWithFlattening gives them; transformers derives the same boundaries from
