@@ -1,0 +1,96 @@
+"""make gpu-report: one line and exit 0 without a GPU; the GPU table section written and replaced."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT, launch
+from train.gpu_report import HEADING, main, replace_section
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the whole report")
+def test_without_cuda_one_line_and_exit_0():
+    before = (ROOT / "bench" / "RESULTS.md").read_text()
+    proc = launch("scripts/gpu_report.sh", {})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-report: no CUDA GPU here; on one it runs bench")
+    assert "find-batch" in lines[0] and "PACKING=0 vs 1" in lines[0] and proc.stderr == ""
+    assert (ROOT / "bench" / "RESULTS.md").read_text() == before
+
+
+def _bench(precision, compile_, batch, accum, ms, tps, tflops, mfu):
+    return {"model_size": "small", "precision": precision, "compile": compile_, "batch_size": batch,
+            "gradient_accumulation_steps": accum, "max_length": 1024, "startup": {"compile_s": 41.0} if compile_ else {},
+            "kit": {"ms_per_step": ms, "tokens_per_sec": tps, "achieved_tflops": tflops, "mfu": mfu}}
+
+
+def _session(out, sft_loss=1.2345, packing_key=True):
+    out.mkdir()
+    (out / "bench-baseline.json").write_text(json.dumps(_bench("fp32", False, 8, 1, 310.0, 26400.0, 20.5, 0.021)))
+    (out / "bench-optimized.json").write_text(json.dumps(_bench("bf16", True, 32, 4, 600.0, 218000.0, 170.2, 0.172)))
+    (out / ".auto_batch.json").write_text(json.dumps({
+        "batch_size": 64, "gradient_accumulation_steps": 2, "effective_batch": 128, "largest_safe": 96,
+        "limit_mb": 64000.0, "capacity_mb": 80000.0, "samples_per_sec": 230.5, "peak_mb": 51000.0,
+        "key": {"precision": "bf16"}}))
+    (out / "doctor-before-x").mkdir()
+    (out / "doctor-before-x" / "doctor.json").write_text(json.dumps({
+        "before": {"precision": "bf16"}, "verdict": {"kind": "input-bound", "why": "data wait 31 %"},
+        "try": "NUM_WORKERS=8"}))
+    for p, eff in ((0, 0.41), (1, 0.97)):
+        (out / f"sft-packing{p}").mkdir()
+        summary = {"batch_size": 16, "precision": "bf16", "padding_efficiency": eff, "samples_per_sec": 100.0 + p,
+                   "tokens_per_sec": 9000.0 * (1 + p), "step_time_ms": 160.0, "final_loss": sft_loss}
+        if packing_key:
+            summary["packing"] = bool(p)
+        (out / f"sft-packing{p}" / "summary.json").write_text(json.dumps(summary))
+    (out / "parts.tsv").write_text("bench-baseline\t35\tok\nbench-optimized\t95\tok\nfind-batch\t60\tok\n"
+                                   "doctor\t90\tstopped after 90 s\nsft-packing0\t40\tok\nsft-packing1\t41\tok\n")
+
+
+def test_table_written_then_replaced_in_a_copy_of_results(tmp_path, capsys):
+    results = tmp_path / "RESULTS.md"
+    shutil.copy(ROOT / "bench" / "RESULTS.md", results)
+    original = results.read_text()
+    _session(tmp_path / "a")
+    args = ["--results", str(results), "--device", "NVIDIA H100 80GB HBM3 (torch 2.13.0)", "--date", "2026-11-23"]
+    assert main(["--out", str(tmp_path / "a"), *args]) == 0
+    text = results.read_text()
+    assert text.startswith(original.rstrip("\n")) and text.count(HEADING) == 1
+    table = text[text.index(HEADING):]
+    assert "**NVIDIA H100 80GB HBM3 (torch 2.13.0)**, 2026-11-23. GPT-2 small, T=1024" in table
+    assert "| bench, baseline preset | fp32, compile 0, batch 8 x 1, T=1024 | 310.0 | 26,400 | 20.5 | 2.1% | 35 s |" in table
+    assert "| bench, optimized preset | bf16, compile 1, batch 32 x 4, T=1024 | 600.0 | 218,000 | 170.2 | 17.2% | 95 s |" in table
+    assert "Optimized / baseline: **x8.26** tokens/s" in table and "about 41 s" in table
+    assert "| find-batch (bf16) | BATCH_SIZE=64 GRADIENT_ACCUM=2 (largest safe 96, 230.5 samples/s, peak 51,000 of 64,000 MB) | 60 s |" in table
+    assert "| doctor (bf16) | input-bound: data wait 31 %; try: NUM_WORKERS=8 | 90 s, stopped after 90 s (see doctor.log) |" in table
+    assert "| 0 | 16 | bf16 | 41.0% | 100.00 | 9,000 | 160 | 1.2345 | 40 s |" in table
+    assert "| 1 | 16 | bf16 | 97.0% | 101.00 | 18,000 | 160 | 1.2345 | 41 s |" in table
+    assert "not a setting of this checkout" not in table
+    assert capsys.readouterr().out.endswith(f"gpu-report: wrote the GPU table of {results}\n")
+
+    _session(tmp_path / "b", sft_loss=9.8765, packing_key=False)  # a second session replaces the first
+    assert main(["--out", str(tmp_path / "b"), *args]) == 0
+    again = results.read_text()
+    assert again.count(HEADING) == 1 and again.startswith(original.rstrip("\n"))
+    assert "9.8765" in again and "1.2345" not in again and "not a setting of this checkout yet" in again
+
+
+def test_missing_parts_and_a_section_between_others(tmp_path):
+    (tmp_path / "empty").mkdir()
+    results = tmp_path / "R.md"
+    results.write_text("# R\n\n## A\n\na\n\n## GPU table\n\nold figures\n\n## Z\n\nz\n")
+    assert main(["--out", str(tmp_path / "empty"), "--results", str(results), "--device", "d", "--date", "x"]) == 0
+    text = results.read_text()
+    assert text.startswith("# R\n\n## A\n\na\n\n## GPU table\n") and text.endswith("\n\n## Z\n\nz\n")
+    assert "old figures" not in text and "| bench, baseline preset | | | | | | not run |" in text
+    assert "| find-batch | no result | not run |" in text and "| doctor | no result | not run |" in text
+    # replacing is idempotent and leaves every other line as it was
+    section = text[text.index(HEADING) : text.index("## Z")].rstrip("\n") + "\n"
+    assert replace_section(text, section) == text
+    assert replace_section("# R\n", "## GPU table\n\nnew\n") == "# R\n\n## GPU table\n\nnew\n"
+    assert main(["--out", str(tmp_path / "nowhere"), "--results", str(results)]) == 2

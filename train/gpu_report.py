@@ -1,0 +1,183 @@
+"""`make gpu-report`'s second half: the outputs of one GPU session -> bench/RESULTS.md's GPU table.
+
+scripts/gpu_report.sh runs the kit's own commands (bench, find-batch, doctor, SFT) into one
+folder; this reads what they wrote there (bench --json files, .auto_batch.json, doctor.json,
+the SFT runs' summary.json, parts.tsv with each part's seconds and status) and writes the
+"## GPU table" section of RESULTS.md, replacing the previous one, naming the device and date.
+
+    python -m train.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HEADING = "## GPU table"
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect(out: Path) -> dict:
+    """Every figure the session left in `out`; a part that wrote nothing is None."""
+    parts = {}
+    for line in (out / "parts.tsv").read_text().splitlines() if (out / "parts.tsv").is_file() else []:
+        name, seconds, status = (line.split("\t") + ["", ""])[:3]
+        parts[name] = {"seconds": int(seconds or 0), "status": status}
+    doctor = next(iter(sorted(out.glob("*/doctor.json"))), None)
+    return {
+        "parts": parts,
+        "bench_baseline": _json(out / "bench-baseline.json"),
+        "bench_optimized": _json(out / "bench-optimized.json"),
+        "find_batch": _json(out / ".auto_batch.json"),
+        "doctor": _json(doctor) if doctor else None,
+        "sft": {p: _json(out / f"sft-packing{p}" / "summary.json") for p in (0, 1)},
+        "out": str(out),
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _took(fig: dict, part: str) -> str:
+    p = fig["parts"].get(part)
+    if p is None:
+        return "not run"
+    return f"{p['seconds']} s" + ("" if p["status"] == "ok" else f", {p['status']} (see {part}.log)")
+
+
+def _bench_rows(fig: dict) -> list[str]:
+    rows = []
+    for key, part, label in (("bench_baseline", "bench-baseline", "baseline preset"),
+                             ("bench_optimized", "bench-optimized", "optimized preset")):
+        r = fig[key]
+        if r is None:
+            rows.append(f"| bench, {label} | | | | | | {_took(fig, part)} |")
+            continue
+        k = r["kit"]
+        settings = (f"{r['precision']}, compile {int(bool(r['compile']))}, batch {r['batch_size']} x "
+                    f"{r['gradient_accumulation_steps']}, T={r['max_length']}")
+        rows.append(f"| bench, {label} | {settings} | {k['ms_per_step']:.1f} | {k['tokens_per_sec']:,.0f} | "
+                    f"{k['achieved_tflops']:.1f} | {_fmt(k['mfu'], '.1%')} | {_took(fig, part)} |")
+    return rows
+
+
+def section(fig: dict, device: str, date: str) -> str:
+    """The Markdown of the GPU table section (ending in one newline)."""
+    base, opt = fig["bench_baseline"], fig["bench_optimized"]
+    shown = opt or base or {}
+    lines = [
+        HEADING,
+        "",
+        f"Written by `make gpu-report` (scripts/gpu_report.sh) on **{device}**, {date}. GPT-2 "
+        f"{shown.get('model_size', '?')}, T={shown.get('max_length', '?')}, the built-in corpus; raw "
+        f"outputs were in `{fig['out']}`.",
+        "",
+        "| part | settings | ms/step | tokens/s | TFLOP/s | MFU | took |",
+        "|---|---|---|---|---|---|---|",
+        *_bench_rows(fig),
+    ]
+    if base and opt:
+        ratio = opt["kit"]["tokens_per_sec"] / base["kit"]["tokens_per_sec"]
+        compile_s = opt.get("startup", {}).get("compile_s")
+        lines += ["", f"Optimized / baseline: **x{ratio:.2f}** tokens/s"
+                  + (f" (the compiled first step took about {compile_s:.0f} s more than a steady one)."
+                     if compile_s is not None else ".")]
+    lines += _tool_rows(fig)
+    lines += _sft_rows(fig)
+    return "\n".join(lines) + "\n"
+
+
+def _tool_rows(fig: dict) -> list[str]:
+    lines = ["", "| tool | result | took |", "|---|---|---|"]
+    fb, doc = fig["find_batch"], fig["doctor"]
+    if fb:
+        label = f"find-batch ({fb.get('key', {}).get('precision', '?')})"
+        rate = "" if fb.get("samples_per_sec") is None else f", {fb['samples_per_sec']:.1f} samples/s"
+        lines.append(f"| {label} | BATCH_SIZE={fb['batch_size']} GRADIENT_ACCUM="
+                     f"{fb['gradient_accumulation_steps']} (largest safe {fb['largest_safe']}{rate}, peak "
+                     f"{_fmt(fb.get('peak_mb'), ',.0f')} of {fb['limit_mb']:,.0f} MB) | {_took(fig, 'find-batch')} |")
+    else:
+        lines.append(f"| find-batch | no result | {_took(fig, 'find-batch')} |")
+    if doc:
+        v = doc["verdict"]
+        lines.append(f"| doctor ({doc['before']['precision']}) | {v['kind']}: {v['why']}; "
+                     f"try: {doc.get('try') or 'nothing'} | {_took(fig, 'doctor')} |")
+    else:
+        lines.append(f"| doctor | no result | {_took(fig, 'doctor')} |")
+    return lines
+
+
+def _sft_rows(fig: dict) -> list[str]:
+    sft = fig["sft"]
+    lines = ["", "SFT on the built-in conversations from the doctor run's model, one conversation per row "
+             "(PACKING=0) vs packed rows (PACKING=1):", "",
+             "| PACKING | batch | precision | padding efficiency | samples/s | real tokens/s | step ms | "
+             "final loss | took |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in (0, 1):
+        s = sft.get(p)
+        if s is None:
+            lines.append(f"| {p} | | | | | | | | {_took(fig, f'sft-packing{p}')} |")
+            continue
+        cells = [p, s.get("batch_size"), s.get("precision"), _fmt(s.get("padding_efficiency"), ".1%"),
+                 _fmt(s.get("samples_per_sec"), ".2f"), _fmt(s.get("tokens_per_sec"), ",.0f"),
+                 _fmt(s.get("step_time_ms"), ".0f"), _fmt(s.get("final_loss"), ".4f"), _took(fig, f"sft-packing{p}")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if any(s is not None and "packing" not in s for s in sft.values()):
+        lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both SFT "
+                  "runs used one conversation per row."]
+    return lines
+
+
+def replace_section(text: str, new: str) -> str:
+    """text with its "## GPU table" section (up to the next "## " heading) replaced by new,
+    or new appended where there is none; every other line is kept as it was."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + new
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    tail = "".join(lines[end:])
+    return "".join(lines[:start]) + new + ("\n" + tail if tail else "")
+
+
+def device_label() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.gpu_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the folder scripts/gpu_report.sh wrote")
+    parser.add_argument("--results", default="bench/RESULTS.md")
+    parser.add_argument("--device", default=None, help="device name for the heading (default: torch's)")
+    parser.add_argument("--date", default=None, help="date for the heading (default: today)")
+    args = parser.parse_args(argv)
+    out, results = Path(args.out), Path(args.results)
+    if not out.is_dir():
+        print(f"error: --out {out}: no such folder", file=sys.stderr)
+        return 2
+    text = results.read_text() if results.is_file() else "# Benchmark results\n"
+    fig = collect(out)
+    new = section(fig, args.device or device_label(), args.date or time.strftime("%Y-%m-%d"))
+    results.write_text(replace_section(text, new))
+    print(new, end="")
+    print(f"gpu-report: wrote the GPU table of {results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

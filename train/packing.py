@@ -1,0 +1,255 @@
+"""SFT packing: several conversations per row of MAX_LENGTH tokens instead of one padded row each.
+
+`pack` places conversations into rows by best-fit decreasing (each conversation, longest
+first, goes into the row whose free space fits it most tightly), which for SFT-like length
+mixes leaves a few percent of padding where one-per-row padding wastes half or more.
+
+`PackedCollator` turns rows into batches in which no conversation can see another:
+- position_ids restart at 0 for every conversation, so each is embedded as if it were alone;
+- the first token of every conversation gets label -100: transformers' loss shifts labels by
+  one (logits at t predict label t+1), so that label would otherwise be predicted from the
+  last token of the previous conversation;
+- attention: for sdpa (and eager) a 4D block-diagonal causal mask (batch, 1, T, T), which
+  transformers passes to the kernel untouched; for flash-attention 2 the rows are flattened
+  into one row with cu_seq_lens, and the varlen kernel keeps the conversations apart.
+`attention_for` says which of the two a model on a device should use, and why.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from train.errors import UsageError
+from train.sft_batching import IGNORE_INDEX
+
+FLASH = "flash_attention_2"
+SDPA = "sdpa"
+EAGER = "eager"
+
+
+@dataclass
+class Packing:
+    rows: list[list[int]]  # conversation indices per row, in the order they sit in the row
+    real_tokens: int
+    efficiency: float  # real tokens / (rows x max_length): padding every row to MAX_LENGTH
+    efficiency_longest: float  # real tokens / (rows x the fullest row): padding to the longest row
+
+
+def pack(lengths: Sequence[int], max_length: int, seed: int | None = None) -> Packing:
+    """Best-fit decreasing into rows of at most max_length tokens.
+
+    Deterministic: ties between equal lengths keep index order (seed None) or a seeded order,
+    and with a seed the rows come out in a seeded shuffle (a new seed per epoch gives a new
+    order). A conversation longer than max_length should have been truncated when encoded;
+    one that was not is a setting mismatch, reported as such.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if max_length < 1:
+        raise UsageError(f"MAX_LENGTH={max_length}: packing needs rows of at least 1 token")
+    if len(lengths) and lengths.max() > max_length:
+        i = int(lengths.argmax())
+        raise UsageError(
+            f"MAX_LENGTH={max_length}: conversation {i} has {int(lengths[i])} tokens; conversations must be "
+            "truncated to MAX_LENGTH before packing"
+        )
+    rng = np.random.default_rng(seed) if seed is not None else None
+    order = rng.permutation(len(lengths)) if rng is not None else np.arange(len(lengths))
+    order = order[np.argsort(-lengths[order], kind="stable")]
+    # Free space of every open row, as one sorted list of ints free * n_rows_bound + row, so a
+    # bisect finds the tightest row that fits and ties go to the oldest row.
+    bound = len(lengths) + 1
+    free: list[int] = []
+    rows: list[list[int]] = []
+    for i in order.tolist():
+        n = int(lengths[i])
+        at = bisect.bisect_left(free, n * bound)
+        if at == len(free):
+            row, room = len(rows), max_length
+            rows.append([])
+        else:
+            row, room = free[at] % bound, free[at] // bound
+            del free[at]
+        rows[row].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n) * bound + row)
+    if rng is not None:
+        rows = [rows[k] for k in rng.permutation(len(rows))]
+    real = int(lengths.sum())
+    fullest = max((int(lengths[r].sum()) for r in rows), default=0)
+    return Packing(
+        rows=rows,
+        real_tokens=real,
+        efficiency=real / (len(rows) * max_length) if rows else 1.0,
+        efficiency_longest=real / (len(rows) * fullest) if fullest else 1.0,
+    )
+
+
+class PackedRows(Dataset):
+    """A dataset of rows: item k is the list of encoded conversations that share row k."""
+
+    def __init__(self, examples: Sequence[dict], rows: Sequence[Sequence[int]]):
+        self.examples, self.rows = examples, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return [self.examples[i] for i in self.rows[index]]
+
+
+def _row_parts(row: Sequence[dict]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """One row's input ids, labels, position ids and segment ids (1, 2, ... per conversation)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    for k, example in enumerate(row, start=1):
+        n = len(example["input_ids"])
+        if n == 0:
+            continue
+        ids += list(example["input_ids"])
+        labels += [IGNORE_INDEX, *list(example["labels"])[1:]]
+        positions += range(n)
+        segments += [k] * n
+    return ids, labels, positions, segments
+
+
+def block_causal_mask(segments: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """(batch, T) segment ids -> (batch, 1, T, T) mask: query t sees key s when s <= t and both
+    belong to the same segment. bool (True = attend) for sdpa; a float dtype gives the additive
+    form (0 / most negative) that eager attention adds to its scores. Every query sees at least
+    itself, so no softmax row is empty (an empty row is NaN in sdpa)."""
+    t = segments.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class PackedCollator:
+    """Rows of conversations (PackedRows items) -> a batch for the model.
+
+    attention=sdpa/eager: input_ids, labels, position_ids and attention_mask (batch, 1, T, T),
+    padded to the fullest row of the batch (rounded up to pad_to_multiple_of: 8 on CUDA, as
+    PadCollator, where the masked kernels want aligned widths); the padding is a segment of its
+    own with label -100. attention=flash_attention_2: every conversation of
+    the batch in one row (1, N) without padding, position_ids, and the varlen kwargs
+    cu_seq_lens_q/k (int32 tensors) and max_length_q/k (ints, as transformers'
+    DataCollatorWithFlattening gives them; transformers derives the same boundaries from
+    position_ids when they are missing). Both forms carry the ints n_real_tokens,
+    n_padded_tokens (as PadCollator) and n_conversations.
+    """
+
+    def __init__(self, pad_token_id: int, attention: str = SDPA, pad_to_multiple_of: int = 1,
+                 mask_dtype: torch.dtype = torch.float32):
+        if attention not in (SDPA, EAGER, FLASH):
+            raise ValueError(f"attention must be {SDPA}, {EAGER} or {FLASH}, got {attention!r}")
+        self.pad_token_id, self.attention, self.multiple = pad_token_id, attention, pad_to_multiple_of
+        self.mask_dtype = mask_dtype  # eager only: the dtype of the additive mask
+
+    def __call__(self, rows: Sequence[Sequence[dict]]) -> dict:
+        parts = [_row_parts(row) for row in rows]
+        n_conversations = sum(len(set(p[3])) for p in parts)
+        if self.attention == FLASH:
+            return self._flat(parts, n_conversations)
+        real = [len(p[0]) for p in parts]
+        width = max(1, -(-max(real) // self.multiple) * self.multiple)
+        ids = torch.full((len(parts), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(parts), width), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros((len(parts), width), dtype=torch.long)
+        segments = torch.zeros((len(parts), width), dtype=torch.long)
+        for r, (row_ids, row_labels, row_pos, row_seg) in enumerate(parts):
+            n = len(row_ids)
+            ids[r, :n] = torch.as_tensor(row_ids, dtype=torch.long)
+            labels[r, :n] = torch.as_tensor(row_labels, dtype=torch.long)
+            positions[r, :n] = torch.as_tensor(row_pos, dtype=torch.long)
+            segments[r, :n] = torch.as_tensor(row_seg, dtype=torch.long)
+            positions[r, n:] = torch.arange(width - n)  # the padding: a short sequence of its own
+        mask = block_causal_mask(segments, torch.bool if self.attention == SDPA else self.mask_dtype)
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "position_ids": positions,
+            "attention_mask": mask,
+            "n_real_tokens": sum(real),
+            "n_padded_tokens": len(parts) * width,
+            "n_conversations": n_conversations,
+        }
+
+    def _flat(self, parts, n_conversations: int) -> dict:
+        ids = [t for p in parts for t in p[0]]
+        labels = [t for p in parts for t in p[1]]
+        positions = [t for p in parts for t in p[2]]
+        starts = [i for i, pos in enumerate(positions) if pos == 0] + [len(positions)]
+        longest = max((b - a for a, b in zip(starts, starts[1:], strict=False)), default=0)
+        cu = torch.tensor(starts, dtype=torch.int32)
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+            "n_real_tokens": len(ids),
+            "n_padded_tokens": len(ids),
+            "n_conversations": n_conversations,
+        }
+
+
+@dataclass
+class Attention:
+    kind: str  # FLASH, SDPA or EAGER: PackedCollator's attention argument
+    why: str  # one sentence for the run's log
+
+
+def _device_and_precision(model_or_device, precision: str | None):
+    if isinstance(model_or_device, torch.nn.Module):
+        param = next(model_or_device.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        if precision is None and param is not None:
+            precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(param.dtype, "fp32")
+        impl = getattr(getattr(model_or_device, "config", None), "_attn_implementation", None)
+        return device, precision or "fp32", impl
+    return torch.device(model_or_device), precision or "fp32", None
+
+
+def attention_for(model_or_device, precision: str | None = None) -> Attention:
+    """Which attention keeps packed conversations apart on this model/device, and why.
+
+    precision: the run's autocast precision (bf16/fp16/fp32); for a model it defaults to its
+    parameters' dtype, which under autocast is fp32, so pass the run's precision.
+    """
+    device, precision, impl = _device_and_precision(model_or_device, precision)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if device.type == "cuda" and has_flash and precision in ("bf16", "fp16"):
+        switch = ""
+        if impl not in (None, FLASH):
+            switch = f" (load or switch the model to attn_implementation='{FLASH}'; it uses {impl} now)"
+        return Attention(FLASH, (
+            f"packed attention: flash-attention 2 varlen ({precision} on {device}): conversations flattened "
+            f"into one row with cu_seq_lens, so no mask tensor, no padding, and no work across "
+            f"conversations{switch}"
+        ))
+    if device.type != "cuda":
+        reason = f"flash-attention needs a CUDA device, this is {device.type}"
+    elif not has_flash:
+        reason = "the flash_attn package is not installed"
+    else:
+        reason = f"flash-attention runs only in bf16/fp16, this run is {precision}"
+    if impl == EAGER:
+        return Attention(EAGER, f"packed attention: eager with an additive block-diagonal causal mask ({reason}; "
+                                "the model has no sdpa support)")
+    return Attention(SDPA, (
+        f"packed attention: sdpa with a block-diagonal causal mask (batch, 1, T, T) so no conversation "
+        f"sees another ({reason})"
+    ))
