@@ -42,7 +42,7 @@ def worker(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from train.loss import chunked_cross_entropy
+    from train.core.loss import chunked_cross_entropy
 
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: train.loss's)")
+    parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: train.core.loss's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--worker", choices=("plain", "chunked"), help=argparse.SUPPRESS)

@@ -2,7 +2,7 @@
 # `make gpu-report`: the GPU figures of bench/RESULTS.md in one go, with the kit's own commands:
 # bench for GPT-2 small at T=1024 (baseline preset vs optimized preset with bf16 + compile),
 # find-batch, doctor, and SFT with PACKING=0 vs PACKING=1 from the doctor run's model; then
-# train/gpu_report.py writes the "GPU table" section of bench/RESULTS.md (device, date).
+# train/tools/gpu_report.py writes the "GPU table" section of bench/RESULTS.md (device, date).
 # Each part gets a time limit inside a total budget (GPU_REPORT_BUDGET_S, 540 s), so the whole
 # report takes under 10 minutes; a part that fails or runs out of time is named in the table
 # and the others still run. Outputs: runs/gpu-report-<date>/ (a log per part).
@@ -66,4 +66,4 @@ for packing in 0 1; do
     RUN_NAME="sft-packing$packing" MAX_STEPS=20 ENABLE_BF16=1 NUM_WORKERS=0 ./train_sft_custom.sh 16
 done
 
-"$PY" -m train.gpu_report --out "$OUT" --results bench/RESULTS.md
+"$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, launch
-from train.gpu_report import HEADING, main, replace_section
+from train.tools.gpu_report import HEADING, main, replace_section
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the whole report")

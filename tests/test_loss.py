@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from train.loss import (
+from train.core.loss import (
     chunked_cross_entropy,
     count_targets,
     lm_hidden_and_head,
@@ -17,7 +17,8 @@ from train.loss import (
     step_targets,
     token_mean_share,
 )
-from train.sft_batching import IGNORE_INDEX, PadCollator
+from train.core.units import IGNORE_INDEX
+from train.data.sft_batching import PadCollator
 
 
 def _plain_sum(hidden, weight, labels):

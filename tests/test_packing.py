@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from train.errors import UsageError
-from train.packing import (
+from train.core.errors import UsageError
+from train.core.units import IGNORE_INDEX
+from train.data.packing import (
     EAGER,
     FLASH,
     SDPA,
@@ -21,7 +22,7 @@ from train.packing import (
     block_causal_mask,
     pack,
 )
-from train.sft_batching import IGNORE_INDEX, padding_efficiency
+from train.data.sft_batching import padding_efficiency
 
 
 def test_bfd_packs_alpaca_like_lengths_tightly():

@@ -13,7 +13,8 @@ import torch
 
 from conftest import launch, read_jsonl, run_cli
 from train.core.step import forward_loss
-from train.data.sft_data import IGNORE_INDEX, PadCollator, encode_conversations, ensure_special_tokens
+from train.core.units import IGNORE_INDEX
+from train.data.sft_data import PadCollator, encode_conversations, ensure_special_tokens
 from train.run.sft import newest_pretrained
 
 FORMATS = {

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from train.errors import UsageError
-from train.tensorboard_log import NoLog, TensorBoardLog, reporter
+from train.core.errors import UsageError
+from train.observe.tensorboard_log import NoLog, TensorBoardLog, reporter
 
 
 def _read(path):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-IGNORE_INDEX = -100  # the ignore_index of torch's cross_entropy, which transformers' loss uses
+from train.core.units import IGNORE_INDEX
 
 
 class PadCollator:

@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from train.core.errors import UsageError
+from train.core.units import IGNORE_INDEX
 from train.data import text as data
 
-IGNORE_INDEX = -100  # the label transformers' causal-LM loss skips
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
 # The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
 # runs that differ only in BATCH_SIZE (make compare, ./train_sft_custom.sh 16 vs 20) must train

@@ -5,7 +5,7 @@ folder; this reads what they wrote there (bench --json files, .auto_batch.json, 
 the SFT runs' summary.json, parts.tsv with each part's seconds and status) and writes the
 "## GPU table" section of RESULTS.md, replacing the previous one, naming the device and date.
 
-    python -m train.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md]
+    python -m train.tools.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def device_label() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.gpu_report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m train.tools.gpu_report", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the folder scripts/gpu_report.sh wrote")
     parser.add_argument("--results", default="bench/RESULTS.md")
     parser.add_argument("--device", default=None, help="device name for the heading (default: torch's)")

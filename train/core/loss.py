@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from train.sft_batching import IGNORE_INDEX
+from train.core.units import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 2**25  # logits per chunk (128 MiB in fp32): ~650 tokens at GPT-2's 50K vocab
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.errors import UsageError
-from train.sft_batching import IGNORE_INDEX
+from train.core.errors import UsageError
+from train.core.units import IGNORE_INDEX
 
 FLASH = "flash_attention_2"
 SDPA = "sdpa"

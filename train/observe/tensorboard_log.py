@@ -14,7 +14,7 @@ import math
 from numbers import Real
 from pathlib import Path
 
-from train.errors import UsageError
+from train.core.errors import UsageError
 
 CHOICES = ("none", "tensorboard")
 SUBDIR = "tensorboard"
