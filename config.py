@@ -7,6 +7,7 @@ variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag i
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -21,6 +22,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
+REPORT_TO = ("none", "tensorboard")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Launcher variable for a field, where it is not simply the field name in upper case.
@@ -120,6 +122,11 @@ class DataConfig:
     """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this
     many padded tokens (rows x longest), so short samples come many to a batch and memory per
     step stays flat. Replaces BATCH_SIZE as the batch size; groups by length by itself."""
+    packing: bool = False
+    """SFT: pack several conversations into each row of MAX_LENGTH tokens (best-fit decreasing)
+    instead of one padded row each: a few percent of padding instead of half. Positions restart
+    and attention never crosses a conversation (a block mask with sdpa, varlen flash-attention
+    where installed). BATCH_SIZE then counts rows of MAX_LENGTH tokens."""
     skip_bad_records: bool = False
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how
     many, instead of stopping at the first. An empty file or an unknown format still stops."""
@@ -298,6 +305,9 @@ class RunConfig:
     keep_best: bool = False
     """Also save the model with the lowest validation loss so far in best/ (final/ is always
     the last model)."""
+    report_to: str = "none"
+    """none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in
+    runs/<name>/tensorboard/ (`tensorboard --logdir runs`), as the transformers Trainer does."""
     dry_run: bool = False
     """Print the resolved settings, the derived numbers and a peak-memory estimate, then exit:
     no model on the device, no run folder (`make show-config`)."""
@@ -315,6 +325,13 @@ class RunConfig:
             raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
         _check_int(self, "eval_every", 0)
         _check_int(self, "eval_batches", 1)
+        if self.report_to not in REPORT_TO:
+            raise bad_value("report_to", " | ".join(REPORT_TO), self.report_to)
+        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError(
+                "REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs it); "
+                "or set REPORT_TO=none"
+            )
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}

@@ -20,6 +20,7 @@ MAX_STEPS=${MAX_STEPS:-}
 LEARNING_RATE=${LEARNING_RATE:-}        # empty: 1e-4 (preset sft); 2e-5 for a well-trained model of 1B+
 LENGTH_GROUPING=${LENGTH_GROUPING:-0}   # 1: batch conversations of similar length (less padding)
 TOKEN_BUDGET=${TOKEN_BUDGET:-}          # N: micro-batches of at most N padded tokens instead of BATCH_SIZE rows
+PACKING=${PACKING:-0}                   # 1: pack conversations into MAX_LENGTH rows (BATCH_SIZE counts rows)
 ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
 ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): less memory, ~30 % slower
@@ -28,6 +29,7 @@ SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0}  # 1: let MODEL_PATH run the code it ships
 RUN_NAME=${RUN_NAME:-}                  # empty: train_sft_custom-<time>
 SEED=${SEED:-}
+REPORT_TO=${REPORT_TO:-none}            # tensorboard: also write TensorBoard events in the run folder
 NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
 
 source "$(dirname "$0")/scripts/common.sh"

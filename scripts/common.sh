@@ -20,9 +20,9 @@ KIT_VALUE_KNOBS=(
   SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
   SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer
   MODEL_PATH:--model_path TRUST_REMOTE_CODE:--trust_remote_code LENGTH_GROUPING:--length_grouping
-  TOKEN_BUDGET:--token_budget SKIP_BAD_RECORDS:--skip_bad_records
+  TOKEN_BUDGET:--token_budget PACKING:--packing SKIP_BAD_RECORDS:--skip_bad_records
   VAL_FRACTION:--val_fraction VAL_PATH:--val_path EVAL_EVERY:--eval_every EVAL_BATCHES:--eval_batches
-  KEEP_BEST:--keep_best DRY_RUN:--dry_run
+  KEEP_BEST:--keep_best REPORT_TO:--report_to DRY_RUN:--dry_run
   EFFECTIVE_BATCH:--effective_batch AUTO_BATCH:--auto_batch LR_SCALING:--lr_scaling
   LR_REFERENCE_BATCH:--lr_reference_batch TARGET_VRAM:--target_vram MAX_MEMORY_MB:--max_memory_mb
 )

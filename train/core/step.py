@@ -12,6 +12,7 @@ import torch
 
 from config import TrainConfig
 from train.core.device import autocast
+from train.core.loss import chunked_cross_entropy, count_targets, lm_hidden_and_head
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,32 +45,55 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def forward_loss(model, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
-    # Only tensors reach the model: SFT's PadCollator also hands over the ints n_real_tokens and
-    # n_padded_tokens, which BatchCounter has already read on the host. With padded SFT batches
-    # transformers' loss is the mean over this micro-batch's trained tokens (labels != -100), so
-    # with accumulation each micro-batch weighs the same whatever its token count, as in the
-    # transformers Trainer for years; acceptable, and the same rule for every run compared.
+def chunkable(model) -> bool:
+    """The chunked loss (train/core/loss.py) runs the base model and the LM head itself, so it
+    needs the bare transformers model: DDP's forward does its gradient-sync bookkeeping,
+    FSDP2's parameters are gathered only inside the model's own forward, and torch.compile's
+    graph is the whole forward. Those keep transformers' loss (same numbers, full logits)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or isinstance(model, FSDPModule):
+        return False
+    head = model.get_output_embeddings()
+    return head is not None and getattr(head, "bias", None) is None
+
+
+def forward_loss(model, batch: dict, device: torch.device, precision: str, targets: int | None = None) -> torch.Tensor:
+    """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
+    (token-correct accumulation: the step's loss is the mean over all its target tokens, as
+    one big batch would give, not a mean of per-micro-batch means). targets None: this batch's
+    own (its mean loss). Counted on the host before the batch moves: no device sync."""
+    if targets is None:
+        targets = count_targets(batch)
+    # Only tensors reach the model: the collators also hand over host ints (n_real_tokens ...),
+    # which BatchCounter has already read.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
     with autocast(device, precision):
-        return model(**batch, labels=labels).loss
+        if chunkable(model):
+            hidden, weight = lm_hidden_and_head(model, **batch)
+            total, _ = chunked_cross_entropy(hidden, weight, labels)
+            return total / max(1, targets)
+        return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss
 
 
 def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None):
-    """One optimizer step: micro-steps (autocast, backward of loss/accum) -> unscale -> clip
-    -> step -> zero_grad. Returns (mean loss, grad norm) as device tensors, so nothing here
-    waits for the device, and the seconds spent waiting for batches. gradient_sync(last) (from
+    """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
+    step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
+    are fetched first, so their target tokens are counted (on the host) before any forward.
+    Returns (step loss, grad norm) as device tensors, so nothing here waits for the device,
+    and the seconds spent waiting for batches. gradient_sync(last) (from
     train.dist.distributed) keeps gradients local on all but the last micro-step."""
+    start = time.perf_counter()
+    micro_batches = [next(batches) for _ in range(accum)]
+    waited = time.perf_counter() - start
+    targets = sum(count_targets(batch) for batch in micro_batches)
     loss_sum = torch.zeros((), device=device)
-    waited = 0.0
-    for micro in range(accum):
-        start = time.perf_counter()
-        batch = next(batches)
-        waited += time.perf_counter() - start
+    for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
-            loss = forward_loss(model, batch, device, precision)
-            scaler.scale(loss / accum).backward()
+            loss = forward_loss(model, batch, device, precision, targets)
+            scaler.scale(loss).backward()
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)
     if grad_clip > 0:
@@ -79,4 +103,4 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accum, grad_norm, waited
+    return loss_sum, grad_norm, waited

@@ -14,11 +14,7 @@ import math
 from numbers import Real
 from pathlib import Path
 
-from train.core.errors import UsageError
-
-CHOICES = ("none", "tensorboard")
 SUBDIR = "tensorboard"
-PIN = "tensorboard==2.21.0"  # as in requirements.txt
 
 
 def _numbers(row: dict) -> dict[str, float]:
@@ -34,13 +30,8 @@ class TensorBoardLog:
     """SummaryWriter under <run>/tensorboard/. row(dict) per metrics row, summary(dict) once."""
 
     def __init__(self, run_path: str | Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UsageError(
-                f"REPORT_TO=tensorboard: the tensorboard package is not installed; `pip install {PIN}` "
-                "(make setup installs it) or set REPORT_TO=none"
-            ) from None
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (config.py checks)
+
         self.path = Path(run_path) / SUBDIR
         self.writer = SummaryWriter(log_dir=str(self.path))
         self.last_step = 0
@@ -83,11 +74,7 @@ class NoLog:
         pass
 
 
-def reporter(report_to: str | None, run_path: str | Path) -> TensorBoardLog | NoLog:
-    """The REPORT_TO setting -> the object the loop calls (only the main process should ask)."""
-    choice = (report_to or "none").strip().lower()
-    if choice == "none":
-        return NoLog()
-    if choice == "tensorboard":
-        return TensorBoardLog(run_path)
-    raise UsageError(f"REPORT_TO (--report_to): expected {' | '.join(CHOICES)}, got {report_to!r}")
+def reporter(report_to: str, run_path: str | Path) -> TensorBoardLog | NoLog:
+    """REPORT_TO (validated in config.py) -> the object the run mirrors its rows to; only the
+    main process asks (the others hold no run folder)."""
+    return TensorBoardLog(run_path) if report_to == "tensorboard" else NoLog()

@@ -49,7 +49,7 @@ class BatchCounter:
     def __next__(self) -> dict:
         batch = next(self.batches)
         ids = batch["input_ids"]
-        self.rows += ids.shape[0]
+        self.rows += int(batch.get("n_conversations", ids.shape[0]))  # packed rows hold several
         self.real += int(batch.get("n_real_tokens", ids.numel()))
         self.padded += int(batch.get("n_padded_tokens", ids.numel()))
         return batch

@@ -15,6 +15,7 @@ from config import TrainConfig
 from train.core.step import make_optimizer
 from train.dist import distributed
 from train.observe.curves import plot_curves
+from train.observe.tensorboard_log import NoLog, reporter
 from train.run import report
 from train.run.build import build
 from train.run.loop import run_loop
@@ -49,6 +50,8 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     if guard.complete:
         return 0
     run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming) if world.is_main else distributed.NullRunDir(run_path)
+    mirror = reporter(cfg.run.report_to, run_path) if world.is_main else NoLog()  # REPORT_TO
+    run_dir.mirror = mirror
     say.attach(run_dir)
     say("resolved config:")
     for line in report.config_lines(cfg):
@@ -60,6 +63,8 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
         save_final(b, run_dir, full_state)
     run_dir.write("summary.json", summary)
+    mirror.summary(summary)
+    mirror.close()
     plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
     for line in report.closing_lines(summary, run_dir):
         say(line)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from train.core.errors import UsageError
+from train.observe.tensorboard_log import NoLog
 
 
 def _clean(value):
@@ -64,6 +65,7 @@ class RunDir:
         self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
         self._log = open(path / "train.log", "a", buffering=1)
         self._point_latest()
+        self.mirror = NoLog()  # REPORT_TO: where rows are copied (observe/tensorboard_log.py)
 
     def _point_latest(self) -> None:
         latest = self.path.parent / "latest"
@@ -81,6 +83,7 @@ class RunDir:
 
     def metrics(self, row: dict) -> None:
         self._metrics.write(json.dumps(_clean(row)) + "\n")
+        self.mirror.row(row)
 
     def write(self, name: str, data) -> None:
         write_json(self.path / name, data)

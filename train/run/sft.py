@@ -25,6 +25,7 @@ from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.data import text as data_lib
+from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
 from train.data.sft_data import (
     PadCollator,
@@ -48,7 +49,7 @@ from train.run.plan import (
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
-SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "skip_bad_records")
+SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records")
 
 
 def refuse_sft_settings(cfg: TrainConfig) -> None:
@@ -146,7 +147,7 @@ def sft_loader(b: Built, collate: PadCollator):
     if d.token_budget is not None:
         sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, **share)
         return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
-    if d.length_grouping:
+    if d.length_grouping and not d.packing:
         sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed, **share)
         return DataLoader(
             b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common
@@ -162,17 +163,18 @@ def plan_sft_steps(
     """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch).
     micro_per_epoch and rows_per_micro are per rank; a step takes one from every rank."""
     o = cfg.optim
+    unit = "packed rows" if cfg.data.packing else "conversations"
     accum = o.gradient_accumulation_steps
     per_epoch = micro_per_epoch // accum
     processes = f" on each of {world_size} processes" if world_size > 1 else ""
     if per_epoch == 0:
         raise UsageError(
-            f"DATA_PATH: {n} conversations make {micro_per_epoch} micro-batches{processes}, fewer than one "
+            f"DATA_PATH: {n} {unit} make {micro_per_epoch} micro-batches{processes}, fewer than one "
             f"optimizer step needs (GRADIENT_ACCUM={accum}); add data or lower BATCH_SIZE / GRADIENT_ACCUM"
         )
     per_step = rows_per_micro * accum * world_size
     steps, source = shortest_limit(cfg, per_epoch, per_step)
-    why = f"{source}; one epoch is {per_epoch} steps of ~{per_step:.0f} conversations"
+    why = f"{source}; one epoch is {per_epoch} steps of ~{per_step:.0f} {unit}"
     if world_size > 1:
         why += f" ({world_size} processes, each reading its own 1/{world_size} of every epoch)"
     return steps, why
@@ -245,7 +247,10 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
     val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
     if val_dataset is not None and cfg.data.val_path is None:
         dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
-    total_steps, rows_per_micro = sft_steps(cfg, dataset, world.world_size, say, decide)
+    train_set, collate = dataset, PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
+    if cfg.data.packing:
+        train_set, collate, packed = pack_conversations(cfg, dataset, model, tok, device, precision, max_length, decide)
+    total_steps, rows_per_micro = sft_steps(cfg, train_set, world.world_size, say, decide)
     warmup = resolve_pacing(cfg, total_steps, decide)
 
     lengths = np.asarray(dataset.lengths)
@@ -259,22 +264,55 @@ def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
         "n_skipped": skipped,
         "length_grouping": cfg.data.length_grouping,
         "token_budget": cfg.data.token_budget,
+        "packing": cfg.data.packing,
     }
     if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
         extra.update(
             batch_size=round(rows_per_micro, 2),
             effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps * world.world_size, 2),
         )
+    if cfg.data.packing:
+        extra.update(packed)
     parallel(cfg, world, decide)
     # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
-    collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
+    val_collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
     return Built(
         cfg=cfg, device=device, precision=precision, model_size=_model_label(Path(path), model),
-        max_length=max_length, model=model.to(device), tokenizer=tok, dataset=dataset,
+        max_length=max_length, model=model.to(device), tokenizer=tok, dataset=train_set,
         total_steps=total_steps, warmup_steps=warmup, decisions=decide.items, world=world,
         make_loader=partial(sft_loader, collate=collate), summary_extra=extra,
-        val_dataset=val_dataset, val_collate=collate,
+        val_dataset=val_dataset, val_collate=val_collate,
     )
+
+
+def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision: str, max_length: int, decide):
+    """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
+    (train/data/packing.py), the collator that keeps them apart in attention, and the figures
+    for summary.json. Returns (rows dataset, collator, summary entries)."""
+    if cfg.data.token_budget is not None:
+        raise UsageError("PACKING=1 and TOKEN_BUDGET both size the batches: choose one")
+    if cfg.data.length_grouping:
+        cfg.data.length_grouping = False
+        decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
+    packing = pack(dataset.lengths, max_length)
+    rows = PackedRows(dataset.examples, packing.rows)
+    decide(
+        "packing",
+        f"{len(rows)} rows",
+        f"{len(dataset)} conversations best-fit into rows of MAX_LENGTH={max_length}: {packing.efficiency:.1%} of "
+        "the row tokens are real; BATCH_SIZE counts rows",
+    )
+    attention = attention_for(device, precision)
+    if attention.kind == FLASH:
+        try:
+            model.set_attn_implementation(FLASH)
+        except Exception as err:  # no flash support for this architecture: the masked path
+            attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    packed = {"packed_rows": len(rows), "packing_efficiency": packing.efficiency, "attention": attention.kind}
+    return rows, collate, packed
 
 
 def model_source(cfg: TrainConfig, decide) -> str:
