@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import read_jsonl, run_cli
 
+from conftest import read_jsonl, run_cli
 from train.core.errors import UsageError
 
 
