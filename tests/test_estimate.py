@@ -44,10 +44,16 @@ def test_gpt2_small_weights_gradients_optimizer_by_hand():
     assert count_params(kit) == GPT2_SMALL + (50304 - 50257) * h
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_estimate_matches_a_tracked_step(checkpointing):
+def test_estimate_matches_a_tracked_step(checkpointing, chunked, monkeypatch):
     """torch's MemTracker under FakeTensorMode counts every tensor of two real train_steps
-    (CPU kernels, fp32) without allocating them; the estimate lands within 10 %."""
+    (CPU kernels, fp32) without allocating them; the estimate lands within 10 %, with the
+    kit's chunked loss and with transformers' own (what DDP, FSDP2 and compile use)."""
+    from train.core import step
+
+    if not chunked:
+        monkeypatch.setattr(step, "chunkable", lambda model: False)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -72,7 +78,7 @@ def test_estimate_matches_a_tracked_step(checkpointing):
         measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(
         hf, count_params(hf), batch_size=16, max_length=128, precision="fp32",
-        gradient_checkpointing=checkpointing, device_type="cpu",
+        gradient_checkpointing=checkpointing, device_type="cpu", chunked_loss=chunked,
     )  # fmt: skip
     assert est["peak"] == pytest.approx(measured, rel=0.1)
 

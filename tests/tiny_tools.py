@@ -33,7 +33,8 @@ def add_fake_oom(model, limit: int, from_call: int = 1, calls: list | None = Non
         if ids.shape[0] > limit and len(calls) >= from_call:
             raise torch.OutOfMemoryError(f"CUDA out of memory. (fake: micro-batch {ids.shape[0]} > {limit})")
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    # on the base model: the kit's chunked loss calls it directly, transformers' loss through the LM
+    getattr(model, "base_model", model).register_forward_pre_hook(hook, with_kwargs=True)
     return calls
 
 

@@ -7,9 +7,11 @@ half-precision copy of each matmul weight for the step. AdamW holds two fp32 sta
 parameter. Activations are the tensors autograd saves for the backward pass, counted per
 token for the kit's GPT-2 block (transformers' implementation: its Python tanh-GELU saves
 five tensors of the MLP width, the guides' fused-GELU formula assumes two). The peak comes at
-the start of the backward pass, when every activation is alive and the loss adds three
-fp32 tensors of batch x length x vocab (log-softmax output, its gradient and the logits'
-gradient); with one micro-step per optimizer step the gradients are allocated only as the
+the start of the backward pass, when every activation is alive and the loss adds its part:
+with transformers' loss three fp32 tensors of batch x length x vocab (log-softmax output, its
+gradient and the logits' gradient); with the kit's chunked loss (train/core/loss.py, on a bare
+model) the gradient of the hidden states and of the LM head's weight, kept from the forward
+pass, plus one chunk's logits and their gradient while it runs; with one micro-step per optimizer step the gradients are allocated only as the
 activations are freed, so they count at the peak only with accumulation.
 
 Checked without a GPU against torch's MemTracker under FakeTensorMode (CPU kernels, fp32):
@@ -18,6 +20,7 @@ see tests/test_estimate.py and bench/estimate_memory.py.
 
 from __future__ import annotations
 
+from train.core.loss import CHUNK_ELEMENTS
 from train.core.units import MIB
 
 HALF = ("fp16", "bf16")
@@ -111,6 +114,7 @@ def activation_bytes(
     precision: str,
     gradient_checkpointing: bool,
     kind: str = "fused",
+    chunked_loss: bool = False,
 ) -> dict:
     """Activation bytes at the peak of a micro-step, with its parts."""
     s = shapes(hf_cfg)
@@ -122,7 +126,10 @@ def activation_bytes(
     )
     # Final norm: its fp32 input and the (cast) input of the LM head; embedding dropout mask.
     final = (4 * h + (2 if half else 4) * h + (h if s["dropout"] > 0 else 0)) * tokens
-    loss = 12 * s["vocab"] * tokens  # log-softmax output + its gradient + the logits' gradient, fp32
+    if chunked_loss:  # grad of hidden (fp32) and of the head (fp32), one chunk's logits + gradient
+        loss = 4 * h * tokens + 4 * s["vocab"] * h + 8 * min(tokens * s["vocab"], CHUNK_ELEMENTS)
+    else:
+        loss = 12 * s["vocab"] * tokens  # log-softmax output + its gradient + the logits' gradient, fp32
     if gradient_checkpointing:
         # Each block keeps only its fp32 input; in the backward pass one block at a time is
         # recomputed, after the loss tensors are gone, and its backward holds two MLP-wide
@@ -146,6 +153,7 @@ def estimate_memory(
     gradient_checkpointing: bool = False,
     gradient_accumulation_steps: int = 1,
     device_type: str = "cuda",
+    chunked_loss: bool = False,
 ) -> dict:
     """Bytes of each part and of the peak (the larger of the backward-start peak and the
     optimizer-step peak: weights + gradients + AdamW state)."""
@@ -163,7 +171,8 @@ def estimate_memory(
     else:
         copies = 2 * n_params  # the guides' 6 bytes per parameter for mixed-precision weights
     acts = activation_bytes(
-        hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type)
+        hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type),
+        chunked_loss,
     )
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
     backward_peak = weights + copies + optimizer + held_grads + acts["peak"]
@@ -180,8 +189,11 @@ def estimate_memory(
     return {**parts, "peak": max(backward_peak, step_peak), "n_params": n_params}
 
 
-def estimate_for_run(hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str) -> dict:
-    """estimate_memory with a run's settings."""
+def estimate_for_run(
+    hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str, world_size: int = 1
+) -> dict:
+    """estimate_memory with a run's settings. The chunked loss runs on a bare model: not under
+    DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable)."""
     return estimate_memory(
         hf_cfg,
         n_params,
@@ -191,6 +203,7 @@ def estimate_for_run(hf_cfg, n_params: int, cfg, max_length: int, precision: str
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
         device_type=device_type,
+        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile,
     )
 
 

@@ -108,10 +108,10 @@ def count_targets(batch: dict) -> int:
     """Target tokens of a micro-batch as a host int: labels != -100 after the causal shift (the
     first label of a row is never a target). Call it on the batch as the loader gives it,
     labels still on the CPU: then it costs no device sync."""
-    if isinstance(batch, dict):  # pretraining batches have no labels: the inputs are the labels
-        labels = batch["labels"] if "labels" in batch else batch["input_ids"]
-    else:
-        labels = batch
+    if isinstance(batch, dict) and "labels" not in batch:  # pretraining: every next token is a target
+        rows, width = batch["input_ids"].shape
+        return rows * (width - 1)
+    labels = batch["labels"] if isinstance(batch, dict) else batch
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 

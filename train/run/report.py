@@ -82,7 +82,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
     torch_mem = monitor_lib.torch_memory(device)
-    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type)
+    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type, b.world.world_size)
     gpu = meter.gpu_summary
     record = {
         "mode": cfg.run.mode,
