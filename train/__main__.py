@@ -17,7 +17,7 @@ ENVIRONMENT_ERRNOS = {
 
 
 def describe_os_error(err: OSError) -> str:
-    """"<what> (<path>): <strerror>" for an OSError from the file system."""
+    """One line for an OSError of the file system: <what> (<path>): <strerror>."""
     paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
     where = f" ({paths})" if paths else ""
     return f"file-system error{where}: {err.strerror or err}"
