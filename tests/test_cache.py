@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT, make_text, run_cli
 from train import cache_files, data
+from train.errors import UsageError
 
 SMALL_RUN = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "1"]
 
@@ -128,6 +129,19 @@ def test_disk_full_while_saving_the_tokenizer(tmp_path, corpus, tiny_config, mon
     assert line.startswith(f"error: CACHE_DIR: cannot write the tokenizer {cache / 'tokenizers'}/bpe-512-")
     assert line.endswith(": No space left on device")
     assert list((cache / "tokenizers").iterdir()) == []
+
+
+def test_bad_file_met_while_tokenizing_leaves_no_temp_file(fresh_cache, corpus, tiny_config, tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(corpus, folder / "a.txt")
+    (folder / "b.txt").write_bytes(b"fine so far \xff then not UTF-8")
+    files = data.corpus_files(str(folder))
+    key = data.corpus_fingerprint(files)
+    tok = data.load_tokenizer(None, [corpus], key, 512, fresh_cache, print)  # b.txt is met while tokenizing
+    with pytest.raises(UsageError, match="b.txt is not UTF-8"):
+        data.token_cache(files, key, tok, fresh_cache, print)
+    assert list((fresh_cache / "tokens").iterdir()) == []
 
 
 def test_other_file_system_errors_are_one_line(monkeypatch, capsys):

@@ -119,6 +119,8 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
         except Exception as err:  # a cut or missing file (the library raises several kinds)
             say(f"tokenizer cache {folder} was damaged ({cache_files.short(err)}); rebuilding")
             cache_files.remove(folder)
+            if folder.exists():
+                raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     # Before the training, not after: an unusable CACHE_DIR stops the run before minutes of work.
     parent = cache_files.cache_folder(folder.parent)
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
