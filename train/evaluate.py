@@ -158,10 +158,15 @@ class Evaluator:
         else:  # a non-finite loss has no perplexity: n/a, and the loop stops the run
             line = f"eval step {step}: val_loss {loss:.4f} val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
         improved = loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best)
+        if self.keep_best:
+            from train import distributed
+
+            # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
+            # worked): ranks whose losses differ in the last bit must still agree it is due.
+            improved = bool(distributed.max_across(self.b.world, [int(improved)])[0])
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train import distributed
                 from train.rundir import save_model
 
                 state = distributed.full_state_dict(self.b.model)  # sharded: a gather every rank joins

@@ -331,16 +331,21 @@ class RunDir:
 
     def __init__(self, path: Path, overwrite: bool, resume: bool = False):
         self.path = path
-        if path.is_dir() and overwrite:
-            # Emptied, not removed: the run's lock is on the folder itself.
-            for child in path.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        path.mkdir(parents=True, exist_ok=True)  # claim_run_dir made (or found) it for a real run
-        self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
-        self._log = open(path / "train.log", "a", buffering=1)
+        try:
+            if path.is_dir() and overwrite:
+                # Emptied, not removed: the run's lock is on the folder itself.
+                for child in path.iterdir():
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()
+            path.mkdir(parents=True, exist_ok=True)  # claim_run_dir made (or found) it for a real run
+            self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
+            self._log = open(path / "train.log", "a", buffering=1)
+        except OSError as err:  # a read-only file system, say
+            raise UsageError(
+                f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
+            ) from None
         self._point_latest()
 
     def _point_latest(self) -> None:
