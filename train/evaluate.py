@@ -11,8 +11,6 @@ and goes through the loop's forward_loss, so SFT batches work unchanged.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -155,20 +153,27 @@ class Evaluator:
         self.last = loss
         ppl = perplexity(loss)
         self.run_dir.metrics({"step": step, "samples": samples, "val_loss": loss, "val_ppl": ppl})
-        line = (
-            f"eval step {step}: val_loss {loss:.4f} val_ppl {ppl:.2f}"
-            if loss is not None
-            else "eval: no tokens"
-        )
+        if loss is None:
+            line = "eval: no tokens"
+        else:  # a non-finite loss has no perplexity: n/a, and the loop stops the run
+            line = f"eval step {step}: val_loss {loss:.4f} val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
         improved = loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best)
+        if self.keep_best:
+            from train import distributed
+
+            # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
+            # worked): ranks whose losses differ in the last bit must still agree it is due.
+            improved = bool(distributed.max_across(self.b.world, [int(improved)])[0])
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train.distributed import full_state_dict
+                from train.rundir import save_model
 
-                state = full_state_dict(self.b.model)  # sharded: a gather every rank joins
-                if self.b.world.is_main:  # one writer: the other ranks hold the same weights
-                    save_model(self.b, self.run_dir.path / "best", state)
+                state = distributed.full_state_dict(self.b.model)  # sharded: a gather every rank joins
+                # One writer (the other ranks hold the same weights); a failed save stops every rank.
+                distributed.on_main(
+                    self.b.world, lambda: save_model(self.b, self.run_dir.path / "best", step, state)
+                )
                 line += " (best so far; saved to best/)"
         self.say(line)
         elapsed = time.perf_counter() - start
@@ -185,26 +190,3 @@ class Evaluator:
             "eval_passes": self.passes,
             "eval_time_s": self.seconds,
         }
-
-
-def save_model(b, folder: Path, state_dict: dict | None = None) -> None:
-    """save_pretrained + tokenizer into folder, replaced whole: written beside it, then renamed,
-    so a crash mid-save never leaves a half-written best/."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    old = folder.with_name(f".{folder.name}.old")
-    for path in (tmp, old):
-        shutil.rmtree(path, ignore_errors=True)
-    use_cache = b.model.config.use_cache
-    b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
-    from train.runlog import quiet_saving
-
-    try:
-        with quiet_saving():
-            b.model.save_pretrained(tmp, state_dict=state_dict)
-    finally:
-        b.model.config.use_cache = use_cache
-    b.tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)

@@ -21,9 +21,10 @@ from train.estimate import MIB, estimate_for_run
 from train.evaluate import Evaluator
 from train.mfu import flops_per_token, mfu_report
 from train.model import count_params, shape
+from train.outputs import earlier_summary, finish, report
 from train.resume import BatchStream, RunGuard
-from train.rundir import RunDir, plan_run_dir
-from train.runlog import capture_warnings, quiet_saving
+from train.rundir import RunDir, claim_run_dir
+from train.runlog import capture_warnings
 from train.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 
 
@@ -170,7 +171,7 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
     batches = oom.batches()
     first = guard.first_step
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
-    if cfg.model.compile:
+    if cfg.model.compile and first < b.total_steps:  # RESUME=1 rewriting final/ trains no step
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     evaluator = Evaluator(b, run_dir, say, b.val_collate)
     effective = cfg.effective_batch_size(b.world.world_size)
@@ -293,6 +294,8 @@ def run_loop(b: Built, run_dir: RunDir, say, guard: RunGuard | None = None) -> d
                 spent = evaluator.run(step + 1, totals(seen)[0])
                 steady_t0, interval_t0 = steady_t0 + spent, interval_t0 + spent  # throughput: training only
             stop = guard.step_done(step + 1, loss_t, synced=log_due)  # save every SAVE_EVERY; signals; NaN
+            if not stop and eval_due:
+                stop = val_stop(b, evaluator, guard, step + 1, say)
             if stop:
                 exit_reason = stop
                 break
@@ -391,14 +394,25 @@ def data_loader(b: Built):
     )
 
 
-def save_final(b: Built, run_dir: RunDir, state_dict: dict | None = None) -> None:
-    """final/: save_pretrained (safetensors) and the tokenizer; loads offline with from_pretrained.
-    A sharded model passes its full state dict, gathered on rank 0."""
-    final = run_dir.path / "final"
-    b.model.config.use_cache = True  # training turned the KV cache off; generation wants it
-    with quiet_saving():
-        b.model.save_pretrained(final, state_dict=state_dict)
-    b.tokenizer.save_pretrained(final)
+def val_stop(b: Built, evaluator: Evaluator, guard: RunGuard, steps_done: int, say) -> str | None:
+    """A non-finite validation loss means non-finite weights, whatever the training loss said:
+    the same stop as NAN_PATIENCE non-finite training losses (no final/ of those weights)."""
+    if b.cfg.run.nan_patience == 0:
+        return None
+    loss = evaluator.last
+    bad = loss is not None and not math.isfinite(loss)
+    if not distributed.max_across(b.world, [int(bad)])[0]:  # every rank stops at the same step
+        return None
+    from train.checkpoint import list_checkpoints
+
+    saved = list_checkpoints(guard.manager.folder)
+    if saved:
+        then = f"newest good checkpoint: {saved[0].name}; lower LEARNING_RATE and resume with RESUME=1"
+    else:
+        then = "no checkpoint yet; lower LEARNING_RATE and start again"
+    guard.stop_detail = f"validation loss is {loss} at step {steps_done}; {then}"
+    say("stopping: " + guard.stop_detail)
+    return "non_finite_loss"
 
 
 def format_eta(seconds: float) -> str:
@@ -429,9 +443,22 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
         from train.find_batch import auto_batch
 
         auto_batch(cfg, say)
-    run_path = distributed.on_main(
-        world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
-    )
+    claims = []
+
+    def claim():
+        """Rank 0 claims and locks the run folder for the run's life (train/rundir.py)."""
+        claims.append(claim_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume))
+        return claims[0].path
+
+    run_path = distributed.on_main(world, claim)
+    try:
+        return _run(cfg, say, world, run_path)
+    finally:
+        if claims:  # the lock, and the folder too if the run stopped before writing to it
+            claims[0].release()
+
+
+def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path) -> int:
     say(f"{cfg.run.mode}: resolving settings")
     b = distributed.main_first(world, lambda: build(cfg, say, world))
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
@@ -483,38 +510,16 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
         },
     )
     summary = run_loop(b, run_dir, say, guard)
-    full_state = distributed.full_state_dict(b.model)  # sharded: a gather every rank joins
-    if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
-        save_final(b, run_dir, full_state)
-    run_dir.write("summary.json", summary)
-    plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
-    _report(summary, run_dir, say)
-    run_dir.close()
-    return guard.exit_code(summary["exit_reason"])
-
-
-def _report(s: dict, run_dir: RunDir, say) -> None:
-    def fmt(value, spec):
-        return "n/a" if value is None else format(value, spec)
-
-    say(
-        f"done: {s['steps']} steps, final loss {fmt(s['final_loss'], '.4f')}, "
-        f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
-        f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
-    )
-    if s.get("final_val_loss") is not None:
-        say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}")
-    if s.get("peak_vram_mb") is not None:
-        say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
-    if s.get("mfu_note"):
-        say(f"MFU: {s['mfu_note']}")
-    if s["input_bound"]:
-        say(
-            f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
-            "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
-        )
-    curves = ", curves.png" if (run_dir.path / "curves.png").exists() else ""
-    say(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log{curves}, final/)")
+    exit_code = guard.exit_code(summary["exit_reason"])
+    if guard.resuming and guard.first_step == b.total_steps and world.is_main:
+        summary = earlier_summary(run_dir.path, summary)  # RESUME=1 only rewrote final/
+    try:
+        finish(b, run_dir, summary, world)
+        plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
+        report(summary, run_dir, say)
+    finally:
+        run_dir.close()
+    return exit_code
 
 
 def _version(package: str) -> str | None:

@@ -230,15 +230,25 @@ class RunGuard:
             )
         remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
         if remaining == 0:
-            # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
-            # nothing of the run folder is touched, its summary.json and final/ included.
-            self.complete = True
+            from train.rundir import unfinished
+
+            # Trained to the end: complete only with its summary.json and a whole final/ of this
+            # step (a full disk may have stopped it writing them). Rank 0 reads, every rank agrees.
+            missing = distributed.on_main(self.b.world, lambda: unfinished(self.run_path, self.first_step))
+            if missing is None:
+                # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
+                # nothing of the run folder is touched, its summary.json and final/ included.
+                self.complete = True
+                say(
+                    f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of "
+                    f"the schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or "
+                    "MAX_SAMPLES to train it further)"
+                )
+                return
             say(
-                f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of the "
-                f"schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or MAX_SAMPLES "
-                "to train it further)"
+                f"{self.run_path} is trained to the end but {missing}: writing final/ and summary.json from "
+                f"checkpoint {loaded.path.name}"
             )
-            return
         planned = self.b.total_steps
         self.b.total_steps = self.first_step + remaining
         self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)
