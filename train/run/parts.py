@@ -78,7 +78,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
     oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
     batches = oom.batches()
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
-    if cfg.model.compile:
+    if cfg.model.compile and guard.first_step < b.total_steps:  # RESUME=1 rewriting final/ trains no step
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,

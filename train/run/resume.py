@@ -44,36 +44,6 @@ COMPARED = (
 BUDGET = ("max_steps", "epochs", "max_samples")
 
 
-def find_run_dir(root: Path, run_name: str | None, launcher: str) -> Path:
-    """The run folder RESUME=1 continues: runs/RUN_NAME, or the newest run of this launcher
-    that has a checkpoint. Checked before anything is built or written."""
-    if run_name is not None:
-        path = root / run_name
-        if not path.is_dir():
-            raise UsageError(
-                f"RESUME=1: {path} does not exist (RUN_NAME={run_name}); leave RESUME empty to start it"
-            )
-        if not list_checkpoints(path / "checkpoints"):
-            raise UsageError(
-                f"RESUME=1: {path} has no checkpoint (it stopped before its first save; SAVE_EVERY sets how often)"
-            )
-        return path
-    candidates = []
-    for config_file in root.glob("*/config.json"):
-        try:
-            started_by = json.loads(config_file.read_text())["config"]["run"]["launcher"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        saved = list_checkpoints(config_file.parent / "checkpoints")
-        if started_by == launcher and saved:
-            candidates.append((max(p.stat().st_mtime for p in saved), config_file.parent.name))
-    if not candidates:
-        raise UsageError(
-            f"RESUME=1: no run of {launcher} in {root} has a checkpoint; set RUN_NAME to the run to continue"
-        )
-    return root / max(candidates)[1]
-
-
 def trim_metrics(path: Path, step: int) -> int:
     """Drop metrics rows after `step` (written after the checkpoint, by the run that died), so
     metrics.jsonl stays one clean record. Returns how many were dropped."""
@@ -183,15 +153,25 @@ class RunGuard:
             )
         remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
         if remaining == 0:
-            # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
-            # nothing of the run folder is touched, its summary.json and final/ included.
-            self.complete = True
+            from train.run.rundir import unfinished
+
+            # Trained to the end: complete only with its summary.json and a whole final/ of this
+            # step (a full disk may have stopped it writing them). Rank 0 reads, every rank agrees.
+            missing = distributed.on_main(self.b.world, lambda: unfinished(self.run_path, self.first_step))
+            if missing is None:
+                # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
+                # nothing of the run folder is touched, its summary.json and final/ included.
+                self.complete = True
+                say(
+                    f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of "
+                    f"the schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or "
+                    "MAX_SAMPLES to train it further)"
+                )
+                return
             say(
-                f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of the "
-                f"schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or MAX_SAMPLES "
-                "to train it further)"
+                f"{self.run_path} is trained to the end but {missing}: writing final/ and summary.json from "
+                f"checkpoint {loaded.path.name}"
             )
-            return
         planned = self.b.total_steps
         self.b.total_steps = self.first_step + remaining
         self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)
