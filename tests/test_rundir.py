@@ -19,7 +19,8 @@ import torch
 import transformers
 
 from conftest import ROOT, read_jsonl, run_cli
-from train.run import claim, rundir
+from train.run import claim as claims_module
+from train.run import rundir
 from train.run.checkpoint import list_checkpoints
 
 FAST = ["--batch_size", "4", "--seed", "3"]
@@ -193,13 +194,13 @@ def test_disk_full_writing_best_keeps_the_previous_best(tiny_flags, tmp_path, mo
 
 
 def test_runs_started_in_the_same_second_get_different_folders(tmp_path, monkeypatch):
-    monkeypatch.setattr(claim, "_default_name", lambda launcher: f"{launcher}-20250101-000000")
+    monkeypatch.setattr(claims_module, "_default_name", lambda launcher: f"{launcher}-20250101-000000")
     start, claims, errors = threading.Barrier(8), [], []
 
     def claim():
         start.wait()
         try:
-            claims.append(claim.claim_run_dir(str(tmp_path / "runs"), None, "pretrain", False))
+            claims.append(claims_module.claim_run_dir(str(tmp_path / "runs"), None, "pretrain", False))
         except Exception as err:  # noqa: BLE001 - any error is the failure this test looks for
             errors.append(err)
 
@@ -217,7 +218,7 @@ def test_runs_started_in_the_same_second_get_different_folders(tmp_path, monkeyp
 
 
 def test_two_real_runs_in_one_second_both_finish(tiny_flags, tmp_path, monkeypatch):
-    monkeypatch.setattr(claim, "_default_name", lambda launcher: f"{launcher}-20250101-000000")
+    monkeypatch.setattr(claims_module, "_default_name", lambda launcher: f"{launcher}-20250101-000000")
     for _ in range(2):
         assert run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "1") == 0
     runs = tmp_path / "runs"
@@ -293,10 +294,10 @@ def test_holder_pid_reads_proc_locks(tmp_path):
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        assert claim.holder_pid(tmp_path) == str(os.getpid())
+        assert claims_module.holder_pid(tmp_path) == str(os.getpid())
     finally:
         os.close(fd)
-    assert claim.holder_pid(tmp_path) == "unknown"
+    assert claims_module.holder_pid(tmp_path) == "unknown"
 
 
 def test_two_processes_claim_once_save_best_and_resume_writes_a_missing_final(corpus, tiny_config, cache_dir, tmp_path):
