@@ -276,7 +276,7 @@ class CheckpointManager:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
-        from train.dist import distributed
+        from train.dist import distributed, parallel
 
         name = checkpoint_name(step)
         tmp = self.folder / f".tmp-{name}-sharded"
@@ -292,7 +292,7 @@ class CheckpointManager:
 
         distributed.on_main(world, prepare)
         try:
-            distributed.save_sharded(tmp / SHARDS, model, optimizer)
+            parallel.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
                 torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **_rngs(rngs)}, tmp / STATE)
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import text as data
-from train.dist import distributed
+from train.dist import distributed, parallel
 
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
 # The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
@@ -168,7 +168,7 @@ class Evaluator:
             if self.keep_best:
                 from train.run.rundir import save_model
 
-                state = distributed.full_state_dict(self.b.model)  # sharded: a gather every rank joins
+                state = parallel.full_state_dict(self.b.model)  # sharded: a gather every rank joins
                 # One writer (the other ranks hold the same weights); a failed save stops every rank.
                 distributed.on_main(
                     self.b.world, lambda: save_model(self.b, self.run_dir.path / "best", step, state)

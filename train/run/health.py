@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from train.dist import distributed
+from train.dist import parallel
 
 
 class Health:
@@ -56,5 +56,5 @@ class Health:
 
 
 def _weights_finite(model) -> bool:
-    flags = [torch.isfinite(distributed.local(p)).all() for p in model.parameters()]
+    flags = [torch.isfinite(parallel.local(p)).all() for p in model.parameters()]
     return bool(torch.stack(flags).all().item()) if flags else True

@@ -7,7 +7,7 @@ import contextlib
 import json
 
 from train.core.errors import UsageError
-from train.dist import distributed
+from train.dist import distributed, parallel
 from train.run.rundir import RunDir, save_model, write_failed
 
 
@@ -20,7 +20,7 @@ def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) ->
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone."""
-    full_state = distributed.full_state_dict(b.model)  # sharded: a gather every rank joins
+    full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
     if summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
         try:
             distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))

@@ -25,7 +25,7 @@ import torch
 from config import env_name
 from train.core.errors import UsageError
 from train.data.stream import BatchStream
-from train.dist import distributed
+from train.dist import distributed, parallel
 from train.run.checkpoint import (
     SHARDS,
     CheckpointManager,
@@ -243,7 +243,7 @@ class RunGuard:
         """Apply the loaded state and return the positioned batch stream (RNG restored last)."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         if self.loaded is not None and self.sharding != "none":
-            distributed.load_sharded(self.loaded.path / SHARDS, model, optimizer)
+            parallel.load_sharded(self.loaded.path / SHARDS, model, optimizer)
         elif self.loaded is not None:
             optimizer.load_state_dict(self.loaded.optimizer)
             if scaler.is_enabled() and self.loaded.scaler:
