@@ -31,10 +31,9 @@ from train.run.checkpoint import (
     CheckpointManager,
     checkpoint_name,
     list_checkpoints,
-    rng_state,
-    set_rng_state,
 )
 from train.run.health import Health
+from train.run.rng import rng_state, set_rng_state
 from train.run.signals import QuietWorkers, StopSignals
 
 # Settings compared with the checkpoint's on resume, to say what changed.
