@@ -1,5 +1,5 @@
 # Shared by the four launchers (sourced, not run): maps the launcher variables to the CLI
-# flags of `python -m train`, one name per knob (see DESIGN.md), and starts the run.
+# flags of `python -m train`, one name per knob (the README's table), and starts the run.
 # SHOW_COMMAND=1 prints the command instead of running it. NPROC_PER_NODE > 1 (or NNODES > 1)
 # starts the run through torchrun (see kit_torchrun), one process per GPU.
 
@@ -28,6 +28,13 @@ KIT_VALUE_KNOBS=(
 )
 # Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
 KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)
+# The other variables the kit reads: multi-process runs (kit_torchrun; RANK, LOCAL_RANK and
+# WORLD_SIZE are torchrun's), scripts/bench.sh, scripts/compare.sh, scripts/setup.sh, the Makefile.
+KIT_OTHER_VARIABLES=(
+  NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT SHOW_COMMAND RANK LOCAL_RANK WORLD_SIZE
+  PRESET ROUNDS THREADS VS_PLAIN COMPARE_SAMPLES REPEAT PYTHON TORCH_INDEX_URL MODEL ARGS
+  KIT_NAMES_CHECKED
+)
 
 kit_fail() {
   echo "error: $*" >&2
@@ -42,6 +49,66 @@ kit_python() {
   else
     kit_fail "no Python environment with torch and transformers: run 'make setup' in $KIT_DIR first"
   fi
+}
+
+# kit_check_names: a warning for every environment variable that looks like a misspelled
+# variable of the kit (BACH_SIZE=8 would otherwise be ignored without a word). Close means: one
+# edit away (a swap of neighbours is one edit); two for names over 5 letters that start with
+# the same letter; the same letters in another order; or a knob's flag written as a variable
+# (GRADIENT_ACCUMULATION_STEPS). A warning only: the run goes on. Once per command: scripts
+# that run the launchers (make compare) check for them.
+kit_check_names() {
+  [ -z "${KIT_NAMES_CHECKED:-}" ] || return 0
+  export KIT_NAMES_CHECKED=1
+  command -v python3 >/dev/null 2>&1 || return 0
+  python3 -I -S - "${KIT_VALUE_KNOBS[@]}" "${KIT_SWITCH_KNOBS[@]}" "${KIT_OTHER_VARIABLES[@]}" <<'PY' || true
+import os, re, sys
+
+known, flag_forms = set(), {}
+for item in sys.argv[1:]:
+    name, _, flag = item.partition(":")
+    known.add(name)
+    if flag:
+        flag_forms[flag.lstrip("-").upper()] = name
+# Names every shell has, a letter or two from a short knob (LANG and RANK, USER and SEED ...).
+common = {"PATH", "HOME", "USER", "LANG", "TERM", "SHELL", "PWD", "OLDPWD", "MAIL", "MODE", "TZ", "DISPLAY",
+          "EDITOR", "PAGER", "HOST", "HOSTNAME", "LOGNAME", "LINES", "COLUMNS", "TMPDIR", "SHLVL", "ROLE_RANK",
+          "GROUP_RANK", "LOCAL_WORLD_SIZE"}
+
+
+def distance(a, b, limit):
+    """Edits from a to b (insert, delete, replace, swap of neighbours); limit + 1 when more."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    before, row = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(row[j] + 1, current[j - 1] + 1, row[j - 1] + (ca != cb))
+            if before is not None and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        if min(current) > limit:
+            return limit + 1
+        before, row = row, current
+    return row[-1]
+
+
+for name in sorted(os.environ):
+    if name in known or name in common or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+        continue
+    limit = 1 if len(name) <= 5 else 2
+    guess = flag_forms.get(name)
+    if guess is None:
+        scored = sorted((distance(name, k, limit), k) for k in known)
+        # Two edits and another first letter is more often another tool's name (NODE_PATH).
+        if scored[0][0] <= min(limit, 1) or (scored[0][0] <= limit and scored[0][1][0] == name[0]):
+            guess = scored[0][1]
+    if guess is None and len(name) >= 5:
+        guess = next((k for k in sorted(known) if sorted(k) == sorted(name)), None)
+    if guess is not None:
+        print(f"warning: {name} is not a variable of this kit; did you mean {guess}?", file=sys.stderr)
+PY
 }
 
 # kit_launch MODE PRESET [extra flags...]: build the flag list from the variables and run.
@@ -106,3 +173,5 @@ kit_torchrun() {
     out+=(--standalone)  # one machine: c10d rendezvous on a free local port
   fi
 }
+
+kit_check_names

@@ -15,7 +15,7 @@ from conftest import launch, read_jsonl, run_cli, tiny_model
 from train.core.errors import UsageError
 from train.core.step import full_value
 from train.data.text import EpochSampler, make_loader
-from train.dist import distributed
+from train.dist import distributed, parallel
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
 
@@ -160,7 +160,7 @@ def _ddp_matches_one_big_batch(world):
     dataset = [{"input_ids": row} for row in torch.randint(0, 512, (16, 32), generator=gen)]
     cpu = torch.device("cpu")
     loader, _ = make_loader(dataset, DataConfig(), 2, 5, cpu, rank=world.rank, world_size=world.world_size)
-    ddp = distributed.wrap(tiny_model(), world, "none", False, cpu)
+    ddp = parallel.wrap(tiny_model(), world, "none", False, cpu)
     allreduces = []
 
     def counting_hook(state, bucket):
@@ -168,10 +168,10 @@ def _ddp_matches_one_big_batch(world):
         return default_hooks.allreduce_hook(state, bucket)
 
     ddp.register_comm_hook(None, counting_hook)
-    _sgd_step(ddp, loader, 2, distributed.sync_context(ddp))
+    _sgd_step(ddp, loader, 2, parallel.sync_context(ddp))
     per_accumulated_step = len(allreduces)
     after = flat(ddp.module)
-    _sgd_step(ddp, loader, 1, distributed.sync_context(ddp))
+    _sgd_step(ddp, loader, 1, parallel.sync_context(ddp))
     assert per_accumulated_step == len(allreduces) - per_accumulated_step > 0  # micro-step 1 sent nothing
 
     if world.rank == 0:
@@ -204,23 +204,23 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     def steps(model, optimizer, chunk):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(
-            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", distributed.sync_context(model)
+            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model)
         )
 
-    a = distributed.wrap(tiny_model(0), world, sharding, offload, cpu)
-    assert distributed.is_sharded(a)
+    a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
+    assert parallel.is_sharded(a)
     opt_a, _ = make_optimizer(a, cfg, cpu)
     steps(a, opt_a, batches[0:2])
     steps(a, opt_a, batches[2:4])
     where = os.path.join(folder, sharding)
-    distributed.save_sharded(where, a, opt_a)
+    parallel.save_sharded(where, a, opt_a)
     saved = _local_state(a, opt_a)
     steps(a, opt_a, batches[4:6])
 
     # a different init: the load must replace all of it
-    b = distributed.wrap(tiny_model(1), world, sharding, offload, cpu)
+    b = parallel.wrap(tiny_model(1), world, sharding, offload, cpu)
     opt_b, _ = make_optimizer(b, cfg, cpu)
-    distributed.load_sharded(where, b, opt_b)
+    parallel.load_sharded(where, b, opt_b)
     loaded = _local_state(b, opt_b)
     for x, y in zip(saved[0] + saved[1], loaded[0] + loaded[1], strict=True):
         assert torch.equal(x, y)

@@ -3,6 +3,8 @@
 import json
 import shlex
 
+import pytest
+
 from conftest import launch
 
 
@@ -83,3 +85,62 @@ def test_optimized_launcher_trains_end_to_end(tmp_path, corpus, tiny_config, cac
     assert cfg["config"]["run"]["launcher"] == "run_single_gpu_optimized"
     assert cfg["config"]["data"]["persistent_workers"] is True
     assert (tmp_path / "runs" / "latest").resolve() == run.resolve()
+
+
+def warnings_of(script, env, *args):
+    result = launch(script, {"SHOW_COMMAND": "1", **env}, *args)
+    assert result.returncode == 0, result.stderr  # a warning, not a stop
+    return result.stderr.splitlines(), shlex.split(result.stdout)
+
+
+@pytest.mark.parametrize(
+    "script", ["run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"]
+)
+def test_misspelled_variable_is_named_with_the_right_one(script):
+    lines, argv = warnings_of(script, {"BACH_SIZE": "3"})
+    assert lines == ["warning: BACH_SIZE is not a variable of this kit; did you mean BATCH_SIZE?"]
+    assert flag_value(argv, "--batch_size") != "3"  # ignored, as the warning says
+
+
+def test_near_misses_of_every_kind():
+    env = {
+        "BACTH_SIZE": "1",  # neighbours swapped
+        "LEARING_RATE": "1",  # a letter missing
+        "EPOCH": "1",  # short name, one letter off
+        "SIZE_BATCH": "1",  # the same letters
+        "GRADIENT_ACCUMULATION_STEPS": "2",  # the flag's name
+        "FP16": "1",  # the flag of a switch
+        "NPROC_PER_NOD": "2",  # a variable outside the knob lists
+    }
+    lines, _ = warnings_of("run_single_gpu.sh", env)
+    suggested = dict(line.removeprefix("warning: ").split(" is not a variable of this kit; did you mean ") for line in lines)
+    assert suggested == {
+        "BACTH_SIZE": "BATCH_SIZE?",
+        "LEARING_RATE": "LEARNING_RATE?",
+        "EPOCH": "EPOCHS?",
+        "SIZE_BATCH": "BATCH_SIZE?",
+        "GRADIENT_ACCUMULATION_STEPS": "GRADIENT_ACCUM?",
+        "FP16": "ENABLE_FP16?",
+        "NPROC_PER_NOD": "NPROC_PER_NODE?",
+    }
+
+
+def test_no_warning_for_known_or_unrelated_variables():
+    env = {
+        # the kit's own names, spelled right
+        "BATCH_SIZE": "4", "NPROC_PER_NODE": "1", "SHOW_COMMAND": "1", "TF32": "1", "SEED": "1",
+        # other tools' names, some a couple of letters from a knob (LANG/RANK, USER/SEED, NODE_PATH/MODEL_PATH)
+        "USER": "me", "SHELL": "/bin/bash", "TERM": "xterm", "PWD": "/", "CUDA_VISIBLE_DEVICES": "0",
+        "OMP_NUM_THREADS": "1", "HF_HOME": "/tmp", "PYTHONPATH": "/x", "NODE_PATH": "/n", "LOCAL_SIZE": "1",
+        "VIRTUAL_ENV": "/v", "MAKEFLAGS": "-j", "SLURM_NNODES": "1", "batch_sise": "lower case: not ours",
+    }  # fmt: skip
+    lines, _ = warnings_of("run_single_gpu_optimized.sh", env)
+    assert lines == []
+
+
+def test_names_checked_once_per_command():
+    # make compare runs both launchers under one check: the child launchers see the marker.
+    lines, _ = warnings_of("run_single_gpu.sh", {"BACH_SIZE": "3", "KIT_NAMES_CHECKED": "1"})
+    assert lines == []
+    lines, _ = warnings_of("scripts/kit.sh", {"BACH_SIZE": "3"}, "find-batch")
+    assert len(lines) == 1 and "BACH_SIZE" in lines[0]

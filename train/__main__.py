@@ -1,8 +1,26 @@
 """`python -m train ...`: bad input becomes one line on stderr and exit code 2."""
 
+import errno
+import signal
 import sys
 
-from train.core.errors import EXIT_USAGE, UsageError
+from train.core.errors import EXIT_USAGE, Interrupted, UsageError
+
+# Errors of the machine rather than of the code: a full disk, a folder without write access, a
+# path through a file. The places that know which variable a path came from report it
+# themselves; this is the net for the rest, one line instead of a traceback. Others (a missing
+# file the code itself should have made, say) keep their traceback: that is a bug to report.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+    errno.EISDIR, errno.ENAMETOOLONG, errno.EMFILE, errno.ENFILE, errno.EIO, errno.EFBIG,
+}  # fmt: skip
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an OSError of the file system: <what> (<path>): <strerror>."""
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    where = f" ({paths})" if paths else ""
+    return f"file-system error{where}: {err.strerror or err}"
 
 
 def run() -> int:
@@ -12,6 +30,18 @@ def run() -> int:
         return main()
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except Interrupted as err:
+        print(str(err), file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        # Ctrl+C before the training loop takes it over (loading, encoding SFT data ...).
+        print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except OSError as err:
+        if err.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        print(f"error: {describe_os_error(err)}", file=sys.stderr)
         return EXIT_USAGE
 
 

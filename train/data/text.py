@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sysconfig
 import tempfile
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from train.core.errors import UsageError
+from train.data import cache_files
 
 EOS = "<|endoftext|>"
 CACHE_VERSION = "1"
@@ -113,9 +113,37 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
             tok.add_special_tokens({"eos_token": EOS})
         return tok
     folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}"
-    if (folder / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    if folder.exists():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        except Exception as err:  # a cut or missing file (the library raises several kinds)
+            say(f"tokenizer cache {folder} was damaged ({cache_files.short(err)}); rebuilding")
+            cache_files.remove(folder)
+            if folder.exists():
+                raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
+    # Before the training, not after: an unusable CACHE_DIR stops the run before minutes of work.
+    parent = cache_files.cache_folder(folder.parent)
+    with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
+        tok = _train_tokenizer(files, vocab_size, say)
+        tmp = Path(tempfile.mkdtemp(dir=parent))
+        temps.append(tmp)
+        tok.save_pretrained(tmp)
+        cache_files.sync(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / "tokenizer.json").exists():
+                raise
+            # Another run on the same corpus (same key) saved it first: use that one, so every
+            # run of this corpus tokenizes with the same files.
+            cache_files.remove(tmp)
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return tok
+
+
+def _train_tokenizer(files: list[Path], vocab_size: int, say):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     say(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on the corpus; cached for next time")
     bpe = Tokenizer(models.BPE())
@@ -130,23 +158,7 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
     bpe.train_from_iterator((c for c in iter_chunks(files) if c != EOS), trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
     tok.pad_token = EOS
-    tmp = Path(tempfile.mkdtemp(dir=_mkdir(folder.parent)))
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, folder)
-    except OSError:
-        if not (folder / "tokenizer.json").exists():
-            raise
-        # Another run on the same corpus (same key) saved it first: use that one, so every run
-        # of this corpus tokenizes with the same files.
-        shutil.rmtree(tmp, ignore_errors=True)
-        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def tokenizer_fingerprint(tok) -> str:
@@ -155,20 +167,66 @@ def tokenizer_fingerprint(tok) -> str:
 
 
 def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> np.ndarray:
-    """The corpus as one flat array of token ids on disk, opened as a read-only memmap."""
+    """The corpus as one flat array of token ids on disk, opened as a read-only memmap.
+
+    The .json beside the .bin is its manifest (token count, dtype, byte size), written after
+    the .bin is complete and on disk: a .bin cut short or a .json cut or missing is found on
+    the next run, which then builds the cache again."""
+    key = f"{data_key}-{tokenizer_fingerprint(tok)}"
+    folder = cache_files.cache_folder(cache_dir / "tokens")
+    bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
+    tokens, damage = _open_token_cache(bin_path, meta_path)
+    if tokens is not None:
+        return tokens
+    if damage:
+        say(f"token cache {bin_path} was damaged ({damage}); rebuilding")
+    dtype = np.uint16 if len(tok) <= 65535 else np.uint32
+    say(f"tokenizing {len(files)} file(s) into the token cache (once per corpus and tokenizer)")
+    with cache_files.building("building the token cache", "the token cache", bin_path) as temps:
+        tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
+        temps.append(tmp)
+        n_tokens = _tokenize_into(tmp, files, tok, dtype)
+        if n_tokens <= len(files):
+            raise UsageError("DATA_PATH: the data holds no text to train on")
+        os.replace(tmp, bin_path)
+        temps.append(bin_path)  # without its manifest it is of no use: removed if that fails
+        manifest = {"n_tokens": n_tokens, "dtype": np.dtype(dtype).name, "bytes": n_tokens * np.dtype(dtype).itemsize}
+        cache_files.write_json(meta_path, {**manifest, "files": len(files)}, temps)
+    say(f"cached {n_tokens:,} tokens from {len(files)} file(s) in {bin_path}")
+    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+def _open_token_cache(bin_path: Path, meta_path: Path) -> tuple[np.memmap | None, str | None]:
+    """(tokens, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
+    when there is none yet."""
+    if not bin_path.exists() and not meta_path.exists():
+        return None, None
+    try:
+        meta = json.loads(meta_path.read_text())
+        n_tokens, dtype = int(meta["n_tokens"]), np.dtype(meta["dtype"])
+        size = bin_path.stat().st_size
+    except FileNotFoundError as err:
+        return None, f"{Path(err.filename).name} is missing"
+    except (ValueError, KeyError, TypeError) as err:
+        return None, f"{meta_path.name} cannot be read: {cache_files.short(err)}"
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot read the token cache {bin_path}: {err.strerror or err}") from None
+    expected = n_tokens * dtype.itemsize
+    if n_tokens <= 0 or dtype.name not in ("uint16", "uint32") or meta.get("bytes", expected) != expected:
+        return None, f"{meta_path.name} does not describe a token cache"
+    if size != expected:
+        return None, f"{bin_path.name} holds {size:,} bytes, {meta_path.name} says {expected:,}"
+    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,)), None
+
+
+def _tokenize_into(path: Path, files: list[Path], tok, dtype) -> int:
+    """The token ids of every document, end-of-text after each, written to path (fsynced);
+    returns how many."""
     from tqdm import tqdm
 
-    key = f"{data_key}-{tokenizer_fingerprint(tok)}"
-    folder = _mkdir(cache_dir / "tokens")
-    bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
-    if bin_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
-    dtype = np.uint16 if len(tok) <= 65535 else np.uint32
     eos_id = tok.convert_tokens_to_ids(tok.eos_token)
-    tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
     n_tokens, batch = 0, []
-    with open(tmp, "wb") as out, tqdm(desc="tokenizing", unit="chunk", leave=False, disable=None) as bar:
+    with open(path, "wb") as out, tqdm(desc="tokenizing", unit="chunk", leave=False, disable=None) as bar:
 
         def flush():
             nonlocal n_tokens
@@ -191,13 +249,9 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
                 flush()
         if batch:
             flush()
-    if n_tokens <= len(files):
-        tmp.unlink()
-        raise UsageError("DATA_PATH: the data holds no text to train on")
-    os.replace(tmp, bin_path)
-    meta_path.write_text(json.dumps({"n_tokens": n_tokens, "dtype": np.dtype(dtype).name, "files": len(files)}))
-    say(f"cached {n_tokens:,} tokens from {len(files)} file(s) in {bin_path}")
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+        out.flush()
+        os.fsync(out.fileno())
+    return n_tokens
 
 
 class PackedDataset(Dataset):

@@ -23,18 +23,17 @@ import errno
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import safetensors.torch
 import torch
 
 from train.core.errors import UsageError
+from train.run.rng import rng_state, rng_states, set_rng_state
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
@@ -87,47 +86,6 @@ def _tensor_bytes(obj) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-
-def rng_state() -> dict:
-    """Every random-number state the run draws from, as plain tensors and numbers (numpy's
-    array becomes a tensor, so weights_only loading accepts it)."""
-    np_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    key = np_state["key"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", key, np_state["pos"], np_state["has_gauss"], np_state["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "mps" in state and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(state["mps"])
-
-
-def _rngs(rngs: list | None) -> dict:
-    """state.pt's RNG entries: rank 0's (or this process's) states, and with several processes
-    every rank's, so each draws its own dropout masks again after a resume (ranks whose batches
-    differ in shape, as SFT's do, draw different amounts and drift apart)."""
-    if not rngs:
-        return {"rng": rng_state()}
-    return {"rng": rngs[0], **({"rng_ranks": rngs} if len(rngs) > 1 else {})}
 
 
 @dataclass
@@ -262,7 +220,7 @@ class CheckpointManager:
         try:
             tmp.mkdir()
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
-            state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **_rngs(rngs)}
+            state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **rng_states(rngs)}
             torch.save(state, tmp / STATE)
             target = self._complete(tmp, name, step, meta, [WEIGHTS, STATE])
         except OSError as err:
@@ -276,7 +234,7 @@ class CheckpointManager:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
-        from train.dist import distributed
+        from train.dist import distributed, parallel
 
         name = checkpoint_name(step)
         tmp = self.folder / f".tmp-{name}-sharded"
@@ -292,9 +250,9 @@ class CheckpointManager:
 
         distributed.on_main(world, prepare)
         try:
-            distributed.save_sharded(tmp / SHARDS, model, optimizer)
+            parallel.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
-                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **_rngs(rngs)}, tmp / STATE)
+                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **rng_states(rngs)}, tmp / STATE)
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
                 _fsync(tmp / SHARDS)
                 self._complete(tmp, name, step, meta, [*shards, STATE])

@@ -11,8 +11,6 @@ and goes through the loop's forward_loss, so SFT batches work unchanged.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import text as data
+from train.dist import distributed, parallel
 
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
 # The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
@@ -155,20 +154,25 @@ class Evaluator:
         self.last = loss
         ppl = perplexity(loss)
         self.run_dir.metrics({"step": step, "samples": samples, "val_loss": loss, "val_ppl": ppl})
-        line = (
-            f"eval step {step}: val_loss {loss:.4f} val_ppl {ppl:.2f}"
-            if loss is not None
-            else "eval: no tokens"
-        )
+        if loss is None:
+            line = "eval: no tokens"
+        else:  # a non-finite loss has no perplexity: n/a, and the loop stops the run
+            line = f"eval step {step}: val_loss {loss:.4f} val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
         improved = loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best)
+        if self.keep_best:
+            # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
+            # worked): ranks whose losses differ in the last bit must still agree it is due.
+            improved = bool(distributed.max_across(self.b.world, [int(improved)])[0])
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train.dist.distributed import full_state_dict
+                from train.run.rundir import save_model
 
-                state = full_state_dict(self.b.model)  # sharded: a gather every rank joins
-                if self.b.world.is_main:  # one writer: the other ranks hold the same weights
-                    save_model(self.b, self.run_dir.path / "best", state)
+                state = parallel.full_state_dict(self.b.model)  # sharded: a gather every rank joins
+                # One writer (the other ranks hold the same weights); a failed save stops every rank.
+                distributed.on_main(
+                    self.b.world, lambda: save_model(self.b, self.run_dir.path / "best", step, state)
+                )
                 line += " (best so far; saved to best/)"
         self.say(line)
         elapsed = time.perf_counter() - start
@@ -187,24 +191,22 @@ class Evaluator:
         }
 
 
-def save_model(b, folder: Path, state_dict: dict | None = None) -> None:
-    """save_pretrained + tokenizer into folder, replaced whole: written beside it, then renamed,
-    so a crash mid-save never leaves a half-written best/."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    old = folder.with_name(f".{folder.name}.old")
-    for path in (tmp, old):
-        shutil.rmtree(path, ignore_errors=True)
-    use_cache = b.model.config.use_cache
-    b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
-    from train.run.runlog import quiet_saving
+def val_stop(b, evaluator: Evaluator, guard, steps_done: int, say) -> str | None:
+    """A non-finite validation loss means non-finite weights, whatever the training loss said:
+    the same stop as NAN_PATIENCE non-finite training losses (no final/ of those weights)."""
+    if b.cfg.run.nan_patience == 0:
+        return None
+    loss = evaluator.last
+    bad = loss is not None and not math.isfinite(loss)
+    if not distributed.max_across(b.world, [int(bad)])[0]:  # every rank stops at the same step
+        return None
+    from train.run.checkpoint import list_checkpoints
 
-    try:
-        with quiet_saving():
-            b.model.save_pretrained(tmp, state_dict=state_dict)
-    finally:
-        b.model.config.use_cache = use_cache
-    b.tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    saved = list_checkpoints(guard.manager.folder)
+    if saved:
+        then = f"newest good checkpoint: {saved[0].name}; lower LEARNING_RATE and resume with RESUME=1"
+    else:
+        then = "no checkpoint yet; lower LEARNING_RATE and start again"
+    guard.stop_detail = f"validation loss is {loss} at step {steps_done}; {then}"
+    say("stopping: " + guard.stop_detail)
+    return "non_finite_loss"

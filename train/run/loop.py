@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from train.run import oom as oom_lib
 from train.run import report
+from train.run.evaluate import val_stop
 from train.run.meter import Meter
 from train.run.parts import prepare
 
@@ -32,6 +33,8 @@ def run_loop(b, run_dir, say, guard) -> dict:
             if eval_due:
                 meter.exclude(parts.evaluator.run(done, meter.samples()))
             stop = guard.step_done(done, loss_t, synced=log_due)  # saves every SAVE_EVERY; signals; NaN
+            if not stop and eval_due:
+                stop = val_stop(b, parts.evaluator, guard, done, say)  # a NaN validation loss
             if stop:
                 exit_reason = stop
                 break

@@ -10,7 +10,7 @@ import torch
 
 from train.core.step import lr_at, make_optimizer, train_step
 from train.data.stream import BatchStream
-from train.dist import distributed
+from train.dist import parallel
 from train.run import compile_guard
 from train.run import oom as oom_lib
 from train.run.evaluate import Evaluator
@@ -61,10 +61,10 @@ def prepare(b, run_dir, say, guard) -> Parts:
     """Build the session's parts; RESUME=1 restores the saved state into them (guard.start)."""
     cfg, device = b.cfg, b.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
-    train_model = distributed.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
+    train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
     optimizer, kind = make_optimizer(train_model, cfg, device)
     say(f"optimizer: AdamW ({kind})")
-    scaler = distributed.grad_scaler(device, b.precision == "fp16", train_model)
+    scaler = parallel.grad_scaler(device, b.precision == "fp16", train_model)
     loader, sampler = data_loader(b)
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
     stream = guard.start(b.model, optimizer, scaler, loader, sampler)
@@ -78,10 +78,10 @@ def prepare(b, run_dir, say, guard) -> Parts:
     oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
     batches = oom.batches()
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
-    if cfg.model.compile:
+    if cfg.model.compile and guard.first_step < b.total_steps:  # RESUME=1 rewriting final/ trains no step
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
-        gradient_sync=distributed.sync_context(train_model), oom=oom,
+        gradient_sync=parallel.sync_context(train_model), oom=oom,
         evaluator=Evaluator(b, run_dir, say, b.val_collate), batches=batches, compiled=compiled,
     )

@@ -18,10 +18,12 @@ from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
 from train.run import report
 from train.run.build import build
+from train.run.claim import claim_run_dir
 from train.run.loop import run_loop
+from train.run.outputs import earlier_summary, finish
 from train.run.resume import RunGuard
-from train.run.rundir import RunDir, plan_run_dir
-from train.run.runlog import Console, capture_warnings, quiet_saving
+from train.run.rundir import RunDir
+from train.run.runlog import Console, capture_warnings
 
 
 def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before=None) -> int:
@@ -39,9 +41,22 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
 
 def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     r = cfg.run
-    run_path = distributed.on_main(
-        world, lambda: plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume)
-    )
+    claims = []
+
+    def claim():
+        """Rank 0 claims and locks the run folder for the run's life (train/run/rundir.py)."""
+        claims.append(claim_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume))
+        return claims[0].path
+
+    run_path = distributed.on_main(world, claim)
+    try:
+        return _run(cfg, say, world, run_path)
+    finally:
+        if claims:  # the lock, and the folder too if the run stopped before writing to it
+            claims[0].release()
+
+
+def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path) -> int:
     say(f"{cfg.run.mode}: resolving settings")
     b = distributed.main_first(world, lambda: build(cfg, say, world))
     cfg = b.cfg  # as decided (the asked config is left as it was)
@@ -59,24 +74,15 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
     say(report.start_line(b, run_path))
     run_dir.write("config.json", report.config_record(b))
     summary = run_loop(b, run_dir, say, guard)
-    full_state = distributed.full_state_dict(b.model)  # sharded: a gather every rank joins
-    if world.is_main and summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
-        save_final(b, run_dir, full_state)
-    run_dir.write("summary.json", summary)
-    mirror.summary(summary)
-    mirror.close()
-    plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
-    for line in report.closing_lines(summary, run_dir):
-        say(line)
-    run_dir.close()
-    return guard.exit_code(summary["exit_reason"])
-
-
-def save_final(b, run_dir, state_dict: dict | None = None) -> None:
-    """final/: save_pretrained (safetensors) and the tokenizer; loads offline with from_pretrained.
-    A sharded model passes its full state dict, gathered on rank 0."""
-    final = run_dir.path / "final"
-    b.model.config.use_cache = True  # training turned the KV cache off; generation wants it
-    with quiet_saving():
-        b.model.save_pretrained(final, state_dict=state_dict)
-    b.tokenizer.save_pretrained(final)
+    exit_code = guard.exit_code(summary["exit_reason"])
+    if guard.resuming and guard.first_step == b.total_steps and world.is_main:
+        summary = earlier_summary(run_dir.path, summary)  # RESUME=1 only rewrote final/
+    try:
+        finish(b, run_dir, summary, world)  # final/, then summary.json
+        mirror.summary(summary)
+        plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
+        report.closing(summary, run_dir, say)
+    finally:
+        mirror.close()
+        run_dir.close()
+    return exit_code

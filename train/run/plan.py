@@ -19,7 +19,8 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
-from train.dist.distributed import SINGLE, Dist, describe, rank_device
+from train.dist.distributed import SINGLE, Dist, rank_device
+from train.dist.parallel import describe
 
 
 @dataclass

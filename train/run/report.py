@@ -123,32 +123,32 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     return distributed.add_rank_figures(record, b.world, device)
 
 
-def closing_lines(s: dict, run_dir) -> list[str]:
-    """The run's last lines on the console: figures, validation, memory, what to change."""
+def closing(s: dict, run_dir, say) -> None:
+    """The run's last lines on the console: figures, validation, memory, what to change, outputs."""
+
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
 
-    lines = [
+    say(
         f"done: {s['steps']} steps, final loss {fmt(s['final_loss'], '.4f')}, "
         f"{fmt(s['samples_per_sec'], '.1f')} samples/s, {fmt(s['tokens_per_sec'], ',.0f')} tokens/s, "
         f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
-    ]
+    )
     if s.get("final_val_loss") is not None:
-        lines.append(
-            f"validation: final val_loss {s['final_val_loss']:.4f}, best {s['best_val_loss']:.4f} at step {s['best_val_step']}"
-        )
+        best = "none finite" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} at step {s['best_val_step']}"
+        say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {best}")
     if s.get("peak_vram_mb") is not None:
-        lines.append(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
+        say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
     if s.get("mfu_note"):
-        lines.append(f"MFU: {s['mfu_note']}")
+        say(f"MFU: {s['mfu_note']}")
     if s["input_bound"]:
-        lines.append(
+        say(
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
             "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
         )
-    curves = ", curves.png" if (run_dir.path / "curves.png").exists() else ""
-    lines.append(f"outputs: {run_dir.path}/ (summary.json, metrics.jsonl, train.log{curves}, final/)")
-    return lines
+    names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "final/", "best/", "checkpoints/")
+    written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
+    say(f"outputs: {run_dir.path}/ ({written})")
 
 
 def _version(package: str) -> str | None:

@@ -25,15 +25,15 @@ import torch
 from config import env_name
 from train.core.errors import UsageError
 from train.data.stream import BatchStream
-from train.dist import distributed
+from train.dist import distributed, parallel
 from train.run.checkpoint import (
     SHARDS,
     CheckpointManager,
     checkpoint_name,
     list_checkpoints,
-    rng_state,
-    set_rng_state,
 )
+from train.run.health import Health
+from train.run.rng import rng_state, set_rng_state
 from train.run.signals import QuietWorkers, StopSignals
 
 # Settings compared with the checkpoint's on resume, to say what changed.
@@ -42,36 +42,6 @@ COMPARED = (
     "max_samples warmup_steps num_workers"
 ).split()
 BUDGET = ("max_steps", "epochs", "max_samples")
-
-
-def find_run_dir(root: Path, run_name: str | None, launcher: str) -> Path:
-    """The run folder RESUME=1 continues: runs/RUN_NAME, or the newest run of this launcher
-    that has a checkpoint. Checked before anything is built or written."""
-    if run_name is not None:
-        path = root / run_name
-        if not path.is_dir():
-            raise UsageError(
-                f"RESUME=1: {path} does not exist (RUN_NAME={run_name}); leave RESUME empty to start it"
-            )
-        if not list_checkpoints(path / "checkpoints"):
-            raise UsageError(
-                f"RESUME=1: {path} has no checkpoint (it stopped before its first save; SAVE_EVERY sets how often)"
-            )
-        return path
-    candidates = []
-    for config_file in root.glob("*/config.json"):
-        try:
-            started_by = json.loads(config_file.read_text())["config"]["run"]["launcher"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        saved = list_checkpoints(config_file.parent / "checkpoints")
-        if started_by == launcher and saved:
-            candidates.append((max(p.stat().st_mtime for p in saved), config_file.parent.name))
-    if not candidates:
-        raise UsageError(
-            f"RESUME=1: no run of {launcher} in {root} has a checkpoint; set RUN_NAME to the run to continue"
-        )
-    return root / max(candidates)[1]
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -140,6 +110,32 @@ class RunGuard:
         if len(set(names)) > 1:  # a checkpoint folder not shared by every machine
             raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
         self.loaded, meta = loaded, loaded.meta
+        self._take_counts(meta)
+        say, saved = self.say, meta["settings"]
+        samples = self.counted_before[0] if self.counted_before else meta["samples"]
+        say(
+            f"resuming {self.run_path} from checkpoint {loaded.path.name}: step {meta['step']}, "
+            f"{samples:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
+        )
+        self._compare_settings(saved)
+        self._position_data(meta["data"])
+        remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
+        if remaining == 0 and self._finished(loaded.path.name):
+            return
+        self._replan(remaining, saved)
+        # Everything checked: now the run folder may change (rank 0 alone, once every rank has
+        # read its checkpoint).
+        distributed.agree(None)
+        if not self.b.world.is_main:
+            return
+        self.manager.set_aside(rejected)
+        self.manager.clean_temporary()
+        dropped = trim_metrics(self.run_path / "metrics.jsonl", self.first_step)
+        if dropped:
+            say(f"dropped {dropped} metrics row(s) written after step {self.first_step} by the stopped run")
+
+    def _take_counts(self, meta: dict) -> None:
+        """Step, samples, counted rows and tokens, counters and the schedule, as saved."""
         self.first_step, self.base_samples = meta["step"], meta["samples"]
         counted = meta.get("counted")
         if isinstance(counted, dict) and all(isinstance(counted.get(k), int) for k in ("samples", "tokens")):
@@ -151,47 +147,59 @@ class RunGuard:
             sched["warmup_samples"],
             sched["budget_samples"],
         )
-        say, saved = self.say, meta["settings"]
-        samples = self.counted_before[0] if self.counted_before else meta["samples"]
-        say(
-            f"resuming {self.run_path} from checkpoint {loaded.path.name}: step {meta['step']}, "
-            f"{samples:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
-        )
+
+    def _compare_settings(self, saved: dict) -> None:
+        """Say what changed since the checkpoint; a changed length or warm-up re-plans them."""
         now = self._settings()
         changed = [f"{env_name(k)} {saved.get(k)} -> {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
         if changed:
-            say("changed since the checkpoint: " + ", ".join(changed))
+            self.say("changed since the checkpoint: " + ", ".join(changed))
         if any(saved.get(k) != now[k] for k in BUDGET):
             self.budget_samples = self.b.total_steps * self.effective
-            say(f"the run's length changed: the schedule now ends at {self.budget_samples:,} samples")
+            self.say(f"the run's length changed: the schedule now ends at {self.budget_samples:,} samples")
         if saved.get("warmup_steps") != now["warmup_steps"]:
             self.warmup_samples = self.b.warmup_steps * self.effective
-        data_now = self._data_identity()
-        saved_world, world = meta["data"].get("world_size", 1), self.b.world.world_size
-        if meta["data"]["identity"] == data_now:
-            self.epoch, self.consumed = meta["data"]["epoch"], meta["data"]["position"]
+
+    def _position_data(self, data: dict) -> None:
+        """The saved data position, where the data is the same; else the start of a new epoch."""
+        saved_world, world = data.get("world_size", 1), self.b.world.world_size
+        if data["identity"] == self._data_identity():
+            self.epoch, self.consumed = data["epoch"], data["position"]
             if saved_world != world:
-                say(
+                self.say(
                     f"{saved_world} process(es) saved this checkpoint, {world} continue it: the data position "
                     f"carries over (each takes its share of the epoch from sample {self.consumed:,})"
                 )
         else:
-            self.epoch, self.consumed = meta["data"]["epoch"] + 1, 0
-            say(
+            self.epoch, self.consumed = data["epoch"] + 1, 0
+            self.say(
                 "the data changed since the checkpoint (sequences, MAX_LENGTH, SEED or DATA_PATH): its position "
                 "cannot carry over, so the new data is read from the start of a new epoch"
             )
-        remaining = max(0, math.ceil((self.budget_samples - self.base_samples) / self.effective))
-        if remaining == 0:
-            # A finished run (a scheduler's requeue, a repeated command): nothing to train, and
-            # nothing of the run folder is touched, its summary.json and final/ included.
+
+    def _finished(self, name: str) -> bool:
+        """Nothing left to train. Complete (True) only with its summary.json and a whole final/ of
+        this step (a full disk may have stopped it writing them): then nothing of the run folder
+        is touched. Else the session writes them. Rank 0 reads, every rank agrees."""
+        from train.run.rundir import unfinished
+
+        missing = distributed.on_main(self.b.world, lambda: unfinished(self.run_path, self.first_step))
+        if missing is None:  # a finished run (a scheduler's requeue, a repeated command)
             self.complete = True
-            say(
-                f"{self.run_path} is complete: its checkpoint {loaded.path.name} is at {self.base_samples:,} of the "
-                f"schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or MAX_SAMPLES "
-                "to train it further)"
+            self.say(
+                f"{self.run_path} is complete: its checkpoint {name} is at {self.base_samples:,} of "
+                f"the schedule's {self.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or "
+                "MAX_SAMPLES to train it further)"
             )
-            return
+            return True
+        self.say(
+            f"{self.run_path} is trained to the end but {missing}: writing final/ and summary.json from "
+            f"checkpoint {name}"
+        )
+        return False
+
+    def _replan(self, remaining: int, saved: dict) -> None:
+        """The steps left, as a decision with its reason."""
         planned = self.b.total_steps
         self.b.total_steps = self.first_step + remaining
         self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)
@@ -208,17 +216,7 @@ class RunGuard:
         if planned != self.b.total_steps:
             why += f"; a new run with these settings would plan {planned} steps"
         self.b.decisions.append({"setting": "total_steps", "value": self.b.total_steps, "reason": why})
-        say(f"  total_steps = {self.b.total_steps}  ({why})")
-        # Everything checked: now the run folder may change (rank 0 alone, once every rank has
-        # read its checkpoint).
-        distributed.agree(None)
-        if not self.b.world.is_main:
-            return
-        self.manager.set_aside(rejected)
-        self.manager.clean_temporary()
-        dropped = trim_metrics(self.run_path / "metrics.jsonl", self.first_step)
-        if dropped:
-            say(f"dropped {dropped} metrics row(s) written after step {self.first_step} by the stopped run")
+        self.say(f"  total_steps = {self.b.total_steps}  ({why})")
 
     def _settings(self) -> dict:
         o = self.cfg.optim
@@ -244,7 +242,7 @@ class RunGuard:
         """Apply the loaded state and return the positioned batch stream (RNG restored last)."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         if self.loaded is not None and self.sharding != "none":
-            distributed.load_sharded(self.loaded.path / SHARDS, model, optimizer)
+            parallel.load_sharded(self.loaded.path / SHARDS, model, optimizer)
         elif self.loaded is not None:
             optimizer.load_state_dict(self.loaded.optimizer)
             if scaler.is_enabled() and self.loaded.scaler:
@@ -258,7 +256,7 @@ class RunGuard:
             set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.world_size else self.loaded.rng)
             self.loaded = None  # free the host copies of the optimizer state
         self.stream = stream
-        self._streak = self._nonfinite = self._skipped = self._last_scale = None
+        self.health = Health(scaler, self.counters)
         self.signals.install()
         return stream
 
@@ -277,25 +275,10 @@ class RunGuard:
     def step_done(self, steps_done: int, loss: torch.Tensor, synced: bool) -> str | None:
         """After each optimizer step. Counts on the device (no host sync); reads the counts only
         where the loop already synced (a log line) or is about to save. Returns a stop reason."""
-        bad = (~torch.isfinite(loss)).to(torch.int64)
-        if self._streak is None:
-            self._streak, self._nonfinite = torch.zeros_like(bad), torch.zeros_like(bad)
-            self._skipped = torch.zeros_like(bad)
-        self._streak = (self._streak + 1) * bad
-        self._nonfinite += bad
-        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
-        if scale is not None:
-            # GradScaler lowers its scale exactly when it skipped the step (inf/NaN gradients).
-            previous = (
-                self._last_scale
-                if self._last_scale is not None
-                else torch.full_like(scale, self.scaler._init_scale)
-            )
-            self._skipped += (scale < previous).to(torch.int64).reshape(())
-            self._last_scale = scale.clone()
+        self.health.step(loss)
         r = self.cfg.run
         save_due = r.save_every > 0 and steps_done % r.save_every == 0 and steps_done < self.b.total_steps
-        streak = int(self._streak.item()) if (synced or save_due) and r.nan_patience > 0 else 0
+        streak = self.health.streak_now() if (synced or save_due) and r.nan_patience > 0 else 0
         # Every rank stops at the same step, or one waits forever in a collective: a signal seen
         # by any rank (torchrun forwards one to each, at different moments) and the longest
         # non-finite streak are shared, one small all-reduce per step on the host.
@@ -323,7 +306,7 @@ class RunGuard:
         it at the same step (the RNG states and counts are gathered); rank 0 writes, or with
         SHARDING every rank writes its shards."""
         start = time.perf_counter()
-        healthy = not (self._streak is not None and int(self._streak.item()) > 0) and self._weights_finite()
+        healthy = self.health.worth_saving(self.model)
         if distributed.max_across(self.b.world, [int(not healthy)])[0]:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
@@ -332,7 +315,7 @@ class RunGuard:
         if not self.saves:
             self.manager.last_saved = checkpoint_name(steps_done)  # as rank 0 will have it
             return
-        self._read_counters()
+        self.health.read()
         meta = self._meta(steps_done, counted)
         if self.sharding != "none":
             self.manager.save_sharded(
@@ -358,27 +341,16 @@ class RunGuard:
         """The checkpoint at the end (and after a stop signal), unless the run stopped on
         non-finite losses: then the newest checkpoint is the good one from before them."""
         self.close()
-        trained = self._streak is not None  # at least one step in this session
+        trained = self.health.trained
         if (
             exit_reason in ("completed", "interrupted", "out_of_memory")
             and trained
             and self.manager.last_saved != checkpoint_name(steps_done)
         ):
             self.save(steps_done)
-        self._read_counters()
+        self.health.read()
 
     # ---- state ----------------------------------------------------------------------------
-
-    def _weights_finite(self) -> bool:
-        flags = [torch.isfinite(distributed.local(p)).all() for p in self.model.parameters()]
-        return bool(torch.stack(flags).all().item()) if flags else True
-
-    def _read_counters(self) -> None:
-        if self._streak is not None:
-            self.counters["non_finite_steps"] += int(self._nonfinite.item())
-            self.counters["skipped_steps"] += int(self._skipped.item())
-            self._nonfinite.zero_()
-            self._skipped.zero_()
 
     def _meta(self, steps_done: int, counted: tuple[int, int] | None) -> dict:
         samples = self.samples_at(steps_done)  # in the schedule's units: steps x effective batch

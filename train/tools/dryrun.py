@@ -50,7 +50,7 @@ def device_total_mb(device) -> float | None:
 
 def dry_run(cfg: TrainConfig, say) -> int:
     from train.run.build import build
-    from train.run.rundir import plan_run_dir
+    from train.run.claim import plan_run_dir
 
     say(
         f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing trains"

@@ -1,0 +1,103 @@
+"""Writing into CACHE_DIR (the trained tokenizer, the token cache): whole files or none.
+
+Everything is written under a temporary name and renamed once complete and on disk, so a
+crash, a full disk or Ctrl+C leaves either the old state or the new one, never half a file,
+and never a temporary file behind. Failures become one line naming CACHE_DIR and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from train.core.errors import Interrupted, UsageError
+
+
+def cache_folder(path: Path) -> Path:
+    """path, created with its parents, or a UsageError naming CACHE_DIR."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"CACHE_DIR: {path} is a file, not a folder") from None
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot create the folder {path}: {err.strerror or err}") from None
+    return path
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl+C while the cache is built."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+@contextmanager
+def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
+    """Around the making of `final` (a file or folder of CACHE_DIR). Yields a list for the
+    temporary paths the caller creates; on any failure they are removed. Ctrl+C (or SIGTERM,
+    a scheduler stopping the job) becomes Interrupted("interrupted while <activity>..."), a
+    file-system error a UsageError naming CACHE_DIR, <thing> and final."""
+    temps: list[Path] = []
+    previous = None
+    # SIGTERM is taken over only where nothing else handles it: the training loop installs its
+    # own handlers later (train/run/signals.py) and restores what was there before, which is this
+    # default again by then.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield temps
+    except BaseException as err:
+        for path in temps:
+            remove(path)
+        if isinstance(err, KeyboardInterrupt):
+            signum = signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT
+            raise Interrupted(f"interrupted while {activity}; nothing was saved", 128 + signum) from None
+        if isinstance(err, OSError):
+            raise UsageError(f"CACHE_DIR: cannot write {thing} {final}: {err.strerror or err}") from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def sync(path: Path) -> None:
+    """Data of a written file (or of every file in a folder) on disk before it is renamed into
+    place: otherwise a power cut can leave the new name pointing at missing blocks."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json(path: Path, value: dict, temps: list[Path]) -> None:
+    """path replaced atomically: readers see the old JSON or the new, never a cut one."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    temps.append(tmp)
+    with open(tmp, "w") as out:
+        out.write(json.dumps(value))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def short(err: BaseException) -> str:
+    """An exception as a few words for a one-line note."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= 100 else text[:97] + "..."

@@ -1,0 +1,48 @@
+"""What a run leaves behind: final/ (written whole, train/run/rundir.py), then summary.json, and the
+closing lines on the console."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from train.core.errors import UsageError
+from train.dist import distributed, parallel
+from train.run.rundir import RunDir, save_model, write_failed
+
+
+def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
+    """final/: save_pretrained (safetensors) and the tokenizer, loads offline with from_pretrained;
+    written whole or not at all (train/run/rundir.py). A sharded model passes its gathered state dict."""
+    save_model(b, run_dir.path / "final", step, state_dict)
+
+
+def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
+    """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
+    says the run is finished, which RESUME=1 relies on to leave it alone."""
+    full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
+    if summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
+        try:
+            distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))
+        except UsageError as err:
+            summary["final_error"] = str(err)
+            with contextlib.suppress(OSError):  # the run's figures, if the disk still takes them
+                run_dir.write("summary.json", summary)
+            raise
+    try:
+        run_dir.write("summary.json", summary)
+    except OSError as err:
+        raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
+
+
+def earlier_summary(path, summary: dict) -> dict:
+    """The summary.json of the session that trained the last step, where it was written (the
+    figures of a zero-step session are no figures); else this session's."""
+    try:
+        earlier = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return summary
+    if isinstance(earlier, dict) and earlier.get("exit_reason") and earlier.get("steps") == summary["steps"]:
+        earlier.pop("final_error", None)
+        return earlier
+    return summary
