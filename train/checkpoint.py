@@ -15,6 +15,8 @@ writes its own part of the weights and AdamW state through torch.distributed.che
 rank 0 writes state.pt and meta.json (which lists and hashes every shard file) once all are
 written. Such a checkpoint resumes with any number of processes (torch.distributed.checkpoint
 reshards on load), but only into a sharded run, as a whole one resumes only into a whole run.
+Its pickled parts (shards/.metadata, the shards' non-tensor entries) are read by a restricted
+unpickler too, never by torch.distributed.checkpoint's own reader (train/safe_load.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from train import safe_load
 from train.errors import UsageError
 
 FORMAT = 1
@@ -169,6 +172,30 @@ def layout(meta: dict) -> str:
     return "sharded" if meta.get("sharding", "none") != "none" else "whole"
 
 
+def _model_of(settings: dict) -> str | None:
+    """The setting that chose a run's model, as the user would set it again (None: a custom
+    model whose MODEL_CONFIG the checkpoint does not record)."""
+    size = settings.get("model_size")
+    if settings.get("model_path"):  # SFT: the model is MODEL_PATH's, at its own size
+        return f"MODEL_PATH={settings['model_path']} ({size})"
+    if size == "custom":
+        return f"MODEL_CONFIG={settings['model_config']}" if settings.get("model_config") else None
+    return f"MODEL_SIZE={size}"
+
+
+def model_change(name: str, saved: dict, now: dict | None) -> str | None:
+    """The line for a resume into another model than the checkpoint's, or None when the model
+    is the same (or the checkpoint predates the record). Checked before the weights and the
+    optimizer state, whose mismatch could only say "another model"."""
+    if not now or not isinstance(saved.get("model_size"), str) or saved["model_size"] == now.get("model_size"):
+        return None
+    was, has = _model_of(saved), _model_of(now)
+    return (
+        f"RESUME=1: checkpoint {name} was saved by a {was or 'custom-model'} run, this run has "
+        f"{has or 'a custom model'}; resume with {was or 'the MODEL_CONFIG it was saved with'}"
+    )
+
+
 def _check_files(path: Path, meta: dict) -> None:
     names = set(meta["files"])
     if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
@@ -190,9 +217,9 @@ def _check_files(path: Path, meta: dict) -> None:
             raise BadCheckpoint(f"{name} is corrupt (its sha256 differs from the one written)")
 
 
-def _load_weights(model: torch.nn.Module, file: Path) -> None:
+def _read_weights(model: torch.nn.Module, file: Path) -> dict:
     """Check every name and shape against the model first, so a checkpoint of another model is
-    rejected before any weight is overwritten; tied weights are stored once."""
+    rejected (OtherModel) before any weight is overwritten; tied weights are stored once."""
     try:
         tensors = safetensors.torch.load_file(file, device="cpu")
     except Exception as err:  # safetensors raises its own error type for a malformed file
@@ -200,17 +227,24 @@ def _load_weights(model: torch.nn.Module, file: Path) -> None:
     own = model.state_dict()
     for key, tensor in tensors.items():
         if key not in own:
-            raise BadCheckpoint(f"weights hold {key}, which this model lacks (a checkpoint of another model)")
+            raise safe_load.OtherModel(f"its weights hold {key}, which this model lacks")
         if tuple(own[key].shape) != tuple(tensor.shape):
-            raise BadCheckpoint(
-                f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in this model "
-                "(a checkpoint of another model)"
-            )
+            raise safe_load.OtherModel(f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in this model")
     loaded = {own[key].data_ptr() for key in tensors}
     missing = [key for key in own if key not in tensors and own[key].data_ptr() not in loaded]
     if missing:
-        raise BadCheckpoint(f"weights lack {missing[0]} (a checkpoint of another model)")
-    model.load_state_dict(tensors, strict=False)
+        raise safe_load.OtherModel(f"its weights lack {missing[0]}")
+    return tensors
+
+
+def other_model(name: str, saved: dict, err: Exception) -> str:
+    """The line for weights that are not this model's although the model settings read the
+    same (two MODEL_CONFIG files of one name, an edited config)."""
+    was = _model_of(saved)
+    return (
+        f"RESUME=1: checkpoint {name} holds another model than this run builds ({err}); "
+        f"resume with {was or 'the MODEL_CONFIG it was saved with'}"
+    )
 
 
 def _check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None:
@@ -333,12 +367,15 @@ class CheckpointManager:
         return target
 
     def _disk_full(self, name: str, needed: int, free: int) -> DiskFull:
-        previous = (
-            f"the previous checkpoint {self.last_saved} is intact" if self.last_saved else "no checkpoint yet"
-        )
+        # RESUME=1 needs a checkpoint to continue from; before the first one only a rerun helps.
+        saved = self.last_saved or next((p.name for p in list_checkpoints(self.folder)), None)
+        if saved:
+            previous, then = f"the previous checkpoint {saved} is intact", "free space or lower KEEP_CHECKPOINTS, then RESUME=1"
+        else:
+            previous, then = "no checkpoint yet", "free space, then run again (OVERWRITE=1 to reuse the run folder)"
         return DiskFull(
             f"disk full: checkpoint {name} needs about {needed / 2**20:,.0f} MiB in {self.folder} but "
-            f"{free / 2**20:,.0f} MiB are free ({previous}); free space or lower KEEP_CHECKPOINTS, then RESUME=1"
+            f"{free / 2**20:,.0f} MiB are free ({previous}); {then}"
         )
 
     def _point_latest(self, name: str) -> None:
@@ -366,10 +403,11 @@ class CheckpointManager:
 
     # ---- loading ------------------------------------------------------------------------
 
-    def load(self, path: Path, model, param_groups, sharding: str = "none") -> Loaded:
-        """Check and load one checkpoint; raises BadCheckpoint with the reason. A sharded
-        checkpoint is checked here but its weights and optimizer state are read later, into
-        the sharded model (RunGuard.start)."""
+    def load(self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None) -> Loaded:
+        """Check and load one checkpoint; raises BadCheckpoint with the reason, UsageError where
+        the run's settings (SHARDING, the model) do not fit it. A sharded checkpoint is checked
+        here but its weights and optimizer state are read later, into the sharded model
+        (RunGuard.start)."""
         try:
             meta = json.loads((path / META).read_text())
         except FileNotFoundError:
@@ -379,6 +417,9 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         _check_meta(meta)
+        changed = model_change(path.name, meta["settings"], settings)
+        if changed:
+            raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"
         if layout(meta) != now:
             saved = meta.get("sharding", "none")
@@ -388,12 +429,18 @@ class CheckpointManager:
             )
         _check_files(path, meta)
         try:
+            # Weights first: another model's checkpoint is named as that, not as an optimizer
+            # state that does not fit.
+            tensors = _read_weights(model, path / WEIGHTS) if now == "whole" else None
+            if now == "sharded":
+                safe_load.check_shards(path / SHARDS, model)
             # weights_only: only tensors, numbers, strings and containers; a pickled object that
             # would run code on load is refused instead of executed.
-            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError ...
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise BadCheckpoint(f"{STATE} refused by the safe loader ({reason[:160]})") from None
+            state = safe_load.load_file(path / STATE, STATE)
+        except safe_load.OtherModel as err:
+            raise UsageError(other_model(path.name, meta["settings"], err)) from None
+        except safe_load.Refused as err:
+            raise BadCheckpoint(str(err)) from None
         if not isinstance(state, dict) or not {"optimizer", "scaler", "rng"} <= set(state):
             raise BadCheckpoint(f"{STATE} does not hold optimizer, scaler and rng states")
         if now == "whole":
@@ -410,22 +457,22 @@ class CheckpointManager:
             raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
         finally:
             set_rng_state(current)
-        if now == "whole":
-            _load_weights(model, path / WEIGHTS)
+        if tensors is not None:
+            model.load_state_dict(tensors, strict=False)
         return Loaded(
             path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"],
             rng_ranks=ranks if isinstance(ranks, list) else None,
         )
 
     def newest_valid(
-        self, model, param_groups, sharding: str = "none"
+        self, model, param_groups, sharding: str = "none", settings: dict | None = None
     ) -> tuple[Loaded | None, list[tuple[Path, str]]]:
         """The newest checkpoint that loads, and the (folder, reason) of each newer one that
-        did not (each reported by name)."""
+        did not (each reported by name). settings: the run's own (RunGuard._settings)."""
         rejected = []
         for path in list_checkpoints(self.folder):
             try:
-                loaded = self.load(path, model, param_groups, sharding)
+                loaded = self.load(path, model, param_groups, sharding, settings)
             except BadCheckpoint as err:
                 rejected.append((path, str(err)))
                 self.say(f"checkpoint {path.name} cannot be used: {err}; trying the previous one")

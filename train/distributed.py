@@ -9,12 +9,15 @@ the loop gets a `Dist` and never reads the environment.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import os
 import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,9 @@ _host_group = None
 # Rank 0 builds the data caches (tokenizer training, tokenizing) while the others wait in a
 # barrier: on a large corpus that takes minutes, longer than NCCL's 10-minute default.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+# Set once this process has started a process group (see exit_process).
+_group_used = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,8 @@ def launch(train_fn, cfg, world: Dist) -> int:
             dist.init_process_group(
                 backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT
             )
-        global _host_group
+        global _host_group, _group_used
+        _group_used = True
         _host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
         try:
             code = train_fn(cfg, world)
@@ -121,6 +128,25 @@ def launch(train_fn, cfg, world: Dist) -> int:
         finally:
             _host_group = None
             dist.destroy_process_group()
+
+
+def exit_process(code: int, group_used: bool | None = None) -> NoReturn:
+    """Exit with `code`; after a process group (group_used, or one started by launch) without
+    the interpreter's finalization, which can abort the process with SIGABRT ("terminate called
+    without an active exception") after everything succeeded: destroy_process_group leaves the
+    group's gloo worker threads running (FSDP2's device mesh and DTensor caches still hold the
+    group), and one of them may still be dropping the last reference to a collective's tensor
+    whose Python object is gone, which takes the GIL. Python 3.11 ends a thread that asks for
+    the GIL while it finalizes with pthread_exit, and that unwinding through C++ calls
+    std::terminate. The atexit handlers (log files, loader workers) still run first, while
+    every thread may take the GIL; then os._exit skips only the teardown."""
+    if not (_group_used if group_used is None else group_used):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what finalization would run before it starts ending threads
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _lost_peer(err: Exception) -> bool:
@@ -393,15 +419,20 @@ def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
 def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read save_sharded's checkpoint into a model wrapped the same way (same SHARDING) and its
     freshly made optimizer. Every rank calls it with the same directory."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from train import safe_load
 
     path = Path(directory)
     if not (path / ".metadata").exists():
         raise UsageError(f"RESUME: {path} is not a sharded checkpoint (no .metadata)")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        # never dcp.load's own reader: it unpickles .metadata and non-tensor entries unrestricted
+        safe_load.dcp_load(state, path)
+    except safe_load.Refused as err:
+        raise UsageError(f"RESUME=1: checkpoint {path.parent.name} cannot be read: {err}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
