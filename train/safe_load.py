@@ -223,10 +223,12 @@ def dcp_load(state: dict, folder: Path) -> None:
     line when a rank cannot read its part (DCP gathers every rank's failure)."""
     import torch.distributed.checkpoint as dcp
 
+    # Refused here in our words; inside dcp.load the same refusal comes back wrapped in
+    # DCP's own errors (it retries with per-rank metadata files, then gathers every rank's).
+    check_shards(folder, None)
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner())
     except CheckpointException as err:  # a BaseException: Exception alone misses it
         failures = [exc for exc, _ in err.failures.values()]
         first = next((e for e in failures if isinstance(e, Refused)), failures[0] if failures else err)
-        reason = str(first) if isinstance(first, Refused) else refusal(first)
-        raise Refused(reason) from None
+        raise Refused(str(first) if isinstance(first, Refused) else refusal(first)) from None
