@@ -7,9 +7,9 @@ betas, parameter names) with torch.load(weights_only=False), so a crafted file w
 RESUME=1 however meta.json hashes it (the hashes can be recomputed by whoever edits the folder).
 Here .metadata goes through an unpickler that resolves exactly the classes DCP's metadata is
 made of and nothing else (torch's own weights-only unpickler cannot be reused: it reads pickle
-protocol 2 only, DCP writes protocol 4), the non-tensor entries through torch.load(weights_only=True), and
-every read must stay inside a shard file of the folder. DCP itself reads the tensors with
-weights_only=True.
+protocol 2 only, DCP writes protocol 4), the non-tensor entries through
+torch.load(weights_only=True), and every read must stay inside a shard file of the folder.
+DCP itself reads the tensors with weights_only=True.
 """
 
 from __future__ import annotations
