@@ -7,9 +7,9 @@ betas, parameter names) with torch.load(weights_only=False), so a crafted file w
 RESUME=1 however meta.json hashes it (the hashes can be recomputed by whoever edits the folder).
 Here .metadata goes through an unpickler that resolves exactly the classes DCP's metadata is
 made of and nothing else (torch's own weights-only unpickler cannot be reused: it reads pickle
-protocol 2 only, DCP writes protocol 4), the non-tensor entries through torch.load(weights_only=True), and
-every read must stay inside a shard file of the folder. DCP itself reads the tensors with
-weights_only=True.
+protocol 2 only, DCP writes protocol 4), the non-tensor entries through
+torch.load(weights_only=True), and every read must stay inside a shard file of the folder.
+DCP itself reads the tensors with weights_only=True.
 """
 
 from __future__ import annotations
@@ -223,10 +223,12 @@ def dcp_load(state: dict, folder: Path) -> None:
     line when a rank cannot read its part (DCP gathers every rank's failure)."""
     import torch.distributed.checkpoint as dcp
 
+    # Refused here in our words; inside dcp.load the same refusal comes back wrapped in
+    # DCP's own errors (it retries with per-rank metadata files, then gathers every rank's).
+    check_shards(folder, None)
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner())
     except CheckpointException as err:  # a BaseException: Exception alone misses it
         failures = [exc for exc, _ in err.failures.values()]
         first = next((e for e in failures if isinstance(e, Refused)), failures[0] if failures else err)
-        reason = str(first) if isinstance(first, Refused) else refusal(first)
-        raise Refused(reason) from None
+        raise Refused(str(first) if isinstance(first, Refused) else refusal(first)) from None

@@ -74,8 +74,8 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
         return None
     was, has = _model_of(saved), _model_of(now)
     return (
-        f"RESUME=1: checkpoint {name} was saved by a {was or 'custom-model'} run, this run has "
-        f"{has or 'a custom model'}; resume with {was or 'the MODEL_CONFIG it was saved with'}"
+        f"RESUME=1: checkpoint {name} was saved by {f'a {was} run' if was else 'a run with its own MODEL_CONFIG'}, "
+        f"this run has {has or 'its own MODEL_CONFIG'}; resume with {was or 'the MODEL_CONFIG it was saved with'}"
     )
 
 
