@@ -187,7 +187,7 @@ def test_planted_pickle_is_not_executed_on_resume(base, reference, tmp_path, cap
     folder = run / "checkpoints" / "step-00000040"
     torch.save({"optimizer": Payload(marker), "scaler": {}, "rng": {}}, folder / "state.pt")
     meta = json.loads((folder / "meta.json").read_text())  # the checksum matches: only the loader guards
-    meta["files"]["state.pt"] = {"bytes": (folder / "state.pt").stat().st_size, "sha256": checkpoint._sha256(folder / "state.pt")}
+    meta["files"]["state.pt"] = {"bytes": (folder / "state.pt").stat().st_size, "sha256": checkpoint.sha256_of(folder / "state.pt")}
     (folder / "meta.json").write_text(json.dumps(meta))
     torch.save(Payload(marker), folder / "evil.pkl")  # extra files are never read
     capsys.readouterr()

@@ -46,4 +46,9 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    code = run()
+    # After a process group: exit without the interpreter's teardown (train/dist/distributed.py).
+    distributed = sys.modules.get("train.dist.distributed")
+    if distributed is not None:
+        distributed.exit_process(code)
+    sys.exit(code)

@@ -10,12 +10,15 @@ the loop gets a `Dist` and never reads the environment.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import os
 import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,9 @@ _host_group = None
 # Rank 0 builds the data caches (tokenizer training, tokenizing) while the others wait in a
 # barrier: on a large corpus that takes minutes, longer than NCCL's 10-minute default.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+# Set once this process has started a process group (see exit_process).
+_group_used = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,8 @@ def launch(train_fn, cfg, world: Dist) -> int:
             dist.init_process_group(
                 backend, rank=world.rank, world_size=world.world_size, timeout=GROUP_TIMEOUT
             )
-        global _host_group
+        global _host_group, _group_used
+        _group_used = True
         _host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
         try:
             code = train_fn(cfg, world)
@@ -122,6 +129,25 @@ def launch(train_fn, cfg, world: Dist) -> int:
         finally:
             _host_group = None
             dist.destroy_process_group()
+
+
+def exit_process(code: int, group_used: bool | None = None) -> NoReturn:
+    """Exit with `code`; after a process group (group_used, or one started by launch) without
+    the interpreter's finalization, which can abort the process with SIGABRT ("terminate called
+    without an active exception") after everything succeeded: destroy_process_group leaves the
+    group's gloo worker threads running (FSDP2's device mesh and DTensor caches still hold the
+    group), and one of them may still be dropping the last reference to a collective's tensor
+    whose Python object is gone, which takes the GIL. Python 3.11 ends a thread that asks for
+    the GIL while it finalizes with pthread_exit, and that unwinding through C++ calls
+    std::terminate. The atexit handlers (log files, loader workers) still run first, while
+    every thread may take the GIL; then os._exit skips only the teardown."""
+    if not (_group_used if group_used is None else group_used):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what finalization would run before it starts ending threads
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _lost_peer(err: Exception) -> bool:

@@ -133,13 +133,18 @@ def save_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
 def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read save_sharded's checkpoint into a model wrapped the same way (same SHARDING) and its
     freshly made optimizer. Every rank calls it with the same directory."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from train.dist import safe_load
 
     path = Path(directory)
     if not (path / ".metadata").exists():
         raise UsageError(f"RESUME: {path} is not a sharded checkpoint (no .metadata)")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        # never dcp.load's own reader: it unpickles .metadata and non-tensor entries unrestricted
+        safe_load.dcp_load(state, path)
+    except safe_load.Refused as err:
+        raise UsageError(f"RESUME=1: checkpoint {path.parent.name} cannot be read: {err}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -15,12 +15,13 @@ writes its own part of the weights and AdamW state through torch.distributed.che
 rank 0 writes state.pt and meta.json (which lists and hashes every shard file) once all are
 written. Such a checkpoint resumes with any number of processes (torch.distributed.checkpoint
 reshards on load), but only into a sharded run, as a whole one resumes only into a whole run.
+Its pickled parts (shards/.metadata, the shards' non-tensor entries) are read by a restricted
+unpickler too, never by torch.distributed.checkpoint's own reader (train/dist/safe_load.py).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -33,16 +34,27 @@ import safetensors.torch
 import torch
 
 from train.core.errors import UsageError
+from train.dist import safe_load
+from train.run.checkpoint_checks import (
+    META,
+    SHARDS,
+    STATE,
+    WEIGHTS,
+    BadCheckpoint,
+    check_files,
+    check_meta,
+    check_optimizer,
+    layout,
+    model_change,
+    other_model,
+    read_weights,
+    sha256_of,
+)
 from train.run.rng import rng_state, rng_states, set_rng_state
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
-WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
 SPACE_MARGIN = 1.05  # safetensors/zip headers and meta.json on top of the tensor bytes
-
-
-class BadCheckpoint(Exception):
-    """A checkpoint that cannot be used; the message says why (one line)."""
 
 
 class DiskFull(UsageError):
@@ -60,14 +72,6 @@ def list_checkpoints(folder: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and NAME.match(p.name)]
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)), reverse=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -98,94 +102,6 @@ class Loaded:
     scaler: dict
     rng: dict
     rng_ranks: list | None = None  # every rank's RNG states, where several processes saved
-
-
-# The fields resume relies on, and their types: a hand-edited or foreign meta.json is reported
-# as a bad checkpoint, never met later as a KeyError.
-META_FIELDS = {
-    "step": int,
-    "samples": int,
-    "data": {"epoch": int, "position": int, "identity": dict},
-    "schedule": {"unit_samples": int, "warmup_samples": int, "budget_samples": int},
-    "settings": dict,
-    "counters": dict,
-    "files": dict,
-}
-
-
-def _check_meta(meta, fields=META_FIELDS, where="") -> None:
-    for key, kind in fields.items():
-        value = meta.get(key) if isinstance(meta, dict) else None
-        if isinstance(kind, dict):
-            _check_meta(value, kind, f"{where}{key}.")
-        elif not isinstance(value, kind) or isinstance(value, bool):
-            raise BadCheckpoint(f"{META} has no valid {where}{key}")
-
-
-def layout(meta: dict) -> str:
-    """"sharded" (shards/, SHARDING=zero2|zero3) or "whole" (model.safetensors)."""
-    return "sharded" if meta.get("sharding", "none") != "none" else "whole"
-
-
-def _check_files(path: Path, meta: dict) -> None:
-    names = set(meta["files"])
-    if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
-        raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
-    if layout(meta) == "sharded" and not (
-        {STATE, f"{SHARDS}/.metadata"} <= names and all(n == STATE or n.startswith(f"{SHARDS}/") for n in names)
-    ):
-        raise BadCheckpoint(f"{META} does not list {STATE} and {SHARDS}/.metadata")
-    for name, expected in meta["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise BadCheckpoint(f"{name} is missing")
-        size = file.stat().st_size
-        if not isinstance(expected, dict) or not isinstance(expected.get("bytes"), int):
-            raise BadCheckpoint(f"{META} has no valid size for {name}")
-        if size != expected["bytes"]:
-            raise BadCheckpoint(f"{name} is truncated or altered ({size} bytes, {expected['bytes']} written)")
-        if _sha256(file) != expected["sha256"]:
-            raise BadCheckpoint(f"{name} is corrupt (its sha256 differs from the one written)")
-
-
-def _load_weights(model: torch.nn.Module, file: Path) -> None:
-    """Check every name and shape against the model first, so a checkpoint of another model is
-    rejected before any weight is overwritten; tied weights are stored once."""
-    try:
-        tensors = safetensors.torch.load_file(file, device="cpu")
-    except Exception as err:  # safetensors raises its own error type for a malformed file
-        raise BadCheckpoint(f"{WEIGHTS} is not a valid safetensors file ({err})") from None
-    own = model.state_dict()
-    for key, tensor in tensors.items():
-        if key not in own:
-            raise BadCheckpoint(f"weights hold {key}, which this model lacks (a checkpoint of another model)")
-        if tuple(own[key].shape) != tuple(tensor.shape):
-            raise BadCheckpoint(
-                f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in this model "
-                "(a checkpoint of another model)"
-            )
-    loaded = {own[key].data_ptr() for key in tensors}
-    missing = [key for key in own if key not in tensors and own[key].data_ptr() not in loaded]
-    if missing:
-        raise BadCheckpoint(f"weights lack {missing[0]} (a checkpoint of another model)")
-    model.load_state_dict(tensors, strict=False)
-
-
-def _check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None:
-    """The saved optimizer state must fit the optimizer this run builds: same groups, same
-    number of parameters, same shapes (load_state_dict alone checks only the counts)."""
-    groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(param_groups):
-        raise BadCheckpoint("optimizer state does not match this model's parameter groups")
-    params = [p for group in param_groups for p in group]
-    for group, own in zip(groups, param_groups, strict=True):
-        if len(group.get("params", [])) != len(own):
-            raise BadCheckpoint("optimizer state holds a different number of parameters (another model)")
-    order = [i for group in groups for i in group["params"]]
-    for index, param in zip(order, params, strict=True):
-        for value in saved.get("state", {}).get(index, {}).values():
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
-                raise BadCheckpoint("optimizer state has other shapes than this model (another model)")
 
 
 class CheckpointManager:
@@ -272,7 +188,7 @@ class CheckpointManager:
         files = {}
         for file in names:
             _fsync(tmp / file)
-            files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": _sha256(tmp / file)}
+            files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_of(tmp / file)}
         record = {"format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
         record["files"] = files
         (tmp / META).write_text(json.dumps(record, indent=2) + "\n")
@@ -291,12 +207,15 @@ class CheckpointManager:
         return target
 
     def _disk_full(self, name: str, needed: int, free: int) -> DiskFull:
-        previous = (
-            f"the previous checkpoint {self.last_saved} is intact" if self.last_saved else "no checkpoint yet"
-        )
+        # RESUME=1 needs a checkpoint to continue from; before the first one only a rerun helps.
+        saved = self.last_saved or next((p.name for p in list_checkpoints(self.folder)), None)
+        if saved:
+            previous, then = f"the previous checkpoint {saved} is intact", "free space or lower KEEP_CHECKPOINTS, then RESUME=1"
+        else:
+            previous, then = "no checkpoint yet", "free space, then run again (OVERWRITE=1 to reuse the run folder)"
         return DiskFull(
             f"disk full: checkpoint {name} needs about {needed / 2**20:,.0f} MiB in {self.folder} but "
-            f"{free / 2**20:,.0f} MiB are free ({previous}); free space or lower KEEP_CHECKPOINTS, then RESUME=1"
+            f"{free / 2**20:,.0f} MiB are free ({previous}); {then}"
         )
 
     def _point_latest(self, name: str) -> None:
@@ -324,10 +243,11 @@ class CheckpointManager:
 
     # ---- loading ------------------------------------------------------------------------
 
-    def load(self, path: Path, model, param_groups, sharding: str = "none") -> Loaded:
-        """Check and load one checkpoint; raises BadCheckpoint with the reason. A sharded
-        checkpoint is checked here but its weights and optimizer state are read later, into
-        the sharded model (RunGuard.start)."""
+    def load(self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None) -> Loaded:
+        """Check and load one checkpoint; raises BadCheckpoint with the reason, UsageError where
+        the run's settings (SHARDING, the model) do not fit it. A sharded checkpoint is checked
+        here but its weights and optimizer state are read later, into the sharded model
+        (RunGuard.start)."""
         try:
             meta = json.loads((path / META).read_text())
         except FileNotFoundError:
@@ -336,7 +256,10 @@ class CheckpointManager:
             raise BadCheckpoint(f"{META} is not valid JSON ({err})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
-        _check_meta(meta)
+        check_meta(meta)
+        changed = model_change(path.name, meta["settings"], settings)
+        if changed:
+            raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"
         if layout(meta) != now:
             saved = meta.get("sharding", "none")
@@ -344,18 +267,24 @@ class CheckpointManager:
                 f"RESUME=1: checkpoint {path.name} was saved by a SHARDING={saved} run; resume it with "
                 f"SHARDING={saved} ({layout(meta)} and {now} checkpoints do not convert)"
             )
-        _check_files(path, meta)
+        check_files(path, meta)
         try:
+            # Weights first: another model's checkpoint is named as that, not as an optimizer
+            # state that does not fit.
+            tensors = read_weights(model, path / WEIGHTS) if now == "whole" else None
+            if now == "sharded":
+                safe_load.check_shards(path / SHARDS, model)
             # weights_only: only tensors, numbers, strings and containers; a pickled object that
             # would run code on load is refused instead of executed.
-            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError ...
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise BadCheckpoint(f"{STATE} refused by the safe loader ({reason[:160]})") from None
+            state = safe_load.load_file(path / STATE, STATE)
+        except safe_load.OtherModel as err:
+            raise UsageError(other_model(path.name, meta["settings"], err)) from None
+        except safe_load.Refused as err:
+            raise BadCheckpoint(str(err)) from None
         if not isinstance(state, dict) or not {"optimizer", "scaler", "rng"} <= set(state):
             raise BadCheckpoint(f"{STATE} does not hold optimizer, scaler and rng states")
         if now == "whole":
-            _check_optimizer(state["optimizer"], param_groups)
+            check_optimizer(state["optimizer"], param_groups)
         scaler = state["scaler"]
         if not isinstance(scaler, dict) or (scaler and not {"scale", "_growth_tracker"} <= set(scaler)):
             raise BadCheckpoint(f"{STATE} holds no usable GradScaler state")
@@ -368,22 +297,22 @@ class CheckpointManager:
             raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
         finally:
             set_rng_state(current)
-        if now == "whole":
-            _load_weights(model, path / WEIGHTS)
+        if tensors is not None:
+            model.load_state_dict(tensors, strict=False)
         return Loaded(
             path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"],
             rng_ranks=ranks if isinstance(ranks, list) else None,
         )
 
     def newest_valid(
-        self, model, param_groups, sharding: str = "none"
+        self, model, param_groups, sharding: str = "none", settings: dict | None = None
     ) -> tuple[Loaded | None, list[tuple[Path, str]]]:
         """The newest checkpoint that loads, and the (folder, reason) of each newer one that
-        did not (each reported by name)."""
+        did not (each reported by name). settings: the run's own (RunGuard._settings)."""
         rejected = []
         for path in list_checkpoints(self.folder):
             try:
-                loaded = self.load(path, model, param_groups, sharding)
+                loaded = self.load(path, model, param_groups, sharding, settings)
             except BadCheckpoint as err:
                 rejected.append((path, str(err)))
                 self.say(f"checkpoint {path.name} cannot be used: {err}; trying the previous one")

@@ -102,7 +102,7 @@ class RunGuard:
     # ---- resume ---------------------------------------------------------------------------
 
     def _resume(self, param_groups) -> None:
-        loaded, rejected = self.manager.newest_valid(self.b.model, param_groups, self.sharding)
+        loaded, rejected = self.manager.newest_valid(self.b.model, param_groups, self.sharding, self._settings())
         if loaded is None:
             reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
             raise UsageError(f"RESUME=1: no usable checkpoint in {self.manager.folder} ({reasons})")
@@ -225,6 +225,8 @@ class RunGuard:
         settings.update(
             effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length
         )
+        # what chose the model, for the changed-model message of a later RESUME=1
+        settings.update(model_config=self.cfg.model.model_config, model_path=self.b.summary_extra.get("model_path"))
         return settings
 
     def _data_identity(self) -> dict:

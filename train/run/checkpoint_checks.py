@@ -1,0 +1,147 @@
+"""What a checkpoint must pass before anything of it is used: meta.json's fields and types,
+each file's size and sha256, weights whose names and shapes are this model's, an optimizer
+state of this model's groups, and the model it was saved for (a changed MODEL_SIZE is named
+as that, not as a mismatch further down)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from train.dist import safe_load
+
+WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
+
+
+class BadCheckpoint(Exception):
+    """A checkpoint that cannot be used; the message says why (one line)."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# The fields resume relies on, and their types: a hand-edited or foreign meta.json is reported
+# as a bad checkpoint, never met later as a KeyError.
+META_FIELDS = {
+    "step": int,
+    "samples": int,
+    "data": {"epoch": int, "position": int, "identity": dict},
+    "schedule": {"unit_samples": int, "warmup_samples": int, "budget_samples": int},
+    "settings": dict,
+    "counters": dict,
+    "files": dict,
+}
+
+
+def check_meta(meta, fields=META_FIELDS, where="") -> None:
+    for key, kind in fields.items():
+        value = meta.get(key) if isinstance(meta, dict) else None
+        if isinstance(kind, dict):
+            check_meta(value, kind, f"{where}{key}.")
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise BadCheckpoint(f"{META} has no valid {where}{key}")
+
+
+def layout(meta: dict) -> str:
+    """"sharded" (shards/, SHARDING=zero2|zero3) or "whole" (model.safetensors)."""
+    return "sharded" if meta.get("sharding", "none") != "none" else "whole"
+
+
+def _model_of(settings: dict) -> str | None:
+    """The setting that chose a run's model, as the user would set it again (None: a custom
+    model whose MODEL_CONFIG the checkpoint does not record)."""
+    size = settings.get("model_size")
+    if settings.get("model_path"):  # SFT: the model is MODEL_PATH's, at its own size
+        return f"MODEL_PATH={settings['model_path']} ({size})"
+    if size == "custom":
+        return f"MODEL_CONFIG={settings['model_config']}" if settings.get("model_config") else None
+    return f"MODEL_SIZE={size}"
+
+
+def model_change(name: str, saved: dict, now: dict | None) -> str | None:
+    """The line for a resume into another model than the checkpoint's, or None when the model
+    is the same (or the checkpoint predates the record). Checked before the weights and the
+    optimizer state, whose mismatch could only say "another model"."""
+    if not now or not isinstance(saved.get("model_size"), str) or saved["model_size"] == now.get("model_size"):
+        return None
+    was, has = _model_of(saved), _model_of(now)
+    return (
+        f"RESUME=1: checkpoint {name} was saved by {f'a {was} run' if was else 'a run with its own MODEL_CONFIG'}, "
+        f"this run has {has or 'its own MODEL_CONFIG'}; resume with {was or 'the MODEL_CONFIG it was saved with'}"
+    )
+
+
+def check_files(path: Path, meta: dict) -> None:
+    names = set(meta["files"])
+    if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
+        raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
+    if layout(meta) == "sharded" and not (
+        {STATE, f"{SHARDS}/.metadata"} <= names and all(n == STATE or n.startswith(f"{SHARDS}/") for n in names)
+    ):
+        raise BadCheckpoint(f"{META} does not list {STATE} and {SHARDS}/.metadata")
+    for name, expected in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise BadCheckpoint(f"{name} is missing")
+        size = file.stat().st_size
+        if not isinstance(expected, dict) or not isinstance(expected.get("bytes"), int):
+            raise BadCheckpoint(f"{META} has no valid size for {name}")
+        if size != expected["bytes"]:
+            raise BadCheckpoint(f"{name} is truncated or altered ({size} bytes, {expected['bytes']} written)")
+        if sha256_of(file) != expected["sha256"]:
+            raise BadCheckpoint(f"{name} is corrupt (its sha256 differs from the one written)")
+
+
+def read_weights(model: torch.nn.Module, file: Path) -> dict:
+    """Check every name and shape against the model first, so a checkpoint of another model is
+    rejected (OtherModel) before any weight is overwritten; tied weights are stored once."""
+    try:
+        tensors = safetensors.torch.load_file(file, device="cpu")
+    except Exception as err:  # safetensors raises its own error type for a malformed file
+        raise BadCheckpoint(f"{WEIGHTS} is not a valid safetensors file ({err})") from None
+    own = model.state_dict()
+    for key, tensor in tensors.items():
+        if key not in own:
+            raise safe_load.OtherModel(f"its weights hold {key}, which this model lacks")
+        if tuple(own[key].shape) != tuple(tensor.shape):
+            raise safe_load.OtherModel(f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in this model")
+    loaded = {own[key].data_ptr() for key in tensors}
+    missing = [key for key in own if key not in tensors and own[key].data_ptr() not in loaded]
+    if missing:
+        raise safe_load.OtherModel(f"its weights lack {missing[0]}")
+    return tensors
+
+
+def other_model(name: str, saved: dict, err: Exception) -> str:
+    """The line for weights that are not this model's although the model settings read the
+    same (two MODEL_CONFIG files of one name, an edited config)."""
+    was = _model_of(saved)
+    return (
+        f"RESUME=1: checkpoint {name} holds another model than this run builds ({err}); "
+        f"resume with {was or 'the MODEL_CONFIG it was saved with'}"
+    )
+
+
+def check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None:
+    """The saved optimizer state must fit the optimizer this run builds: same groups, same
+    number of parameters, same shapes (load_state_dict alone checks only the counts)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise BadCheckpoint("optimizer state does not match this model's parameter groups")
+    params = [p for group in param_groups for p in group]
+    for group, own in zip(groups, param_groups, strict=True):
+        if len(group.get("params", [])) != len(own):
+            raise BadCheckpoint("optimizer state holds a different number of parameters (another model)")
+    order = [i for group in groups for i in group["params"]]
+    for index, param in zip(order, params, strict=True):
+        for value in saved.get("state", {}).get(index, {}).values():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                raise BadCheckpoint("optimizer state has other shapes than this model (another model)")
