@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from train.core.errors import Interrupted, UsageError
+from train.core.files import fsync
 
 
 def cache_folder(path: Path) -> Path:
@@ -79,11 +80,7 @@ def sync(path: Path) -> None:
     place: otherwise a power cut can leave the new name pointing at missing blocks."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync(file)
 
 
 def write_json(path: Path, value: dict, temps: list[Path]) -> None:

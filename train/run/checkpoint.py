@@ -34,6 +34,7 @@ import safetensors.torch
 import torch
 
 from train.core.errors import UsageError
+from train.core.files import fsync
 from train.dist import safe_load
 from train.run.checkpoint_checks import (
     META,
@@ -72,14 +73,6 @@ def list_checkpoints(folder: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and NAME.match(p.name)]
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)), reverse=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tensor_bytes(obj) -> int:
@@ -170,7 +163,7 @@ class CheckpointManager:
             if world.is_main:
                 torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **rng_states(rngs)}, tmp / STATE)
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
-                _fsync(tmp / SHARDS)
+                fsync(tmp / SHARDS)
                 self._complete(tmp, name, step, meta, [*shards, STATE])
         except Exception as err:
             if world.is_main:
@@ -187,20 +180,20 @@ class CheckpointManager:
         point latest at it and drop the oldest checkpoints."""
         files = {}
         for file in names:
-            _fsync(tmp / file)
+            fsync(tmp / file)
             files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_of(tmp / file)}
         record = {"format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
         record["files"] = files
         (tmp / META).write_text(json.dumps(record, indent=2) + "\n")
-        _fsync(tmp / META)
-        _fsync(tmp)
+        fsync(tmp / META)
+        fsync(tmp)
         target = self.folder / name
         if target.exists():  # an invalid checkpoint of this step from an earlier attempt
             aside = self.folder / f".old-{name}-{os.getpid()}"
             os.replace(target, aside)
             shutil.rmtree(aside, ignore_errors=True)
         os.replace(tmp, target)
-        _fsync(self.folder)
+        fsync(self.folder)
         self.last_saved = name
         self._point_latest(name)
         self.prune()

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from train.core.errors import UsageError
+from train.core.files import fsync
 from train.observe.tensorboard_log import NoLog
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -61,12 +62,12 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
         b.tokenizer.save_pretrained(tmp)
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
         for path in tmp.rglob("*"):
-            _fsync(path)
-        _fsync(tmp)
+            fsync(path)
+        fsync(tmp)
         if folder.exists():
             os.replace(folder, old)
         os.replace(tmp, folder)
-        _fsync(parent)
+        fsync(parent)
     except Exception as err:
         code = _errno_of(err)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -78,14 +79,6 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     finally:
         b.model.config.use_cache = use_cache
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _errno_of(err: BaseException | None) -> int | None:
