@@ -83,7 +83,7 @@ class OomGuard:
     """
 
     def __init__(self, b, reopen, optimizer, scaler, say, stream):
-        """stream: the run's positioned batch stream (train/run/resume.py BatchStream, with epoch,
+        """stream: the run's positioned batch stream (train/data/stream.py BatchStream, with epoch,
         consumed and sampler); reopen(epoch, start) builds a new one for the current
         b.cfg.optim.batch_size at that position (and hands it to the checkpointing too)."""
         self.b, self.reopen, self.optimizer, self.scaler, self.say = b, reopen, optimizer, scaler, say

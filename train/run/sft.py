@@ -1,10 +1,11 @@
 """`python -m train sft`: build what an SFT run needs and hand it to the same loop as pretraining.
 
-build_sft returns the same Built that train/run/build.py returns, so train/run/loop.py (train_step,
-run_loop, the run folder and summary.json) is shared: SFT differs only in where the model and
-the batches come from. The model is MODEL_PATH (any local transformers causal LM with its
-tokenizer, loaded offline); batches are conversations padded to their own longest sample
-(train/data/sft_data.py), optionally grouped by length or sized by a token budget (train/data/sft_batching.py),
+build_sft returns the same Built (train/run/plan.py) as a pretraining build, so the step
+(train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
+where the model and the batches come from. The model is MODEL_PATH (any local transformers
+causal LM with its tokenizer, loaded offline); batches are conversations padded to their own
+longest sample (train/data/sft_data.py), optionally grouped by length or sized by a token budget
+(train/data/sft_batching.py), or packed several to a row (PACKING=1, train/data/packing.py),
 with every process reading its own share of each epoch.
 """
 
