@@ -125,7 +125,7 @@ def token_mean_share(sum_loss: torch.Tensor, step_total: int, world_size: int = 
     added over the step's micro-batches, gives the gradient of the token mean over all of them.
     With DDP, which averages gradients over ranks, step_total is the count over all ranks and
     the share is scaled by world_size so the average comes out as the global token mean."""
-    return sum_loss * (world_size / max(1, step_total))
+    return sum_loss / max(1, step_total) * world_size
 
 
 def lm_hidden_and_head(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,13 @@ import torch
 
 from config import TrainConfig
 from train.core.device import autocast
-from train.core.loss import chunked_cross_entropy, count_targets, lm_hidden_and_head
+from train.core.loss import (
+    chunked_cross_entropy,
+    count_targets,
+    lm_hidden_and_head,
+    step_targets,
+    token_mean_share,
+)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,7 +80,7 @@ def forward_loss(model, batch: dict, device: torch.device, precision: str, targe
         if chunkable(model):
             hidden, weight = lm_hidden_and_head(model, **batch)
             total, _ = chunked_cross_entropy(hidden, weight, labels)
-            return total / max(1, targets)
+            return token_mean_share(total, targets)
         return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss
 
 
@@ -88,7 +94,7 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
-    targets = sum(count_targets(batch) for batch in micro_batches)
+    targets = step_targets(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():

@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from train.core.errors import UsageError
+from train.core.units import IGNORE_INDEX
 from train.data.sft_batching import (
-    IGNORE_INDEX,
     LengthGroupedSampler,
     PadCollator,
     TokenBudgetBatchSampler,
