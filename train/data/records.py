@@ -1,0 +1,375 @@
+"""Reading DATA_PATH, streamed: text files, JSON / JSONL (.jsonl.gz too), parquet, Arrow.
+
+One reader for every mode. Pretraining takes texts (`iter_texts`: the TEXT_FIELD column of
+records, or whole .txt/.md files in bounded pieces); SFT takes records (`iter_records`: dicts,
+exactly as a JSON line would give them, from any of the formats). Nothing here reads a source
+whole except a .json file, which is one JSON value and can only be parsed whole: memory follows
+the batch or block being read, not the file. pyarrow reads parquet and Arrow (it is what the
+datasets library stands on), so a folder written by `datasets.Dataset.save_to_disk` is read
+without that package.
+
+Every failure is a UsageError whose one line names the file and, where there is one, the line
+or row: "DATA_PATH: <file> line 7: not valid JSON (...)".
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from train.core.errors import UsageError
+
+TEXT_SUFFIXES = (".txt", ".md")
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".arrow")
+# A .json file is one value (a list of records): read when named, not picked up from a folder,
+# where .json files are more often metadata than data.
+JSON_SUFFIX = ".json"
+# Documents are cut at the first line end after this many characters, so the tokenizer gets
+# pieces of similar size to spread over its threads and workers. Token ids are the same as for
+# the whole document wherever a cut falls after a newline that starts a non-space character.
+CHUNK_CHARS = 1 << 16
+# A "line" longer than this (a file without newlines) is cut at the last space before it.
+MAX_PIECE_CHARS = 1 << 22
+BLOCK_BYTES = 1 << 20
+ROWS_PER_BATCH = 1024
+
+
+class BadLine(ValueError):
+    """One JSON line that cannot be parsed; yielded instead of a record with keep_bad_lines."""
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    return ".jsonl.gz" if name.endswith(".jsonl.gz") else path.suffix.lower()
+
+
+def is_arrow_folder(path: Path) -> bool:
+    """A folder written by datasets' save_to_disk: state.json and data-*.arrow files."""
+    return path.is_dir() and (path / "state.json").is_file() and any(path.glob("*.arrow"))
+
+
+def _wanted(path: Path, named: bool) -> bool:
+    if path.is_dir():
+        return is_arrow_folder(path)
+    suffix = _suffix(path)
+    return suffix in TEXT_SUFFIXES + RECORD_SUFFIXES or (named and suffix == JSON_SUFFIX)
+
+
+def _walk(folder: Path) -> list[Path]:
+    found = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        keep = []
+        for name in sorted(dirs):
+            if name.startswith("."):
+                continue
+            if is_arrow_folder(here / name):
+                found.append(here / name)  # one source; its .arrow files are read through it
+            else:
+                keep.append(name)
+        dirs[:] = keep
+        found += [here / f for f in files if not f.startswith(".") and _wanted(here / f, False)]
+    return found
+
+
+def source_files(data_path: str) -> list[Path]:
+    """DATA_PATH as a sorted list of sources: a file, a folder (searched through, formats may be
+    mixed; a datasets save_to_disk folder counts as one source), or a glob pattern."""
+    kinds = ".txt, .md, .jsonl, .jsonl.gz, .parquet or .arrow files, nor an Arrow (save_to_disk) folder"
+    if any(c in data_path for c in "*?["):
+        found = []
+        for match in sorted(glob.glob(data_path, recursive=True)):
+            path = Path(match)
+            if is_arrow_folder(path) or not path.is_dir():
+                found += [path] if _wanted(path, True) else []
+            else:
+                found += _walk(path)
+        if not found:
+            raise UsageError(f"DATA_PATH: the pattern {data_path} matches no {kinds}")
+        return sorted(set(found))
+    path = Path(data_path)
+    if not path.exists():
+        raise UsageError(f"DATA_PATH: {path}: no such file or folder")
+    if path.is_file() or is_arrow_folder(path):
+        return [path]
+    found = _walk(path)
+    if not found:
+        raise UsageError(f"DATA_PATH: folder {path} holds no {kinds}")
+    return sorted(found)
+
+
+def _fail(path: Path, where: str, what: str) -> UsageError:
+    place = f" {where}" if where else ""
+    return UsageError(f"DATA_PATH: {path}{place}: {what}")
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# --- JSON and JSONL ----------------------------------------------------------------------------
+
+
+def _open_lines(path: Path):
+    if _suffix(path) == ".jsonl.gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
+    .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel."""
+    line = 1
+    try:
+        with _open_lines(path) as handle:
+            rest = b""
+            for block in iter(lambda: handle.read(block_bytes), b""):
+                block = rest + block
+                cut = block.rfind(b"\n") + 1
+                if cut == 0:
+                    rest = block
+                    continue
+                rest = block[cut:]
+                yield line, block[:cut]
+                line += block.count(b"\n", 0, cut)
+            if rest:
+                yield line, rest
+    except (OSError, EOFError, zlib.error) as err:
+        raise _fail(path, f"near line {line}", f"cannot be read ({getattr(err, 'strerror', None) or _short(err)})") from None
+
+
+def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines: bool = False):
+    """(where, record) for each non-blank line of a block from jsonl_blocks."""
+    for number, raw in enumerate(block.split(b"\n"), first_line):
+        if not raw.strip():
+            continue
+        where = f"line {number}"
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise _fail(path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
+        try:
+            yield where, json.loads(text)
+        except json.JSONDecodeError as err:
+            message = f"not valid JSON ({err.msg}, column {err.colno})"
+            if not keep_bad_lines:
+                raise _fail(path, where, message) from None
+            yield where, BadLine(message)
+
+
+def _json_list(path: Path) -> list | None:
+    """The records of a .json list, or None when the file holds JSON lines instead."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            data = json.load(handle)
+    except UnicodeDecodeError as err:
+        raise _fail(path, "", f"not UTF-8 (bad byte at offset {err.start}); save the file as UTF-8") from None
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # a .json file holding JSON lines: common enough to accept
+            return None
+        raise _fail(path, f"line {err.lineno}", f"not valid JSON ({err.msg}, column {err.colno})") from None
+    except OSError as err:
+        raise _fail(path, "", f"cannot be read ({err.strerror or err})") from None
+    if not isinstance(data, list):
+        raise _fail(path, "", f"expected a JSON list of records, found a {type(data).__name__}")
+    return data
+
+
+# --- parquet and Arrow -------------------------------------------------------------------------
+
+
+def _arrow_files(path: Path) -> list[Path]:
+    """The .arrow files of a save_to_disk folder, in the order its state.json lists them."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = sorted(p.name for p in path.glob("data-*.arrow")) or sorted(p.name for p in path.glob("*.arrow"))
+    for name in names:
+        # Reads stay inside the folder: a listed "../x" or a link out is refused.
+        file = path / str(name)
+        if Path(str(name)).name != name or file.is_symlink() or not file.is_file():
+            raise _fail(path, "", f"state.json lists {name}, which is not a file of the folder")
+    return [path / name for name in names]
+
+
+def _arrow_batches(file: Path, columns: list[str] | None):
+    """Record batches of one .arrow file, memory-mapped: datasets writes the IPC stream format;
+    the IPC file format is read too."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(file))
+    try:
+        reader = pa.ipc.open_stream(source)
+        batches = iter(reader)
+        schema = reader.schema
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        schema = reader.schema
+    _check_columns(file, schema.names, columns)
+    for batch in batches:
+        yield batch.select(columns) if columns else batch
+
+
+def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> None:
+    for column in columns or ():
+        if column not in names:
+            raise _fail(
+                path, "", f'has no column "{column}" (TEXT_FIELD names the text column); columns: {", ".join(names)}'
+            )
+
+
+def _columnar_files(path: Path) -> list[Path]:
+    return _arrow_files(path) if path.is_dir() else [path]
+
+
+def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int = ROWS_PER_BATCH):
+    """pyarrow RecordBatches of a parquet file, an .arrow file or a save_to_disk folder, with
+    only `columns` read where given (a missing one is a UsageError naming the file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for file in _columnar_files(path):
+        try:
+            if _suffix(file) == ".parquet":
+                reader = pq.ParquetFile(file)
+                _check_columns(file, reader.schema_arrow.names, columns)
+                yield from reader.iter_batches(batch_size=batch_rows, columns=columns)
+            else:
+                yield from _arrow_batches(file, columns)
+        except (pa.ArrowException, OSError, ValueError) as err:
+            what = "parquet" if _suffix(file) == ".parquet" else "Arrow"
+            raise _fail(file, "", f"not a readable {what} file ({_short(err)})") from None
+
+
+def text_column(path: Path, batch, field: str) -> list[str | None]:
+    """One batch's TEXT_FIELD as Python strings (nulls stay None), read as a column."""
+    import pyarrow as pa
+
+    column = batch.column(0) if batch.num_columns == 1 else batch.column(field)
+    kind = column.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
+        raise _fail(path, "", f'column "{field}" (TEXT_FIELD) holds {kind}, not text')
+    return column.to_pylist()
+
+
+# --- records (SFT) and texts (pretraining) -----------------------------------------------------
+
+
+def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str, object]]:
+    """(where, record) for each record of one source: "line N" (JSONL), "record N" (a .json
+    list) or "row N" (parquet, Arrow). Records of parquet and Arrow are dicts of the row's
+    columns, as JSON lines give them. A .json list is read whole (JSON has no streaming form
+    here); every other format is streamed. A line that is not JSON stops with a UsageError, or
+    is yielded as a BadLine with keep_bad_lines (for SKIP_BAD_RECORDS)."""
+    suffix = _suffix(path)
+    if path.is_dir() or suffix in (".parquet", ".arrow"):
+        row = 0
+        for batch in record_batches(path):
+            for record in batch.to_pylist():
+                row += 1
+                yield f"row {row}", record
+        return
+    if suffix == JSON_SUFFIX:
+        data = _json_list(path)
+        if data is not None:
+            yield from ((f"record {i}", record) for i, record in enumerate(data, 1))
+            return
+    for first_line, block in jsonl_blocks(path):
+        yield from parse_jsonl_block(path, first_line, block, keep_bad_lines)
+
+
+def is_text_file(path: Path) -> bool:
+    """A source read as one document of plain text (.txt, .md, or a named file of no known kind)."""
+    return not path.is_dir() and _suffix(path) not in RECORD_SUFFIXES + (JSON_SUFFIX,)
+
+
+def split_document(doc: str) -> Iterator[str]:
+    """A document in pieces of about CHUNK_CHARS, cut after a line end (nothing for "")."""
+    start = 0
+    while start < len(doc):
+        end = doc.find("\n", start + CHUNK_CHARS)
+        end = len(doc) if end == -1 else end + 1
+        if end - start > MAX_PIECE_CHARS:
+            end = _cut_long(doc, start)
+        yield doc[start:end]
+        start = end
+
+
+def _cut_long(doc: str, start: int) -> int:
+    space = doc.rfind(" ", start + 1, start + MAX_PIECE_CHARS)
+    return space if space > start else start + MAX_PIECE_CHARS
+
+
+def text_file_pieces(path: Path) -> Iterator[str]:
+    """A .txt/.md file as the pieces split_document would give for its whole text, read in
+    blocks: the same cuts, so the same token ids, without the file ever in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, buffer = 0, ""
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(BLOCK_BYTES), b""):
+                try:
+                    buffer += decoder.decode(block)
+                except UnicodeDecodeError as err:
+                    raise _fail(path, "", f"is not UTF-8 text (bad byte at offset {offset + err.start})") from None
+                offset += len(block)
+                buffer = yield from _emit_ready(buffer)
+            try:
+                buffer += decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise _fail(path, "", f"is not UTF-8 text (cut character at offset {offset})") from None
+    except OSError as err:
+        raise _fail(path, "", f"cannot be read ({err.strerror or err})") from None
+    yield from split_document(buffer)
+
+
+def _emit_ready(buffer: str):
+    """Yield the pieces of buffer that no later text can change; return what is left."""
+    start = 0
+    while True:
+        end = buffer.find("\n", start + CHUNK_CHARS)
+        if end == -1:
+            if len(buffer) - start > MAX_PIECE_CHARS:
+                end = _cut_long(buffer, start) - 1
+            else:
+                return buffer[start:]
+        elif end + 1 - start > MAX_PIECE_CHARS:
+            end = _cut_long(buffer, start) - 1
+        yield buffer[start : end + 1]
+        start = end + 1
+
+
+def record_text(path: Path, where: str, record: object, field: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise _fail(path, where, f'expected an object with a "{field}" string (TEXT_FIELD)')
+    return record[field]
+
+
+def iter_texts(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The documents of one source for pretraining, as pieces of at most ~CHUNK_CHARS (cut
+    after a line end) with "" after each document's last piece: a .txt/.md file is one
+    document; each record (JSON object, parquet or Arrow row) is one, its TEXT_FIELD the text.
+    Parquet and Arrow read only that column, as a column; null values are skipped."""
+    if is_text_file(path):
+        yield from text_file_pieces(path)
+        yield ""
+        return
+    if path.is_dir() or _suffix(path) in (".parquet", ".arrow"):
+        for batch in record_batches(path, [text_field]):
+            for doc in text_column(path, batch, text_field):
+                if doc is not None:
+                    yield from split_document(doc)
+                    yield ""
+        return
+    for where, record in iter_records(path):
+        yield from split_document(record_text(path, where, record, text_field))
+        yield ""
