@@ -114,6 +114,8 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
+    tokenize_workers: int | None = None
+    """worker processes that tokenize the data (default: every core)"""
     length_grouping: bool = False
     """SFT: batch samples of similar length together (the guides' "dynamic batch size by
     sequence length"): batches are padded to their longest sample, so less compute goes to pad
@@ -144,6 +146,7 @@ class DataConfig:
         _check_int(self, "token_budget", 1, optional=True)
         _check_int(self, "max_length", 2, optional=True)
         _check_int(self, "num_workers", 0)
+        _check_int(self, "tokenize_workers", 1, optional=True)
         _check_int(self, "prefetch_factor", 1, optional=True)
         if self.prefetch_factor is not None and self.num_workers == 0:
             self.prefetch_factor = None  # torch rejects a prefetch factor without workers

@@ -15,7 +15,7 @@ KIT_VALUE_KNOBS=(
   MIN_LR_RATIO:--min_lr_ratio WARMUP_STEPS:--warmup_steps WEIGHT_DECAY:--weight_decay
   GRAD_CLIP:--grad_clip MAX_STEPS:--max_steps EPOCHS:--epochs MAX_SAMPLES:--max_samples
   DATA_PATH:--data_path TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
-  CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
+  CACHE_DIR:--cache_dir TOKENIZE_WORKERS:--tokenize_workers OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
   SEED:--seed DEVICE:--device LOG_EVERY:--log_every
   SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
   SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer

@@ -2,14 +2,16 @@
 
 A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Every
 loader below ends there, so the template and the loss mask (train/data/sft_data.py) see one shape.
-Errors are UsageError with one line that names the file and the line (JSONL) or the 1-based
-record number (.json), because "bad record" without a place is useless on a 100k-line file.
+Records come from train/data/records.py, streamed, so a .json list, JSONL, parquet and Arrow
+rows are all dicts here and read alike. Errors are UsageError with one line that names the file
+and the line (JSONL), the 1-based record number (.json) or row (parquet, Arrow), because "bad
+record" without a place is useless on a 100k-line file.
 """
 
 from __future__ import annotations
 
 import ast
-import json
+import itertools
 import os
 import sysconfig
 import textwrap
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from train.core.errors import UsageError
+from train.data import records
 
 # name -> the keys that identify it (detect_format checks them, in its own order).
 FORMATS = {
@@ -26,6 +29,7 @@ FORMATS = {
     "prompt_response": "prompt/response",
 }
 ACCEPTED = "; ".join(f"{name} ({keys})" for name, keys in FORMATS.items())
+SOURCES = "a .json list, .jsonl (.jsonl.gz), .parquet or an Arrow (save_to_disk) folder"
 
 # ShareGPT and friends name roles differently; everything maps to the three the template knows.
 ROLE_NAMES = {
@@ -117,78 +121,75 @@ def to_conversation(record: dict, fmt: str) -> list[dict]:
     return conv
 
 
-def _read_text(path: Path) -> str:
-    if not path.exists():
-        raise UsageError(f"DATA_PATH {path}: no such file")
-    if path.is_dir():
-        raise UsageError(f"DATA_PATH {path}: is a folder; SFT data is one .json or .jsonl file")
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")  # -sig: files saved by Windows tools start with a BOM
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise UsageError(
-            f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8"
-        ) from None
+def source_records(data_path: str | Path) -> Iterator[tuple[str, object]]:
+    """(place, record or a BadRecord) for every record of DATA_PATH: a .json list, JSONL
+    (.jsonl.gz), parquet, an Arrow (save_to_disk) folder, or a folder or glob of them, read by
+    train/data/records.py, streamed. place names the file and the line, record or row."""
+    named = Path(data_path).is_file()  # a file named directly is read as JSON lines whatever its suffix
+    for path in records.source_files(str(data_path)):
+        if records.is_text_file(path) and not named:
+            raise UsageError(f"DATA_PATH: {path}: plain text is for pretraining; SFT reads {SOURCES}")
+        for where, record in records.iter_records(path, keep_bad_lines=True):
+            place = f"{path} {where}"
+            yield place, BadRecord(str(record)) if isinstance(record, records.BadLine) else record
 
 
-def _records(path: Path, text: str) -> Iterator[tuple[str, object]]:
-    """(place, parsed record or a BadRecord) for each record; place is 'line N' or 'record N'."""
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            # A .json file holding JSON lines is common enough to just accept.
-            if e.msg != "Extra data":
-                raise UsageError(
-                    f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
-                ) from None
-        else:
-            if not isinstance(data, list):
-                raise UsageError(f"{path}: expected a JSON list of records, found a {type(data).__name__}")
-            for i, record in enumerate(data, 1):
-                yield f"record {i}", record
-            return
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield f"line {n}", json.loads(line)
-        except json.JSONDecodeError as e:
-            yield f"line {n}", BadRecord(f"not valid JSON ({e.msg}, column {e.colno})")
+def open_records(data_path: str | Path) -> tuple[str, Iterator[tuple[str, object]]]:
+    """(format name, every record of DATA_PATH as (place, record)), streamed.
+
+    The format is the one of the first record that matches one; only the records before it
+    (none, usually) are held while it is looked for. An empty source or an unknown format is
+    a UsageError naming DATA_PATH."""
+    stream = source_records(data_path)
+    head: list[tuple[str, object]] = []
+    for place, record in stream:
+        head.append((place, record))
+        if fmt := detect_format(record):
+            return fmt, itertools.chain(head, stream)
+    if not head:
+        raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
+    first = next((r for _, r in head if isinstance(r, dict)), None)
+    seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
+    raise UsageError(f"DATA_PATH: {data_path}: unknown SFT format ({seen}); accepted: {ACCEPTED}")
 
 
-def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list[list[dict]], str, int]:
-    """Read DATA_PATH (.json list or .jsonl lines) -> (conversations, format name, records skipped).
-
-    The format is detected from the first record that matches one; every record must then be
-    in that format. With skip_bad_records a bad record is counted instead of stopping the run,
-    but an empty file, an unknown format, or a file with no good record still stops it.
-    """
-    path = Path(path)
-    records = list(_records(path, _read_text(path)))
-    if not records:
-        raise UsageError(f"{path}: no records (the file is empty)")
-    fmt = next((f for _, r in records if (f := detect_format(r))), None)
-    if fmt is None:
-        first = next((r for _, r in records if isinstance(r, dict)), None)
-        seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
-        raise UsageError(f"{path}: unknown SFT format ({seen}); accepted: {ACCEPTED}")
-    conversations, skipped, first_error = [], 0, ""
-    for place, record in records:
+def converted(items, fmt: str) -> tuple[list[list[dict]], list[str]]:
+    """Records of format fmt -> (conversations, "place: reason" of each unusable record)."""
+    conversations, bad = [], []
+    for place, record in items:
         try:
             if isinstance(record, BadRecord):
                 raise record
             conversations.append(to_conversation(record, fmt))
         except BadRecord as e:
-            message = f"{path} {place}: {e}"
-            if not skip_bad_records:
-                raise UsageError(f"{message} (SKIP_BAD_RECORDS=1 skips such records)") from None
-            skipped += 1
-            first_error = first_error or message
+            bad.append(f"{place}: {e}")
+    return conversations, bad
+
+
+def refuse_bad(first: str) -> UsageError:
+    """A bad record stops the run (without SKIP_BAD_RECORDS): one line with its place."""
+    return UsageError(f"{first} (SKIP_BAD_RECORDS=1 skips such records)")
+
+
+def all_bad(data_path, skipped: int, first: str) -> UsageError:
+    return UsageError(f"DATA_PATH: {data_path}: all {skipped} records are bad; the first: {first}")
+
+
+def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list[list[dict]], str, int]:
+    """DATA_PATH -> (conversations, format name, records skipped), all in memory: for small
+    data and tests; a run reads through the SFT cache (train/data/sft_cache.py) instead.
+
+    The format is detected from the first record that matches one; every record must then be
+    in that format. With skip_bad_records a bad record is counted instead of stopping the run,
+    but an empty file, an unknown format, or a file with no good record still stops it.
+    """
+    fmt, items = open_records(path)
+    conversations, bad = converted(items, fmt)
+    if bad and not skip_bad_records:
+        raise refuse_bad(bad[0])
     if not conversations:
-        raise UsageError(f"{path}: all {skipped} records are bad; the first: {first_error}")
-    return conversations, fmt, skipped
+        raise all_bad(path, len(bad), bad[0])
+    return conversations, fmt, len(bad)
 
 
 # --- built-in default: instruction/response pairs mined from the standard library -------------

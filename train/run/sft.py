@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 from functools import partial
 from pathlib import Path
 
@@ -28,14 +29,8 @@ from train.core.errors import UsageError
 from train.data import text as data_lib
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
-from train.data.sft_data import (
-    PadCollator,
-    builtin_conversations,
-    encode_conversations,
-    ensure_special_tokens,
-    load_conversations,
-    stop_token_ids,
-)
+from train.data.sft_cache import sft_cache
+from train.data.sft_data import PadCollator, builtin_conversations, ensure_special_tokens, stop_token_ids
 from train.dist.distributed import SINGLE, Dist
 from train.run.evaluate import VAL_ROWS, val_windows
 from train.run.plan import (
@@ -119,11 +114,13 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
 
 
 class SFTDataset(Dataset):
-    """Encoded examples in memory ({"input_ids", "labels"} lists); lengths for the samplers."""
+    """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
+    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers."""
 
-    def __init__(self, examples: list[dict]):
+    def __init__(self, examples):
         self.examples = examples
-        self.lengths = [len(e["input_ids"]) for e in examples]
+        lengths = getattr(examples, "lengths", None)
+        self.lengths = lengths if lengths is not None else np.asarray([len(e["input_ids"]) for e in examples])
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -211,24 +208,31 @@ def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     model.train()  # from_pretrained returns the model in eval mode (dropout off)
 
 
+def tokenize_workers(cfg: TrainConfig) -> int:
+    """TOKENIZE_WORKERS, or every core this process may run on."""
+    if cfg.data.tokenize_workers is not None:
+        return cfg.data.tokenize_workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDataset, str, int, int]:
-    """DATA_PATH (or the built-in set) -> encoded examples; says the format and every count."""
-    skipped = 0
+    """DATA_PATH (or the built-in set) -> encoded examples, through the SFT cache (tokenized
+    once per data, tokenizer, template and MAX_LENGTH); says the format and every count."""
+    builtin = None
     if cfg.data.data_path is None:
-        conversations = builtin_conversations()
-        fmt = "built-in (standard-library functions: signature and docstring -> body)"
-    else:
-        conversations, fmt, skipped = load_conversations(Path(cfg.data.data_path), cfg.data.skip_bad_records)
-    source = cfg.data.data_path or "built-in"
-    say(f"SFT data: {source}, format {fmt}, {len(conversations)} conversations")
-    if skipped:
-        say(f"skipped {skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train")
-    examples, truncated = encode_conversations(conversations, tok, max_length)
-    if truncated:
+        builtin = builtin_conversations()
+    examples, done = sft_cache(cfg.data.data_path, builtin, tok, max_length, cfg.data.skip_bad_records,
+                               Path(cfg.data.cache_dir), tokenize_workers(cfg), say)
+    meta = examples.meta
+    fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
+    say(f"SFT data: {cfg.data.data_path or 'built-in'}, format {fmt}, {len(examples)} conversations; {done}")
+    if meta.n_skipped:
+        say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
+    if meta.n_truncated:
         say(
-            f"truncated {truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens"
+            f"truncated {meta.n_truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens"
         )
-    return SFTDataset(examples), fmt, skipped, truncated
+    return SFTDataset(examples), fmt, meta.n_skipped, meta.n_truncated
 
 
 def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:

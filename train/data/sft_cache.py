@@ -1,0 +1,351 @@
+"""SFT conversations tokenized once, into CACHE_DIR/sft/<key>/, and read back memory-mapped.
+
+A start used to read every record into RAM and tokenize it again, on every rank: 100k alpaca
+records took a minute and 1.5 GB of host memory before the first step. Now the first run writes
+  ids.bin      every conversation's token ids, back to back (uint16, or uint32 for big vocabularies)
+  trained.bin  one byte per token: 1 where the loss counts (assistant content), 0 elsewhere
+  lengths.bin  tokens per conversation (int32)
+  meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated
+and every later run with the same key maps them at once. The key covers what changes the
+ids: the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template,
+MAX_LENGTH and SKIP_BAD_RECORDS. Nothing of it is held in RAM but the lengths (4 bytes each),
+which packing, length grouping and token budgets need.
+
+The build streams the records (train/data/sft_formats.py) and hands chunks of them to
+TOKENIZE_WORKERS processes, which render, tokenize and truncate; the main process writes the
+results in record order, so the cache is the same whatever the number of workers. It is built in
+a temporary folder, fsynced, and renamed into place: a crash leaves no half cache, and a damaged
+one (a file cut short, a manifest missing) is noticed, said, and built again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+from train.core.errors import UsageError
+from train.core.units import IGNORE_INDEX
+from train.data import cache_files, records
+from train.data.sft_data import encode_conversations
+from train.data.sft_formats import all_bad, converted, open_records, refuse_bad
+
+SFT_CACHE_VERSION = "1"
+CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
+_FILES = ("ids.bin", "trained.bin", "lengths.bin")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    n: int  # conversations
+    n_tokens: int
+    dtype: str
+    format: str
+    n_skipped: int
+    n_truncated: int
+    first_error: str  # the first skipped record's place and reason ("" when none)
+
+
+class CachedExamples:
+    """The cached conversations lo..hi as a sequence of {"input_ids", "labels"} (lists, as
+    encode_conversations gives them), read from the memmaps on demand. A slice is another view
+    of the same files, so a validation split copies nothing. Pickles as its file names (the
+    DataLoader's workers map the files themselves instead of receiving every token)."""
+
+    def __init__(self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, lengths=None):
+        self.folder, self.meta = Path(folder), meta
+        self.lo, self.hi = lo, meta.n if hi is None else hi
+        if lengths is None:
+            lengths = np.fromfile(self.folder / "lengths.bin", dtype=np.int32)
+        self._all_lengths = lengths
+        self._offsets = None
+        self._ids = self._trained = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._all_lengths[self.lo : self.hi]
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def _open(self) -> None:
+        self._offsets = np.concatenate([[0], np.cumsum(self._all_lengths, dtype=np.int64)])
+        n_tokens, dtype = self.meta.n_tokens, np.dtype(self.meta.dtype)
+        self._ids = np.memmap(self.folder / "ids.bin", dtype=dtype, mode="r", shape=(n_tokens,))
+        self._trained = np.memmap(self.folder / "trained.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("cached examples slice with step 1 only")
+            return CachedExamples(self.folder, self.meta, self.lo + lo, self.lo + max(lo, hi), self._all_lengths)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"example {index} of {len(self)}")
+        if self._ids is None:
+            self._open()
+        k = self.lo + index % len(self)
+        start, end = int(self._offsets[k]), int(self._offsets[k + 1])
+        ids = np.asarray(self._ids[start:end], dtype=np.int64)
+        labels = np.where(self._trained[start:end] != 0, ids, IGNORE_INDEX)
+        return {"input_ids": ids.tolist(), "labels": labels.tolist()}
+
+    def __getstate__(self):
+        return {**self.__dict__, "_ids": None, "_trained": None, "_offsets": None}
+
+
+def data_fingerprint(data_path: str | None, builtin: list | None) -> tuple[str, int | None]:
+    """(sha256 of the data, rows expected or None): DATA_PATH's file names and bytes (every
+    file of an Arrow folder), or the built-in conversations themselves. The row count comes
+    with the same read (newlines of JSONL, parquet metadata) and only feeds the progress bar."""
+    digest = hashlib.sha256(f"sft-data-{SFT_CACHE_VERSION}".encode())
+    if data_path is None:
+        digest.update(json.dumps(builtin, sort_keys=True).encode())
+        return digest.hexdigest()[:20], len(builtin)
+    rows: int | None = 0
+    for source in records.source_files(data_path):
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+        lines = 0
+        for path in files:
+            digest.update(str(path.relative_to(source.parent)).encode() + b"\0")
+            try:
+                with open(path, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        digest.update(block)
+                        lines += block.count(b"\n")
+            except OSError as err:
+                raise UsageError(f"DATA_PATH: cannot read {path}: {err.strerror or err}") from None
+        rows = None if rows is None else _rows(source, lines, rows)
+    return digest.hexdigest()[:20], rows
+
+
+def _rows(source: Path, lines: int, so_far: int) -> int | None:
+    name = source.name.lower()
+    if name.endswith(".jsonl"):
+        return so_far + lines
+    if name.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+
+            return so_far + pq.ParquetFile(source).metadata.num_rows
+        except Exception:  # a bad file: the reader will say so with its place
+            return None
+    return None  # .json lists, .gz, Arrow: the bar shows a rate without an end
+
+
+def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool) -> str:
+    from train.data.text import tokenizer_fingerprint
+
+    parts = [SFT_CACHE_VERSION, data_key, tokenizer_fingerprint(tok), str(tok.chat_template), str(max_length),
+             str(bool(skip_bad_records))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
+    """(examples, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
+    when there is none."""
+    if not folder.exists():
+        return None, None
+    try:
+        raw = json.loads((folder / "meta.json").read_text())
+        meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
+        dtype = np.dtype(meta.dtype)
+        sizes = {name: (folder / name).stat().st_size for name in _FILES}
+    except FileNotFoundError as err:
+        return None, f"{Path(err.filename).name} is missing"
+    except (ValueError, KeyError, TypeError) as err:
+        return None, f"meta.json cannot be read: {cache_files.short(err)}"
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot read the SFT cache {folder}: {err.strerror or err}") from None
+    expected = {"ids.bin": meta.n_tokens * dtype.itemsize, "trained.bin": meta.n_tokens, "lengths.bin": meta.n * 4}
+    for name, size in expected.items():
+        if sizes[name] != size:
+            return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
+    examples = CachedExamples(folder, meta)
+    if int(examples.lengths.sum(dtype=np.int64)) != meta.n_tokens:
+        return None, "lengths.bin does not add up to the token count"
+    return examples, None
+
+
+# --- the build: chunks of records -> worker processes -> files, in record order ----------------
+
+_WORKER: tuple = ()
+
+
+def _init_worker(tok, fmt: str, max_length: int) -> None:
+    global _WORKER
+    _WORKER = (tok, fmt, max_length)
+
+
+def _encode_chunk(chunk: list[tuple[str, object]]):
+    """One chunk of (place, record) -> (ids, trained flags, lengths, truncated, bad records)."""
+    tok, fmt, max_length = _WORKER
+    conversations, bad = converted(chunk, fmt)
+    examples, truncated = encode_conversations(conversations, tok, max_length)
+    lengths = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
+    n_tokens = int(lengths.sum())
+    ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=n_tokens)
+    labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=n_tokens)
+    return ids, (labels != IGNORE_INDEX).astype(np.uint8), lengths, truncated, bad
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+@contextlib.contextmanager
+def _single_threaded_tokenizers():
+    # Each worker is one core already; the Rust tokenizer's own threads would only contend (and
+    # after a fork it turns them off anyway, with a warning, unless this variable is set).
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int) -> Iterator[tuple]:
+    """_encode_chunk's results for every chunk of items, in order. workers > 1: that many
+    processes, at most two chunks each in flight, so memory stays flat however long the data."""
+    chunks = _chunks(items, CHUNK_ROWS)
+    if workers <= 1:
+        _init_worker(tok, fmt, max_length)
+        yield from map(_encode_chunk, chunks)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with _single_threaded_tokenizers():
+        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length))
+    with pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _progress(total: int | None):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="tokenizing SFT data", unit=" rows", unit_scale=True, leave=False,
+                disable=None, mininterval=1.0)
+
+
+def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
+           total: int | None) -> Manifest:
+    """Tokenize every record into tmp's files (fsynced); returns the manifest's content."""
+    dtype = np.uint16 if len(tok) <= 65535 else np.uint32
+    n = n_tokens = n_skipped = n_truncated = 0
+    first_error = ""
+    with contextlib.ExitStack() as stack:
+        out = {name: stack.enter_context(open(tmp / name, "wb")) for name in _FILES}
+        bar = stack.enter_context(_progress(total))
+        for ids, trained, lengths, truncated, bad in encoded_chunks(items, tok, fmt, max_length, workers):
+            if bad and not skip:
+                raise refuse_bad(bad[0])
+            first_error = first_error or (bad[0] if bad else "")
+            out["ids.bin"].write(ids.astype(dtype).tobytes())
+            out["trained.bin"].write(trained.tobytes())
+            out["lengths.bin"].write(lengths.tobytes())
+            n, n_tokens = n + len(lengths), n_tokens + len(ids)
+            n_skipped, n_truncated = n_skipped + len(bad), n_truncated + truncated
+            bar.update(len(lengths) + len(bad))
+        for handle in out.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error)
+
+
+def _remove_abandoned(parent: Path) -> None:
+    """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
+    never to be; a live build's folder is left alone."""
+    for tmp in parent.glob("*.tmp*"):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            cache_files.remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
+          total: int | None, data_name: str) -> CachedExamples:
+    """Write the cache for `items` into `folder`, atomically: a temporary folder beside it,
+    manifest last, fsynced, renamed."""
+    _remove_abandoned(cache_files.cache_folder(folder.parent))
+    with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        cache_files.remove(tmp)
+        temps.append(tmp)
+        tmp.mkdir()
+        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total)
+        if meta.n == 0:
+            raise all_bad(data_name, meta.n_skipped, meta.first_error)
+        cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
+        cache_files.sync(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if open_cache(folder)[0] is None:  # not another run's finished copy of the same cache
+                raise
+            cache_files.remove(tmp)  # another run finished the same cache first: use theirs
+    examples, damage = open_cache(folder)
+    if examples is None:
+        raise OSError(f"the SFT cache just written does not read back ({damage})")
+    return examples
+
+
+def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
+              cache_dir: Path, workers: int, say) -> tuple[CachedExamples, str]:
+    """The SFT cache for this data, tokenizer, template and MAX_LENGTH: opened when there is
+    one, else built (TOKENIZE_WORKERS processes). Returns (examples, what was done, for the log)."""
+    start = time.perf_counter()
+    data_key, total = data_fingerprint(data_path, builtin)
+    folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records)
+    examples, damage = open_cache(folder)
+    if examples is not None:
+        return examples, f"SFT cache: reused {folder} ({time.perf_counter() - start:.1f} s)"
+    if damage:
+        say(f"SFT cache {folder} was damaged ({damage}); rebuilding")
+        cache_files.remove(folder)
+    if data_path is None:
+        fmt, items = "messages", ((f"built-in pair {i}", {"messages": c}) for i, c in enumerate(builtin, 1))
+    else:
+        fmt, items = open_records(data_path)
+    rows = f"{total:,} " if total else ""
+    say(f"tokenizing {rows}SFT records into {folder} on {workers} process(es) (once per data, tokenizer, "
+        "template and MAX_LENGTH)")
+    examples = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, total, data_path or "built-in")
+    took = time.perf_counter() - start
+    rate = (len(examples) + examples.meta.n_skipped) / max(took, 1e-9)
+    return examples, f"SFT cache: built {folder} in {took:.1f} s ({rate:,.0f} records/s)"
