@@ -7,7 +7,7 @@
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-}              # local transformers model folder; empty: newest pretraining run's final/
-DATA_PATH=${DATA_PATH:-}                # .json/.jsonl: alpaca, messages, ShareGPT, prompt/response; empty: built-in
+DATA_PATH=${DATA_PATH:-}                # .json/.jsonl/.parquet or Arrow folder: alpaca, messages, ShareGPT, prompt/response; empty: built-in
 BATCH_SIZE=${BATCH_SIZE:-16}            # micro-batch per GPU
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-2}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
 MAX_LENGTH=${MAX_LENGTH:-}              # longer conversations are truncated (and counted); empty: model's context
@@ -22,6 +22,7 @@ ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): less memory, ~30 % slower
 NUM_WORKERS=${NUM_WORKERS:-2}           # loader workers padding the next batches during compute
 SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how many
+TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-} # processes that tokenize into the SFT cache (once); empty: every core
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0}  # 1: let MODEL_PATH run the code it ships
 RUN_NAME=${RUN_NAME:-}                  # empty: quick_start_sft_fast-<time>
 SEED=${SEED:-}

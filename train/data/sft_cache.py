@@ -25,6 +25,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -182,9 +183,15 @@ def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
 _WORKER: tuple = ()
 
 
-def _init_worker(tok, fmt: str, max_length: int) -> None:
+def _init_worker(tok, fmt: str, max_length: int, pool_worker: bool = True) -> None:
     global _WORKER
     _WORKER = (tok, fmt, max_length)
+    if pool_worker:
+        # A forked worker inherits the parent's handlers (the cache build's SIGTERM -> Interrupted,
+        # the loop's "stop after this step"): with those, Pool.terminate()'s SIGTERM would not end
+        # it and the parent would wait forever. Ctrl+C is the parent's to handle; it ends the pool.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
@@ -230,7 +237,7 @@ def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int
     processes, at most two chunks each in flight, so memory stays flat however long the data."""
     chunks = _chunks(items, CHUNK_ROWS)
     if workers <= 1:
-        _init_worker(tok, fmt, max_length)
+        _init_worker(tok, fmt, max_length, pool_worker=False)
         yield from map(_encode_chunk, chunks)
         return
     methods = multiprocessing.get_all_start_methods()
