@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
 from train.data import text as data_lib
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
@@ -94,10 +95,12 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
         "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
     )
     tok_source = tokenizer_path or path
+    var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
+    for folder, name in ((tok_source, var), (path, "MODEL_PATH")):
+        refuse_custom_code(folder, name, trust_remote_code, allow="TRUST_REMOTE_CODE=1 lets it run")
     try:
         tok = AutoTokenizer.from_pretrained(tok_source, **offline)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
-        var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
         raise UsageError(
             f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
         ) from None
