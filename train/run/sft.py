@@ -38,7 +38,7 @@ from train.data.sft_data import (
     stop_token_ids,
 )
 from train.dist.distributed import SINGLE, Dist
-from train.run.evaluate import VAL_ROWS, val_windows
+from train.run.evaluate import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.run.plan import (
     Built,
     Decisions,
@@ -293,8 +293,6 @@ def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision:
     """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
     (train/data/packing.py), the collator that keeps them apart in attention, and the figures
     for summary.json. Returns (rows dataset, collator, summary entries)."""
-    if cfg.data.token_budget is not None:
-        raise UsageError("PACKING=1 and TOKEN_BUDGET both size the batches: choose one")
     if cfg.data.length_grouping:
         cfg.data.length_grouping = False
         decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
@@ -361,9 +359,18 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         val, *_ = load_dataset(val_cfg, tok, max_length, say)
         decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
         return val
-    n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * VAL_ROWS)
+    want = cfg.run.eval_batches * VAL_ROWS
+    n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
     if n_val == 0:
         return None
+    asked = math.ceil(cfg.data.val_fraction * len(dataset))
+    if n_val > asked:  # a small set: a handful of conversations gives a noisy validation loss
+        decide(
+            "val_fraction",
+            round(n_val / len(dataset), 4),
+            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} conversations; raised "
+            f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
+        )
     decide(
         "validation",
         f"{n_val} conversations",
