@@ -48,6 +48,7 @@ from train.run.plan import (
     sequence_length,
     shortest_limit,
 )
+from train.run.runlog import quiet_saving
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
@@ -108,12 +109,13 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
     # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
     load = partial(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **offline)
     try:
-        try:
-            model = load(attn_implementation="sdpa")
-        except ValueError as err:
-            if "sdpa" not in str(err).lower():
-                raise
-            model = load()  # an architecture without sdpa support
+        with quiet_saving():  # no "Loading weights" bar on every run: the load takes a moment
+            try:
+                model = load(attn_implementation="sdpa")
+            except ValueError as err:
+                if "sdpa" not in str(err).lower():
+                    raise
+                model = load()  # an architecture without sdpa support
     except Exception as err:
         raise UsageError(
             f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}"
@@ -197,11 +199,21 @@ def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     added = ensure_special_tokens(tok)
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
-        model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        from transformers.utils import logging as hf_logging
+
+        # transformers explains its mean resizing in a paragraph with a link on every run; the
+        # decision below says it once, in the kit's words.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         decide(
             "vocab_size",
             model.get_input_embeddings().num_embeddings,
-            f"{added} chat-template token(s) added to the tokenizer; embeddings resized (multiple of 64)",
+            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for {added} chat-template "
+            "token(s) (a multiple of 64; new rows drawn around the mean of the old)",
         )
     # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
     model.generation_config.eos_token_id = stop_token_ids(tok)
