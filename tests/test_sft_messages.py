@@ -32,6 +32,8 @@ def test_small_sft_run_says_what_it_changed(base_model, tmp_path, capfd):
     assert f"resized embeddings {rows} -> {(rows + 4 + 63) // 64 * 64} for 4 chat-template token(s)" in out
     assert "mean_resizing" not in out and "multivariate" not in out and "Loading weights" not in out
     decisions = {d["setting"]: d for d in json.loads((tmp_path / "runs" / "s" / "config.json").read_text())["decisions"]}
+    # the fine-tuned model generates with the KV cache too (SFT turns it off for training)
+    assert json.loads((tmp_path / "runs" / "s" / "final" / "generation_config.json").read_text())["use_cache"] is True
     raised = decisions["val_fraction"]
     assert raised["value"] == 0.1 and "VAL_FRACTION=0.01 holds out 1 of 40 conversations" in raised["reason"]
 

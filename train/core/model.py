@@ -72,7 +72,7 @@ def check_shape(cfg, variable: str) -> None:
     if getattr(cfg, "head_dim", None) is None and hidden % heads:
         raise UsageError(f"{variable}: the width {hidden} (n_embd / hidden_size) is not divisible by the {heads} heads")
     kv = getattr(cfg, "num_key_value_heads", None)
-    if kv is not None and (whole("num_key_value_heads", kv) and heads % kv):
+    if kv is not None and heads % whole("num_key_value_heads", kv):
         raise UsageError(f"{variable}: {heads} attention heads are not divisible by num_key_value_heads {kv}")
     for name in ("n_positions", "max_position_embeddings", "seq_length"):
         if getattr(cfg, name, None) is not None:
