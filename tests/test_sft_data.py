@@ -162,7 +162,7 @@ def test_json_errors_name_the_record(tmp_path):
         ('{"messages": [{"role": "user", "content": "hi"}]}\n', "line 1: no response"),
         (
             '{"question": "x", "answer": "y"}\n',
-            "unknown SFT format.*alpaca.*messages.*sharegpt.*prompt_response",
+            "unknown SFT format.*messages.*sharegpt.*alpaca.*prompt_response",
         ),
         ('{"conversations": [{"from": "robot", "value": "x"}]}\n', "line 1: turn 1 has role 'robot'"),
     ],
@@ -209,7 +209,7 @@ def test_skip_bad_records_counts_and_still_refuses_all_bad(tmp_path):
 
 def test_special_tokens_added_once_and_template_matches_jinja():
     tokenizer = make_tokenizer()
-    assert ensure_special_tokens(tokenizer) == 4 and ensure_special_tokens(tokenizer) == 0
+    assert ensure_special_tokens(tokenizer) == 7 and ensure_special_tokens(tokenizer) == 0
     assert tokenizer.pad_token == tokenizer.eos_token and tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
     text = "".join(t for t, _ in render(tokenizer, CHAT))
     assert text == tokenizer.apply_chat_template(CHAT, tokenize=False)

@@ -41,7 +41,7 @@ from train.data import cache_files, records
 from train.data.sft_data import encode_conversations
 from train.data.sft_formats import all_bad, converted, open_records, refuse_bad
 
-SFT_CACHE_VERSION = "1"
+SFT_CACHE_VERSION = "2"  # 2: tool-call records (once refused or skipped) are conversations
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
 

@@ -18,9 +18,14 @@ Two templates:
   rendering the conversation up to that turn with the generation prompt (where the reply
   starts) and up to and including it (where it ends). Needs a template whose output for a
   prefix of the conversation is a prefix of the output for the whole; the common ones are.
+  Tools go in as apply_chat_template's tools argument; a template that would drop the tools
+  or the calls a conversation has is refused in one line.
 - otherwise a built-in one, "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose
   markers ensure_special_tokens adds; it also stores the same template as Jinja on the
-  tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model.
+  tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model. Tool
+  calls: "<|tools|>\\n[schemas as JSON]<|end|>\\n" opens the conversation, an assistant's call
+  is "<|tool_call|>{"name": ..., "arguments": ...}" inside its turn (after any text, before
+  <|end|>, so it is trained), and a result is a "<|tool|>\\n...<|end|>\\n" turn (not trained).
 
 Loading the formats and the built-in default data live in train/data/sft_formats.py; padding and
 batching (length grouping, token budgets, each rank's share) in train/data/sft_batching.py.
@@ -28,6 +33,8 @@ batching (length grouping, token budgets, each rank's share) in train/data/sft_b
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 
 from train.core.errors import UsageError
@@ -39,6 +46,7 @@ from train.data.sft_batching import (
     padding_efficiency,
 )
 from train.data.sft_formats import builtin_conversations, load_conversations
+from train.data.sft_turns import call_text, split_tools
 
 __all__ = [
     "IGNORE_INDEX",
@@ -56,10 +64,25 @@ __all__ = [
     "padding_efficiency",
 ]
 
-ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
+TOOLS_TOKEN = "<|tools|>"
+TOOL_CALL_TOKEN = "<|tool_call|>"
 END_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
+MARKERS = [ROLE_TOKENS["system"], ROLE_TOKENS["user"], ROLE_TOKENS["assistant"], END_TOKEN, TOOLS_TOKEN,
+           TOOL_CALL_TOKEN, ROLE_TOKENS["tool"]]  # fmt: skip
+# Jinja, for apply_chat_template on final/; _builtin_segments writes the same characters (a test
+# holds them equal). No newline right after a block tag: transformers renders with trim_blocks.
 BUILTIN_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    "<|tool_call|>{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endfor %}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# The template before tool calls: a tokenizer saved with it (an earlier SFT run's final/) is
+# brought up to the current one by ensure_special_tokens.
+_EARLIER_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -67,7 +90,7 @@ _ENCODE_CHUNK = 1024  # conversations tokenized per call: batched calls are fast
 
 
 def _builtin(tokenizer) -> bool:
-    return tokenizer.chat_template is None or tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
+    return tokenizer.chat_template in (None, BUILTIN_CHAT_TEMPLATE, _EARLIER_TEMPLATE)
 
 
 def ensure_special_tokens(tokenizer) -> int:
@@ -81,9 +104,8 @@ def ensure_special_tokens(tokenizer) -> int:
     """
     added = 0
     if _builtin(tokenizer):
-        markers = [*ROLE_TOKENS.values(), END_TOKEN]
         added += tokenizer.add_special_tokens(
-            {"additional_special_tokens": markers}, replace_extra_special_tokens=False
+            {"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False
         )
         tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
@@ -97,8 +119,8 @@ def ensure_special_tokens(tokenizer) -> int:
 def _check_markers(tokenizer) -> None:
     # One id lookup, not get_vocab(): that builds a dict of the whole vocabulary per call, and
     # once per conversation it was most of SFT's start-up (a profile of 100k records).
-    end_id = tokenizer.convert_tokens_to_ids(END_TOKEN)
-    if end_id is None or end_id == tokenizer.unk_token_id:
+    ids = tokenizer.convert_tokens_to_ids([END_TOKEN, TOOL_CALL_TOKEN])
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
         # A programming error, not a user one: the markers would be split into ordinary tokens.
         raise RuntimeError(
             "call ensure_special_tokens(tokenizer) before rendering with the built-in template"
@@ -106,34 +128,69 @@ def _check_markers(tokenizer) -> None:
 
 
 def _builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, bool]]:
+    tools, turns = split_tools(conversation)
     segments: list[tuple[str, bool]] = []
-    for turn in conversation:
-        trained = turn["role"] == "assistant"
+    if tools:
+        segments.append((f"{TOOLS_TOKEN}\n{json.dumps(tools, ensure_ascii=False)}{END_TOKEN}\n", False))
+    for turn in turns:
+        calls = "".join(TOOL_CALL_TOKEN + call_text(call) for call in turn.get("tool_calls") or ())
         segments += [
             (f"{ROLE_TOKENS[turn['role']]}\n", False),
-            (turn["content"] + END_TOKEN, trained),
+            (turn["content"] + calls + END_TOKEN, turn["role"] == "assistant"),
             ("\n", False),
         ]
     return segments
 
 
-def _apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool) -> str:
+def _apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool, tools: list | None = None) -> str:
     try:
         return tokenizer.apply_chat_template(
-            list(conversation), tokenize=False, add_generation_prompt=generation_prompt
+            list(conversation), tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
         )
     except Exception as e:  # jinja's TemplateError, e.g. a template that refuses system turns
         raise UsageError(f"the tokenizer's chat template cannot render a conversation: {e}") from None
 
 
+@functools.lru_cache(maxsize=8)
+def _template_takes(template: str) -> tuple[bool, bool]:
+    """(uses the tools list, renders tool calls): read from the template's source once."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        uses_tools = "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:  # transformers' own tags ({% generation %}): the plain parser fails
+        uses_tools = "tools" in template
+    return uses_tools, "tool_calls" in template
+
+
+def _refuse_dropped_tools(tokenizer, tools: list | None, turns: Sequence[dict]) -> None:
+    # A template that ignores tools or calls would train on conversations with them silently
+    # left out: the reply to an observation the model never saw a call for.
+    has_calls = any(t.get("tool_calls") for t in turns)
+    if not (tools or has_calls) or not isinstance(tokenizer.chat_template, str):
+        return
+    takes_tools, takes_calls = _template_takes(tokenizer.chat_template)
+    missing = "the tools list" if tools and not takes_tools else ""
+    if has_calls and not takes_calls:
+        missing = missing or "tool calls"
+    if missing:
+        raise UsageError(
+            f"the tokenizer's chat template does not render {missing}, which this data has; remove "
+            "chat_template from tokenizer_config.json to use the built-in template, which does"
+        )
+
+
 def _template_segments(tokenizer, conversation: Sequence[dict]) -> list[tuple[str, bool]]:
-    full = _apply(tokenizer, conversation, False)
+    tools, conversation = split_tools(conversation)
+    _refuse_dropped_tools(tokenizer, tools, conversation)
+    full = _apply(tokenizer, conversation, False, tools)
     segments, pos = [], 0
     for i, turn in enumerate(conversation):
         if turn["role"] != "assistant":
             continue
-        before = _apply(tokenizer, conversation[:i], True) if i else ""
-        through = _apply(tokenizer, conversation[: i + 1], False)
+        before = _apply(tokenizer, conversation[:i], True, tools) if i else ""
+        through = _apply(tokenizer, conversation[: i + 1], False, tools)
         if not (full.startswith(before) and full.startswith(through) and pos <= len(before) < len(through)):
             raise UsageError(
                 "the tokenizer's chat template renders earlier turns differently as the conversation grows, "
@@ -176,7 +233,8 @@ def prompt_for_generation(tokenizer, conversation: Sequence[dict] | str) -> str:
     if _builtin(tokenizer):
         _check_markers(tokenizer)
         return "".join(text for text, _ in _builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"
-    return _apply(tokenizer, conversation, True)
+    tools, turns = split_tools(conversation)
+    return _apply(tokenizer, turns, True, tools)
 
 
 def stop_token_ids(tokenizer) -> list[int]:

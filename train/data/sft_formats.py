@@ -1,7 +1,9 @@
 """SFT records in the formats users already have -> conversations; plus the built-in default set.
 
-A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Every
-loader below ends there, so the template and the loss mask (train/data/sft_data.py) see one shape.
+FORMATS is the table of formats, a row each (name, detect, convert); every convert ends in the
+one conversation shape of train/data/sft_turns.py (roles system, user, assistant, tool; tool
+calls and the tools list included), so the template and the loss mask (train/data/sft_data.py)
+see one shape.
 Records come from train/data/records.py, streamed, so a .json list, JSONL, parquet and Arrow
 rows are all dicts here and read alike. Errors are UsageError with one line that names the file
 and the line (JSONL), the 1-based record number (.json) or row (parquet, Arrow), because "bad
@@ -15,105 +17,86 @@ import itertools
 import os
 import sysconfig
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
+from train.data.sft_turns import BadRecord, text, turns
 
-# name -> the keys that identify it (detect_format checks them, in its own order).
+
+@dataclass(frozen=True)
+class Format:
+    """One SFT format: a row of FORMATS. A new format is a new row."""
+
+    name: str
+    keys: str  # what its records carry, for "accepted: ..." messages
+    detect: Callable[[dict], bool]
+    convert: Callable[[dict], list[dict]]  # a record -> a conversation (sft_turns' shape)
+
+
+def _alpaca(record: dict) -> list[dict]:
+    prompt = text(record["instruction"], "'instruction'")
+    extra = text(record.get("input") or "", "'input'")
+    if extra.strip():
+        prompt = f"{prompt}\n\n{extra}"
+    conv = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text(record["output"], "'output'")}]
+    if record.get("system"):
+        conv.insert(0, {"role": "system", "content": text(record["system"], "'system'")})
+    return conv
+
+
+def _prompt_response(record: dict) -> list[dict]:
+    return [
+        {"role": "user", "content": text(record["prompt"], "'prompt'")},
+        {"role": "assistant", "content": text(record["response"], "'response'")},
+    ]
+
+
+# Detected in this order. Turn lists first: such records may also carry stray "prompt" or
+# "instruction" fields.
 FORMATS = {
-    "alpaca": "instruction/input/output",
-    "messages": "messages: [{role, content}]",
-    "sharegpt": "conversations: [{from, value}]",
-    "prompt_response": "prompt/response",
+    f.name: f
+    for f in (
+        Format(
+            "messages",
+            "messages: [{role, content}], tools",
+            lambda r: isinstance(r.get("messages"), list),
+            lambda r: turns(r["messages"], "role", "content", r.get("tools")),
+        ),
+        Format(
+            "sharegpt",
+            "conversations: [{from, value}], tools",
+            lambda r: isinstance(r.get("conversations"), list),
+            lambda r: turns(r["conversations"], "from", "value", r.get("tools")),
+        ),
+        Format("alpaca", "instruction/input/output", lambda r: "instruction" in r and "output" in r, _alpaca),
+        Format("prompt_response", "prompt/response", lambda r: "prompt" in r and "response" in r, _prompt_response),
+    )
 }
-ACCEPTED = "; ".join(f"{name} ({keys})" for name, keys in FORMATS.items())
+ACCEPTED = "; ".join(f"{f.name} ({f.keys})" for f in FORMATS.values())
 SOURCES = "a .json list, .jsonl (.jsonl.gz), .parquet or an Arrow (save_to_disk) folder"
-
-# ShareGPT and friends name roles differently; everything maps to the three the template knows.
-ROLE_NAMES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-}
-
-
-class BadRecord(ValueError):
-    """One record that cannot be used; the loader adds the file and place to the message."""
 
 
 def detect_format(record: object) -> str | None:
-    """The format name whose keys the record carries, or None."""
+    """The name of the first format whose keys the record carries, or None."""
     if not isinstance(record, dict):
         return None
-    # Turn lists first: such records may also carry stray "prompt" or "instruction" fields.
-    if isinstance(record.get("messages"), list):
-        return "messages"
-    if isinstance(record.get("conversations"), list):
-        return "sharegpt"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if "prompt" in record and "response" in record:
-        return "prompt_response"
-    return None
-
-
-def _text(value: object, what: str) -> str:
-    # OpenAI-style content can be a list of parts; the text parts are what a text model can use.
-    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
-        value = "".join(str(p.get("text", "")) for p in value)
-    if not isinstance(value, str):
-        raise BadRecord(f"{what} is {type(value).__name__}, expected a string")
-    return value
-
-
-def _turns(raw: list, role_key: str, content_key: str) -> list[dict]:
-    turns = []
-    for i, turn in enumerate(raw, 1):
-        if not isinstance(turn, dict):
-            raise BadRecord(f"turn {i} is {type(turn).__name__}, expected an object")
-        # Accept role/content inside "conversations" and from/value inside "messages": both occur.
-        role = turn.get(role_key, turn.get("role", turn.get("from")))
-        content = turn.get(content_key, turn.get("content", turn.get("value")))
-        if role not in ROLE_NAMES:
-            raise BadRecord(f"turn {i} has role {role!r}; accepted: {', '.join(ROLE_NAMES)}")
-        turns.append({"role": ROLE_NAMES[role], "content": _text(content, f"turn {i} content")})
-    return turns
+    return next((f.name for f in FORMATS.values() if f.detect(record)), None)
 
 
 def to_conversation(record: dict, fmt: str) -> list[dict]:
     """One record of format `fmt` -> a conversation; raises BadRecord with the reason."""
     if detect_format(record) != fmt:
         keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-        raise BadRecord(f"does not match the file's format {fmt} ({FORMATS[fmt]}); has: {keys}")
-    if fmt == "messages":
-        conv = _turns(record["messages"], "role", "content")
-    elif fmt == "sharegpt":
-        conv = _turns(record["conversations"], "from", "value")
-    elif fmt == "alpaca":
-        prompt = _text(record["instruction"], "'instruction'")
-        extra = _text(record.get("input") or "", "'input'")
-        if extra.strip():
-            prompt = f"{prompt}\n\n{extra}"
-        conv = [
-            {"role": "user", "content": prompt},
-            {"role": "assistant", "content": _text(record["output"], "'output'")},
-        ]
-        if record.get("system"):
-            conv.insert(0, {"role": "system", "content": _text(record["system"], "'system'")})
-    else:
-        conv = [
-            {"role": "user", "content": _text(record["prompt"], "'prompt'")},
-            {"role": "assistant", "content": _text(record["response"], "'response'")},
-        ]
+        raise BadRecord(f"does not match the file's format {fmt} ({FORMATS[fmt].keys}); has: {keys}")
+    conv = FORMATS[fmt].convert(record)
     for i, turn in enumerate(conv, 1):
-        # An empty reply would teach the model to end its turn at once.
-        if turn["role"] == "assistant" and not turn["content"].strip():
+        # An empty reply would teach the model to end its turn at once; a call is a reply.
+        if turn["role"] == "assistant" and not turn["content"].strip() and not turn.get("tool_calls"):
             raise BadRecord(f"no response (assistant turn {i} is empty)")
-    # Trailing user/system turns carry no loss and only cost tokens.
+    # Trailing user, tool and system turns carry no loss and only cost tokens.
     while conv and conv[-1]["role"] != "assistant":
         conv.pop()
     if not conv:
