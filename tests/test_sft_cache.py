@@ -147,3 +147,11 @@ def test_parquet_prompt_response_trains_and_second_start_reads_the_cache(base_mo
     assert "format prompt_response, 40 conversations; SFT cache: reused" in logs[1]
     rows = [json.loads(line) for n in "ab" for line in (tmp_path / "runs" / n / "metrics.jsonl").open()]
     assert np.isfinite([r["loss"] for r in rows if "loss" in r]).all()
+
+
+def test_tokenize_workers_must_be_a_whole_number():
+    from config import DataConfig
+
+    with pytest.raises(UsageError, match="TOKENIZE_WORKERS"):
+        DataConfig(tokenize_workers=0)
+    assert DataConfig(tokenize_workers=3).tokenize_workers == 3
