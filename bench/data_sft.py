@@ -127,7 +127,7 @@ def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) 
             shutil.rmtree(cache, ignore_errors=True)
             args = ["sft", "--model_path", str(model), "--data_path", str(data[fmt]), "--cache_dir", str(cache),
                     "--output_dir", str(work / "runs"), "--max_steps", "1", "--batch_size", "8",
-                    "--eval_batches", "1", "--max_length", "512"]
+                    "--eval_batches", "1"]
             if workers:
                 args += ["--tokenize_workers", str(workers)]
             row = {"rows": n, "format": fmt, "mb": data[fmt].stat().st_size / 1e6}

@@ -102,7 +102,7 @@ def test_bad_records_skipped_or_refused_and_nothing_cached(tmp_path, tok):
     data = write_parquet(tmp_path / "d.parquet", rows)
     with pytest.raises(UsageError, match=r"d\.parquet row 4: no response .*SKIP_BAD_RECORDS=1"):
         cached(data, tok, tmp_path / "c")
-    assert not any((tmp_path / "c" / "sft").iterdir())
+    assert [p.name for p in (tmp_path / "c" / "sft").iterdir()] == ["sums"]  # digests of the data only
     examples, _, _ = cached(data, tok, tmp_path / "c", skip=True)
     assert (len(examples), examples.meta.n_skipped) == (6, 1)
     assert "row 4" in examples.meta.first_error
@@ -147,3 +147,11 @@ def test_parquet_prompt_response_trains_and_second_start_reads_the_cache(base_mo
     assert "format prompt_response, 40 conversations; SFT cache: reused" in logs[1]
     rows = [json.loads(line) for n in "ab" for line in (tmp_path / "runs" / n / "metrics.jsonl").open()]
     assert np.isfinite([r["loss"] for r in rows if "loss" in r]).all()
+
+
+def test_tokenize_workers_must_be_a_whole_number():
+    from config import DataConfig
+
+    with pytest.raises(UsageError, match="TOKENIZE_WORKERS"):
+        DataConfig(tokenize_workers=0)
+    assert DataConfig(tokenize_workers=3).tokenize_workers == 3

@@ -105,10 +105,12 @@ class CachedExamples:
         return {**self.__dict__, "_ids": None, "_trained": None, "_offsets": None}
 
 
-def data_fingerprint(data_path: str | None, builtin: list | None) -> tuple[str, int | None]:
+def data_fingerprint(data_path: str | None, builtin: list | None, sums: Path | None = None) -> tuple[str, int | None]:
     """(sha256 of the data, rows expected or None): DATA_PATH's file names and bytes (every
     file of an Arrow folder), or the built-in conversations themselves. The row count comes
-    with the same read (newlines of JSONL, parquet metadata) and only feeds the progress bar."""
+    with the same read (newlines of JSONL, parquet metadata) and only feeds the progress bar.
+    sums: a folder where each file's digest is kept under its path, size, mtime and inode, so
+    a warm start does not read a GB of data again to find the cache it already has."""
     digest = hashlib.sha256(f"sft-data-{SFT_CACHE_VERSION}".encode())
     if data_path is None:
         digest.update(json.dumps(builtin, sort_keys=True).encode())
@@ -118,16 +120,40 @@ def data_fingerprint(data_path: str | None, builtin: list | None) -> tuple[str, 
         files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
         lines = 0
         for path in files:
-            digest.update(str(path.relative_to(source.parent)).encode() + b"\0")
-            try:
-                with open(path, "rb") as handle:
-                    for block in iter(lambda: handle.read(1 << 20), b""):
-                        digest.update(block)
-                        lines += block.count(b"\n")
-            except OSError as err:
-                raise UsageError(f"DATA_PATH: cannot read {path}: {err.strerror or err}") from None
+            file_sum, file_lines = _file_sum(path, sums)
+            digest.update(f"{path.relative_to(source.parent)}\0{file_sum}\0".encode())
+            lines += file_lines
         rows = None if rows is None else _rows(source, lines, rows)
     return digest.hexdigest()[:20], rows
+
+
+def _file_sum(path: Path, sums: Path | None) -> tuple[str, int]:
+    """(sha256 of the file's bytes, its newline count), remembered in sums by stat."""
+    try:
+        st = path.stat()
+        memo = None
+        if sums is not None:
+            key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+            memo = sums / f"{key.hexdigest()[:32]}.json"
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                known = json.loads(memo.read_text())
+                return str(known["sha256"]), int(known["lines"])
+        digest, lines = hashlib.sha256(), 0
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+                lines += block.count(b"\n")
+    except OSError as err:
+        raise UsageError(f"DATA_PATH: cannot read {path}: {err.strerror or err}") from None
+    if memo is not None:
+        temps: list[Path] = []
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            cache_files.write_json(memo, {"sha256": digest.hexdigest(), "lines": lines}, temps)
+        except OSError:  # only a shortcut: without it the next start reads the file again
+            for tmp in temps:
+                cache_files.remove(tmp)
+    return digest.hexdigest(), lines
 
 
 def _rows(source: Path, lines: int, so_far: int) -> int | None:
@@ -337,7 +363,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     """The SFT cache for this data, tokenizer, template and MAX_LENGTH: opened when there is
     one, else built (TOKENIZE_WORKERS processes). Returns (examples, what was done, for the log)."""
     start = time.perf_counter()
-    data_key, total = data_fingerprint(data_path, builtin)
+    data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
     folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records)
     examples, damage = open_cache(folder)
     if examples is not None:
