@@ -6,6 +6,7 @@ tokenizer's own template that takes tools; a glaive file trains end to end."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from test_sft_data import IGNORE_INDEX, ids_of, make_tokenizer, trained_runs, write_jsonl
@@ -22,6 +23,7 @@ from train.data.sft_data import (
 )
 from train.data.sft_formats import to_conversation
 from train.data.sft_turns import BadRecord, split_tools
+from train.tools.generate import Chat
 
 SCHEMA = {
     "name": "get_weather",
@@ -195,3 +197,18 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
     argv = ["--model", str(run / "final"), "--prompt", "Weather?", "--temperature", "0", "--max_new_tokens", "4"]
     assert run_cli("generate", *argv) == 0
     assert capsys.readouterr().err == ""
+    (tmp_path / "tools.json").write_text(json.dumps([{"name": "f"}]))  # the tiny model has a context of 64
+    argv[3] = "Hi"
+    assert run_cli("generate", *argv, "--tools", str(tmp_path / "tools.json")) == 0
+    assert run_cli("generate", *argv, "--tools", "[{oops") == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --tools: 'tools' is not JSON: '[{oops'"]
+
+
+def test_chat_reply_keeps_the_call_marker(tok):
+    """A reply that is a call shows as one (the marker kept, other markup dropped), and a chat
+    turn holding it renders back to the ids the model made."""
+    reply = ids_of(tok, f"Let me look.<|tool_call|>{CALL}<|end|>")
+    chat = SimpleNamespace(tok=tok, templated=True)
+    text = Chat._decode(chat, reply)
+    assert text == f"Let me look.<|tool_call|>{CALL}"
+    assert ids_of(tok, text + "<|end|>") == reply

@@ -20,7 +20,8 @@ from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.model import context_length
 from train.core.remote_code import refuse_custom_code
-from train.data.sft_data import prompt_for_generation, stop_token_ids
+from train.data.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
+from train.data.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
 
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
@@ -37,6 +38,9 @@ def parser() -> ArgParser:
     p.add_argument("--prompt", help="one user message; without it, read one message per line from stdin")
     p.add_argument("--interactive", action="store_true", help="chat on stdin (the default without --prompt)")
     p.add_argument("--system", help="a system message put before the conversation")
+    p.add_argument(
+        "--tools", help="the tools the model may call: a JSON file or JSON text, a list of function schemas"
+    )
     p.add_argument("--max_new_tokens", type=int, default=128, help="most tokens in one reply")
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy, the same reply every time")
     p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens")
@@ -87,6 +91,12 @@ class Chat:
         self.templated = tok.chat_template is not None
         self.context = context_length(model.config)
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        if args.tools:
+            if not self.templated:
+                raise UsageError(f"--tools: {args.model} has no chat template to put tools in (not an SFT run)")
+            self.turns.insert(0, {"role": TOOLS_ROLE, "tools": read_tools(args.tools)})
+        # Turns kept however long the chat grows: the tools list and the system message.
+        self.fixed = len(self.turns)
 
     def _prompt_ids(self) -> list[int]:
         if self.templated:
@@ -99,7 +109,7 @@ class Chat:
         self.turns.append({"role": "user", "content": message})
         ids = self._prompt_ids()
         # Oldest exchanges go first when the conversation outgrows the model's context.
-        first = 1 if self.turns[0]["role"] == "system" else 0
+        first = self.fixed
         while len(ids) + self.args.max_new_tokens > self.context and len(self.turns) > first + 1:
             del self.turns[first : first + 2]
             ids = self._prompt_ids()
@@ -129,12 +139,40 @@ class Chat:
                 pad_token_id=pad,
                 **options,
             )
-        text = self.tok.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
+        text = self._decode(out[0, len(ids) :].tolist())
         if keep and self.templated:
             self.turns.append({"role": "assistant", "content": text})
         else:
             self.turns.pop()
         return text
+
+
+    def _decode(self, ids: list[int]) -> str:
+        # Special tokens are markup, dropped; but a tool call's marker is what says the reply
+        # is a call and not text, so it stays (and a kept turn renders back to the same ids).
+        call_id = self.tok.convert_tokens_to_ids(TOOL_CALL_TOKEN) if self.templated else None
+        if call_id == self.tok.unk_token_id:  # a template of its own, without the kit's markers
+            call_id = None
+        parts, piece = [], []
+        for token in [*ids, None]:
+            if token is None or token == call_id:
+                parts.append(self.tok.decode(piece, skip_special_tokens=True))
+                piece = []
+            else:
+                piece.append(token)
+        return TOOL_CALL_TOKEN.join(parts).strip()
+
+
+def read_tools(value: str) -> list[dict]:
+    """--tools: a JSON file's path, or the JSON itself."""
+    path = Path(value)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else value
+        return parse_tools(text)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--tools: cannot read {value}: {err}") from None
+    except BadRecord as err:
+        raise UsageError(f"--tools: {err}") from None
 
 
 def generate_main(argv: list[str]) -> int:
