@@ -166,6 +166,8 @@ def test_earlier_builtin_template_is_brought_up_to_date():
         "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
+    # As it is (python -m train generate on such a final/), it still renders what it trained on.
+    assert prompt_for_generation(tokenizer, "Hi") == "<|user|>\nHi<|end|>\n<|assistant|>\n"
     assert ensure_special_tokens(tokenizer) == 3 and tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
 
 
@@ -175,6 +177,8 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
         record = json.loads(json.dumps(GLAIVE))
         record["conversations"][0]["value"] = f"Weather in city {i}?"
         records.append(record if i % 3 else {**record, "tools": [SCHEMA]})  # tools as a string and as a list
+    # As in LLaMA-Factory's demo file: plain exchanges with "tools": "[]" among the calls.
+    records[1] = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "tools": "[]"}
     data = tmp_path / "glaive_toolcall.jsonl"
     write_jsonl(data, records)
     conversations, fmt, skipped = load_conversations(data)

@@ -90,7 +90,9 @@ _ENCODE_CHUNK = 1024  # conversations tokenized per call: batched calls are fast
 
 
 def _builtin(tokenizer) -> bool:
-    return tokenizer.chat_template in (None, BUILTIN_CHAT_TEMPLATE, _EARLIER_TEMPLATE)
+    # The earlier template is not: a final/ saved with it has no tool markers, and its own
+    # Jinja renders what it was trained on (until ensure_special_tokens brings it up to date).
+    return tokenizer.chat_template is None or tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
 
 
 def ensure_special_tokens(tokenizer) -> int:
@@ -103,7 +105,7 @@ def ensure_special_tokens(tokenizer) -> int:
     labels, so sharing the id costs nothing), else a new <|pad|>.
     """
     added = 0
-    if _builtin(tokenizer):
+    if _builtin(tokenizer) or tokenizer.chat_template == _EARLIER_TEMPLATE:
         added += tokenizer.add_special_tokens(
             {"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False
         )
