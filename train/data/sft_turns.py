@@ -21,6 +21,7 @@ Sources spell tool calls two ways, both accepted:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 TOOLS_ROLE = "tools"
 # Source role -> conversation role; "function_call" is an assistant turn holding calls.
@@ -124,11 +125,11 @@ def turns(raw: list, role_key: str, content_key: str, tools: object = None) -> l
     return [{"role": TOOLS_ROLE, "tools": listed}, *conversation] if listed else conversation
 
 
-def split_tools(conversation) -> tuple[list[dict] | None, list[dict]]:
+def split_tools(conversation: Sequence[dict]) -> tuple[list[dict] | None, Sequence[dict]]:
     """(the tools list or None, the turns without it)."""
     if conversation and conversation[0]["role"] == TOOLS_ROLE:
-        return conversation[0]["tools"], list(conversation[1:])
-    return None, list(conversation)
+        return conversation[0]["tools"], conversation[1:]
+    return None, conversation
 
 
 def call_text(call: dict) -> str:
