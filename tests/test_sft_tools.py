@@ -111,6 +111,24 @@ def test_openai_trains_on_text_calls_and_reply(tok):
     assert split_tools(glaive)[0] == tools and glaive[2]["tool_calls"] == conversation[3]["tool_calls"]
 
 
+def test_parallel_calls_are_one_trained_turn(tok):
+    second = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    glaive = {**GLAIVE, "conversations": [*GLAIVE["conversations"]]}
+    glaive["conversations"][1] = {"from": "function_call", "value": f"[{CALL}, {second}]"}
+    calls = [json.loads(c) for c in (CALL, second)]
+    openai = {**OPENAI, "messages": [*OPENAI["messages"]]}
+    openai["messages"][2] = {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {**c, "arguments": json.dumps(c["arguments"])}} for c in calls],
+    }  # fmt: skip
+    for record, fmt in ((glaive, "sharegpt"), (openai, "messages")):
+        example = encode_one(tok, to_conversation(record, fmt))
+        assert trained_runs(example) == [
+            ids_of(tok, f"<|tool_call|>{CALL}<|tool_call|>{second}<|end|>"),
+            ids_of(tok, "It is 21 degrees.<|end|>"),
+        ]
+
+
 OWN_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
@@ -183,10 +201,10 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
     write_jsonl(data, records)
     conversations, fmt, skipped = load_conversations(data)
     assert (len(conversations), fmt, skipped) == (12, "sharegpt", 0)
-    argv = ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--max_length", "64",
-            "--batch_size", "4", "--num_workers", "0", "--data_path", str(data), "--max_steps", "2",
-            "--run_name", "tools"]  # fmt: skip
-    assert run_cli("sft", *argv) == 0
+    sft_argv = ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--max_length", "64",
+                "--batch_size", "4", "--num_workers", "0", "--data_path", str(data), "--max_steps", "2",
+                "--run_name", "tools"]  # fmt: skip
+    assert run_cli("sft", *sft_argv) == 0
     run = tmp_path / "runs" / "tools"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["n_conversations"] == 12 and summary["data_format"] == "sharegpt" and summary["final_loss"] > 0
@@ -206,6 +224,13 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
     assert run_cli("generate", *argv, "--tools", str(tmp_path / "tools.json")) == 0
     assert run_cli("generate", *argv, "--tools", "[{oops") == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: --tools: 'tools' is not JSON: '[{oops'"]
+    # A call that is not JSON stops the run in one line naming the file, line and turn.
+    records[4]["conversations"][1]["value"] = "get_weather(Paris)"
+    write_jsonl(data, records)
+    assert run_cli("sft", *[a if a != "tools" else "bad" for a in sft_argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and f"{data} line 5: turn 2 (function_call) is not JSON" in line
+    assert not (tmp_path / "runs" / "bad").exists()
 
 
 def test_chat_reply_keeps_the_call_marker(tok):
