@@ -3,6 +3,7 @@ optimizer step, with the peak RSS of the training process, on generated alpaca-s
 
     python bench/data_sft.py                       # 100k and 1M rows, JSONL and parquet
     python bench/data_sft.py --rows 100000 --formats jsonl --no-write
+    make bench-data                                # bench/bench_data.sh runs it after pretraining's bench
 
 Everything is made here, offline: the rows (instruction / input / output of ~900 bytes, words
 drawn from a fixed list with a fixed seed, so every run benches the same bytes) and the model, a
@@ -79,22 +80,32 @@ def write_data(folder: Path, n: int) -> dict[str, Path]:
     return {"jsonl": jsonl, "parquet": parquet}
 
 
-def run_kit(args: list[str], env: dict) -> tuple[float | None, float, float]:
-    """(seconds to the first step or None, seconds in all, peak RSS in MB) of one
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time of a live process and of the children it has waited for (its tokenizing
+    workers), from /proc: on a shared machine the wall clock measures the neighbours too."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def run_kit(args: list[str], env: dict) -> tuple[float | None, float | None, float]:
+    """(seconds to the first step or None, CPU seconds to it, peak RSS in MB) of one
     `python -m train` process."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    first, tail = None, []
+    first, cpu, tail = None, None, []
     for line in proc.stdout:
         tail = (tail + [line])[-5:]
         if first is None and line.startswith("step 1/"):
-            first = time.perf_counter() - start
+            first, cpu = time.perf_counter() - start, cpu_seconds(proc.pid)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"error: python -m train {' '.join(args)} exited {proc.returncode}:\n{''.join(tail)}")
-    return first, time.perf_counter() - start, usage.ru_maxrss / 1024
+    return first, cpu, usage.ru_maxrss / 1024
 
 
 def base_model(work: Path, env: dict) -> Path:
@@ -132,9 +143,10 @@ def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) 
                 args += ["--tokenize_workers", str(workers)]
             row = {"rows": n, "format": fmt, "mb": data[fmt].stat().st_size / 1e6}
             for phase in ("cold", "warm"):
-                first, total, rss = run_kit(args, env)
-                row.update({f"{phase}_s": first, f"{phase}_total_s": total, f"{phase}_rss_mb": rss})
-                print(f"{n:>9,} {fmt:>7} {phase}: first step after {first:.1f} s, peak RSS {rss:,.0f} MB", flush=True)
+                first, cpu, rss = run_kit(args, env)
+                row.update({f"{phase}_s": first, f"{phase}_cpu_s": cpu, f"{phase}_rss_mb": rss})
+                print(f"{n:>9,} {fmt:>7} {phase}: first step after {first:.1f} s ({cpu:.1f} CPU s), "
+                      f"peak RSS {rss:,.0f} MB, load {os.getloadavg()[0]:.1f}", flush=True)
             results.append(row)
             shutil.rmtree(cache, ignore_errors=True)
     return results
@@ -142,12 +154,12 @@ def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| rows | format | MB | cold start (s) | cold peak RSS (MB) | warm start (s) | warm peak RSS (MB) |",
+        "| rows | format | MB | cold start s (CPU s) | cold peak RSS MB | warm start s (CPU s) | warm peak RSS MB |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        lines.append(f"| {r['rows']:,} | {r['format']} | {r['mb']:,.0f} | {r['cold_s']:.1f} | {r['cold_rss_mb']:,.0f} "
-                     f"| {r['warm_s']:.1f} | {r['warm_rss_mb']:,.0f} |")
+        lines.append(f"| {r['rows']:,} | {r['format']} | {r['mb']:,.0f} | {r['cold_s']:.1f} ({r['cold_cpu_s']:.1f}) "
+                     f"| {r['cold_rss_mb']:,.0f} | {r['warm_s']:.1f} ({r['warm_cpu_s']:.1f}) | {r['warm_rss_mb']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -165,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="100000,1000000", help="comma-separated row counts")
     parser.add_argument("--formats", default="jsonl,parquet", help="jsonl, parquet or both")
-    parser.add_argument("--workdir", default=str(ROOT / "runs" / "bench-data-sft"), help="data, model and caches")
+    bench_dir = Path(os.environ.get("BENCH_DATA_DIR") or ROOT / ".cache" / "bench")  # bench/bench_data.sh's folder
+    parser.add_argument("--workdir", default=str(bench_dir / "sft"), help="data, model and caches (kept for reuse)")
+    parser.add_argument("--note", default=os.environ.get("BENCH_DATA_NOTE", ""), help="a sentence for RESULTS.md")
     parser.add_argument("--tokenize_workers", type=int, default=None, help="TOKENIZE_WORKERS (default: every core)")
     parser.add_argument("--no-write", action="store_true", help="print the table without writing RESULTS.md")
     args = parser.parse_args(argv)
@@ -179,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{SECTION}\n\n`python bench/data_sft.py` ({started:%Y-%m-%d %H:%M} UTC; {device()}): `python -m train sft "
         "--max_steps 1` on generated alpaca rows (~900 bytes each) from a nano model (vocab 8192), "
         f"TOKENIZE_WORKERS={args.tokenize_workers or 'every core'}. Start: seconds from launch to the first "
-        "optimizer step's line. Cold: no SFT cache (records read, tokenized on the workers, cache written); "
+        "optimizer step's line, and in brackets the CPU seconds the process and its tokenizing workers spent "
+        "to get there. Cold: no SFT cache (records read, tokenized on the workers, cache written); "
         "warm: the cache from the cold run (the data is fingerprinted, the memmaps opened). Peak RSS: the "
-        "training process (wait4), tokenizing workers not counted.\n\n" + table(results)
+        f"training process (wait4), tokenizing workers not counted. {args.note}".rstrip() + "\n\n" + table(results)
     )
     print(text)
     if not args.no_write:

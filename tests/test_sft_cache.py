@@ -50,6 +50,9 @@ def test_parquet_and_arrow_rows_read_as_json_records(tmp_path, tok):
     assert [examples[i] for i in range(len(examples))] == expected
     assert examples.meta.format == "prompt_response"
     assert list(examples.lengths) == [len(e["input_ids"]) for e in expected]
+    from_arrow, _, _ = cached(arrow, tok, tmp_path / "cache")  # a folder: every file of it is the key
+    assert from_arrow.meta.format == "alpaca" and len(from_arrow) == len(ALPACA)
+    assert from_arrow[3] == encode_conversations(load_conversations(arrow)[0], tok, 64)[0][3]
 
 
 def test_second_start_reuses_the_cache_and_max_length_or_template_rebuild_it(tmp_path, tok):

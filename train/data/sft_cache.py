@@ -375,6 +375,8 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
         fmt, items = "messages", ((f"built-in pair {i}", {"messages": c}) for i, c in enumerate(builtin, 1))
     else:
         fmt, items = open_records(data_path)
+    if total is not None:  # a process per chunk at most: a small file is done before a pool starts
+        workers = max(1, min(workers, -(-total // CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""
     say(f"tokenizing {rows}SFT records into {folder} on {workers} process(es) (once per data, tokenizer, "
         "template and MAX_LENGTH)")
