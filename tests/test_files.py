@@ -137,3 +137,16 @@ def test_a_full_disk_keeps_appended_rows_whole_and_leaves_no_temporary(tmp_path)
     assert (tmp_path / "metrics.jsonl.json").read_text() == "old"  # the old file, not half a new one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "metrics.jsonl.json"]
 
+
+
+def test_a_stream_stopped_half_way_leaves_the_old_file_and_no_temporary(tmp_path):
+    (tmp_path / "tokens.bin").write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt):
+        with files.writing(tmp_path / "tokens.bin") as out:
+            out.write(b"new" * 1000)
+            raise KeyboardInterrupt
+    assert (tmp_path / "tokens.bin").read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens.bin"]
+    with files.writing(tmp_path / "tokens.bin") as out:
+        out.write(b"new")
+    assert (tmp_path / "tokens.bin").read_bytes() == b"new"

@@ -1,7 +1,7 @@
 """Writes into a user's folder (a run folder, CACHE_DIR) that never follow a link, and reads
 that stay inside the folder they were given.
 
-Whole files: `atomic_write` / `write_json` write a fresh temporary name in the same folder,
+Whole files: `atomic_write` / `write_json` (or `writing`, to stream one) write a fresh temporary name in the same folder,
 opened with O_CREAT|O_EXCL|O_NOFOLLOW (a link or file planted at that name makes the open fail
 instead of being written through; another fresh name is tried), fsync it, rename it over the
 target (a rename replaces a link at the target, it never writes where the link points) and
@@ -29,14 +29,20 @@ import errno
 import json
 import math
 import os
+import re
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from train.core.errors import UsageError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # absent on Windows, where links need privileges
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors, tokenizers) report one
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _TRIES = 16  # fresh names tried before giving up: each is 32 random bits, so only a planted one collides
 
 
@@ -77,6 +83,19 @@ def _as_target(err: OSError, path: Path) -> OSError:
     return OSError(err.errno, err.strerror or str(err), str(path))
 
 
+def errno_of(err: BaseException | None) -> int | None:
+    """The OS error behind err (an OSError, or a Rust library's "... (os error 28)" text, which
+    safetensors and tokenizers raise as a plain Exception), or None when it is not one."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno:
+            return err.errno
+        found = OS_ERROR.search(str(err))
+        if found:
+            return int(found.group(1))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _fresh_file(path: Path) -> tuple[int, Path]:
     """A new, empty file beside path under a name no one has made: (descriptor, name)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
@@ -90,29 +109,34 @@ def _fresh_file(path: Path) -> tuple[int, Path]:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """All of data: os.write may write less (a disk filling up); the next call then fails."""
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
         view = view[written:]
 
 
-def atomic_write(path: Path | str, data: bytes | str) -> None:
-    """Replace path with data, whole: a fresh temporary name (O_EXCL|O_NOFOLLOW), written,
-    fsynced, renamed over path, the folder fsynced. A link at path is replaced, never written
-    through. On any failure the temporary file is removed and path is as it was; the OSError
-    names path."""
+@contextmanager
+def writing(path: Path | str) -> Iterator[BinaryIO]:
+    """Stream a file into place: yields a binary handle on a fresh temporary name beside path
+    (O_EXCL|O_NOFOLLOW); on a clean exit it is fsynced, closed and renamed over path (a link at
+    path is replaced, never written through) and the folder fsynced. On any exception (Ctrl+C
+    included) the temporary file is removed and path is as it was; an OSError names path.
+
+        with files.writing(cache / "tokens.bin") as out:
+            for block in blocks:
+                out.write(block)
+    """
     path = Path(path)
-    payload = data.encode() if isinstance(data, str) else bytes(data)
     try:
         fd, tmp = _fresh_file(path)
     except OSError as err:
         raise _as_target(err, path) from None
     try:
-        try:
-            _write_all(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as err:
         _unlink_quiet(tmp)
@@ -120,6 +144,14 @@ def atomic_write(path: Path | str, data: bytes | str) -> None:
             raise _as_target(err, path) from None
         raise
     fsync(path.parent)
+
+
+def atomic_write(path: Path | str, data: bytes | str) -> None:
+    """Replace path with data, whole (see `writing`): a fresh temporary name, written, fsynced,
+    renamed over path, the folder fsynced; on failure path is as it was and no temporary file
+    stays; the OSError names path."""
+    with writing(path) as out:
+        out.write(data.encode() if isinstance(data, str) else data)
 
 
 def write_json(path: Path | str, obj, indent: int | None = 2) -> None:
