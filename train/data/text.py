@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,21 +121,12 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
             if folder.exists():
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     # Before the training, not after: an unusable CACHE_DIR stops the run before minutes of work.
-    parent = cache_files.cache_folder(folder.parent)
+    cache_files.cache_folder(folder.parent)
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
         tok = _train_tokenizer(files, vocab_size, say)
-        tmp = Path(tempfile.mkdtemp(dir=parent))
-        temps.append(tmp)
-        tok.save_pretrained(tmp)
-        cache_files.sync(tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not (folder / "tokenizer.json").exists():
-                raise
+        if not cache_files.save_folder(folder, tok.save_pretrained, temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
-            cache_files.remove(tmp)
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
 
@@ -184,6 +174,7 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
     say(f"tokenizing {len(files)} file(s) into the token cache (once per corpus and tokenizer)")
     with cache_files.building("building the token cache", "the token cache", bin_path) as temps:
         tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
+        cache_files.remove(tmp)  # a leftover (a planted link too) unlinked, so the open below makes a new file
         temps.append(tmp)
         n_tokens = _tokenize_into(tmp, files, tok, dtype)
         if n_tokens <= len(files):
@@ -191,7 +182,7 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
         os.replace(tmp, bin_path)
         temps.append(bin_path)  # without its manifest it is of no use: removed if that fails
         manifest = {"n_tokens": n_tokens, "dtype": np.dtype(dtype).name, "bytes": n_tokens * np.dtype(dtype).itemsize}
-        cache_files.write_json(meta_path, {**manifest, "files": len(files)}, temps)
+        cache_files.write_json(meta_path, {**manifest, "files": len(files)})
     say(f"cached {n_tokens:,} tokens from {len(files)} file(s) in {bin_path}")
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
 
