@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+from train.core import files
 from train.core.errors import UsageError
 from train.dist import distributed, parallel
 from train.run.rundir import RunDir, save_model, write_failed
@@ -47,8 +48,8 @@ def earlier_summary(path, summary: dict) -> dict:
     """The summary.json of the session that trained the last step, where it was written (the
     figures of a zero-step session are no figures); else this session's."""
     try:
-        earlier = json.loads((path / "summary.json").read_text())
-    except (OSError, ValueError):
+        earlier = json.loads(files.read_text(path / "summary.json"))
+    except (OSError, ValueError, files.LinkRefused):
         return summary
     if isinstance(earlier, dict) and earlier.get("exit_reason") and earlier.get("steps") == summary["steps"]:
         earlier.pop("final_error", None)

@@ -90,19 +90,21 @@ def write_failed(target: Path, code: int) -> str:
 def unfinished(run_path: Path, step: int) -> str | None:
     """Why a run trained to `step` is not finished, or None: a finished run has a summary.json
     with an exit_reason for that step and a complete final/ of that step."""
-    try:
-        summary = json.loads((run_path / "summary.json").read_text())
+    try:  # never read through a link: one planted there is replaced when the summary is written
+        summary = json.loads(files.read_text(run_path / "summary.json"))
         reason, steps = summary.get("exit_reason"), summary.get("steps")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, files.LinkRefused):
         return "its summary.json is missing or unreadable"
-    if not reason or summary.get("final_error"):
+    if not reason or summary.get("final_error") or summary.get("write_error"):
         return "its summary.json records no finished run"
     if steps != step:
         return f"its summary.json is of step {steps}"
+    marker = files.inside(run_path, f"final/{COMPLETE}")  # None: final/ or its marker is a link
     try:
-        marker = json.loads((run_path / "final" / COMPLETE).read_text())
-        held = marker.get("step")
+        held = json.loads(files.read_text(marker)).get("step") if marker else None
     except (OSError, ValueError, AttributeError):
+        held = None
+    if held is None:
         return "its final/ is missing or incomplete"
     return None if held == step else f"its final/ holds step {held}"
 
