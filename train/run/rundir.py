@@ -127,9 +127,7 @@ class RunDir:
             path.mkdir(parents=True, exist_ok=True)  # claim_run_dir made (or found) it for a real run
             self._metrics = files.open_append(path / "metrics.jsonl")
             self._log = files.open_append(path / "train.log")
-        except files.LinkRefused:
-            raise
-        except OSError as err:  # a read-only file system, say
+        except OSError as err:  # a read-only file system, say (a link there: LinkRefused, one line)
             raise UsageError(
                 f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
             ) from None
