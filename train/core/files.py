@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -113,6 +114,8 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
+        if written == 0:  # no progress and no error: treat as the full disk it is
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[written:]
 
 
@@ -178,25 +181,28 @@ class Appender:
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd = path, fd
+        self._lock = threading.Lock()  # library warnings reach train.log from other threads too
 
     def write(self, text: str) -> None:
         """Append text (a whole row with its newline). A failure (full disk, EFBIG) cuts the
         file back to where the row began and raises the OSError, naming the file."""
         data = text.encode()
-        start = os.fstat(self.fd).st_size
-        try:
-            _write_all(self.fd, data)
-        except OSError as err:
+        with self._lock:
+            start = os.fstat(self.fd).st_size
             try:
-                os.ftruncate(self.fd, start)  # shrinking needs no space
-            except OSError:
-                pass
-            raise _as_target(err, self.path) from None
+                _write_all(self.fd, data)
+            except OSError as err:
+                try:
+                    os.ftruncate(self.fd, start)  # shrinking needs no space
+                except OSError:
+                    pass
+                raise _as_target(err, self.path) from None
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self._lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
 
 def open_append(path: Path | str) -> Appender:
