@@ -35,6 +35,14 @@ def remove(path: Path) -> None:
     files.remove(path)
 
 
+def drop_link(path: Path, say) -> None:
+    """A link at one of the cache's names is not a cache this kit wrote (it could point
+    anywhere): removed, never followed or read, with a note; the cache is then built again."""
+    if path.is_symlink():
+        say(f"{path} in CACHE_DIR is a symbolic link, not a cache this kit wrote; removed, building it again")
+        remove(path)
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl+C while the cache is built."""
 

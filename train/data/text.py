@@ -112,6 +112,7 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
             tok.add_special_tokens({"eos_token": EOS})
         return tok
     folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}"
+    cache_files.drop_link(folder, say)
     if folder.exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
@@ -165,6 +166,8 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
     key = f"{data_key}-{tokenizer_fingerprint(tok)}"
     folder = cache_files.cache_folder(cache_dir / "tokens")
     bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
+    for path in (bin_path, meta_path):
+        cache_files.drop_link(path, say)
     tokens, damage = _open_token_cache(bin_path, meta_path)
     if tokens is not None:
         return tokens
