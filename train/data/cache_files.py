@@ -91,9 +91,10 @@ def sync(path: Path) -> None:
         files.fsync(path)
 
 
-def write_json(path: Path, value: dict) -> None:
-    """path replaced atomically: readers see the old JSON or the new, never a cut one; a
-    failure leaves no temporary file (train/core/files.py)."""
+def write_json(path: Path, value: dict, temps: list[Path] | None = None) -> None:
+    """path replaced atomically: readers see the old JSON or the new, never a cut one. The
+    temporary file is the helper's own, removed by it on any failure (train/core/files.py), so
+    nothing is added to `building`'s temps."""
     files.write_json(path, value, indent=None)
 
 
