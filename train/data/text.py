@@ -185,7 +185,7 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
         os.replace(tmp, bin_path)
         temps.append(bin_path)  # without its manifest it is of no use: removed if that fails
         manifest = {"n_tokens": n_tokens, "dtype": np.dtype(dtype).name, "bytes": n_tokens * np.dtype(dtype).itemsize}
-        cache_files.write_json(meta_path, {**manifest, "files": len(files)})
+        cache_files.write_json(meta_path, {**manifest, "files": len(files)}, temps)
     say(f"cached {n_tokens:,} tokens from {len(files)} file(s) in {bin_path}")
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
 
