@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from train.core import files
@@ -123,7 +124,10 @@ class RunDir:
             if path.is_dir() and overwrite:
                 # Emptied, not removed: the run's lock is on the folder itself.
                 for child in path.iterdir():
-                    files.remove(child)
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()  # a link itself, never what it points to
             path.mkdir(parents=True, exist_ok=True)  # claim_run_dir made (or found) it for a real run
             self._metrics = files.open_append(path / "metrics.jsonl")
             self._log = files.open_append(path / "train.log")
