@@ -221,3 +221,16 @@ def test_links_at_cache_names_are_removed_and_the_cache_built_again(corpus, cach
                for note in notes)  # fmt: skip
     assert (again == tokens).all() and not any(p.is_symlink() for p in (cache / "tokens").iterdir())
     assert {p.name: p.read_bytes() for p in elsewhere.glob("copy.*")} == before
+
+
+@pytest.mark.parametrize("extra", [["--overwrite", "1"], ["--resume", "1"]])
+def test_a_run_name_that_is_a_link_is_refused(extra, finished, secret, capsys):
+    """OVERWRITE=1 through a link would empty the folder it points to."""
+    runs, flags = finished
+    link = runs / f"link-{extra[0].strip('-')}"
+    os.symlink(secret.parent, link)
+    assert run_cli("pretrain", *flags, "--run_name", link.name, "--max_steps", "2", *extra) == 2
+    assert one_error(capsys) == (
+        f"error: RUN_NAME={link.name}: {link} is a symbolic link; a run folder is never used through one "
+        "(set RUN_NAME to the folder it points to)"
+    )
