@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 from train.core import files
 from train.core.errors import UsageError
@@ -39,8 +40,11 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     for leftover in parent.glob(f".{folder.name}.*-*"):  # a killed save's (the run's lock makes it ours)
         files.remove(leftover)  # a link is unlinked, never followed
     tmp = None
-    use_cache = b.model.config.use_cache
-    b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
+    # Generation wants the KV cache (16x faster for 400 tokens); training turned it off, and
+    # generate() reads generation_config.json, made from the config when the model was built.
+    gen = getattr(b.model, "generation_config", None) or SimpleNamespace(use_cache=None)
+    use_cache, gen_cache = b.model.config.use_cache, gen.use_cache
+    b.model.config.use_cache = gen.use_cache = True
     try:
         tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
@@ -57,7 +61,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
             raise  # not the file system: a bug, with its traceback
         raise UsageError(write_failed(folder, code)) from None
     finally:
-        b.model.config.use_cache = use_cache
+        b.model.config.use_cache, gen.use_cache = use_cache, gen_cache
 
 
 CONTINUES = ("best", "metrics.jsonl", "train.log")  # a failure there leaves the training to continue
