@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -315,9 +316,12 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
 def _remove_abandoned(parent: Path) -> None:
     """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
     never to be; a live build's folder is left alone."""
-    for tmp in parent.glob("*.tmp*"):
-        pid = tmp.name.rpartition(".tmp")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+    host = socket.gethostname()
+    for tmp in parent.glob("*.tmp-*"):
+        # Only this machine's: a CACHE_DIR shared between machines holds builds of live processes
+        # whose pids mean nothing here.
+        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
             cache_files.remove(tmp)
 
 
@@ -337,7 +341,7 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
     manifest last, fsynced, renamed."""
     _remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         cache_files.remove(tmp)
         temps.append(tmp)
         tmp.mkdir()
