@@ -100,16 +100,16 @@ def test_damaged_cache_is_rebuilt_with_a_note(tmp_path, tok):
     (again.folder / "meta.json").unlink()
     _, _, lines = cached(data, tok, tmp_path / "c")
     assert any("meta.json is missing" in line for line in lines)
-    assert not list((tmp_path / "c" / "sft").glob("*.tmp*"))
+    assert not list((tmp_path / "c" / "sft").glob(".*.tmp*"))
 
 
 def test_a_killed_build_leaves_nothing_that_outlives_it(tmp_path, tok):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no process has now
     sft = tmp_path / "c" / "sft"
-    mine = sft / f"abc.tmp-{socket.gethostname()}-{dead.pid}"
-    other_host = sft / f"abc.tmp-elsewhere-{dead.pid}"  # a shared CACHE_DIR: not ours to judge
-    alive = sft / f"abc.tmp-{socket.gethostname()}-{os.getpid()}"
+    mine = sft / f".abc.tmp-{socket.gethostname()}-{dead.pid}-0123abcd"
+    other_host = sft / f".abc.tmp-elsewhere-{dead.pid}-0123abcd"  # a shared CACHE_DIR: not ours to judge
+    alive = sft / f".abc.tmp-{socket.gethostname()}-{os.getpid()}-0123abcd"
     for folder in (mine, other_host, alive):
         folder.mkdir(parents=True)
     cached(write_jsonl(tmp_path / "d.jsonl", PAIRS), tok, tmp_path / "c")

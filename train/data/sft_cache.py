@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records
@@ -317,10 +318,10 @@ def _remove_abandoned(parent: Path) -> None:
     """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
     never to be; a live build's folder is left alone."""
     host = socket.gethostname()
-    for tmp in parent.glob("*.tmp-*"):
+    for tmp in parent.glob(".*.tmp-*"):
         # Only this machine's: a CACHE_DIR shared between machines holds builds of live processes
         # whose pids mean nothing here.
-        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rpartition("-")
+        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rsplit("-", 1)[0].rpartition("-")
         if owner == host and pid.isdigit() and not _alive(int(pid)):
             cache_files.remove(tmp)
 
@@ -341,17 +342,16 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
     manifest last, fsynced, renamed."""
     _remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
-        tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        cache_files.remove(tmp)
+        tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
-        tmp.mkdir()
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total)
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
-        cache_files.sync(tmp)
+        files.sync_tree(tmp)
         try:
             os.rename(tmp, folder)
+            files.fsync(folder.parent)
         except OSError:
             if open_cache(folder)[0] is None:  # not another run's finished copy of the same cache
                 raise
