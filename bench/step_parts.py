@@ -49,7 +49,7 @@ def main() -> int:
     )
     b = build(cfg, lambda line: None)
     model, params = b.model, list(b.model.parameters())
-    stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size)
+    stream = BatchStream(*data_loader(b, b.cfg.optim.batch_size), b.cfg.optim.batch_size)
     x = next(stream)["input_ids"]
 
     def forward_backward():

@@ -13,18 +13,18 @@ from train.run.parts import prepare
 
 
 def run_loop(b, run_dir, say, guard) -> dict:
-    """Train from guard.first_step to b.total_steps (or a stop); returns summary.json's record."""
+    """Train from guard.first_step to guard.total_steps (or a stop); returns summary.json's record."""
     parts = prepare(b, run_dir, say, guard)
     meter = Meter(b, run_dir, say, guard, parts.batches)
     batches, log_every = meter.batches, b.cfg.run.log_every
     exit_reason, done = "completed", guard.first_step
     meter.start()
     try:
-        for step in range(guard.first_step, b.total_steps):
+        for step in range(guard.first_step, guard.total_steps):
             lr = parts.set_lr(*guard.schedule_at(step))  # samples-based: the same curve after a resume
             loss_t, norm_t, _ = parts.oom.step(lambda: batches.attempt(lambda: parts.step(batches)))
             done = step + 1
-            last = done == b.total_steps
+            last = done == guard.total_steps
             log_due = done % log_every == 0 or last
             eval_due = parts.evaluator.due(done, last)
             meter.step_end(done, counts_due=log_due or eval_due)

@@ -16,16 +16,15 @@ from train.run import oom as oom_lib
 from train.run.evaluate import Evaluator
 
 
-def data_loader(b):
-    """(loader, sampler) for this run: SFT's own (b.make_loader) or the packed pretraining one."""
+def data_loader(b, batch_size: int):
+    """(loader, sampler) for this run at a micro-batch: SFT's own (b.make_loader) or the packed
+    pretraining one."""
     if b.make_loader is not None:
-        return b.make_loader(b)
+        return b.make_loader(b, batch_size)
     from train.data.text import make_loader
 
     w = b.world
-    return make_loader(
-        b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size
-    )
+    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size)
 
 
 @dataclass
@@ -65,20 +64,20 @@ def prepare(b, run_dir, say, guard) -> Parts:
     optimizer, kind = make_optimizer(train_model, cfg, device)
     say(f"optimizer: AdamW ({kind})")
     scaler = parallel.grad_scaler(device, b.precision == "fp16", train_model)
-    loader, sampler = data_loader(b)
+    loader, sampler = data_loader(b, cfg.optim.batch_size)
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
     stream = guard.start(b.model, optimizer, scaler, loader, sampler)
 
     def reopen(epoch: int, start: int):
         """A new stream at a sample position for the current micro-batch (after an OOM)."""
-        guard.stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size, epoch, start)
+        guard.stream = BatchStream(*data_loader(b, b.cfg.optim.batch_size), b.cfg.optim.batch_size, epoch, start)
         return guard.stream
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/oom.py)
     oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
     batches = oom.batches()
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
-    if cfg.model.compile and guard.first_step < b.total_steps:  # RESUME=1 rewriting final/ trains no step
+    if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,

@@ -71,11 +71,11 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path) -> int:
     say("resolved config:")
     for line in report.config_lines(cfg):
         say(line)
-    say(report.start_line(b, run_path))
-    run_dir.write("config.json", report.config_record(b))
+    say(report.start_line(b, run_path, guard.total_steps))
+    run_dir.write("config.json", report.config_record(b, guard))
     summary = run_loop(b, run_dir, say, guard)
     exit_code = guard.exit_code(summary["exit_reason"])
-    if guard.resuming and guard.first_step == b.total_steps and world.is_main:
+    if guard.resuming and guard.first_step == guard.total_steps and world.is_main:
         summary = earlier_summary(run_dir.path, summary)  # RESUME=1 only rewrote final/
     try:
         finish(b, run_dir, summary, world)  # final/, then summary.json

@@ -32,7 +32,7 @@ def config_lines(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-def start_line(b, run_path) -> str:
+def start_line(b, run_path, total_steps: int) -> str:
     """run ... model ... precision ... batch x accum (x processes) = effective ... steps ..."""
     cfg, world = b.cfg, b.world
     n_params = count_params(b.model)
@@ -45,14 +45,17 @@ def start_line(b, run_path) -> str:
     return (
         f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
         f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
-        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {b.total_steps}"
+        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
     )
 
 
-def config_record(b) -> dict:
+def config_record(b, guard=None) -> dict:
     """config.json: the config as resolved, the numbers derived from it, every automatic
-    decision with its reason, and the library versions."""
+    decision with its reason, and the library versions. guard: RESUME=1's continuation (its
+    steps and warm-up, and the re-planned total_steps as the last decision)."""
     cfg, world = b.cfg, b.world
+    total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (b.total_steps, b.warmup_steps)
+    replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
         "resolved": {
@@ -60,15 +63,15 @@ def config_record(b) -> dict:
             "precision": b.precision,
             "model_size": b.model_size,
             "max_length": b.max_length,
-            "total_steps": b.total_steps,
-            "warmup_steps": b.warmup_steps,
+            "total_steps": total,
+            "warmup_steps": warmup,
             "effective_batch_size": cfg.effective_batch_size(world.world_size),
             "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
             "world_size": world.world_size,
             "n_params": count_params(b.model),
             "model_config": b.model.config.to_dict(),
         },
-        "decisions": b.decisions,
+        "decisions": [*b.decisions, *replanned],
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
 

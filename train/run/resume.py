@@ -91,6 +91,9 @@ class RunGuard:
         self.unit = self.effective
         self.warmup_samples = b.warmup_steps * self.effective
         self.budget_samples = b.total_steps * self.effective
+        # This session's span: the plan's, or RESUME=1's continuation (the plan is never changed)
+        self.total_steps, self.warmup_steps = b.total_steps, b.warmup_steps
+        self.replanned: dict | None = None  # RESUME=1's total_steps decision, with its reason
         self.counters = {"skipped_steps": 0, "non_finite_steps": 0}
         self.saving_s: list[tuple[float, float]] = []
         self.stop_detail = ""
@@ -201,8 +204,8 @@ class RunGuard:
     def _replan(self, remaining: int, saved: dict) -> None:
         """The steps left, as a decision with its reason."""
         planned = self.b.total_steps
-        self.b.total_steps = self.first_step + remaining
-        self.b.warmup_steps = math.ceil(self.warmup_samples / self.effective)
+        self.total_steps = self.first_step + remaining
+        self.warmup_steps = math.ceil(self.warmup_samples / self.effective)
         progress = min(1.0, self.base_samples / max(1, self.budget_samples))
         why = (
             f"resumed at step {self.first_step} ({progress:.0%} of the schedule's {self.budget_samples:,} samples); "
@@ -213,10 +216,10 @@ class RunGuard:
                 f"; effective batch {saved.get('effective_batch_size')} -> {self.effective}: same sample position, "
                 f"the LR schedule keeps its progress in samples (steps continue from {self.first_step})"
             )
-        if planned != self.b.total_steps:
+        if planned != self.total_steps:
             why += f"; a new run with these settings would plan {planned} steps"
-        self.b.decisions.append({"setting": "total_steps", "value": self.b.total_steps, "reason": why})
-        self.say(f"  total_steps = {self.b.total_steps}  ({why})")
+        self.replanned = {"setting": "total_steps", "value": self.total_steps, "reason": why}
+        self.say(f"  total_steps = {self.total_steps}  ({why})")
 
     def _settings(self) -> dict:
         o = self.cfg.optim
@@ -279,7 +282,7 @@ class RunGuard:
         where the loop already synced (a log line) or is about to save. Returns a stop reason."""
         self.health.step(loss)
         r = self.cfg.run
-        save_due = r.save_every > 0 and steps_done % r.save_every == 0 and steps_done < self.b.total_steps
+        save_due = r.save_every > 0 and steps_done % r.save_every == 0 and steps_done < self.total_steps
         streak = self.health.streak_now() if (synced or save_due) and r.nan_patience > 0 else 0
         # Every rank stops at the same step, or one waits forever in a collective: a signal seen
         # by any rank (torchrun forwards one to each, at different moments) and the longest

@@ -93,7 +93,7 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
     optimizer, _ = make_optimizer(b.model, b.cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
-    loader, sampler = data_loader(b)
+    loader, sampler = data_loader(b, b.cfg.optim.batch_size)
     batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)
     meter.reset()
