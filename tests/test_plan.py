@@ -62,3 +62,44 @@ def test_sft_dry_run_prints_the_accumulation_it_plans(base_model, tmp_path, caps
     assert "gradient_accumulation_steps = 8  (EFFECTIVE_BATCH=16" in out
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
     json.dumps(out)  # printable as it is
+
+
+def test_oom_guard_holds_the_smaller_micro_batch_and_leaves_the_plan_alone(tiny_flags):
+    """After an out-of-memory the guard trains with half the micro-batch; the plan keeps its own."""
+    import types
+
+    import torch
+
+    from train.run.oom import OomGuard
+
+    cfg = parse_training_args("pretrain", [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "2"])
+    plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), max_length=64, precision="fp32")
+    opened = []
+
+    class Stream:
+        epoch, consumed = 0, 0
+
+        def remaining(self, offset):
+            return 1000
+
+        def close(self):
+            pass
+
+    def open_stream(batch_size, epoch, start):
+        opened.append((batch_size, epoch, start))
+        return Stream()
+
+    guard = OomGuard(plan, open_stream, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, print)
+    guard.open()
+    failures = iter([torch.OutOfMemoryError("CUDA out of memory. (fake)")])
+
+    def step():
+        err = next(failures, None)
+        if err:
+            raise err
+        return "done"
+
+    assert guard.step(step) == "done"
+    assert (guard.batch_size, guard.accumulation, guard.retries) == (4, 4, 1)
+    assert opened == [(8, 0, 0), (4, 0, 0)]  # the failed step's first sample, at the new micro-batch
+    assert (cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps) == (8, 2)

@@ -16,7 +16,7 @@ from train.core.errors import UsageError
 from train.data import text as data
 from train.dist.distributed import SINGLE, Dist
 from train.run import evaluate
-from train.run.plan import Data, Plan, make_plan, shortest_limit
+from train.run.plan import Chosen, Data, Plan, make_plan, shortest_limit
 from train.run.sft import SFTSource, refuse_sft_settings
 
 
@@ -35,11 +35,12 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
     return steps, f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
-def build(asked: TrainConfig, say, world: Dist = SINGLE) -> Plan:
+def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None = None) -> Plan:
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
-    (adapted workers, derived accumulation, the demo budget ...) is in Plan.cfg and Plan.decisions."""
+    (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
+    is in Plan.cfg and Plan.decisions."""
     source = SFTSource() if asked.run.mode == "sft" else PretrainingSource()
-    return make_plan(asked, say, world, source)
+    return make_plan(asked, say, world, source, chosen)
 
 
 class PretrainingSource:

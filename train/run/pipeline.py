@@ -5,8 +5,9 @@
     checkpoint, checked before the run folder is touched)  ->  run folder  ->  loop  ->
     final/, summary.json, curves and the closing lines.
 
-`before` is the command line's step ahead of the run (DRY_RUN=1 stops after the plan;
-AUTO_BATCH=1 lets find-batch set the micro-batch first): tools sit above this layer.
+`before` is the command line's step ahead of the run (DRY_RUN=1 stops after the plan: an exit
+code; AUTO_BATCH=1 lets find-batch choose the micro-batch first: a plan.Chosen, an input of the
+plan): tools sit above this layer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from train.run.build import build
 from train.run.claim import claim_run_dir
 from train.run.loop import run_loop
 from train.run.outputs import earlier_summary, finish
+from train.run.plan import Chosen
 from train.run.resume import RunGuard
 from train.run.rundir import RunDir
 from train.run.runlog import Console, capture_warnings
@@ -35,11 +37,11 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
     with capture_warnings(say):  # library warnings reach train.log too
-        code = before(cfg, say, world) if before else None
-        return code if code is not None else _train(cfg, say, world)
+        ahead = before(cfg, say, world) if before else None
+        return ahead if isinstance(ahead, int) else _train(cfg, say, world, ahead)
 
 
-def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
+def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None = None) -> int:
     r = cfg.run
     claims = []
 
@@ -50,15 +52,15 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
 
     run_path = distributed.on_main(world, claim)
     try:
-        return _run(cfg, say, world, run_path)
+        return _run(cfg, say, world, run_path, chosen)
     finally:
         if claims:  # the lock, and the folder too if the run stopped before writing to it
             claims[0].release()
 
 
-def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path) -> int:
+def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
-    b = distributed.main_first(world, lambda: build(cfg, say, world))
+    b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
     cfg = b.cfg  # as decided (the asked config is left as it was)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])

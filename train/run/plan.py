@@ -58,6 +58,15 @@ class Plan:
     """SFT: the collator for validation batches (padding); None: default stacking."""
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """A micro-batch chosen ahead of planning (AUTO_BATCH=1: find-batch), with its reason."""
+
+    batch_size: int
+    gradient_accumulation_steps: int
+    reason: str
+
+
 @dataclass
 class Data:
     """What a mode's data source hands the plan: the training set, the held-out set and how
@@ -146,9 +155,10 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
-def make_plan(asked: TrainConfig, say, world: Dist, source) -> Plan:
+def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource) supplies the
-    model and the data; every other decision is made here, the same way for every mode."""
+    model and the data; every other decision is made here, the same way for every mode.
+    chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
     cfg = copy.deepcopy(asked)
     source.refuse(cfg)
     decide = Decisions(say)
@@ -156,6 +166,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source) -> Plan:
     model_size, context, demo = source.model(cfg, device, say, decide)
     max_length = sequence_length(cfg, context, MAX_LENGTH_CAP, decide)  # before any data work
     data = source.data(cfg, device, precision, max_length, say, decide)
+    if chosen is not None:
+        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:

@@ -3,7 +3,7 @@ closing lines. Built from what the other parts measured; nothing here changes th
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -78,14 +78,17 @@ def config_record(b, guard=None) -> dict:
 
 def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
     """summary.json: what the run was, what it measured, how it ended."""
-    cfg, device, model, o = b.cfg, b.device, b.model, b.cfg.optim
+    cfg, device, model = b.cfg, b.device, b.model
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
     seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
     torch_mem = monitor_lib.torch_memory(device)
-    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type, b.world.world_size)
+    # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
+    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom.batch_size,
+                                     gradient_accumulation_steps=parts.oom.accumulation))
+    estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size)
     gpu = meter.gpu_summary
     record = {
         "mode": cfg.run.mode,
@@ -96,8 +99,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "model_size": b.model_size,
         "n_params": n_params,
         "precision": b.precision,
-        "batch_size": o.batch_size,
-        "gradient_accumulation_steps": o.gradient_accumulation_steps,
+        "batch_size": parts.oom.batch_size,  # smaller than the plan's after an out-of-memory
+        "gradient_accumulation_steps": parts.oom.accumulation,
         "effective_batch_size": cfg.effective_batch_size(b.world.world_size),
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,

@@ -24,7 +24,6 @@ import torch
 
 from config import env_name
 from train.core.errors import UsageError
-from train.data.stream import BatchStream
 from train.dist import distributed, parallel
 from train.run.checkpoint import (
     SHARDS,
@@ -34,7 +33,7 @@ from train.run.checkpoint import (
 )
 from train.run.health import Health
 from train.run.rng import rng_state, set_rng_state
-from train.run.signals import QuietWorkers, StopSignals
+from train.run.signals import StopSignals
 
 # Settings compared with the checkpoint's on resume, to say what changed.
 COMPARED = (
@@ -224,6 +223,9 @@ class RunGuard:
     def _settings(self) -> dict:
         o = self.cfg.optim
         settings = {k: getattr(o, k) for k in COMPARED if hasattr(o, k)}
+        feed = getattr(self, "feed", None)
+        if feed is not None:  # the micro-batch the run trains with now (smaller after an OOM)
+            settings.update(batch_size=feed.batch_size, gradient_accumulation_steps=feed.accumulation)
         settings.update(precision=self.b.precision, num_workers=self.cfg.data.num_workers)
         settings.update(
             effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length
@@ -243,27 +245,25 @@ class RunGuard:
 
     # ---- the loop's calls -----------------------------------------------------------------
 
-    def start(self, model, optimizer, scaler, loader, sampler) -> BatchStream:
-        """Apply the loaded state and return the positioned batch stream (RNG restored last)."""
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+    def start(self, model, optimizer, scaler, feed) -> None:
+        """Apply the loaded state and open the feed's batch stream at the saved data position
+        (RNG restored last). feed: the OOM guard (train/run/oom.py), which owns the stream and
+        the current micro-batch that checkpoints record."""
+        self.model, self.optimizer, self.scaler, self.feed = model, optimizer, scaler, feed
         if self.loaded is not None and self.sharding != "none":
             parallel.load_sharded(self.loaded.path / SHARDS, model, optimizer)
         elif self.loaded is not None:
             optimizer.load_state_dict(self.loaded.optimizer)
             if scaler.is_enabled() and self.loaded.scaler:
                 scaler.load_state_dict(self.loaded.scaler)
-        if loader.num_workers > 0:
-            loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
-        stream = BatchStream(loader, sampler, self.cfg.optim.batch_size, self.epoch, self.consumed)
+        feed.open(self.epoch, self.consumed)
         if self.loaded is not None:
             ranks, world = self.loaded.rng_ranks, self.b.world
             # each rank its own states; with another number of processes, rank 0's for all
             set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.world_size else self.loaded.rng)
             self.loaded = None  # free the host copies of the optimizer state
-        self.stream = stream
         self.health = Health(scaler, self.counters)
         self.signals.install()
-        return stream
 
     def samples_at(self, steps_done: int) -> int:
         return self.base_samples + (steps_done - self.first_step) * self.effective
@@ -338,9 +338,9 @@ class RunGuard:
 
     def close(self) -> None:
         self.signals.restore()
-        stream = getattr(self, "stream", None)
-        if stream is not None:
-            stream.close()
+        feed = getattr(self, "feed", None)
+        if feed is not None:
+            feed.close()
 
     def finish(self, steps_done: int, exit_reason: str) -> None:
         """The checkpoint at the end (and after a stop signal), unless the run stopped on
@@ -365,8 +365,8 @@ class RunGuard:
             # rows and real tokens as counted (SFT batches vary in both), for the figures
             "counted": {"samples": counted[0], "tokens": counted[1]} if counted else None,
             "data": {
-                "epoch": self.stream.epoch,
-                "position": self.stream.consumed,  # global: samples of the epoch all ranks consumed
+                "epoch": self.feed.stream.epoch,
+                "position": self.feed.stream.consumed,  # global: samples of the epoch all ranks consumed
                 "world_size": self.b.world.world_size,
                 "identity": self._data_identity(),
             },

@@ -32,6 +32,7 @@ from train.core.errors import UsageError
 from train.dist.distributed import SINGLE, Dist
 from train.run.adapt import PeakMeter, capacity_mb
 from train.run.oom import free_memory, is_oom, remedies
+from train.run.plan import Chosen
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -274,19 +275,15 @@ def find_everywhere(cfg, say, world: Dist = SINGLE, reuse: bool = False, steps: 
     return box[0]
 
 
-def auto_batch(cfg, say, world: Dist = SINGLE) -> Result:
-    """AUTO_BATCH=1: set BATCH_SIZE and GRADIENT_ACCUM in cfg from find-batch (reusing a saved result
-    for the same settings), keeping the effective batch."""
+def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
+    """AUTO_BATCH=1: BATCH_SIZE and GRADIENT_ACCUM from find-batch (reusing a saved result for the
+    same settings), keeping the effective batch: an input of the run's plan; cfg is left as asked."""
     before = (cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps)
     result = find_everywhere(cfg, say, world, reuse=True)
-    cfg.optim.batch_size = result.batch_size
-    cfg.optim.gradient_accumulation_steps = result.gradient_accumulation_steps
     gc.collect()
-    say(
-        f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} "
-        f"(was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source})"
-    )
-    return result
+    why = f"was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source}"
+    say(f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} ({why})")
+    return Chosen(result.batch_size, result.gradient_accumulation_steps, f"AUTO_BATCH=1: {why}")
 
 
 def wants_help(command: str, usage: str, argv: list[str]) -> bool:
