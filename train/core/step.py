@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,23 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """lr_at over samples consumed, not steps: with the same settings that is the same curve step
+    for step; with a changed BATCH_SIZE or GRADIENT_ACCUM (a resume) the run continues at the same
+    sample, at the same point of the warm-up and cosine, and ends at the same sample. unit: the
+    samples of the run's first effective batch, so that an unchanged run gives lr_at exactly
+    (step, WARMUP_STEPS, total steps)."""
+
+    unit: int
+    warmup_samples: int
+    budget_samples: int
+
+    def lr(self, samples: int, peak: float, min_ratio: float) -> float:
+        u = self.unit
+        return lr_at(samples / u, peak, self.warmup_samples / u, self.budget_samples / u, min_ratio)
 
 
 def chunkable(model) -> bool:

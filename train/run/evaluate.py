@@ -209,6 +209,4 @@ def val_stop(b, evaluator: Evaluator, guard, steps_done: int, say) -> str | None
         then = f"newest good checkpoint: {saved[0].name}; lower LEARNING_RATE and resume with RESUME=1"
     else:
         then = "no checkpoint yet; lower LEARNING_RATE and start again"
-    guard.stop_detail = f"validation loss is {loss} at step {steps_done}; {then}"
-    say("stopping: " + guard.stop_detail)
-    return "non_finite_loss"
+    return guard.stop("non_finite_loss", f"validation loss is {loss} at step {steps_done}; {then}")

@@ -21,7 +21,7 @@ def run_loop(b, run_dir, say, guard) -> dict:
     meter.start()
     try:
         for step in range(guard.first_step, guard.total_steps):
-            lr = parts.set_lr(*guard.schedule_at(step))  # samples-based: the same curve after a resume
+            lr = parts.set_lr(guard.lr_at(step))  # samples-based: the same curve after a resume
             loss_t, norm_t, _ = parts.oom.step(lambda: batches.attempt(lambda: parts.step(batches)))
             done = step + 1
             last = done == guard.total_steps
@@ -32,7 +32,8 @@ def run_loop(b, run_dir, say, guard) -> dict:
                 meter.log(done, loss_t, norm_t, lr)
             if eval_due:
                 meter.exclude(parts.evaluator.run(done, meter.samples()))
-            stop = guard.step_done(done, loss_t, synced=log_due)  # saves every SAVE_EVERY; signals; NaN
+            # saves every SAVE_EVERY (with the meter's counts); signals; NaN
+            stop = guard.step_done(done, loss_t, synced=log_due, counted=meter.counted)
             if not stop and eval_due:
                 stop = val_stop(b, parts.evaluator, guard, done, say)  # a NaN validation loss
             if stop:
@@ -46,5 +47,5 @@ def run_loop(b, run_dir, say, guard) -> dict:
         meter.stop()
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
-    guard.finish(done, exit_reason)
+    guard.finish(done, exit_reason, counted=meter.counted)
     return report.summary(b, run_dir, meter, parts, guard, done, exit_reason)

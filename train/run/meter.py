@@ -84,7 +84,10 @@ class Meter:
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
         self.host = monitor_lib.HostMemoryPeaks()
-        guard.counted = lambda: self.totals(distributed.sum_across(self.world, self.batches.counts()))
+
+    def counted(self) -> tuple[int, int]:
+        """(samples, tokens) trained so far, all ranks (a collective), for a checkpoint."""
+        return self.totals(distributed.sum_across(self.world, self.batches.counts()))
 
     def start(self) -> None:
         self.gpu.start()

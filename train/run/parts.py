@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.core.step import lr_at, make_optimizer, train_step
+from train.core.step import make_optimizer, train_step
 from train.data.stream import BatchStream
 from train.dist import parallel
 from train.run import compile_guard
@@ -40,9 +40,7 @@ class Parts:
     batches: object  # micro-batches: positioned, OOM-aware, compile-aware
     compiled: dict = field(default_factory=dict)
 
-    def set_lr(self, position: float, warmup: float, total: float) -> float:
-        o = self.b.cfg.optim
-        lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
+    def set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -12,6 +12,8 @@ plan): tools sit above this layer.
 
 from __future__ import annotations
 
+from functools import partial
+
 from config import TrainConfig
 from train.core.step import make_optimizer
 from train.dist import distributed
@@ -66,9 +68,13 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
     if guard.complete:
         return 0
-    run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming) if world.is_main else distributed.NullRunDir(run_path)
-    mirror = reporter(cfg.run.report_to, run_path) if world.is_main else NoLog()  # REPORT_TO
-    run_dir.mirror = mirror
+    mirror = partial(reporter, cfg.run.report_to)  # REPORT_TO
+    run_dir = (
+        RunDir(run_path, cfg.run.overwrite, resume=guard.resuming, mirror=mirror)
+        if world.is_main
+        else distributed.NullRunDir(run_path)
+    )
+    mirror = getattr(run_dir, "mirror", NoLog())
     say.attach(run_dir)
     say("resolved config:")
     for line in report.config_lines(cfg):

@@ -137,7 +137,9 @@ def unfinished(run_path: Path, step: int) -> str | None:
 class RunDir:
     """Owns one run folder: creates it, logs to train.log, appends metrics rows."""
 
-    def __init__(self, path: Path, overwrite: bool, resume: bool = False):
+    def __init__(self, path: Path, overwrite: bool, resume: bool = False, mirror=None):
+        """mirror: (run path) -> where rows are copied (REPORT_TO, observe/tensorboard_log.py),
+        made once the folder is emptied (OVERWRITE=1) so that its files survive."""
         self.path = path
         try:
             if path.is_dir() and overwrite:
@@ -155,7 +157,7 @@ class RunDir:
                 f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
             ) from None
         self._point_latest()
-        self.mirror = NoLog()  # REPORT_TO: where rows are copied (observe/tensorboard_log.py)
+        self.mirror = mirror(path) if mirror else NoLog()
 
     def _point_latest(self) -> None:
         latest = self.path.parent / "latest"
