@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
 from train.data import cache_files
 
 EOS = "<|endoftext|>"
@@ -105,8 +106,10 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if tokenizer_path is not None:
+        # Pretraining has no TRUST_REMOTE_CODE: a tokenizer folder never runs its own code here.
+        refuse_custom_code(tokenizer_path, "TOKENIZER_PATH")
         try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as err:
             raise UsageError(f"TOKENIZER_PATH: cannot load a tokenizer from {tokenizer_path}: {err}") from None
         if tok.eos_token is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig
+from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.data import text as data
@@ -39,12 +40,15 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
-    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource()
+    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource(world.world_size)
     return make_plan(asked, say, world, source, chosen)
 
 
 class PretrainingSource:
     """Pretraining: a new model (MODEL_SIZE or MODEL_CONFIG) and packed windows of a token cache."""
+
+    def __init__(self, world_size: int = 1):
+        self.world_size = world_size
 
     def refuse(self, cfg: TrainConfig) -> None:
         refuse_sft_settings(cfg)
@@ -53,10 +57,15 @@ class PretrainingSource:
         """(model size, context length, CPU demo). The model's shape first (vocab set once the
         tokenizer is known), so a MAX_LENGTH longer than its context stops before any data work."""
         model_size, demo = choose_model_size(cfg, device, say, decide)
+        self.model_size = model_size
         self.hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
         return model_size, model_lib.context_length(self.hf_cfg), demo
 
     def data(self, cfg: TrainConfig, device, precision: str, max_length: int, say, decide) -> Data:
+        # From the config alone, before the data work and before anything is allocated.
+        m = cfg.model.model_config
+        variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={self.model_size}"
+        estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, self.world_size, variable)
         tok, dataset, val_dataset = pretraining_data(cfg, self.hf_cfg, max_length, say, decide)
         return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
 

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 from train.core.errors import UsageError
 from train.core.files import fsync
@@ -54,8 +55,11 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     for leftover in parent.glob(f".{folder.name}.*-*"):  # a killed save's (the run's lock makes it ours)
         shutil.rmtree(leftover, ignore_errors=True)
     tmp, old = parent / f".{folder.name}.tmp-{os.getpid()}", parent / f".{folder.name}.old-{os.getpid()}"
-    use_cache = b.model.config.use_cache
-    b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
+    # Generation wants the KV cache (16x faster for 400 tokens); training turned it off, and
+    # generate() reads generation_config.json, made from the config when the model was built.
+    gen = getattr(b.model, "generation_config", None) or SimpleNamespace(use_cache=None)
+    use_cache, gen_cache = b.model.config.use_cache, gen.use_cache
+    b.model.config.use_cache = gen.use_cache = True
     try:
         with quiet_saving():
             b.model.save_pretrained(tmp, state_dict=state_dict)
@@ -77,7 +81,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
             raise  # not the file system: a bug, with its traceback
         raise UsageError(write_failed(folder, code)) from None
     finally:
-        b.model.config.use_cache = use_cache
+        b.model.config.use_cache, gen.use_cache = use_cache, gen_cache
     shutil.rmtree(old, ignore_errors=True)
 
 
