@@ -213,7 +213,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)
-    opt_a, _ = make_optimizer(a, cfg, cpu)
+    opt_a, _ = make_optimizer(a, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
     steps(a, opt_a, batches[0:2])
     steps(a, opt_a, batches[2:4])
     where = os.path.join(folder, sharding)
@@ -223,7 +223,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     # a different init: the load must replace all of it
     b = parallel.wrap(tiny_model(1), world, sharding, offload, cpu)
-    opt_b, _ = make_optimizer(b, cfg, cpu)
+    opt_b, _ = make_optimizer(b, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
     parallel.load_sharded(where, b, opt_b)
     loaded = _local_state(b, opt_b)
     for x, y in zip(saved[0] + saved[1], loaded[0] + loaded[1], strict=True):

@@ -60,7 +60,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
     cfg, device = b.cfg, b.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
     train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
-    optimizer, kind = make_optimizer(train_model, cfg, device)
+    optimizer, kind = make_optimizer(train_model, cfg.optim.learning_rate, cfg.optim.weight_decay, device)
     say(f"optimizer: AdamW ({kind})")
     scaler = parallel.grad_scaler(device, b.precision == "fp16", train_model)
 

@@ -65,7 +65,12 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
     cfg = b.cfg  # as decided (the asked config is left as it was)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
-    guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
+    def param_groups():
+        """The optimizer's parameter groups, for checking a checkpoint's optimizer state against."""
+        optimizer = make_optimizer(b.model, cfg.optim.learning_rate, cfg.optim.weight_decay, b.device)[0]
+        return [g["params"] for g in optimizer.param_groups]
+
+    guard = RunGuard(b, run_path, say, param_groups)
     if guard.complete:
         return 0
     mirror = partial(reporter, cfg.run.report_to)  # REPORT_TO

@@ -118,7 +118,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.step import make_optimizer
 
-    optimizer, _ = make_optimizer(b.model, b.cfg, b.device)
+    optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, b.device)
     scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
     sample, meter = _sampler(b.dataset, b.cfg.system.seed), PeakMeter(b.device)
