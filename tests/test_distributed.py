@@ -14,7 +14,8 @@ import torch
 from conftest import launch, read_jsonl, run_cli, tiny_model
 from train.core.errors import UsageError
 from train.core.step import full_value
-from train.data.text import EpochSampler, make_loader
+from train.data.loader import make_loader
+from train.data.text import EpochSampler
 from train.dist import distributed, parallel
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite

@@ -22,7 +22,7 @@ def data_loader(b, batch_size: int):
     pretraining one."""
     if b.make_loader is not None:
         return b.make_loader(b, batch_size)
-    from train.data.text import make_loader
+    from train.data.loader import make_loader
 
     w = b.world
     return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size)

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data import text as data_lib
+from train.data.loader import make_loader, training_loader
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
 from train.data.sft_data import (
@@ -134,20 +134,13 @@ def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
     Every rank builds the same epoch order (same seed) and reads its own share of it."""
     d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
     share = dict(rank=b.world.rank, world_size=b.world.world_size)
-    common = dict(
-        num_workers=d.num_workers,
-        prefetch_factor=d.prefetch_factor,
-        pin_memory=d.pin_memory and device.type == "cuda",
-        persistent_workers=d.persistent_workers,
-        collate_fn=collate,
-    )
     if d.token_budget is not None:
         sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, **share)
-        return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
+        return training_loader(b.dataset, d, device, collate, batch_sampler=sampler), sampler
     if d.length_grouping and not d.packing:
         sampler = GroupedSampler(b.dataset.lengths, batch_size, seed=seed, **share)
-        return DataLoader(b.dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common), sampler
-    return data_lib.make_loader(b.dataset, d, batch_size, seed, device, collate_fn=collate, **share)
+        return training_loader(b.dataset, d, device, collate, batch_size=batch_size, sampler=sampler), sampler
+    return make_loader(b.dataset, d, batch_size, seed, device, collate_fn=collate, **share)
 
 
 def plan_sft_steps(
