@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_text, run_cli
+from train.core import files
 from train.core.errors import UsageError
-from train.data import cache_files
 from train.data import text as data
 
 SMALL_RUN = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "1"]
@@ -107,7 +107,7 @@ def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_confi
 
 
 def test_disk_full_while_writing_the_manifest(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
-    full_disk(monkeypatch, cache_files, room=0)
+    full_disk(monkeypatch, files, room=0)  # the manifest is the run's first whole-file write
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
     assert error_line(capsys).endswith(".bin: No space left on device")
     # A .bin without its manifest would be taken for a damaged cache next time: removed too.

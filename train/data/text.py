@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +115,7 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
             tok.add_special_tokens({"eos_token": EOS})
         return tok
     folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}"
+    cache_files.drop_link(folder, say)
     if folder.exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
@@ -125,21 +125,12 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
             if folder.exists():
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     # Before the training, not after: an unusable CACHE_DIR stops the run before minutes of work.
-    parent = cache_files.cache_folder(folder.parent)
+    cache_files.cache_folder(folder.parent)
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
         tok = _train_tokenizer(files, vocab_size, say)
-        tmp = Path(tempfile.mkdtemp(dir=parent))
-        temps.append(tmp)
-        tok.save_pretrained(tmp)
-        cache_files.sync(tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not (folder / "tokenizer.json").exists():
-                raise
+        if not cache_files.save_folder(folder, tok.save_pretrained, temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
-            cache_files.remove(tmp)
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
 
@@ -178,6 +169,8 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
     key = f"{data_key}-{tokenizer_fingerprint(tok)}"
     folder = cache_files.cache_folder(cache_dir / "tokens")
     bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
+    for path in (bin_path, meta_path):
+        cache_files.drop_link(path, say)
     tokens, damage = _open_token_cache(bin_path, meta_path)
     if tokens is not None:
         return tokens
@@ -187,6 +180,7 @@ def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say) -> 
     say(f"tokenizing {len(files)} file(s) into the token cache (once per corpus and tokenizer)")
     with cache_files.building("building the token cache", "the token cache", bin_path) as temps:
         tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
+        cache_files.remove(tmp)  # a leftover (a planted link too) unlinked, so the open below makes a new file
         temps.append(tmp)
         n_tokens = _tokenize_into(tmp, files, tok, dtype)
         if n_tokens <= len(files):
