@@ -13,7 +13,7 @@ import pytest
 
 KIT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones; packages of one layer do not import each other.
-LAYERS = {"core": 0, "config": 1, "data": 1, "dist": 1, "observe": 1, "run": 2, "tools": 3, "": 4}
+LAYERS = {"core": 0, "config": 1, "data": 1, "distributed": 1, "observe": 1, "run": 2, "tools": 3, "": 4}
 # The user's config.py (the root module "config") is read by these packages of train/ only; the
 # others are handed values. config.py itself imports only from these.
 CONFIG_READERS = ("config", "run")

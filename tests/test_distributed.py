@@ -16,7 +16,7 @@ from train.core.errors import UsageError
 from train.core.step import full_value
 from train.data.loader import make_loader
 from train.data.text import EpochSampler
-from train.dist import distributed, parallel
+from train.distributed import distributed, parallel
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
 
@@ -92,7 +92,7 @@ def test_launcher_starts_torchrun_in_module_form():
     code, args, _ = argv({"NPROC_PER_NODE": "2", "SHARDING": "zero2", "OFFLOAD_OPTIMIZER": "1"})
     assert code == 0
     runner = args[: args.index("train")]
-    assert runner[:3] == ["python", "-m", "train.dist.torchrun"]
+    assert runner[:3] == ["python", "-m", "train.distributed.torchrun"]
     assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
     assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
     code, args, _ = argv(

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in TRAIN_COMMANDS:
-        from train.dist import distributed
+        from train.distributed import distributed
 
         # RANK / LOCAL_RANK / WORLD_SIZE (torchrun, accelerate launch) are read here and only here.
         world = distributed.from_env(os.environ)

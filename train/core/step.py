@@ -107,7 +107,7 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     are fetched first, so their target tokens are counted (on the host) before any forward.
     Returns (step loss, grad norm) as device tensors, so nothing here waits for the device,
     and the seconds spent waiting for batches. gradient_sync(last) (from
-    train.dist.distributed) keeps gradients local on all but the last micro-step."""
+    train.distributed.distributed) keeps gradients local on all but the last micro-step."""
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start

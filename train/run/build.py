@@ -15,7 +15,7 @@ from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.data import text as data
-from train.dist.distributed import SINGLE, Dist
+from train.distributed.distributed import SINGLE, Dist
 from train.run import evaluate
 from train.run.plan import Chosen, Data, Plan, make_plan, shortest_limit
 from train.run.sft import SFTSource, refuse_sft_settings

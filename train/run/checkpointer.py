@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from train.dist import distributed
+from train.distributed import distributed
 from train.run.checkpoint import CheckpointManager, checkpoint_name
 from train.run.rng import rng_state
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import text as data
-from train.dist import distributed, parallel
+from train.distributed import distributed, parallel
 
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
 # The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:

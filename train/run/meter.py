@@ -18,7 +18,7 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.units import MIB
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe import monitor as monitor_lib
 
 NO_COUNTS = (0, 0, 0)

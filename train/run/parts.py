@@ -10,7 +10,7 @@ import torch
 
 from train.core.step import make_optimizer, train_step
 from train.data.stream import BatchStream
-from train.dist import parallel
+from train.distributed import parallel
 from train.run import compile_guard
 from train.run import oom as oom_lib
 from train.run.evaluate import Evaluator

@@ -16,7 +16,7 @@ from functools import partial
 
 from config import TrainConfig
 from train.core.step import make_optimizer
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
 from train.run import report

@@ -23,8 +23,8 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
-from train.dist.distributed import SINGLE, Dist, rank_device
-from train.dist.parallel import describe
+from train.distributed.distributed import SINGLE, Dist, rank_device
+from train.distributed.parallel import describe
 from train.run import adapt
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns

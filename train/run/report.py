@@ -13,7 +13,7 @@ from train.core.estimate import estimate_for_run
 from train.core.mfu import flops_per_token, mfu_report
 from train.core.model import count_params, shape
 from train.core.units import MIB
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe import monitor as monitor_lib
 
 

@@ -26,7 +26,7 @@ from config import env_name
 from train.core import files
 from train.core.errors import UsageError
 from train.core.step import Schedule
-from train.dist import distributed, parallel
+from train.distributed import distributed, parallel
 from train.run.checkpoint import (
     SHARDS,
     checkpoint_name,

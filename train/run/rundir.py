@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from train.core import files
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe.tensorboard_log import NoLog
 
 COMPLETE = ".complete"  # written last into final/ and best/: {"step": N}

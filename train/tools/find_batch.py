@@ -29,7 +29,7 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
-from train.dist.distributed import SINGLE, Dist
+from train.distributed.distributed import SINGLE, Dist
 from train.run.adapt import PeakMeter, capacity_mb
 from train.run.oom import free_memory, is_oom, remedies
 from train.run.plan import Chosen
