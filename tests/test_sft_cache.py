@@ -6,7 +6,10 @@ damaged cache rebuilt, and bad parquet as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -97,7 +100,20 @@ def test_damaged_cache_is_rebuilt_with_a_note(tmp_path, tok):
     (again.folder / "meta.json").unlink()
     _, _, lines = cached(data, tok, tmp_path / "c")
     assert any("meta.json is missing" in line for line in lines)
-    assert not list((tmp_path / "c" / "sft").glob("*.tmp*"))
+    assert not list((tmp_path / "c" / "sft").glob(".*.tmp*"))
+
+
+def test_a_killed_build_leaves_nothing_that_outlives_it(tmp_path, tok):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no process has now
+    sft = tmp_path / "c" / "sft"
+    mine = sft / f".abc.tmp-{socket.gethostname()}-{dead.pid}-0123abcd"
+    other_host = sft / f".abc.tmp-elsewhere-{dead.pid}-0123abcd"  # a shared CACHE_DIR: not ours to judge
+    alive = sft / f".abc.tmp-{socket.gethostname()}-{os.getpid()}-0123abcd"
+    for folder in (mine, other_host, alive):
+        folder.mkdir(parents=True)
+    cached(write_jsonl(tmp_path / "d.jsonl", PAIRS), tok, tmp_path / "c")
+    assert (mine.exists(), other_host.exists(), alive.exists()) == (False, True, True)
 
 
 def test_bad_records_skipped_or_refused_and_nothing_cached(tmp_path, tok):

@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records
@@ -315,9 +317,12 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
 def _remove_abandoned(parent: Path) -> None:
     """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
     never to be; a live build's folder is left alone."""
-    for tmp in parent.glob("*.tmp*"):
-        pid = tmp.name.rpartition(".tmp")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+    host = socket.gethostname()
+    for tmp in parent.glob(".*.tmp-*"):
+        # Only this machine's: a CACHE_DIR shared between machines holds builds of live processes
+        # whose pids mean nothing here.
+        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rsplit("-", 1)[0].rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
             cache_files.remove(tmp)
 
 
@@ -337,17 +342,16 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
     manifest last, fsynced, renamed."""
     _remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-        cache_files.remove(tmp)
+        tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
-        tmp.mkdir()
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total)
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
-        cache_files.sync(tmp)
+        files.sync_tree(tmp)
         try:
             os.rename(tmp, folder)
+            files.fsync(folder.parent)
         except OSError:
             if open_cache(folder)[0] is None:  # not another run's finished copy of the same cache
                 raise
