@@ -7,6 +7,7 @@ variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag i
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import math
 import re
@@ -39,6 +40,13 @@ def env_name(name: str) -> str:
 
 def bad_value(name: str, accepted: str, value) -> UsageError:
     return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
+
+
+def _exists_or_matches(path: str) -> bool:
+    """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
+    if any(c in path for c in "*?["):
+        return bool(glob.glob(path, recursive=True))
+    return Path(path).exists()
 
 
 def _check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
@@ -93,13 +101,25 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: a .txt file, a folder of .txt files, or a .jsonl file with a "text" field.
-    Empty: the built-in corpus (the standard-library sources of the running Python)."""
+    """Training text: a .txt/.md file, JSONL (.jsonl, .jsonl.gz) or a .json list of records,
+    parquet, an Arrow folder written by datasets' save_to_disk, or a folder or glob mixing them;
+    read streamed, never whole. Empty: the built-in corpus (the standard-library sources of the
+    running Python)."""
+    text_field: str = "text"
+    """Pretraining: the field (JSON) or column (parquet, Arrow) holding each record's text; only
+    that column is read. .txt/.md files are text as they are."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
     vocab_size: int = 8192
     """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of
     64 in the model, as nanoGPT pads 50257 to 50304, for faster matmuls)."""
+    tokenizer_sample_mb: float = 100.0
+    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when it is smaller,
+    else a sample spread through it. ~100 MB finds the merges of an 8-50k vocabulary; training
+    on more costs minutes and host RAM for little gain."""
+    tokenize_workers: int | None = None
+    """Processes that tokenize the corpus into the token cache. Empty: every core of the machine
+    (corpora under 8 MB are tokenized in the training process)."""
     max_length: int | None = None
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
@@ -141,6 +161,10 @@ class DataConfig:
 
     def __post_init__(self):
         _check_int(self, "vocab_size", 256)
+        _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
+        _check_int(self, "tokenize_workers", 1, optional=True)
+        if not self.text_field.strip():
+            raise bad_value("text_field", "the name of the text field or column", self.text_field)
         _check_int(self, "token_budget", 1, optional=True)
         _check_int(self, "max_length", 2, optional=True)
         _check_int(self, "num_workers", 0)
@@ -149,12 +173,12 @@ class DataConfig:
             self.prefetch_factor = None  # torch rejects a prefetch factor without workers
         if self.persistent_workers and self.num_workers == 0:
             self.persistent_workers = False
-        if self.data_path is not None and not Path(self.data_path).exists():
+        if self.data_path is not None and not _exists_or_matches(self.data_path):
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
         _check_float(self, "val_fraction", 0.0)
         if self.val_fraction >= 0.5:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
-        if self.val_path is not None and not Path(self.val_path).exists():
+        if self.val_path is not None and not _exists_or_matches(self.val_path):
             raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
             raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")

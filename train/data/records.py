@@ -106,7 +106,8 @@ def source_files(data_path: str) -> list[Path]:
 
 def _fail(path: Path, where: str, what: str) -> UsageError:
     place = f" {where}" if where else ""
-    return UsageError(f"DATA_PATH: {path}{place}: {what}")
+    sep = " " if what.startswith(("is ", "has ")) else ": "
+    return UsageError(f"DATA_PATH: {path}{place}{sep}{what}")
 
 
 def _short(err: BaseException) -> str:

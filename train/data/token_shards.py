@@ -113,7 +113,7 @@ def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | No
 def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> tuple[dict | None, str | None]:
     path = folder / MANIFEST
     if not path.exists():
-        return None, None
+        return None, (f"{MANIFEST} is missing" if any(folder.glob("shard-*.bin")) else None)
     try:
         manifest = json.loads(path.read_text())
         shards = manifest["shards"]
