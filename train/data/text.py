@@ -73,7 +73,7 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
     if stride == 1:
         say(f"training the tokenizer on the whole corpus ({total / 1e6:,.1f} MB; TOKENIZER_SAMPLE_MB={sample_mb:g})")
     else:
-        say(f"training the tokenizer on a {sample_mb:g} MB sample of the {total / 1e6:,.0f} MB corpus: one part in "
+        say(f"training the tokenizer on a {sample_mb:g} MB sample of the {total / 1e6:,.1f} MB corpus: one part in "
             f"{stride}, spread through it (TOKENIZER_SAMPLE_MB)")  # fmt: skip
     taken = 0
     with tqdm(total=min(total, budget), desc="tokenizer sample", unit="B", unit_scale=True, leave=False, disable=None) as bar:
