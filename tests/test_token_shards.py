@@ -172,3 +172,31 @@ def test_pretraining_on_parquet_and_arrow_with_text_field(tmp_path, tiny_config,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a.parquet: not a readable parquet file" in err[0]
     assert not (tmp_path / "runs" / "b").exists() and not (tmp_path / "runs" / "c").exists()
+
+
+def test_one_process_builds_while_the_others_wait(docs_corpus, tok, tmp_path):
+    """torchrun's ranks (or two runs) on one CACHE_DIR: whoever holds the lock builds; the others
+    say they wait, then open the finished cache without building it again."""
+    import threading
+
+    cache = tmp_path / "cache"
+    (cache / "tokens").mkdir(parents=True)
+    said: list[str] = []
+    files = data.corpus_files(str(docs_corpus))
+    key = data.corpus_fingerprint(files)
+    result = {}
+
+    def other_rank():
+        result["tokens"] = data.token_cache(files, key, tok, cache, said.append)
+
+    with token_shards.locked(cache / "tokens", "a token cache", print):
+        waiter = threading.Thread(target=other_rank)
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and said == [f"waiting for another process building a token cache in {cache / 'tokens'}"]
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and any(line.startswith("cached ") for line in said)
+    said.clear()
+    again = data.token_cache(files, key, tok, cache, said.append)  # built once: now only opened
+    assert not any("tokenizing" in line for line in said)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(result["tokens"]))
