@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_text, run_cli
+from train.core import files
 from train.core.errors import UsageError
-from train.data import cache_files, token_shards
+from train.data import cache_files
 from train.data import text as data
 
 SMALL_RUN = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "1"]
@@ -96,7 +97,7 @@ def test_cache_dir_that_cannot_be_created(kind, tmp_path, corpus, tiny_config, c
 
 
 def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
-    full_disk(monkeypatch, token_shards, room=10_000)
+    full_disk(monkeypatch, files, room=10_000)
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
     line = error_line(capsys)
     assert line.startswith("error: CACHE_DIR: cannot write the token cache ")
@@ -107,9 +108,12 @@ def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_confi
 
 
 def test_disk_full_while_writing_the_manifest(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
-    full_disk(monkeypatch, cache_files, room=0)
+    def full(path, value):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(cache_files, "write_json", full)  # the shard is written, its manifest entry not
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
-    assert error_line(capsys).endswith(".bin: No space left on device")
+    assert error_line(capsys).endswith("shard-00000.bin: No space left on device")
     # A .bin without its manifest would be taken for a damaged cache next time: removed too.
     assert list((fresh_cache / "tokens").iterdir()) == []
 

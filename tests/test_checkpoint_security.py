@@ -241,3 +241,30 @@ def test_sharded_checkpoint_of_another_model_is_named_as_one(ref, tmp_path, caps
     assert f"resume with MODEL_CONFIG={flags[1]}" in err
     assert tree(run) == before
     assert checkpoint.list_checkpoints(run / "checkpoints")[0].name == "step-00000004"
+
+
+def test_checkpoint_files_are_read_inside_the_checkpoint_only(ref, tmp_path):
+    """A meta.json entry that leaves the folder, or a shard file linked to a copy elsewhere, makes
+    the checkpoint unusable before that file is read or hashed (sizes and sha256 all match)."""
+    from train.run.checkpoint_checks import BadCheckpoint, check_files
+
+    runs, _ = ref
+    folder = tmp_path / "step"
+    shutil.copytree(runs / "ref" / "checkpoints" / "step-00000002", folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    check_files(folder, meta)  # the checkpoint as saved passes
+    outside = tmp_path / "hostname"
+    outside.write_text("a file outside the run folder\n")
+    escaping = {**meta["files"], "shards/../../hostname": {"bytes": outside.stat().st_size,
+                "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}}  # fmt: skip
+    with pytest.raises(BadCheckpoint, match=r"lists 'shards/\.\./\.\./hostname', which is not a file of the checkpoint"):
+        check_files(folder, {**meta, "files": escaping})
+    shard = sorted((folder / "shards").glob("*.distcp"))[0]
+    copy = tmp_path / "copy.distcp"
+    shutil.copyfile(shard, copy)
+    shard.unlink()
+    shard.symlink_to(copy)  # the same bytes: only the link gives it away
+    with pytest.raises(BadCheckpoint, match=f"lists 'shards/{shard.name}', which is not a file of the checkpoint"):
+        check_files(folder, meta)
+    with pytest.raises(safe_load.Refused, match="points outside the shard files"):
+        safe_load.check_shards(folder / "shards", None)

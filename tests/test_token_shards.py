@@ -104,8 +104,8 @@ from pathlib import Path
 from train.data import cache_files, text as data, token_shards, tokenize
 tokenize.UNIT_SIZE, token_shards.SHARD_SIZE = 4096, 16384
 real = cache_files.write_json
-def write_then_die(path, value, temps):
-    real(path, value, temps)
+def write_then_die(path, value):
+    real(path, value)
     if len(value["shards"]) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 cache_files.write_json = write_then_die

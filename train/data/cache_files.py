@@ -1,23 +1,22 @@
 """Writing into CACHE_DIR (the trained tokenizer, the token cache): whole files or none.
 
-Everything is written under a temporary name and renamed once complete and on disk, so a
-crash, a full disk or Ctrl+C leaves either the old state or the new one, never half a file,
-and never a temporary file behind. Failures become one line naming CACHE_DIR and the file.
+Everything is written under a fresh temporary name (never through a link planted there) and
+renamed once complete and on disk (train/core/files.py), so a crash, a full disk or Ctrl+C
+leaves either the old state or the new one, never half a file, and never a temporary file
+behind. Failures become one line naming CACHE_DIR and the file.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from train.core import files
 from train.core.errors import Interrupted, UsageError
-from train.core.files import fsync
 
 
 def cache_folder(path: Path) -> Path:
@@ -32,10 +31,8 @@ def cache_folder(path: Path) -> Path:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """A file, link or folder of the cache, removed without following a link."""
+    files.remove(path)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -51,7 +48,8 @@ def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
     """Around the making of `final` (a file or folder of CACHE_DIR). Yields a list for the
     temporary paths the caller creates; on any failure they are removed. Ctrl+C (or SIGTERM,
     a scheduler stopping the job) becomes Interrupted("interrupted while <activity>..."), a
-    file-system error a UsageError naming CACHE_DIR, <thing> and final."""
+    file-system error (an OSError, or a Rust library's "os error N", as tokenizers raises a
+    full disk) a UsageError naming CACHE_DIR, <thing> and final."""
     temps: list[Path] = []
     previous = None
     # SIGTERM is taken over only where nothing else handles it: the training loop installs its
@@ -67,8 +65,9 @@ def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
         if isinstance(err, KeyboardInterrupt):
             signum = signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT
             raise Interrupted(f"interrupted while {activity}; nothing was saved", 128 + signum) from None
-        if isinstance(err, OSError):
-            raise UsageError(f"CACHE_DIR: cannot write {thing} {final}: {err.strerror or err}") from None
+        code = None if isinstance(err, UsageError) else files.errno_of(err)
+        if code is not None:
+            raise UsageError(f"CACHE_DIR: cannot write {thing} {final}: {os.strerror(code)}") from None
         raise
     finally:
         if previous is not None:
@@ -78,20 +77,37 @@ def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
 def sync(path: Path) -> None:
     """Data of a written file (or of every file in a folder) on disk before it is renamed into
     place: otherwise a power cut can leave the new name pointing at missing blocks."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        fsync(file)
+    if path.is_dir():
+        files.sync_tree(path)
+    else:
+        files.fsync(path)
 
 
-def write_json(path: Path, value: dict, temps: list[Path]) -> None:
-    """path replaced atomically: readers see the old JSON or the new, never a cut one."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+def write_json(path: Path, value: dict) -> None:
+    """path replaced atomically: readers see the old JSON or the new, never a cut one; a
+    failure leaves no temporary file (train/core/files.py)."""
+    files.write_json(path, value, indent=None)
+
+
+def save_folder(folder: Path, save, temps: list[Path]) -> bool:
+    """folder (the trained tokenizer) written whole: save(tmp) fills a fresh temporary folder
+    beside it, which is fsynced and renamed into place. False, with folder left as it is, when
+    another run (same corpus, same key) put a complete one there first. Inside `building`, whose
+    temps list is passed here: a failure (a full disk) removes the temporary folder and becomes
+    building's one line."""
+    tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-")
     temps.append(tmp)
-    with open(tmp, "w") as out:
-        out.write(json.dumps(value))
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    save(tmp)
+    files.sync_tree(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "tokenizer.json").exists():
+            raise
+        remove(tmp)
+        return False
+    files.fsync(folder.parent)
+    return True
 
 
 def short(err: BaseException) -> str:

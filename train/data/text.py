@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,7 +113,6 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
 def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, text_field: str, sample_mb: float):
     from transformers import PreTrainedTokenizerFast
 
-    parent = folder.parent
     if folder.exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
@@ -125,18 +123,9 @@ def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, te
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
         tok = _train_tokenizer(sample_pieces(files, text_field, sample_mb, say), vocab_size, say)
-        tmp = Path(tempfile.mkdtemp(dir=parent))
-        temps.append(tmp)
-        tok.save_pretrained(tmp)
-        cache_files.sync(tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not (folder / "tokenizer.json").exists():
-                raise
+        if not cache_files.save_folder(folder, tok.save_pretrained, temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
-            cache_files.remove(tmp)
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
 
@@ -169,7 +158,7 @@ def tokenizer_fingerprint(tok) -> str:
 def token_cache(files: list[Path], data_key: str, tok, cache_dir: Path, say, text_field: str = "text",
                 workers: int | None = None):  # fmt: skip
     """The corpus as token ids, built once into sharded files and read through memmaps
-    (train/data/token_cache.py): a np.memmap for one shard, a TokenStream over several."""
+    (train/data/token_shards.py): a np.memmap for one shard, a TokenStream over several."""
     return token_shards.token_cache(files, f"{data_key}-{tokenizer_fingerprint(tok)}", tok, cache_dir, say,
                                    text_field, workers)  # fmt: skip
 

@@ -19,11 +19,12 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from train.core import files
 from train.core.errors import Interrupted, UsageError
 from train.data import cache_files, tokenize
 
@@ -95,9 +96,9 @@ def locked(folder: Path, what: str, say) -> Iterator[None]:
 
 def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
     """What is wrong with one finished shard, or None. Reads it once (max and sum of the ids)."""
-    path = folder / entry["file"]
-    if Path(entry["file"]).name != entry["file"] or not path.is_file() or path.is_symlink():
-        return f"{entry['file']} is missing"
+    path = files.inside(folder, entry["file"])
+    if path is None or "/" in entry["file"] or not path.is_file():
+        return f"{entry['file']} is missing (or not a plain file of the cache)"
     size, want = path.stat().st_size, entry["tokens"] * dtype.itemsize
     if size != want:
         return f"{path.name} holds {size:,} bytes, {MANIFEST} says {want:,}"
@@ -155,13 +156,14 @@ def token_cache(files: list[Path], key: str, tok, cache_dir: Path, say, text_fie
 
 
 class _ShardFile:
-    """One shard being written: ids appended to a temporary file, renamed once complete."""
+    """One shard being written: ids streamed to a fresh temporary name (never through a link),
+    fsynced and renamed into place by `files.writing` when the shard is closed; on any failure
+    the temporary file is removed."""
 
-    def __init__(self, path: Path, start: list[int], temps: list[Path]):
+    def __init__(self, path: Path, start: list[int], stack: ExitStack):
         self.path, self.start = path, start
-        self.tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        temps.append(self.tmp)
-        self.out = open(self.tmp, "wb")
+        self.out = stack.enter_context(files.writing(path))
+        self.stack = stack
         self.tokens, self.max, self.sum = 0, -1, 0
 
     def add(self, ids: np.ndarray) -> None:
@@ -172,10 +174,7 @@ class _ShardFile:
             self.sum += int(ids.sum(dtype=np.uint64))
 
     def close(self, end: list[int]) -> dict:
-        self.out.flush()
-        os.fsync(self.out.fileno())
-        self.out.close()
-        os.replace(self.tmp, self.path)
+        self.stack.close()  # fsync, rename, fsync the folder
         return {"file": self.path.name, "tokens": self.tokens, "max": self.max, "sum": self.sum,
                 "start": self.start, "end": end}  # fmt: skip
 
@@ -203,8 +202,8 @@ class _Build:
                 continue
             path = self.folder / entry["file"]
             self.say(f"token cache shard {path} was damaged ({damage}); rebuilding it alone")
-            with self.encoder() as encoder, self._guard(path) as temps:
-                shard = _ShardFile(path, entry["start"], temps)
+            with self.encoder() as encoder, self._guard(path), ExitStack() as stack:
+                shard = _ShardFile(path, entry["start"], stack)
                 units = _until(tokenize.iter_units(self.files, self.field, tuple(entry["start"])), tuple(entry["end"]))
                 for _, ids in encoder.map((None, unit) for _, unit, _ in units):
                     shard.add(ids)
@@ -222,8 +221,8 @@ class _Build:
         self.say(f"tokenizing {len(self.files)} file(s) into the token cache (once per corpus and tokenizer; "
                  f"{self.workers} worker(s), TOKENIZE_WORKERS)")  # fmt: skip
         cache_files.cache_folder(self.folder)
-        for stray in self.folder.glob("*.tmp*"):  # left by a killed build; this process holds the lock
-            stray.unlink(missing_ok=True)
+        for stray in [*self.folder.glob(".*.tmp"), *self.folder.glob("*.tmp*")]:  # a killed build's; we hold the lock
+            files.remove(stray)
         began, before = time.perf_counter(), sum(s["tokens"] for s in shards)
         with self.encoder() as encoder, _Progress(self.source_bytes) as bar:
             units = tokenize.iter_units(self.files, self.field, start)
@@ -237,10 +236,10 @@ class _Build:
         """Fill the next shard from results (units from start on), close it and enter it in the
         manifest; None when no unit is left."""
         path = self.folder / f"shard-{len(self.manifest['shards']):05d}.bin"
-        with self._guard(path) as temps:
+        with self._guard(path) as temps, ExitStack() as stack:
             shard, size, end = None, 0, [len(self.files), 0]
             for (pos, n), ids in results:
-                shard = shard or _ShardFile(path, list(start), temps)
+                shard = shard or _ShardFile(path, list(start), stack)
                 shard.add(ids)
                 size += n
                 bar.update(n, len(ids))
@@ -252,7 +251,7 @@ class _Build:
             entry = shard.close(end)
             temps.append(path)  # a shard the manifest does not list would be of no use
             self.manifest["shards"].append(entry)
-            cache_files.write_json(self.folder / MANIFEST, self.manifest, temps)
+            cache_files.write_json(self.folder / MANIFEST, self.manifest)
             temps.remove(path)
         return entry
 
@@ -262,8 +261,8 @@ class _Build:
             cache_files.remove(self.folder)
             raise UsageError("DATA_PATH: the data holds no text to train on")
         self.manifest.update(complete=True, n_tokens=n_tokens)
-        with self._guard(self.folder / MANIFEST) as temps:
-            cache_files.write_json(self.folder / MANIFEST, self.manifest, temps)
+        with self._guard(self.folder / MANIFEST):
+            cache_files.write_json(self.folder / MANIFEST, self.manifest)
         rate = f"{self.source_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, {new_tokens / max(seconds, 1e-9):,.0f} tokens/s"
         self.say(f"cached {n_tokens:,} tokens from {len(self.files)} file(s) in {self.folder} "
                  f"({len(self.manifest['shards'])} shard(s); {rate})")  # fmt: skip

@@ -300,6 +300,8 @@ def add_rank_figures(summary: dict, world: Dist, device: torch.device) -> dict:
 class NullRunDir:
     """What ranks other than 0 write: nothing. Same methods as RunDir."""
 
+    failed = None  # rank 0's RunDir holds the line of a failed append
+
     def __init__(self, path: Path):
         self.path = path
 

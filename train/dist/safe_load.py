@@ -138,7 +138,12 @@ def read_metadata(path: Path, where: str = f"shards/{METADATA}") -> Metadata:
 def _check_storage(folder: Path, metadata: Metadata, where: str) -> None:
     """Every read DCP will make lies inside a .distcp file of this folder: no path elsewhere,
     no offset past a file's end, no stream transform (this kit writes none)."""
-    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix == ".distcp"}
+    # A link is not a shard file of the folder, wherever it points.
+    sizes = {
+        p.name: p.stat().st_size
+        for p in folder.iterdir()
+        if p.suffix == ".distcp" and p.is_file() and not p.is_symlink()
+    }
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise Refused(f"{where} holds an entry that is not a storage record")

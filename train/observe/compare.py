@@ -18,6 +18,7 @@ import re
 import statistics
 from pathlib import Path
 
+from train.core import files
 from train.core.errors import UsageError
 from train.observe.curves import as_number, plot_comparison, read_metrics
 
@@ -312,8 +313,8 @@ def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js, png = out_dir / "compare.md", out_dir / "compare.json", out_dir / "compare.png"
-    md.write_text(render_markdown(result), encoding="utf-8")
-    js.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    files.atomic_write(md, render_markdown(result))
+    files.atomic_write(js, json.dumps(result, indent=2) + "\n")
     curves = {
         e["name"]: [read_metrics(Path(p) / "metrics.jsonl") for p in e["paths"]] for e in result["runs"]
     }

@@ -7,10 +7,12 @@ Reporting code: reads run folders, never imports the loop. Plots use matplotlib'
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 from pathlib import Path
+
+from train.core import files
 
 # A long run logs tens of thousands of rows; more points than pixels only costs time.
 MAX_POINTS = 2000
@@ -128,11 +130,15 @@ def _plot_curves(run_dir: Path) -> Path | None:
     fig.suptitle(run_dir.name)
 
     out = run_dir / "curves.png"
-    # Write then rename, so a viewer refreshing the file never sees half a PNG.
-    tmp = run_dir / "curves.png.tmp"
-    fig.savefig(tmp, dpi=100, format="png")
-    os.replace(tmp, out)
+    save_png(fig, out)
     return out
+
+
+def save_png(fig, path: Path) -> None:
+    """The chart whole (a viewer refreshing it never sees half a PNG), never through a link."""
+    data = io.BytesIO()
+    fig.savefig(data, dpi=100, format="png")
+    files.atomic_write(path, data.getvalue())
 
 
 def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Path) -> Path:
@@ -202,5 +208,5 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
     if ax_loss.get_legend_handles_labels()[0]:
         ax_loss.legend()
     fig.suptitle(result.get("verdict", ""))
-    fig.savefig(path, dpi=100, format="png")
+    save_png(fig, Path(path))
     return Path(path)

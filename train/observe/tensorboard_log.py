@@ -14,6 +14,8 @@ import math
 from numbers import Real
 from pathlib import Path
 
+from train.core.files import LinkRefused
+
 SUBDIR = "tensorboard"
 
 
@@ -33,6 +35,8 @@ class TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (config.py checks)
 
         self.path = Path(run_path) / SUBDIR
+        if self.path.is_symlink():  # the writer would put its events wherever the link points
+            raise LinkRefused(self.path)
         self.writer = SummaryWriter(log_dir=str(self.path))
         self.last_step = 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from train.core import files
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.dist import safe_load
@@ -68,10 +69,13 @@ def checkpoint_name(step: int) -> str:
 
 def list_checkpoints(folder: Path) -> list[Path]:
     """Completed checkpoint folders, newest (highest step) first. Temporary folders of an
-    interrupted save and folders set aside as invalid are not listed."""
+    interrupted save and folders set aside as invalid are not listed, nor a link (whatever it
+    points to is not this run's); checkpoints/ itself a link is refused in one line."""
+    if folder.is_symlink():
+        raise files.LinkRefused(folder)
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and NAME.match(p.name)]
+    found = [p for p in folder.iterdir() if NAME.match(p.name) and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)), reverse=True)
 
 
@@ -117,23 +121,30 @@ class CheckpointManager:
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.folder).free
 
-    def save(self, step: int, model, optimizer, scaler, meta: dict, rngs: list | None = None) -> Path:
-        """Write checkpoint `step` (temporary folder, fsync, rename), then drop the oldest."""
+    def _make_folder(self) -> None:
+        """checkpoints/, never a link (the checkpoints would be written wherever it points)."""
+        if self.folder.is_symlink():
+            raise files.LinkRefused(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int, model, optimizer, scaler, meta: dict, rngs: list | None = None) -> Path:
+        """Write checkpoint `step` (fresh temporary folder, fsync, rename), then drop the oldest."""
+        self._make_folder()
         name = checkpoint_name(step)
         needed = self.needed_bytes(model, optimizer)
         free = self.free_bytes()
         if free < needed:
             raise self._disk_full(name, needed, free)
-        tmp = self.folder / f".tmp-{name}-{os.getpid()}"
+        tmp = None
         try:
-            tmp.mkdir()
+            tmp = files.fresh_folder(self.folder, f".tmp-{name}-")
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
             state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **rng_states(rngs)}
             torch.save(state, tmp / STATE)
             target = self._complete(tmp, name, step, meta, [WEIGHTS, STATE])
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                files.remove(tmp)
             if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise self._disk_full(name, needed, self.free_bytes()) from None
             raise
@@ -149,12 +160,12 @@ class CheckpointManager:
         tmp = self.folder / f".tmp-{name}-sharded"
         needed = self.needed_bytes(model, optimizer)
 
-        def prepare():
-            self.folder.mkdir(parents=True, exist_ok=True)
+        def prepare():  # one name every rank knows: a leftover there (a link too) is removed first
+            self._make_folder()
             free = self.free_bytes()
             if free < needed:
                 raise self._disk_full(name, needed, free)
-            shutil.rmtree(tmp, ignore_errors=True)
+            files.remove(tmp)
             tmp.mkdir()
 
         distributed.on_main(world, prepare)
@@ -167,7 +178,7 @@ class CheckpointManager:
                 self._complete(tmp, name, step, meta, [*shards, STATE])
         except Exception as err:
             if world.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                files.remove(tmp)
             if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise self._disk_full(name, needed, self.free_bytes()) from None
             raise
@@ -178,22 +189,17 @@ class CheckpointManager:
     def _complete(self, tmp: Path, name: str, step: int, meta: dict, names: list[str]) -> Path:
         """fsync and hash the written files, write meta.json, rename the folder into place,
         point latest at it and drop the oldest checkpoints."""
-        files = {}
+        hashed = {}
         for file in names:
             fsync(tmp / file)
-            files[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_of(tmp / file)}
+            hashed[file] = {"bytes": (tmp / file).stat().st_size, "sha256": sha256_of(tmp / file)}
         record = {"format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **meta}
-        record["files"] = files
-        (tmp / META).write_text(json.dumps(record, indent=2) + "\n")
-        fsync(tmp / META)
+        record["files"] = hashed
+        files.write_json(tmp / META, record)
         fsync(tmp)
         target = self.folder / name
-        if target.exists():  # an invalid checkpoint of this step from an earlier attempt
-            aside = self.folder / f".old-{name}-{os.getpid()}"
-            os.replace(target, aside)
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(tmp, target)
-        fsync(self.folder)
+        # an invalid checkpoint of this step from an earlier attempt is set aside, then removed
+        files.replace_folder(tmp, target)
         self.last_saved = name
         self._point_latest(name)
         self.prune()
@@ -224,15 +230,14 @@ class CheckpointManager:
     def prune(self) -> None:
         """Keep the newest `keep` checkpoints; only called once a newer one is complete."""
         for old in list_checkpoints(self.folder)[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+            files.remove(old)
 
     def clean_temporary(self) -> None:
         """Remove what a killed save left behind (never a completed checkpoint)."""
         if self.folder.is_dir():
-            for leftover in self.folder.glob(".tmp-step-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
-            for leftover in self.folder.glob(".old-step-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+            for pattern in (".tmp-step-*", ".step-*.old-*", ".old-step-*"):
+                for leftover in self.folder.glob(pattern):
+                    files.remove(leftover)  # a link is unlinked, never followed
 
     # ---- loading ------------------------------------------------------------------------
 
@@ -242,9 +247,11 @@ class CheckpointManager:
         here but its weights and optimizer state are read later, into the sharded model
         (RunGuard.start)."""
         try:
-            meta = json.loads((path / META).read_text())
+            meta = json.loads(files.read_text(path / META))
         except FileNotFoundError:
             raise BadCheckpoint(f"{META} is missing (an incomplete save)") from None
+        except files.LinkRefused:
+            raise BadCheckpoint(f"{META} is a link (a checkpoint's files are never read through one)") from None
         except (OSError, ValueError) as err:
             raise BadCheckpoint(f"{META} is not valid JSON ({err})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:

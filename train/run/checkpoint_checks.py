@@ -11,6 +11,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from train.core import files
 from train.dist import safe_load
 
 WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
@@ -88,7 +89,9 @@ def check_files(path: Path, meta: dict) -> None:
     ):
         raise BadCheckpoint(f"{META} does not list {STATE} and {SHARDS}/.metadata")
     for name, expected in meta["files"].items():
-        file = path / name
+        file = files.inside(path, name)
+        if file is None:  # "shards/../../etc/hostname", or a shard linked to a file elsewhere
+            raise BadCheckpoint(f"{META} lists {str(name)[:80]!r}, which is not a file of the checkpoint")
         if not file.is_file():
             raise BadCheckpoint(f"{name} is missing")
         size = file.stat().st_size

@@ -81,7 +81,12 @@ def claim_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrit
     root = Path(output_dir)
     label = f"RUN_NAME={run_name}" if run_name else "RESUME=1"
     if resume:
-        path = plan_run_dir(output_dir, run_name, launcher, overwrite, resume)
+        try:
+            path = plan_run_dir(output_dir, run_name, launcher, overwrite, resume)
+        except UsageError:
+            if run_name is not None and (root / run_name).is_dir():  # a live run before its first save:
+                _refuse_if_busy(root / run_name, label)  # "in use", not "no checkpoint"
+            raise
         claim = _lock(path, [], label)
         if claim is None:
             raise UsageError(f"RESUME=1: {path} was removed while this run started")
@@ -99,6 +104,13 @@ def claim_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrit
         raise
 
 
+def _refuse_if_busy(path: Path, label: str) -> None:
+    """The "in use by another run (pid N)" line where a live run holds path; else nothing."""
+    busy = _lock(path, [], label)  # raises when another run holds it
+    if busy is not None:
+        busy.release()
+
+
 def _claim_once(root: Path, run_name: str | None, launcher: str, overwrite: bool, label: str) -> RunClaim | None:
     if run_name is None:
         base = _default_name(launcher)
@@ -111,9 +123,7 @@ def _claim_once(root: Path, run_name: str | None, launcher: str, overwrite: bool
         path = root / run_name
         made = _mkdir(path)
         if not made and not overwrite:
-            busy = _lock(path, [], label)  # a live run's folder: say that, not "exists"
-            if busy is not None:
-                busy.release()
+            _refuse_if_busy(path, label)  # a live run's folder: say that, not "exists"
             raise _exists(run_name, path)
     # A folder this claim made is not removed if another run locks it first: it is theirs now.
     return _lock(path, [path] if made else [], label)

@@ -10,6 +10,7 @@ from train.run import report
 from train.run.evaluate import val_stop
 from train.run.meter import Meter
 from train.run.parts import prepare
+from train.run.rundir import stop_for_write
 
 
 def run_loop(b, run_dir, say, guard) -> dict:
@@ -30,6 +31,9 @@ def run_loop(b, run_dir, say, guard) -> dict:
             meter.step_end(done, counts_due=log_due or eval_due)
             if log_due:
                 meter.log(done, loss_t, norm_t, lr)
+                if stop_for_write(b.world, run_dir):  # a full disk: metrics.jsonl or train.log
+                    exit_reason = "write_failed"
+                    break
             if eval_due:
                 meter.exclude(parts.evaluator.run(done, meter.samples()))
             stop = guard.step_done(done, loss_t, synced=log_due)  # saves every SAVE_EVERY; signals; NaN

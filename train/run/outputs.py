@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+from train.core import files
 from train.core.errors import UsageError
 from train.dist import distributed, parallel
 from train.run.rundir import RunDir, save_model, write_failed
@@ -19,9 +20,12 @@ def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) ->
 
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
-    says the run is finished, which RESUME=1 relies on to leave it alone."""
+    says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a
+    failed append (a full disk) writes no final/ (RESUME=1 continues from the checkpoint): its
+    summary.json where the disk still takes it, then the append's one line."""
     full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
-    if summary["exit_reason"] != "non_finite_loss":  # never a final/ of NaN weights
+    stopped = summary["exit_reason"] == "write_failed"
+    if summary["exit_reason"] != "non_finite_loss" and not stopped:  # never a final/ of NaN weights
         try:
             distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))
         except UsageError as err:
@@ -29,6 +33,11 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
             with contextlib.suppress(OSError):  # the run's figures, if the disk still takes them
                 run_dir.write("summary.json", summary)
             raise
+    if stopped:
+        summary["write_error"] = run_dir.failed
+        with contextlib.suppress(OSError):
+            run_dir.write("summary.json", summary)
+        raise UsageError(run_dir.failed or "rank 0 could not write the run folder")  # rank 0's line is shown
     try:
         run_dir.write("summary.json", summary)
     except OSError as err:
@@ -39,8 +48,8 @@ def earlier_summary(path, summary: dict) -> dict:
     """The summary.json of the session that trained the last step, where it was written (the
     figures of a zero-step session are no figures); else this session's."""
     try:
-        earlier = json.loads((path / "summary.json").read_text())
-    except (OSError, ValueError):
+        earlier = json.loads(files.read_text(path / "summary.json"))
+    except (OSError, ValueError, files.LinkRefused):
         return summary
     if isinstance(earlier, dict) and earlier.get("exit_reason") and earlier.get("steps") == summary["steps"]:
         earlier.pop("final_error", None)

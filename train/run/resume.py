@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from config import env_name
+from train.core import files
 from train.core.errors import UsageError
 from train.data.stream import BatchStream
 from train.dist import distributed, parallel
@@ -47,10 +48,10 @@ BUDGET = ("max_steps", "epochs", "max_samples")
 def trim_metrics(path: Path, step: int) -> int:
     """Drop metrics rows after `step` (written after the checkpoint, by the run that died), so
     metrics.jsonl stays one clean record. Returns how many were dropped."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in files.read_text(path).splitlines():  # a link there is refused, never read
         try:
             row_step = json.loads(line).get("step", 0)
         except (ValueError, AttributeError):
@@ -61,9 +62,7 @@ def trim_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        files.atomic_write(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

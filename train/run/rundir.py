@@ -8,149 +8,126 @@ finished only when summary.json and a complete final/ of the same step agree."""
 
 from __future__ import annotations
 
-import errno
 import json
-import math
 import os
-import re
-import shutil
 from pathlib import Path
 
+from train.core import files
 from train.core.errors import UsageError
-from train.core.files import fsync
+from train.core.files import DISK_FULL, errno_of, json_safe
+from train.dist import distributed
 from train.observe.tensorboard_log import NoLog
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 COMPLETE = ".complete"  # written last into final/ and best/: {"step": N}
-OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports a failed write
-
-
-def _clean(value):
-    """JSON-safe: non-finite floats become null instead of invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
 
 
 def write_json(path: Path, data) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
-    os.replace(tmp, path)
+    """Whole or not at all, never through a link (train/core/files.py)."""
+    files.write_json(path, data)
 
 
 def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None) -> None:
     """save_pretrained + tokenizer into folder (final/ or best/), all or nothing: written into a
-    temporary sibling, fsynced, marked complete, renamed into place; a folder already there is
-    replaced only once the new one is whole. A failed write (a full disk) is one line naming
-    what failed, what is intact and what to do. A sharded model passes its gathered state dict."""
+    fresh temporary sibling, fsynced, marked complete, renamed into place; a folder already there
+    is replaced only once the new one is whole (a link there is removed, never followed). A failed
+    write (a full disk) is one line naming what failed, what is intact and what to do. A sharded
+    model passes its gathered state dict."""
     from train.run.runlog import quiet_saving
 
     parent = folder.parent
     for leftover in parent.glob(f".{folder.name}.*-*"):  # a killed save's (the run's lock makes it ours)
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp, old = parent / f".{folder.name}.tmp-{os.getpid()}", parent / f".{folder.name}.old-{os.getpid()}"
+        files.remove(leftover)  # a link is unlinked, never followed
+    tmp = None
     use_cache = b.model.config.use_cache
     b.model.config.use_cache = True  # generation wants the KV cache; training turned it off
     try:
+        tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
             b.model.save_pretrained(tmp, state_dict=state_dict)
         b.tokenizer.save_pretrained(tmp)
-        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
-        for path in tmp.rglob("*"):
-            fsync(path)
-        fsync(tmp)
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        fsync(parent)
+        files.atomic_write(tmp / COMPLETE, json.dumps({"step": step}) + "\n")
+        files.sync_tree(tmp)
+        files.replace_folder(tmp, folder)
     except Exception as err:
-        code = _errno_of(err)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not folder.exists():
-            os.replace(old, folder)
+        code = errno_of(err)
+        if tmp is not None:
+            files.remove(tmp)
         if code is None:
             raise  # not the file system: a bug, with its traceback
         raise UsageError(write_failed(folder, code)) from None
     finally:
         b.model.config.use_cache = use_cache
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def _errno_of(err: BaseException | None) -> int | None:
-    """The OS error behind err (an OSError, or safetensors' error text), or None."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno:
-            return err.errno
-        found = OS_ERROR.search(str(err))
-        if found:
-            return int(found.group(1))
-        err = err.__cause__ or err.__context__
-    return None
+CONTINUES = ("best", "metrics.jsonl", "train.log")  # a failure there leaves the training to continue
 
 
 def write_failed(target: Path, code: int) -> str:
-    """The one line for a failed write of final/, best/ or summary.json: what failed, what is
-    intact, and what to do (RESUME=1 only where a checkpoint exists to resume from)."""
+    """The one line for a failed write of final/, best/, summary.json or an append to
+    metrics.jsonl / train.log: what failed, what is intact, and what to do (RESUME=1 only where a
+    checkpoint exists to resume from)."""
     from train.run.checkpoint import list_checkpoints
 
     run = target.parent
     what = "disk full" if code in DISK_FULL else "write failed"
+    how = "appending to" if target.suffix in (".jsonl", ".log") else "writing"
     fix = "free space" if code in DISK_FULL else "fix that"
     saved = list_checkpoints(run / "checkpoints")
     intact = f"checkpoint {saved[0].name} is intact" if saved else "the run has no checkpoint"
     if target.name == "best" and (run / "best").exists():
         intact += " and so is the previous best/"
+    if how == "appending to":
+        intact = f"its rows are whole; {intact}"
     if not saved:
         todo = f"{fix} and start the run again"
-    elif target.name == "best":
+    elif target.name in CONTINUES:
         todo = f"{fix}, then RESUME=1 RUN_NAME={run.name} continues the run"
     else:
         todo = f"{fix}, then RESUME=1 RUN_NAME={run.name} writes final/ and summary.json"
-    return f"{what}: writing {target} failed ({os.strerror(code)}); {intact}; {todo}"
+    return f"{what}: {how} {target} failed ({os.strerror(code)}); {intact}; {todo}"
 
 
 def unfinished(run_path: Path, step: int) -> str | None:
     """Why a run trained to `step` is not finished, or None: a finished run has a summary.json
     with an exit_reason for that step and a complete final/ of that step."""
-    try:
-        summary = json.loads((run_path / "summary.json").read_text())
+    try:  # never read through a link: one planted there is replaced when the summary is written
+        summary = json.loads(files.read_text(run_path / "summary.json"))
         reason, steps = summary.get("exit_reason"), summary.get("steps")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, files.LinkRefused):
         return "its summary.json is missing or unreadable"
-    if not reason or summary.get("final_error"):
+    if not reason or summary.get("final_error") or summary.get("write_error"):
         return "its summary.json records no finished run"
     if steps != step:
         return f"its summary.json is of step {steps}"
+    marker = files.inside(run_path, f"final/{COMPLETE}")  # None: final/ or its marker is a link
     try:
-        marker = json.loads((run_path / "final" / COMPLETE).read_text())
-        held = marker.get("step")
+        held = json.loads(files.read_text(marker)).get("step") if marker else None
     except (OSError, ValueError, AttributeError):
+        held = None
+    if held is None:
         return "its final/ is missing or incomplete"
     return None if held == step else f"its final/ holds step {held}"
 
 
 class RunDir:
-    """Owns one run folder: creates it, logs to train.log, appends metrics rows."""
+    """Owns one run folder: creates it, logs to train.log, appends metrics rows. Neither file is
+    opened through a link (refused in one line). An append that fails (a full disk) is not
+    raised where it happened, in the middle of a step: the file keeps its whole rows and takes
+    no more, `failed` holds the first failure's line, and the loop stops at its next log step
+    (stop_for_write) with summary.json written where the disk still takes it."""
 
     def __init__(self, path: Path, overwrite: bool, resume: bool = False):
         self.path = path
+        self.failed: str | None = None
         try:
             if path.is_dir() and overwrite:
                 # Emptied, not removed: the run's lock is on the folder itself.
                 for child in path.iterdir():
-                    if child.is_dir() and not child.is_symlink():
-                        shutil.rmtree(child)
-                    else:
-                        child.unlink()
+                    files.remove(child)
             path.mkdir(parents=True, exist_ok=True)  # claim_run_dir made (or found) it for a real run
-            self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
-            self._log = open(path / "train.log", "a", buffering=1)
-        except OSError as err:  # a read-only file system, say
+            self._metrics = files.open_append(path / "metrics.jsonl")
+            self._log = files.open_append(path / "train.log")
+        except OSError as err:  # a read-only file system, say (a link there: LinkRefused, one line)
             raise UsageError(
                 f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
             ) from None
@@ -168,11 +145,21 @@ class RunDir:
         except OSError:
             pass  # file systems without symlinks: runs/latest is a convenience only
 
+    def _append(self, handle: files.Appender, text: str) -> None:
+        if handle.fd is None:  # failed before: a later row would leave a gap in the record
+            return
+        try:
+            handle.write(text)
+        except OSError as err:
+            handle.close()
+            if self.failed is None:
+                self.failed = write_failed(handle.path, err.errno or 0)
+
     def log(self, line: str) -> None:
-        self._log.write(line + "\n")
+        self._append(self._log, line + "\n")
 
     def metrics(self, row: dict) -> None:
-        self._metrics.write(json.dumps(_clean(row)) + "\n")
+        self._append(self._metrics, json.dumps(json_safe(row)) + "\n")
         self.mirror.row(row)
 
     def write(self, name: str, data) -> None:
@@ -181,3 +168,9 @@ class RunDir:
     def close(self) -> None:
         self._metrics.close()
         self._log.close()
+
+
+def stop_for_write(world: distributed.Dist, run_dir) -> bool:
+    """True on every rank once rank 0 could not append to metrics.jsonl or train.log (ranks
+    stop at the same step, or one waits forever in a collective)."""
+    return bool(distributed.max_across(world, [int(run_dir.failed is not None)])[0])

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import config
+from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
 from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
@@ -235,7 +236,7 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
             + (f", {winner.samples_per_sec / ref:.2f}x the optimized preset ({ref:.1f})" if ref else ", the preset failed")
             + f"; effective batch {full.effective_batch_size()}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join([head, *pairs]) + "\n")
+    files.atomic_write(path, "\n".join([head, *pairs]) + "\n")
     return pairs
 
 

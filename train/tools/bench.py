@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from train.core import files
 from train.core.errors import UsageError
 
 DEFAULT_ROUNDS = 5
@@ -355,5 +356,5 @@ def bench_main(argv: list[str]) -> int:
         print("bench interrupted")
         return 130
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        files.atomic_write(args.json, json.dumps(result, indent=2) + "\n")
     return 0

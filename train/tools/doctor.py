@@ -26,11 +26,11 @@ from pathlib import Path
 import config
 from train.core.device import resolve_device, supports
 from train.core.errors import UsageError
+from train.core.files import write_json
 from train.core.timing import INPUT_BOUND_FRAC
 from train.observe import monitor
 from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
 from train.run.claim import plan_run_dir
-from train.run.rundir import write_json
 
 DOCTOR_STEPS = 10
 MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound

@@ -257,7 +257,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
 
 
 def write(path: Path, key: dict, result: Result) -> None:
-    from train.run.rundir import write_json
+    from train.core.files import write_json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {**asdict(result), "key": key, "written": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from train.core import files
+
 HEADING = "## GPU table"
 
 
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     text = results.read_text() if results.is_file() else "# Benchmark results\n"
     fig = collect(out)
     new = section(fig, args.device or device_label(), args.date or time.strftime("%Y-%m-%d"))
-    results.write_text(replace_section(text, new))
+    files.atomic_write(results, replace_section(text, new))
     print(new, end="")
     print(f"gpu-report: wrote the GPU table of {results}")
     return 0

@@ -1,0 +1,188 @@
+"""A run folder and CACHE_DIR under attack or out of space, on tiny real runs: links planted at
+the kit's names (temporary ones included) are never written or read through, and the file
+outside stays as it was; a full disk while appending metrics.jsonl or saving the trained
+tokenizer is one line naming the file, with whole rows and summary.json where it fits; RESUME=1
+of a live run before its first save names that run."""
+
+import contextlib
+import fcntl
+import json
+import os
+import resource
+import shutil
+import signal
+
+import pytest
+import torch
+
+from conftest import read_jsonl, run_cli
+from train.run.checkpoint import list_checkpoints
+
+FAST = ["--batch_size", "4", "--seed", "3", "--log_every", "1", "--save_every", "2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a loaded 2-core machine spin against each other
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tiny_config, cache_dir, tmp_path_factory):
+    """A finished 2-step run with a checkpoint at step 2, and the flags that made it."""
+    runs = tmp_path_factory.mktemp("safety") / "runs"
+    flags = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
+             "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", *FAST]  # fmt: skip
+    assert run_cli("pretrain", *flags, "--max_steps", "2", "--run_name", "done") == 0
+    return runs, flags
+
+
+def copy_run(finished, name):
+    runs, flags = finished
+    shutil.copytree(runs / "done", runs / name, symlinks=True)
+    return runs / name, [*flags, "--run_name", name]
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A folder outside the run folder with one file in it; checked unchanged at the end."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "secret.txt").write_text("do not touch\n")
+    yield folder / "secret.txt"
+    assert (folder / "secret.txt").read_text() == "do not touch\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["secret.txt"]  # nothing written outside
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+def test_resume_never_writes_through_links_planted_at_temporary_names(finished, secret, capsys):
+    """RESUME=1 of a run without its final/: it writes final/, summary.json and config.json
+    while links wait at the temporary names older kits used and summary.json is a link."""
+    run, flags = copy_run(finished, "planted")
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    pid = os.getpid()  # run_cli trains in this process: these are the names it would have used
+    for name in (".summary.json.tmp", ".config.json.tmp", f".final.tmp-{pid}"):
+        os.symlink(secret, run / name)
+    for name in (f".final.old-{pid}", f"checkpoints/.tmp-step-00000002-{pid}", f"checkpoints/.old-step-00000002-{pid}"):
+        os.symlink(secret.parent, run / name)  # a folder outside: a tree removal there would empty it
+    os.symlink(secret, run / "summary.json")
+    assert run_cli("pretrain", *flags, "--max_steps", "2", "--resume", "1") == 0
+    assert "is trained to the end but its summary.json is missing or unreadable" in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert not (run / "summary.json").is_symlink() and summary["steps"] == 2
+    assert (run / "final" / ".complete").is_file() and not (run / "final").is_symlink()
+    # The kit's own leftover names are unlinked, never followed; the others are left alone.
+    for name in (f".final.old-{pid}", f".final.tmp-{pid}", f"checkpoints/.tmp-step-00000002-{pid}"):
+        assert not os.path.lexists(run / name), name
+    assert (run / ".summary.json.tmp").is_symlink()
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "train.log"])
+def test_resume_refuses_an_append_file_that_is_a_link(name, finished, secret, capsys):
+    run, flags = copy_run(finished, f"link-{name}")
+    (run / name).unlink()
+    os.symlink(secret, run / name)
+    assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: {run / name} is a symbolic link; the kit never writes or reads through a link")
+    assert (run / name).is_symlink()
+
+
+def test_checkpoint_folders_that_are_links_are_not_checkpoints(finished, secret, capsys):
+    """A step folder linked to a folder elsewhere is never listed (so never loaded or pruned);
+    checkpoints/ itself a link is refused in one line."""
+    run, flags = copy_run(finished, "linked-step")
+    os.symlink(run / "checkpoints" / "step-00000002", run / "checkpoints" / "step-00000009")
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000002"]
+    elsewhere = secret.parent.parent / "elsewhere"
+    (run / "checkpoints").rename(elsewhere)
+    os.symlink(elsewhere, run / "checkpoints")
+    assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 2
+    assert one_error(capsys) == (
+        f"error: {run / 'checkpoints'} is a symbolic link; the kit never writes or reads through a link in its "
+        "own folders (remove it and run again)"
+    )
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past `limit` bytes fail with EFBIG in this process, as a full disk fails them with
+    ENOSPC (SIGXFSZ ignored: a failed write, not a killed process)."""
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_full_disk_while_appending_metrics_keeps_whole_rows_and_says_resume(finished, capsys):
+    """metrics.jsonl grown near a file-size limit (rows of step 0 that RESUME=1 keeps), then a
+    resumed run appends until a row no longer fits: one line naming the file, no cut row,
+    summary.json written, and RESUME=1 (named in the line) continues the run."""
+    run, flags = copy_run(finished, "full")
+    pad = json.dumps({"step": 0, "pad": "x" * 1000}) + "\n"
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write(pad * 3000)  # 3 MB: more than a checkpoint of the tiny model
+    size = (run / "metrics.jsonl").stat().st_size
+    with file_size_limit(size + 500):  # room for one row of the resumed run, not two
+        code = run_cli("pretrain", *flags, "--max_steps", "8", "--resume", "1")
+    line = one_error(capsys)
+    assert code == 2
+    assert line == (
+        f"error: disk full: appending to {run / 'metrics.jsonl'} failed (File too large); its rows are whole; "
+        "checkpoint step-00000002 is intact; free space, then RESUME=1 RUN_NAME=full continues the run"
+    )
+    text = (run / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(row) for row in text.splitlines())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit_reason"] == "write_failed" and summary["write_error"] == line.removeprefix("error: ")
+    assert summary["steps"] == 4 and not list(run.glob(".*.tmp"))
+
+    assert run_cli("pretrain", *flags, "--max_steps", "8", "--resume", "1") == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] == list(range(1, 9))
+    assert json.loads((run / "summary.json").read_text())["exit_reason"] == "completed"
+
+
+def test_full_disk_while_saving_the_trained_tokenizer_is_one_line(finished, corpus, tiny_config, tmp_path, capsys):
+    """tokenizers (Rust) reports the failed write as a plain Exception ("... (os error 27)")."""
+    cache = tmp_path / "cache"
+    runs, flags = finished
+    argv = [*flags, "--cache_dir", str(cache), "--output_dir", str(tmp_path / "runs"), "--max_steps", "1"]
+    with file_size_limit(5000):
+        assert run_cli("pretrain", *argv) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: CACHE_DIR: cannot write the tokenizer {cache / 'tokenizers'}/bpe-512-")
+    assert line.endswith(": File too large")
+    assert list((cache / "tokenizers").iterdir()) == [] and not (tmp_path / "runs").exists()
+
+
+def test_resume_of_a_live_run_before_its_first_save_names_the_run(finished, capsys):
+    """A run that holds its folder (its flock) and has saved nothing yet: in use, not "no
+    checkpoint"."""
+    runs, flags = finished
+    run = runs / "live"
+    run.mkdir()
+    holder = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert run_cli("pretrain", *flags, "--run_name", "live", "--resume", "1") == 2
+        assert one_error(capsys) == (
+            f"error: RUN_NAME=live: {run} is in use by another run (pid {os.getpid()}); wait for it or pick "
+            "another RUN_NAME"
+        )
+    finally:
+        os.close(holder)
+    assert run_cli("pretrain", *flags, "--run_name", "live", "--resume", "1") == 2
+    assert "has no checkpoint (it stopped before its first save" in one_error(capsys)
