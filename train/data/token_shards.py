@@ -188,6 +188,8 @@ class _Build:
         self.source_bytes = sum(source_size(p) for p in files)
         wanted = tokenize.all_cores() if workers is None else workers
         self.workers = wanted if self.source_bytes >= tokenize.POOL_MIN_BYTES else 1
+        if not hasattr(tok, "backend_tokenizer"):
+            raise UsageError("TOKENIZER_PATH: the token cache needs a fast tokenizer (a folder with tokenizer.json)")
         self.tokenizer_json = tok.backend_tokenizer.to_str()
         self.eos_id = tok.convert_tokens_to_ids(tok.eos_token)
 
