@@ -215,6 +215,8 @@ def measure(corpus: Path, tokenizer: Path, work: Path, passes: int, with_referen
     print(f"[{corpus.name}] kit, warm run ...", flush=True)
     warm = kit_run(corpus, tokenizer, cache, work / "runs")
     shutil.rmtree(cache, ignore_errors=True)
+    if not kits:  # --passes 0: the cold run's own build is the kit's figure
+        kits.append({"tokens": cold["tokens"], "tokens_per_s": cold["tokens_per_s"]})
     best = lambda runs: max(runs, key=lambda r: r["tokens_per_s"]) if runs else None  # noqa: E731
     row = {"corpus": corpus.name, "mb": corpus.stat().st_size / 1e6, "ref": best(refs), "kit": best(kits),
            "cold": cold, "warm": warm, "passes": passes}  # fmt: skip
@@ -271,7 +273,8 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / ".cache" / "bench"), help="where corpora and caches go")
     parser.add_argument("--formats", default="jsonl,parquet")
     parser.add_argument("--note", default="", help="a sentence for RESULTS.md (load on the machine ...)")
-    parser.add_argument("--passes", type=int, default=2, help="reference / kit builds alternated per corpus")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="reference / kit builds alternated per corpus (0: only the cold run's build)")
     parser.add_argument("--reference-max-mb", type=int, default=100_000, help="skip the reference above this size")
     args = parser.parse_args()
     work = Path(args.work)
@@ -286,7 +289,7 @@ def main() -> None:
         if "parquet" in args.formats:
             corpora["parquet"] = work / f"corpus-{mb}mb.parquet"
             make_parquet(jsonl, corpora["parquet"])
-        passes = args.passes if mb <= 200 else 1  # a 1 GB pass takes minutes on 2 cores
+        passes = args.passes if mb <= 200 else min(args.passes, 1)  # a 1 GB pass takes minutes on 2 cores
         rows += [measure(corpora[f], tokenizer, work, passes, mb <= args.reference_max_mb) for f in args.formats.split(",")]
         write_results(rows, args.note)
     print(table(rows))
