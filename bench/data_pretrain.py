@@ -280,7 +280,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(work / "tokenizer")
-    rows = []
+    rows: list[dict] = []
     for mb in (int(s) for s in args.sizes.split(",")):
         jsonl = work / f"corpus-{mb}mb.jsonl"
         print(f"generating {jsonl} ...", flush=True)
@@ -290,9 +290,22 @@ def main() -> None:
             corpora["parquet"] = work / f"corpus-{mb}mb.parquet"
             make_parquet(jsonl, corpora["parquet"])
         passes = args.passes if mb <= 200 else min(args.passes, 1)  # a 1 GB pass takes minutes on 2 cores
-        rows += [measure(corpora[f], tokenizer, work, passes, mb <= args.reference_max_mb) for f in args.formats.split(",")]
-        write_results(rows, args.note)
+        for fmt in args.formats.split(","):
+            rows = remember(work, measure(corpora[fmt], tokenizer, work, passes, mb <= args.reference_max_mb))
+            write_results(rows, args.note)
     print(table(rows))
+
+
+def remember(work: Path, row: dict) -> list[dict]:
+    """Every corpus measured in this work folder (a later run of one corpus replaces its row),
+    so sizes measured in separate runs share one table."""
+    store = work / "results.json"
+    rows = {r["corpus"]: r for r in (json.loads(store.read_text()) if store.exists() else [])}
+    rows[row["corpus"]] = row
+    size = lambda r: int(re.search(r"(\d+)mb", r["corpus"]).group(1))  # noqa: E731  (generated size in the name)
+    ordered = sorted(rows.values(), key=lambda r: (size(r), r["corpus"]))
+    store.write_text(json.dumps(ordered, indent=1))
+    return ordered
 
 
 if __name__ == "__main__":
