@@ -200,3 +200,28 @@ def test_one_process_builds_while_the_others_wait(docs_corpus, tok, tmp_path):
     again = data.token_cache(files, key, tok, cache, said.append)  # built once: now only opened
     assert not any("tokenizing" in line for line in said)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(result["tokens"]))
+
+
+def test_full_disk_after_two_shards_keeps_them(small_shards, docs_corpus, tok, tmp_path, monkeypatch):
+    import errno
+
+    from train.core.errors import UsageError
+
+    _, shards = build(docs_corpus, tok, tmp_path / "whole")
+    real = token_shards._ShardFile.add
+
+    def fills_up(self, ids):
+        if self.path.name == "shard-00002.bin":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, ids)
+
+    monkeypatch.setattr(token_shards._ShardFile, "add", fills_up)
+    with pytest.raises(UsageError) as caught:
+        build(docs_corpus, tok, tmp_path / "full")
+    message = str(caught.value)
+    assert message.startswith("CACHE_DIR: cannot write the token cache ") and "\n" not in message
+    assert message.endswith("shard-00002.bin: No space left on device; 2 finished shard(s) kept: the next run continues from there")
+    monkeypatch.setattr(token_shards._ShardFile, "add", real)
+    _, resumed = build(docs_corpus, tok, tmp_path / "full")
+    assert [p.read_bytes() for p in resumed] == [p.read_bytes() for p in shards]
+    assert not [p for p in (tmp_path / "full").rglob("*") if ".tmp" in p.name]

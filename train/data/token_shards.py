@@ -182,10 +182,10 @@ class _ShardFile:
 class _Build:
     """Writes the shards a manifest lacks (continue) or has damaged (mend)."""
 
-    def __init__(self, folder, manifest, files, text_field, tok, dtype, workers, say):
-        self.folder, self.manifest, self.files, self.field = folder, manifest, files, text_field
+    def __init__(self, folder, manifest, sources, text_field, tok, dtype, workers, say):
+        self.folder, self.manifest, self.files, self.field = folder, manifest, sources, text_field
         self.dtype, self.say = dtype, say
-        self.source_bytes = sum(source_size(p) for p in files)
+        self.source_bytes = sum(source_size(p) for p in sources)
         wanted = tokenize.all_cores() if workers is None else workers
         self.workers = wanted if self.source_bytes >= tokenize.POOL_MIN_BYTES else 1
         if not hasattr(tok, "backend_tokenizer"):
