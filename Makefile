@@ -12,7 +12,7 @@ help:
 	@echo "make sft       SFT with ./train_sft_custom.sh (micro-batch 16; MODEL_PATH, DATA_PATH ...)"
 	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
 	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final)"
-	@echo "make sft-bench LENGTH_GROUPING=0 vs 1 on the same SFT run: padding efficiency and samples/s"
+	@echo "make sft-bench the same SFT run three ways: plain padding, LENGTH_GROUPING=1, PACKING=1; padding and tokens/s"
 	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
 	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
 	@echo "make doctor    short profiled run and what to change (ARGS=--apply tries the fix)"

@@ -166,6 +166,8 @@ class DataConfig:
         if not self.text_field.strip():
             raise bad_value("text_field", "the name of the text field or column", self.text_field)
         _check_int(self, "token_budget", 1, optional=True)
+        if self.packing and self.token_budget is not None:
+            raise UsageError("PACKING=1 (--packing) and TOKEN_BUDGET (--token_budget) both size the batches: choose one")
         _check_int(self, "max_length", 2, optional=True)
         _check_int(self, "num_workers", 0)
         _check_int(self, "prefetch_factor", 1, optional=True)

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from conftest import read_jsonl, run_cli
-from train.core.errors import UsageError
 
 
 def write_jsonl(path, records) -> str:
@@ -47,12 +46,17 @@ def test_packing_fills_rows_and_trains(base_model, mixed, tmp_path, capsys):
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows])
 
 
-def test_packing_with_token_budget_is_refused(base_model, mixed, tmp_path):
+def test_packing_with_token_budget_is_refused(base_model, mixed, tmp_path, capsys, monkeypatch):
+    """Refused with the other settings (config validation), before the model or data load."""
+    import train.run.sft
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(train.run.sft, "load_pretrained", no_load)
     argv = ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--data_path", mixed,
             "--max_length", "64", "--packing", "1", "--token_budget", "256", "--run_name", "x"]
-    with pytest.raises(UsageError, match="PACKING=1 and TOKEN_BUDGET"):
-        from train.config.flags import parse_training_args
-        from train.run.build import build
-
-        build(parse_training_args("sft", argv), lambda line: None)
+    assert run_cli("sft", *argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: PACKING=1 (--packing) and TOKEN_BUDGET") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "runs" / "x").exists()

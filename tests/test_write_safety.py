@@ -186,3 +186,51 @@ def test_resume_of_a_live_run_before_its_first_save_names_the_run(finished, caps
         os.close(holder)
     assert run_cli("pretrain", *flags, "--run_name", "live", "--resume", "1") == 2
     assert "has no checkpoint (it stopped before its first save" in one_error(capsys)
+
+
+def test_links_at_cache_names_are_removed_and_the_cache_built_again(corpus, cache_dir, tmp_path, secret):
+    """A tokenizer folder and a token cache linked to copies elsewhere (which would load fine
+    if followed): noted, unlinked, built again in CACHE_DIR; the copies are not read or changed."""
+    from train.data import text as data
+
+    sources = data.corpus_files(str(corpus))
+    key = data.corpus_fingerprint(sources)
+    name = f"bpe-512-{key}"
+    good = data.load_tokenizer(None, sources, key, 512, cache_dir, print)
+    cache = tmp_path / "cache"
+    (cache / "tokenizers").mkdir(parents=True)
+    elsewhere = secret.parent.parent / "elsewhere"
+    shutil.copytree(cache_dir / "tokenizers" / name, elsewhere / name)
+    os.symlink(elsewhere / name, cache / "tokenizers" / name)
+    notes = []
+    tok = data.load_tokenizer(None, sources, key, 512, cache, notes.append)
+    assert f"{cache / 'tokenizers' / name} in CACHE_DIR is a symbolic link" in notes[0]
+    assert (cache / "tokenizers" / name / "tokenizer.json").is_file()
+    assert not (cache / "tokenizers" / name).is_symlink() and tok.get_vocab() == good.get_vocab()
+
+    tokens = data.token_cache(sources, key, tok, cache_dir, print)  # the shared cache's files
+    shared = cache_dir / "tokens" / f"{key}-{data.tokenizer_fingerprint(tok)}"
+    (cache / "tokens" / shared.name).mkdir(parents=True)
+    for name in ("shard-00000.bin", "manifest.json"):
+        shutil.copyfile(shared / name, elsewhere / f"copy-{name}")
+        os.symlink(elsewhere / f"copy-{name}", cache / "tokens" / shared.name / name)
+    before = {p.name: p.read_bytes() for p in elsewhere.glob("copy-*")}
+    again = data.token_cache(sources, key, tok, cache, notes.append)
+    assert any("is a symbolic link" in note and note.endswith(".bin in CACHE_DIR is a symbolic link, not a cache "
+                                                              "this kit wrote; removed, building it again")
+               for note in notes)  # fmt: skip
+    assert (again == tokens).all() and not any(p.is_symlink() for p in (cache / "tokens").rglob("*"))
+    assert {p.name: p.read_bytes() for p in elsewhere.glob("copy-*")} == before
+
+
+@pytest.mark.parametrize("extra", [["--overwrite", "1"], ["--resume", "1"]])
+def test_a_run_name_that_is_a_link_is_refused(extra, finished, secret, capsys):
+    """OVERWRITE=1 through a link would empty the folder it points to."""
+    runs, flags = finished
+    link = runs / f"link-{extra[0].strip('-')}"
+    os.symlink(secret.parent, link)
+    assert run_cli("pretrain", *flags, "--run_name", link.name, "--max_steps", "2", *extra) == 2
+    assert one_error(capsys) == (
+        f"error: RUN_NAME={link.name}: {link} is a symbolic link; a run folder is never used through one "
+        "(set RUN_NAME to the folder it points to)"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 
@@ -122,3 +123,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def memory_capacity(device: torch.device, max_memory_mb: int | None = None) -> tuple[int | None, str]:
+    """(bytes, what) a run on `device` can fill at most: MAX_MEMORY_MB or the GPU's memory on
+    CUDA, the host's RAM elsewhere (the CPU, and mps, whose memory is the host's). None when
+    unknown. Read from properties: nothing is allocated."""
+    if device.type == "cuda":
+        if max_memory_mb:
+            return max_memory_mb * 2**20, f"MAX_MEMORY_MB={max_memory_mb}"
+        return torch.cuda.get_device_properties(device).total_memory, f"this GPU ({device_name(device)})"
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's RAM"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"

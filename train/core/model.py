@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
 
 # GPT-2 family shapes. nano is the CPU/test size; tiny ~30M with an 8K vocab (~50M with GPT-2's
 # 50K); small and medium are GPT-2 small (124M) and medium (350M).
@@ -37,15 +38,46 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
             **SIZES[model_size],
         )
     path = Path(model_config)
+    # Pretraining has no TRUST_REMOTE_CODE: a config naming its own classes is refused.
+    refuse_custom_code(path, "MODEL_CONFIG")
     try:
         raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         model_type = raw.pop("model_type")
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
-    except (OSError, ValueError, KeyError) as err:
-        raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({err})") from None
+    except Exception as err:  # OSError, ValueError, KeyError, huggingface_hub's validation errors
+        why = " ".join(line.strip() for line in str(err).splitlines()) or type(err).__name__
+        raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
+    check_shape(cfg, f"MODEL_CONFIG={model_config}")
     cfg.use_cache = False
     return cfg
+
+
+def check_shape(cfg, variable: str) -> None:
+    """A model that cannot be built or trained (no layers, a width the heads do not divide)
+    stops here in one line, not in a traceback from deep in transformers, or after training."""
+
+    def whole(name: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{variable}: {name} must be a whole number >= 1, got {value!r}")
+        return value
+
+    try:
+        layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+    except AttributeError as err:
+        raise UsageError(f"{variable}: not a decoder config this kit can train ({err})") from None
+    whole("the number of layers (n_layer / num_hidden_layers)", layers)
+    whole("the width (n_embd / hidden_size)", hidden)
+    whole("the number of heads (n_head / num_attention_heads)", heads)
+    if getattr(cfg, "head_dim", None) is None and hidden % heads:
+        raise UsageError(f"{variable}: the width {hidden} (n_embd / hidden_size) is not divisible by the {heads} heads")
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv is not None and heads % whole("num_key_value_heads", kv):
+        raise UsageError(f"{variable}: {heads} attention heads are not divisible by num_key_value_heads {kv}")
+    for name in ("n_positions", "max_position_embeddings", "seq_length"):
+        if getattr(cfg, name, None) is not None:
+            whole(f"the context length ({name})", getattr(cfg, name))
+            break
 
 
 def context_length(cfg) -> int:
@@ -69,9 +101,9 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int):
 
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
     except ValueError:
-        model = AutoModelForCausalLM.from_config(cfg)  # an architecture without sdpa support
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
     if getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:

@@ -35,6 +35,14 @@ def remove(path: Path) -> None:
     files.remove(path)
 
 
+def drop_link(path: Path, say) -> None:
+    """A link at one of the cache's names is not a cache this kit wrote (it could point
+    anywhere): removed, never followed or read, with a note; the cache is then built again."""
+    if path.is_symlink():
+        say(f"{path} in CACHE_DIR is a symbolic link, not a cache this kit wrote; removed, building it again")
+        remove(path)
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl+C while the cache is built."""
 
@@ -83,9 +91,10 @@ def sync(path: Path) -> None:
         files.fsync(path)
 
 
-def write_json(path: Path, value: dict) -> None:
-    """path replaced atomically: readers see the old JSON or the new, never a cut one; a
-    failure leaves no temporary file (train/core/files.py)."""
+def write_json(path: Path, value: dict, temps: list[Path] | None = None) -> None:
+    """path replaced atomically: readers see the old JSON or the new, never a cut one. The
+    temporary file is the helper's own, removed by it on any failure (train/core/files.py), so
+    nothing is added to `building`'s temps."""
     files.write_json(path, value, indent=None)
 
 

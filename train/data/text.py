@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
 from train.data import cache_files, records, token_shards, tokenize
 
 EOS = "<|endoftext|>"
@@ -93,8 +94,10 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
     from transformers import AutoTokenizer
 
     if tokenizer_path is not None:
+        # Pretraining has no TRUST_REMOTE_CODE: a tokenizer folder never runs its own code here.
+        refuse_custom_code(tokenizer_path, "TOKENIZER_PATH")
         try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as err:
             raise UsageError(f"TOKENIZER_PATH: cannot load a tokenizer from {tokenizer_path}: {err}") from None
         if tok.eos_token is None:
@@ -113,6 +116,7 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
 def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, text_field: str, sample_mb: float):
     from transformers import PreTrainedTokenizerFast
 
+    cache_files.drop_link(folder, say)
     if folder.exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)

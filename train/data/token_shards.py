@@ -138,6 +138,10 @@ def token_cache(files: list[Path], key: str, tok, cache_dir: Path, say, text_fie
     folder = parent / key
     dtype = np.dtype(np.uint16 if len(tok) <= 65535 else np.uint32)
     with locked(parent, "a token cache", say):
+        # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
+        cache_files.drop_link(folder, say)
+        for name in [folder / MANIFEST, *sorted(folder.glob("shard-*.bin"))] if folder.is_dir() else []:
+            cache_files.drop_link(name, say)
         manifest, damage = _read_manifest(folder, dtype, len(tok), len(files))
         if damage:
             say(f"token cache {folder} was damaged ({damage}); rebuilding")

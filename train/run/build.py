@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig
+from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.data import text as data
@@ -61,6 +62,9 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE) -> Built:
     # its context stops here, before any data work.
     hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
     max_length = sequence_length(cfg, model_lib.context_length(hf_cfg), MAX_LENGTH_CAP, decide)
+    # From the config alone, before the data work and before anything is allocated.
+    variable = f"MODEL_CONFIG={cfg.model.model_config}" if cfg.model.model_config else f"MODEL_SIZE={model_size}"
+    estimate.refuse_unfit(hf_cfg, cfg, max_length, precision, device, world.world_size, variable)
     tok, dataset, val_dataset = pretraining_data(cfg, hf_cfg, max_length, say, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, dataset, decide, world.world_size)

@@ -24,6 +24,7 @@ def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite
     an explicit RUN_NAME that exists is refused unless OVERWRITE=1; RESUME=1 picks the run to
     continue. A real run takes its folder with claim_run_dir."""
     root = Path(output_dir)
+    _refuse_link(root, run_name)
     if resume:
         return find_run_dir(root, run_name, launcher)
     if run_name is None:
@@ -37,6 +38,16 @@ def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite
     if path.exists() and not overwrite:
         raise _exists(run_name, path)
     return path
+
+
+def _refuse_link(root: Path, run_name: str | None) -> None:
+    """RUN_NAME naming a link (runs/latest, or one planted): OVERWRITE=1 would empty, and the run
+    would write, wherever it points."""
+    if run_name is not None and (root / run_name).is_symlink():
+        raise UsageError(
+            f"RUN_NAME={run_name}: {root / run_name} is a symbolic link; a run folder is never used through one "
+            "(set RUN_NAME to the folder it points to)"
+        )
 
 
 def _default_name(launcher: str) -> str:
@@ -80,6 +91,7 @@ def claim_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrit
     and every folder is locked; one that a live run holds is refused, naming its pid."""
     root = Path(output_dir)
     label = f"RUN_NAME={run_name}" if run_name else "RESUME=1"
+    _refuse_link(root, run_name)
     if resume:
         try:
             path = plan_run_dir(output_dir, run_name, launcher, overwrite, resume)

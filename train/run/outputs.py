@@ -34,10 +34,12 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
                 run_dir.write("summary.json", summary)
             raise
     if stopped:
-        summary["write_error"] = run_dir.failed
-        with contextlib.suppress(OSError):
+        summary["write_error"] = line = run_dir.failed or "rank 0 could not write the run folder"
+        try:
             run_dir.write("summary.json", summary)
-        raise UsageError(run_dir.failed or "rank 0 could not write the run folder")  # rank 0's line is shown
+        except OSError:
+            line += " (summary.json could not be written either)"
+        raise UsageError(line)  # rank 0's line is the one shown
     try:
         run_dir.write("summary.json", summary)
     except OSError as err:

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
 from train.data import text as data_lib
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
@@ -37,7 +38,7 @@ from train.data.sft_data import (
     stop_token_ids,
 )
 from train.dist.distributed import SINGLE, Dist
-from train.run.evaluate import VAL_ROWS, val_windows
+from train.run.evaluate import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.run.plan import (
     Built,
     Decisions,
@@ -47,6 +48,7 @@ from train.run.plan import (
     sequence_length,
     shortest_limit,
 )
+from train.run.runlog import quiet_saving
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
@@ -94,10 +96,12 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
         "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
     )
     tok_source = tokenizer_path or path
+    var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
+    for folder, name in ((tok_source, var), (path, "MODEL_PATH")):
+        refuse_custom_code(folder, name, trust_remote_code, allow="TRUST_REMOTE_CODE=1 lets it run")
     try:
         tok = AutoTokenizer.from_pretrained(tok_source, **offline)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
-        var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
         raise UsageError(
             f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
         ) from None
@@ -105,12 +109,13 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
     # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
     load = partial(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **offline)
     try:
-        try:
-            model = load(attn_implementation="sdpa")
-        except ValueError as err:
-            if "sdpa" not in str(err).lower():
-                raise
-            model = load()  # an architecture without sdpa support
+        with quiet_saving():  # no "Loading weights" bar on every run: the load takes a moment
+            try:
+                model = load(attn_implementation="sdpa")
+            except ValueError as err:
+                if "sdpa" not in str(err).lower():
+                    raise
+                model = load()  # an architecture without sdpa support
     except Exception as err:
         raise UsageError(
             f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}"
@@ -194,11 +199,21 @@ def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     added = ensure_special_tokens(tok)
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
-        model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        from transformers.utils import logging as hf_logging
+
+        # transformers explains its mean resizing in a paragraph with a link on every run; the
+        # decision below says it once, in the kit's words.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         decide(
             "vocab_size",
             model.get_input_embeddings().num_embeddings,
-            f"{added} chat-template token(s) added to the tokenizer; embeddings resized (multiple of 64)",
+            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for {added} chat-template "
+            "token(s) (a multiple of 64; new rows drawn around the mean of the old)",
         )
     # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
     model.generation_config.eos_token_id = stop_token_ids(tok)
@@ -290,8 +305,6 @@ def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision:
     """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
     (train/data/packing.py), the collator that keeps them apart in attention, and the figures
     for summary.json. Returns (rows dataset, collator, summary entries)."""
-    if cfg.data.token_budget is not None:
-        raise UsageError("PACKING=1 and TOKEN_BUDGET both size the batches: choose one")
     if cfg.data.length_grouping:
         cfg.data.length_grouping = False
         decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
@@ -358,9 +371,18 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         val, *_ = load_dataset(val_cfg, tok, max_length, say)
         decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
         return val
-    n_val = val_windows(len(dataset), cfg.data.val_fraction, cfg.run.eval_batches * VAL_ROWS)
+    want = cfg.run.eval_batches * VAL_ROWS
+    n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
     if n_val == 0:
         return None
+    asked = math.ceil(cfg.data.val_fraction * len(dataset))
+    if n_val > asked:  # a small set: a handful of conversations gives a noisy validation loss
+        decide(
+            "val_fraction",
+            round(n_val / len(dataset), 4),
+            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} conversations; raised "
+            f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
+        )
     decide(
         "validation",
         f"{n_val} conversations",

@@ -19,8 +19,11 @@ import config
 from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.model import context_length
+from train.core.remote_code import refuse_custom_code
 from train.data.sft_data import prompt_for_generation, stop_token_ids
 
+# What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
 
 
@@ -56,6 +59,12 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
         raise UsageError(
             f"--model {model_dir}: not a model folder (no config.json); give a run's final/ folder"
         )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(
+            f"--model {model_dir}: no tokenizer files in the folder ({', '.join(TOKENIZER_FILES[:2])}); "
+            "give a run's final/ folder, which holds its tokenizer"
+        )
+    refuse_custom_code(path, "--model", trust_remote_code, allow="--trust_remote_code lets it run")
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, **offline)
@@ -63,6 +72,9 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
     except Exception as err:  # a folder transformers cannot load: one line, not a traceback
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UsageError(f"--model {model_dir}: cannot load the model: {first}") from None
+    # A run saved before the kit wrote use_cache into generation_config.json has the cache off,
+    # which makes generate() many times slower; a forward pass per token needs no other setting.
+    model.generation_config.use_cache = True
     dev, _ = resolve_device(device)
     return model.to(dev).eval(), tok, dev
 
@@ -91,6 +103,9 @@ class Chat:
         while len(ids) + self.args.max_new_tokens > self.context and len(self.turns) > first + 1:
             del self.turns[first : first + 2]
             ids = self._prompt_ids()
+        if not ids:  # an empty prompt, or a tokenizer without a vocabulary
+            self.turns.pop()
+            raise UsageError(f"--prompt: the tokenizer of {self.args.model} makes no tokens of it")
         if len(ids) >= self.context:
             self.turns.pop()
             raise UsageError(
