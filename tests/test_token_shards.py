@@ -36,9 +36,10 @@ def docs_corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tok(docs_corpus, cache_dir):
+def tok(docs_corpus, tmp_path_factory):
+    # Its own cache: the shared one holds only the corpus fixture's tokenizer (test_cache picks it).
     files = data.corpus_files(str(docs_corpus))
-    return data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, cache_dir, print)
+    return data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, tmp_path_factory.mktemp("tok"), print)
 
 
 def build(folder, tok, cache, workers=1):
@@ -152,7 +153,7 @@ def test_damaged_shard_is_rebuilt_alone(damage, small_shards, docs_corpus, tok, 
     assert all(p.stat().st_mtime_ns == t for p, t in times.items())  # the others untouched
 
 
-def test_pretraining_on_parquet_and_arrow_with_text_field(tmp_path, tiny_config, cache_dir, capsys):
+def test_pretraining_on_parquet_and_arrow_with_text_field(tmp_path, tiny_config, capsys):
     rows = [{"body": make_text(i, 6), "id": i} for i in range(300)]
     folder = tmp_path / "mixed"
     folder.mkdir()
