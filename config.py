@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+# One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name) and the checks
+# that name it on a bad value live in train/config/checks.py.
+from train.config.checks import ENV_NAMES, bad_value, env_name  # noqa: F401
+from train.config.checks import check_float as _check_float
+from train.config.checks import check_int as _check_int
 from train.core.errors import UsageError
 
 KIT_DIR = Path(__file__).resolve().parent
@@ -26,44 +30,12 @@ SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-# Launcher variable for a field, where it is not simply the field name in upper case.
-ENV_NAMES = {
-    "gradient_accumulation_steps": "GRADIENT_ACCUM",
-    "gradient_checkpointing": "ENABLE_GRAD_CKPT",
-}
-
-
-def env_name(name: str) -> str:
-    """The launcher variable for a config field (the README's knob table)."""
-    return ENV_NAMES.get(name, name.upper())
-
-
-def bad_value(name: str, accepted: str, value) -> UsageError:
-    return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
-
 
 def _exists_or_matches(path: str) -> bool:
     """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
     if any(c in path for c in "*?["):
         return bool(glob.glob(path, recursive=True))
     return Path(path).exists()
-
-
-def _check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
-    value = getattr(obj, name)
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise bad_value(name, f"a whole number >= {minimum}", value)
-
-
-def _check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:
-    value = getattr(obj, name)
-    if value is None and optional:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < minimum or (strict and value == minimum):
-        raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
 
 
 @dataclass(kw_only=True)

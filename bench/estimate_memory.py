@@ -33,7 +33,7 @@ def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake
     cfg = config.resolve(None, {"batch_size": batch_size, "gradient_accumulation_steps": accum})
 
     def steps(model, tracker=None):
-        optimizer, _ = make_optimizer(model, cfg, device)
+        optimizer, _ = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, device)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         ids = torch.randint(0, hf_cfg.vocab_size, (batch_size, max_length), device=device)
         batches = iter([{"input_ids": ids}] * (3 * accum))

@@ -49,14 +49,14 @@ def main() -> int:
     )
     b = build(cfg, lambda line: None)
     model, params = b.model, list(b.model.parameters())
-    stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size)
+    stream = BatchStream(*data_loader(b, b.cfg.optim.batch_size), b.cfg.optim.batch_size)
     x = next(stream)["input_ids"]
 
     def forward_backward():
         model(x, labels=x).loss.backward()
 
     forward_backward()  # gradients for the optimizers and the clip to work on
-    kit_opt, kind = make_optimizer(model, cfg, b.device)
+    kit_opt, kind = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, b.device)
     parts = {
         "AdamW torch default (plain loop)": torch.optim.AdamW(params, lr=1e-4).step,
         "AdamW foreach=True": torch.optim.AdamW(params, lr=1e-4, foreach=True).step,

@@ -146,7 +146,7 @@ kit_launch() {
 
 # kit_torchrun ARRAY: the torchrun arguments for NPROC_PER_NODE / NNODES / NODE_RANK /
 # MASTER_ADDR / MASTER_PORT (none for one process). torchrun in module form (no PATH lookup),
-# through train/dist/torchrun.py so that bad input still ends in one line and exit code 2.
+# through train/distributed/torchrun.py so that bad input still ends in one line and exit code 2.
 # The trainer itself reads only RANK, LOCAL_RANK and WORLD_SIZE, which torchrun sets.
 kit_torchrun() {
   local -n out=$1
@@ -160,7 +160,7 @@ kit_torchrun() {
   if [ "$nproc" = 1 ] && [ "$nnodes" = 1 ]; then
     return 0
   fi
-  out=(-m train.dist.torchrun --nproc_per_node "$nproc" --nnodes "$nnodes")
+  out=(-m train.distributed.torchrun --nproc_per_node "$nproc" --nnodes "$nnodes")
   if [ "$nnodes" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     kit_fail "NNODES=$nnodes: set MASTER_ADDR to the address of the first machine (and the same MASTER_PORT on every machine)"
   fi

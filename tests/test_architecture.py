@@ -1,42 +1,80 @@
-"""The shape of train/: packages in layers, imports pointing down only, no import cycles, and no
-function or file too long to read. Imports inside functions count: they hide cycles otherwise."""
+"""The shape of the kit: train/'s packages in layers, imports pointing down only (relative
+imports and importlib's included), the root config.py read only where it belongs, no import
+cycles, no function or file too long to read (config.py included), and the README's Layout map
+naming exactly the modules there are. Each rule is a function of the kit's folder, so the
+self-tests at the end plant each violation in a small tree of their own and watch it fail."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "train"
+import pytest
+
+KIT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones; packages of one layer do not import each other.
-LAYERS = {"core": 0, "config": 1, "data": 1, "dist": 1, "observe": 1, "run": 2, "tools": 3, "": 4}
+LAYERS = {"core": 0, "config": 1, "data": 1, "distributed": 1, "observe": 1, "run": 2, "tools": 3, "": 4}
+# The user's config.py (the root module "config") is read by these packages of train/ only; the
+# others are handed values. config.py itself imports only from these.
+CONFIG_READERS = ("config", "run")
+CONFIG_IMPORTS = ("core", "config")
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 400
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def module_name(path: Path, kit: Path) -> str:
+    parts = path.relative_to(kit).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+def modules(kit: Path) -> dict[str, Path]:
+    """train's modules, and the root config.py as "config"."""
+    found = {module_name(p, kit): p for p in sorted((kit / "train").rglob("*.py"))}
+    if (kit / "config.py").exists():
+        found["config"] = kit / "config.py"
+    return found
 
 
-def imports(path: Path, known: set[str]) -> set[str]:
-    """The train.* modules `path` imports anywhere in it (`from train.x import y` counts y when
-    y is a module)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """`from .x import y` in `module` -> the absolute name of .x."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _dynamic(tree: ast.AST) -> bool:
+    """Does the file load modules by name (importlib.import_module, __import__)?"""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__"):
+                return True
+    return False
+
+
+def imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """The kit's modules `path` imports anywhere in it: plain, relative (`from . import x`),
+    `from a import b` (b when it is a module), and by name through importlib / __import__ (every
+    string in such a file that names a module of the kit counts)."""
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name.startswith("train."):
-                found.add(name)
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, module, path.name == "__init__.py")
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    if _dynamic(tree):
+        names += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    found = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
     return found
 
 
@@ -45,29 +83,40 @@ def package(module: str) -> str:
     return parts[1] if len(parts) > 2 else ""
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(kit: Path) -> dict[str, set[str]]:
+    mods = modules(kit)
     known = set(mods)
     packages = {m for m, p in mods.items() if p.name == "__init__.py"}  # empty: nothing to import
-    return {m: imports(p, known) - packages - {m} for m, p in mods.items()}
+    return {m: imports(p, m, known) - packages - {m} for m, p in mods.items()}
 
 
-def test_every_package_has_a_layer():
-    for module in modules():
-        assert package(module) in LAYERS, f"{module}: package {package(module)!r} has no layer in LAYERS"
+def unlayered(kit: Path) -> list[str]:
+    return [f"{m}: package {package(m)!r} has no layer" for m in modules(kit) if m != "config" and package(m) not in LAYERS]
 
 
-def test_imports_point_down():
+def upward_imports(kit: Path) -> list[str]:
     wrong = []
-    for module, deps in graph().items():
+    for module, deps in graph(kit).items():
+        if module == "config":
+            continue
         here = package(module)
-        for dep in deps:
+        for dep in deps - {"config"}:
             there = package(dep)
-            if dep in (f"train.{here}",) or there == here:
+            if dep == f"train.{here}" or there == here:
                 continue
-            if LAYERS[there] >= LAYERS[here]:
+            if LAYERS.get(there, 99) >= LAYERS.get(here, -1):
                 wrong.append(f"{module} imports {dep} (layer {there or 'top'} is not below {here or 'top'})")
-    assert not wrong, "\n".join(sorted(wrong))
+    return sorted(wrong)
+
+
+def config_misreads(kit: Path) -> list[str]:
+    """Who imports the root config.py, and what config.py imports."""
+    edges = graph(kit)
+    wrong = [f"{m} imports the root config.py (only {CONFIG_READERS} may; pass values down)"
+             for m, deps in edges.items() if "config" in deps and m != "config" and package(m) not in CONFIG_READERS]
+    wrong += [f"config.py imports {dep} (only train.{CONFIG_IMPORTS} may be)"
+              for dep in edges.get("config", ()) if package(dep) not in CONFIG_IMPORTS]
+    return sorted(wrong)
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -96,42 +145,202 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle():
-    cycle = find_cycle(graph())
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-def test_the_checks_can_fail():
-    """The cycle finder and the layer rule catch what they are for."""
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert LAYERS[package("train.core.device")] < LAYERS[package("train.run.loop")]
-
-
-def test_functions_and_files_are_short():
+def too_long(kit: Path) -> list[str]:
     long = []
-    for path in modules().values():
-        lines = path.read_text().count("\n")
+    for path in modules(kit).values():
+        text = path.read_text()
+        lines = text.count("\n")
         if lines > MAX_FILE_LINES:
-            long.append(f"{path.relative_to(ROOT.parent)}: {lines} lines (at most {MAX_FILE_LINES})")
-        for node in ast.walk(ast.parse(path.read_text())):
+            long.append(f"{path.relative_to(kit)}: {lines} lines (at most {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 size = node.end_lineno - node.lineno + 1
                 if size > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {size} lines")
-    assert not long, "\n".join(long)
+                    long.append(f"{path.relative_to(kit)}:{node.lineno} {node.name}: {size} lines")
+    return long
 
 
-def test_the_readme_map_names_every_package_and_module():
-    readme = (ROOT.parent / "README.md").read_text()
+def layout_block(kit: Path) -> str:
+    readme = (kit / "README.md").read_text()
     block = readme[readme.index("## Layout"):]
-    block = block[: block.index("```", block.index("```") + 3)]
-    missing = []
-    for module, path in modules().items():
-        if path.name == "__init__.py":
+    return block[: block.index("```", block.index("```") + 3)]
+
+
+def _without_parentheses(text: str) -> str:
+    out, depth = [], 0
+    for ch in text:
+        depth += ch == "("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    return "".join(out)
+
+
+def layout_listed(kit: Path) -> dict[str, set[str]]:
+    """{package: the module names the Layout map lists under it} ("" for train/ itself). Under
+    "  pkg/" the names are the comma-separated words of its column (continued on the lines
+    indented to it), descriptions in parentheses or after "name:" left out."""
+    texts: dict[str, str] = {}
+    current, column = None, None
+    for line in layout_block(kit).splitlines():
+        indent = len(line) - len(line.lstrip())
+        head = line.strip().split("  ")[0]
+        if indent == 2 and head.endswith("/"):  # "  run/     names..."
+            current = head[:-1]
+            rest = line.strip()[len(head):].strip()
+            column = line.index(rest) if rest else len(line)
+            texts[current] = rest
+        elif indent == 2:  # "  cli.py, __main__.py    what they do"
+            current = None
+            texts[""] = texts.get("", "") + ", " + ", ".join(n.strip()[:-3] for n in head.split(",") if n.strip().endswith(".py"))
+        elif current is not None and indent >= column:
+            texts[current] += " " + line.strip()
+        else:
+            current = None
+    listed = {}
+    for pkg, text in texts.items():
+        names = set()
+        for word in _without_parentheses(text).split(","):
+            before, colon, after = word.partition(":")
+            word = before if colon and before.strip().isidentifier() else (after if colon else before)
+            if word.strip().isidentifier():
+                names.add(word.strip())
+        listed[pkg] = names
+    return listed
+
+
+def map_mismatches(kit: Path) -> list[str]:
+    """Both ways: every package and module is named, and every name listed is a module."""
+    listed = layout_listed(kit)
+    wrong = []
+    for module, path in modules(kit).items():
+        if module == "config" or path.name == "__init__.py":
             continue
-        if path.parent != ROOT and f"  {path.parent.name}/" not in block:
-            missing.append(f"package {path.parent.name}/")
-        if path.stem not in block:
-            missing.append(module)
-    assert not missing, "README's Layout does not name: " + ", ".join(sorted(set(missing)))
+        pkg = package(module)
+        if path.stem not in listed.get(pkg, set()):
+            wrong.append(f"{module} is not in the README's Layout map")
+    for pkg, names in listed.items():
+        for name in names:
+            if not (kit / "train" / pkg / f"{name}.py").exists():
+                wrong.append(f"the README's Layout lists {pkg + '/' if pkg else ''}{name}, which does not exist")
+    return sorted(wrong)
+
+
+# ---- the rules, on this kit ------------------------------------------------------------------
+
+
+def test_every_package_has_a_layer():
+    assert not unlayered(KIT)
+
+
+def test_imports_point_down():
+    assert not upward_imports(KIT), "\n".join(upward_imports(KIT))
+
+
+def test_the_root_config_is_read_by_config_and_run_only():
+    assert not config_misreads(KIT), "\n".join(config_misreads(KIT))
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph(KIT))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_functions_and_files_are_short_config_py_included():
+    assert not too_long(KIT), "\n".join(too_long(KIT))
+
+
+def test_the_readme_map_and_the_modules_match_both_ways():
+    assert not map_mismatches(KIT), "\n".join(map_mismatches(KIT))
+
+
+# ---- the rules fail on what they are for ------------------------------------------------------
+
+README = """# kit
+
+## Layout
+
+```
+config.py                 configs
+train/                    python -m train
+  cli.py                    the command line
+  run/                      loop, plan (the plan,
+                            frozen), sft
+  core/                     step, device
+```
+"""
+
+
+@pytest.fixture
+def kit(tmp_path) -> Path:
+    """A small kit that keeps every rule."""
+    files = {
+        "config.py": "from train.core import device\n",
+        "train/__init__.py": "",
+        "train/cli.py": "from train.run import loop\n",
+        "train/run/__init__.py": "",
+        "train/run/loop.py": "from . import plan\nfrom .sft import x\nimport config\n",
+        "train/run/plan.py": "from ..core import step\n",
+        "train/run/sft.py": "x = 1\n",
+        "train/core/__init__.py": "",
+        "train/core/step.py": "import math\n",
+        "train/core/device.py": "",
+        "README.md": README,
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def all_problems(kit: Path) -> list[str]:
+    cycle = find_cycle(graph(kit))
+    return [*unlayered(kit), *upward_imports(kit), *config_misreads(kit), *too_long(kit), *map_mismatches(kit),
+            *(["cycle " + " -> ".join(cycle)] if cycle else [])]
+
+
+def test_the_planted_kit_keeps_every_rule(kit):
+    assert graph(kit)["train.run.loop"] == {"train.run.plan", "train.run.sft", "config"}
+    assert graph(kit)["train.run.plan"] == {"train.core.step"}
+    assert all_problems(kit) == []
+
+
+@pytest.mark.parametrize(
+    "path, text, rule, expected",
+    [
+        ("train/core/step.py", "from train.run import loop\n", upward_imports, "train.core.step imports train.run.loop"),
+        ("train/core/step.py", "from ..run import loop\n", upward_imports, "train.core.step imports train.run.loop"),
+        ("train/core/step.py", "from ..run.loop import x\n", upward_imports, "train.core.step imports train.run.loop"),
+        ("train/core/step.py", "import importlib\nm = importlib.import_module('train.run.plan')\n", upward_imports,
+         "train.core.step imports train.run.plan"),
+        ("train/core/step.py", "M = {'a': 'train.run.sft'}\nm = __import__(M['a'])\n", upward_imports,
+         "train.core.step imports train.run.sft"),
+        ("train/core/step.py", "from config import TrainConfig\n", config_misreads, "train.core.step imports the root config"),
+        ("train/cli.py", "import config\n", config_misreads, "train.cli imports the root config"),
+        ("config.py", "from train.run import plan\n", config_misreads, "config.py imports train.run.plan"),
+        ("train/core/step.py", "def f():\n" + "    x = 1\n" * 90, too_long, "f: 91 lines"),
+        ("config.py", "x = 1\n" * 401, too_long, "config.py: 401 lines"),
+        ("train/run/extra.py", "", map_mismatches, "train.run.extra is not in the README's Layout map"),
+        ("train/weird/x.py", "", unlayered, "package 'weird' has no layer"),
+    ],
+)
+def test_each_rule_fails_on_its_planted_violation(kit, path, text, rule, expected):
+    (kit / path).parent.mkdir(parents=True, exist_ok=True)
+    (kit / path).write_text(text)
+    problems = rule(kit)
+    assert any(expected in p for p in problems), problems
+
+
+def test_a_listed_module_that_does_not_exist_fails(kit):
+    (kit / "train/run/sft.py").unlink()
+    assert "the README's Layout lists run/sft, which does not exist" in map_mismatches(kit)
+    (kit / "train/run/sft.py").write_text("")
+    readme = (kit / "README.md").read_text().replace("loop, plan", "loop, gone, plan")
+    (kit / "README.md").write_text(readme)
+    assert map_mismatches(kit) == ["the README's Layout lists run/gone, which does not exist"]
+
+
+def test_a_cycle_is_found(kit):
+    (kit / "train/run/sft.py").write_text("from train.run import loop\n")
+    assert find_cycle(graph(kit)) == ["train.run.loop", "train.run.sft", "train.run.loop"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

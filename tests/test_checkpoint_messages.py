@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, run_cli
-from train.dist import safe_load
+from train.distributed import safe_load
 from train.run import checkpoint
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, read_jsonl, run_cli
-from train.dist import safe_load
+from train.distributed import safe_load
 from train.run import checkpoint
 
 STEPS = ["--batch_size", "2", "--max_steps", "6", "--save_every", "2", "--sharding", "zero2", "--log_every", "1",

@@ -19,6 +19,7 @@ import torch
 
 from conftest import ROOT, read_jsonl
 from train.data import text as data
+from train.data.loader import make_loader
 
 # Stands in for .venv/bin/python: `-m train compare` runs for real; a training command is recorded
 # and leaves a summary.json whose samples/s is read from SPEEDS (a queue per preset).
@@ -151,7 +152,7 @@ def test_both_sides_train_on_the_same_sequences(tmp_path):
     def seen(batch_size, workers, budget):
         cfg = SimpleNamespace(num_workers=workers, prefetch_factor=2 if workers else None,
                               pin_memory=False, persistent_workers=False)
-        loader, sampler = data.make_loader(dataset, cfg, batch_size, 1337, torch.device("cpu"))
+        loader, sampler = make_loader(dataset, cfg, batch_size, 1337, torch.device("cpu"))
         stream, rows = BatchStream(loader, sampler, batch_size), []
         while len(rows) < budget:
             rows.extend(next(stream)["input_ids"])

@@ -14,8 +14,9 @@ import torch
 from conftest import launch, read_jsonl, run_cli, tiny_model
 from train.core.errors import UsageError
 from train.core.step import full_value
-from train.data.text import EpochSampler, make_loader
-from train.dist import distributed, parallel
+from train.data.loader import make_loader
+from train.data.text import EpochSampler
+from train.distributed import distributed, parallel
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
 
@@ -91,7 +92,7 @@ def test_launcher_starts_torchrun_in_module_form():
     code, args, _ = argv({"NPROC_PER_NODE": "2", "SHARDING": "zero2", "OFFLOAD_OPTIMIZER": "1"})
     assert code == 0
     runner = args[: args.index("train")]
-    assert runner[:3] == ["python", "-m", "train.dist.torchrun"]
+    assert runner[:3] == ["python", "-m", "train.distributed.torchrun"]
     assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
     assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
     code, args, _ = argv(
@@ -213,7 +214,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)
-    opt_a, _ = make_optimizer(a, cfg, cpu)
+    opt_a, _ = make_optimizer(a, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
     steps(a, opt_a, batches[0:2])
     steps(a, opt_a, batches[2:4])
     where = os.path.join(folder, sharding)
@@ -223,7 +224,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     # a different init: the load must replace all of it
     b = parallel.wrap(tiny_model(1), world, sharding, offload, cpu)
-    opt_b, _ = make_optimizer(b, cfg, cpu)
+    opt_b, _ = make_optimizer(b, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
     parallel.load_sharded(where, b, opt_b)
     loaded = _local_state(b, opt_b)
     for x, y in zip(saved[0] + saved[1], loaded[0] + loaded[1], strict=True):

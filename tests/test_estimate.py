@@ -64,7 +64,7 @@ def test_estimate_matches_a_tracked_step(checkpointing, chunked, monkeypatch):
     cpu = torch.device("cpu")
     with FakeTensorMode():
         model = build_model(hf, checkpointing, 0)
-        optimizer, _ = make_optimizer(model, cfg, cpu)
+        optimizer, _ = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
         ids = torch.randint(0, 512, (16, 128))
         tracker = MemTracker()
         tracker.track_external(model)

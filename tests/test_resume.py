@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from tiny_tools import one_thread
 
 from conftest import ROOT, read_jsonl, run_cli
 from train.data.stream import BatchStream
@@ -30,13 +31,8 @@ RUN = ["--batch_size", "4", "--max_steps", str(STEPS), "--save_every", "3", "--k
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # One intra-op thread here and in the child processes: the same kernels give the same
-    # floating-point results, and one thread stays steady on a loaded machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread():
+    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

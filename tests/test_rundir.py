@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
-import torch
 import transformers
+from tiny_tools import one_thread
 
 from conftest import ROOT, read_jsonl, run_cli
 from train.run import claim as claims_module
@@ -27,11 +27,8 @@ FAST = ["--batch_size", "4", "--seed", "3"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on a loaded 2-core machine spin against each other
-    yield
-    torch.set_num_threads(before)
+def _one_thread():
+    yield from one_thread()
 
 
 def one_error(capsys) -> tuple[str, str]:

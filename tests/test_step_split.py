@@ -1,6 +1,7 @@
 """The step-time split (data wait vs compute), on the real loop with a tiny model, plus the timer's
 arithmetic and its CUDA-event path against fake events (the machine has no GPU)."""
 
+import dataclasses
 import json
 import os
 import time
@@ -116,8 +117,7 @@ def slow_data(monkeypatch):
 
     def build(*args, **kwargs):
         built = real_build(*args, **kwargs)
-        built.dataset = SlowDataset(built.dataset, delay=0.25)
-        return built
+        return dataclasses.replace(built, dataset=SlowDataset(built.dataset, delay=0.25))
 
     monkeypatch.setattr(train.run.pipeline, "build", build)
     # One compute thread: on a shared 2-core machine two OpenMP threads spinning against other

@@ -13,7 +13,7 @@ import shutil
 import signal
 
 import pytest
-import torch
+from tiny_tools import one_thread
 
 from conftest import read_jsonl, run_cli
 from train.run.checkpoint import list_checkpoints
@@ -22,11 +22,8 @@ FAST = ["--batch_size", "4", "--seed", "3", "--log_every", "1", "--save_every", 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on a loaded 2-core machine spin against each other
-    yield
-    torch.set_num_threads(before)
+def _one_thread():
+    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

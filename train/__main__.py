@@ -47,8 +47,8 @@ def run() -> int:
 
 if __name__ == "__main__":
     code = run()
-    # After a process group: exit without the interpreter's teardown (train/dist/distributed.py).
-    distributed = sys.modules.get("train.dist.distributed")
+    # After a process group: exit without the interpreter's teardown (train/distributed/distributed.py).
+    distributed = sys.modules.get("train.distributed.distributed")
     if distributed is not None:
         distributed.exit_process(code)
     sys.exit(code)

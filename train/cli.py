@@ -36,8 +36,8 @@ commands:
 
 
 def _ahead_of_the_run(cfg, say, world) -> int | None:
-    """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch sets
-    BATCH_SIZE x GRADIENT_ACCUM, then the run goes on (None)."""
+    """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch chooses
+    BATCH_SIZE x GRADIENT_ACCUM for the plan (a plan.Chosen), then the run goes on."""
     if cfg.run.dry_run:
         from train.tools.dryrun import dry_run
 
@@ -45,7 +45,7 @@ def _ahead_of_the_run(cfg, say, world) -> int | None:
     if cfg.optim.auto_batch:
         from train.tools.find_batch import auto_batch
 
-        auto_batch(cfg, say, world)
+        return auto_batch(cfg, say, world)
     return None
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in TRAIN_COMMANDS:
-        from train.dist import distributed
+        from train.distributed import distributed
 
         # RANK / LOCAL_RANK / WORLD_SIZE (torchrun, accelerate launch) are read here and only here.
         world = distributed.from_env(os.environ)

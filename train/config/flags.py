@@ -38,6 +38,9 @@ def field_type(name: str) -> type:
     raise TypeError(f"unsupported annotation {annotation} for {name}")
 
 
+# Fields whose empty value the run decides ("auto" and "none" say the same; tests/test_knob_lists.py
+# keeps them config fields that default to None).
+AUTO_FIELDS = ("max_length", "warmup_steps", "model_size", "log_every")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -46,7 +49,7 @@ def parse_value(name: str, text: str):
     """Convert one flag's text to the field's type; an empty string means 'not set'."""
     kind = field_type(name)
     text = text.strip()
-    if text == "" or text.lower() in ("none", "auto") and name in ("max_length", "warmup_steps", "model_size", "log_every"):
+    if text == "" or text.lower() in ("none", "auto") and name in AUTO_FIELDS:
         return None
     if kind is bool:
         if text.lower() in TRUE_WORDS:

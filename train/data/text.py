@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
@@ -219,22 +219,3 @@ class EpochSampler(Sampler):
 
     def __len__(self) -> int:
         return max(0, self.n // self.world_size - self.start // self.world_size)
-
-
-def make_loader(
-    dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None, rank: int = 0, world_size: int = 1
-):
-    """The DataLoader with the guides' knobs: workers, prefetch, pinned memory, persistence."""
-    sampler = EpochSampler(len(dataset), seed, rank, world_size)
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=data_cfg.num_workers,
-        prefetch_factor=data_cfg.prefetch_factor,
-        pin_memory=data_cfg.pin_memory and device.type == "cuda",
-        persistent_workers=data_cfg.persistent_workers,
-        collate_fn=collate_fn,
-    )
-    return loader, sampler

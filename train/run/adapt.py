@@ -125,29 +125,15 @@ def scaled_lr(lr: float, effective: int, reference: int, rule: str) -> tuple[flo
 # ---- settings chosen at start ----
 
 
-def adapt(cfg, device: torch.device, dataset, decide, world: int = 1, host: dict | None = None) -> None:
-    """Settings chosen from the machine at start, before the loader and the step plan exist.
-    Order matters: the effective batch and LR first (they define the run), then memory."""
+def adapt(
+    cfg, device: torch.device, dataset, decide, world: int = 1, host: dict | None = None, max_length: int | None = None
+) -> None:
+    """Settings chosen from the machine at start, before the loader and the step plan exist, the
+    same for every mode. Order matters: the effective batch and LR first (they define the run),
+    then memory. max_length: the longest row (default: the packed dataset's window)."""
     dataset = getattr(dataset, "dataset", dataset)  # the packed dataset under a validation Subset
     o, d = cfg.optim, cfg.data
-    if o.effective_batch is not None and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world:
-        per = o.batch_size * world
-        if o.effective_batch % per:
-            raise UsageError(
-                f"EFFECTIVE_BATCH={o.effective_batch} is not a multiple of BATCH_SIZE={o.batch_size} x {world} process(es)"
-            )
-        o.gradient_accumulation_steps = o.effective_batch // per
-        decide("gradient_accumulation_steps", o.gradient_accumulation_steps,
-               f"EFFECTIVE_BATCH={o.effective_batch} / (BATCH_SIZE={o.batch_size} x {world} process(es))")
-    effective = o.batch_size * o.gradient_accumulation_steps * world
-    reference = o.lr_reference_batch or _default_reference()
-    if o.lr_scaling != "none":
-        lr, why = scaled_lr(o.learning_rate, effective, reference, o.lr_scaling)
-        if why != "kept":
-            o.learning_rate = lr
-        else:
-            why = f"LR_SCALING={o.lr_scaling}: effective batch {effective} is the reference"
-        decide("learning_rate", o.learning_rate, why)
+    batch_and_lr(o, d.token_budget, decide, world)
 
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -181,7 +167,8 @@ def adapt(cfg, device: torch.device, dataset, decide, world: int = 1, host: dict
             decide("pin_memory", False, f"{ram}, under {LOW_RAM_MB} MB: pinned pages can't be swapped out")
             d.pin_memory = False
     if d.num_workers > 0:
-        batch_mb = o.batch_size * dataset.max_length * 8 / MIB  # int64 token ids
+        rows = max_length if max_length is not None else dataset.max_length
+        batch_mb = o.batch_size * rows * 8 / MIB  # int64 token ids
         prefetch = d.prefetch_factor or 2
         while prefetch > 1 and d.num_workers * prefetch * batch_mb > PREFETCH_RAM_SHARE * avail:
             prefetch //= 2
@@ -193,7 +180,9 @@ def adapt(cfg, device: torch.device, dataset, decide, world: int = 1, host: dict
         else:
             decide("prefetch_factor", prefetch, f"kept: {d.num_workers} workers x {prefetch} batches = {in_flight:.1f} MB in flight")
 
-    tokens = dataset.tokens
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is None:  # SFT: encoded conversations in memory, no token cache to place
+        return
     size_mb = tokens.nbytes / MIB
     if isinstance(tokens, np.memmap) and size_mb <= TOKENS_IN_RAM_SHARE * avail:
         # Forked workers share the copy; spawned ones reopen the memmap (PackedDataset.__getstate__).
@@ -201,6 +190,33 @@ def adapt(cfg, device: torch.device, dataset, decide, world: int = 1, host: dict
         decide("token_cache", "ram", f"{size_mb:.0f} MB, under {TOKENS_IN_RAM_SHARE:.0%} of {ram}: read once, no page faults")
     else:
         decide("token_cache", "memmap", f"{size_mb:.0f} MB against {ram}: pages read on demand and shared by workers")
+
+
+def batch_and_lr(o, token_budget: int | None, decide, world: int) -> None:
+    """EFFECTIVE_BATCH -> GRADIENT_ACCUM, then LR_SCALING for the effective batch that results."""
+    if o.effective_batch is not None and token_budget is not None:
+        raise UsageError(
+            f"EFFECTIVE_BATCH={o.effective_batch} counts rows of BATCH_SIZE, which TOKEN_BUDGET replaces; "
+            "set GRADIENT_ACCUM instead"
+        )
+    if o.effective_batch is not None and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world:
+        per = o.batch_size * world
+        if o.effective_batch % per:
+            raise UsageError(
+                f"EFFECTIVE_BATCH={o.effective_batch} is not a multiple of BATCH_SIZE={o.batch_size} x {world} process(es)"
+            )
+        o.gradient_accumulation_steps = o.effective_batch // per
+        decide("gradient_accumulation_steps", o.gradient_accumulation_steps,
+               f"EFFECTIVE_BATCH={o.effective_batch} / (BATCH_SIZE={o.batch_size} x {world} process(es))")
+    effective = o.batch_size * o.gradient_accumulation_steps * world
+    reference = o.lr_reference_batch or _default_reference()
+    if o.lr_scaling != "none":
+        lr, why = scaled_lr(o.learning_rate, effective, reference, o.lr_scaling)
+        if why != "kept":
+            o.learning_rate = lr
+        else:
+            why = f"LR_SCALING={o.lr_scaling}: effective batch {effective} is the reference"
+        decide("learning_rate", o.learning_rate, why)
 
 
 def _default_reference() -> int:

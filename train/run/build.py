@@ -1,10 +1,10 @@
-"""Build everything a pretraining run needs before its folder exists: the plan (train/run/plan.py)
-and the objects it needs (tokenizer, token cache, model). `build` picks SFT's builder for
-`python -m train sft` (train/run/sft.py). Nothing here writes to runs/."""
+"""Build everything a run needs before its folder exists: the plan (train/run/plan.py
+make_plan, the same for every mode) and, for pretraining, where its model and data come from
+(PretrainingSource: tokenizer, token cache, a new model). `python -m train sft` takes its model
+and data from train/run/sft.py instead. Nothing here writes to runs/."""
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
@@ -15,22 +15,10 @@ from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.data import text as data
-from train.dist.distributed import SINGLE, Dist
-from train.run import adapt, evaluate
-from train.run.plan import (
-    Built,
-    Decisions,
-    device_and_precision,
-    parallel,
-    resolve_pacing,
-    sequence_length,
-    shortest_limit,
-)
-from train.run.sft import build_sft, refuse_sft_settings
-
-# With no GPU and no MODEL_SIZE, a demo sized to finish in a few minutes on 2 cores.
-CPU_DEMO_SAMPLES = 2048
-MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
+from train.distributed.distributed import SINGLE, Dist
+from train.run import evaluate
+from train.run.plan import Chosen, Data, Plan, make_plan, shortest_limit
+from train.run.sft import SFTSource, refuse_sft_settings
 
 
 def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[int, str]:
@@ -48,39 +36,44 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
     return steps, f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
-def build(asked: TrainConfig, say, world: Dist = SINGLE) -> Built:
-    """The plan and the objects of a run. `asked` is left as it is: what was decided (adapted
-    workers, derived accumulation, the demo budget ...) is in Built.cfg and Built.decisions."""
-    cfg = copy.deepcopy(asked)
-    if cfg.run.mode == "sft":
-        return build_sft(cfg, say, world)
-    refuse_sft_settings(cfg)
-    decide = Decisions(say)
-    device, precision = device_and_precision(cfg, world, decide)
-    model_size, demo = choose_model_size(cfg, device, say, decide)
-    # The model's shape first (vocab set once the tokenizer is known): a MAX_LENGTH longer than
-    # its context stops here, before any data work.
-    hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
-    max_length = sequence_length(cfg, model_lib.context_length(hf_cfg), MAX_LENGTH_CAP, decide)
-    # From the config alone, before the data work and before anything is allocated.
-    variable = f"MODEL_CONFIG={cfg.model.model_config}" if cfg.model.model_config else f"MODEL_SIZE={model_size}"
-    estimate.refuse_unfit(hf_cfg, cfg, max_length, precision, device, world.world_size, variable)
-    tok, dataset, val_dataset = pretraining_data(cfg, hf_cfg, max_length, say, decide)
-    # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
-    adapt.adapt(cfg, device, dataset, decide, world.world_size)
-    if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
-        cfg.optim.max_samples = CPU_DEMO_SAMPLES
-        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
-    total_steps, why = plan_steps(cfg, len(dataset), world.world_size)
-    decide("total_steps", total_steps, why)
-    warmup = resolve_pacing(cfg, total_steps, decide)
-    model = make_model(cfg, hf_cfg, device)
-    parallel(cfg, world, decide)
-    return Built(
-        cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
-        model=model, tokenizer=tok, dataset=dataset, total_steps=total_steps, warmup_steps=warmup,
-        decisions=decide.items, world=world, val_dataset=val_dataset,
-    )
+def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None = None) -> Plan:
+    """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
+    (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
+    is in Plan.cfg and Plan.decisions."""
+    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource(world.world_size)
+    return make_plan(asked, say, world, source, chosen)
+
+
+class PretrainingSource:
+    """Pretraining: a new model (MODEL_SIZE or MODEL_CONFIG) and packed windows of a token cache."""
+
+    def __init__(self, world_size: int = 1):
+        self.world_size = world_size
+
+    def refuse(self, cfg: TrainConfig) -> None:
+        refuse_sft_settings(cfg)
+
+    def model(self, cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, int, bool]:
+        """(model size, context length, CPU demo). The model's shape first (vocab set once the
+        tokenizer is known), so a MAX_LENGTH longer than its context stops before any data work."""
+        model_size, demo = choose_model_size(cfg, device, say, decide)
+        self.model_size = model_size
+        self.hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
+        return model_size, model_lib.context_length(self.hf_cfg), demo
+
+    def data(self, cfg: TrainConfig, device, precision: str, max_length: int, say, decide) -> Data:
+        # From the config alone, before the data work and before anything is allocated.
+        m = cfg.model.model_config
+        variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={self.model_size}"
+        estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, self.world_size, variable)
+        tok, dataset, val_dataset = pretraining_data(cfg, self.hf_cfg, max_length, say, decide)
+        return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
+
+    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+        return plan_steps(cfg, len(data.dataset), world_size)
+
+    def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+        return make_model(cfg, self.hf_cfg, device)
 
 
 def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, bool]:

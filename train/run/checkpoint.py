@@ -16,7 +16,7 @@ rank 0 writes state.pt and meta.json (which lists and hashes every shard file) o
 written. Such a checkpoint resumes with any number of processes (torch.distributed.checkpoint
 reshards on load), but only into a sharded run, as a whole one resumes only into a whole run.
 Its pickled parts (shards/.metadata, the shards' non-tensor entries) are read by a restricted
-unpickler too, never by torch.distributed.checkpoint's own reader (train/dist/safe_load.py).
+unpickler too, never by torch.distributed.checkpoint's own reader (train/distributed/safe_load.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from train.core import files
 from train.core.errors import UsageError
 from train.core.files import fsync
-from train.dist import safe_load
+from train.distributed import safe_load
 from train.run.checkpoint_checks import (
     META,
     SHARDS,
@@ -154,7 +154,7 @@ class CheckpointManager:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
-        from train.dist import distributed, parallel
+        from train.distributed import distributed, parallel
 
         name = checkpoint_name(step)
         tmp = self.folder / f".tmp-{name}-sharded"

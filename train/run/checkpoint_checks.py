@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 
 from train.core import files
-from train.dist import safe_load
+from train.distributed import safe_load
 
 WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
 

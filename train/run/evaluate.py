@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import text as data
-from train.dist import distributed, parallel
+from train.distributed import distributed, parallel
 
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
 # The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
@@ -123,8 +123,10 @@ class Evaluator:
     """Runs the passes a run is due (every EVAL_EVERY steps and at the end), writes the rows,
     keeps the best loss and, with KEEP_BEST=1, the best model in best/."""
 
-    def __init__(self, b, run_dir, say, collate_fn=None):
+    def __init__(self, b, run_dir, say, collate_fn=None, micro_batch=None):
+        """micro_batch: () -> the training micro-batch now (the OOM guard's; default the plan's)."""
         self.b, self.run_dir, self.say = b, run_dir, say
+        self.micro_batch = micro_batch or (lambda: b.cfg.optim.batch_size)
         run = b.cfg.run
         self.every, self.batches, self.keep_best = run.eval_every, run.eval_batches, run.keep_best
         dataset = getattr(b, "val_dataset", None)
@@ -144,7 +146,7 @@ class Evaluator:
     def run(self, step: int, samples: int) -> float:
         """One pass; returns the seconds it took, which the loop keeps out of throughput."""
         start = time.perf_counter()
-        batch_size = self.b.cfg.optim.batch_size
+        batch_size = self.micro_batch()
         if self.loader.batch_size != batch_size:  # the micro-batch shrank after an out-of-memory
             self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
             self.batches = -(-self.sequences // batch_size)
@@ -207,6 +209,4 @@ def val_stop(b, evaluator: Evaluator, guard, steps_done: int, say) -> str | None
         then = f"newest good checkpoint: {saved[0].name}; lower LEARNING_RATE and resume with RESUME=1"
     else:
         then = "no checkpoint yet; lower LEARNING_RATE and start again"
-    guard.stop_detail = f"validation loss is {loss} at step {steps_done}; {then}"
-    say("stopping: " + guard.stop_detail)
-    return "non_finite_loss"
+    return guard.stop("non_finite_loss", f"validation loss is {loss} at step {steps_done}; {then}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from train.dist import parallel
+from train.distributed import parallel
 
 
 class Health:

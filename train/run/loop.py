@@ -14,18 +14,18 @@ from train.run.rundir import stop_for_write
 
 
 def run_loop(b, run_dir, say, guard) -> dict:
-    """Train from guard.first_step to b.total_steps (or a stop); returns summary.json's record."""
+    """Train from guard.first_step to guard.total_steps (or a stop); returns summary.json's record."""
     parts = prepare(b, run_dir, say, guard)
     meter = Meter(b, run_dir, say, guard, parts.batches)
     batches, log_every = meter.batches, b.cfg.run.log_every
     exit_reason, done = "completed", guard.first_step
     meter.start()
     try:
-        for step in range(guard.first_step, b.total_steps):
-            lr = parts.set_lr(*guard.schedule_at(step))  # samples-based: the same curve after a resume
+        for step in range(guard.first_step, guard.total_steps):
+            lr = parts.set_lr(guard.lr_at(step))  # samples-based: the same curve after a resume
             loss_t, norm_t, _ = parts.oom.step(lambda: batches.attempt(lambda: parts.step(batches)))
             done = step + 1
-            last = done == b.total_steps
+            last = done == guard.total_steps
             log_due = done % log_every == 0 or last
             eval_due = parts.evaluator.due(done, last)
             meter.step_end(done, counts_due=log_due or eval_due)
@@ -36,7 +36,8 @@ def run_loop(b, run_dir, say, guard) -> dict:
                     break
             if eval_due:
                 meter.exclude(parts.evaluator.run(done, meter.samples()))
-            stop = guard.step_done(done, loss_t, synced=log_due)  # saves every SAVE_EVERY; signals; NaN
+            # saves every SAVE_EVERY (with the meter's counts); signals; NaN
+            stop = guard.step_done(done, loss_t, synced=log_due, counted=meter.counted)
             if not stop and eval_due:
                 stop = val_stop(b, parts.evaluator, guard, done, say)  # a NaN validation loss
             if stop:
@@ -50,5 +51,5 @@ def run_loop(b, run_dir, say, guard) -> dict:
         meter.stop()
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
-    guard.finish(done, exit_reason)
+    guard.finish(done, exit_reason, counted=meter.counted)
     return report.summary(b, run_dir, meter, parts, guard, done, exit_reason)

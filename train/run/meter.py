@@ -18,7 +18,7 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.units import MIB
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe import monitor as monitor_lib
 
 NO_COUNTS = (0, 0, 0)
@@ -77,14 +77,17 @@ class Meter:
         self.batches = BatchCounter(self.timer.wrap(batches))  # rows, real/padded tokens
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
-        self.skip = steady_start(b.total_steps)
+        self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
         self.loss: float | None = None  # the last logged loss
         self.first_step_s = None
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
         self.host = monitor_lib.HostMemoryPeaks()
-        guard.counted = lambda: self.totals(distributed.sum_across(self.world, self.batches.counts()))
+
+    def counted(self) -> tuple[int, int]:
+        """(samples, tokens) trained so far, all ranks (a collective), for a checkpoint."""
+        return self.totals(distributed.sum_across(self.world, self.batches.counts()))
 
     def start(self) -> None:
         self.gpu.start()
@@ -97,7 +100,7 @@ class Meter:
             self.timer.start_steady()
         # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
         self.bar = tqdm(
-            total=self.b.total_steps, initial=self.first, desc=self.b.cfg.run.mode, unit="step",
+            total=self.guard.total_steps, initial=self.first, desc=self.b.cfg.run.mode, unit="step",
             dynamic_ncols=True, disable=None if self.world.is_main else True,
         )
 
@@ -157,7 +160,7 @@ class Meter:
         if self.device.type == "cuda":
             postfix["VRAM"] = f"{torch.cuda.max_memory_allocated(self.device) / MIB:.0f}MB"
         self.bar.set_postfix(postfix)
-        total, wait = self.b.total_steps, row["data_wait_frac"] or 0
+        total, wait = self.guard.total_steps, row["data_wait_frac"] or 0
         train_s = now - self.t0 - self.excluded
         eta = train_s / (step - self.first) * (total - step)
         line = (

@@ -50,12 +50,14 @@ def smaller_micro_batch(batch_size: int, per_rank_effective: int) -> int | None:
     return None
 
 
-def remedies(cfg, max_length: int, precision: str, hint: bool = True) -> str:
-    """The guides' fixes for a run that does not fit, as variables to set, most effective first."""
+def remedies(cfg, max_length: int, precision: str, hint: bool = True, micro: tuple[int, int] | None = None) -> str:
+    """The guides' fixes for a run that does not fit, as variables to set, most effective first.
+    micro: the (micro-batch, accumulation) that ran out (default: the config's)."""
     o = cfg.optim
-    effective = o.batch_size * o.gradient_accumulation_steps
+    batch_size, accum = micro or (o.batch_size, o.gradient_accumulation_steps)
+    effective = batch_size * accum
     steps = []
-    smaller = smaller_micro_batch(o.batch_size, effective)
+    smaller = smaller_micro_batch(batch_size, effective)
     if smaller:
         steps.append(f"BATCH_SIZE={smaller} GRADIENT_ACCUM={effective // smaller} (same effective batch)")
     if precision == "fp32":
@@ -74,33 +76,42 @@ class OutOfMemoryStop(Exception):
 
 
 class OomGuard:
-    """Owns the batch stream of a run so that a failed step can be redone from its first sample.
+    """Owns the batch stream of a run and its current micro-batch, so that a failed step can be
+    redone from its first sample with a smaller one. The plan keeps the micro-batch it chose.
 
     batches() is the micro-batch iterator train_step reads; step(fn) runs one optimizer step and,
-    on OOM, shrinks the micro-batch in b.cfg (the loop reads it back for the summary) and retries.
-    The stream's sampler is data.EpochSampler (set_position(epoch, start) skips the first samples
-    of an epoch).
+    on OOM, halves batch_size, doubles accumulation and retries. The stream's sampler is
+    data.EpochSampler (set_position(epoch, start) skips the first samples of an epoch).
     """
 
-    def __init__(self, b, reopen, optimizer, scaler, say, stream):
-        """stream: the run's positioned batch stream (train/data/stream.py BatchStream, with epoch,
-        consumed and sampler); reopen(epoch, start) builds a new one for the current
-        b.cfg.optim.batch_size at that position (and hands it to the checkpointing too)."""
-        self.b, self.reopen, self.optimizer, self.scaler, self.say = b, reopen, optimizer, scaler, say
+    def __init__(self, b, open_stream, optimizer, scaler, say):
+        """open_stream(batch_size, epoch, start): a positioned batch stream (train/data/stream.py
+        BatchStream, with epoch, consumed and sampler) of that micro-batch."""
+        self.b, self.open_stream, self.optimizer, self.scaler, self.say = b, open_stream, optimizer, scaler, say
+        self.batch_size, self.accumulation = b.cfg.optim.batch_size, b.cfg.optim.gradient_accumulation_steps
         self.failures = 0
         self.retries = 0
         self.events: list[dict] = []
         self.step_index = 0
-        self._stream = stream
+        self.stream = None
+
+    def open(self, epoch: int = 0, consumed: int = 0):
+        """The stream at a data position (the run's start, or a resume's)."""
+        self.stream = self.open_stream(self.batch_size, epoch, consumed)
+        return self.stream
 
     def batches(self):
         while True:
-            yield next(self._stream)
+            yield next(self.stream)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
     # -- one step, redone on OOM --
 
     def step(self, fn):
-        mark = (self._stream.epoch, self._stream.consumed)
+        mark = (self.stream.epoch, self.stream.consumed)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self.b.device.type == "cuda" else None
         while True:
@@ -119,30 +130,30 @@ class OomGuard:
                 torch.cuda.set_rng_state(cuda_rng)
 
     def _recover(self, mark: tuple[int, int], reason: str) -> None:
-        o = self.b.cfg.optim
         free_memory(self.b.device, self.optimizer)
         if hasattr(self.scaler, "_per_optimizer_states"):
             # an OOM after unscale_ would make the retry's unscale_ refuse ("already called")
             self.scaler._per_optimizer_states.clear()
         self.failures += 1
-        effective = o.batch_size * o.gradient_accumulation_steps
-        smaller = smaller_micro_batch(o.batch_size, effective)
+        old = self.batch_size
+        effective = old * self.accumulation
+        smaller = smaller_micro_batch(old, effective)
         step = self.step_index + 1
         if self.failures >= MAX_FAILURES or smaller is None:
-            why = f"out of memory {self.failures} time(s)" + ("" if smaller else f" at micro-batch {o.batch_size}")
+            why = f"out of memory {self.failures} time(s)" + ("" if smaller else f" at micro-batch {old}")
+            fixes = remedies(self.b.cfg, self.b.max_length, self.b.precision, micro=(old, self.accumulation))
             raise OutOfMemoryStop(
-                f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. "
-                f"Try: {remedies(self.b.cfg, self.b.max_length, self.b.precision)}"
+                f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. Try: {fixes}"
             )
-        old = o.batch_size
-        o.batch_size, o.gradient_accumulation_steps = smaller, effective // smaller
+        self.batch_size, self.accumulation = smaller, effective // smaller
         self.retries += 1
         self.events.append({"step": step, "batch_size_from": old, "batch_size_to": smaller, "reason": reason})
         self.say(
             f"out of memory at step {step} with micro-batch {old} ({reason}): retrying the step with "
-            f"BATCH_SIZE={smaller} GRADIENT_ACCUM={o.gradient_accumulation_steps} (effective batch {effective} kept)"
+            f"BATCH_SIZE={smaller} GRADIENT_ACCUM={self.accumulation} (effective batch {effective} kept)"
         )
         epoch, offset = mark
-        if self._stream.remaining(offset) < old:
+        if self.stream.remaining(offset) < old:
             epoch, offset = epoch + 1, 0  # the old loader would have ended the epoch here (drop_last)
-        self._stream = self.reopen(epoch, offset)
+        self.stream.close()
+        self.open(epoch, offset)

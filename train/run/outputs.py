@@ -8,7 +8,7 @@ import json
 
 from train.core import files
 from train.core.errors import UsageError
-from train.dist import distributed, parallel
+from train.distributed import distributed, parallel
 from train.run.rundir import RunDir, save_model, write_failed
 
 

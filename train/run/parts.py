@@ -8,24 +8,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.core.step import lr_at, make_optimizer, train_step
+from train.core.step import make_optimizer, train_step
 from train.data.stream import BatchStream
-from train.dist import parallel
+from train.distributed import parallel
 from train.run import compile_guard
 from train.run import oom as oom_lib
 from train.run.evaluate import Evaluator
+from train.run.signals import QuietWorkers
 
 
-def data_loader(b):
-    """(loader, sampler) for this run: SFT's own (b.make_loader) or the packed pretraining one."""
+def data_loader(b, batch_size: int):
+    """(loader, sampler) for this run at a micro-batch: SFT's own (b.make_loader) or the packed
+    pretraining one."""
     if b.make_loader is not None:
-        return b.make_loader(b)
-    from train.data.text import make_loader
+        return b.make_loader(b, batch_size)
+    from train.data.loader import make_loader
 
     w = b.world
-    return make_loader(
-        b.dataset, b.cfg.data, b.cfg.optim.batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size
-    )
+    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size)
 
 
 @dataclass
@@ -40,19 +40,17 @@ class Parts:
     batches: object  # micro-batches: positioned, OOM-aware, compile-aware
     compiled: dict = field(default_factory=dict)
 
-    def set_lr(self, position: float, warmup: float, total: float) -> float:
-        o = self.b.cfg.optim
-        lr = lr_at(position, o.learning_rate, warmup, total, o.min_lr_ratio)
+    def set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
 
     def step(self, batches):
-        """One optimizer step over `batches` (accumulation and micro-batch as they are now:
-        an out-of-memory retry changes both)."""
-        o, b = self.b.cfg.optim, self.b
+        """One optimizer step over `batches` (accumulation and micro-batch as the OOM guard holds
+        them now: an out-of-memory retry changes both)."""
+        b = self.b
         return train_step(
-            self.model, self.optimizer, self.scaler, batches, o.gradient_accumulation_steps, o.grad_clip,
+            self.model, self.optimizer, self.scaler, batches, self.oom.accumulation, b.cfg.optim.grad_clip,
             b.device, b.precision, self.gradient_sync,
         )
 
@@ -62,26 +60,29 @@ def prepare(b, run_dir, say, guard) -> Parts:
     cfg, device = b.cfg, b.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
     train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
-    optimizer, kind = make_optimizer(train_model, cfg, device)
+    optimizer, kind = make_optimizer(train_model, cfg.optim.learning_rate, cfg.optim.weight_decay, device)
     say(f"optimizer: AdamW ({kind})")
     scaler = parallel.grad_scaler(device, b.precision == "fp16", train_model)
-    loader, sampler = data_loader(b)
-    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
-    stream = guard.start(b.model, optimizer, scaler, loader, sampler)
 
-    def reopen(epoch: int, start: int):
-        """A new stream at a sample position for the current micro-batch (after an OOM)."""
-        guard.stream = BatchStream(*data_loader(b), b.cfg.optim.batch_size, epoch, start)
-        return guard.stream
+    def open_stream(batch_size: int, epoch: int, start: int) -> BatchStream:
+        """A stream of micro-batches of batch_size from a sample position (the start, a resume's,
+        or the failed step's after an OOM); workers leave Ctrl+C to the main process."""
+        loader, sampler = data_loader(b, batch_size)
+        if loader.num_workers > 0:
+            loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
+        return BatchStream(loader, sampler, batch_size, epoch, start)
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/oom.py)
-    oom = oom_lib.OomGuard(b, reopen, optimizer, scaler, say, stream)
+    oom = oom_lib.OomGuard(b, open_stream, optimizer, scaler, say)
+    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
+    guard.start(b.model, optimizer, scaler, oom)
     batches = oom.batches()
     step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
-    if cfg.model.compile and guard.first_step < b.total_steps:  # RESUME=1 rewriting final/ trains no step
+    if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), oom=oom,
-        evaluator=Evaluator(b, run_dir, say, b.val_collate), batches=batches, compiled=compiled,
+        evaluator=Evaluator(b, run_dir, say, b.val_collate, micro_batch=lambda: oom.batch_size),
+        batches=batches, compiled=compiled,
     )

@@ -5,15 +5,18 @@
     checkpoint, checked before the run folder is touched)  ->  run folder  ->  loop  ->
     final/, summary.json, curves and the closing lines.
 
-`before` is the command line's step ahead of the run (DRY_RUN=1 stops after the plan;
-AUTO_BATCH=1 lets find-batch set the micro-batch first): tools sit above this layer.
+`before` is the command line's step ahead of the run (DRY_RUN=1 stops after the plan: an exit
+code; AUTO_BATCH=1 lets find-batch choose the micro-batch first: a plan.Chosen, an input of the
+plan): tools sit above this layer.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from config import TrainConfig
 from train.core.step import make_optimizer
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
 from train.run import report
@@ -21,6 +24,7 @@ from train.run.build import build
 from train.run.claim import claim_run_dir
 from train.run.loop import run_loop
 from train.run.outputs import earlier_summary, finish
+from train.run.plan import Chosen
 from train.run.resume import RunGuard
 from train.run.rundir import RunDir
 from train.run.runlog import Console, capture_warnings
@@ -35,11 +39,11 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
     with capture_warnings(say):  # library warnings reach train.log too
-        code = before(cfg, say, world) if before else None
-        return code if code is not None else _train(cfg, say, world)
+        ahead = before(cfg, say, world) if before else None
+        return ahead if isinstance(ahead, int) else _train(cfg, say, world, ahead)
 
 
-def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
+def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None = None) -> int:
     r = cfg.run
     claims = []
 
@@ -50,32 +54,41 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist) -> int:
 
     run_path = distributed.on_main(world, claim)
     try:
-        return _run(cfg, say, world, run_path)
+        return _run(cfg, say, world, run_path, chosen)
     finally:
         if claims:  # the lock, and the folder too if the run stopped before writing to it
             claims[0].release()
 
 
-def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path) -> int:
+def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
-    b = distributed.main_first(world, lambda: build(cfg, say, world))
+    b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
     cfg = b.cfg  # as decided (the asked config is left as it was)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
-    guard = RunGuard(b, run_path, say, lambda: [g["params"] for g in make_optimizer(b.model, cfg, b.device)[0].param_groups])
+    def param_groups():
+        """The optimizer's parameter groups, for checking a checkpoint's optimizer state against."""
+        optimizer = make_optimizer(b.model, cfg.optim.learning_rate, cfg.optim.weight_decay, b.device)[0]
+        return [g["params"] for g in optimizer.param_groups]
+
+    guard = RunGuard(b, run_path, say, param_groups)
     if guard.complete:
         return 0
-    run_dir = RunDir(run_path, cfg.run.overwrite, resume=guard.resuming) if world.is_main else distributed.NullRunDir(run_path)
-    mirror = reporter(cfg.run.report_to, run_path) if world.is_main else NoLog()  # REPORT_TO
-    run_dir.mirror = mirror
+    mirror = partial(reporter, cfg.run.report_to)  # REPORT_TO
+    run_dir = (
+        RunDir(run_path, cfg.run.overwrite, resume=guard.resuming, mirror=mirror)
+        if world.is_main
+        else distributed.NullRunDir(run_path)
+    )
+    mirror = getattr(run_dir, "mirror", NoLog())
     say.attach(run_dir)
     say("resolved config:")
     for line in report.config_lines(cfg):
         say(line)
-    say(report.start_line(b, run_path))
-    run_dir.write("config.json", report.config_record(b))
+    say(report.start_line(b, run_path, guard.total_steps))
+    run_dir.write("config.json", report.config_record(b, guard))
     summary = run_loop(b, run_dir, say, guard)
     exit_code = guard.exit_code(summary["exit_reason"])
-    if guard.resuming and guard.first_step == b.total_steps and world.is_main:
+    if guard.resuming and guard.first_step == guard.total_steps and world.is_main:
         summary = earlier_summary(run_dir.path, summary)  # RESUME=1 only rewrote final/
     try:
         finish(b, run_dir, summary, world)  # final/, then summary.json

@@ -1,17 +1,21 @@
-"""The plan of a run, decided before anything trains: device, precision, model size, sequence
-length, step count, warm-up, and every automatic choice with the reason for it. build.py (a
-pretraining run) and sft.py (a fine-tuning run) make it through the same steps below; the
-objects it needs (model, tokenizer, data) travel with it in Built.
+"""The plan of a run, decided once before anything trains: device, precision, model size,
+sequence length, the effective batch and learning rate, the memory-adaptive settings, step count,
+warm-up, and every automatic choice with the reason for it. One function makes it for every mode
+(make_plan); a mode (pretraining in build.py, SFT in sft.py) supplies only where its model and
+data come from. The plan is frozen: what changes at run time (an out-of-memory's smaller
+micro-batch, a resume's position) belongs to the object that owns it.
 
 Nothing here writes to runs/, so bad input stops before any run folder is touched.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -19,13 +23,20 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
-from train.dist.distributed import SINGLE, Dist, rank_device
-from train.dist.parallel import describe
+from train.distributed.distributed import SINGLE, Dist, rank_device
+from train.distributed.parallel import describe
+from train.run import adapt
+
+MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
+CPU_DEMO_SAMPLES = 2048  # with no GPU and no MODEL_SIZE, a demo sized to finish in minutes on 2 cores
 
 
-@dataclass
-class Built:
+@dataclass(frozen=True)
+class Plan:
+    """Every decision of a run and the objects made from them; assigning to a field raises."""
+
     cfg: TrainConfig
+    """The config as decided (the asked one is left as it was); read, never written, after planning."""
     device: torch.device
     precision: str
     model_size: str
@@ -35,15 +46,38 @@ class Built:
     dataset: torch.utils.data.Dataset
     total_steps: int
     warmup_steps: int
-    decisions: list = field(default_factory=list)
+    decisions: tuple = ()
+    """({"setting", "value", "reason"}, ...) in the order they were made: config.json's list."""
     world: Dist = SINGLE
     make_loader: Callable | None = None
-    """SFT: (Built) -> (loader, sampler); None: the packed pretraining loader."""
-    summary_extra: dict = field(default_factory=dict)
+    """SFT: (Plan, batch_size) -> (loader, sampler); None: the packed pretraining loader."""
+    summary_extra: Mapping = field(default_factory=dict)
     """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
     val_dataset: torch.utils.data.Dataset | None = None
     val_collate: Callable | None = None
     """SFT: the collator for validation batches (padding); None: default stacking."""
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A micro-batch chosen ahead of planning (AUTO_BATCH=1: find-batch), with its reason."""
+
+    batch_size: int
+    gradient_accumulation_steps: int
+    reason: str
+
+
+@dataclass
+class Data:
+    """What a mode's data source hands the plan: the training set, the held-out set and how
+    to batch them. summary: summary.json's entries about the data."""
+
+    tokenizer: object
+    dataset: torch.utils.data.Dataset
+    val_dataset: torch.utils.data.Dataset | None = None
+    make_loader: Callable | None = None
+    val_collate: Callable | None = None
+    summary: dict = field(default_factory=dict)
 
 
 class Decisions:
@@ -119,3 +153,34 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
     how = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
     if how:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
+
+
+def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | None = None) -> Plan:
+    """The one plan function. `source` (build.PretrainingSource, sft.SFTSource) supplies the
+    model and the data; every other decision is made here, the same way for every mode.
+    chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
+    cfg = copy.deepcopy(asked)
+    source.refuse(cfg)
+    decide = Decisions(say)
+    device, precision = device_and_precision(cfg, world, decide)
+    model_size, context, demo = source.model(cfg, device, say, decide)
+    max_length = sequence_length(cfg, context, MAX_LENGTH_CAP, decide)  # before any data work
+    data = source.data(cfg, device, precision, max_length, say, decide)
+    if chosen is not None:
+        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
+    # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
+    adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
+    if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
+        cfg.optim.max_samples = CPU_DEMO_SAMPLES
+        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
+    total_steps, why = source.steps(cfg, data, world.world_size, say, decide)
+    decide("total_steps", total_steps, why)
+    warmup = resolve_pacing(cfg, total_steps, decide)
+    model = source.finish_model(cfg, device)
+    parallel(cfg, world, decide)
+    return Plan(
+        cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
+        model=model, tokenizer=data.tokenizer, dataset=data.dataset, total_steps=total_steps,
+        warmup_steps=warmup, decisions=tuple(decide.items), world=world, make_loader=data.make_loader,
+        summary_extra=MappingProxyType(data.summary), val_dataset=data.val_dataset, val_collate=data.val_collate,
+    )

@@ -3,7 +3,7 @@ closing lines. Built from what the other parts measured; nothing here changes th
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import torch
 
@@ -13,7 +13,7 @@ from train.core.estimate import estimate_for_run
 from train.core.mfu import flops_per_token, mfu_report
 from train.core.model import count_params, shape
 from train.core.units import MIB
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe import monitor as monitor_lib
 
 
@@ -32,7 +32,7 @@ def config_lines(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-def start_line(b, run_path) -> str:
+def start_line(b, run_path, total_steps: int) -> str:
     """run ... model ... precision ... batch x accum (x processes) = effective ... steps ..."""
     cfg, world = b.cfg, b.world
     n_params = count_params(b.model)
@@ -45,14 +45,17 @@ def start_line(b, run_path) -> str:
     return (
         f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
         f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
-        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {b.total_steps}"
+        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
     )
 
 
-def config_record(b) -> dict:
+def config_record(b, guard=None) -> dict:
     """config.json: the config as resolved, the numbers derived from it, every automatic
-    decision with its reason, and the library versions."""
+    decision with its reason, and the library versions. guard: RESUME=1's continuation (its
+    steps and warm-up, and the re-planned total_steps as the last decision)."""
     cfg, world = b.cfg, b.world
+    total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (b.total_steps, b.warmup_steps)
+    replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
         "resolved": {
@@ -60,29 +63,32 @@ def config_record(b) -> dict:
             "precision": b.precision,
             "model_size": b.model_size,
             "max_length": b.max_length,
-            "total_steps": b.total_steps,
-            "warmup_steps": b.warmup_steps,
+            "total_steps": total,
+            "warmup_steps": warmup,
             "effective_batch_size": cfg.effective_batch_size(world.world_size),
             "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
             "world_size": world.world_size,
             "n_params": count_params(b.model),
             "model_config": b.model.config.to_dict(),
         },
-        "decisions": b.decisions,
+        "decisions": [*b.decisions, *replanned],
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
 
 
 def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
     """summary.json: what the run was, what it measured, how it ended."""
-    cfg, device, model, o = b.cfg, b.device, b.model, b.cfg.optim
+    cfg, device, model = b.cfg, b.device, b.model
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
     seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
     fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
     torch_mem = monitor_lib.torch_memory(device)
-    estimate = estimate_for_run(model.config, n_params, cfg, b.max_length, b.precision, device.type, b.world.world_size)
+    # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
+    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom.batch_size,
+                                     gradient_accumulation_steps=parts.oom.accumulation))
+    estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size)
     gpu = meter.gpu_summary
     record = {
         "mode": cfg.run.mode,
@@ -93,8 +99,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "model_size": b.model_size,
         "n_params": n_params,
         "precision": b.precision,
-        "batch_size": o.batch_size,
-        "gradient_accumulation_steps": o.gradient_accumulation_steps,
+        "batch_size": parts.oom.batch_size,  # smaller than the plan's after an out-of-memory
+        "gradient_accumulation_steps": parts.oom.accumulation,
         "effective_batch_size": cfg.effective_batch_size(b.world.world_size),
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,

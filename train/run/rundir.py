@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from train.core import files
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
-from train.dist import distributed
+from train.distributed import distributed
 from train.observe.tensorboard_log import NoLog
 
 COMPLETE = ".complete"  # written last into final/ and best/: {"step": N}
@@ -121,7 +121,9 @@ class RunDir:
     no more, `failed` holds the first failure's line, and the loop stops at its next log step
     (stop_for_write) with summary.json written where the disk still takes it."""
 
-    def __init__(self, path: Path, overwrite: bool, resume: bool = False):
+    def __init__(self, path: Path, overwrite: bool, resume: bool = False, mirror=None):
+        """mirror: (run path) -> where rows are copied (REPORT_TO, observe/tensorboard_log.py),
+        made once the folder is emptied (OVERWRITE=1) so that its files survive."""
         self.path = path
         self.failed: str | None = None
         try:
@@ -140,7 +142,7 @@ class RunDir:
                 f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
             ) from None
         self._point_latest()
-        self.mirror = NoLog()  # REPORT_TO: where rows are copied (observe/tensorboard_log.py)
+        self.mirror = mirror(path) if mirror else NoLog()
 
     def _point_latest(self) -> None:
         latest = self.path.parent / "latest"

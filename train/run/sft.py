@@ -1,6 +1,7 @@
-"""`python -m train sft`: build what an SFT run needs and hand it to the same loop as pretraining.
+"""`python -m train sft`: where an SFT run's model and data come from (SFTSource).
 
-build_sft returns the same Built (train/run/plan.py) as a pretraining build, so the step
+The plan is made by the same function as a pretraining run's (train/run/plan.py make_plan), with
+the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
 causal LM with its tokenizer, loaded offline); batches are conversations padded to their own
@@ -20,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data import text as data_lib
+from train.data.loader import make_loader, training_loader
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler
 from train.data.sft_data import (
@@ -37,21 +38,11 @@ from train.data.sft_data import (
     load_conversations,
     stop_token_ids,
 )
-from train.dist.distributed import SINGLE, Dist
 from train.run.evaluate import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
-from train.run.plan import (
-    Built,
-    Decisions,
-    device_and_precision,
-    parallel,
-    resolve_pacing,
-    sequence_length,
-    shortest_limit,
-)
+from train.run.plan import Data, Plan, shortest_limit
 from train.run.runlog import quiet_saving
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
-MAX_LENGTH_CAP = 2048  # same cap as pretraining: longer windows cost quadratic attention for rare samples
 SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records")
 
 
@@ -137,30 +128,19 @@ class SFTDataset(Dataset):
         return self.examples[index]
 
 
-def sft_loader(b: Built, collate: PadCollator):
-    """(DataLoader, sampler) for Built.make_loader: the loop's knobs (workers, prefetch, pinned
+def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
+    """(DataLoader, sampler) for Plan.make_loader: the loop's knobs (workers, prefetch, pinned
     memory) with one of three batchings: by token budget, length-grouped, or plain shuffled.
     Every rank builds the same epoch order (same seed) and reads its own share of it."""
     d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
     share = dict(rank=b.world.rank, world_size=b.world.world_size)
-    common = dict(
-        num_workers=d.num_workers,
-        prefetch_factor=d.prefetch_factor,
-        pin_memory=d.pin_memory and device.type == "cuda",
-        persistent_workers=d.persistent_workers,
-        collate_fn=collate,
-    )
     if d.token_budget is not None:
         sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, **share)
-        return DataLoader(b.dataset, batch_sampler=sampler, **common), sampler
+        return training_loader(b.dataset, d, device, collate, batch_sampler=sampler), sampler
     if d.length_grouping and not d.packing:
-        sampler = GroupedSampler(b.dataset.lengths, b.cfg.optim.batch_size, seed=seed, **share)
-        return DataLoader(
-            b.dataset, batch_size=b.cfg.optim.batch_size, sampler=sampler, drop_last=True, **common
-        ), sampler
-    return data_lib.make_loader(
-        b.dataset, d, b.cfg.optim.batch_size, seed, device, collate_fn=collate, **share
-    )
+        sampler = GroupedSampler(b.dataset.lengths, batch_size, seed=seed, **share)
+        return training_loader(b.dataset, d, device, collate, batch_size=batch_size, sampler=sampler), sampler
+    return make_loader(b.dataset, d, batch_size, seed, device, collate_fn=collate, **share)
 
 
 def plan_sft_steps(
@@ -246,59 +226,68 @@ def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDatase
     return SFTDataset(examples), fmt, skipped, truncated
 
 
-def build_sft(cfg: TrainConfig, say, world: Dist = SINGLE) -> Built:
-    decide = Decisions(say)
-    if cfg.model.model_config is not None:
-        raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
-    device, precision = device_and_precision(cfg, world, decide)
-    if cfg.model.model_size is not None:
-        say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
-    path = model_source(cfg, decide)
-    model, tok = load_pretrained(Path(path), cfg.data.tokenizer_path, cfg.model.trust_remote_code)
-    prepare_model(model, tok, cfg.model.gradient_checkpointing, decide)
-    max_length = sequence_length(cfg, model_lib.context_length(model.config), MAX_LENGTH_CAP, decide)
+class SFTSource:
+    """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), and
+    conversations from DATA_PATH (or the built-in pairs), padded, grouped, budgeted or packed."""
 
-    dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
-    n_loaded = len(dataset)
-    val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
-    if val_dataset is not None and cfg.data.val_path is None:
-        dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
-    train_set, collate = dataset, PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
-    if cfg.data.packing:
-        train_set, collate, packed = pack_conversations(cfg, dataset, model, tok, device, precision, max_length, decide)
-    total_steps, rows_per_micro = sft_steps(cfg, train_set, world.world_size, say, decide)
-    warmup = resolve_pacing(cfg, total_steps, decide)
+    def refuse(self, cfg: TrainConfig) -> None:
+        if cfg.model.model_config is not None:
+            raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
 
-    lengths = np.asarray(dataset.lengths)
-    say(f"conversation lengths in tokens: median {int(np.median(lengths))}, max {int(lengths.max())}")
-    extra = {
-        "model_path": str(path),
-        "data_format": fmt,
-        "n_conversations": n_loaded,
-        "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
-        "n_truncated": truncated,
-        "n_skipped": skipped,
-        "length_grouping": cfg.data.length_grouping,
-        "token_budget": cfg.data.token_budget,
-        "packing": cfg.data.packing,
-    }
-    if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
-        extra.update(
-            batch_size=round(rows_per_micro, 2),
-            effective_batch_size=round(rows_per_micro * cfg.optim.gradient_accumulation_steps * world.world_size, 2),
+    def model(self, cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, int, bool]:
+        """(model size, context length, CPU demo: never) of the loaded model."""
+        if cfg.model.model_size is not None:
+            say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
+        self.path = Path(model_source(cfg, decide))
+        self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code)
+        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide)
+        return _model_label(self.path, self.model), model_lib.context_length(self.model.config), False
+
+    def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
+        """The encoded conversations, the held-out ones, and how to batch them."""
+        tok = self.tok
+        dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
+        n_loaded = len(dataset)
+        val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
+        if val_dataset is not None and cfg.data.val_path is None:
+            dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
+        self.conversations = dataset
+        # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
+        multiple = 8 if device.type == "cuda" else 1
+        train_set, collate = dataset, PadCollator(tok.pad_token_id, pad_to_multiple_of=multiple)
+        packed = {}
+        if cfg.data.packing:
+            train_set, collate, packed = pack_conversations(
+                cfg, dataset, self.model, tok, device, precision, max_length, decide
+            )
+        summary = {
+            "model_path": str(self.path),
+            "data_format": fmt,
+            "n_conversations": n_loaded,
+            "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
+            "n_truncated": truncated,
+            "n_skipped": skipped,
+            "length_grouping": cfg.data.length_grouping,
+            "token_budget": cfg.data.token_budget,
+            "packing": cfg.data.packing,
+        }
+        return Data(
+            tokenizer=tok, dataset=train_set, val_dataset=val_dataset, make_loader=partial(sft_loader, collate=collate),
+            val_collate=PadCollator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
         )
-    if cfg.data.packing:
-        extra.update(packed)
-    parallel(cfg, world, decide)
-    # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
-    val_collate = PadCollator(tok.pad_token_id, pad_to_multiple_of=8 if device.type == "cuda" else 1)
-    return Built(
-        cfg=cfg, device=device, precision=precision, model_size=_model_label(Path(path), model),
-        max_length=max_length, model=model.to(device), tokenizer=tok, dataset=train_set,
-        total_steps=total_steps, warmup_steps=warmup, decisions=decide.items, world=world,
-        make_loader=partial(sft_loader, collate=collate), summary_extra=extra,
-        val_dataset=val_dataset, val_collate=val_collate,
-    )
+
+    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+        """Optimizer steps; with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in summary.json."""
+        total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide)
+        if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
+            effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
+            data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
+        lengths = np.asarray(self.conversations.lengths)
+        say(f"conversation lengths in tokens: median {int(np.median(lengths))}, max {int(lengths.max())}")
+        return total_steps, why
+
+    def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+        return self.model.to(device)
 
 
 def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision: str, max_length: int, decide):
@@ -343,8 +332,8 @@ def model_source(cfg: TrainConfig, decide) -> str:
     return str(found)
 
 
-def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, float]:
-    """(optimizer steps, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
+def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:
+    """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
         micro, rows_per_micro = len(batches) // world_size, len(dataset) / max(1, len(batches))
@@ -358,8 +347,7 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
     total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size)
-    decide("total_steps", total_steps, why)
-    return total_steps, rows_per_micro
+    return total_steps, why, rows_per_micro
 
 
 def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide):

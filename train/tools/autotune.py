@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-import config
+from train.config import knobs
 from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
@@ -73,8 +73,8 @@ def trial_config(cfg, cand: Candidate):
     """The user's config with the candidate's settings (and the preset's, for the preset)."""
     new = copy.deepcopy(cfg)
     if cand.preset:
-        for name, value in config.PRESETS["optimized"].items():
-            setattr(getattr(new, config.FIELD_SECTION[name]), name, value)
+        for name, value in knobs.preset("optimized").items():
+            knobs.set_value(new, name, value)
     new.optim.batch_size, new.optim.gradient_accumulation_steps = cand.batch_size, cand.gradient_accumulation_steps
     new.optim.effective_batch, new.optim.auto_batch, new.optim.lr_scaling = None, False, "none"
     new.data.num_workers, new.system.precision, new.model.compile = cand.num_workers, cand.precision, cand.compile
@@ -92,9 +92,9 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
 
     b = build(trial_config(cfg, cand), lambda line: None)
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
-    optimizer, _ = make_optimizer(b.model, b.cfg, device)
+    optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, device)
     scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
-    loader, sampler = data_loader(b)
+    loader, sampler = data_loader(b, b.cfg.optim.batch_size)
     batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)
     meter.reset()
@@ -129,10 +129,10 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
 
 
 def preset_candidate(effective: int, cores: int) -> Candidate:
-    p, defaults = config.PRESETS["optimized"], (config.SystemConfig(), config.ModelConfig())
+    p = knobs.preset("optimized")
     size = max(d for d in divisors(effective) if d <= p["batch_size"])
-    return Candidate(size, effective // size, min(p["num_workers"], cores), p.get("precision", defaults[0].precision),
-                     p.get("compile", defaults[1].compile), preset=True)
+    return Candidate(size, effective // size, min(p["num_workers"], cores), p.get("precision", knobs.default("precision")),
+                     p.get("compile", knobs.default("compile")), preset=True)
 
 
 def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> list[Candidate]:
@@ -228,9 +228,9 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
     full = trial_config(cfg, winner.candidate)
     pairs = []
     for name in WRITTEN:
-        value = getattr(getattr(full, config.FIELD_SECTION[name]), name)
+        value = knobs.value(full, name)
         if value is not None:
-            pairs.append(f"{config.env_name(name)}={int(value) if isinstance(value, bool) else value}")
+            pairs.append(f"{knobs.env_name(name)}={int(value) if isinstance(value, bool) else value}")
     ref = preset.samples_per_sec
     head = (f"# python -m train autotune, {time.strftime('%Y-%m-%d %H:%M')}: {winner.samples_per_sec:.1f} samples/s"
             + (f", {winner.samples_per_sec / ref:.2f}x the optimized preset ({ref:.1f})" if ref else ", the preset failed")

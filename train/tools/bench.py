@@ -242,7 +242,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         line = f"round {i + 1}: kit {1000 * kit['steady_s'] / kit['steady_steps']:.1f} ms/step"
         if vs_plain:
             if not batches:  # the batches the kit's DataLoader yields first, already on the device
-                stream = BatchStream(*data_loader(b), o.batch_size)
+                stream = BatchStream(*data_loader(b, o.batch_size), o.batch_size)
                 batches = [next(stream)["input_ids"].to(device) for _ in range(steps * accum)]
             if plain is None:
                 plain = plain_round(plain_model, batches, accum, o.learning_rate, device, b.precision, skip)

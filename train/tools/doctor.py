@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import config
+from train.config import knobs
 from train.core.device import resolve_device, supports
 from train.core.errors import UsageError
 from train.core.files import write_json
@@ -151,13 +151,13 @@ def variables(changes: dict) -> str:
     def text(value):
         return str(int(value)) if isinstance(value, bool) else str(value)
 
-    return " ".join(f"{config.env_name(k)}={text(v)}" for k, v in changes.items())
+    return " ".join(f"{knobs.env_name(k)}={text(v)}" for k, v in changes.items())
 
 
 def with_changes(cfg, changes: dict):
     new = copy.deepcopy(cfg)
     for name, value in changes.items():
-        setattr(getattr(new, config.FIELD_SECTION[name]), name, value)
+        knobs.set_value(new, name, value)
     if new.data.num_workers == 0:
         new.data.prefetch_factor, new.data.persistent_workers = None, False
     return new

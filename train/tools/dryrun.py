@@ -8,7 +8,6 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 
 from __future__ import annotations
 
-from config import TrainConfig
 from train.core.errors import UsageError
 from train.core.estimate import describe, estimate_for_run
 from train.core.mfu import flops_per_token
@@ -48,7 +47,7 @@ def device_total_mb(device) -> float | None:
     return torch.cuda.get_device_properties(device).total_memory / MIB
 
 
-def dry_run(cfg: TrainConfig, say) -> int:
+def dry_run(cfg, say) -> int:
     from train.run.build import build
     from train.run.claim import plan_run_dir
 

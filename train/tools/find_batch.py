@@ -29,9 +29,10 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
-from train.dist.distributed import SINGLE, Dist
+from train.distributed.distributed import SINGLE, Dist
 from train.run.adapt import PeakMeter, capacity_mb
 from train.run.oom import free_memory, is_oom, remedies
+from train.run.plan import Chosen
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -117,7 +118,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.step import make_optimizer
 
-    optimizer, _ = make_optimizer(b.model, b.cfg, b.device)
+    optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, b.device)
     scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
     sample, meter = _sampler(b.dataset, b.cfg.system.seed), PeakMeter(b.device)
@@ -274,19 +275,15 @@ def find_everywhere(cfg, say, world: Dist = SINGLE, reuse: bool = False, steps: 
     return box[0]
 
 
-def auto_batch(cfg, say, world: Dist = SINGLE) -> Result:
-    """AUTO_BATCH=1: set BATCH_SIZE and GRADIENT_ACCUM in cfg from find-batch (reusing a saved result
-    for the same settings), keeping the effective batch."""
+def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
+    """AUTO_BATCH=1: BATCH_SIZE and GRADIENT_ACCUM from find-batch (reusing a saved result for the
+    same settings), keeping the effective batch: an input of the run's plan; cfg is left as asked."""
     before = (cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps)
     result = find_everywhere(cfg, say, world, reuse=True)
-    cfg.optim.batch_size = result.batch_size
-    cfg.optim.gradient_accumulation_steps = result.gradient_accumulation_steps
     gc.collect()
-    say(
-        f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} "
-        f"(was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source})"
-    )
-    return result
+    why = f"was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source}"
+    say(f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} ({why})")
+    return Chosen(result.batch_size, result.gradient_accumulation_steps, f"AUTO_BATCH=1: {why}")
 
 
 def wants_help(command: str, usage: str, argv: list[str]) -> bool:

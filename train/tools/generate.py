@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-import config
+from train.config import knobs
 from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.model import context_length
@@ -24,7 +24,7 @@ from train.data.sft_data import prompt_for_generation, stop_token_ids
 
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
-DEFAULT_MODEL = Path(config.RunConfig().output_dir) / "latest" / "final"
+DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
 
 
 def parser() -> ArgParser:

@@ -1,4 +1,4 @@
-"""`python -m train.dist.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
+"""`python -m train.distributed.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
 start it with NPROC_PER_NODE > 1, except that bad input stays what it is with one process: one
 line from rank 0 and exit code 2, not torchrun's report of a failed child with a traceback.
 

@@ -1,6 +1,6 @@
 """Past one process: torchrun's variables, the process group, rank-0-only outputs, errors every
 rank agrees on, and reductions for the log. DDP / FSDP2 wrapping and sharded checkpoints are
-in train/dist/parallel.py.
+in train/distributed/parallel.py.
 
 The kit scales on the engines PyTorch has: DistributedDataParallel, and fully_shard (FSDP2) for
 the guides' ZeRO-2 / ZeRO-3. The trainer reads only RANK, LOCAL_RANK and WORLD_SIZE (here, once,

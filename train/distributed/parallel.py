@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from train.core.errors import UsageError
-from train.dist.distributed import Dist, _active, needs_group
+from train.distributed.distributed import Dist, _active, needs_group
 
 
 def describe(world: Dist, sharding: str, offload: bool) -> str | None:
@@ -135,7 +135,7 @@ def load_sharded(directory, model: torch.nn.Module, optimizer: torch.optim.Optim
     freshly made optimizer. Every rank calls it with the same directory."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from train.dist import safe_load
+    from train.distributed import safe_load
 
     path = Path(directory)
     if not (path / ".metadata").exists():
