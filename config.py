@@ -7,7 +7,6 @@ variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag i
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -15,7 +14,7 @@ from pathlib import Path
 
 # One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name) and the checks
 # that name it on a bad value live in train/config/checks.py.
-from train.config.checks import ENV_NAMES, bad_value, env_name  # noqa: F401
+from train.config.checks import ENV_NAMES, bad_value, env_name, exists_or_matches  # noqa: F401
 from train.config.checks import check_float as _check_float
 from train.config.checks import check_int as _check_int
 from train.core.errors import UsageError
@@ -29,13 +28,6 @@ MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def _exists_or_matches(path: str) -> bool:
-    """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
-    if any(c in path for c in "*?["):
-        return bool(glob.glob(path, recursive=True))
-    return Path(path).exists()
 
 
 @dataclass(kw_only=True)
@@ -73,25 +65,21 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: a .txt/.md file, JSONL (.jsonl, .jsonl.gz) or a .json list of records,
-    parquet, an Arrow folder written by datasets' save_to_disk, or a folder or glob mixing them;
-    read streamed, never whole. Empty: the built-in corpus (the standard-library sources of the
-    running Python)."""
+    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder
+    (datasets' save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty:
+    the built-in corpus (the standard-library sources of the running Python)."""
     text_field: str = "text"
-    """Pretraining: the field (JSON) or column (parquet, Arrow) holding each record's text; only
-    that column is read. .txt/.md files are text as they are."""
+    """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
     vocab_size: int = 8192
     """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of
     64 in the model, as nanoGPT pads 50257 to 50304, for faster matmuls)."""
     tokenizer_sample_mb: float = 100.0
-    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when it is smaller,
-    else a sample spread through it. ~100 MB finds the merges of an 8-50k vocabulary; training
-    on more costs minutes and host RAM for little gain."""
+    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a
+    sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
     tokenize_workers: int | None = None
-    """Processes that tokenize the corpus into the token cache. Empty: every core of the machine
-    (corpora under 8 MB are tokenized in the training process)."""
+    """Processes tokenizing the corpus into the token cache. Empty: every core (under 8 MB: none)."""
     max_length: int | None = None
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
@@ -147,12 +135,12 @@ class DataConfig:
             self.prefetch_factor = None  # torch rejects a prefetch factor without workers
         if self.persistent_workers and self.num_workers == 0:
             self.persistent_workers = False
-        if self.data_path is not None and not _exists_or_matches(self.data_path):
+        if self.data_path is not None and not exists_or_matches(self.data_path):
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
         _check_float(self, "val_fraction", 0.0)
         if self.val_fraction >= 0.5:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
-        if self.val_path is not None and not _exists_or_matches(self.val_path):
+        if self.val_path is not None and not exists_or_matches(self.val_path):
             raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
             raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")
