@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench gpu-report
+.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench bench-data gpu-report
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -21,6 +21,7 @@ help:
 	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh, the same way"
 	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
+	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: bench, find-batch, doctor, SFT packing; writes bench/RESULTS.md's GPU table"
 	@echo "make test      run the test suite (CPU only, a few minutes)"
 	@echo "make lint      ruff check"
@@ -68,6 +69,9 @@ monitor: $(STAMP)
 
 bench: $(STAMP)
 	bash scripts/bench.sh
+
+bench-data: $(STAMP)
+	bash bench/bench_data.sh
 
 gpu-report: $(STAMP)
 	@bash scripts/gpu_report.sh

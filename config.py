@@ -14,7 +14,7 @@ from pathlib import Path
 
 # One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name) and the checks
 # that name it on a bad value live in train/config/checks.py.
-from train.config.checks import ENV_NAMES, bad_value, env_name  # noqa: F401
+from train.config.checks import ENV_NAMES, bad_value, env_name, exists_or_matches  # noqa: F401
 from train.config.checks import check_float as _check_float
 from train.config.checks import check_int as _check_int
 from train.core.errors import UsageError
@@ -28,6 +28,7 @@ MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -64,13 +65,22 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: a .txt file, a folder of .txt files, or a .jsonl file with a "text" field.
-    Empty: the built-in corpus (the standard-library sources of the running Python)."""
+    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder
+    (datasets' save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty:
+    the built-in corpus (the standard-library sources of the running Python)."""
+    text_field: str = "text"
+    """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
     vocab_size: int = 8192
     """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of
     64 in the model, as nanoGPT pads 50257 to 50304, for faster matmuls)."""
+    tokenizer_sample_mb: float = 100.0
+    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a
+    sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
+    tokenize_workers: int | None = None
+    """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
+    every core (a corpus under 8 MB: none, in the training process)."""
     max_length: int | None = None
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
@@ -85,8 +95,6 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
-    tokenize_workers: int | None = None
-    """worker processes that tokenize the data (default: every core)"""
     length_grouping: bool = False
     """SFT: batch samples of similar length together (the guides' "dynamic batch size by
     sequence length"): batches are padded to their longest sample, so less compute goes to pad
@@ -114,23 +122,26 @@ class DataConfig:
 
     def __post_init__(self):
         _check_int(self, "vocab_size", 256)
+        _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
+        _check_int(self, "tokenize_workers", 1, optional=True)
+        if not self.text_field.strip():
+            raise bad_value("text_field", "the name of the text field or column", self.text_field)
         _check_int(self, "token_budget", 1, optional=True)
         if self.packing and self.token_budget is not None:
             raise UsageError("PACKING=1 (--packing) and TOKEN_BUDGET (--token_budget) both size the batches: choose one")
         _check_int(self, "max_length", 2, optional=True)
         _check_int(self, "num_workers", 0)
-        _check_int(self, "tokenize_workers", 1, optional=True)
         _check_int(self, "prefetch_factor", 1, optional=True)
         if self.prefetch_factor is not None and self.num_workers == 0:
             self.prefetch_factor = None  # torch rejects a prefetch factor without workers
         if self.persistent_workers and self.num_workers == 0:
             self.persistent_workers = False
-        if self.data_path is not None and not Path(self.data_path).exists():
+        if self.data_path is not None and not exists_or_matches(self.data_path):
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
         _check_float(self, "val_fraction", 0.0)
         if self.val_fraction >= 0.5:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
-        if self.val_path is not None and not Path(self.val_path).exists():
+        if self.val_path is not None and not exists_or_matches(self.val_path):
             raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
             raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")

@@ -14,8 +14,9 @@ KIT_VALUE_KNOBS=(
   PRECISION:--precision TF32:--tf32 COMPILE:--compile LEARNING_RATE:--learning_rate
   MIN_LR_RATIO:--min_lr_ratio WARMUP_STEPS:--warmup_steps WEIGHT_DECAY:--weight_decay
   GRAD_CLIP:--grad_clip MAX_STEPS:--max_steps EPOCHS:--epochs MAX_SAMPLES:--max_samples
-  DATA_PATH:--data_path TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
-  CACHE_DIR:--cache_dir TOKENIZE_WORKERS:--tokenize_workers OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
+  DATA_PATH:--data_path TEXT_FIELD:--text_field TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
+  TOKENIZER_SAMPLE_MB:--tokenizer_sample_mb TOKENIZE_WORKERS:--tokenize_workers
+  CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
   SEED:--seed DEVICE:--device LOG_EVERY:--log_every
   SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
   SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer

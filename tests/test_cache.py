@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, make_text, run_cli
 from train.core import files
 from train.core.errors import UsageError
+from train.data import cache_files
 from train.data import text as data
 
 SMALL_RUN = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "1"]
@@ -96,20 +97,23 @@ def test_cache_dir_that_cannot_be_created(kind, tmp_path, corpus, tiny_config, c
 
 
 def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
-    full_disk(monkeypatch, data, room=10_000)
+    full_disk(monkeypatch, files, room=10_000)
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
     line = error_line(capsys)
     assert line.startswith("error: CACHE_DIR: cannot write the token cache ")
-    assert str(fresh_cache / "tokens") in line and line.endswith(".bin: No space left on device")
-    assert list((fresh_cache / "tokens").iterdir()) == []  # neither the .bin nor its .tmp file
+    assert str(fresh_cache / "tokens") in line and line.endswith("shard-00000.bin: No space left on device")
+    assert list((fresh_cache / "tokens").iterdir()) == []  # neither the shard nor its .tmp file
     monkeypatch.undo()
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 0
 
 
 def test_disk_full_while_writing_the_manifest(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
-    full_disk(monkeypatch, files, room=0)  # the manifest is the run's first whole-file write
+    def full(path, value):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(cache_files, "write_json", full)  # the shard is written, its manifest entry not
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
-    assert error_line(capsys).endswith(".bin: No space left on device")
+    assert error_line(capsys).endswith("shard-00000.bin: No space left on device")
     # A .bin without its manifest would be taken for a damaged cache next time: removed too.
     assert list((fresh_cache / "tokens").iterdir()) == []
 
@@ -173,14 +177,14 @@ def cut_in_half(path: Path) -> None:
         (lambda bin_path, meta: cut_in_half(bin_path), "token cache"),
         (lambda bin_path, meta: cut_in_half(meta), "token cache"),
         (lambda bin_path, meta: meta.unlink(), "token cache"),
-        (lambda bin_path, meta: cut_in_half(next(bin_path.parents[1].glob("tokenizers/*/tokenizer.json"))), "tokenizer cache"),
+        (lambda bin_path, meta: cut_in_half(next(bin_path.parents[2].glob("tokenizers/*/tokenizer.json"))), "tokenizer cache"),
     ],
     ids=["bin-truncated", "json-cut", "json-missing", "tokenizer-json-cut"],
 )
 def test_damaged_cache_is_rebuilt(damage, note, fresh_cache, corpus, tiny_config, tmp_path, capsys):
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 0
-    bin_path = next((fresh_cache / "tokens").glob("*.bin"))
-    meta = bin_path.with_suffix(".json")
+    bin_path = next((fresh_cache / "tokens").glob("*/shard-*.bin"))
+    meta = bin_path.with_name("manifest.json")
     tokens = bin_path.read_bytes()
     capsys.readouterr()
     damage(bin_path, meta)

@@ -113,7 +113,7 @@ def one_line_error(fn) -> str:
 def test_bad_files_are_one_line_naming_the_file(tmp_path):
     parquet = write_parquet(tmp_path / "p.parquet", [{"prompt": "a", "response": "b"}])
     message = one_line_error(lambda: list(records.iter_texts(parquet, "text")))
-    assert 'p.parquet: has no column "text"' in message and "prompt, response" in message
+    assert 'p.parquet has no column "text"' in message and "prompt, response" in message
     corrupt = tmp_path / "c.parquet"
     corrupt.write_bytes(parquet.read_bytes()[:-30] + b"\0" * 30)
     assert "c.parquet: not a readable parquet file" in one_line_error(lambda: list(records.iter_records(corrupt)))
@@ -127,7 +127,7 @@ def test_bad_files_are_one_line_naming_the_file(tmp_path):
     assert 'q.jsonl line 1: expected an object with a "text" string' in one_line_error(lambda: list(records.iter_texts(notext)))
     latin = tmp_path / "l.txt"
     latin.write_bytes(b"caf\xe9\n")
-    assert "l.txt: is not UTF-8 text (bad byte at offset 3)" in one_line_error(lambda: list(records.iter_texts(latin)))
+    assert "l.txt is not UTF-8 text (bad byte at offset 3)" in one_line_error(lambda: list(records.iter_texts(latin)))
     gz = tmp_path / "g.jsonl.gz"
     gz.write_bytes(gzip.compress(b'{"text": "x"}\n' * 1000)[:40])
     assert "g.jsonl.gz" in one_line_error(lambda: list(records.iter_texts(gz)))

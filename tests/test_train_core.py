@@ -58,7 +58,7 @@ def test_token_cache_reused_and_keyed_by_content(tmp_path):
     key = data.corpus_fingerprint(files)
     tok = data.load_tokenizer(None, files, key, 300, tmp_path / "cache", print)
     tokens = data.token_cache(files, key, tok, tmp_path / "cache", print)
-    cached = next((tmp_path / "cache" / "tokens").glob("*.bin"))
+    cached = next((tmp_path / "cache" / "tokens").glob("*/shard-*.bin"))
     mtime = cached.stat().st_mtime_ns
     again = data.token_cache(files, key, tok, tmp_path / "cache", print)
     assert cached.stat().st_mtime_ns == mtime  # read back, not re-tokenized

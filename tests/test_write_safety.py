@@ -206,18 +206,18 @@ def test_links_at_cache_names_are_removed_and_the_cache_built_again(corpus, cach
     assert not (cache / "tokenizers" / name).is_symlink() and tok.get_vocab() == good.get_vocab()
 
     tokens = data.token_cache(sources, key, tok, cache_dir, print)  # the shared cache's files
-    bin_path = cache_dir / "tokens" / f"{key}-{data.tokenizer_fingerprint(tok)}.bin"
-    (cache / "tokens").mkdir()
-    for suffix in (".bin", ".json"):
-        shutil.copyfile(bin_path.with_suffix(suffix), elsewhere / f"copy{suffix}")
-        os.symlink(elsewhere / f"copy{suffix}", cache / "tokens" / bin_path.with_suffix(suffix).name)
-    before = {p.name: p.read_bytes() for p in elsewhere.glob("copy.*")}
+    shared = cache_dir / "tokens" / f"{key}-{data.tokenizer_fingerprint(tok)}"
+    (cache / "tokens" / shared.name).mkdir(parents=True)
+    for name in ("shard-00000.bin", "manifest.json"):
+        shutil.copyfile(shared / name, elsewhere / f"copy-{name}")
+        os.symlink(elsewhere / f"copy-{name}", cache / "tokens" / shared.name / name)
+    before = {p.name: p.read_bytes() for p in elsewhere.glob("copy-*")}
     again = data.token_cache(sources, key, tok, cache, notes.append)
     assert any("is a symbolic link" in note and note.endswith(".bin in CACHE_DIR is a symbolic link, not a cache "
                                                               "this kit wrote; removed, building it again")
                for note in notes)  # fmt: skip
-    assert (again == tokens).all() and not any(p.is_symlink() for p in (cache / "tokens").iterdir())
-    assert {p.name: p.read_bytes() for p in elsewhere.glob("copy.*")} == before
+    assert (again == tokens).all() and not any(p.is_symlink() for p in (cache / "tokens").rglob("*"))
+    assert {p.name: p.read_bytes() for p in elsewhere.glob("copy-*")} == before
 
 
 @pytest.mark.parametrize("extra", [["--overwrite", "1"], ["--resume", "1"]])

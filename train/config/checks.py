@@ -3,7 +3,9 @@ naming the variable, exit code 2 (config.py's __post_init__ methods call these).
 
 from __future__ import annotations
 
+import glob
 import math
+from pathlib import Path
 
 from train.core.errors import UsageError
 
@@ -38,3 +40,10 @@ def check_float(obj, name: str, minimum: float, optional: bool = False, strict: 
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < minimum or (strict and value == minimum):
         raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
+
+
+def exists_or_matches(path: str) -> bool:
+    """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
+    if any(c in path for c in "*?["):
+        return bool(glob.glob(path, recursive=True))
+    return Path(path).exists()

@@ -44,7 +44,7 @@ class BadLine(ValueError):
     """One JSON line that cannot be parsed; yielded instead of a record with keep_bad_lines."""
 
 
-def _suffix(path: Path) -> str:
+def suffix_of(path: Path) -> str:
     name = path.name.lower()
     return ".jsonl.gz" if name.endswith(".jsonl.gz") else path.suffix.lower()
 
@@ -57,7 +57,7 @@ def is_arrow_folder(path: Path) -> bool:
 def _wanted(path: Path, named: bool) -> bool:
     if path.is_dir():
         return is_arrow_folder(path)
-    suffix = _suffix(path)
+    suffix = suffix_of(path)
     return suffix in TEXT_SUFFIXES + RECORD_SUFFIXES or (named and suffix == JSON_SUFFIX)
 
 
@@ -106,7 +106,8 @@ def source_files(data_path: str) -> list[Path]:
 
 def _fail(path: Path, where: str, what: str) -> UsageError:
     place = f" {where}" if where else ""
-    return UsageError(f"DATA_PATH: {path}{place}: {what}")
+    sep = " " if what.startswith(("is ", "has ")) else ": "
+    return UsageError(f"DATA_PATH: {path}{place}{sep}{what}")
 
 
 def _short(err: BaseException) -> str:
@@ -118,7 +119,7 @@ def _short(err: BaseException) -> str:
 
 
 def _open_lines(path: Path):
-    if _suffix(path) == ".jsonl.gz":
+    if suffix_of(path) == ".jsonl.gz":
         return gzip.open(path, "rb")
     return open(path, "rb")
 
@@ -239,14 +240,14 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
 
     for file in _columnar_files(path):
         try:
-            if _suffix(file) == ".parquet":
+            if suffix_of(file) == ".parquet":
                 reader = pq.ParquetFile(file)
                 _check_columns(file, reader.schema_arrow.names, columns)
                 yield from reader.iter_batches(batch_size=batch_rows, columns=columns)
             else:
                 yield from _arrow_batches(file, columns)
         except (pa.ArrowException, OSError, ValueError) as err:
-            what = "parquet" if _suffix(file) == ".parquet" else "Arrow"
+            what = "parquet" if suffix_of(file) == ".parquet" else "Arrow"
             raise _fail(file, "", f"not a readable {what} file ({_short(err)})") from None
 
 
@@ -270,7 +271,7 @@ def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str
     columns, as JSON lines give them. A .json list is read whole (JSON has no streaming form
     here); every other format is streamed. A line that is not JSON stops with a UsageError, or
     is yielded as a BadLine with keep_bad_lines (for SKIP_BAD_RECORDS)."""
-    suffix = _suffix(path)
+    suffix = suffix_of(path)
     if path.is_dir() or suffix in (".parquet", ".arrow"):
         row = 0
         for batch in record_batches(path):
@@ -289,7 +290,7 @@ def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str
 
 def is_text_file(path: Path) -> bool:
     """A source read as one document of plain text (.txt, .md, or a named file of no known kind)."""
-    return not path.is_dir() and _suffix(path) not in RECORD_SUFFIXES + (JSON_SUFFIX,)
+    return not path.is_dir() and suffix_of(path) not in RECORD_SUFFIXES + (JSON_SUFFIX,)
 
 
 def split_document(doc: str) -> Iterator[str]:
@@ -363,7 +364,7 @@ def iter_texts(path: Path, text_field: str = "text") -> Iterator[str]:
         yield from text_file_pieces(path)
         yield ""
         return
-    if path.is_dir() or _suffix(path) in (".parquet", ".arrow"):
+    if path.is_dir() or suffix_of(path) in (".parquet", ".arrow"):
         for batch in record_batches(path, [text_field]):
             for doc in text_column(path, batch, text_field):
                 if doc is not None:

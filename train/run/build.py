@@ -101,10 +101,11 @@ def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide):
     """Tokenizer, token cache and the packed train / held-out datasets; sets the model's vocab
     and special tokens from the tokenizer. Returns (tokenizer, dataset, val_dataset)."""
     cache_dir = Path(cfg.data.cache_dir)
-    files = data.corpus_files(cfg.data.data_path)
-    key = data.corpus_fingerprint(files)
-    tok = data.load_tokenizer(cfg.data.tokenizer_path, files, key, cfg.data.vocab_size, cache_dir, say)
-    tokens = data.token_cache(files, key, tok, cache_dir, say)
+    d = cfg.data
+    files = data.corpus_files(d.data_path)
+    key = data.corpus_fingerprint(files, d.text_field)
+    tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
+    tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
     if hf_cfg.vocab_size != len(tok):
         decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")

@@ -1,0 +1,332 @@
+"""The token cache: the corpus as token ids in shards on disk, built once, read as one stream.
+
+Layout: CACHE_DIR/tokens/<data key>-<tokenizer key>/ holds shard-00000.bin, shard-00001.bin ...
+(raw ids, uint16 or uint32) and manifest.json, which lists each finished shard with its token
+count, largest id, sum of ids and the source units it came from. A shard is written under a
+temporary name, fsynced and renamed, and only then entered in the manifest: Ctrl+C, SIGKILL or
+a full disk after some shards keeps them, and the next run continues after the last one. The
+units are a pure function of the files, so a resumed cache is byte for byte the one an
+uninterrupted build makes, and a damaged shard (wrong size, or ids whose largest value or sum
+no longer match: ids out of the vocabulary included) is rebuilt alone. One process at a time
+builds in a CACHE_DIR (a lock on the tokens folder): under torchrun the first rank of a machine
+to get there builds, the others wait, then all map the same files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from train.core import files
+from train.core.errors import Interrupted, UsageError
+from train.data import cache_files, tokenize
+
+MANIFEST = "manifest.json"
+FORMAT = 2
+# Source bytes per shard: what an interruption can cost, and the granularity of a repair.
+SHARD_SIZE = 64 << 20
+
+
+class TokenStream:
+    """Shards read as one flat array of ids (memmaps, opened lazily: a pickled copy, what a
+    DataLoader worker receives, holds only the file names)."""
+
+    def __init__(self, paths: list[Path], counts: list[int], dtype):
+        self.paths, self.counts, self.dtype = [str(p) for p in paths], list(counts), np.dtype(dtype)
+        self.offsets = np.cumsum([0, *self.counts])
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.dtype.itemsize
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": None}
+
+    def maps(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [
+                np.memmap(p, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+                for p, n in zip(self.paths, self.counts, strict=True)
+            ]
+        return self._maps
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self)) if isinstance(key, slice) else (key, key + 1, 1)
+        if step != 1:
+            raise IndexError("TokenStream takes contiguous slices")
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts = []
+        for shard in range(max(first, 0), len(self.counts)):
+            lo = int(self.offsets[shard])
+            if lo >= stop:
+                break
+            parts.append(self.maps()[shard][max(start - lo, 0) : stop - lo])
+        out = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        return out if isinstance(key, slice) else out[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.concatenate(self.maps()).astype(dtype or self.dtype, copy=False)
+
+
+@contextmanager
+def locked(folder: Path, what: str, say) -> Iterator[None]:
+    """An exclusive lock on folder (flock: dropped by the OS if the process dies)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process building {what} in {folder}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
+    """What is wrong with one finished shard, or None. Reads it once (max and sum of the ids)."""
+    path = files.inside(folder, entry["file"])
+    if path is None or "/" in entry["file"] or not path.is_file():
+        return f"{entry['file']} is missing (or not a plain file of the cache)"
+    size, want = path.stat().st_size, entry["tokens"] * dtype.itemsize
+    if size != want:
+        return f"{path.name} holds {size:,} bytes, {MANIFEST} says {want:,}"
+    ids = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    top = int(ids.max()) if size else -1
+    if top >= vocab:
+        return f"{path.name} holds id {top}, outside the tokenizer's {vocab} ids"
+    if top != entry["max"] or int(ids.sum(dtype=np.uint64)) != entry["sum"]:
+        return f"{path.name} does not hold the ids {MANIFEST} describes"
+    return None
+
+
+def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> tuple[dict | None, str | None]:
+    path = folder / MANIFEST
+    if not path.exists():
+        return None, (f"{MANIFEST} is missing" if any(folder.glob("shard-*.bin")) else None)
+    try:
+        manifest = json.loads(path.read_text())
+        shards = manifest["shards"]
+        ok = manifest["format"] == FORMAT and manifest["dtype"] == dtype.name and manifest["vocab"] == vocab
+        for entry in shards:
+            ok = ok and {"file", "tokens", "max", "sum", "start", "end"} <= set(entry)
+    except (ValueError, KeyError, TypeError) as err:
+        return None, f"{MANIFEST} cannot be read: {cache_files.short(err)}"
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot read the token cache {path}: {err.strerror or err}") from None
+    if not ok or manifest.get("files") != n_files:
+        return None, f"{MANIFEST} does not describe this token cache"
+    return manifest, None
+
+
+def token_cache(files: list[Path], key: str, tok, cache_dir: Path, say, text_field: str = "text",
+                workers: int | None = None):  # fmt: skip
+    """The corpus's token ids: built (or continued, or mended) once, then read through memmaps.
+    One shard: a np.memmap; more: a TokenStream over them. key names the data and tokenizer."""
+    parent = cache_files.cache_folder(cache_dir / "tokens")
+    folder = parent / key
+    dtype = np.dtype(np.uint16 if len(tok) <= 65535 else np.uint32)
+    with locked(parent, "a token cache", say):
+        # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
+        cache_files.drop_link(folder, say)
+        for name in [folder / MANIFEST, *sorted(folder.glob("shard-*.bin"))] if folder.is_dir() else []:
+            cache_files.drop_link(name, say)
+        manifest, damage = _read_manifest(folder, dtype, len(tok), len(files))
+        if damage:
+            say(f"token cache {folder} was damaged ({damage}); rebuilding")
+        if manifest is None:
+            cache_files.remove(folder)
+            manifest = {"format": FORMAT, "dtype": dtype.name, "vocab": len(tok), "files": len(files), "shards": []}
+        build = _Build(folder, manifest, files, text_field, tok, dtype, workers, say)
+        build.mend()
+        if not manifest.get("complete"):
+            build.finish()
+    shards = manifest["shards"]
+    paths = [folder / entry["file"] for entry in shards]
+    if len(shards) == 1:
+        return np.memmap(paths[0], dtype=dtype, mode="r", shape=(shards[0]["tokens"],))
+    return TokenStream(paths, [entry["tokens"] for entry in shards], dtype)
+
+
+class _ShardFile:
+    """One shard being written: ids streamed to a fresh temporary name (never through a link),
+    fsynced and renamed into place by `files.writing` when the shard is closed; on any failure
+    the temporary file is removed."""
+
+    def __init__(self, path: Path, start: list[int], stack: ExitStack):
+        self.path, self.start = path, start
+        self.out = stack.enter_context(files.writing(path))
+        self.stack = stack
+        self.tokens, self.max, self.sum = 0, -1, 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self.out.write(ids.tobytes())
+        if len(ids):
+            self.tokens += len(ids)
+            self.max = max(self.max, int(ids.max()))
+            self.sum += int(ids.sum(dtype=np.uint64))
+
+    def close(self, end: list[int]) -> dict:
+        self.stack.close()  # fsync, rename, fsync the folder
+        return {"file": self.path.name, "tokens": self.tokens, "max": self.max, "sum": self.sum,
+                "start": self.start, "end": end}  # fmt: skip
+
+
+class _Build:
+    """Writes the shards a manifest lacks (continue) or has damaged (mend)."""
+
+    def __init__(self, folder, manifest, sources, text_field, tok, dtype, workers, say):
+        self.folder, self.manifest, self.files, self.field = folder, manifest, sources, text_field
+        self.dtype, self.say = dtype, say
+        self.source_bytes = sum(source_size(p) for p in sources)
+        wanted = tokenize.all_cores() if workers is None else workers
+        self.workers = wanted if self.source_bytes >= tokenize.POOL_MIN_BYTES else 1
+        if not hasattr(tok, "backend_tokenizer"):
+            raise UsageError("TOKENIZER_PATH: the token cache needs a fast tokenizer (a folder with tokenizer.json)")
+        self.tokenizer_json = tok.backend_tokenizer.to_str()
+        self.eos_id = tok.convert_tokens_to_ids(tok.eos_token)
+
+    def encoder(self) -> tokenize.Encoder:
+        return tokenize.Encoder(self.tokenizer_json, self.eos_id, self.dtype, self.workers)
+
+    def mend(self) -> None:
+        """Rebuild, alone, each finished shard that is damaged."""
+        for entry in self.manifest["shards"]:
+            damage = _checked(self.folder, entry, self.dtype, self.manifest["vocab"])
+            if damage is None:
+                continue
+            path = self.folder / entry["file"]
+            self.say(f"token cache shard {path} was damaged ({damage}); rebuilding it alone")
+            with self.encoder() as encoder, self._guard(path), ExitStack() as stack:
+                shard = _ShardFile(path, entry["start"], stack)
+                units = _until(tokenize.iter_units(self.files, self.field, tuple(entry["start"])), tuple(entry["end"]))
+                for _, ids in encoder.map((None, unit) for _, unit, _ in units):
+                    shard.add(ids)
+                rebuilt = shard.close(entry["end"])
+            if rebuilt != entry:
+                raise UsageError(f"CACHE_DIR: the rebuilt shard {path} differs from its manifest; "
+                                 f"remove {self.folder} to build the cache again")  # fmt: skip
+
+    def finish(self) -> None:
+        """Write the shards after the last finished one, then mark the cache complete."""
+        shards = self.manifest["shards"]
+        start = tuple(shards[-1]["end"]) if shards else (0, 0)
+        if shards:
+            self.say(f"continuing the token cache {self.folder} after its {len(shards)} finished shard(s)")
+        self.say(f"tokenizing {len(self.files)} file(s) into the token cache (once per corpus and tokenizer; "
+                 f"{self.workers} worker(s), TOKENIZE_WORKERS)")  # fmt: skip
+        cache_files.cache_folder(self.folder)
+        for stray in [*self.folder.glob(".*.tmp"), *self.folder.glob("*.tmp*")]:  # a killed build's; we hold the lock
+            files.remove(stray)
+        began, before = time.perf_counter(), sum(s["tokens"] for s in shards)
+        with self.encoder() as encoder, _Progress(self.source_bytes) as bar:
+            units = tokenize.iter_units(self.files, self.field, start)
+            # One stream of units across shards: nothing read ahead is encoded twice.
+            results = encoder.map(((pos, n), unit) for pos, unit, n in units)
+            while (entry := self._next_shard(results, start, bar)) is not None:
+                start = tuple(entry["end"])
+        self._complete(time.perf_counter() - began, sum(s["tokens"] for s in shards) - before)
+
+    def _next_shard(self, results, start: tuple, bar) -> dict | None:
+        """Fill the next shard from results (units from start on), close it and enter it in the
+        manifest; None when no unit is left."""
+        path = self.folder / f"shard-{len(self.manifest['shards']):05d}.bin"
+        with self._guard(path) as temps, ExitStack() as stack:
+            shard, size, end = None, 0, [len(self.files), 0]
+            for (pos, n), ids in results:
+                shard = shard or _ShardFile(path, list(start), stack)
+                shard.add(ids)
+                size += n
+                bar.update(n, len(ids))
+                if size >= SHARD_SIZE:  # shards close after whole units: the same cuts every time
+                    end = [pos[0], pos[1] + 1]
+                    break
+            if shard is None:
+                return None
+            entry = shard.close(end)
+            temps.append(path)  # a shard the manifest does not list would be of no use
+            self.manifest["shards"].append(entry)
+            cache_files.write_json(self.folder / MANIFEST, self.manifest)
+            temps.remove(path)
+        return entry
+
+    def _complete(self, seconds: float, new_tokens: int) -> None:
+        n_tokens = sum(s["tokens"] for s in self.manifest["shards"])
+        if n_tokens <= len(self.files):
+            cache_files.remove(self.folder)
+            raise UsageError("DATA_PATH: the data holds no text to train on")
+        self.manifest.update(complete=True, n_tokens=n_tokens)
+        with self._guard(self.folder / MANIFEST):
+            cache_files.write_json(self.folder / MANIFEST, self.manifest)
+        rate = f"{self.source_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, {new_tokens / max(seconds, 1e-9):,.0f} tokens/s"
+        self.say(f"cached {n_tokens:,} tokens from {len(self.files)} file(s) in {self.folder} "
+                 f"({len(self.manifest['shards'])} shard(s); {rate})")  # fmt: skip
+
+    @contextmanager
+    def _guard(self, path: Path) -> Iterator[list[Path]]:
+        kept = len(self.manifest["shards"])
+        keep = f"; {kept} finished shard(s) kept: the next run continues from there" if kept else ""
+        try:
+            with cache_files.building("building the token cache", "the token cache", path) as temps:
+                yield temps
+        except Interrupted as err:
+            if not kept:
+                self._drop_if_empty()
+                raise
+            raise Interrupted(f"interrupted while building the token cache{keep}", err.exit_code) from None
+        except UsageError as err:
+            if not kept:
+                self._drop_if_empty()
+            raise UsageError(f"{err}{keep}") from None
+
+    def _drop_if_empty(self) -> None:
+        if self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
+
+
+def _until(units, end: tuple | None):
+    for pos, unit, n in units:
+        if end is not None and pos >= end:
+            return
+        yield pos, unit, n
+
+
+def source_size(path: Path) -> int:
+    """Bytes of a source on disk (an Arrow folder: its .arrow files)."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.arrow"))
+    return path.stat().st_size
+
+
+class _Progress:
+    """tqdm on stderr over the source bytes: MB/s, tokens/s and an ETA."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, unit_divisor=1 << 20,
+                        leave=False, disable=None, smoothing=0.1)  # fmt: skip
+        self.tokens, self.began = 0, time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def update(self, n_bytes: int, n_tokens: int) -> None:
+        self.tokens += n_tokens
+        self.bar.update(min(n_bytes, max(self.bar.total - self.bar.n, 0)))
+        rate = self.tokens / max(time.perf_counter() - self.began, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()

@@ -1,0 +1,180 @@
+"""Sources -> token ids on every core: the corpus cut into work units, encoded in worker processes.
+
+The main process only reads: it cuts each source into units of about a megabyte (whole JSONL
+lines as raw bytes, a run of Arrow text arrays, or pieces of a text file) and hands them to
+TOKENIZE_WORKERS processes, which parse, encode with the tokenizer's own encode_batch (one
+thread each: the processes are the parallelism) and return the ids with the end-of-text id
+after each document. Units come back in order, at most a few per worker in flight, so memory
+stays flat whatever the corpus size. The units are a pure function of the files, which is what
+lets a cache be built in shards, resumed and mended shard by shard with the same bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from train.data import records
+
+# Characters (text) or bytes (JSONL, Arrow) per unit: enough for encode_batch to be efficient
+# and for pickling to cost nothing next to encoding (~0.2 s of one core per unit).
+UNIT_SIZE = 1 << 20
+# Below this many source bytes the pool's start-up (~0.5 s) costs more than it saves.
+POOL_MIN_BYTES = 8 << 20
+IN_FLIGHT_PER_WORKER = 2
+
+
+def all_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _columns(path: Path, field: str) -> Iterator[tuple[list, int]]:
+    """The TEXT_FIELD column of a parquet/Arrow source as (arrays, bytes) of about UNIT_SIZE."""
+    arrays, size = [], 0
+    for batch in records.record_batches(path, [field]):
+        column = batch.column(0)
+        records.text_column(path, batch.slice(0, 0), field)  # the type check, on no rows
+        arrays.append(column)
+        size += column.nbytes
+        if size >= UNIT_SIZE:
+            yield arrays, size
+            arrays, size = [], 0
+    if arrays:
+        yield arrays, size
+
+
+def _grouped(pieces: Iterable[str]) -> Iterator[tuple[list[str], int]]:
+    unit, size = [], 0
+    for piece in pieces:
+        unit.append(piece)
+        size += len(piece)
+        if size >= UNIT_SIZE:
+            yield unit, size
+            unit, size = [], 0
+    if unit:
+        yield unit, size
+
+
+def file_units(path: Path, field: str) -> Iterator[tuple[tuple, int]]:
+    """(unit, size) for one source. A unit is picklable and names its own kind."""
+    suffix = records.suffix_of(path)
+    if records.is_text_file(path) or suffix == records.JSON_SUFFIX:
+        for pieces, size in _grouped(records.iter_texts(path, field)):
+            yield ("pieces", pieces), size
+    elif path.is_dir() or suffix in (".parquet", ".arrow"):
+        for arrays, size in _columns(path, field):
+            yield ("column", str(path), arrays, field), size
+    else:
+        for first_line, block in records.jsonl_blocks(path, UNIT_SIZE):
+            yield ("jsonl", str(path), first_line, block, field), len(block)
+
+
+def iter_units(files: list[Path], field: str, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[tuple, tuple, int]]:
+    """((file index, unit index), unit, size) for every unit of the corpus from `start` on.
+    Units before it are read but not returned (cheap next to encoding them)."""
+    for file_index, path in enumerate(files):
+        if file_index < start[0]:
+            continue
+        for unit_index, (unit, size) in enumerate(file_units(path, field)):
+            if (file_index, unit_index) >= start:
+                yield (file_index, unit_index), unit, size
+
+
+def unit_pieces(unit: tuple) -> list[str]:
+    """A unit's texts as pieces, "" after each document's last piece (records.iter_texts' form)."""
+    kind = unit[0]
+    if kind == "pieces":
+        return unit[1]
+    pieces: list[str] = []
+    if kind == "column":
+        _, path, arrays, field = unit
+        for array in arrays:
+            for doc in array.to_pylist():
+                if doc is not None:
+                    pieces += records.split_document(doc)
+                    pieces.append("")
+        return pieces
+    _, path, first_line, block, field = unit
+    for where, record in records.parse_jsonl_block(Path(path), first_line, block):
+        pieces += records.split_document(records.record_text(Path(path), where, record, field))
+        pieces.append("")
+    return pieces
+
+
+def encode_pieces(backend, pieces: list[str], eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """The ids of the pieces in one encode_batch, the end-of-text id where a document ends."""
+    texts = [p for p in pieces if p]
+    encoded = iter(backend.encode_batch(texts, add_special_tokens=False) if texts else ())
+    ids = ((eos_id,) if not p else next(encoded).ids for p in pieces)
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype)
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    # One thread per process: the processes are the parallelism (set before the first encode).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the main process's to handle
+    _WORKER.update(backend=backend_of_json(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype))
+
+
+def backend_of_json(tokenizer_json: str):
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer_json)
+    backend.no_truncation()  # as the transformers wrapper calls it: every token, no padding
+    backend.no_padding()
+    return backend
+
+
+def _encode_unit(unit: tuple) -> np.ndarray:
+    return encode_pieces(_WORKER["backend"], unit_pieces(unit), _WORKER["eos"], _WORKER["dtype"])
+
+
+class Encoder:
+    """Encodes units in order, in `workers` processes (or in this one for small corpora or one
+    worker). A context manager: the processes end with it, whatever happened."""
+
+    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, workers: int):
+        self.args = (tokenizer_json, eos_id, np.dtype(dtype).name)
+        self.workers = workers
+        self.pool = None
+
+    def __enter__(self) -> Encoder:
+        if self.workers > 1:
+            # spawn: lean workers (no copy of torch), and no fork of a process with threads.
+            context = multiprocessing.get_context("spawn")
+            self.pool = context.Pool(self.workers, initializer=_start_worker, initargs=self.args)
+        else:
+            self.backend = backend_of_json(self.args[0])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, items: Iterable[tuple[object, tuple]]) -> Iterator[tuple[object, np.ndarray]]:
+        """(tag, ids) for each (tag, unit), in order; `items` is read only a few units ahead."""
+        if self.pool is None:
+            for tag, unit in items:
+                yield tag, encode_pieces(self.backend, unit_pieces(unit), self.args[1], np.dtype(self.args[2]))
+            return
+        pending: deque = deque()
+        limit = self.workers * IN_FLIGHT_PER_WORKER
+        for tag, unit in items:
+            pending.append((tag, self.pool.apply_async(_encode_unit, (unit,))))
+            if len(pending) >= limit:
+                tag, result = pending.popleft()
+                yield tag, result.get()
+        while pending:
+            tag, result = pending.popleft()
+            yield tag, result.get()
