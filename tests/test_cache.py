@@ -209,11 +209,17 @@ def big_corpus(tmp_path_factory) -> Path:
     return path
 
 
+def default_sigint() -> None:
+    # A job started in the background by a non-interactive shell inherits SIGINT ignored, and a
+    # Python started with SIGINT ignored never raises KeyboardInterrupt: give the run Ctrl+C back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_when(argv: list[str], marker: str, sig: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "train", "pretrain", *argv], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
     )  # fmt: skip
     seen = []
     try:
