@@ -8,6 +8,9 @@ behind. Failures become one line naming CACHE_DIR and the file.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import signal
 import threading
@@ -123,3 +126,32 @@ def short(err: BaseException) -> str:
     """An exception as a few words for a one-line note."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return text if len(text) <= 100 else text[:97] + "..."
+
+
+def file_digest(path: Path, sums: Path | None, variable: str = "DATA_PATH") -> tuple[str, int]:
+    """(sha256 of the file's bytes, its newline count). sums: a folder where it is remembered
+    under the file's path, size, mtime and inode, so a warm start finds its cache without reading
+    gigabytes of data again (the cache keys of pretraining and SFT are made of these)."""
+    try:
+        st = path.stat()
+        memo = None
+        if sums is not None:
+            key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+            memo = sums / f"{key.hexdigest()[:32]}.json"
+            # a link planted there is never read (files.read_text refuses it): the file is read again
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UsageError):
+                known = json.loads(files.read_text(memo))
+                return str(known["sha256"]), int(known["lines"])
+        digest, lines = hashlib.sha256(), 0
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+                lines += block.count(b"\n")
+    except OSError as err:
+        raise UsageError(f"{variable}: cannot read {path}: {err.strerror or err}") from None
+    if memo is not None:
+        # only a shortcut: where it cannot be written, the next start reads the file again
+        with contextlib.suppress(OSError):
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            files.write_json(memo, {"sha256": digest.hexdigest(), "lines": lines})  # no temp left on failure
+    return digest.hexdigest(), lines

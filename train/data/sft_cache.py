@@ -122,40 +122,11 @@ def data_fingerprint(data_path: str | None, builtin: list | None, sums: Path | N
         files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
         lines = 0
         for path in files:
-            file_sum, file_lines = _file_sum(path, sums)
+            file_sum, file_lines = cache_files.file_digest(path, sums)
             digest.update(f"{path.relative_to(source.parent)}\0{file_sum}\0".encode())
             lines += file_lines
         rows = None if rows is None else _rows(source, lines, rows)
     return digest.hexdigest()[:20], rows
-
-
-def _file_sum(path: Path, sums: Path | None) -> tuple[str, int]:
-    """(sha256 of the file's bytes, its newline count), remembered in sums by stat."""
-    try:
-        st = path.stat()
-        memo = None
-        if sums is not None:
-            key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
-            memo = sums / f"{key.hexdigest()[:32]}.json"
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                known = json.loads(memo.read_text())
-                return str(known["sha256"]), int(known["lines"])
-        digest, lines = hashlib.sha256(), 0
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-                lines += block.count(b"\n")
-    except OSError as err:
-        raise UsageError(f"DATA_PATH: cannot read {path}: {err.strerror or err}") from None
-    if memo is not None:
-        temps: list[Path] = []
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            cache_files.write_json(memo, {"sha256": digest.hexdigest(), "lines": lines}, temps)
-        except OSError:  # only a shortcut: without it the next start reads the file again
-            for tmp in temps:
-                cache_files.remove(tmp)
-    return digest.hexdigest(), lines
 
 
 def _rows(source: Path, lines: int, so_far: int) -> int | None:

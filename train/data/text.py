@@ -47,9 +47,11 @@ def corpus_files(data_path: str | None) -> list[Path]:
     return records.source_files(data_path)
 
 
-def corpus_fingerprint(files: list[Path], text_field: str = "text") -> str:
-    """sha256 of every source's name and bytes (an Arrow folder: its .arrow files) and of
-    TEXT_FIELD: the cache key for the data."""
+def corpus_fingerprint(files: list[Path], text_field: str = "text", sums: Path | None = None,
+                       variable: str = "DATA_PATH") -> str:
+    """sha256 over every source's name and bytes (an Arrow folder: its .arrow files) and
+    TEXT_FIELD: the cache key for the data. sums (CACHE_DIR/sums): each file's digest kept by
+    path, size, mtime and inode, so a warm start does not read the whole corpus again."""
     digest = hashlib.sha256(CACHE_VERSION.encode())
     if text_field != "text":
         digest.update(f"text_field={text_field}\0".encode())
@@ -57,9 +59,7 @@ def corpus_fingerprint(files: list[Path], text_field: str = "text") -> str:
         digest.update(path.name.encode() + b"\0")
         parts = sorted(path.glob("*.arrow")) if path.is_dir() else [path]
         for part in parts:
-            with open(part, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
+            digest.update(cache_files.file_digest(part, sums, variable)[0].encode() + b"\0")
     return digest.hexdigest()[:20]
 
 

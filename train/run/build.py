@@ -103,7 +103,7 @@ def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide):
     cache_dir = Path(cfg.data.cache_dir)
     d = cfg.data
     files = data.corpus_files(d.data_path)
-    key = data.corpus_fingerprint(files, d.text_field)
+    key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
     tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
     tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))

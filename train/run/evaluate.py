@@ -44,7 +44,7 @@ def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, 
     """(train dataset, validation dataset or None) for packed pretraining windows."""
     if cfg.data.val_path is not None:
         files = data.corpus_files(cfg.data.val_path)
-        key = data.corpus_fingerprint(files, cfg.data.text_field)
+        key = data.corpus_fingerprint(files, cfg.data.text_field, cache_dir / "sums", "VAL_PATH")
         tokens = data.token_cache(files, key, tok, cache_dir, say, cfg.data.text_field, cfg.data.tokenize_workers)
         val = data.PackedDataset(tokens, max_length)
         if len(val) == 0:
