@@ -103,6 +103,18 @@ def test_damaged_cache_is_rebuilt_with_a_note(tmp_path, tok):
     assert not list((tmp_path / "c" / "sft").glob(".*.tmp*"))
 
 
+def test_a_planted_link_in_the_sft_cache_is_removed_never_read(tmp_path, tok):
+    data = write_jsonl(tmp_path / "d.jsonl", PAIRS)
+    first, _, _ = cached(data, tok, tmp_path / "c")
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes((first.folder / "ids.bin").read_bytes())  # a file that would pass the checks
+    (first.folder / "ids.bin").unlink()
+    os.symlink(outside, first.folder / "ids.bin")
+    again, done, lines = cached(data, tok, tmp_path / "c")
+    assert done.startswith("SFT cache: built") and any("is a symbolic link" in line for line in lines)
+    assert not (again.folder / "ids.bin").is_symlink() and again[0] == first[0]
+
+
 def test_a_killed_build_leaves_nothing_that_outlives_it(tmp_path, tok):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no process has now

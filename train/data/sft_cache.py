@@ -340,6 +340,10 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     start = time.perf_counter()
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
     folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records)
+    # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
+    cache_files.drop_link(folder, say)
+    for name in [folder / "meta.json", *(folder / f for f in _FILES)] if folder.is_dir() else []:
+        cache_files.drop_link(name, say)
     examples, damage = open_cache(folder)
     if examples is not None:
         return examples, f"SFT cache: reused {folder} ({time.perf_counter() - start:.1f} s)"
