@@ -22,6 +22,7 @@ from train.core.errors import UsageError
 KIT_DIR = Path(__file__).resolve().parent
 
 MODEL_SIZES = ("nano", "tiny", "small", "medium")
+MODEL_FAMILIES = ("gpt2", "t5")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MODES = ("pretrain", "sft")
@@ -35,8 +36,11 @@ class ModelConfig:
     model_size: str | None = None
     """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium,
     350M). Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
+    model_family: str = "gpt2"
+    """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small =
+    t5-small ~48M, medium = t5-base ~205M at an 8K vocab; span corruption on raw text)."""
     model_config: str | None = None
-    """A transformers causal-LM config.json (or a folder holding one) to train from scratch
+    """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train from scratch
     instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: about 30 % slower per step, far less
@@ -54,6 +58,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise bad_value("model_size", " | ".join(MODEL_SIZES), self.model_size)
+        if self.model_family not in MODEL_FAMILIES:
+            raise bad_value("model_family", " | ".join(MODEL_FAMILIES), self.model_family)
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise UsageError(
                 f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
@@ -361,28 +367,13 @@ FIELD_SECTION = {f.name: sec for sec, klass in SECTIONS.items() for f in fields(
 # PRECISION=auto), as in the guides, because it changes numerics.
 PRESETS: dict[str, dict] = {
     "baseline": dict(batch_size=8, gradient_accumulation_steps=1, precision="fp32", num_workers=0),
-    "optimized": dict(
-        batch_size=32,
-        gradient_accumulation_steps=4,
-        num_workers=4,
-        prefetch_factor=4,
-        pin_memory=True,
-        persistent_workers=True,
-        tf32=True,
-    ),
+    "optimized": dict(batch_size=32, gradient_accumulation_steps=4, num_workers=4, prefetch_factor=4,
+                      pin_memory=True, persistent_workers=True, tf32=True),
     # Fine-tuning: a lower peak LR than pretraining (6e-4) and no weight decay, as SFT recipes
     # use. 1e-4 suits the kit's own small models (GPT-2 class, briefly pretrained); for a
     # well-trained model of a billion parameters or more, set LEARNING_RATE=2e-5.
-    "sft": dict(
-        batch_size=16,
-        gradient_accumulation_steps=1,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        num_workers=2,
-        pin_memory=True,
-        persistent_workers=True,
-        tf32=True,
-    ),
+    "sft": dict(batch_size=16, gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.0,
+                num_workers=2, pin_memory=True, persistent_workers=True, tf32=True),
 }
 
 

@@ -6,6 +6,7 @@
 set -euo pipefail
 
 MODEL_SIZE=${MODEL_SIZE:-}              # nano | tiny | small | medium; empty: small on a GPU, nano demo on CPU
+MODEL_FAMILY=${MODEL_FAMILY:-}          # gpt2 | t5 (encoder-decoder, span corruption); empty: gpt2
 BATCH_SIZE=${BATCH_SIZE:-8}             # micro-batch per GPU
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # micro-batches per optimizer step
 ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1) for fp16 autocast + GradScaler

@@ -6,6 +6,7 @@
 set -euo pipefail
 
 MODEL_SIZE=${MODEL_SIZE:-}              # nano | tiny | small | medium; empty: small on a GPU, nano demo on CPU
+MODEL_FAMILY=${MODEL_FAMILY:-}          # gpt2 | t5 (encoder-decoder, span corruption); empty: gpt2
 BATCH_SIZE=${BATCH_SIZE:-32}            # micro-batch per GPU: raise until VRAM is ~70-85 % full
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-4}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
 AUTO_BATCH=${AUTO_BATCH:-0}             # 1: find-batch picks BATCH_SIZE x GRADIENT_ACCUM first, same effective batch

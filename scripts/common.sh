@@ -8,7 +8,7 @@ KIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Variable -> flag for every knob that takes a value. Empty means "not set": the preset or
 # the dataclass default applies.
 KIT_VALUE_KNOBS=(
-  MODEL_SIZE:--model_size MODEL_CONFIG:--model_config BATCH_SIZE:--batch_size
+  MODEL_SIZE:--model_size MODEL_FAMILY:--model_family MODEL_CONFIG:--model_config BATCH_SIZE:--batch_size
   GRADIENT_ACCUM:--gradient_accumulation_steps MAX_LENGTH:--max_length NUM_WORKERS:--num_workers
   PREFETCH_FACTOR:--prefetch_factor PIN_MEMORY:--pin_memory PERSISTENT_WORKERS:--persistent_workers
   PRECISION:--precision TF32:--tf32 COMPILE:--compile LEARNING_RATE:--learning_rate

@@ -104,20 +104,34 @@ def chunked_cross_entropy(
     return total, (targets != IGNORE_INDEX).sum()
 
 
-def count_targets(batch: dict) -> int:
+def count_targets(batch: dict, shifted: bool = True) -> int:
     """Target tokens of a micro-batch as a host int: labels != -100 after the causal shift (the
-    first label of a row is never a target). Call it on the batch as the loader gives it,
-    labels still on the CPU: then it costs no device sync."""
+    first label of a row is never a target). shifted False: an encoder-decoder's labels, each
+    of which is a target (its decoder shifts its inputs, not the labels). Call it on the batch
+    as the loader gives it, labels still on the CPU: then it costs no device sync."""
     if isinstance(batch, dict) and "labels" not in batch:  # pretraining: every next token is a target
         rows, width = batch["input_ids"].shape
         return rows * (width - 1)
     labels = batch["labels"] if isinstance(batch, dict) else batch
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return int(((labels[..., 1:] if shifted else labels) != IGNORE_INDEX).sum())
 
 
-def step_targets(batches: Iterable[dict]) -> int:
+def step_targets(batches: Iterable[dict], shifted: bool = True) -> int:
     """Target tokens of one optimizer step: its micro-batches together (fetch them first)."""
-    return sum(count_targets(b) for b in batches)
+    return sum(count_targets(b, shifted) for b in batches)
+
+
+def seq2seq_loss_sum(model, unwrapped, input_ids, attention_mask, labels) -> torch.Tensor:
+    """The SUM of target-token losses of an encoder-decoder (T5, BART): the decoder's inputs are
+    the labels shifted right from its start token (the model's own rule), the loss is taken
+    here in fp32 as a sum, so accumulation can divide by the step's target count (transformers'
+    T5 loss is a per-batch mean and takes no num_items_in_batch). `model` is what runs the
+    forward (DDP, FSDP2 or compiled); `unwrapped` the transformers model it wraps."""
+    decoder_input_ids = unwrapped.prepare_decoder_input_ids_from_labels(labels=labels)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def token_mean_share(sum_loss: torch.Tensor, step_total: int, world_size: int = 1) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The model: a transformers causal LM built from a config (never downloaded), sdpa attention."""
+"""The model: a transformers causal LM or encoder-decoder (T5, BART ...) built from a config
+(never downloaded), sdpa attention where the architecture has it."""
 
 from __future__ import annotations
 
@@ -20,15 +21,87 @@ SIZES = {
 }
 
 
+# T5's original shape (relu feed-forward, tied embeddings) at each MODEL_SIZE with MODEL_FAMILY=t5:
+# small and medium are t5-small and t5-base; n_positions is only the default MAX_LENGTH (T5's
+# relative position buckets have no hard limit).
+T5_SIZES = {
+    "nano": dict(num_layers=2, num_decoder_layers=2, d_model=256, d_ff=1024, num_heads=4, d_kv=64),
+    "tiny": dict(num_layers=4, num_decoder_layers=4, d_model=512, d_ff=2048, num_heads=8, d_kv=64),
+    "small": dict(num_layers=6, num_decoder_layers=6, d_model=512, d_ff=2048, num_heads=8, d_kv=64),
+    "medium": dict(num_layers=12, num_decoder_layers=12, d_model=768, d_ff=3072, num_heads=12, d_kv=64),
+}
+T5_CONTEXT = 512
+
+
+def model_kind(cfg) -> str | None:
+    """"causal" (GPT-2, Llama, Qwen ...), "seq2seq" (T5, mT5, BART ...) or None for a model type
+    that is neither (BERT, ViT ...), from transformers' own tables of model types."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq"
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    return None
+
+
+def refuse_other_kinds(cfg, variable: str) -> None:
+    """A model type this kit cannot train: one line naming what it trains, never transformers'
+    list of every config class."""
+    if model_kind(cfg) is None:
+        raise UsageError(
+            f"{variable}: model type {getattr(cfg, 'model_type', None)!r} is neither a causal LM (gpt2, llama, "
+            "qwen2, mistral ...) nor an encoder-decoder LM (t5, mt5, bart ...); this kit trains those two kinds"
+        )
+
+
+def unwrapped(model):
+    """The transformers model inside DDP (.module) or torch.compile (._orig_mod); FSDP2 keeps
+    the model's own class."""
+    for attr in ("module", "_orig_mod"):
+        model = getattr(model, attr, model)
+    return model
+
+
+def is_seq2seq(model_or_config) -> bool:
+    """An encoder-decoder model (or its config), wrapped or not."""
+    cfg = getattr(unwrapped(model_or_config), "config", model_or_config)
+    return bool(getattr(cfg, "is_encoder_decoder", False))
+
+
+def set_special_tokens(cfg, eos_id: int, pad_id: int | None) -> None:
+    """The tokenizer's end-of-text (and pad) in the model's config. An encoder-decoder's decoder
+    starts from pad, as T5's does; a tokenizer without pad uses end-of-text."""
+    cfg.eos_token_id = eos_id
+    if is_seq2seq(cfg):
+        cfg.pad_token_id = cfg.decoder_start_token_id = eos_id if pad_id is None else pad_id
+    else:
+        cfg.bos_token_id = eos_id
+
+
 def padded_vocab(n: int, multiple: int = 64) -> int:
     """Round the vocabulary up to a multiple of 64: tensor-core friendly matmul shapes
     (nanoGPT's 50257 -> 50304 gave ~25 % on the LM head)."""
     return (n + multiple - 1) // multiple * multiple
 
 
-def build_config(model_size: str, model_config: str | None, vocab_size: int, eos_id: int):
-    from transformers import AutoConfig, GPT2Config
+def build_config(model_size: str, model_config: str | None, vocab_size: int, eos_id: int, model_family: str = "gpt2"):
+    from transformers import AutoConfig, GPT2Config, T5Config
 
+    if model_config is None and model_family == "t5":
+        return T5Config(
+            vocab_size=vocab_size,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            decoder_start_token_id=eos_id,
+            use_cache=False,
+            n_positions=T5_CONTEXT,
+            **T5_SIZES[model_size],
+        )
     if model_config is None:
         return GPT2Config(
             vocab_size=vocab_size,
@@ -48,6 +121,8 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     except Exception as err:  # OSError, ValueError, KeyError, huggingface_hub's validation errors
         why = " ".join(line.strip() for line in str(err).splitlines()) or type(err).__name__
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
+    refuse_other_kinds(cfg, f"MODEL_CONFIG={model_config}")
+    set_special_tokens(cfg, eos_id, None)
     check_shape(cfg, f"MODEL_CONFIG={model_config}")
     cfg.use_cache = False
     return cfg
@@ -69,7 +144,7 @@ def check_shape(cfg, variable: str) -> None:
     whole("the number of layers (n_layer / num_hidden_layers)", layers)
     whole("the width (n_embd / hidden_size)", hidden)
     whole("the number of heads (n_head / num_attention_heads)", heads)
-    if getattr(cfg, "head_dim", None) is None and hidden % heads:
+    if getattr(cfg, "head_dim", None) is None and getattr(cfg, "d_kv", None) is None and hidden % heads:
         raise UsageError(f"{variable}: the width {hidden} (n_embd / hidden_size) is not divisible by the {heads} heads")
     kv = getattr(cfg, "num_key_value_heads", None)
     if kv is not None and heads % whole("num_key_value_heads", kv):
@@ -94,17 +169,23 @@ def shape(cfg) -> dict:
     return {"n_layer": n_layer, "n_head": n_head, "head_dim": cfg.hidden_size // n_head}
 
 
+def auto_class(cfg):
+    """transformers' Auto class that builds and loads this config's model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if is_seq2seq(cfg) else AutoModelForCausalLM
+
+
 def build_model(cfg, gradient_checkpointing: bool, seed: int):
     """A freshly initialised model from the config, sdpa attention (flash/memory-efficient
     kernels where the device has them)."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
+    auto = auto_class(cfg)
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
+        model = auto.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
     except ValueError:
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
-    if getattr(model, "loss_type", None) is None:
+        model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support (T5)
+    if not is_seq2seq(cfg) and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:
         enable_checkpointing(model)

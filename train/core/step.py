@@ -16,9 +16,11 @@ from train.core.loss import (
     chunked_cross_entropy,
     count_targets,
     lm_hidden_and_head,
+    seq2seq_loss_sum,
     step_targets,
     token_mean_share,
 )
+from train.core.model import is_seq2seq, unwrapped
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,13 +89,17 @@ def forward_loss(model, batch: dict, device: torch.device, precision: str, targe
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
     one big batch would give, not a mean of per-micro-batch means). targets None: this batch's
     own (its mean loss). Counted on the host before the batch moves: no device sync."""
+    seq2seq = is_seq2seq(model)
     if targets is None:
-        targets = count_targets(batch)
+        targets = count_targets(batch, shifted=not seq2seq)
     # Only tensors reach the model: the collators also hand over host ints (n_real_tokens ...),
     # which BatchCounter has already read.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
     with autocast(device, precision):
+        if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target
+            total = seq2seq_loss_sum(model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels)
+            return token_mean_share(total, targets)
         if chunkable(model):
             hidden, weight = lm_hidden_and_head(model, **batch)
             total, _ = chunked_cross_entropy(hidden, weight, labels)
@@ -111,7 +117,7 @@ def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, 
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
-    targets = step_targets(micro_batches)
+    targets = step_targets(micro_batches, shifted=not is_seq2seq(model))
     loss_sum = torch.zeros((), device=device)
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():

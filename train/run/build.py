@@ -58,7 +58,9 @@ class PretrainingSource:
         tokenizer is known), so a MAX_LENGTH longer than its context stops before any data work."""
         model_size, demo = choose_model_size(cfg, device, say, decide)
         self.model_size = model_size
-        self.hf_cfg = model_lib.build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0)
+        self.hf_cfg = model_lib.build_config(
+            model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family
+        )
         return model_size, model_lib.context_length(self.hf_cfg), demo
 
     def data(self, cfg: TrainConfig, device, precision: str, max_length: int, say, decide) -> Data:
@@ -109,7 +111,7 @@ def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide):
     hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
     if hf_cfg.vocab_size != len(tok):
         decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
-    hf_cfg.bos_token_id = hf_cfg.eos_token_id = tok.convert_tokens_to_ids(tok.eos_token)
+    model_lib.set_special_tokens(hf_cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.data.num_workers > cores:
         decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
