@@ -37,11 +37,15 @@ def all_cores() -> int:
 
 def _columns(path: Path, field: str) -> Iterator[tuple[list, int]]:
     """The TEXT_FIELD column of a parquet/Arrow source as (arrays, bytes) of about UNIT_SIZE."""
+    import pyarrow as pa
+
     arrays, size = [], 0
     for batch in records.record_batches(path, [field]):
         column = batch.column(0)
         records.text_column(path, batch.slice(0, 0), field)  # the type check, on no rows
-        arrays.append(column)
+        # A batch may be a slice of a whole decoded row group, and a slice pickles with its
+        # parent's buffers (120 MB for 1 MB of text): a compact copy goes to the worker.
+        arrays.append(pa.concat_arrays([column]) if column.offset or column.get_total_buffer_size() > 2 * column.nbytes else column)
         size += column.nbytes
         if size >= UNIT_SIZE:
             yield arrays, size
