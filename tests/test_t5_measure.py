@@ -5,8 +5,8 @@ attention_mask the source, labels the target) through the kit's own train_step."
 
 import pytest
 import torch
-
 from test_distributed import flat, spawn
+
 from train.core.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model
 from train.core.step import make_optimizer, train_step
@@ -145,7 +145,7 @@ def _t5_worker(rank, world_size, port):
                 assert len(blocks) == 4 and all(parallel.is_sharded(m) for m in blocks)
             _sgd(model, mine, 2, parallel.sync_context(model))
             got = flat(model.module if sharding == "none" else model)
-            torch.testing.assert_close(got, flat(reference), rtol=1e-4, atol=1e-5, msg=lambda m: f"{sharding}: {m}")
+            torch.testing.assert_close(got, flat(reference), rtol=1e-4, atol=1e-5, msg=lambda m, s=sharding: f"{s}: {m}")
             inner = model.module if sharding == "none" else model
             assert inner.lm_head.weight is inner.shared.weight  # the tied head stays tied
         dist.barrier()

@@ -79,7 +79,8 @@ class BatchCounter:
 def seq2seq_tokens(batch: dict) -> tuple[int, int]:
     """(real, padded) source + target tokens of a seq2seq batch (the batch contract: input_ids
     and attention_mask the source, labels the target with -100 on padding), on the host."""
-    ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    labels = batch.get("labels", ids)  # no labels: the model learns its source (core/step.py forward_loss)
     source = int(mask.sum()) if mask is not None else ids.numel()
     return source + int((labels != IGNORE_INDEX).sum()), ids.numel() + labels.numel()
 
