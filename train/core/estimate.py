@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import copy
 
+from train.core import estimate_seq2seq
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
+from train.core.model import auto_class, is_seq2seq
 from train.core.units import MIB
 
 HALF = ("fp16", "bf16")
@@ -38,7 +40,7 @@ def count_params(hf_cfg) -> int:
     Every block has the same shape, so a deep model is counted from its one- and two-block
     versions: 100,000 layers take milliseconds instead of minutes of building modules."""
     layers = hf_cfg.num_hidden_layers
-    if layers > 2:
+    if layers > 2 and not is_seq2seq(hf_cfg):  # an encoder-decoder has two stacks: counted whole
         try:
             one, two = (_meta_count(_with_layers(hf_cfg, n)) for n in (1, 2))
             return one + (layers - 1) * (two - one)
@@ -49,10 +51,9 @@ def count_params(hf_cfg) -> int:
 
 def _meta_count(hf_cfg) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=False)
+    with torch.device("meta"):  # AutoModelForSeq2SeqLM for an encoder-decoder
+        model = auto_class(hf_cfg).from_config(hf_cfg, trust_remote_code=False)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -179,10 +180,14 @@ def estimate_memory(
     gradient_accumulation_steps: int = 1,
     device_type: str = "cuda",
     chunked_loss: bool = False,
+    target_length: int | None = None,
 ) -> dict:
     """Bytes of each part and of the peak (the larger of the backward-start peak and the
-    optimizer-step peak: weights + gradients + AdamW state)."""
-    s = shapes(hf_cfg)
+    optimizer-step peak: weights + gradients + AdamW state). An encoder-decoder: max_length is
+    the source length, target_length the target's (default: max_length)."""
+    seq2seq = is_seq2seq(hf_cfg)
+    s = estimate_seq2seq.shapes(hf_cfg) if seq2seq else shapes(hf_cfg)
+    layers = s["enc_layers"] + s["dec_layers"] if seq2seq else s["layers"]
     half = precision in HALF
     weights = 4 * n_params  # fp32: the master weights themselves
     gradients = 4 * n_params  # fp32, like the parameters
@@ -192,13 +197,20 @@ def estimate_memory(
         copies = 0
     elif gradient_checkpointing:
         # Recomputed blocks cast again and free their casts; the LM head's stays until backward.
-        copies = 2 * (embed + (n_params - embed) / max(1, s["layers"]))
+        copies = 2 * (embed + (n_params - embed) / max(1, layers))
     else:
         copies = 2 * n_params  # the guides' 6 bytes per parameter for mixed-precision weights
-    acts = activation_bytes(
-        hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type),
-        chunked_loss,
-    )
+    if seq2seq:
+        target = max_length if target_length is None else target_length
+        acts = estimate_seq2seq.activation_bytes(
+            hf_cfg, batch_size, max_length, target, precision, gradient_checkpointing,
+            estimate_seq2seq.attention_kind(hf_cfg, device_type), device_type,
+        )  # fmt: skip
+    else:
+        acts = activation_bytes(
+            hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type),
+            chunked_loss,
+        )
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
     backward_peak = weights + copies + optimizer + held_grads + acts["peak"]
     step_peak = weights + gradients + optimizer
@@ -211,14 +223,19 @@ def estimate_memory(
         "activations_per_layer": acts["per_layer"],
         "loss_logits": acts["loss"],
     }
+    if seq2seq:
+        parts.update(source_length=max_length, target_length=target)
     return {**parts, "peak": max(backward_peak, step_peak), "n_params": n_params}
 
 
 def estimate_for_run(
     hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str, world_size: int = 1
 ) -> dict:
-    """estimate_memory with a run's settings. The chunked loss runs on a bare model: not under
-    DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable)."""
+    """estimate_memory with a run's settings. The chunked loss runs on a bare causal model: not
+    under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable).
+    An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths)."""
+    seq2seq = is_seq2seq(hf_cfg)
+    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
     return estimate_memory(
         hf_cfg,
         n_params,
@@ -228,7 +245,8 @@ def estimate_for_run(
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
         device_type=device_type,
-        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile,
+        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile and not seq2seq,
+        target_length=target,
     )
 
 
@@ -238,7 +256,10 @@ def describe(estimate: dict) -> list[str]:
     def mb(key):
         return f"{estimate[key] / MIB:,.0f} MB"
 
-    lines = [
+    lines = [] if "source_length" not in estimate else [
+        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} tokens"
+    ]
+    lines += [
         f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
         f"gradients {mb('gradients')}, AdamW state {mb('optimizer')}",
         f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
@@ -254,9 +275,10 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
     """The least device memory one training step of this model can take: one sequence per
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
     gradients and AdamW state are split over the processes."""
+    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if is_seq2seq(hf_cfg) else None
     est = estimate_memory(
         hf_cfg, n_params, batch_size=1, max_length=max_length, precision=precision,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type, target_length=target,
     )
     shards = world_size if cfg.system.sharding != "none" else 1
     state = (est["weights"] + est["gradients"] + est["optimizer"]) / shards

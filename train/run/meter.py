@@ -16,8 +16,9 @@ import torch
 from tqdm import tqdm
 
 from train.core.device import synchronize
+from train.core.model import is_seq2seq
 from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
-from train.core.units import MIB
+from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
 
@@ -38,10 +39,14 @@ def format_eta(seconds: float) -> str:
 
 class BatchCounter:
     """Passes micro-batches through and counts rows, real and padded tokens on the host (shapes
-    and the collator's ints: no device sync). Packed pretraining batches are all real tokens."""
+    and the collator's ints: no device sync). Packed pretraining batches are all real tokens.
+    An encoder-decoder's tokens are source + target (what tokens_per_sec counts for T5): real
+    ones are the source's attention_mask and the labels that are not -100, padded ones both
+    tensors' sizes (seq2seq_tokens)."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, seq2seq: bool = False):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
+        self.seq2seq = seq2seq
 
     def __iter__(self):
         return self
@@ -50,8 +55,12 @@ class BatchCounter:
         batch = next(self.batches)
         ids = batch["input_ids"]
         self.rows += int(batch.get("n_conversations", ids.shape[0]))  # packed rows hold several
-        self.real += int(batch.get("n_real_tokens", ids.numel()))
-        self.padded += int(batch.get("n_padded_tokens", ids.numel()))
+        if self.seq2seq:
+            real, padded = seq2seq_tokens(batch)
+        else:
+            real, padded = batch.get("n_real_tokens", ids.numel()), batch.get("n_padded_tokens", ids.numel())
+        self.real += int(real)
+        self.padded += int(padded)
         return batch
 
     def counts(self) -> tuple[int, int, int]:
@@ -67,6 +76,15 @@ class BatchCounter:
             raise
 
 
+def seq2seq_tokens(batch: dict) -> tuple[int, int]:
+    """(real, padded) source + target tokens of a seq2seq batch (the batch contract: input_ids
+    and attention_mask the source, labels the target with -100 on padding), on the host."""
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    labels = batch.get("labels", ids)  # no labels: the model learns its source (core/step.py forward_loss)
+    source = int(mask.sum()) if mask is not None else ids.numel()
+    return source + int((labels != IGNORE_INDEX).sum()), ids.numel() + labels.numel()
+
+
 class Meter:
     """Counts, times and logs one session of a run (see the module doc)."""
 
@@ -74,7 +92,7 @@ class Meter:
         self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
         self.device, self.world = b.device, b.world
         self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches))  # rows, real/padded tokens
+        self.batches = BatchCounter(self.timer.wrap(batches), is_seq2seq(b.model))  # rows, real/padded tokens
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)

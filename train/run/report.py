@@ -10,8 +10,9 @@ import torch
 from config import SECTIONS, TrainConfig, env_name
 from train.core.device import device_name
 from train.core.estimate import estimate_for_run
-from train.core.mfu import flops_per_token, mfu_report
-from train.core.model import count_params, shape
+from train.core.estimate_seq2seq import lengths
+from train.core.mfu import mfu_report, model_flops_per_token
+from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
@@ -82,8 +83,11 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
-    fpt = flops_per_token(n_params, **shape(model.config), seq_len=seq_len)
+    if is_seq2seq(model):  # FLOPs per source + target token at the planned lengths
+        fpt = model_flops_per_token(model, *lengths(cfg.run.mode, b.max_length))
+    else:
+        seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
+        fpt = model_flops_per_token(model, seq_len)
     torch_mem = monitor_lib.torch_memory(device)
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
     now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom.batch_size,

@@ -187,12 +187,13 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     import torch
 
     from train.core.device import device_name, resolve_device
-    from train.core.mfu import flops_per_token, peak_flops
-    from train.core.model import count_params, shape
+    from train.core.mfu import model_flops_per_token, peak_flops
+    from train.core.model import count_params, is_seq2seq
     from train.data.stream import BatchStream
     from train.run.build import build
     from train.run.meter import steady_start
     from train.run.parts import data_loader
+    from train.tools.dryrun import run_lengths
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -209,7 +210,10 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     skip = steady_start(steps)  # the warm-up run_loop itself leaves out of its figures
     effective = cfg.effective_batch_size()
     n_params = count_params(b.model)
-    fpt = flops_per_token(n_params, **shape(b.model.config), seq_len=b.max_length)
+    fpt = model_flops_per_token(b.model, *run_lengths(b))
+    if vs_plain and is_seq2seq(b.model):
+        raise UsageError("bench --vs-plain: the plain reference loop is a causal LM's (model(x, labels=x)); "
+                         "bench an encoder-decoder (MODEL_FAMILY=t5) without --vs-plain")
     peak = peak_flops(
         device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32
     )
@@ -265,6 +269,7 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
     import torch
 
     from train.core.model import count_params
+    from train.tools.dryrun import tokens_per_sample
 
     cfg, o, device, steps = b.cfg, b.cfg.optim, b.device, b.total_steps
     effective, accum, n_params = cfg.effective_batch_size(), o.gradient_accumulation_steps, count_params(b.model)
@@ -286,7 +291,7 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
         "warmup_steps_excluded": skip,
         "flops_per_token": fpt,
         "startup": startup,
-        "kit": figures(kit_rounds, effective, b.max_length, fpt, peak),
+        "kit": figures(kit_rounds, effective, tokens_per_sample(b), fpt, peak),
         "kit_first_step_s_rounds": [r["first_step_s"] for r in kit_rounds],
         "kit_first_loss": kit_rounds[0]["first_loss"],
         "kit_final_loss": kit_rounds[-1]["final_loss"],
@@ -295,7 +300,7 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
         # the first step pays for tracing and code generation; a steady step is what is left
         startup["compile_s"] = max(0.0, startup["loop_first_step_s"] - result["kit"]["ms_per_step"] / 1000)
     if plain_rounds:
-        result["plain"] = figures(plain_rounds, effective, b.max_length, fpt, peak)
+        result["plain"] = figures(plain_rounds, effective, tokens_per_sample(b), fpt, peak)
         result["plain_first_loss"] = plain_rounds[0]["first_loss"]
         result["plain_final_loss"] = plain_rounds[-1]["final_loss"]
         # The ratio is the median over rounds of kit/plain within each round: the two halves of a

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from train.core.errors import UsageError
 from train.core.estimate import describe, estimate_for_run
-from train.core.mfu import flops_per_token
-from train.core.model import count_params, shape
+from train.core.estimate_seq2seq import lengths
+from train.core.mfu import model_flops_per_token
+from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.run.report import config_lines
 
@@ -23,19 +24,31 @@ def derived_numbers(b) -> dict:
     cfg, o = b.cfg, b.cfg.optim
     n_params = count_params(b.model)
     effective = cfg.effective_batch_size()
+    per_step = effective * tokens_per_sample(b)  # an encoder-decoder: source + target tokens
     return {
         "n_params": n_params,
         "effective_batch_size": effective,
-        "tokens_per_step": cfg.tokens_per_step(b.max_length),
+        "tokens_per_step": per_step,
         "train_sequences": len(b.dataset),
         "val_sequences": None if b.val_dataset is None else len(b.val_dataset),
         "steps_per_epoch": len(b.dataset) // o.batch_size // o.gradient_accumulation_steps,
         "total_steps": b.total_steps,
         "warmup_steps": b.warmup_steps,
         "samples": b.total_steps * effective,
-        "tokens": b.total_steps * cfg.tokens_per_step(b.max_length),
-        "flops_per_token": flops_per_token(n_params, **shape(b.model.config), seq_len=b.max_length),
+        "tokens": b.total_steps * per_step,
+        "flops_per_token": model_flops_per_token(b.model, *run_lengths(b)),
     }
+
+
+def run_lengths(b) -> tuple[int, int | None]:
+    """(window, None) for a causal LM; (source, target) for an encoder-decoder."""
+    return lengths(b.cfg.run.mode, b.max_length) if is_seq2seq(b.model) else (b.max_length, None)
+
+
+def tokens_per_sample(b) -> int:
+    """Tokens one sample counts for tokens/s: its window, or source + target (worst case)."""
+    source, target = run_lengths(b)
+    return source + (target or 0)
 
 
 def device_total_mb(device) -> float | None:

@@ -66,9 +66,23 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _sampler(dataset, seed: int):
-    """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random."""
+def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None, vocab: int = 0):
+    """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random. An
+    encoder-decoder: batches of the seq2seq contract at the worst-case lengths (a full source,
+    the mode's target: train/core/estimate_seq2seq.lengths), random tokens: memory and time
+    depend on the shapes only."""
     generator = torch.Generator().manual_seed(seed)
+    if seq2seq_lengths is not None:
+        source, target = seq2seq_lengths
+
+        def contract(size: int) -> dict:
+            return {
+                "input_ids": torch.randint(1, vocab, (size, source), generator=generator),
+                "attention_mask": torch.ones(size, source, dtype=torch.long),
+                "labels": torch.randint(1, vocab, (size, target), generator=generator),
+            }
+
+        return contract
 
     def sample(size: int) -> dict:
         picks = torch.randint(len(dataset), (size,), generator=generator).tolist()
@@ -116,12 +130,16 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
+    from train.core.model import is_seq2seq
     from train.core.step import make_optimizer
+    from train.tools.dryrun import run_lengths
 
     optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, b.device)
     scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    sample, meter = _sampler(b.dataset, b.cfg.system.seed), PeakMeter(b.device)
+    lengths = run_lengths(b) if is_seq2seq(b.model) else None
+    sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size)
+    meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU
     # the OOM killer, unlike a CUDA OOM, cannot be caught.
