@@ -49,10 +49,11 @@ def count_params(hf_cfg) -> int:
 
 def _meta_count(hf_cfg) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=False)
+    from train.core.model import auto_class
+
+    with torch.device("meta"):  # AutoModelForSeq2SeqLM for an encoder-decoder
+        model = auto_class(hf_cfg).from_config(hf_cfg, trust_remote_code=False)
     return sum(p.numel() for p in model.parameters())
 
 
