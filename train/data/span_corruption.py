@@ -53,8 +53,8 @@ def corrupt(window: np.ndarray, mask: np.ndarray, sentinels, eos_id: int) -> tup
     span_of = np.cumsum(first) - 1
     ids = np.asarray(sentinels, dtype=np.int64)
     source = np.where(first, ids[span_of], window)[~mask | first]
-    pairs = np.stack([np.where(first, ids[span_of], -1), window], axis=1).reshape(-1)
-    target = pairs[np.repeat(mask, 2) & (pairs >= 0)]  # (sentinel, token) at a span's start, else (token)
+    pairs = np.stack([ids[span_of], window], axis=1).reshape(-1)
+    target = pairs[np.stack([first, mask], axis=1).reshape(-1)]  # (sentinel, token) at a span's start
     eos = np.array([eos_id], dtype=np.int64)
     return np.concatenate([source, eos]), np.concatenate([target, eos])
 
