@@ -64,6 +64,8 @@ class PretrainingSource:
         self.hf_cfg = model_lib.build_config(
             model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family
         )
+        if cfg.model.model_config is not None and model_lib.is_seq2seq(self.hf_cfg):
+            decide("model_kind", "seq2seq", f"model_type {self.hf_cfg.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
         context = model_lib.context_length(self.hf_cfg)
         if model_lib.is_seq2seq(self.hf_cfg) and not any(
             getattr(self.hf_cfg, name, None) for name in ("n_positions", "max_position_embeddings")
