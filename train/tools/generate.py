@@ -164,7 +164,7 @@ class Chat:
 
 
     def _decode(self, ids: list[int]) -> str:
-        if self.seq2seq and not self.templated:  # span corruption: the sentinels say where each piece goes
+        if not self.templated and self.seq2seq:  # span corruption: the sentinels say where each piece goes
             drop = {self.tok.pad_token_id, self.tok.eos_token_id, self.model.config.decoder_start_token_id}
             return self.tok.decode([i for i in ids if i not in drop]).strip()
         # Special tokens are markup, dropped; but a tool call's marker is what says the reply
