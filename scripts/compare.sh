@@ -5,7 +5,7 @@
 #   COMPARE_SAMPLES  sequences each run trains on (its MAX_SAMPLES); empty: 1024 on CPU, 4096 on a GPU
 #   REPEAT           runs per side, alternating A B A B ... so drift hits both; the table then shows
 #                    the median and the spread, and calls a difference inside the spread noise
-#   Shared by both sides: MODEL_SIZE, MODEL_CONFIG, MAX_LENGTH, DATA_PATH, TOKENIZER_PATH, VOCAB_SIZE,
+#   Shared by both sides: MODEL_SIZE, MODEL_FAMILY (gpt2 | t5), MODEL_CONFIG, MAX_LENGTH, DATA_PATH, TOKENIZER_PATH, VOCAB_SIZE,
 #   SEED, DEVICE, CACHE_DIR, OUTPUT_DIR, LOG_EVERY, ... (any launcher variable not listed below).
 #   Optimized side only (the baseline keeps the guides' "before"): BATCH_SIZE, GRADIENT_ACCUM,
 #   NUM_WORKERS, PREFETCH_FACTOR, PIN_MEMORY, PERSISTENT_WORKERS, PRECISION, ENABLE_FP16, ENABLE_BF16,

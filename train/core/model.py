@@ -38,12 +38,17 @@ def model_kind(cfg) -> str | None:
     that is neither (BERT, ViT ...), from transformers' own tables of model types."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
     model_type = getattr(cfg, "model_type", None)
     if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return "seq2seq"
+    # BERT-style encoders (bert, roberta ...) are in the causal table too, as decoders only
+    # (is_decoder=True): an encoder's config (is_decoder False) is neither kind.
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and getattr(cfg, "is_decoder", True) is False:
+        return None
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return "causal"
     return None

@@ -154,6 +154,26 @@ def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say):
     return tok
 
 
+# T5's sentinels, one per noise span of a span-corrupted window (train/data/span_corruption.py);
+# T5's tokenizers carry 100 of them.
+SENTINEL = "<extra_id_{}>"
+T5_SENTINELS = 100
+
+
+def sentinel_ids(tok, needed: int) -> tuple[list[int], int]:
+    """(ids of <extra_id_0> ... <extra_id_{n-1}>, how many were added), n = max(100, needed). A
+    tokenizer with T5's sentinels keeps its own ids; the kit's BPE (or any other) gets the
+    missing ones as special tokens: never split, saved with final/, dropped by
+    decode(skip_special_tokens=True). Add them after the token cache is built, so the cache's
+    key (the tokenizer's fingerprint) is the one GPT-2 runs on the same corpus share."""
+    names = [SENTINEL.format(i) for i in range(max(T5_SENTINELS, needed))]
+    vocab = tok.get_vocab()
+    missing = [name for name in names if name not in vocab]
+    if missing:
+        tok.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
+    return tok.convert_tokens_to_ids(names), len(missing)
+
+
 def tokenizer_fingerprint(tok) -> str:
     state = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else repr(tok.get_vocab())
     return hashlib.sha256(state.encode()).hexdigest()[:20]

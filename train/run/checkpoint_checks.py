@@ -64,14 +64,18 @@ def _model_of(settings: dict) -> str | None:
         return f"MODEL_PATH={settings['model_path']} ({size})"
     if size == "custom":
         return f"MODEL_CONFIG={settings['model_config']}" if settings.get("model_config") else None
-    return f"MODEL_SIZE={size}"
+    family = settings.get("model_family") or "gpt2"  # a checkpoint from before MODEL_FAMILY: GPT-2
+    return f"MODEL_SIZE={size}" + (f" MODEL_FAMILY={family}" if family != "gpt2" else "")
 
 
 def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     """The line for a resume into another model than the checkpoint's, or None when the model
     is the same (or the checkpoint predates the record). Checked before the weights and the
     optimizer state, whose mismatch could only say "another model"."""
-    if not now or not isinstance(saved.get("model_size"), str) or saved["model_size"] == now.get("model_size"):
+    if not now or not isinstance(saved.get("model_size"), str):
+        return None
+    family = [(s.get("model_family") or "gpt2") for s in (saved, now)]  # MODEL_SIZE picks in its family
+    if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or saved["model_size"] == "custom"):
         return None
     was, has = _model_of(saved), _model_of(now)
     return (

@@ -46,6 +46,7 @@ class Checkpointer:
         settings.update(effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length)
         # what chose the model, for the changed-model message of a later RESUME=1
         settings.update(model_config=self.cfg.model.model_config, model_path=self.b.summary_extra.get("model_path"))
+        settings.update(model_family=self.cfg.model.model_family)
         return settings
 
     def data_identity(self) -> dict:

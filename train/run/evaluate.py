@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from train.core.errors import UsageError
-from train.core.units import IGNORE_INDEX
 from train.data import text as data
 from train.distributed import distributed, parallel
 
@@ -40,17 +39,18 @@ def val_windows(n_windows: int, fraction: float, want: int) -> int:
     return min(n_val, n_windows - 1)
 
 
-def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, decide):
-    """(train dataset, validation dataset or None) for packed pretraining windows."""
+def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, decide, window: int | None = None):
+    """(train dataset, validation dataset or None) for packed pretraining windows of `window`
+    tokens (MAX_LENGTH, or the raw windows span corruption makes MAX_LENGTH-token sources of)."""
+    window = window or max_length
     if cfg.data.val_path is not None:
         files = data.corpus_files(cfg.data.val_path)
         key = data.corpus_fingerprint(files, cfg.data.text_field, cache_dir / "sums", "VAL_PATH")
         tokens = data.token_cache(files, key, tok, cache_dir, say, cfg.data.text_field, cfg.data.tokenize_workers)
-        val = data.PackedDataset(tokens, max_length)
+        val = data.PackedDataset(tokens, window)
         if len(val) == 0:
-            raise UsageError(
-                f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} sequence"
-            )
+            raw = f" (a raw window of {window} before span corruption)" if window != max_length else ""
+            raise UsageError(f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} sequence{raw}")
         decide("validation", f"{len(val)} sequences", f"VAL_PATH={cfg.data.val_path}")
         return dataset, val
     want = cfg.run.eval_batches * VAL_ROWS
@@ -87,11 +87,15 @@ def make_val_loader(dataset, batch_size: int, device: torch.device, collate_fn=N
 def evaluate(model, loader, max_batches: int, device: torch.device, precision: str) -> float | None:
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
-    Each batch's mean loss is weighted by its predicted tokens (labels after the shift that
-    are not IGNORE_INDEX), so a short last batch or masked SFT prompts count by their tokens.
+    Each batch's mean loss is weighted by its predicted tokens (labels after the causal shift,
+    or an encoder-decoder's every label, that are not IGNORE_INDEX), so a short last batch or
+    masked SFT prompts count by their tokens.
     One host read per call. The model is put back in the mode it was in."""
+    from train.core.loss import count_targets
+    from train.core.model import is_seq2seq
     from train.core.step import forward_loss
 
+    seq2seq = is_seq2seq(model)  # every target label counts (no causal shift)
     was_training = model.training
     model.eval()
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
@@ -102,8 +106,7 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
             for index, batch in enumerate(loader):
                 if index >= max_batches:
                     break
-                labels = batch.get("labels", batch["input_ids"])
-                tokens = (labels[..., 1:] != IGNORE_INDEX).sum().to(device, non_blocking=True)
+                tokens = count_targets(batch, shifted=not seq2seq)  # host labels: no sync
                 loss = forward_loss(model, batch, device, precision)
                 loss_sum += loss.to(dtype) * tokens
                 token_sum += tokens

@@ -6,6 +6,11 @@ The prompt is the tokenizer's chat template up to where the assistant's reply st
 (prompt_for_generation), and generation stops at the end-of-turn token, exactly as SFT framed
 the training examples. A model without a chat template (a pretraining run's final/) has never
 seen one, so its prompt is continued as plain text instead, and the user is told.
+
+An encoder-decoder (T5, BART: AutoModelForSeq2SeqLM, chosen from the folder's config) reads the
+prompt as its source and writes the reply as its target. A span-corruption pretraining run's
+model fills the prompt's <extra_id_N> sentinels: its reply shows them, each before the text it
+puts in that place.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from train.config import knobs
 from train.config.flags import ArgParser
 from train.core.errors import UsageError
-from train.core.model import context_length
+from train.core.model import auto_class, context_length, is_seq2seq, refuse_other_kinds
 from train.core.remote_code import refuse_custom_code
 from train.data.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
 from train.data.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
@@ -51,7 +56,7 @@ def parser() -> ArgParser:
 
 
 def load(model_dir: str, device: str, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from train.core.device import resolve_device
@@ -71,8 +76,12 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
     refuse_custom_code(path, "--model", trust_remote_code, allow="--trust_remote_code lets it run")
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
+        config = AutoConfig.from_pretrained(path, **offline)
+        refuse_other_kinds(config, f"--model {model_dir}")
         tok = AutoTokenizer.from_pretrained(path, **offline)
-        model = AutoModelForCausalLM.from_pretrained(path, **offline)
+        model = auto_class(config).from_pretrained(path, config=config, **offline)
+    except UsageError:
+        raise
     except Exception as err:  # a folder transformers cannot load: one line, not a traceback
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UsageError(f"--model {model_dir}: cannot load the model: {first}") from None
@@ -89,6 +98,7 @@ class Chat:
     def __init__(self, model, tok, device, args):
         self.model, self.tok, self.device, self.args = model, tok, device, args
         self.templated = tok.chat_template is not None
+        self.seq2seq = is_seq2seq(model)
         self.context = context_length(model.config)
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:
@@ -103,7 +113,11 @@ class Chat:
             text = prompt_for_generation(self.tok, self.turns)
         else:
             text = "\n".join(t["content"] for t in self.turns)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        eos = self.tok.eos_token_id
+        if self.seq2seq and not self.templated and ids and eos is not None and ids[-1] != eos:
+            ids.append(eos)  # span corruption's sources end with end-of-text
+        return ids
 
     def reply(self, message: str, keep: bool) -> str:
         self.turns.append({"role": "user", "content": message})
@@ -121,7 +135,8 @@ class Chat:
             raise UsageError(
                 f"--prompt: {len(ids)} tokens with the template; the model's context is {self.context}"
             )
-        new = min(self.args.max_new_tokens, self.context - len(ids))
+        # A decoder's reply has the context to itself; a causal LM's follows the prompt.
+        new = min(self.args.max_new_tokens, self.context - (0 if self.seq2seq else len(ids)))
         input_ids = torch.tensor([ids], device=self.device)
         sampling = self.args.temperature > 0
         options = dict(do_sample=sampling)
@@ -139,7 +154,8 @@ class Chat:
                 pad_token_id=pad,
                 **options,
             )
-        text = self._decode(out[0, len(ids) :].tolist())
+        # The decoder's output starts with its start token; a causal LM's repeats the prompt.
+        text = self._decode(out[0, 1 if self.seq2seq else len(ids) :].tolist())
         if keep and self.templated:
             self.turns.append({"role": "assistant", "content": text})
         else:
@@ -148,6 +164,9 @@ class Chat:
 
 
     def _decode(self, ids: list[int]) -> str:
+        if not self.templated and self.seq2seq:  # span corruption: the sentinels say where each piece goes
+            drop = {self.tok.pad_token_id, self.tok.eos_token_id, self.model.config.decoder_start_token_id}
+            return self.tok.decode([i for i in ids if i not in drop]).strip()
         # Special tokens are markup, dropped; but a tool call's marker is what says the reply
         # is a call and not text, so it stays (and a kept turn renders back to the same ids).
         call_id = self.tok.convert_tokens_to_ids(TOOL_CALL_TOKEN) if self.templated else None
@@ -184,10 +203,12 @@ def generate_main(argv: list[str]) -> int:
     model, tok, device = load(args.model, args.device, args.trust_remote_code)
     chat = Chat(model, tok, device, args)
     if not chat.templated:
-        print(
-            f"note: {args.model} has no chat template (not an SFT run): continuing the prompt as plain text",
-            file=sys.stderr,
+        how = (
+            "the prompt is the encoder's source (write <extra_id_0> ... where the model should fill in text)"
+            if chat.seq2seq
+            else "continuing the prompt as plain text"
         )
+        print(f"note: {args.model} has no chat template (not an SFT run): {how}", file=sys.stderr)
     if args.prompt is not None and not args.interactive:
         print(chat.reply(args.prompt, keep=False))
         return 0
