@@ -174,7 +174,7 @@ def test_seeded_run_matches_golden_losses_and_final_generates(runs, capsys):
         np.testing.assert_allclose(got[key], golden[key], rtol=2e-4, err_msg=key)
     assert got["losses"][-1] < got["losses"][0]
     summary = json.loads((ref / "summary.json").read_text())
-    assert summary["max_length"] == 32 and summary["samples"] == STEPS * 8 and summary["tokens"] == STEPS * 8 * 32
+    assert summary["max_length"] == 32 and summary["samples"] == STEPS * 8 and summary["tokens"] == STEPS * 8 * (32 + 8)  # source + target tokens
     decided = {d["setting"]: d for d in json.loads((ref / "config.json").read_text())["decisions"]}
     assert "raw windows of 34 tokens -> source 32, target 8" in decided["objective"]["reason"]
 
