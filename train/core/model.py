@@ -38,13 +38,16 @@ def model_kind(cfg) -> str | None:
     that is neither (BERT, ViT ...), from transformers' own tables of model types."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
     model_type = getattr(cfg, "model_type", None)
     if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return "seq2seq"
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # BERT, RoBERTa ... are in the causal table too (a head for is_decoder=True), but are encoders.
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not encoder:
         return "causal"
     return None
 
