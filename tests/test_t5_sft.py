@@ -149,7 +149,9 @@ def test_length_grouping_and_token_budget_on_source_and_target():
 
 def test_t5_sft_matches_golden_losses(t5_folder, tmp_path):
     """A seeded run with accumulation over uneven pairs, token budgets and a validation split."""
-    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI}] * 4 + PAIRS)
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
+             for r in PAIRS]  # fmt: skip
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI}] * 4 + chats)
     argv = sft_argv(t5_folder, tmp_path, data, "--token_budget", "160", "--gradient_accumulation_steps", "2",
                     "--max_steps", "6", "--seed", "1234", "--val_fraction", "0.2", "--eval_every", "3",
                     "--learning_rate", "3e-3", "--run_name", "g")  # fmt: skip

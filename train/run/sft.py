@@ -57,6 +57,11 @@ def refuse_sft_settings(cfg: TrainConfig) -> None:
             )
 
 
+def unit_of(pairs: bool) -> str:
+    """What one example is, for the log."""
+    return "source -> target pairs" if pairs else "conversations"
+
+
 class SFTDataset(Dataset):
     """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
     (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
@@ -96,12 +101,13 @@ def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
 
 
 def plan_sft_steps(
-    cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float, world_size: int = 1
+    cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float, world_size: int = 1,
+    unit: str = "conversations",
 ) -> tuple[int, str]:
     """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch).
     micro_per_epoch and rows_per_micro are per rank; a step takes one from every rank."""
     o = cfg.optim
-    unit = "packed rows" if cfg.data.packing else "conversations"
+    unit = "packed rows" if cfg.data.packing else unit
     accum = o.gradient_accumulation_steps
     per_epoch = micro_per_epoch // accum
     processes = f" on each of {world_size} processes" if world_size > 1 else ""
@@ -135,7 +141,7 @@ def load_dataset(cfg: TrainConfig, tok, max_length: int, say, kind: str = "causa
                                Path(cfg.data.cache_dir), tokenize_workers(cfg), say, kind)
     meta, pairs = examples.meta, kind == "seq2seq"
     fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
-    unit = "source -> target pairs" if pairs else "conversations"
+    unit = unit_of(pairs)
     how = " (one per assistant turn: the turns before it are its source)" if pairs else ""
     say(f"SFT data: {cfg.data.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
     if meta.n_skipped:
@@ -270,7 +276,7 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size)
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(dataset.pairs))
     return total_steps, why, rows_per_micro
 
 
@@ -281,7 +287,7 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         val_cfg = copy.copy(cfg)
         val_cfg.data = dataclasses.replace(cfg.data, data_path=cfg.data.val_path)
         val, *_ = load_dataset(val_cfg, tok, max_length, say, kind)
-        decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
+        decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={cfg.data.val_path}")
         return val
     want = cfg.run.eval_batches * VAL_ROWS
     n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
@@ -292,12 +298,12 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         decide(
             "val_fraction",
             round(n_val / len(dataset), 4),
-            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} conversations; raised "
+            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} {unit_of(dataset.pairs)}; raised "
             f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
         )
     decide(
         "validation",
-        f"{n_val} conversations",
+        f"{n_val} {unit_of(dataset.pairs)}",
         f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
     )
     return SFTDataset(dataset.examples[len(dataset) - n_val :], dataset.pairs)
