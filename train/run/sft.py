@@ -91,7 +91,7 @@ def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
     d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
     share = dict(rank=b.world.rank, world_size=b.world.world_size)
     if d.token_budget is not None:
-        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, source_lengths=b.dataset.source_lengths,
+        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, source_lengths=getattr(b.dataset, "source_lengths", None),
                                 **share)
         return training_loader(b.dataset, d, device, collate, batch_sampler=sampler), sampler
     if d.length_grouping and not d.packing:
@@ -264,7 +264,7 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
     """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed,
-                                source_lengths=dataset.source_lengths).batches()
+                                source_lengths=getattr(dataset, "source_lengths", None)).batches()
         micro, rows_per_micro = len(batches) // world_size, len(dataset) / max(1, len(batches))
         decide(
             "batch_size",
@@ -276,7 +276,8 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(dataset.pairs))
+    pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(pairs))
     return total_steps, why, rows_per_micro
 
 
