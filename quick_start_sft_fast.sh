@@ -6,7 +6,7 @@
 #        MODEL_PATH=runs/my-run/final DATA_PATH=alpaca.json ENABLE_BF16=1 ./quick_start_sft_fast.sh
 set -euo pipefail
 
-MODEL_PATH=${MODEL_PATH:-}              # local transformers model folder; empty: newest pretraining run's final/
+MODEL_PATH=${MODEL_PATH:-}              # local causal-LM or encoder-decoder (T5, BART) folder; empty: newest pretraining run's final/
 DATA_PATH=${DATA_PATH:-}                # .json/.jsonl/.parquet or Arrow folder: alpaca, messages, ShareGPT, prompt/response; empty: built-in
 BATCH_SIZE=${BATCH_SIZE:-16}            # micro-batch per GPU
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-2}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
@@ -16,7 +16,7 @@ MAX_STEPS=${MAX_STEPS:-}
 LEARNING_RATE=${LEARNING_RATE:-}        # empty: 1e-4 (preset sft); 2e-5 for a well-trained model of 1B+
 LENGTH_GROUPING=${LENGTH_GROUPING:-1}   # batch conversations of similar length (less padding)
 TOKEN_BUDGET=${TOKEN_BUDGET:-}          # N: micro-batches of at most N padded tokens instead of BATCH_SIZE rows
-PACKING=${PACKING:-0}                   # 1: pack conversations into MAX_LENGTH rows (BATCH_SIZE counts rows)
+PACKING=${PACKING:-0}                   # 1: pack conversations into MAX_LENGTH rows (BATCH_SIZE counts rows); causal LMs only
 ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
 ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): less memory, ~30 % slower

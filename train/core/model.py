@@ -45,11 +45,9 @@ def model_kind(cfg) -> str | None:
     model_type = getattr(cfg, "model_type", None)
     if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return "seq2seq"
-    # BERT-style encoders (bert, roberta ...) are in the causal table too, as decoders only
-    # (is_decoder=True): an encoder's config (is_decoder False) is neither kind.
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and getattr(cfg, "is_decoder", True) is False:
-        return None
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # BERT, RoBERTa ... are in the causal table too (a head for is_decoder=True), but are encoders.
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not encoder:
         return "causal"
     return None
 

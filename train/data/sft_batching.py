@@ -3,6 +3,10 @@ batch so the padding stays small: length grouping (LengthGroupedSampler) or a to
 batch (TokenBudgetBatchSampler). GroupedSampler and BudgetSampler are the loop's versions of
 those two: with several processes each rank takes a disjoint share of the epoch's batches, and
 set_position(epoch, start) puts all ranks back where a resumed run stopped.
+
+An encoder-decoder's examples are (source, target) pairs: Seq2SeqCollator pads each side to its
+own longest, the samplers order by source + target length, and a token budget counts both
+padded sides (rows x (longest source + longest target)).
 """
 
 from __future__ import annotations
@@ -47,6 +51,39 @@ class PadCollator:
             "attention_mask": attention_mask,
             "n_real_tokens": sum(lengths),
             "n_padded_tokens": len(examples) * width,
+        }
+
+
+class Seq2SeqCollator:
+    """An encoder-decoder's batch: input_ids (B, S) the sources padded to the longest source,
+    attention_mask (B, S) 1 on real source tokens, labels (B, T) the targets, -100 on padding
+    (the model shifts them right from its decoder start itself: no decoder_input_ids), plus the
+    two host ints of PadCollator over both sides (padded = rows x (S + T))."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _pad(self, rows: list, value: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.pad_to_multiple_of
+        width = -(-max(len(r) for r in rows) // m) * m
+        out = torch.full((len(rows), width), value, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = 1
+        return out, mask
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        input_ids, attention_mask = self._pad([e["input_ids"] for e in examples], self.pad_token_id)
+        labels, _ = self._pad([e["labels"] for e in examples], IGNORE_INDEX)
+        real = sum(len(e["input_ids"]) + len(e["labels"]) for e in examples)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "n_real_tokens": real,
+            "n_padded_tokens": input_ids.numel() + labels.numel(),
         }
 
 
@@ -124,6 +161,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     size (rows x its longest sample) stays <= max_tokens, so short samples come many to a batch
     and long ones few, and memory per step stays flat. A single sample longer than the budget
     is a batch of its own. With shuffle=False the order is longest first and fixed (for eval).
+    source_lengths (encoder-decoder pairs; lengths are then source + target): a batch's padded
+    size is rows x (longest source + longest target), both sides padded on their own.
     """
 
     def __init__(
@@ -134,8 +173,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         epoch: int = 0,
         shuffle: bool = True,
         mega_batch_mult: int = 50,
+        source_lengths: Sequence[int] | None = None,
     ):
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        # A causal example is all "source": its target side is 0 and the cost rows x longest.
+        self.sources = self.lengths if source_lengths is None else np.asarray(source_lengths, dtype=np.int64)
         self.max_tokens, self.seed, self.epoch, self.shuffle = max_tokens, seed, epoch, shuffle
         self.mega_batch_mult = mega_batch_mult
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -158,14 +200,15 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         rng = np.random.default_rng([self.seed, self.epoch])
         batches: list[list[int]] = []
         current: list[int] = []
-        widest = 0
+        wide_source = wide_target = 0
         for i in self._order(rng).tolist() if len(self.lengths) else []:
-            n = int(self.lengths[i])
-            if current and (len(current) + 1) * max(widest, n) > self.max_tokens:
+            source, target = int(self.sources[i]), int(self.lengths[i] - self.sources[i])
+            width = max(wide_source, source) + max(wide_target, target)
+            if current and (len(current) + 1) * width > self.max_tokens:
                 batches.append(current)
-                current, widest = [], 0
+                current, wide_source, wide_target = [], 0, 0
             current.append(i)
-            widest = max(widest, n)
+            wide_source, wide_target = max(wide_source, source), max(wide_target, target)
         if current:
             batches.append(current)
         if self.shuffle and batches:
@@ -196,8 +239,8 @@ class _Dealt:
 
     start = 0
 
-    def __init__(self, lengths, size: int, seed: int = 0, rank: int = 0, world_size: int = 1):
-        super().__init__(lengths, size, seed=seed)  # batch_size or max_tokens
+    def __init__(self, lengths, size: int, seed: int = 0, rank: int = 0, world_size: int = 1, **more):
+        super().__init__(lengths, size, seed=seed, **more)  # batch_size or max_tokens (, source_lengths)
         self.rank, self.world_size = rank, world_size
 
     def set_position(self, epoch: int, start: int = 0) -> None:

@@ -8,7 +8,9 @@ records took a minute and 1.5 GB of host memory before the first step. Now the f
   meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated
 and every later run with the same key maps them at once. The key covers what changes the
 ids: the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template,
-MAX_LENGTH and SKIP_BAD_RECORDS. Nothing of it is held in RAM but the lengths (4 bytes each),
+MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example
+is a (source, target) pair (sft_data.encode_pairs), ids.bin holds the source then the target,
+trained.bin is 1 on the target, and source_lengths.bin (int32) says where the target starts. Nothing of it is held in RAM but the lengths (4 bytes each),
 which packing, length grouping and token budgets need.
 
 The build streams the records (train/data/sft_formats.py) and hands chunks of them to
@@ -40,12 +42,14 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records
-from train.data.sft_data import encode_conversations
+from train.data.sft_data import encode
 from train.data.sft_formats import all_bad, converted, open_records, refuse_bad
 
 SFT_CACHE_VERSION = "2"  # 2: tool-call records (once refused or skipped) are conversations
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
+SOURCE_LENGTHS = "source_lengths.bin"  # seq2seq caches only
+FILES_OF = {"causal": _FILES, "seq2seq": (*_FILES, SOURCE_LENGTHS)}  # each model kind's files
 
 
 @dataclass(frozen=True)
@@ -57,26 +61,35 @@ class Manifest:
     n_skipped: int
     n_truncated: int
     first_error: str  # the first skipped record's place and reason ("" when none)
+    kind: str  # "causal" (conversations) or "seq2seq" ((source, target) pairs)
 
 
 class CachedExamples:
     """The cached conversations lo..hi as a sequence of {"input_ids", "labels"} (lists, as
-    encode_conversations gives them), read from the memmaps on demand. A slice is another view
+    encode_conversations gives them; for seq2seq the source and the target, as encode_pairs
+    does), read from the memmaps on demand. A slice is another view
     of the same files, so a validation split copies nothing. Pickles as its file names (the
     DataLoader's workers map the files themselves instead of receiving every token)."""
 
-    def __init__(self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, lengths=None):
+    def __init__(self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, lengths=None, sources=None):
         self.folder, self.meta = Path(folder), meta
         self.lo, self.hi = lo, meta.n if hi is None else hi
         if lengths is None:
             lengths = np.fromfile(self.folder / "lengths.bin", dtype=np.int32)
-        self._all_lengths = lengths
+        if sources is None and meta.kind == "seq2seq":
+            sources = np.fromfile(self.folder / SOURCE_LENGTHS, dtype=np.int32)
+        self._all_lengths, self._all_sources = lengths, sources
         self._offsets = None
         self._ids = self._trained = None
 
     @property
     def lengths(self) -> np.ndarray:
         return self._all_lengths[self.lo : self.hi]
+
+    @property
+    def source_lengths(self) -> np.ndarray | None:
+        """Source tokens of each pair (seq2seq); None for conversations."""
+        return None if self._all_sources is None else self._all_sources[self.lo : self.hi]
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -92,7 +105,8 @@ class CachedExamples:
             lo, hi, step = index.indices(len(self))
             if step != 1:
                 raise ValueError("cached examples slice with step 1 only")
-            return CachedExamples(self.folder, self.meta, self.lo + lo, self.lo + max(lo, hi), self._all_lengths)
+            return CachedExamples(self.folder, self.meta, self.lo + lo, self.lo + max(lo, hi), self._all_lengths,
+                                  self._all_sources)
         if not -len(self) <= index < len(self):
             raise IndexError(f"example {index} of {len(self)}")
         if self._ids is None:
@@ -100,6 +114,9 @@ class CachedExamples:
         k = self.lo + index % len(self)
         start, end = int(self._offsets[k]), int(self._offsets[k + 1])
         ids = np.asarray(self._ids[start:end], dtype=np.int64)
+        if self._all_sources is not None:  # a pair: the source, then the target (every token a label)
+            cut = int(self._all_sources[k])
+            return {"input_ids": ids[:cut].tolist(), "labels": ids[cut:].tolist()}
         labels = np.where(self._trained[start:end] != 0, ids, IGNORE_INDEX)
         return {"input_ids": ids.tolist(), "labels": labels.tolist()}
 
@@ -143,11 +160,11 @@ def _rows(source: Path, lines: int, so_far: int) -> int | None:
     return None  # .json lists, .gz, Arrow: the bar shows a rate without an end
 
 
-def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool) -> str:
+def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind: str = "causal") -> str:
     from train.data.text import tokenizer_fingerprint
 
     parts = [SFT_CACHE_VERSION, data_key, tokenizer_fingerprint(tok), str(tok.chat_template), str(max_length),
-             str(bool(skip_bad_records))]
+             str(bool(skip_bad_records)), kind]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -160,7 +177,7 @@ def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
         raw = json.loads((folder / "meta.json").read_text())
         meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
         dtype = np.dtype(meta.dtype)
-        sizes = {name: (folder / name).stat().st_size for name in _FILES}
+        sizes = {name: (folder / name).stat().st_size for name in FILES_OF[meta.kind]}
     except FileNotFoundError as err:
         return None, f"{Path(err.filename).name} is missing"
     except (ValueError, KeyError, TypeError) as err:
@@ -168,12 +185,17 @@ def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
     except OSError as err:
         raise UsageError(f"CACHE_DIR: cannot read the SFT cache {folder}: {err.strerror or err}") from None
     expected = {"ids.bin": meta.n_tokens * dtype.itemsize, "trained.bin": meta.n_tokens, "lengths.bin": meta.n * 4}
+    if meta.kind == "seq2seq":
+        expected[SOURCE_LENGTHS] = meta.n * 4
     for name, size in expected.items():
         if sizes[name] != size:
             return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
     examples = CachedExamples(folder, meta)
     if int(examples.lengths.sum(dtype=np.int64)) != meta.n_tokens:
         return None, "lengths.bin does not add up to the token count"
+    sources = examples.source_lengths
+    if sources is not None and not ((sources >= 0) & (sources <= examples.lengths)).all():
+        return None, f"{SOURCE_LENGTHS} does not fit lengths.bin"
     return examples, None
 
 
@@ -182,9 +204,9 @@ def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
 _WORKER: tuple = ()
 
 
-def _init_worker(tok, fmt: str, max_length: int, pool_worker: bool = True) -> None:
+def _init_worker(tok, fmt: str, max_length: int, kind: str, pool_worker: bool = True) -> None:
     global _WORKER
-    _WORKER = (tok, fmt, max_length)
+    _WORKER = (tok, fmt, max_length, kind)
     if pool_worker:
         # A forked worker inherits the parent's handlers (the cache build's SIGTERM -> Interrupted,
         # the loop's "stop after this step"): with those, Pool.terminate()'s SIGTERM would not end
@@ -194,15 +216,22 @@ def _init_worker(tok, fmt: str, max_length: int, pool_worker: bool = True) -> No
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
-    """One chunk of (place, record) -> (ids, trained flags, lengths, truncated, bad records)."""
-    tok, fmt, max_length = _WORKER
+    """A chunk of (place, record) -> (ids, trained flags, lengths, source lengths or None, truncated, bad)."""
+    tok, fmt, max_length, kind = _WORKER
     conversations, bad = converted(chunk, fmt)
-    examples, truncated = encode_conversations(conversations, tok, max_length)
-    lengths = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
-    n_tokens = int(lengths.sum())
-    ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=n_tokens)
-    labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=n_tokens)
-    return ids, (labels != IGNORE_INDEX).astype(np.uint8), lengths, truncated, bad
+    examples, truncated = encode(conversations, tok, max_length, kind)
+    sources = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
+    if kind != "seq2seq":
+        labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(sources.sum()))
+        ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels))
+        return ids, (labels != IGNORE_INDEX).astype(np.uint8), sources, None, truncated, bad
+    targets = np.fromiter((len(e["labels"]) for e in examples), dtype=np.int32, count=len(examples))
+    lengths = sources + targets
+    ids = np.fromiter(chain.from_iterable(chain(e["input_ids"], e["labels"]) for e in examples), dtype=np.int64,
+                      count=int(lengths.sum()))
+    flags = chain.from_iterable(chain([0] * len(e["input_ids"]), [1] * len(e["labels"])) for e in examples)
+    trained = np.fromiter(flags, dtype=np.uint8, count=len(ids))
+    return ids, trained, lengths, sources, truncated, bad
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
@@ -231,18 +260,18 @@ def _single_threaded_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int) -> Iterator[tuple]:
+def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int, kind: str = "causal") -> Iterator[tuple]:
     """_encode_chunk's results for every chunk of items, in order. workers > 1: that many
     processes, at most two chunks each in flight, so memory stays flat however long the data."""
     chunks = _chunks(items, CHUNK_ROWS)
     if workers <= 1:
-        _init_worker(tok, fmt, max_length, pool_worker=False)
+        _init_worker(tok, fmt, max_length, kind, pool_worker=False)
         yield from map(_encode_chunk, chunks)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _single_threaded_tokenizers():
-        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length))
+        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length, kind))
     with pool:
         pending: deque = deque()
         for chunk in chunks:
@@ -261,28 +290,30 @@ def _progress(total: int | None):
 
 
 def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
-           total: int | None) -> Manifest:
+           total: int | None, kind: str) -> Manifest:
     """Tokenize every record into tmp's files (fsynced); returns the manifest's content."""
     dtype = np.uint16 if len(tok) <= 65535 else np.uint32
     n = n_tokens = n_skipped = n_truncated = 0
     first_error = ""
     with contextlib.ExitStack() as stack:
-        out = {name: stack.enter_context(open(tmp / name, "wb")) for name in _FILES}
+        out = {name: stack.enter_context(open(tmp / name, "wb")) for name in FILES_OF[kind]}
         bar = stack.enter_context(_progress(total))
-        for ids, trained, lengths, truncated, bad in encoded_chunks(items, tok, fmt, max_length, workers):
+        for ids, trained, lengths, sources, truncated, bad in encoded_chunks(items, tok, fmt, max_length, workers, kind):
             if bad and not skip:
                 raise refuse_bad(bad[0])
             first_error = first_error or (bad[0] if bad else "")
             out["ids.bin"].write(ids.astype(dtype).tobytes())
             out["trained.bin"].write(trained.tobytes())
             out["lengths.bin"].write(lengths.tobytes())
+            if sources is not None:
+                out[SOURCE_LENGTHS].write(sources.tobytes())
             n, n_tokens = n + len(lengths), n_tokens + len(ids)
             n_skipped, n_truncated = n_skipped + len(bad), n_truncated + truncated
             bar.update(len(lengths) + len(bad))
         for handle in out.values():
             handle.flush()
             os.fsync(handle.fileno())
-    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error)
+    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, kind)
 
 
 def _remove_abandoned(parent: Path) -> None:
@@ -308,14 +339,14 @@ def _alive(pid: int) -> bool:
 
 
 def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
-          total: int | None, data_name: str) -> CachedExamples:
+          total: int | None, data_name: str, kind: str = "causal") -> CachedExamples:
     """Write the cache for `items` into `folder`, atomically: a temporary folder beside it,
     manifest last, fsynced, renamed."""
     _remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
         tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
-        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total)
+        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind)
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
@@ -334,15 +365,16 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
 
 
 def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
-              cache_dir: Path, workers: int, say) -> tuple[CachedExamples, str]:
-    """The SFT cache for this data, tokenizer, template and MAX_LENGTH: opened when there is
-    one, else built (TOKENIZE_WORKERS processes). Returns (examples, what was done, for the log)."""
+              cache_dir: Path, workers: int, say, kind: str = "causal") -> tuple[CachedExamples, str]:
+    """The SFT cache for this data, tokenizer, template, MAX_LENGTH and model kind ("causal" or
+    "seq2seq"): opened when there is one, else built (TOKENIZE_WORKERS processes). Returns
+    (examples, what was done, for the log)."""
     start = time.perf_counter()
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
-    folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records)
+    folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind)
     # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
     cache_files.drop_link(folder, say)
-    for name in [folder / "meta.json", *(folder / f for f in _FILES)] if folder.is_dir() else []:
+    for name in [folder / "meta.json", *(folder / f for f in FILES_OF["seq2seq"])] if folder.is_dir() else []:
         cache_files.drop_link(name, say)
     examples, damage = open_cache(folder)
     if examples is not None:
@@ -358,8 +390,9 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
         workers = max(1, min(workers, -(-total // CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""
     say(f"tokenizing {rows}SFT records into {folder} on {workers} process(es) (once per data, tokenizer, "
-        "template and MAX_LENGTH)")
-    examples = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, total, data_path or "built-in")
+        "template, MAX_LENGTH and model kind)")
+    examples = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, total, data_path or "built-in",
+                     kind)
     took = time.perf_counter() - start
     rate = (len(examples) + examples.meta.n_skipped) / max(took, 1e-9)
     return examples, f"SFT cache: built {folder} in {took:.1f} s ({rate:,.0f} records/s)"

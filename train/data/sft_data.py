@@ -27,6 +27,10 @@ Two templates:
   is "<|tool_call|>{"name": ..., "arguments": ...}" inside its turn (after any text, before
   <|end|>, so it is trained), and a result is a "<|tool|>\\n...<|end|>\\n" turn (not trained).
 
+An encoder-decoder (T5, BART) trains on source -> target pairs instead (encode_pairs): one pair
+per assistant turn, the source everything the template renders before that reply, the target
+the reply itself + eos.
+
 Loading the formats and the built-in default data live in train/data/sft_formats.py; padding and
 batching (length grouping, token budgets, each rank's share) in train/data/sft_batching.py.
 """
@@ -58,6 +62,8 @@ __all__ = [
     "prompt_for_generation",
     "stop_token_ids",
     "encode_conversations",
+    "encode_pairs",
+    "encode",
     "PadCollator",
     "LengthGroupedSampler",
     "TokenBudgetBatchSampler",
@@ -298,3 +304,63 @@ def encode_conversations(
                 n_truncated += 1
             examples.append({"input_ids": input_ids, "labels": labels})
     return examples, n_truncated
+
+
+def _special_wrap(tokenizer) -> tuple[list[int], list[int]]:
+    """(ids before, ids after) that tokenizer(text) puts around a text's own ids: T5's appends
+    </s>, BART's wraps in <s> ... </s>, the kit's byte-level BPE adds none."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+    return ([], []) if at is None else (full[:at], full[at + len(bare) :])
+
+
+def _fit_pair(source: list[int], target: list[int], wrap: tuple[list[int], list[int]], max_length: int):
+    """(source, target, cut?) each at most max_length tokens. A long source keeps its END: the
+    reply answers the last turns, and the assistant marker that says "reply now" is there; the
+    system prompt and the oldest turns go first. A long target keeps its start (as inference
+    writes it), without eos, since the reply did not end there."""
+    before, after = wrap
+    room = max(0, max_length - len(before) - len(after))
+    cut = len(source) > room or len(target) > max_length
+    return before + source[len(source) - min(room, len(source)) :] + after, target[:max_length], cut
+
+
+def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int) -> tuple[list[dict], int]:
+    """Conversations -> ([{"input_ids": source, "labels": target}], pairs truncated) for an
+    encoder-decoder. One pair per assistant turn, so every reply is trained on as in the causal
+    case: the source is everything the template renders before that reply (system, tools list,
+    user turns, earlier replies, tool results, up to the assistant marker), with the special
+    tokens the tokenizer itself adds (T5's </s>), so tokenizer(prompt) at inference gives the
+    same ids; the target is the reply (its text and tool calls, without the template's
+    end-of-turn marker) + eos. Every target token is a label."""
+    if tokenizer.eos_token_id is None:
+        raise UsageError("MODEL_PATH: the tokenizer has no eos token, which ends an encoder-decoder's target")
+    builtin = _builtin(tokenizer)
+    if builtin:
+        _check_markers(tokenizer)
+    wrap, stops, eos = _special_wrap(tokenizer), set(stop_token_ids(tokenizer)), tokenizer.eos_token_id
+    examples: list[dict] = []
+    n_truncated = 0
+    for lo in range(0, len(conversations), _ENCODE_CHUNK):
+        rendered = [render(tokenizer, c, checked=builtin) for c in conversations[lo : lo + _ENCODE_CHUNK]]
+        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments]))
+        for segments in rendered:
+            context: list[int] = []
+            for _, trained in segments:
+                ids = list(next(piece_ids))
+                if trained:
+                    reply = ids
+                    while reply and reply[-1] in stops:  # the template's end-of-turn: eos ends a target
+                        reply = reply[:-1]
+                    source, target, cut = _fit_pair(context, reply + [eos], wrap, max_length)
+                    examples.append({"input_ids": source, "labels": target})
+                    n_truncated += cut
+                context += ids
+    return examples, n_truncated
+
+
+def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, kind: str = "causal"):
+    """encode_conversations for a causal LM, encode_pairs for an encoder-decoder ("seq2seq")."""
+    fn = encode_pairs if kind == "seq2seq" else encode_conversations
+    return fn(conversations, tokenizer, max_length)

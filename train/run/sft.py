@@ -4,17 +4,18 @@ The plan is made by the same function as a pretraining run's (train/run/plan.py 
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
-causal LM with its tokenizer, loaded offline); batches are conversations padded to their own
-longest sample (train/data/sft_data.py), optionally grouped by length or sized by a token budget
-(train/data/sft_batching.py), or packed several to a row (PACKING=1, train/data/packing.py),
-with every process reading its own share of each epoch.
+causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/sft_model.py);
+batches are conversations padded to their own longest sample (train/data/sft_data.py), or for
+an encoder-decoder (source, target) pairs, each side padded to its own longest; optionally
+grouped by length or sized by a token budget (train/data/sft_batching.py), or packed several to
+a row (PACKING=1, causal only: train/data/packing.py), with every process reading its own share
+of each epoch.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
 from functools import partial
@@ -27,17 +28,22 @@ from torch.utils.data import Dataset
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
-from train.core.remote_code import refuse_custom_code
 from train.data.loader import make_loader, training_loader
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
-from train.data.sft_batching import BudgetSampler, GroupedSampler
+from train.data.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
 from train.data.sft_cache import sft_cache
-from train.data.sft_data import PadCollator, builtin_conversations, ensure_special_tokens, stop_token_ids
+from train.data.sft_data import PadCollator, builtin_conversations
 from train.run.evaluate import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.run.plan import Data, Plan, shortest_limit
-from train.run.runlog import quiet_saving
+from train.run.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
+    load_pretrained,
+    model_kind_of,
+    model_label,
+    model_source,
+    newest_pretrained,
+    prepare_model,
+)
 
-MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records")
 
 
@@ -51,72 +57,25 @@ def refuse_sft_settings(cfg: TrainConfig) -> None:
             )
 
 
-def newest_pretrained(output_dir: Path) -> Path | None:
-    """final/ of the newest run under output_dir whose summary.json says mode "pretrain".
-    runs/latest is no help here: it may point at an SFT run."""
-    best, best_time = None, -math.inf
-    for run in output_dir.iterdir() if output_dir.is_dir() else ():
-        summary, final = run / "summary.json", run / "final"
-        if run.is_symlink() or not summary.is_file() or not (final / "config.json").is_file():
-            continue
-        try:
-            mode = json.loads(summary.read_text()).get("mode")
-        except (OSError, ValueError, AttributeError):
-            continue  # a half-written or foreign file: not a run to start from
-        if mode == "pretrain" and summary.stat().st_mtime > best_time:
-            best, best_time = final, summary.stat().st_mtime
-    return best
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: bool):
-    """(model, tokenizer) from local folders only; every failure is one UsageError line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-    hint = (
-        "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
-    )
-    tok_source = tokenizer_path or path
-    var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
-    for folder, name in ((tok_source, var), (path, "MODEL_PATH")):
-        refuse_custom_code(folder, name, trust_remote_code, allow="TRUST_REMOTE_CODE=1 lets it run")
-    try:
-        tok = AutoTokenizer.from_pretrained(tok_source, **offline)
-    except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
-        raise UsageError(
-            f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
-        ) from None
-    # float32 weights whatever the checkpoint's dtype (transformers 5 loads "auto"): AdamW on
-    # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
-    load = partial(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **offline)
-    try:
-        with quiet_saving():  # no "Loading weights" bar on every run: the load takes a moment
-            try:
-                model = load(attn_implementation="sdpa")
-            except ValueError as err:
-                if "sdpa" not in str(err).lower():
-                    raise
-                model = load()  # an architecture without sdpa support
-    except Exception as err:
-        raise UsageError(
-            f"MODEL_PATH={path}: not a causal-LM model folder: {_first_line(err)}{hint}"
-        ) from None
-    return model, tok
+def unit_of(pairs: bool) -> str:
+    """What one example is, for the log."""
+    return "source -> target pairs" if pairs else "conversations"
 
 
 class SFTDataset(Dataset):
     """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
-    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers."""
+    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
+    pairs (encoder-decoder: labels are the target): lengths are source + target, and
+    source_lengths the sources (None for conversations)."""
 
-    def __init__(self, examples):
-        self.examples = examples
-        lengths = getattr(examples, "lengths", None)
-        self.lengths = lengths if lengths is not None else np.asarray([len(e["input_ids"]) for e in examples])
+    def __init__(self, examples, pairs: bool = False):
+        self.examples, self.pairs = examples, pairs
+        lengths, sources = getattr(examples, "lengths", None), getattr(examples, "source_lengths", None)
+        if lengths is None:
+            lengths = [len(e["input_ids"]) + (len(e["labels"]) if pairs else 0) for e in examples]
+            sources = [len(e["input_ids"]) for e in examples] if pairs else None
+        self.lengths = np.asarray(lengths)
+        self.source_lengths = None if sources is None else np.asarray(sources)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -132,7 +91,8 @@ def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
     d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
     share = dict(rank=b.world.rank, world_size=b.world.world_size)
     if d.token_budget is not None:
-        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, **share)
+        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, source_lengths=getattr(b.dataset, "source_lengths", None),
+                                **share)
         return training_loader(b.dataset, d, device, collate, batch_sampler=sampler), sampler
     if d.length_grouping and not d.packing:
         sampler = GroupedSampler(b.dataset.lengths, batch_size, seed=seed, **share)
@@ -141,12 +101,13 @@ def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
 
 
 def plan_sft_steps(
-    cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float, world_size: int = 1
+    cfg: TrainConfig, n: int, micro_per_epoch: int, rows_per_micro: float, world_size: int = 1,
+    unit: str = "conversations",
 ) -> tuple[int, str]:
     """Optimizer steps: the smallest of MAX_STEPS, EPOCHS and MAX_SAMPLES (default one epoch).
     micro_per_epoch and rows_per_micro are per rank; a step takes one from every rank."""
     o = cfg.optim
-    unit = "packed rows" if cfg.data.packing else "conversations"
+    unit = "packed rows" if cfg.data.packing else unit
     accum = o.gradient_accumulation_steps
     per_epoch = micro_per_epoch // accum
     processes = f" on each of {world_size} processes" if world_size > 1 else ""
@@ -163,46 +124,6 @@ def plan_sft_steps(
     return steps, why
 
 
-def _model_label(path: Path, model) -> str:
-    """summary.json's model_size: the source run's size where MODEL_PATH is a kit run's final/."""
-    try:
-        return str(json.loads((path.parent / "summary.json").read_text())["model_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return model.config.model_type
-
-
-def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
-    """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
-    added = ensure_special_tokens(tok)
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tok) > rows:
-        from transformers.utils import logging as hf_logging
-
-        # transformers explains its mean resizing in a paragraph with a link on every run; the
-        # decision below says it once, in the kit's words.
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        decide(
-            "vocab_size",
-            model.get_input_embeddings().num_embeddings,
-            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for {added} chat-template "
-            "token(s) (a multiple of 64; new rows drawn around the mean of the old)",
-        )
-    # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
-    model.generation_config.eos_token_id = stop_token_ids(tok)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.config.use_cache = False  # the KV cache only costs memory in training
-    if getattr(model, "loss_type", None) is None:
-        model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
-    if gradient_checkpointing:
-        model_lib.enable_checkpointing(model)
-    model.train()  # from_pretrained returns the model in eval mode (dropout off)
-
-
 def tokenize_workers(cfg: TrainConfig) -> int:
     """TOKENIZE_WORKERS, or every core this process may run on."""
     if cfg.data.tokenize_workers is not None:
@@ -210,24 +131,26 @@ def tokenize_workers(cfg: TrainConfig) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def load_dataset(cfg: TrainConfig, tok, max_length: int, say) -> tuple[SFTDataset, str, int, int]:
+def load_dataset(cfg: TrainConfig, tok, max_length: int, say, kind: str = "causal") -> tuple[SFTDataset, str, int, int]:
     """DATA_PATH (or the built-in set) -> encoded examples, through the SFT cache (tokenized
-    once per data, tokenizer, template and MAX_LENGTH); says the format and every count."""
+    once per data, tokenizer, template, MAX_LENGTH and model kind); says the format and every count."""
     builtin = None
     if cfg.data.data_path is None:
         builtin = builtin_conversations()
     examples, done = sft_cache(cfg.data.data_path, builtin, tok, max_length, cfg.data.skip_bad_records,
-                               Path(cfg.data.cache_dir), tokenize_workers(cfg), say)
-    meta = examples.meta
+                               Path(cfg.data.cache_dir), tokenize_workers(cfg), say, kind)
+    meta, pairs = examples.meta, kind == "seq2seq"
     fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
-    say(f"SFT data: {cfg.data.data_path or 'built-in'}, format {fmt}, {len(examples)} conversations; {done}")
+    unit = unit_of(pairs)
+    how = " (one per assistant turn: the turns before it are its source)" if pairs else ""
+    say(f"SFT data: {cfg.data.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
     if meta.n_truncated:
-        say(
-            f"truncated {meta.n_truncated} of {len(examples)} conversations longer than MAX_LENGTH={max_length} tokens"
-        )
-    return SFTDataset(examples), fmt, meta.n_skipped, meta.n_truncated
+        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
+                 if pairs else "")
+        say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
+    return SFTDataset(examples, pairs), fmt, meta.n_skipped, meta.n_truncated
 
 
 class SFTSource:
@@ -243,22 +166,34 @@ class SFTSource:
         if cfg.model.model_size is not None:
             say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
         self.path = Path(model_source(cfg, decide))
-        self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code)
+        self.kind = model_kind_of(self.path, cfg.model.trust_remote_code) or "causal"
+        if self.kind == "seq2seq":
+            if cfg.data.packing:  # before the weights or any data are read
+                raise UsageError(
+                    f"PACKING=1: MODEL_PATH={self.path} is an encoder-decoder, and packing several source -> target "
+                    "pairs per row (per-pair attention masks on both sides) is not built; use LENGTH_GROUPING=1 or "
+                    "TOKEN_BUDGET"
+                )
+            decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
+                   "pairs, one per assistant turn, loss on the target")
+        self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code,
+                                               self.kind)
         prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide)
-        return _model_label(self.path, self.model), model_lib.context_length(self.model.config), False
+        return model_label(self.path, self.model), model_lib.context_length(self.model.config), False
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
         tok = self.tok
-        dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say)
+        dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say, self.kind)
         n_loaded = len(dataset)
-        val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide)
+        val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide, self.kind)
         if val_dataset is not None and cfg.data.val_path is None:
-            dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)])
+            dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)], dataset.pairs)
         self.conversations = dataset
         # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
         multiple = 8 if device.type == "cuda" else 1
-        train_set, collate = dataset, PadCollator(tok.pad_token_id, pad_to_multiple_of=multiple)
+        collator = Seq2SeqCollator if dataset.pairs else PadCollator
+        train_set, collate = dataset, collator(tok.pad_token_id, pad_to_multiple_of=multiple)
         packed = {}
         if cfg.data.packing:
             train_set, collate, packed = pack_conversations(
@@ -267,7 +202,8 @@ class SFTSource:
         summary = {
             "model_path": str(self.path),
             "data_format": fmt,
-            "n_conversations": n_loaded,
+            "model_kind": self.kind,
+            "n_conversations": n_loaded,  # source -> target pairs for an encoder-decoder
             "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
             "n_truncated": truncated,
             "n_skipped": skipped,
@@ -277,7 +213,7 @@ class SFTSource:
         }
         return Data(
             tokenizer=tok, dataset=train_set, val_dataset=val_dataset, make_loader=partial(sft_loader, collate=collate),
-            val_collate=PadCollator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
+            val_collate=collator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
         )
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
@@ -286,8 +222,10 @@ class SFTSource:
         if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
             effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
             data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-        lengths = np.asarray(self.conversations.lengths)
-        say(f"conversation lengths in tokens: median {int(np.median(lengths))}, max {int(lengths.max())}")
+        lengths, sources = self.conversations.lengths, self.conversations.source_lengths
+        sides = {"conversation": lengths} if sources is None else {"source": sources, "target": lengths - sources}
+        say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
+                      for side, v in sides.items()))
         return total_steps, why
 
     def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -322,46 +260,35 @@ def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision:
     return rows, collate, packed
 
 
-def model_source(cfg: TrainConfig, decide) -> str:
-    """MODEL_PATH, or the newest pretraining run's final/ under OUTPUT_DIR."""
-    if cfg.model.model_path is not None:
-        return cfg.model.model_path
-    found = newest_pretrained(Path(cfg.run.output_dir))
-    if found is None:
-        raise UsageError(
-            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
-            f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
-        )
-    decide("model_path", str(found), "the newest pretraining run's final/ (set MODEL_PATH to choose)")
-    return str(found)
-
-
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:
     """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
     if cfg.data.token_budget is not None:
-        batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed).batches()
+        batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed,
+                                source_lengths=getattr(dataset, "source_lengths", None)).batches()
         micro, rows_per_micro = len(batches) // world_size, len(dataset) / max(1, len(batches))
         decide(
             "batch_size",
             f"~{rows_per_micro:.1f}",
-            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch; BATCH_SIZE unused",
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch"
+            f"{' (rows x (longest source + longest target))' if dataset.pairs else ''}; BATCH_SIZE unused",
         )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size)
+    pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(pairs))
     return total_steps, why, rows_per_micro
 
 
-def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide):
+def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide, kind: str = "causal"):
     """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
     the data (never trained on). None when VAL_FRACTION is 0."""
     if cfg.data.val_path is not None:
         val_cfg = copy.copy(cfg)
         val_cfg.data = dataclasses.replace(cfg.data, data_path=cfg.data.val_path)
-        val, *_ = load_dataset(val_cfg, tok, max_length, say)
-        decide("validation", f"{len(val)} conversations", f"VAL_PATH={cfg.data.val_path}")
+        val, *_ = load_dataset(val_cfg, tok, max_length, say, kind)
+        decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={cfg.data.val_path}")
         return val
     want = cfg.run.eval_batches * VAL_ROWS
     n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
@@ -372,12 +299,12 @@ def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int
         decide(
             "val_fraction",
             round(n_val / len(dataset), 4),
-            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} conversations; raised "
+            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} {unit_of(dataset.pairs)}; raised "
             f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
         )
     decide(
         "validation",
-        f"{n_val} conversations",
+        f"{n_val} {unit_of(dataset.pairs)}",
         f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
     )
-    return SFTDataset(dataset.examples[len(dataset) - n_val :])
+    return SFTDataset(dataset.examples[len(dataset) - n_val :], dataset.pairs)

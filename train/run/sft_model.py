@@ -1,0 +1,160 @@
+"""SFT's model: MODEL_PATH (or the newest pretraining run's final/) loaded offline with the Auto
+class its config.json names: AutoModelForCausalLM for a causal LM (GPT-2, Llama, Qwen ...),
+AutoModelForSeq2SeqLM for an encoder-decoder (T5, mT5, BART ...); any other type is refused in
+one line. Then made ready for chat: template tokens, stop tokens, training mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from config import TrainConfig
+from train.core import model as model_lib
+from train.core.errors import UsageError
+from train.core.remote_code import refuse_custom_code
+from train.data.sft_data import ensure_special_tokens, stop_token_ids
+from train.run.runlog import quiet_saving
+
+MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
+
+
+def newest_pretrained(output_dir: Path) -> Path | None:
+    """final/ of the newest run under output_dir whose summary.json says mode "pretrain".
+    runs/latest is no help here: it may point at an SFT run."""
+    best, best_time = None, -math.inf
+    for run in output_dir.iterdir() if output_dir.is_dir() else ():
+        summary, final = run / "summary.json", run / "final"
+        if run.is_symlink() or not summary.is_file() or not (final / "config.json").is_file():
+            continue
+        try:
+            mode = json.loads(summary.read_text()).get("mode")
+        except (OSError, ValueError, AttributeError):
+            continue  # a half-written or foreign file: not a run to start from
+        if mode == "pretrain" and summary.stat().st_mtime > best_time:
+            best, best_time = final, summary.stat().st_mtime
+    return best
+
+
+def model_source(cfg: TrainConfig, decide) -> str:
+    """MODEL_PATH, or the newest pretraining run's final/ under OUTPUT_DIR."""
+    if cfg.model.model_path is not None:
+        return cfg.model.model_path
+    found = newest_pretrained(Path(cfg.run.output_dir))
+    if found is None:
+        raise UsageError(
+            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
+            f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
+        )
+    decide("model_path", str(found), "the newest pretraining run's final/ (set MODEL_PATH to choose)")
+    return str(found)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def model_kind_of(path: Path, trust_remote_code: bool) -> str | None:
+    """"causal" or "seq2seq" from MODEL_PATH's config.json, read as JSON (no code runs); a type
+    transformers knows that is neither (BERT ...) is refused in one line. None where it cannot
+    tell (no readable config, a type of the folder's own code): loading then says why."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    auto_map = raw.get("auto_map") if trust_remote_code else None
+    for name, kind in (("AutoModelForSeq2SeqLM", "seq2seq"), ("AutoModelForCausalLM", "causal")):
+        if isinstance(auto_map, dict) and name in auto_map:
+            return kind
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = SimpleNamespace(model_type=raw.get("model_type"), is_decoder=bool(raw.get("is_decoder")))
+    if config.model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    model_lib.refuse_other_kinds(config, f"MODEL_PATH={path}")
+    return model_lib.model_kind(config)
+
+
+def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: bool, kind: str | None = None):
+    """(model, tokenizer) from local folders only; every failure is one UsageError line. kind
+    (model_kind_of): "seq2seq" loads with AutoModelForSeq2SeqLM, else AutoModelForCausalLM."""
+    from transformers import AutoTokenizer
+
+    offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    hint = (
+        "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
+    )
+    tok_source = tokenizer_path or path
+    var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
+    for folder, name in ((tok_source, var), (path, "MODEL_PATH")):
+        refuse_custom_code(folder, name, trust_remote_code, allow="TRUST_REMOTE_CODE=1 lets it run")
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_source, **offline)
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
+        raise UsageError(
+            f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
+        ) from None
+    # float32 weights whatever the checkpoint's dtype (transformers 5 loads "auto"): AdamW on
+    # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
+    auto = model_lib.auto_class(SimpleNamespace(is_encoder_decoder=kind == "seq2seq"))
+    load = partial(auto.from_pretrained, path, dtype=torch.float32, **offline)
+    try:
+        with quiet_saving():  # no "Loading weights" bar on every run: the load takes a moment
+            try:
+                model = load(attn_implementation="sdpa")
+            except ValueError as err:
+                if "sdpa" not in str(err).lower():
+                    raise
+                model = load()  # an architecture without sdpa support (T5)
+    except Exception as err:
+        what = "an encoder-decoder (seq2seq)" if kind == "seq2seq" else "a causal-LM"
+        raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {_first_line(err)}{hint}") from None
+    return model, tok
+
+
+def model_label(path: Path, model) -> str:
+    """summary.json's model_size: the source run's size where MODEL_PATH is a kit run's final/."""
+    try:
+        return str(json.loads((path.parent / "summary.json").read_text())["model_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return model.config.model_type
+
+
+def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
+    """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
+    added = ensure_special_tokens(tok)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        from transformers.utils import logging as hf_logging
+
+        # transformers explains its mean resizing in a paragraph with a link on every run; the
+        # decision below says it once, in the kit's words.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        decide(
+            "vocab_size",
+            model.get_input_embeddings().num_embeddings,
+            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for {added} chat-template "
+            "token(s) (a multiple of 64; new rows drawn around the mean of the old)",
+        )
+    # Saved with final/: a plain model.generate() then stops at the end of the assistant's turn.
+    model.generation_config.eos_token_id = stop_token_ids(tok)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.config.use_cache = False  # the KV cache only costs memory in training
+    if not model_lib.is_seq2seq(model) and getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
+    if gradient_checkpointing:
+        model_lib.enable_checkpointing(model)
+    model.train()  # from_pretrained returns the model in eval mode (dropout off)
