@@ -241,7 +241,10 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
     for file in _columnar_files(path):
         try:
             if suffix_of(file) == ".parquet":
-                reader = pq.ParquetFile(file)
+                # pre_buffer off: on, pyarrow buffers ahead of the batches it hands out, and a 1 GB
+                # file held ~600 MB of them (peak RSS 680 MB reading its column; off: 179 MB, the
+                # same as for a 100 MB file, and faster).
+                reader = pq.ParquetFile(file, pre_buffer=False)
                 _check_columns(file, reader.schema_arrow.names, columns)
                 yield from reader.iter_batches(batch_size=batch_rows, columns=columns)
             else:
