@@ -23,6 +23,7 @@ from tiny_tools import one_thread
 from conftest import ROOT, read_jsonl, run_cli
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption as sc
+from train.data.sft_batching import Seq2SeqCollator
 
 GOLDEN = ROOT / "tests" / "golden" / "t5_span_losses.json"
 STEPS = 40
@@ -147,10 +148,10 @@ def test_accumulation_on_uneven_targets_equals_one_big_batch():
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(2, 128, (int(s),), generator=gen), "labels": torch.randint(2, 128, (int(t),), generator=gen)}
             for s, t in zip(torch.randint(3, 12, (8,), generator=gen), torch.randint(1, 9, (8,), generator=gen), strict=True)]  # fmt: skip
-    collate = sc.Seq2SeqCollator(pad_id=0)
+    collate = Seq2SeqCollator(0)
     assert len({len(r["labels"]) for r in rows}) > 3
     big = collate(rows)
-    assert big["labels"].eq(-100).any() and big["attention_mask"].eq(0).any() and big["n_real_tokens"] < big["input_ids"].numel()
+    assert big["labels"].eq(-100).any() and big["attention_mask"].eq(0).any() and big["n_real_tokens"] < big["n_padded_tokens"]
     weights = []
     for micro, accum in ((8, 1), (2, 4)):
         model = tiny_t5()

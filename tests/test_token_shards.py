@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -151,6 +152,26 @@ def test_damaged_shard_is_rebuilt_alone(damage, small_shards, docs_corpus, tok, 
         assert "holds id 65535, outside the tokenizer's" in out
     assert [p.read_bytes() for p in again] == want
     assert all(p.stat().st_mtime_ns == t for p, t in times.items())  # the others untouched
+
+
+def test_a_settled_shard_is_checked_once_then_remembered(small_shards, docs_corpus, tok, tmp_path, monkeypatch):
+    """A warm start does not read every shard again: one checked and older than SETTLED_NS is
+    remembered (checked.json) by size, mtime and inode; a shard changed since is read again."""
+    want, shards = build(docs_corpus, tok, tmp_path / "c")
+    old = time.time() - 60
+    for p in shards:
+        os.utime(p, (old, old))  # settled: older than the file system's timestamp granularity
+    reads = []
+    real = token_shards._checked
+    monkeypatch.setattr(token_shards, "_checked", lambda folder, entry, *a: reads.append(entry["file"]) or real(folder, entry, *a))
+    build(docs_corpus, tok, tmp_path / "c")
+    assert len(reads) == len(shards) > 2 and (shards[0].parent / token_shards.CHECKED).is_file()
+    reads.clear()
+    got, _ = build(docs_corpus, tok, tmp_path / "c")
+    assert reads == [] and np.array_equal(got, want)
+    shards[1].write_bytes(b"\xff\xff" * (shards[1].stat().st_size // 2))  # same size, new mtime
+    out = build(docs_corpus, tok, tmp_path / "c")
+    assert reads == [shards[1].name] and np.array_equal(out[0], want)
 
 
 def test_pretraining_on_parquet_and_arrow_with_text_field(tmp_path, tiny_config, capsys):

@@ -187,7 +187,7 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int):
     try:
         model = auto.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
     except ValueError:
-        model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support (T5)
+        model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
     if not is_seq2seq(cfg) and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:

@@ -6,7 +6,8 @@ span_lengths(MAX_LENGTH)[0] tokens). 15 % of its tokens are noise, in spans of 3
 (random_spans_noise_mask, as T5's own): the source keeps the other tokens with one sentinel
 (<extra_id_0>, <extra_id_1> ...) in place of each span, then end-of-text; the target is each
 sentinel followed by the span it hides, then end-of-text. Every window has the same source
-and target length (train/core/seq2seq.py corrupted_lengths).
+and target length (train/core/seq2seq.py corrupted_lengths); the batches are made by
+train/data/sft_batching.py's Seq2SeqCollator, as for SFT's pairs (one batch contract).
 
 The noise mask is drawn from SEED and the sample's index alone, never from a running RNG: a
 resumed run, a worker process, another rank or another epoch sees exactly the same sample.
@@ -19,7 +20,6 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from train.core.seq2seq import MEAN_SPAN_LENGTH, NOISE_DENSITY
-from train.core.units import IGNORE_INDEX
 
 
 def noise_counts(length: int) -> tuple[int, int]:
@@ -90,26 +90,3 @@ def span_corrupted(dataset: Dataset | None, sentinels: list[int], eos_id: int, s
 def sentinels_needed(raw_window: int) -> int:
     """Sentinels a window of raw_window tokens uses: one per noise span."""
     return noise_counts(raw_window)[1]
-
-
-class Seq2SeqCollator:
-    """Rows of {"input_ids", "labels"} -> the seq2seq batch contract: "input_ids" (B, S) padded
-    with pad_id, "attention_mask" (B, S) 1 on real source tokens, "labels" (B, T) -100 on
-    padding; plus the host ints BatchCounter reads (source tokens, real and padded). Span
-    corruption's rows are all one length, so nothing is padded there; the contract holds anyway."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, rows: list[dict]) -> dict:
-        sources, targets = [r["input_ids"] for r in rows], [r["labels"] for r in rows]
-        input_ids = torch.nn.utils.rnn.pad_sequence(sources, batch_first=True, padding_value=self.pad_id)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, source in enumerate(sources):
-            attention_mask[row, : len(source)] = 1
-        labels = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=IGNORE_INDEX)
-        real = sum(len(s) for s in sources)
-        return {
-            "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "n_real_tokens": real, "n_padded_tokens": input_ids.numel(),
-        }  # fmt: skip

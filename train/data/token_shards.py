@@ -7,7 +7,10 @@ temporary name, fsynced and renamed, and only then entered in the manifest: Ctrl
 a full disk after some shards keeps them, and the next run continues after the last one. The
 units are a pure function of the files, so a resumed cache is byte for byte the one an
 uninterrupted build makes, and a damaged shard (wrong size, or ids whose largest value or sum
-no longer match: ids out of the vocabulary included) is rebuilt alone. One process at a time
+no longer match: ids out of the vocabulary included) is rebuilt alone. A shard checked once is
+remembered in checked.json by size, mtime and inode, so later starts do not read the whole cache
+again (a shard changed since is checked again; one written in the last seconds always is, as
+its mtime may not have moved yet). One process at a time
 builds in a CACHE_DIR (a lock on the tokens folder): under torchrun the first rank of a machine
 to get there builds, the others wait, then all map the same files.
 """
@@ -29,6 +32,10 @@ from train.core.errors import Interrupted, UsageError
 from train.data import cache_files, tokenize
 
 MANIFEST = "manifest.json"
+CHECKED = "checked.json"
+# A shard whose mtime is this recent is not remembered as checked: a change within the file
+# system's timestamp granularity would not show (git's "racily clean" rule).
+SETTLED_NS = 2_000_000_000
 FORMAT = 2
 # Source bytes per shard: what an interruption can cost, and the granularity of a repair.
 SHARD_SIZE = 64 << 20
@@ -109,6 +116,24 @@ def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | No
     if top != entry["max"] or int(ids.sum(dtype=np.uint64)) != entry["sum"]:
         return f"{path.name} does not hold the ids {MANIFEST} describes"
     return None
+
+
+def _stamp(folder: Path, entry: dict) -> list | None:
+    """What checked.json remembers of a shard: size, mtime, inode, and the manifest's max and sum."""
+    try:
+        st = os.lstat(folder / entry["file"])
+    except (OSError, ValueError):
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino, entry["max"], entry["sum"]]
+
+
+def _read_checked(folder: Path) -> dict:
+    """checked.json, or nothing remembered (missing, unreadable, a planted link: never followed)."""
+    try:
+        memo = json.loads(files.read_text(folder / CHECKED))
+        return memo if isinstance(memo, dict) else {}
+    except (OSError, ValueError, UsageError):
+        return {}
 
 
 def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> tuple[dict | None, str | None]:
@@ -198,14 +223,23 @@ class _Build:
         self.eos_id = tok.convert_tokens_to_ids(tok.eos_token)
 
     def encoder(self) -> tokenize.Encoder:
-        return tokenize.Encoder(self.tokenizer_json, self.eos_id, self.dtype, self.workers)
+        return tokenize.Encoder(self.tokenizer_json, self.eos_id, self.dtype, self.workers, self.folder)
 
     def mend(self) -> None:
-        """Rebuild, alone, each finished shard that is damaged."""
+        """Rebuild, alone, each finished shard that is damaged. A shard unchanged since it was
+        last checked (checked.json) is not read again."""
+        memo = _read_checked(self.folder)
+        before = dict(memo)
         for entry in self.manifest["shards"]:
+            stamp = _stamp(self.folder, entry)
+            if stamp is not None and memo.get(entry["file"]) == stamp:
+                continue
             damage = _checked(self.folder, entry, self.dtype, self.manifest["vocab"])
             if damage is None:
+                settled = stamp is not None and stamp[1] < time.time_ns() - SETTLED_NS
+                memo[entry["file"]] = stamp if settled else None
                 continue
+            memo.pop(entry["file"], None)
             path = self.folder / entry["file"]
             self.say(f"token cache shard {path} was damaged ({damage}); rebuilding it alone")
             with self.encoder() as encoder, self._guard(path), ExitStack() as stack:
@@ -217,6 +251,9 @@ class _Build:
             if rebuilt != entry:
                 raise UsageError(f"CACHE_DIR: the rebuilt shard {path} differs from its manifest; "
                                  f"remove {self.folder} to build the cache again")  # fmt: skip
+        memo = {name: stamp for name, stamp in memo.items() if stamp is not None}
+        if memo != before:
+            cache_files.write_json(self.folder / CHECKED, memo)
 
     def finish(self) -> None:
         """Write the shards after the last finished one, then mark the cache complete."""
@@ -291,7 +328,12 @@ class _Build:
             raise UsageError(f"{err}{keep}") from None
 
     def _drop_if_empty(self) -> None:
-        if self.folder.is_dir() and not any(self.folder.iterdir()):
+        """No shard kept: the folder goes, with the workers' tokenizer file (they have read it)."""
+        if not self.folder.is_dir():
+            return
+        for stray in self.folder.glob(".tokenizer-*.tmp"):
+            files.remove(stray)
+        if not any(self.folder.iterdir()):
             self.folder.rmdir()
 
 

@@ -149,9 +149,10 @@ class Encoder:
     """Encodes units in order, in `workers` processes (or in this one for small corpora or one
     worker). A context manager: the processes end with it, whatever happened."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, workers: int):
+    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, workers: int, temp_dir: Path | None = None):
         self.args = (tokenizer_json, eos_id, np.dtype(dtype).name)
         self.workers = workers
+        self.temp_dir = temp_dir  # the cache folder, whose *.tmp strays a later build sweeps (a SIGKILL's)
         self.pool = None
 
     def __enter__(self) -> Encoder:
@@ -160,13 +161,17 @@ class Encoder:
             # writes a process's arguments into a pipe the new process reads only once its
             # interpreter is up, so a 0.5-10 MB tokenizer made each start wait for the last
             # (16 workers: 5.7 s before the first unit, measured on a 16-core host).
-            fd, self.tokenizer_file = tempfile.mkstemp(prefix="kit-tokenizer-", suffix=".json")
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(self.args[0])
-            # spawn: lean workers (no copy of torch), and no fork of a process with threads.
-            context = multiprocessing.get_context("spawn")
-            initargs = (self.tokenizer_file, *self.args[1:])
-            self.pool = context.Pool(self.workers, initializer=_start_worker, initargs=initargs)
+            fd, self.tokenizer_file = tempfile.mkstemp(prefix=".tokenizer-", suffix=".tmp", dir=self.temp_dir)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write(self.args[0])
+                # spawn: lean workers (no copy of torch), and no fork of a process with threads.
+                context = multiprocessing.get_context("spawn")
+                initargs = (self.tokenizer_file, *self.args[1:])
+                self.pool = context.Pool(self.workers, initializer=_start_worker, initargs=initargs)
+            except BaseException:  # no pool (too many files, Ctrl+C while starting): no file left
+                Path(self.tokenizer_file).unlink(missing_ok=True)
+                raise
         else:
             self.backend = backend_of_json(self.args[0])
         return self

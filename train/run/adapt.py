@@ -132,6 +132,7 @@ def adapt(
     same for every mode. Order matters: the effective batch and LR first (they define the run),
     then memory. max_length: the longest row (default: the packed dataset's window)."""
     dataset = getattr(dataset, "dataset", dataset)  # the packed dataset under a validation Subset
+    dataset = getattr(dataset, "windows", dataset)  # T5: span corruption reads the packed windows
     o, d = cfg.optim, cfg.data
     batch_and_lr(o, d.token_budget, decide, world)
 

@@ -18,6 +18,7 @@ from train.core.errors import UsageError
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption
 from train.data import text as data
+from train.data.sft_batching import Seq2SeqCollator
 from train.distributed.distributed import SINGLE, Dist
 from train.run import evaluate
 from train.run.plan import Chosen, Data, Plan, make_plan, shortest_limit
@@ -92,6 +93,8 @@ def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tu
     model as a short demo on a CPU. Returns (size, demo)."""
     if cfg.model.model_config is not None:
         decide("model_size", "custom", f"MODEL_CONFIG={cfg.model.model_config}")
+        if cfg.model.model_family != "gpt2":
+            say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: MODEL_CONFIG's model_type decides the model")
         return "custom", False
     if cfg.model.model_size is not None:
         return cfg.model.model_size, False
@@ -139,7 +142,7 @@ def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide) -> 
     if not seq2seq:
         return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
     eos, seed = hf_cfg.eos_token_id, cfg.system.seed
-    collate = span_corruption.Seq2SeqCollator(hf_cfg.pad_token_id)
+    collate = Seq2SeqCollator(hf_cfg.pad_token_id)  # the SFT pairs' collator: one batch contract
     return Data(
         tokenizer=tok,
         dataset=span_corruption.span_corrupted(dataset, sentinels, eos, seed),

@@ -75,7 +75,8 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     if not now or not isinstance(saved.get("model_size"), str):
         return None
     family = [(s.get("model_family") or "gpt2") for s in (saved, now)]  # MODEL_SIZE picks in its family
-    if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or saved["model_size"] == "custom"):
+    chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")  # MODEL_CONFIG / SFT: the knob is ignored
+    if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or chosen_elsewhere):
         return None
     was, has = _model_of(saved), _model_of(now)
     return (

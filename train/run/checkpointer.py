@@ -50,7 +50,9 @@ class Checkpointer:
         return settings
 
     def data_identity(self) -> dict:
-        source = getattr(self.b.dataset, "_source", None)
+        ds = self.b.dataset
+        windows = getattr(getattr(ds, "dataset", ds), "windows", None)  # T5: span corruption over the packed windows
+        source = getattr(ds if windows is None else windows, "_source", None)
         return {
             "sequences": len(self.b.dataset),
             "max_length": self.b.max_length,

@@ -77,7 +77,8 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, **offline)
-        refuse_other_kinds(config, f"--model {model_dir}")
+        if not (trust_remote_code and getattr(config, "auto_map", None)):  # a trusted model's own classes decide
+            refuse_other_kinds(config, f"--model {model_dir}")
         tok = AutoTokenizer.from_pretrained(path, **offline)
         model = auto_class(config).from_pretrained(path, config=config, **offline)
     except UsageError:
@@ -113,7 +114,8 @@ class Chat:
             text = prompt_for_generation(self.tok, self.turns)
         else:
             text = "\n".join(t["content"] for t in self.turns)
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        # An encoder-decoder's SFT sources carry what the tokenizer adds itself (T5's </s>).
+        ids = self.tok(text, add_special_tokens=self.seq2seq)["input_ids"]
         eos = self.tok.eos_token_id
         if self.seq2seq and not self.templated and ids and eos is not None and ids[-1] != eos:
             ids.append(eos)  # span corruption's sources end with end-of-text
