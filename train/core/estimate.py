@@ -205,6 +205,7 @@ def estimate_memory(
         acts = estimate_seq2seq.activation_bytes(
             hf_cfg, batch_size, max_length, target, precision, gradient_checkpointing,
             estimate_seq2seq.attention_kind(hf_cfg, device_type), device_type,
+            n_params=n_params if gradient_accumulation_steps == 1 else 0,  # else held: counted below
         )  # fmt: skip
     else:
         acts = activation_bytes(

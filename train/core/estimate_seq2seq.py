@@ -19,6 +19,10 @@ the attention width (heads x d_kv) and f the feed-forward width:
 The peak is at the start of backward: everything saved, plus the loss's (target tokens x vocab)
 fp32 tensors (log-softmax output, its gradient and the logits' gradient: the kit's
 seq2seq_loss_sum takes the full logits).
+Under gradient checkpointing (non-reentrant: a block keeps its inputs, recomputes its saved
+tensors in the backward pass) the peak is the largest of the loss's moment and each stack's
+block 0 recomputed late in the backward pass, with the other blocks' parameter gradients
+allocated by then (_checkpointed_backward; read with MemTracker on CPU, the same test).
 """
 
 from __future__ import annotations
@@ -96,14 +100,93 @@ def _token_parts(s: dict, half: bool, device_type: str) -> dict:
     small = 4  # each norm's per-token rsqrt (fp32)
     encoder = 2 * norm + 4 * ab * a + ff + 2 * mask * h + 2 * small
     decoder = 3 * norm + 6 * ab * a + ff + 3 * mask * h + 3 * small
-    return {"encoder": encoder, "decoder": decoder, "cross_kv": 2 * ab * a}
+    return {"encoder": encoder, "decoder": decoder, "cross_kv": 2 * ab * a, "ff": ff, "norm": norm}
+
+
+# _relative_position_bucket's int64 and fp32 temporaries at their widest, bytes per (query, key)
+# position pair: bidirectional (the encoder) and causal (the decoder); read on CPU.
+BUCKET_BYTES = {"encoder": 49, "decoder": 41}
+
+
+def _block_params(s: dict, cross: bool) -> int:
+    """Parameters of one encoder block (cross=False) or decoder block (cross=True)."""
+    h, a, f = s["hidden"], s["attn"], s["width"]
+    return (8 if cross else 4) * h * a + (3 if s["gated"] else 2) * h * f + (3 if cross else 2) * h
+
+
+def _recompute(s: dict, half: bool, part: dict, layer: float, tokens: int, scores: int, pairs: int, stack: str,
+               per_score: float = 0, math: bool = False):
+    """One checkpointed block 0 in the backward pass, above what stays alive around it: its saved
+    tensors recomputed (layer, with the position bias's own) plus
+    the largest of three moments: the feed-forward's backward (wo's input gradient, and relu's
+    without dropout, with the residual stream's fp32 gradients); the attention's backward (one
+    score-sized gradient, of the probabilities or of the position-bias mask, which T5 trains,
+    once the feed-forward's tensors are freed; on sdpa's math path, CPU's for T5 because its bias
+    requires grad, the forward's softmax moment instead where larger); the position buckets' temporaries while the
+    recompute starts (before the block's own tensors exist)."""
+    h, a, f = s["hidden"], s["attn"], s["width"]
+    ab = 2 if half else 4
+    # the bucket ids the relative-attention embedding saves; the fp32 position-bias mask (no batch
+    # dimension) the attention saves, a copy of the bias (the decoder's: with the causal mask)
+    layer += 8 * pairs + (4 * s["heads"] * pairs if s["bias_mask"] else 0)
+    ff = ((1 if s["dropout"] > 0 else 2) * ab * f + 8 * h) * tokens
+    attention = ab * scores - (part["ff"] + part["norm"]) * tokens
+    if math:  # the recompute's softmax: raw, biased and normalised scores at once, before the FF
+        attention = max(attention, (3 * ab - per_score) * scores - (part["ff"] + part["norm"]) * tokens)
+    buckets = BUCKET_BYTES[stack] * pairs - layer + (part["norm"] + 3 * ab * a) * tokens
+    return layer + max(ff, attention, buckets)
+
+
+def _checkpointed_backward(s: dict, half: bool, device_type: str, sizes: dict, part: dict, enc_layer, dec_layer,
+                           score: float = 0, math: bool = False):
+    """The peaks of a checkpointed backward pass after the loss's: decoder block 0 (the encoder's
+    tensors all alive, the encoder output's gradient growing) and encoder block 0 (every other
+    block's gradients allocated). Each stack's block 0 also holds the position bias's gradient
+    from the blocks above (4 bytes per head and position pair); the cross-attention's zero bias
+    is a leaf that requires grad (transformers under checkpointing): it and its gradient, kept
+    for the forward and again for the recompute, stay to the end. A block above block 0 keeps
+    its input but not yet its parameters' gradients: counted where the input is the larger."""
+    h, heads, n_params = s["hidden"], s["heads"], sizes["n_params"]
+    batch, source, target = sizes["batch"], sizes["source"], sizes["target"]
+    src, tgt = batch * source, batch * target
+    ab = 2 if half else 4
+    drop = ((1 if device_type == "cuda" else ab) if s["dropout"] > 0 else 0) * h  # a dropout mask per token
+    enc_params, dec_params = _block_params(s, False), _block_params(s, True)
+
+    def grads(pending: int) -> int:  # parameter gradients allocated while `pending` have none yet
+        return 4 * max(0, n_params - pending) if n_params else 0
+
+    def upper(n: int, kept: int, params: int) -> int:
+        return max(0, (n - 1) * (kept - (4 * params if n_params else 0)))
+
+    n_enc, n_dec = s["enc_layers"], s["dec_layers"]
+    cross_leaf = 4 * ab * heads * target * source if n_dec else 0
+    enc_bias = 4 * heads * source**2 if n_enc > 1 else 0
+    dec_bias = 4 * heads * target**2 if n_dec > 1 else 0
+    encoder = (
+        grads(enc_params) + (4 * h + drop) * src + upper(n_enc, 4 * h * src, enc_params) + cross_leaf + enc_bias
+        + _recompute(s, half, part, enc_layer, src, batch * heads * source**2, source**2, "encoder",
+                     score, math)
+    )
+    # the encoder: its blocks' inputs, embedding mask, final norm and dropout, output's gradient
+    kept_encoder = (4 * h * n_enc + drop + 12 * h + 2 * drop + 4 * h) * src
+    decoder = (
+        grads(n_enc * enc_params + dec_params) + kept_encoder + (4 * h + drop) * tgt
+        + upper(n_dec, 4 * h * tgt, dec_params) + cross_leaf + dec_bias
+        + _recompute(s, half, part, dec_layer, tgt, batch * heads * max(target, source) * target,
+                     target**2, "decoder", score, math)
+    )
+    return encoder, decoder
 
 
 def activation_bytes(
     hf_cfg, batch_size: int, source: int, target: int, precision: str, gradient_checkpointing: bool,
-    kind: str = "fused", device_type: str = "cuda",
+    kind: str = "fused", device_type: str = "cuda", n_params: int = 0,
 ) -> dict:
-    """Activation bytes at the peak of a micro-step of an encoder-decoder, with its parts."""
+    """Activation bytes at the peak of a micro-step of an encoder-decoder, with its parts. Under
+    checkpointing the peak may come late in the backward pass, when most gradients exist:
+    n_params are the parameters whose gradients this backward allocates (0 when they are held
+    from an earlier micro-step and counted apart)."""
     s = shapes(hf_cfg)
     half = precision in HALF
     h, heads, vocab = s["hidden"], s["heads"], s["vocab"]
@@ -122,19 +205,11 @@ def activation_bytes(
     n_enc, n_dec = s["enc_layers"], s["dec_layers"]
     stored = n_enc * enc_layer + n_dec * dec_layer
     if gradient_checkpointing:
-        # Each block keeps its fp32 input; the encoder's output stays for the cross-attention;
-        # backward recomputes one block at a time, after the loss tensors are gone, and grows
-        # score-sized gradients (softmax's, the position bias's) while it frees the block's
-        # saved tensors: about 8 bytes per score on top of the block, measured on CPU (fp32).
-        kept = 4 * h * (n_enc * src + n_dec * tgt)
-        grow = 8 * batch_size * heads
-        per_token = 0
-        recompute = max(
-            enc_layer + grow * source**2 + per_token * src,
-            dec_layer + grow * (target**2 + target * source) + per_token * tgt,
-        )
-        peak = kept + max(final + loss, final + recompute)
-        stored = kept
+        stored = 4 * h * (n_enc * src + n_dec * tgt)  # each block keeps only its fp32 input
+        sizes = {"batch": batch_size, "source": source, "target": target, "n_params": n_params}
+        math = kind == "math" or device_type == "cpu"
+        phases = _checkpointed_backward(s, half, device_type, sizes, part, enc_layer, dec_layer, score, math)
+        peak = max(stored + final + loss, *phases)
     else:
         peak = stored + final + loss
     per_layer = (n_enc * enc_layer + n_dec * dec_layer) / max(1, n_enc + n_dec)
