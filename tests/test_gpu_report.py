@@ -56,6 +56,9 @@ def test_table_written_then_replaced_in_a_copy_of_results(tmp_path, capsys):
     results = tmp_path / "RESULTS.md"
     shutil.copy(ROOT / "bench" / "RESULTS.md", results)
     original = results.read_text()
+    if HEADING in original:  # a GPU report is already there: start from the file without it
+        original = replace_section(original, "").rstrip("\n") + "\n"
+        results.write_text(original)
     _session(tmp_path / "a")
     args = ["--results", str(results), "--device", "NVIDIA H100 80GB HBM3 (torch 2.13.0)", "--date", "2026-11-23"]
     assert main(["--out", str(tmp_path / "a"), *args]) == 0
