@@ -136,6 +136,7 @@ def _ranks_worker(rank, world_size, port, folder):
     try:
         world = distributed.Dist(rank=rank, local_rank=rank, world_size=world_size)
         _ddp_matches_one_big_batch(world)
+        _ddp_token_mean_over_uneven_ranks(world)
         _sharded_checkpoint_round_trip(world, folder, "zero2", offload=False)
         _sharded_checkpoint_round_trip(world, folder, "zero3", offload=True)
         dist.barrier()  # as launch does: no rank tears the group down while another uses it
@@ -146,12 +147,38 @@ def _ranks_worker(rank, world_size, port, folder):
     distributed.exit_process(0, group_used=True)
 
 
-def _sgd_step(model, loader, accum, sync):
+def _sgd_step(model, loader, accum, sync, total=None):
     from train.core.step import train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync)
+    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total)
+
+
+def _ddp_token_mean_over_uneven_ranks(world):
+    """SFT-like labels: row 0 trains on 31 tokens, the others on 2 each, so the rank that holds
+    row 0 has far more targets than the other. The DDP step is the token mean over both ranks'
+    targets, as one process on all 8 rows takes it, not a mean of each rank's own mean."""
+    from config import DataConfig
+    from train.core.units import IGNORE_INDEX
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (8, 32), generator=gen)
+    labels = ids.clone()
+    for row in range(8):
+        labels[row, : 1 if row == 0 else 30] = IGNORE_INDEX  # the prompt: no loss on it
+    rows = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
+    cpu = torch.device("cpu")
+    loader, _ = make_loader(rows, DataConfig(), 2, 5, cpu, rank=world.rank, world_size=world.world_size)
+    mine = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in loader)
+    assert distributed.max_across(world, [mine])[0] * 2 != distributed.sum_across(world, [mine])[0]  # uneven ranks
+    ddp = parallel.wrap(tiny_model(), world, "none", False, cpu)
+    _sgd_step(ddp, loader, 2, parallel.sync_context(ddp), distributed.step_total(world))
+    if world.rank == 0:
+        reference = tiny_model()
+        big, _ = make_loader(rows, DataConfig(), 8, 5, cpu)
+        _sgd_step(reference, big, 1, None)
+        torch.testing.assert_close(flat(ddp.module), flat(reference), rtol=1e-5, atol=1e-6)
 
 
 def _ddp_matches_one_big_batch(world):

@@ -84,11 +84,16 @@ def chunkable(model) -> bool:
     return head is not None and getattr(head, "bias", None) is None
 
 
-def forward_loss(model, batch: dict, device: torch.device, precision: str, targets: int | None = None) -> torch.Tensor:
+def forward_loss(
+    model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1
+) -> torch.Tensor:
     """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
     one big batch would give, not a mean of per-micro-batch means). targets None: this batch's
-    own (its mean loss). Counted on the host before the batch moves: no device sync."""
+    own (its mean loss). Counted on the host before the batch moves: no device sync. With DDP or
+    FSDP2, which average gradients over ranks, `targets` is the count over all ranks and the
+    share is scaled by world_size: the step's gradient is the token mean over every rank's
+    targets, as one process would take it, whatever each rank's own count."""
     seq2seq = is_seq2seq(model)
     if targets is None:
         targets = count_targets(batch, shifted=not seq2seq)
@@ -99,29 +104,36 @@ def forward_loss(model, batch: dict, device: torch.device, precision: str, targe
     with autocast(device, precision):
         if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target
             total = seq2seq_loss_sum(model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels)
-            return token_mean_share(total, targets)
+            return token_mean_share(total, targets, world_size)
         if chunkable(model):
             hidden, weight = lm_hidden_and_head(model, **batch)
             total, _ = chunked_cross_entropy(hidden, weight, labels)
-            return token_mean_share(total, targets)
-        return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss
+            return token_mean_share(total, targets, world_size)
+        return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss * world_size
 
 
-def train_step(model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None):
+def train_step(
+    model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None
+):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
     are fetched first, so their target tokens are counted (on the host) before any forward.
     Returns (step loss, grad norm) as device tensors, so nothing here waits for the device,
     and the seconds spent waiting for batches. gradient_sync(last) (from
-    train.distributed.distributed) keeps gradients local on all but the last micro-step."""
+    train.distributed.distributed) keeps gradients local on all but the last micro-step;
+    step_total(targets) -> (targets over all ranks, ranks) makes the loss the token mean over
+    every rank (SFT's ranks hold different numbers of target tokens)."""
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
     targets = step_targets(micro_batches, shifted=not is_seq2seq(model))
+    world_size = 1
+    if step_total is not None:
+        targets, world_size = step_total(targets)
     loss_sum = torch.zeros((), device=device)
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
-            loss = forward_loss(model, batch, device, precision, targets)
+            loss = forward_loss(model, batch, device, precision, targets, world_size)
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)

@@ -217,6 +217,14 @@ def sum_across(world: Dist, counts) -> tuple[int, ...]:
     return tuple(_on_host(world, counts, dist.ReduceOp.SUM))
 
 
+def step_total(world: Dist):
+    """For train_step: (a step's target tokens over all ranks, ranks), one host all-reduce per
+    optimizer step; None with one process (nothing to add up)."""
+    if world.world_size == 1:
+        return None
+    return lambda targets: (sum_across(world, [targets])[0], world.world_size)
+
+
 def _attempt(fn):
     try:
         return fn(), None

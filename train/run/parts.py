@@ -11,6 +11,7 @@ import torch
 from train.core.step import make_optimizer, train_step
 from train.data.stream import BatchStream
 from train.distributed import parallel
+from train.distributed.distributed import step_total
 from train.run import compile_guard
 from train.run import oom as oom_lib
 from train.run.evaluate import Evaluator
@@ -51,7 +52,7 @@ class Parts:
         b = self.b
         return train_step(
             self.model, self.optimizer, self.scaler, batches, self.oom.accumulation, b.cfg.optim.grad_clip,
-            b.device, b.precision, self.gradient_sync,
+            b.device, b.precision, self.gradient_sync, step_total(b.world),
         )
 
 
