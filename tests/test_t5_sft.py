@@ -210,3 +210,23 @@ def test_launcher_run_ends_with_a_final_that_seq2seq_loads_and_generates(t5_fold
     out = model.generate(**tok(prompt, return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert out.shape[0] == 1 and 1 < out.shape[1] <= 6
     assert torch.equal(out[0, :1], torch.tensor([model.config.decoder_start_token_id]))
+
+
+def test_a_decoder_without_a_start_token_starts_from_pad(t5_folder):
+    """A T5/BART config.json without decoder_start_token_id (or pad_token_id): the decoder starts
+    from the pad id (T5's rule, said as a decision), not a traceback at the first step."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from train.run.sft_model import prepare_model
+
+    for config_pad in (True, False):
+        decided = {}
+        model = AutoModelForSeq2SeqLM.from_pretrained(t5_folder, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(t5_folder, local_files_only=True)
+        model.config.decoder_start_token_id = None
+        if not config_pad:
+            model.config.pad_token_id = None
+        prepare_model(model, tok, False, lambda name, value, why, d=decided: d.update({name: value}))
+        assert model.config.decoder_start_token_id == decided["decoder_start_token_id"] == tok.pad_token_id
+        loss = model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[8, 9]])).loss
+        assert torch.isfinite(loss)

@@ -128,6 +128,19 @@ def model_label(path: Path, model) -> str:
         return model.config.model_type
 
 
+def _decoder_ids(model, tok, decide) -> None:
+    """An encoder-decoder's pad and decoder start ids where MODEL_PATH's config.json lacks them:
+    the tokenizer's pad (ensure_special_tokens always sets one), and T5's rule, start = pad.
+    Unset, the first step would end in a transformers traceback ("... has to be defined")."""
+    c = model.config
+    if c.pad_token_id is None:
+        c.pad_token_id = tok.pad_token_id
+        decide("pad_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the tokenizer's")
+    if c.decoder_start_token_id is None:
+        c.decoder_start_token_id = model.generation_config.decoder_start_token_id = c.pad_token_id
+        decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as T5 starts its decoder")
+
+
 def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
     added = ensure_special_tokens(tok)
@@ -153,6 +166,8 @@ def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     model.generation_config.eos_token_id = stop_token_ids(tok)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.config.use_cache = False  # the KV cache only costs memory in training
+    if model_lib.is_seq2seq(model):
+        _decoder_ids(model, tok, decide)
     if not model_lib.is_seq2seq(model) and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run
     if gradient_checkpointing:
