@@ -159,10 +159,12 @@ def check_shape(cfg, variable: str) -> None:
 
 
 def context_length(cfg) -> int:
+    """The model's context: its position table's size; an encoder-decoder without one (T5's
+    relative positions have no limit) T5's own 512; else 1024."""
     for name in ("n_positions", "max_position_embeddings", "seq_length"):
         if getattr(cfg, name, None):
             return int(getattr(cfg, name))
-    return 1024
+    return T5_CONTEXT if is_seq2seq(cfg) else 1024
 
 
 def shape(cfg) -> dict:

@@ -220,11 +220,13 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     tok, fmt, max_length, kind = _WORKER
     conversations, bad = converted(chunk, fmt)
     examples, truncated = encode(conversations, tok, max_length, kind)
-    sources = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
+    # A conversation's length, or a pair's source length (its input_ids are the source).
+    firsts = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
     if kind != "seq2seq":
-        labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(sources.sum()))
+        labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(firsts.sum()))
         ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels))
-        return ids, (labels != IGNORE_INDEX).astype(np.uint8), sources, None, truncated, bad
+        return ids, (labels != IGNORE_INDEX).astype(np.uint8), firsts, None, truncated, bad
+    sources = firsts
     targets = np.fromiter((len(e["labels"]) for e in examples), dtype=np.int32, count=len(examples))
     lengths = sources + targets
     ids = np.fromiter(chain.from_iterable(chain(e["input_ids"], e["labels"]) for e in examples), dtype=np.int64,

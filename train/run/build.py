@@ -67,12 +67,7 @@ class PretrainingSource:
         )
         if cfg.model.model_config is not None and model_lib.is_seq2seq(self.hf_cfg):
             decide("model_kind", "seq2seq", f"model_type {self.hf_cfg.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
-        context = model_lib.context_length(self.hf_cfg)
-        if model_lib.is_seq2seq(self.hf_cfg) and not any(
-            getattr(self.hf_cfg, name, None) for name in ("n_positions", "max_position_embeddings")
-        ):  # T5's relative positions have no limit: its own 512 is the default MAX_LENGTH
-            context = model_lib.T5_CONTEXT
-        return model_size, context, demo
+        return model_size, model_lib.context_length(self.hf_cfg), demo
 
     def data(self, cfg: TrainConfig, device, precision: str, max_length: int, say, decide) -> Data:
         # From the config alone, before the data work and before anything is allocated.
