@@ -133,7 +133,7 @@ def test_bad_records_skipped_or_refused_and_nothing_cached(tmp_path, tok):
     data = write_parquet(tmp_path / "d.parquet", rows)
     with pytest.raises(UsageError, match=r"d\.parquet row 4: no response .*SKIP_BAD_RECORDS=1"):
         cached(data, tok, tmp_path / "c")
-    assert [p.name for p in (tmp_path / "c" / "sft").iterdir()] == ["sums"]  # digests of the data only
+    assert [p.name for p in (tmp_path / "c" / "sft").iterdir() if p.name != "sums"] == []  # digests of the data only
     examples, _, _ = cached(data, tok, tmp_path / "c", skip=True)
     assert (len(examples), examples.meta.n_skipped) == (6, 1)
     assert "row 4" in examples.meta.first_error

@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, make_text, run_cli
 from data_tools import write_arrow_folder, write_jsonl, write_parquet
 from train.core.errors import Interrupted
+from train.data import cache_files, token_shards, tokenize
 from train.data import text as data
-from train.data import token_shards, tokenize
 
 
 @pytest.fixture
@@ -156,11 +156,13 @@ def test_damaged_shard_is_rebuilt_alone(damage, small_shards, docs_corpus, tok, 
 
 def test_a_settled_shard_is_checked_once_then_remembered(small_shards, docs_corpus, tok, tmp_path, monkeypatch):
     """A warm start does not read every shard again: one checked and older than SETTLED_NS is
-    remembered (checked.json) by size, mtime and inode; a shard changed since is read again."""
+    remembered (checked.json) by size, mtime, ctime and inode; a shard changed since is read again."""
     want, shards = build(docs_corpus, tok, tmp_path / "c")
     old = time.time() - 60
     for p in shards:
-        os.utime(p, (old, old))  # settled: older than the file system's timestamp granularity
+        os.utime(p, (old, old))
+    # settled: a ctime cannot be set back, so "older than the timestamp granularity" is moved instead
+    monkeypatch.setattr(cache_files, "SETTLED_NS", 0)
     reads = []
     real = token_shards._checked
     monkeypatch.setattr(token_shards, "_checked", lambda folder, entry, *a: reads.append(entry["file"]) or real(folder, entry, *a))

@@ -70,15 +70,16 @@ def test_token_cache_reused_and_keyed_by_content(tmp_path):
     assert data.corpus_fingerprint(files) != key
 
 
-def test_warm_start_does_not_read_the_corpus_again(tmp_path):
-    """Each source's digest is remembered by path, size, mtime and inode (CACHE_DIR/sums): a
-    second start finds its cache without reading the corpus; a rewritten file is read again."""
+def test_warm_start_does_not_read_the_corpus_again(tmp_path, monkeypatch):
+    """Each source's digest is remembered by path, size, mtime, ctime and inode (CACHE_DIR/sums):
+    a second start finds its cache without reading the corpus; a rewritten file is read again."""
+    monkeypatch.setattr(data.cache_files, "SETTLED_NS", 0)  # a fresh file's ctime cannot be set back
     text, sums = tmp_path / "a.txt", tmp_path / "cache" / "sums"
     text.write_text("some corpus text\n" * 100)
     key = data.corpus_fingerprint([text], sums=sums)
     assert key == data.corpus_fingerprint([text])  # the same key with or without the memo
     (memo,) = sums.glob("*.json")
-    memo.write_text(json.dumps({"sha256": "0" * 64, "lines": 100}))  # not what the bytes hash to
+    memo.write_text(json.dumps({**json.loads(memo.read_text()), "sha256": "0" * 64}))  # not the bytes' hash
     assert data.corpus_fingerprint([text], sums=sums) != key  # the memo was used, the file not read
     text.write_text("other corpus text\n" * 100)  # new size and mtime: read again
     assert data.corpus_fingerprint([text], sums=sums) == data.corpus_fingerprint([text])

@@ -9,11 +9,14 @@ behind. Failures become one line naming CACHE_DIR and the file.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,9 +24,28 @@ from pathlib import Path
 from train.core import files
 from train.core.errors import Interrupted, UsageError
 
+# A file whose mtime or ctime is this recent is not remembered as checked: a change within the
+# file system's timestamp granularity would not show (git's "racily clean" rule).
+SETTLED_NS = 2_000_000_000
+
+
+def settled(st: os.stat_result) -> bool:
+    """Old enough that a later change must move its mtime or ctime (see SETTLED_NS)."""
+    return max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - SETTLED_NS
+
+
+def refuse_link(*paths: Path) -> None:
+    """A folder of CACHE_DIR (tokens, tokenizers, sums, sft) that is a link is refused, as links
+    in run folders are: everything under it would be written and read wherever it points."""
+    for path in paths:
+        if path.is_symlink():
+            raise UsageError(f"CACHE_DIR: {path} is a symbolic link; the kit never writes or reads through a link "
+                             "in its own folders (remove it and run again)")  # fmt: skip
+
 
 def cache_folder(path: Path) -> Path:
-    """path, created with its parents, or a UsageError naming CACHE_DIR."""
+    """path, created with its parents, or a UsageError naming CACHE_DIR (a link there included)."""
+    refuse_link(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -44,6 +66,21 @@ def drop_link(path: Path, say) -> None:
     if path.is_symlink():
         say(f"{path} in CACHE_DIR is a symbolic link, not a cache this kit wrote; removed, building it again")
         remove(path)
+
+
+@contextmanager
+def locked(folder: Path, what: str, say) -> Iterator[None]:
+    """An exclusive lock on folder (flock: dropped by the OS if the process dies)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process building {what} in {folder}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -122,6 +159,82 @@ def save_folder(folder: Path, save, temps: list[Path]) -> bool:
     return True
 
 
+def remove_abandoned(parent: Path) -> None:
+    """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
+    never to be; a live build's folder is left alone."""
+    host = socket.gethostname()
+    for tmp in parent.glob(".*.tmp-*"):
+        # Only this machine's: a CACHE_DIR shared between machines holds builds of live processes
+        # whose pids mean nothing here.
+        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rsplit("-", 1)[0].rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
+            remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+CHECKED = "checked.json"  # what a cache folder remembers of the files it has verified
+
+
+class Hashed:
+    """A binary file being written, with the sha256 of what went into it."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.digest.update(data)
+        self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sums(folder: Path, sums, names) -> str | None:
+    """What is wrong with folder's files (names: the kit's own, never read from a file) against
+    their sha256 in its manifest, or None. A file checked once, and settled, is remembered in
+    checked.json by size, mtime, ctime, inode and sum, and not read again until one of them
+    moves: a warm start of a 10 GB cache hashes it once (about 1 GB/s), then only stats it."""
+    try:
+        memo = json.loads(files.read_text(folder / CHECKED))
+    except (OSError, ValueError, UsageError):
+        memo = {}
+    memo = memo if isinstance(memo, dict) else {}
+    known = {}
+    for name in names:
+        want = sums.get(name) if isinstance(sums, dict) else None
+        if not isinstance(want, str) or len(want) != 64:
+            return f"meta.json has no checksum for {name}"
+        st = os.lstat(folder / name)
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, want]
+        if memo.get(name) != stamp:
+            if _sha256(folder / name) != want:
+                return f"{name} does not hold the bytes meta.json's checksum describes"
+            if not settled(st):
+                continue
+        known[name] = stamp
+    if known != memo:
+        with contextlib.suppress(OSError):  # only a shortcut: unwritable, the next start hashes again
+            write_json(folder / CHECKED, known)
+    return None
+
+
 def short(err: BaseException) -> str:
     """An exception as a few words for a one-line note."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -130,18 +243,23 @@ def short(err: BaseException) -> str:
 
 def file_digest(path: Path, sums: Path | None, variable: str = "DATA_PATH") -> tuple[str, int]:
     """(sha256 of the file's bytes, its newline count). sums: a folder where it is remembered
-    under the file's path, size, mtime and inode, so a warm start finds its cache without reading
-    gigabytes of data again (the cache keys of pretraining and SFT are made of these)."""
+    under the file's path, size, mtime, ctime, inode and device (what an in-place edit moves,
+    `touch -r` included, as git's index keys it), so a warm start finds its cache without reading
+    gigabytes of data again (the cache keys of pretraining and SFT are made of these). A memo
+    names the file it describes and is used only for that file: one copied from another corpus's
+    is not taken."""
     try:
         st = path.stat()
         memo = None
         if sums is not None:
-            key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+            ident = [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+            key = hashlib.sha256("\0".join(map(str, ident)).encode())
             memo = sums / f"{key.hexdigest()[:32]}.json"
             # a link planted there is never read (files.read_text refuses it): the file is read again
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UsageError):
                 known = json.loads(files.read_text(memo))
-                return str(known["sha256"]), int(known["lines"])
+                if known["file"] == ident and isinstance(known["sha256"], str) and len(known["sha256"]) == 64:
+                    return known["sha256"], int(known["lines"])
         digest, lines = hashlib.sha256(), 0
         with open(path, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
@@ -149,9 +267,9 @@ def file_digest(path: Path, sums: Path | None, variable: str = "DATA_PATH") -> t
                 lines += block.count(b"\n")
     except OSError as err:
         raise UsageError(f"{variable}: cannot read {path}: {err.strerror or err}") from None
-    if memo is not None:
+    if memo is not None and settled(st):
         # only a shortcut: where it cannot be written, the next start reads the file again
         with contextlib.suppress(OSError):
             memo.parent.mkdir(parents=True, exist_ok=True)
-            files.write_json(memo, {"sha256": digest.hexdigest(), "lines": lines})  # no temp left on failure
+            files.write_json(memo, {"file": ident, "sha256": digest.hexdigest(), "lines": lines})  # no temp left
     return digest.hexdigest(), lines

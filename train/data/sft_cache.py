@@ -5,7 +5,8 @@ records took a minute and 1.5 GB of host memory before the first step. Now the f
   ids.bin      every conversation's token ids, back to back (uint16, or uint32 for big vocabularies)
   trained.bin  one byte per token: 1 where the loss counts (assistant content), 0 elsewhere
   lengths.bin  tokens per conversation (int32)
-  meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated
+  meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated,
+               and each file's sha256 (taken as it is written)
 and every later run with the same key maps them at once. The key covers what changes the
 ids: the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template,
 MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example
@@ -17,7 +18,10 @@ The build streams the records (train/data/sft_formats.py) and hands chunks of th
 TOKENIZE_WORKERS processes, which render, tokenize and truncate; the main process writes the
 results in record order, so the cache is the same whatever the number of workers. It is built in
 a temporary folder, fsynced, and renamed into place: a crash leaves no half cache, and a damaged
-one (a file cut short, a manifest missing) is noticed, said, and built again.
+one (a file cut short, a manifest missing) is noticed, said, and built again. A cache is trusted
+only for what it verifies: each file is checked against its sha256 once (trained.bin zeroed or
+lengths.bin rewritten with its sum kept is damage), then remembered in checked.json by size,
+mtime, ctime and inode, so a warm start reads the files again only when they changed.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Manifest:
     n_truncated: int
     first_error: str  # the first skipped record's place and reason ("" when none)
     kind: str  # "causal" (conversations) or "seq2seq" ((source, target) pairs)
+    sha256: dict  # file name -> the sha256 of its bytes
 
 
 class CachedExamples:
@@ -168,19 +173,19 @@ def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
+def open_cache(folder: Path, verify: bool = True) -> tuple[CachedExamples | None, str | None]:
     """(examples, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
-    when there is none."""
+    when there is none. verify: check the files' sha256 (once; see the module doc)."""
     if not folder.exists():
         return None, None
     try:
-        raw = json.loads((folder / "meta.json").read_text())
+        raw = json.loads(files.read_text(folder / "meta.json"))
         meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
         dtype = np.dtype(meta.dtype)
         sizes = {name: (folder / name).stat().st_size for name in FILES_OF[meta.kind]}
     except FileNotFoundError as err:
         return None, f"{Path(err.filename).name} is missing"
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
         return None, f"meta.json cannot be read: {cache_files.short(err)}"
     except OSError as err:
         raise UsageError(f"CACHE_DIR: cannot read the SFT cache {folder}: {err.strerror or err}") from None
@@ -190,6 +195,9 @@ def open_cache(folder: Path) -> tuple[CachedExamples | None, str | None]:
     for name, size in expected.items():
         if sizes[name] != size:
             return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
+    damage = cache_files.verify_sums(folder, meta.sha256, FILES_OF[meta.kind]) if verify else None
+    if damage:
+        return None, damage
     examples = CachedExamples(folder, meta)
     if int(examples.lengths.sum(dtype=np.int64)) != meta.n_tokens:
         return None, "lengths.bin does not add up to the token count"
@@ -298,7 +306,7 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
     n = n_tokens = n_skipped = n_truncated = 0
     first_error = ""
     with contextlib.ExitStack() as stack:
-        out = {name: stack.enter_context(open(tmp / name, "wb")) for name in FILES_OF[kind]}
+        out = {name: cache_files.Hashed(stack.enter_context(open(tmp / name, "wb"))) for name in FILES_OF[kind]}
         bar = stack.enter_context(_progress(total))
         for ids, trained, lengths, sources, truncated, bad in encoded_chunks(items, tok, fmt, max_length, workers, kind):
             if bad and not skip:
@@ -315,36 +323,15 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
         for handle in out.values():
             handle.flush()
             os.fsync(handle.fileno())
-    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, kind)
-
-
-def _remove_abandoned(parent: Path) -> None:
-    """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
-    never to be; a live build's folder is left alone."""
-    host = socket.gethostname()
-    for tmp in parent.glob(".*.tmp-*"):
-        # Only this machine's: a CACHE_DIR shared between machines holds builds of live processes
-        # whose pids mean nothing here.
-        owner, _, pid = tmp.name.rpartition(".tmp-")[2].rsplit("-", 1)[0].rpartition("-")
-        if owner == host and pid.isdigit() and not _alive(int(pid)):
-            cache_files.remove(tmp)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    sums = {name: handle.digest.hexdigest() for name, handle in out.items()}
+    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, kind, sums)
 
 
 def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
           total: int | None, data_name: str, kind: str = "causal") -> CachedExamples:
     """Write the cache for `items` into `folder`, atomically: a temporary folder beside it,
     manifest last, fsynced, renamed."""
-    _remove_abandoned(cache_files.cache_folder(folder.parent))
+    cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
         tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
@@ -360,7 +347,7 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
             if open_cache(folder)[0] is None:  # not another run's finished copy of the same cache
                 raise
             cache_files.remove(tmp)  # another run finished the same cache first: use theirs
-    examples, damage = open_cache(folder)
+    examples, damage = open_cache(folder, verify=False)  # hashed as it was written
     if examples is None:
         raise OSError(f"the SFT cache just written does not read back ({damage})")
     return examples
@@ -372,6 +359,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     "seq2seq"): opened when there is one, else built (TOKENIZE_WORKERS processes). Returns
     (examples, what was done, for the log)."""
     start = time.perf_counter()
+    cache_files.refuse_link(cache_dir / "sft", cache_dir / "sft" / "sums")
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
     folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind)
     # A link at one of the cache's names is not a cache this kit wrote: removed, never read.

@@ -51,7 +51,10 @@ def corpus_fingerprint(files: list[Path], text_field: str = "text", sums: Path |
                        variable: str = "DATA_PATH") -> str:
     """sha256 over every source's name and bytes (an Arrow folder: its .arrow files) and
     TEXT_FIELD: the cache key for the data. sums (CACHE_DIR/sums): each file's digest kept by
-    path, size, mtime and inode, so a warm start does not read the whole corpus again."""
+    path, size, mtime, ctime and inode, so a warm start does not read the whole corpus again
+    (sums itself a link: refused, CACHE_DIR's folders are never read through one)."""
+    if sums is not None:
+        cache_files.refuse_link(sums)
     digest = hashlib.sha256(CACHE_VERSION.encode())
     if text_field != "text":
         digest.update(f"text_field={text_field}\0".encode())
@@ -117,6 +120,10 @@ def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, te
     from transformers import PreTrainedTokenizerFast
 
     cache_files.drop_link(folder, say)
+    if folder.is_dir() and any(p.is_symlink() for p in folder.iterdir()):
+        # a file of it linked elsewhere would be read by transformers: not a folder this kit saved
+        say(f"tokenizer cache {folder} holds a symbolic link, not a cache this kit wrote; removed, building it again")
+        cache_files.remove(folder)
     if folder.exists():
         try:
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)

@@ -8,16 +8,18 @@ a full disk after some shards keeps them, and the next run continues after the l
 units are a pure function of the files, so a resumed cache is byte for byte the one an
 uninterrupted build makes, and a damaged shard (wrong size, or ids whose largest value or sum
 no longer match: ids out of the vocabulary included) is rebuilt alone. A shard checked once is
-remembered in checked.json by size, mtime and inode, so later starts do not read the whole cache
-again (a shard changed since is checked again; one written in the last seconds always is, as
-its mtime may not have moved yet). One process at a time
+remembered in checked.json by size, mtime, ctime, inode and its whole manifest entry, so later
+starts do not read the whole cache again (a shard changed since, even with its mtime put back,
+is checked again; one written in the last seconds always is, as its times may not have moved
+yet). The manifest is trusted only for what is checked: every shard name in it must be the
+name the build gives that shard (shard-00003.bin, nothing with a folder in it) before anything
+is opened, written or renamed, or the whole cache is rebuilt. One process at a time
 builds in a CACHE_DIR (a lock on the tokens folder): under torchrun the first rank of a machine
 to get there builds, the others wait, then all map the same files.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -39,6 +41,7 @@ SETTLED_NS = 2_000_000_000
 FORMAT = 2
 # Source bytes per shard: what an interruption can cost, and the granularity of a repair.
 SHARD_SIZE = 64 << 20
+locked = cache_files.locked  # one builder per CACHE_DIR folder (text.py's tokenizer shares it)
 
 
 class TokenStream:
@@ -86,25 +89,10 @@ class TokenStream:
         return np.concatenate(self.maps()).astype(dtype or self.dtype, copy=False)
 
 
-@contextmanager
-def locked(folder: Path, what: str, say) -> Iterator[None]:
-    """An exclusive lock on folder (flock: dropped by the OS if the process dies)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another process building {what} in {folder}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | None:
     """What is wrong with one finished shard, or None. Reads it once (max and sum of the ids)."""
     path = files.inside(folder, entry["file"])
-    if path is None or "/" in entry["file"] or not path.is_file():
+    if path is None or "/" in entry["file"] or path.is_symlink() or not path.is_file():
         return f"{entry['file']} is missing (or not a plain file of the cache)"
     size, want = path.stat().st_size, entry["tokens"] * dtype.itemsize
     if size != want:
@@ -118,13 +106,32 @@ def _checked(folder: Path, entry: dict, dtype: np.dtype, vocab: int) -> str | No
     return None
 
 
-def _stamp(folder: Path, entry: dict) -> list | None:
-    """What checked.json remembers of a shard: size, mtime, inode, and the manifest's max and sum."""
+def _stamp(folder: Path, entry: dict, itemsize: int) -> tuple[list | None, bool]:
+    """(what checked.json remembers of a shard, whether it is settled): size, mtime, ctime,
+    inode and its manifest entry; None where the size alone shows the shard does not fit its
+    entry (a manifest claiming more tokens than the file holds is never mapped)."""
     try:
         st = os.lstat(folder / entry["file"])
     except (OSError, ValueError):
-        return None
-    return [st.st_size, st.st_mtime_ns, st.st_ino, entry["max"], entry["sum"]]
+        return None, False
+    if st.st_size != entry["tokens"] * itemsize:
+        return None, False
+    fields = [entry[k] for k in ("tokens", "max", "sum", "start", "end")]
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *fields], cache_files.settled(st)
+
+
+def _sound_entry(index: int, entry) -> bool:
+    """A manifest entry as the build writes it: the index's own shard name (never a path, so
+    nothing outside the folder is opened, written or renamed) and whole numbers in range."""
+    def count(v) -> bool:
+        return type(v) is int and v >= 0
+
+    def place(v) -> bool:
+        return isinstance(v, list) and len(v) == 2 and all(count(x) for x in v)
+
+    return (isinstance(entry, dict) and entry.get("file") == f"shard-{index:05d}.bin" and count(entry.get("tokens"))
+            and count(entry.get("sum")) and type(entry.get("max")) is int and entry["max"] >= -1
+            and place(entry.get("start")) and place(entry.get("end")))  # fmt: skip
 
 
 def _read_checked(folder: Path) -> dict:
@@ -138,15 +145,14 @@ def _read_checked(folder: Path) -> dict:
 
 def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> tuple[dict | None, str | None]:
     path = folder / MANIFEST
-    if not path.exists():
+    if not path.exists() or path.is_symlink():
         return None, (f"{MANIFEST} is missing" if any(folder.glob("shard-*.bin")) else None)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(files.read_text(path))
         shards = manifest["shards"]
         ok = manifest["format"] == FORMAT and manifest["dtype"] == dtype.name and manifest["vocab"] == vocab
-        for entry in shards:
-            ok = ok and {"file", "tokens", "max", "sum", "start", "end"} <= set(entry)
-    except (ValueError, KeyError, TypeError) as err:
+        ok = ok and isinstance(shards, list) and all(_sound_entry(i, e) for i, e in enumerate(shards))
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         return None, f"{MANIFEST} cannot be read: {cache_files.short(err)}"
     except OSError as err:
         raise UsageError(f"CACHE_DIR: cannot read the token cache {path}: {err.strerror or err}") from None
@@ -170,18 +176,34 @@ def token_cache(files: list[Path], key: str, tok, cache_dir: Path, say, text_fie
         manifest, damage = _read_manifest(folder, dtype, len(tok), len(files))
         if damage:
             say(f"token cache {folder} was damaged ({damage}); rebuilding")
-        if manifest is None:
-            cache_files.remove(folder)
-            manifest = {"format": FORMAT, "dtype": dtype.name, "vocab": len(tok), "files": len(files), "shards": []}
-        build = _Build(folder, manifest, files, text_field, tok, dtype, workers, say)
-        build.mend()
-        if not manifest.get("complete"):
-            build.finish()
+        try:
+            manifest = _built(folder, manifest, files, text_field, tok, dtype, workers, say)
+        except _Mismatch as err:
+            say(f"token cache {folder} was damaged ({err}); rebuilding the whole cache")
+            manifest = _built(folder, None, files, text_field, tok, dtype, workers, say)
     shards = manifest["shards"]
     paths = [folder / entry["file"] for entry in shards]
     if len(shards) == 1:
         return np.memmap(paths[0], dtype=dtype, mode="r", shape=(shards[0]["tokens"],))
     return TokenStream(paths, [entry["tokens"] for entry in shards], dtype)
+
+
+class _Mismatch(Exception):
+    """A shard rebuilt from the data is not the one its manifest entry describes: the entry
+    was altered, so nothing else in that manifest is trusted."""
+
+
+def _built(folder, manifest, sources, text_field, tok, dtype, workers, say) -> dict:
+    """The manifest of a complete cache: damaged shards mended, missing ones written (None: a
+    fresh cache)."""
+    if manifest is None:
+        cache_files.remove(folder)
+        manifest = {"format": FORMAT, "dtype": dtype.name, "vocab": len(tok), "files": len(sources), "shards": []}
+    build = _Build(folder, manifest, sources, text_field, tok, dtype, workers, say)
+    build.mend()
+    if not manifest.get("complete"):
+        build.finish()
+    return manifest
 
 
 class _ShardFile:
@@ -230,13 +252,13 @@ class _Build:
         last checked (checked.json) is not read again."""
         memo = _read_checked(self.folder)
         before = dict(memo)
+        memo = {e["file"]: memo.get(e["file"]) for e in self.manifest["shards"]}  # names the manifest checks
         for entry in self.manifest["shards"]:
-            stamp = _stamp(self.folder, entry)
+            stamp, settled = _stamp(self.folder, entry, self.dtype.itemsize)
             if stamp is not None and memo.get(entry["file"]) == stamp:
                 continue
             damage = _checked(self.folder, entry, self.dtype, self.manifest["vocab"])
             if damage is None:
-                settled = stamp is not None and stamp[1] < time.time_ns() - SETTLED_NS
                 memo[entry["file"]] = stamp if settled else None
                 continue
             memo.pop(entry["file"], None)
@@ -249,8 +271,7 @@ class _Build:
                     shard.add(ids)
                 rebuilt = shard.close(entry["end"])
             if rebuilt != entry:
-                raise UsageError(f"CACHE_DIR: the rebuilt shard {path} differs from its manifest; "
-                                 f"remove {self.folder} to build the cache again")  # fmt: skip
+                raise _Mismatch(f"the rebuilt {path.name} differs from its {MANIFEST} entry")
         memo = {name: stamp for name, stamp in memo.items() if stamp is not None}
         if memo != before:
             cache_files.write_json(self.folder / CHECKED, memo)
