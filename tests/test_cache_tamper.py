@@ -9,6 +9,7 @@ run trains (the same losses, the same epoch)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -300,16 +301,24 @@ def sft_clean(base_model, tmp_path_factory):
     return SimpleNamespace(argv=argv, cache=root / "cache", runs=root / "runs", trained=trained(root / "runs" / "ref"))
 
 
-@pytest.mark.parametrize("file, damage", [("trained.bin", zero), ("lengths.bin", keep_sum), ("ids.bin", out_of_vocabulary)],
-                         ids=["SC5-trained-zeroed", "SC3-lengths-sum-kept", "SC4-ids-out-of-vocab"])  # fmt: skip
-def test_a_tampered_sft_cache_is_rebuilt_never_trained_on(file, damage, sft_clean, tmp_path, capsys):
+@pytest.mark.parametrize("file, damage, forged", [
+    ("trained.bin", zero, False), ("lengths.bin", keep_sum, False), ("ids.bin", out_of_vocabulary, False),
+    ("ids.bin", out_of_vocabulary, True),
+], ids=["SC5-trained-zeroed", "SC3-lengths-sum-kept", "SC4-ids-out-of-vocab", "SC4-meta-json-rehashed"])  # fmt: skip
+def test_a_tampered_sft_cache_is_rebuilt_never_trained_on(file, damage, forged, sft_clean, tmp_path, capsys):
     cache = tmp_path / "cache"
     shutil.copytree(sft_clean.cache, cache)
     (folder,) = [p for p in (cache / "sft").iterdir() if p.name != "sums"]
     assert sft_cache.open_cache(folder)[0] is not None and (folder / "checked.json").is_file()  # remembered
     in_place(folder / file, damage)
+    note = f"{file} does not hold the bytes meta.json's checksum describes"
+    if forged:  # meta.json's checksum made to agree: the ids are still checked against the vocabulary
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["sha256"][file] = hashlib.sha256((folder / file).read_bytes()).hexdigest()
+        (folder / "meta.json").write_text(json.dumps(meta))
+        note = "ids.bin holds id 65535, outside the tokenizer's"
     capsys.readouterr()
     assert run_cli("sft", *sft_clean.argv, "--cache_dir", str(cache), "--run_name", "t") == 0
     out = capsys.readouterr().out
-    assert f"was damaged ({file} does not hold the bytes meta.json's checksum describes); rebuilding" in out
+    assert f"was damaged ({note}" in out and "rebuilding" in out
     assert trained(sft_clean.runs / "t") == sft_clean.trained

@@ -173,9 +173,10 @@ def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def open_cache(folder: Path, verify: bool = True) -> tuple[CachedExamples | None, str | None]:
+def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> tuple[CachedExamples | None, str | None]:
     """(examples, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
-    when there is none. verify: check the files' sha256 (once; see the module doc)."""
+    when there is none. verify: check the files' sha256, and ids.bin's ids against vocab, once
+    (see the module doc): a meta.json rewritten to match poisoned files still meets the latter."""
     if not folder.exists():
         return None, None
     try:
@@ -195,7 +196,11 @@ def open_cache(folder: Path, verify: bool = True) -> tuple[CachedExamples | None
     for name, size in expected.items():
         if sizes[name] != size:
             return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
-    damage = cache_files.verify_sums(folder, meta.sha256, FILES_OF[meta.kind]) if verify else None
+    def in_vocab(name: str) -> str | None:
+        top = int(np.memmap(folder / name, dtype=dtype, mode="r").max()) if name == "ids.bin" and sizes[name] else -1
+        return f"ids.bin holds id {top}, outside the tokenizer's {vocab} ids" if vocab and top >= vocab else None
+
+    damage = cache_files.verify_sums(folder, meta.sha256, FILES_OF[meta.kind], in_vocab) if verify else None
     if damage:
         return None, damage
     examples = CachedExamples(folder, meta)
@@ -366,7 +371,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     cache_files.drop_link(folder, say)
     for name in [folder / "meta.json", *(folder / f for f in FILES_OF["seq2seq"])] if folder.is_dir() else []:
         cache_files.drop_link(name, say)
-    examples, damage = open_cache(folder)
+    examples, damage = open_cache(folder, vocab=len(tok))
     if examples is not None:
         return examples, f"SFT cache: reused {folder} ({time.perf_counter() - start:.1f} s)"
     if damage:

@@ -34,10 +34,7 @@ from train.core.errors import Interrupted, UsageError
 from train.data import cache_files, tokenize
 
 MANIFEST = "manifest.json"
-CHECKED = "checked.json"
-# A shard whose mtime is this recent is not remembered as checked: a change within the file
-# system's timestamp granularity would not show (git's "racily clean" rule).
-SETTLED_NS = 2_000_000_000
+CHECKED = cache_files.CHECKED  # a shard is remembered as settled by cache_files.SETTLED_NS (git's racy rule)
 FORMAT = 2
 # Source bytes per shard: what an interruption can cost, and the granularity of a repair.
 SHARD_SIZE = 64 << 20
