@@ -10,8 +10,10 @@ from conftest import read_jsonl, run_cli
 from train.config.flags import parse_training_args
 from train.core.errors import UsageError
 from train.data import text as data
+from train.data.holdout import val_windows
+from train.data.loader import make_val_loader
 from train.run.build import build
-from train.run.evaluate import evaluate, make_val_loader, val_windows
+from train.run.evaluate import evaluate
 
 
 def test_val_windows_arithmetic():
@@ -26,11 +28,11 @@ def test_val_windows_arithmetic():
 def test_held_out_split_does_not_depend_on_batch_size():
     """Runs that differ only in BATCH_SIZE (make compare: baseline 8, optimized 32) train and
     validate on the same data."""
-    from train.run.evaluate import split_pretraining
+    from train.data.pretraining import split_pretraining
 
     def split(batch_size):
         cfg = parse_training_args("pretrain", ["--batch_size", str(batch_size), "--val_fraction", "0.001"])
-        _, val = split_pretraining(cfg, list(range(5000)), None, None, 64, print, lambda *a: None)
+        _, val = split_pretraining(cfg.data, cfg.run.eval_batches, list(range(5000)), None, None, 64, print, lambda *a: None)
         return list(val)
 
     assert split(4) == split(8) == split(32) == list(range(5000 - 160, 5000))  # 20 x 8 rows

@@ -77,7 +77,7 @@ class SpanCorruptionDataset(Dataset):
 
 
 def span_corrupted(dataset: Dataset | None, sentinels: list[int], eos_id: int, seed: int) -> Dataset | None:
-    """A raw-window dataset (or the Subset train/run/evaluate.py split_pretraining made of one)
+    """A raw-window dataset (or the Subset split_pretraining made of one)
     corrupted; a Subset keeps its range, so the index (and the mask) is the window's own and a
     training and a held-out window never share a mask."""
     if dataset is None:

@@ -1,13 +1,10 @@
 """Build everything a run needs before its folder exists: the plan (train/run/plan.py
 make_plan, the same for every mode) and, for pretraining, where its model and data come from
-(PretrainingSource: tokenizer, token cache, a new model). `python -m train sft` takes its model
-and data from train/run/sft.py instead. Nothing here writes to runs/."""
+(PretrainingSource: a new model; the data from train/data/pretraining.py's front door).
+`python -m train sft` takes its model and data from train/run/sft.py instead. Nothing here
+writes to runs/."""
 
 from __future__ import annotations
-
-import os
-from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -15,13 +12,10 @@ from config import TrainConfig
 from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
-from train.core.seq2seq import corrupted_lengths, span_lengths
-from train.data import span_corruption
-from train.data import text as data
-from train.data.sft_batching import Seq2SeqCollator
+from train.data.loader import Data
+from train.data.pretraining import pretraining_data
 from train.distributed.distributed import SINGLE, Dist
-from train.run import evaluate
-from train.run.plan import Chosen, Data, Plan, make_plan, shortest_limit
+from train.run.plan import Chosen, Plan, make_plan, shortest_limit
 from train.run.sft import SFTSource, refuse_sft_settings
 
 
@@ -74,7 +68,16 @@ class PretrainingSource:
         m = cfg.model.model_config
         variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={self.model_size}"
         estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, self.world_size, variable)
-        return pretraining_data(cfg, self.hf_cfg, max_length, say, decide)
+        hf_cfg = self.hf_cfg
+        data = pretraining_data(cfg.data, max_length=max_length, seq2seq=model_lib.is_seq2seq(hf_cfg),
+                                eval_batches=cfg.run.eval_batches, seed=cfg.system.seed, say=say, decide=decide)
+        # The model's vocab and special tokens from the tokenizer (sentinels included).
+        tok = data.tokenizer
+        hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
+        if hf_cfg.vocab_size != len(tok):
+            decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
+        model_lib.set_special_tokens(hf_cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
+        return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         return plan_steps(cfg, len(data.dataset), world_size)
@@ -104,55 +107,6 @@ def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tu
     if demo:
         say("No GPU found: running the nano model as a short CPU demo (set MODEL_SIZE to choose).")
     return model_size, demo
-
-
-def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide) -> Data:
-    """Tokenizer, token cache and the packed train / held-out datasets; sets the model's vocab
-    and special tokens from the tokenizer. An encoder-decoder (T5, BART ...) trains on T5's span
-    corruption of raw windows a little longer than MAX_LENGTH (train/data/span_corruption.py)."""
-    cache_dir = Path(cfg.data.cache_dir)
-    d = cfg.data
-    files = data.corpus_files(d.data_path)
-    key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
-    tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
-    tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cfg.data.num_workers > cores:
-        decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
-        cfg.data.num_workers = cores
-    seq2seq = model_lib.is_seq2seq(hf_cfg)
-    window = span_lengths(max_length)[0] if seq2seq else max_length
-    dataset = data.PackedDataset(tokens, window)
-    dataset, val_dataset = evaluate.split_pretraining(cfg, dataset, tok, cache_dir, max_length, say, decide, window)
-    # Sentinels after every token cache is built: the caches' key is the tokenizer GPT-2 runs share.
-    if seq2seq:
-        sentinels, added = data.sentinel_ids(tok, span_corruption.sentinels_needed(window))
-        source, target = corrupted_lengths(window)
-        decide("objective", "span corruption", f"T5's: raw windows of {window} tokens -> source {source}, target "
-               f"{target} (15 % noise in spans of 3{f'; {added} sentinel tokens added' if added else ''})")  # fmt: skip
-    hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
-    if hf_cfg.vocab_size != len(tok):
-        decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
-    model_lib.set_special_tokens(hf_cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
-    if not seq2seq:
-        return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
-    eos, seed = hf_cfg.eos_token_id, cfg.system.seed
-    collate = Seq2SeqCollator(hf_cfg.pad_token_id)  # the SFT pairs' collator: one batch contract
-    return Data(
-        tokenizer=tok,
-        dataset=span_corruption.span_corrupted(dataset, sentinels, eos, seed),
-        val_dataset=span_corruption.span_corrupted(val_dataset, sentinels, eos, seed),
-        make_loader=partial(seq2seq_loader, collate),
-        val_collate=collate,
-    )
-
-
-def seq2seq_loader(collate, b, batch_size: int):
-    """(loader, sampler) for span-corrupted samples: the packed loader's order, the contract's batches."""
-    from train.data.loader import make_loader
-
-    w = b.world
-    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, collate, w.rank, w.world_size)
 
 
 def make_model(cfg: TrainConfig, hf_cfg, device: torch.device) -> torch.nn.Module:

@@ -1,9 +1,9 @@
-"""Validation: the held-out split, the loss over it, and the best model.
+"""Validation: the loss over the held-out set (which the data front doors split off) and the
+best model.
 
-The split is the last part of the packed token stream (VAL_FRACTION) or a separate file
-(VAL_PATH), so training and validation windows never overlap. A pass runs the model in eval
-mode under no_grad and the run's autocast, sums the losses on the device and reads them once
-(no per-batch .item(), which would stall the device every batch, as the guides warn).
+A pass runs the model in eval mode under no_grad and the run's autocast, sums the losses on the
+device and reads them once (no per-batch .item(), which would stall the device every batch, as
+the guides warn).
 `evaluate` takes any loader of dict batches (input_ids, optional labels and attention_mask)
 and goes through the loop's forward_loss, so SFT batches work unchanged.
 """
@@ -12,76 +12,11 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Subset
 
-from train.core.errors import UsageError
-from train.data import text as data
+from train.data.loader import make_val_loader
 from train.distributed import distributed, parallel
-
-MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
-# The held-out set is sized in rows of 8 (the baseline launcher's micro-batch), not BATCH_SIZE:
-# runs that differ only in BATCH_SIZE (make compare, ./train_sft_custom.sh 16 vs 20) must train
-# and validate on the same data.
-VAL_ROWS = 8
-
-
-def val_windows(n_windows: int, fraction: float, want: int) -> int:
-    """How many of n_windows to hold out: ceil(fraction x n), raised towards `want` sequences
-    (EVAL_BATCHES x VAL_ROWS) but never past MAX_AUTO_FRACTION of the data, and at least one."""
-    if fraction <= 0 or n_windows < 2:
-        return 0
-    n_val = max(1, math.ceil(fraction * n_windows))
-    if n_val < want:
-        n_val = max(n_val, min(want, int(MAX_AUTO_FRACTION * n_windows)))
-    return min(n_val, n_windows - 1)
-
-
-def split_pretraining(cfg, dataset, tok, cache_dir: Path, max_length: int, say, decide, window: int | None = None):
-    """(train dataset, validation dataset or None) for packed pretraining windows of `window`
-    tokens (MAX_LENGTH, or the raw windows span corruption makes MAX_LENGTH-token sources of)."""
-    window = window or max_length
-    if cfg.data.val_path is not None:
-        files = data.corpus_files(cfg.data.val_path)
-        key = data.corpus_fingerprint(files, cfg.data.text_field, cache_dir / "sums", "VAL_PATH")
-        tokens = data.token_cache(files, key, tok, cache_dir, say, cfg.data.text_field, cfg.data.tokenize_workers)
-        val = data.PackedDataset(tokens, window)
-        if len(val) == 0:
-            raw = f" (a raw window of {window} before span corruption)" if window != max_length else ""
-            raise UsageError(f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} sequence{raw}")
-        decide("validation", f"{len(val)} sequences", f"VAL_PATH={cfg.data.val_path}")
-        return dataset, val
-    want = cfg.run.eval_batches * VAL_ROWS
-    n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
-    if n_val == 0:
-        reason = "VAL_FRACTION=0" if cfg.data.val_fraction == 0 else "too little data to hold any out"
-        decide("validation", "off", reason)
-        return dataset, None
-    n_train = len(dataset) - n_val
-    reason = (
-        f"the last {n_val / len(dataset):.1%} of the token stream (VAL_FRACTION={cfg.data.val_fraction:g}"
-    )
-    if n_val > math.ceil(cfg.data.val_fraction * len(dataset)):
-        reason += f", raised towards EVAL_BATCHES x {VAL_ROWS} = {want}"
-    decide("validation", f"{n_val} sequences", reason + "); never trained on")
-    # Subset over a range pickles as two numbers, so workers still reopen the memmap.
-    return Subset(dataset, range(n_train)), Subset(dataset, range(n_train, len(dataset)))
-
-
-def make_val_loader(dataset, batch_size: int, device: torch.device, collate_fn=None) -> DataLoader:
-    """In order, no workers (a few batches from a memmap; starting workers per pass costs more),
-    last partial batch kept: every pass sees the same sequences."""
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=False,
-        drop_last=False,
-        num_workers=0,
-        pin_memory=device.type == "cuda",
-        collate_fn=collate_fn,
-    )
 
 
 def evaluate(model, loader, max_batches: int, device: torch.device, precision: str) -> float | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from train.core.step import make_optimizer, train_step
+from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
 from train.distributed.distributed import step_total
@@ -19,14 +20,9 @@ from train.run.signals import QuietWorkers
 
 
 def data_loader(b, batch_size: int):
-    """(loader, sampler) for this run at a micro-batch: SFT's own (b.make_loader) or the packed
-    pretraining one."""
-    if b.make_loader is not None:
-        return b.make_loader(b, batch_size)
-    from train.data.loader import make_loader
-
+    """(loader, sampler) for this run at a micro-batch, from the one loader factory."""
     w = b.world
-    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, rank=w.rank, world_size=w.world_size)
+    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, b.collate, w.rank, w.world_size)
 
 
 @dataclass

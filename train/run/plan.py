@@ -49,8 +49,8 @@ class Plan:
     decisions: tuple = ()
     """({"setting", "value", "reason"}, ...) in the order they were made: config.json's list."""
     world: Dist = SINGLE
-    make_loader: Callable | None = None
-    """SFT: (Plan, batch_size) -> (loader, sampler); None: the packed pretraining loader."""
+    collate: Callable | None = None
+    """The training batches' collator (train/data/loader.py make_loader); None: default stacking."""
     summary_extra: Mapping = field(default_factory=dict)
     """Mode-specific entries added to summary.json (SFT: data format, truncation counts...)."""
     val_dataset: torch.utils.data.Dataset | None = None
@@ -65,19 +65,6 @@ class Chosen:
     batch_size: int
     gradient_accumulation_steps: int
     reason: str
-
-
-@dataclass
-class Data:
-    """What a mode's data source hands the plan: the training set, the held-out set and how
-    to batch them. summary: summary.json's entries about the data."""
-
-    tokenizer: object
-    dataset: torch.utils.data.Dataset
-    val_dataset: torch.utils.data.Dataset | None = None
-    make_loader: Callable | None = None
-    val_collate: Callable | None = None
-    summary: dict = field(default_factory=dict)
 
 
 class Decisions:
@@ -181,6 +168,6 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     return Plan(
         cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
         model=model, tokenizer=data.tokenizer, dataset=data.dataset, total_steps=total_steps,
-        warmup_steps=warmup, decisions=tuple(decide.items), world=world, make_loader=data.make_loader,
+        warmup_steps=warmup, decisions=tuple(decide.items), world=world, collate=data.collate,
         summary_extra=MappingProxyType(data.summary), val_dataset=data.val_dataset, val_collate=data.val_collate,
     )

@@ -4,37 +4,27 @@ The plan is made by the same function as a pretraining run's (train/run/plan.py 
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
-causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/sft_model.py);
-batches are conversations padded to their own longest sample (train/data/sft_data.py), or for
-an encoder-decoder (source, target) pairs, each side padded to its own longest; optionally
-grouped by length or sized by a token budget (train/data/sft_batching.py), or packed several to
-a row (PACKING=1, causal only: train/data/packing.py), with every process reading its own share
-of each epoch.
+causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/sft_model.py); the
+data comes through train/data/fine_tuning.py's front door: conversations (or for an
+encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
+length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with
+every process reading its own share of each epoch.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import math
-import os
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
-from train.data.loader import make_loader, training_loader
-from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
-from train.data.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
-from train.data.sft_cache import sft_cache
-from train.data.sft_data import PadCollator, builtin_conversations
-from train.run.evaluate import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
-from train.run.plan import Data, Plan, shortest_limit
+from train.data.fine_tuning import fine_tuning_data, unit_of
+from train.data.loader import Data
+from train.data.sft_batching import BudgetSampler
+from train.run.plan import shortest_limit
 from train.run.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
     load_pretrained,
     model_kind_of,
@@ -55,49 +45,6 @@ def refuse_sft_settings(cfg: TrainConfig) -> None:
             raise UsageError(
                 f"{name.upper()} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
             )
-
-
-def unit_of(pairs: bool) -> str:
-    """What one example is, for the log."""
-    return "source -> target pairs" if pairs else "conversations"
-
-
-class SFTDataset(Dataset):
-    """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
-    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
-    pairs (encoder-decoder: labels are the target): lengths are source + target, and
-    source_lengths the sources (None for conversations)."""
-
-    def __init__(self, examples, pairs: bool = False):
-        self.examples, self.pairs = examples, pairs
-        lengths, sources = getattr(examples, "lengths", None), getattr(examples, "source_lengths", None)
-        if lengths is None:
-            lengths = [len(e["input_ids"]) + (len(e["labels"]) if pairs else 0) for e in examples]
-            sources = [len(e["input_ids"]) for e in examples] if pairs else None
-        self.lengths = np.asarray(lengths)
-        self.source_lengths = None if sources is None else np.asarray(sources)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.examples[index]
-
-
-def sft_loader(b: Plan, batch_size: int, collate: PadCollator):
-    """(DataLoader, sampler) for Plan.make_loader: the loop's knobs (workers, prefetch, pinned
-    memory) with one of three batchings: by token budget, length-grouped, or plain shuffled.
-    Every rank builds the same epoch order (same seed) and reads its own share of it."""
-    d, device, seed = b.cfg.data, b.device, b.cfg.system.seed
-    share = dict(rank=b.world.rank, world_size=b.world.world_size)
-    if d.token_budget is not None:
-        sampler = BudgetSampler(b.dataset.lengths, d.token_budget, seed=seed, source_lengths=getattr(b.dataset, "source_lengths", None),
-                                **share)
-        return training_loader(b.dataset, d, device, collate, batch_sampler=sampler), sampler
-    if d.length_grouping and not d.packing:
-        sampler = GroupedSampler(b.dataset.lengths, batch_size, seed=seed, **share)
-        return training_loader(b.dataset, d, device, collate, batch_size=batch_size, sampler=sampler), sampler
-    return make_loader(b.dataset, d, batch_size, seed, device, collate_fn=collate, **share)
 
 
 def plan_sft_steps(
@@ -122,35 +69,6 @@ def plan_sft_steps(
     if world_size > 1:
         why += f" ({world_size} processes, each reading its own 1/{world_size} of every epoch)"
     return steps, why
-
-
-def tokenize_workers(cfg: TrainConfig) -> int:
-    """TOKENIZE_WORKERS, or every core this process may run on."""
-    if cfg.data.tokenize_workers is not None:
-        return cfg.data.tokenize_workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def load_dataset(cfg: TrainConfig, tok, max_length: int, say, kind: str = "causal") -> tuple[SFTDataset, str, int, int]:
-    """DATA_PATH (or the built-in set) -> encoded examples, through the SFT cache (tokenized
-    once per data, tokenizer, template, MAX_LENGTH and model kind); says the format and every count."""
-    builtin = None
-    if cfg.data.data_path is None:
-        builtin = builtin_conversations()
-    examples, done = sft_cache(cfg.data.data_path, builtin, tok, max_length, cfg.data.skip_bad_records,
-                               Path(cfg.data.cache_dir), tokenize_workers(cfg), say, kind)
-    meta, pairs = examples.meta, kind == "seq2seq"
-    fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
-    unit = unit_of(pairs)
-    how = " (one per assistant turn: the turns before it are its source)" if pairs else ""
-    say(f"SFT data: {cfg.data.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
-    if meta.n_skipped:
-        say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
-    if meta.n_truncated:
-        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
-                 if pairs else "")
-        say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
-    return SFTDataset(examples, pairs), fmt, meta.n_skipped, meta.n_truncated
 
 
 class SFTSource:
@@ -185,38 +103,12 @@ class SFTSource:
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        tok = self.tok
-        dataset, fmt, skipped, truncated = load_dataset(cfg, tok, max_length, say, self.kind)
-        n_loaded = len(dataset)
-        val_dataset = split_validation(cfg, dataset, tok, max_length, say, decide, self.kind)
-        if val_dataset is not None and cfg.data.val_path is None:
-            dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)], dataset.pairs)
-        self.conversations = dataset
-        # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
-        multiple = 8 if device.type == "cuda" else 1
-        collator = Seq2SeqCollator if dataset.pairs else PadCollator
-        train_set, collate = dataset, collator(tok.pad_token_id, pad_to_multiple_of=multiple)
-        packed = {}
-        if cfg.data.packing:
-            train_set, collate, packed = pack_conversations(
-                cfg, dataset, self.model, tok, device, precision, max_length, decide
-            )
-        summary = {
-            "model_path": str(self.path),
-            "data_format": fmt,
-            "model_kind": self.kind,
-            "n_conversations": n_loaded,  # source -> target pairs for an encoder-decoder
-            "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
-            "n_truncated": truncated,
-            "n_skipped": skipped,
-            "length_grouping": cfg.data.length_grouping,
-            "token_budget": cfg.data.token_budget,
-            "packing": cfg.data.packing,
-        }
-        return Data(
-            tokenizer=tok, dataset=train_set, val_dataset=val_dataset, make_loader=partial(sft_loader, collate=collate),
-            val_collate=collator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
-        )
+        data = fine_tuning_data(cfg.data, self.tok, kind=self.kind, max_length=max_length, device=device,
+                                precision=precision, eval_batches=cfg.run.eval_batches,
+                                set_attention=self.model.set_attn_implementation, say=say, decide=decide)
+        self.conversations = data.conversations
+        data.summary = {"model_path": str(self.path), **data.summary}
+        return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         """Optimizer steps; with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in summary.json."""
@@ -232,34 +124,6 @@ class SFTSource:
 
     def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
         return self.model.to(device)
-
-
-def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision: str, max_length: int, decide):
-    """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
-    (train/data/packing.py), the collator that keeps them apart in attention, and the figures
-    for summary.json. Returns (rows dataset, collator, summary entries)."""
-    if cfg.data.length_grouping:
-        cfg.data.length_grouping = False
-        decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
-    packing = pack(dataset.lengths, max_length)
-    rows = PackedRows(dataset.examples, packing.rows)
-    decide(
-        "packing",
-        f"{len(rows)} rows",
-        f"{len(dataset)} conversations best-fit into rows of MAX_LENGTH={max_length}: {packing.efficiency:.1%} of "
-        "the row tokens are real; BATCH_SIZE counts rows",
-    )
-    attention = attention_for(device, precision)
-    if attention.kind == FLASH:
-        try:
-            model.set_attn_implementation(FLASH)
-        except Exception as err:  # no flash support for this architecture: the masked path
-            attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
-    decide("attention", attention.kind, attention.why)
-    multiple = 8 if device.type == "cuda" else 1
-    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
-    packed = {"packed_rows": len(rows), "packing_efficiency": packing.efficiency, "attention": attention.kind}
-    return rows, collate, packed
 
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:
@@ -281,32 +145,3 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
     pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
     total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(pairs))
     return total_steps, why, rows_per_micro
-
-
-def split_validation(cfg: TrainConfig, dataset: SFTDataset, tok, max_length: int, say, decide, kind: str = "causal"):
-    """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
-    the data (never trained on). None when VAL_FRACTION is 0."""
-    if cfg.data.val_path is not None:
-        val_cfg = copy.copy(cfg)
-        val_cfg.data = dataclasses.replace(cfg.data, data_path=cfg.data.val_path)
-        val, *_ = load_dataset(val_cfg, tok, max_length, say, kind)
-        decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={cfg.data.val_path}")
-        return val
-    want = cfg.run.eval_batches * VAL_ROWS
-    n_val = val_windows(len(dataset), cfg.data.val_fraction, want)
-    if n_val == 0:
-        return None
-    asked = math.ceil(cfg.data.val_fraction * len(dataset))
-    if n_val > asked:  # a small set: a handful of conversations gives a noisy validation loss
-        decide(
-            "val_fraction",
-            round(n_val / len(dataset), 4),
-            f"VAL_FRACTION={cfg.data.val_fraction:g} holds out {asked} of {len(dataset)} {unit_of(dataset.pairs)}; raised "
-            f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
-        )
-    decide(
-        "validation",
-        f"{n_val} {unit_of(dataset.pairs)}",
-        f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
-    )
-    return SFTDataset(dataset.examples[len(dataset) - n_val :], dataset.pairs)

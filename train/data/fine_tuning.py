@@ -1,0 +1,171 @@
+"""SFT's front door: DATA_PATH (or the built-in pairs) -> the SFT cache (tokenized once) ->
+encoded conversations (SFTDataset) -> the held-out split (VAL_FRACTION or VAL_PATH) -> PACKING's
+rows, returned as Data (train/val datasets and their collators) for the one loader factory, which
+batches them padded, length-grouped or by token budget. For an encoder-decoder an example is a
+(source, target) pair. Takes the data config, the tokenizer and plain values, never the Plan or
+the model (packing asks for the model's attention switch alone); imports train/core and
+train/data only, never the root config.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
+from train.data.loader import Data
+from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
+from train.data.sft_batching import Seq2SeqCollator
+from train.data.sft_cache import sft_cache
+from train.data.sft_data import PadCollator, builtin_conversations
+
+
+def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
+                     set_attention, say, decide) -> Data:
+    """The encoded conversations of data config `d` (or pairs, kind "seq2seq"), the held-out ones,
+    and their collators. PACKING=1 packs them into rows (and lowers LENGTH_GROUPING in `d`)."""
+    dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
+    n_loaded = len(dataset)
+    val_dataset = split_validation(d, eval_batches, dataset, tok, max_length, say, decide, kind)
+    if val_dataset is not None and d.val_path is None:
+        dataset = SFTDataset(dataset.examples[: len(dataset) - len(val_dataset)], dataset.pairs)
+    # Multiples of 8 suit tensor cores; elsewhere every pad token is pure waste.
+    multiple = 8 if device.type == "cuda" else 1
+    collator = Seq2SeqCollator if dataset.pairs else PadCollator
+    train_set, collate = dataset, collator(tok.pad_token_id, pad_to_multiple_of=multiple)
+    packed = {}
+    if d.packing:
+        train_set, collate, packed = pack_conversations(d, dataset, set_attention, tok, device, precision, max_length,
+                                                        decide)
+    summary = {
+        "data_format": fmt,
+        "model_kind": kind,
+        "n_conversations": n_loaded,  # source -> target pairs for an encoder-decoder
+        "n_val_conversations": len(val_dataset) if val_dataset is not None else 0,
+        "n_truncated": truncated,
+        "n_skipped": skipped,
+        "length_grouping": d.length_grouping,
+        "token_budget": d.token_budget,
+        "packing": d.packing,
+    }
+    return Data(
+        tokenizer=tok, dataset=train_set, val_dataset=val_dataset, collate=collate,
+        val_collate=collator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
+        conversations=dataset,
+    )
+
+
+def unit_of(pairs: bool) -> str:
+    """What one example is, for the log."""
+    return "source -> target pairs" if pairs else "conversations"
+
+
+class SFTDataset(Dataset):
+    """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
+    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
+    pairs (encoder-decoder: labels are the target): lengths are source + target, and
+    source_lengths the sources (None for conversations)."""
+
+    def __init__(self, examples, pairs: bool = False):
+        self.examples, self.pairs = examples, pairs
+        lengths, sources = getattr(examples, "lengths", None), getattr(examples, "source_lengths", None)
+        if lengths is None:
+            lengths = [len(e["input_ids"]) + (len(e["labels"]) if pairs else 0) for e in examples]
+            sources = [len(e["input_ids"]) for e in examples] if pairs else None
+        self.lengths = np.asarray(lengths)
+        self.source_lengths = None if sources is None else np.asarray(sources)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.examples[index]
+
+
+def tokenize_workers(d) -> int:
+    """TOKENIZE_WORKERS, or every core this process may run on."""
+    if d.tokenize_workers is not None:
+        return d.tokenize_workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SFTDataset, str, int, int]:
+    """DATA_PATH (or the built-in set) -> encoded examples, through the SFT cache (tokenized
+    once per data, tokenizer, template, MAX_LENGTH and model kind); says the format and every count."""
+    builtin = None
+    if d.data_path is None:
+        builtin = builtin_conversations()
+    examples, done = sft_cache(d.data_path, builtin, tok, max_length, d.skip_bad_records,
+                               Path(d.cache_dir), tokenize_workers(d), say, kind)
+    meta, pairs = examples.meta, kind == "seq2seq"
+    fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
+    unit = unit_of(pairs)
+    how = " (one per assistant turn: the turns before it are its source)" if pairs else ""
+    say(f"SFT data: {d.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
+    if meta.n_skipped:
+        say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
+    if meta.n_truncated:
+        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
+                 if pairs else "")
+        say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
+    return SFTDataset(examples, pairs), fmt, meta.n_skipped, meta.n_truncated
+
+
+def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int, decide):
+    """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
+    (train/data/packing.py), the collator that keeps them apart in attention, and the figures
+    for summary.json. set_attention: the model's, to try flash-attention 2 varlen. Returns (rows
+    dataset, collator, summary entries)."""
+    if d.length_grouping:
+        d.length_grouping = False
+        decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
+    packing = pack(dataset.lengths, max_length)
+    rows = PackedRows(dataset.examples, packing.rows)
+    decide(
+        "packing",
+        f"{len(rows)} rows",
+        f"{len(dataset)} conversations best-fit into rows of MAX_LENGTH={max_length}: {packing.efficiency:.1%} of "
+        "the row tokens are real; BATCH_SIZE counts rows",
+    )
+    attention = attention_for(device, precision)
+    if attention.kind == FLASH:
+        try:
+            set_attention(FLASH)
+        except Exception as err:  # no flash support for this architecture: the masked path
+            attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    packed = {"packed_rows": len(rows), "packing_efficiency": packing.efficiency, "attention": attention.kind}
+    return rows, collate, packed
+
+
+def split_validation(d, eval_batches: int, dataset: SFTDataset, tok, max_length: int, say, decide, kind: str = "causal"):
+    """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
+    the data (never trained on). None when VAL_FRACTION is 0."""
+    if d.val_path is not None:
+        val, *_ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
+        decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={d.val_path}")
+        return val
+    want = eval_batches * VAL_ROWS
+    n_val = val_windows(len(dataset), d.val_fraction, want)
+    if n_val == 0:
+        return None
+    asked = math.ceil(d.val_fraction * len(dataset))
+    if n_val > asked:  # a small set: a handful of conversations gives a noisy validation loss
+        decide(
+            "val_fraction",
+            round(n_val / len(dataset), 4),
+            f"VAL_FRACTION={d.val_fraction:g} holds out {asked} of {len(dataset)} {unit_of(dataset.pairs)}; raised "
+            f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
+        )
+    decide(
+        "validation",
+        f"{n_val} {unit_of(dataset.pairs)}",
+        f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
+    )
+    return SFTDataset(dataset.examples[len(dataset) - n_val :], dataset.pairs)

@@ -1,0 +1,92 @@
+"""Pretraining's front door: DATA_PATH (or the built-in corpus) -> tokenizer -> sharded token
+cache -> packed windows -> the held-out split (VAL_FRACTION or VAL_PATH) -> span corruption for
+an encoder-decoder, returned as Data (train/val datasets and their collator) for the one loader
+factory. Takes the data config and plain values, never the Plan; imports train/core and
+train/data only, never the root config.py."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from torch.utils.data import Subset
+
+from train.core.errors import UsageError
+from train.core.seq2seq import corrupted_lengths, span_lengths
+from train.data import span_corruption
+from train.data import text as data
+from train.data.holdout import VAL_ROWS, val_windows
+from train.data.loader import Data
+from train.data.sft_batching import Seq2SeqCollator
+
+
+def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:
+    """Tokenizer, token cache and the packed train / held-out datasets of data config `d`. An
+    encoder-decoder (seq2seq: T5, BART ...) trains on T5's span corruption of raw windows a
+    little longer than MAX_LENGTH; its sentinels are added to the tokenizer here. NUM_WORKERS
+    above the CPU cores is lowered in `d` (a decision)."""
+    cache_dir = Path(d.cache_dir)
+    files = data.corpus_files(d.data_path)
+    key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
+    tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
+    tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if d.num_workers > cores:
+        decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers only contend")
+        d.num_workers = cores
+    window = span_lengths(max_length)[0] if seq2seq else max_length
+    dataset = data.PackedDataset(tokens, window)
+    dataset, val_dataset = split_pretraining(d, eval_batches, dataset, tok, cache_dir, max_length, say, decide, window)
+    if not seq2seq:
+        return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
+    # Sentinels after every token cache is built: the caches' key is the tokenizer GPT-2 runs share.
+    sentinels, added = data.sentinel_ids(tok, span_corruption.sentinels_needed(window))
+    source, target = corrupted_lengths(window)
+    decide("objective", "span corruption", f"T5's: raw windows of {window} tokens -> source {source}, target "
+           f"{target} (15 % noise in spans of 3{f'; {added} sentinel tokens added' if added else ''})")  # fmt: skip
+    # The ids the model's config takes from this tokenizer: an encoder-decoder without a pad pads
+    # (and starts its decoder) with end-of-text, as T5 does.
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    pad = eos if tok.pad_token_id is None else tok.pad_token_id
+    collate = Seq2SeqCollator(pad)  # the SFT pairs' collator: one batch contract
+    return Data(
+        tokenizer=tok,
+        dataset=span_corruption.span_corrupted(dataset, sentinels, eos, seed),
+        val_dataset=span_corruption.span_corrupted(val_dataset, sentinels, eos, seed),
+        collate=collate,
+        val_collate=collate,
+    )
+
+
+def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_length: int, say, decide,
+                      window: int | None = None):
+    """(train dataset, validation dataset or None) for packed pretraining windows of `window`
+    tokens (MAX_LENGTH, or the raw windows span corruption makes MAX_LENGTH-token sources of):
+    VAL_PATH's own windows, or the last part of the token stream, so the two never overlap."""
+    window = window or max_length
+    if d.val_path is not None:
+        files = data.corpus_files(d.val_path)
+        key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums", "VAL_PATH")
+        tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
+        val = data.PackedDataset(tokens, window)
+        if len(val) == 0:
+            raw = f" (a raw window of {window} before span corruption)" if window != max_length else ""
+            raise UsageError(f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} sequence{raw}")
+        decide("validation", f"{len(val)} sequences", f"VAL_PATH={d.val_path}")
+        return dataset, val
+    want = eval_batches * VAL_ROWS
+    n_val = val_windows(len(dataset), d.val_fraction, want)
+    if n_val == 0:
+        reason = "VAL_FRACTION=0" if d.val_fraction == 0 else "too little data to hold any out"
+        decide("validation", "off", reason)
+        return dataset, None
+    n_train = len(dataset) - n_val
+    reason = (
+        f"the last {n_val / len(dataset):.1%} of the token stream (VAL_FRACTION={d.val_fraction:g}"
+    )
+    if n_val > math.ceil(d.val_fraction * len(dataset)):
+        reason += f", raised towards EVAL_BATCHES x {VAL_ROWS} = {want}"
+    decide("validation", f"{n_val} sequences", reason + "); never trained on")
+    # Subset over a range pickles as two numbers, so workers still reopen the memmap.
+    return Subset(dataset, range(n_train)), Subset(dataset, range(n_train, len(dataset)))
