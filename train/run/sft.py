@@ -27,9 +27,10 @@ from torch.utils.data import Dataset
 
 from config import TrainConfig
 from train.core import model as model_lib
+from train.core.attention import use_attention
 from train.core.errors import UsageError
 from train.data.loader import make_loader, training_loader
-from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
+from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
 from train.data.sft_cache import sft_cache
 from train.data.sft_data import PadCollator, builtin_conversations
@@ -250,10 +251,10 @@ def pack_conversations(cfg: TrainConfig, dataset, model, tok, device, precision:
         "the row tokens are real; BATCH_SIZE counts rows",
     )
     attention = attention_for(device, precision)
-    if attention.kind == FLASH:
+    if attention.kind in (FLASH, VARLEN):
         try:
-            model.set_attn_implementation(FLASH)
-        except Exception as err:  # no flash support for this architecture: the masked path
+            use_attention(model, attention.kind)
+        except Exception as err:  # no flash/sdpa support for this architecture: the masked path
             attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
     decide("attention", attention.kind, attention.why)
     multiple = 8 if device.type == "cuda" else 1
