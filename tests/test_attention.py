@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_model
-from train.core.attention import VARLEN_SDPA, use_attention, varlen_indices
+from train.core.attention import VARLEN_SDPA, use_attention, varlen_indices, varlen_sdpa_attention
 from train.core.units import IGNORE_INDEX
 from train.data.packing import EAGER, VARLEN, PackedCollator, PackedRows, attention_for, pack
 
@@ -70,6 +70,9 @@ def test_varlen_indices_gather_and_return_every_token():
     assert index.tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
     assert place.tolist() == [0, 1, 2, 3, 6, 7]  # token t sits at place[t] of the 3 x 3 grid
     assert index.flatten()[place].tolist() == list(range(6))
+    q = torch.zeros(2, 1, 6, 4)  # two rows: the indices describe one, so this is refused, not run
+    with pytest.raises(ValueError, match="one flat row of 6 tokens"):
+        varlen_sdpa_attention(None, q, q, q, None, varlen_index=index, varlen_place=place)
 
 
 def test_packed_varlen_equals_each_conversation_alone_without_a_dense_mask(varlen_model):

@@ -18,6 +18,11 @@ Why not the others on this torch (2.13): FlexAttention has no backward on CPU an
 torch.nn.attention.varlen runs only on CUDA in half precision and has no dropout either; nested
 (jagged) tensors find no sdpa backend on CPU. Batches without varlen_index (an unpacked
 validation batch, generation) take transformers' own sdpa path and mask unchanged.
+
+Hazard: transformers still looks for packing in the restarting position_ids once per forward
+(masking_utils.find_packed_sequence_indices), and outside torch.compile that look reads one
+flag back from the device (a host sync per micro-step, as on the flash-attention path); the
+mask it would build is then dropped by `varlen_mask`.
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     returns ((batch, tokens, heads, dim), None) as its sdpa_attention_forward does. A call
     without varlen_index (an unpacked batch, generation) is transformers' sdpa, unchanged."""
     index, place = kwargs.pop("varlen_index", None), kwargs.pop("varlen_place", None)
-    if index is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+    if index is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != place.shape[0]:
+        # anything else would run attention across conversations without a word
+        raise ValueError(f"varlen_index/varlen_place need one flat row of {place.shape[0]} tokens, "
+                         f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each kv head serves a group
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
