@@ -16,6 +16,7 @@ from train.data.packing import (
     EAGER,
     FLASH,
     SDPA,
+    VARLEN,
     PackedCollator,
     PackedRows,
     attention_for,
@@ -179,8 +180,8 @@ def test_flash_form_flattens_without_padding(model):
 
 def test_attention_for_names_the_path_and_why(model, monkeypatch):
     cpu = attention_for(model, "bf16")
-    assert cpu.kind == SDPA and "block-diagonal" in cpu.why and "CUDA" in cpu.why
-    assert attention_for("cpu").kind == SDPA
+    assert cpu.kind == VARLEN and "no (T x T) mask" in cpu.why and "CUDA" in cpu.why
+    assert attention_for("cpu").kind == VARLEN
     import importlib.util
 
     real = importlib.util.find_spec
@@ -189,6 +190,6 @@ def test_attention_for_names_the_path_and_why(model, monkeypatch):
     flash = attention_for("cuda", "bf16")
     assert flash.kind == FLASH and "varlen" in flash.why
     fp32 = attention_for("cuda", "fp32")
-    assert fp32.kind == SDPA and "bf16/fp16" in fp32.why
+    assert fp32.kind == VARLEN and "bf16/fp16" in fp32.why
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     assert "not installed" in attention_for("cuda", "bf16").why

@@ -28,10 +28,10 @@ def test_packing_fills_rows_and_trains(base_model, mixed, tmp_path, capsys):
     assert run_cli("sft", *common, "--run_name", "plain") == 0
     assert run_cli("sft", *common, "--packing", "1", "--report_to", "tensorboard", "--run_name", "packed") == 0
     out = capsys.readouterr().out
-    assert "packed attention: sdpa with a block-diagonal causal mask" in out  # the log names the path
+    assert "packed attention: varlen_sdpa" in out and "no (T x T) mask" in out  # the log names the path
     plain = json.loads((tmp_path / "runs/plain/summary.json").read_text())
     packed = json.loads((tmp_path / "runs/packed/summary.json").read_text())
-    assert packed["packing"] is True and packed["attention"] == "sdpa"
+    assert packed["packing"] is True and packed["attention"] == "varlen_sdpa"
     assert packed["packed_rows"] < 96 * 0.5  # several conversations per row
     assert packed["padding_efficiency"] > max(0.9, plain["padding_efficiency"] + 0.05)
     assert packed["samples"] > plain["samples"]  # conversations counted, not rows

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.data.loader import Data
-from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
+from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import Seq2SeqCollator
 from train.data.sft_cache import sft_cache
 from train.data.sft_data import PadCollator, builtin_conversations
@@ -118,7 +118,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
 def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int, decide):
     """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
     (train/data/packing.py), the collator that keeps them apart in attention, and the figures
-    for summary.json. set_attention: the model's, to try flash-attention 2 varlen. Returns (rows
+    for summary.json. set_attention(kind): switches the model to the varlen kernel chosen. Returns (rows
     dataset, collator, summary entries)."""
     if d.length_grouping:
         d.length_grouping = False
@@ -132,10 +132,10 @@ def pack_conversations(d, dataset, set_attention, tok, device, precision: str, m
         "the row tokens are real; BATCH_SIZE counts rows",
     )
     attention = attention_for(device, precision)
-    if attention.kind == FLASH:
+    if attention.kind in (FLASH, VARLEN):
         try:
-            set_attention(FLASH)
-        except Exception as err:  # no flash support for this architecture: the masked path
+            set_attention(attention.kind)
+        except Exception as err:  # no flash/varlen support for this architecture: the masked path
             attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
     decide("attention", attention.kind, attention.why)
     multiple = 8 if device.type == "cuda" else 1

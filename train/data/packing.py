@@ -9,10 +9,13 @@ mixes leaves a few percent of padding where one-per-row padding wastes half or m
 - the first token of every conversation gets label -100: transformers' loss shifts labels by
   one (logits at t predict label t+1), so that label would otherwise be predicted from the
   last token of the previous conversation;
-- attention: for sdpa (and eager) a 4D block-diagonal causal mask (batch, 1, T, T), which
-  transformers passes to the kernel untouched; for flash-attention 2 the rows are flattened
-  into one row with cu_seq_lens, and the varlen kernel keeps the conversations apart.
-`attention_for` says which of the two a model on a device should use, and why.
+- attention: without a (T x T) mask wherever the model takes it. The rows are flattened into
+  one row of real tokens; flash-attention 2's varlen kernel keeps the conversations apart by
+  cu_seq_lens where flash_attn is installed (CUDA, bf16/fp16), and everywhere else
+  varlen_sdpa (train/core/attention.py) runs one causal sdpa over the conversations gathered
+  side by side. The dense form, a 4D block-diagonal causal mask (batch, 1, T, T), stays for a
+  model that cannot switch its attention (eager-only architectures).
+`attention_for` says which a model on a device should use, and why.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from train.core.attention import VARLEN_SDPA, varlen_indices
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 
 FLASH = "flash_attention_2"
 SDPA = "sdpa"
 EAGER = "eager"
+VARLEN = VARLEN_SDPA
 
 
 @dataclass
@@ -145,21 +150,23 @@ class PackedCollator:
     the batch in one row (1, N) without padding, position_ids, and the varlen kwargs
     cu_seq_lens_q/k (int32 tensors) and max_length_q/k (ints, as transformers'
     DataCollatorWithFlattening gives them; transformers derives the same boundaries from
-    position_ids when they are missing). Both forms carry the ints n_real_tokens,
-    n_padded_tokens (as PadCollator) and n_conversations.
+    position_ids when they are missing). attention=varlen_sdpa: the same flat row, with
+    varlen_index / varlen_place (train/core/attention.py) in place of the cu_seq_lens; no mask
+    tensor at all. Every form carries the ints n_real_tokens, n_padded_tokens (as PadCollator)
+    and n_conversations.
     """
 
     def __init__(self, pad_token_id: int, attention: str = SDPA, pad_to_multiple_of: int = 1,
                  mask_dtype: torch.dtype = torch.float32):
-        if attention not in (SDPA, EAGER, FLASH):
-            raise ValueError(f"attention must be {SDPA}, {EAGER} or {FLASH}, got {attention!r}")
+        if attention not in (SDPA, EAGER, FLASH, VARLEN):
+            raise ValueError(f"attention must be {SDPA}, {EAGER}, {FLASH} or {VARLEN}, got {attention!r}")
         self.pad_token_id, self.attention, self.multiple = pad_token_id, attention, pad_to_multiple_of
         self.mask_dtype = mask_dtype  # eager only: the dtype of the additive mask
 
     def __call__(self, rows: Sequence[Sequence[dict]]) -> dict:
         parts = [_row_parts(row) for row in rows]
         n_conversations = sum(len(set(p[3])) for p in parts)
-        if self.attention == FLASH:
+        if self.attention in (FLASH, VARLEN):
             return self._flat(parts, n_conversations)
         real = [len(p[0]) for p in parts]
         width = max(1, -(-max(real) // self.multiple) * self.multiple)
@@ -190,16 +197,20 @@ class PackedCollator:
         labels = [t for p in parts for t in p[1]]
         positions = [t for p in parts for t in p[2]]
         starts = [i for i, pos in enumerate(positions) if pos == 0] + [len(positions)]
-        longest = max((b - a for a, b in zip(starts, starts[1:], strict=False)), default=0)
-        cu = torch.tensor(starts, dtype=torch.int32)
-        return {
+        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        batch = {
             "input_ids": torch.tensor([ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": torch.tensor([positions], dtype=torch.long),
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": longest,
-            "max_length_k": longest,
+        }
+        if self.attention == VARLEN:
+            batch["varlen_index"], batch["varlen_place"] = varlen_indices(lengths)
+        else:
+            cu = torch.tensor(starts, dtype=torch.int32)
+            longest = max(lengths, default=0)
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return {
+            **batch,
             "n_real_tokens": len(ids),
             "n_padded_tokens": len(ids),
             "n_conversations": n_conversations,
@@ -208,7 +219,7 @@ class PackedCollator:
 
 @dataclass
 class Attention:
-    kind: str  # FLASH, SDPA or EAGER: PackedCollator's attention argument
+    kind: str  # FLASH, VARLEN, SDPA or EAGER: PackedCollator's attention argument
     why: str  # one sentence for the run's log
 
 
@@ -249,7 +260,9 @@ def attention_for(model_or_device, precision: str | None = None) -> Attention:
     if impl == EAGER:
         return Attention(EAGER, f"packed attention: eager with an additive block-diagonal causal mask ({reason}; "
                                 "the model has no sdpa support)")
-    return Attention(SDPA, (
-        f"packed attention: sdpa with a block-diagonal causal mask (batch, 1, T, T) so no conversation "
-        f"sees another ({reason})"
+    return Attention(VARLEN, (
+        f"packed attention: {VARLEN}, conversations flattened into one row and gathered side by side into one "
+        f"causal sdpa (conversations x longest), so no (T x T) mask and no work across conversations ({reason}; "
+        "not FlexAttention: no attention dropout, no backward on CPU; not torch's varlen_attn: CUDA bf16/fp16 "
+        "only, no dropout)"
     ))

@@ -20,6 +20,7 @@ import torch
 
 from config import TrainConfig
 from train.core import model as model_lib
+from train.core.attention import use_attention
 from train.core.errors import UsageError
 from train.data.fine_tuning import fine_tuning_data, unit_of
 from train.data.loader import Data
@@ -105,7 +106,7 @@ class SFTSource:
         """The encoded conversations, the held-out ones, and how to batch them."""
         data = fine_tuning_data(cfg.data, self.tok, kind=self.kind, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
-                                set_attention=self.model.set_attn_implementation, say=say, decide=decide)
+                                set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide)
         self.conversations = data.conversations
         data.summary = {"model_path": str(self.path), **data.summary}
         return data

@@ -1,0 +1,102 @@
+"""Packed attention without a dense mask: every conversation of a flattened row attends only to
+itself, through scaled_dot_product_attention's causal kernels, with no (T x T) mask anywhere.
+
+The collator's varlen form gives the model one row (1, N) of every conversation end to end,
+position_ids restarting at 0, and two index tensors made on the host from the lengths
+(`varlen_indices`): varlen_index (conversations, longest), each conversation's token positions
+in the row, right-padded, and varlen_place (N,), each token's place in that grid. Their shapes
+carry the longest length, so the device never has to be asked for it (no host sync).
+`varlen_sdpa_attention` (registered with transformers as VARLEN_SDPA) gathers the tokens into
+(conversations, heads, longest, head_dim) and runs one causal sdpa: a query at position t of a
+conversation sees keys 0..t of the same conversation, all real, so the padding needs no mask and
+drops out when the output is gathered back. The work is conversations x longest^2 instead of
+rows x T^2, attention dropout works as in sdpa, and the kernel is whatever sdpa picks (flash /
+memory-efficient on a GPU, the fused CPU kernel here). Feed-forward and embeddings run on the
+N real tokens, unpadded.
+
+Why not the others on this torch (2.13): FlexAttention has no backward on CPU and no dropout;
+torch.nn.attention.varlen runs only on CUDA in half precision and has no dropout either; nested
+(jagged) tensors find no sdpa backend on CPU. Batches without varlen_index (an unpacked
+validation batch, generation) take transformers' own sdpa path and mask unchanged.
+
+Hazard: transformers still looks for packing in the restarting position_ids once per forward
+(masking_utils.find_packed_sequence_indices), and outside torch.compile that look reads one
+flag back from the device (a host sync per micro-step, as on the flash-attention path); the
+mask it would build is then dropped by `varlen_mask`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_SDPA = "varlen_sdpa"
+
+
+def varlen_indices(lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """(varlen_index, varlen_place) for conversations of these lengths laid end to end. The
+    padding of a short conversation reads the row's first token: causality keeps every real
+    query of it away from those keys."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    longest = max(1, int(lengths.max())) if len(lengths) else 1
+    starts = torch.cumsum(lengths, 0) - lengths
+    offsets = torch.arange(longest)
+    inside = offsets[None, :] < lengths[:, None]
+    index = torch.where(inside, starts[:, None] + offsets[None, :], 0)
+    place = torch.arange(len(lengths) * longest).view(-1, longest)[inside]
+    return index, place
+
+
+def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+    """transformers' attention-interface signature: query/key/value (batch, heads, tokens, dim);
+    returns ((batch, tokens, heads, dim), None) as its sdpa_attention_forward does. A call
+    without varlen_index (an unpacked batch, generation) is transformers' sdpa, unchanged."""
+    index, place = kwargs.pop("varlen_index", None), kwargs.pop("varlen_place", None)
+    if index is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != place.shape[0]:
+        # anything else would run attention across conversations without a word
+        raise ValueError(f"varlen_index/varlen_place need one flat row of {place.shape[0]} tokens, "
+                         f"got query {tuple(query.shape)} and key {tuple(key.shape)}")
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each kv head serves a group
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    # (1, H, N, D)[0][:, index] -> (H, C, L, D) -> (C, H, L, D)
+    q, k, v = (x[0][:, index].transpose(0, 1) for x in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(-1, heads, dim)[place]  # (N, H, D), back in row order
+    return out[None], None
+
+
+def varlen_mask(attention_mask=None, **kwargs):
+    """The mask for VARLEN_SDPA: none where the 2D mask is none (a packed row, whose restarting
+    position_ids would otherwise make transformers build the (N x N) block mask; or an unpadded
+    batch, which sdpa runs with is_causal), sdpa's own where padding must be masked."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Make VARLEN_SDPA an attn_implementation transformers accepts (any model whose attention
+    goes through transformers' AttentionInterface, as every sdpa-capable one does)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, varlen_mask)
+
+
+def use_attention(model, kind: str) -> None:
+    """Switch a transformers model to attn_implementation `kind` (registering VARLEN_SDPA first);
+    raises what transformers raises for a model that cannot take it."""
+    if kind == VARLEN_SDPA:
+        register()
+    model.set_attn_implementation(kind)
