@@ -5,7 +5,6 @@ and data from train/run/sft.py instead. Nothing here writes to runs/."""
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.seq2seq import corrupted_lengths, span_lengths
+from train.core.units import cpu_cores
 from train.data import span_corruption
 from train.data import text as data
 from train.data.sft_batching import Seq2SeqCollator
@@ -116,7 +116,7 @@ def pretraining_data(cfg: TrainConfig, hf_cfg, max_length: int, say, decide) -> 
     key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
     tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
     tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     if cfg.data.num_workers > cores:
         decide("num_workers", cores, f"NUM_WORKERS={cfg.data.num_workers} but only {cores} CPU cores: more workers only contend")
         cfg.data.num_workers = cores

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from torch.utils.data import Dataset
 from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.units import cpu_cores
 from train.data.loader import make_loader, training_loader
 from train.data.packing import FLASH, SDPA, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
@@ -128,7 +128,7 @@ def tokenize_workers(cfg: TrainConfig) -> int:
     """TOKENIZE_WORKERS, or every core this process may run on."""
     if cfg.data.tokenize_workers is not None:
         return cfg.data.tokenize_workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpu_cores()
 
 
 def load_dataset(cfg: TrainConfig, tok, max_length: int, say, kind: str = "causal") -> tuple[SFTDataset, str, int, int]:
