@@ -19,10 +19,14 @@ kit_knobs() {
   local py=python3 out
   if [ -x "$KIT_DIR/.venv/bin/python" ]; then py="$KIT_DIR/.venv/bin/python"; fi
   command -v "$py" >/dev/null 2>&1 || kit_fail "no python3 found: run 'make setup' in $KIT_DIR first"
+  # An edit that breaks config.py is one line (the file and line), exit code 2.
   out=$("$py" -I -S -c 'import sys; sys.path.insert(0, sys.argv[1])
-from train.config.knobs import print_launcher_lists; print_launcher_lists()' "$KIT_DIR" 2>&1) ||
-    kit_fail "config.py: its knobs cannot be read: ${out##*$'\n'}"
-  { read -ra KIT_VALUE_KNOBS; read -ra KIT_SWITCH_KNOBS; } <<<"$out"
+try:
+    from train.config.knobs import print_launcher_lists
+except Exception as err:
+    sys.exit(f"error: config.py cannot be read: {type(err).__name__}: {err}")
+print_launcher_lists()' "$KIT_DIR") || exit 2
+  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS; } <<<"$out" || kit_fail "config.py: no knob lists read"
 }
 kit_knobs
 

@@ -102,3 +102,9 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
     assert "changed since the checkpoint: " in log and "DUMMY_KNOB 7 -> 9" in log
 
     assert digests(kit) == before  # the runs wrote outside the kit
+
+    # an edit that breaks config.py: one line naming it, exit code 2, from any launcher
+    (kit / "config.py").write_text((kit / "config.py").read_text().replace('knob(3, "compared")', "knob(3, "))
+    broken = launch(kit, "train_sft_custom.sh", {"SHOW_COMMAND": "1"})
+    assert broken.returncode == 2 and broken.stdout == ""
+    assert broken.stderr.startswith("error: config.py cannot be read: SyntaxError") and broken.stderr.count("\n") == 1
