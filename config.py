@@ -2,7 +2,8 @@
 
 Precedence: dataclass default < preset (BASELINE / OPTIMIZED) < launcher variable / CLI flag.
 Users edit the defaults and presets here. Every field has one name at every layer: the launcher
-variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag is --<field>.
+variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag is --<field>;
+its markers (knob(default, "auto", "sft", "compared", ...)) put it in every list that needs it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-# One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name) and the checks
-# that name it on a bad value live in train/config/checks.py.
-from train.config.checks import ENV_NAMES, bad_value, env_name, exists_or_matches  # noqa: F401
-from train.config.checks import check_float as _check_float
-from train.config.checks import check_int as _check_int
+# One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name), the markers
+# and the checks that name it on a bad value live in train/core/checks.py.
+from train.core.checks import ENV_NAMES, bad_value, env_name, exists_or_matches, knob  # noqa: F401
+from train.core.checks import check_float as _check_float
+from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
 
 KIT_DIR = Path(__file__).resolve().parent
@@ -33,7 +34,7 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    model_size: str | None = None
+    model_size: str | None = knob(None, "auto")
     """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium,
     350M). Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
     model_family: str = "gpt2"
@@ -42,16 +43,16 @@ class ModelConfig:
     model_config: str | None = None
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train from scratch
     instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = knob(False, "switch")
     """Recompute activations in the backward pass: about 30 % slower per step, far less
     activation memory. The guides' fix when VRAM is full at the batch size you want."""
     compile: bool = False
     """torch.compile the model. Pays a one-off compile time (reported apart from throughput);
     worth it for runs longer than a few minutes on a GPU."""
-    model_path: str | None = None
+    model_path: str | None = knob(None, "sft")
     """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer
     (loaded offline). Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only
     architectures transformers knows are loaded, as the code runs with your permissions."""
 
@@ -87,10 +88,10 @@ class DataConfig:
     tokenize_workers: int | None = None
     """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
     every core (a corpus under 8 MB: none, in the training process)."""
-    max_length: int | None = None
+    max_length: int | None = knob(None, "auto")
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
-    num_workers: int = 0
+    num_workers: int = knob(0, "compared")
     """DataLoader worker processes. 0 loads batches in the training process (the guides'
     'before'); 4 overlaps loading with compute."""
     prefetch_factor: int | None = None
@@ -101,20 +102,20 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
-    length_grouping: bool = False
+    length_grouping: bool = knob(False, "sft")
     """SFT: batch samples of similar length together (the guides' "dynamic batch size by
     sequence length"): batches are padded to their longest sample, so less compute goes to pad
     tokens. The order stays random from batch to batch."""
-    token_budget: int | None = None
+    token_budget: int | None = knob(None, "sft")
     """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this
     many padded tokens (rows x longest), so short samples come many to a batch and memory per
     step stays flat. Replaces BATCH_SIZE as the batch size; groups by length by itself."""
-    packing: bool = False
+    packing: bool = knob(False, "sft")
     """SFT: pack several conversations into each row of MAX_LENGTH tokens (best-fit decreasing)
     instead of one padded row each: a few percent of padding instead of half. Positions restart
     and attention never crosses a conversation (a block mask with sdpa, varlen flash-attention
     where installed). BATCH_SIZE then counts rows of MAX_LENGTH tokens."""
-    skip_bad_records: bool = False
+    skip_bad_records: bool = knob(False, "sft")
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how
     many, instead of stopping at the first. An empty file or an unknown format still stops."""
     val_fraction: float = 0.01
@@ -155,27 +156,27 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    batch_size: int = 8
+    batch_size: int = knob(8, "compared")
     """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = knob(1, "compared")
     """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x
     GRADIENT_ACCUM x GPUs; raise it to keep the effective batch when BATCH_SIZE must shrink."""
-    learning_rate: float = 6e-4
+    learning_rate: float = knob(6e-4, "compared")
     """Peak learning rate of AdamW, reached after the warm-up, then cosine-decayed."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = knob(0.1, "compared")
     """The cosine schedule ends at LEARNING_RATE x this."""
-    warmup_steps: int | None = None
+    warmup_steps: int | None = knob(None, "auto", "compared")
     """Optimizer steps of linear warm-up. Empty: 5 % of the run, at most 200."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on biases and norms)."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this before each step (0: no clipping)."""
-    max_steps: int | None = None
+    max_steps: int | None = knob(None, "compared")
     """Stop after this many optimizer steps."""
-    epochs: float | None = None
+    epochs: float | None = knob(None, "compared")
     """Stop after this many passes over the data (fractions allowed). With no MAX_STEPS,
     EPOCHS or MAX_SAMPLES: one epoch."""
-    max_samples: int | None = None
+    max_samples: int | None = knob(None, "compared")
     """Stop after this many training sequences (the budget `make compare` holds fixed)."""
     effective_batch: int | None = None
     """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against
@@ -221,7 +222,7 @@ class SystemConfig:
     device: str = "auto"
     """auto (CUDA, which ROCm builds also present as cuda, then Apple mps, then CPU), or a
     torch device such as cuda:1 or cpu."""
-    precision: str = "fp32"
+    precision: str = knob("fp32", "compared")
     """fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto (bf16 where the device runs
     it fast, fp16 where it has fast fp16 but no bf16, fp32 otherwise; measured on CPU)."""
     tf32: bool = False
@@ -264,7 +265,7 @@ class SystemConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    mode: str = "pretrain"
+    mode: str = knob("pretrain", "command")
     """pretrain | sft."""
     output_dir: str = str(KIT_DIR / "runs")
     """Run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest."""
@@ -272,9 +273,9 @@ class RunConfig:
     """Name of this run's folder. Empty: the launcher's name and the time, always new."""
     overwrite: bool = False
     """Replace an existing run folder of the same RUN_NAME (refused otherwise)."""
-    launcher: str = "train"
+    launcher: str = knob("train", "command")
     """Who started the run (the launcher script's name); used in default run names."""
-    log_every: int | None = None
+    log_every: int | None = knob(None, "auto")
     """Optimizer steps between log lines. Reading the loss syncs host and device, so it is
     done only here, never per micro-step. Empty: every 10 steps, more often in short runs."""
     save_every: int = 500

@@ -24,8 +24,9 @@ import torch  # noqa: E402
 import config  # noqa: E402
 from train.core.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import build_config, build_model, padded_vocab  # noqa: E402
-from train.core.step import make_optimizer, train_step  # noqa: E402
+from train.core.step import build_optimizer, train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402
+from train.distributed.parallel import build_scaler  # noqa: E402
 
 
 def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake) -> float:
@@ -33,8 +34,8 @@ def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake
     cfg = config.resolve(None, {"batch_size": batch_size, "gradient_accumulation_steps": accum})
 
     def steps(model, tracker=None):
-        optimizer, _ = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        optimizer, _ = build_optimizer(cfg.optim, model, device)
+        scaler = build_scaler(precision, model, device)
         ids = torch.randint(0, hf_cfg.vocab_size, (batch_size, max_length), device=device)
         batches = iter([{"input_ids": ids}] * (3 * accum))
         for _ in range(3):

@@ -38,7 +38,7 @@ def main() -> int:
     import torch
 
     import config
-    from train.core.step import make_optimizer
+    from train.core.step import build_optimizer
     from train.data.stream import BatchStream
     from train.run.build import build
     from train.run.parts import data_loader
@@ -56,12 +56,12 @@ def main() -> int:
         model(x, labels=x).loss.backward()
 
     forward_backward()  # gradients for the optimizers and the clip to work on
-    kit_opt, kind = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, b.device)
+    kit_opt, kind = build_optimizer(cfg.optim, model, b.device)
     parts = {
         "AdamW torch default (plain loop)": torch.optim.AdamW(params, lr=1e-4).step,
         "AdamW foreach=True": torch.optim.AdamW(params, lr=1e-4, foreach=True).step,
         "AdamW fused=True": torch.optim.AdamW(params, lr=1e-4, fused=True).step,
-        f"kit make_optimizer ({kind}, 2 groups)": kit_opt.step,
+        f"kit build_optimizer ({kind}, 2 groups)": kit_opt.step,
         "clip_grad_norm_ (kit, GRAD_CLIP=1)": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0),
         "DataLoader next batch (0 workers)": lambda: next(stream),
     }

@@ -5,30 +5,31 @@
 
 KIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-# Variable -> flag for every knob that takes a value. Empty means "not set": the preset or
-# the dataclass default applies.
-KIT_VALUE_KNOBS=(
-  MODEL_SIZE:--model_size MODEL_FAMILY:--model_family MODEL_CONFIG:--model_config BATCH_SIZE:--batch_size
-  GRADIENT_ACCUM:--gradient_accumulation_steps MAX_LENGTH:--max_length NUM_WORKERS:--num_workers
-  PREFETCH_FACTOR:--prefetch_factor PIN_MEMORY:--pin_memory PERSISTENT_WORKERS:--persistent_workers
-  PRECISION:--precision TF32:--tf32 COMPILE:--compile LEARNING_RATE:--learning_rate
-  MIN_LR_RATIO:--min_lr_ratio WARMUP_STEPS:--warmup_steps WEIGHT_DECAY:--weight_decay
-  GRAD_CLIP:--grad_clip MAX_STEPS:--max_steps EPOCHS:--epochs MAX_SAMPLES:--max_samples
-  DATA_PATH:--data_path TEXT_FIELD:--text_field TOKENIZER_PATH:--tokenizer_path VOCAB_SIZE:--vocab_size
-  TOKENIZER_SAMPLE_MB:--tokenizer_sample_mb TOKENIZE_WORKERS:--tokenize_workers
-  CACHE_DIR:--cache_dir OUTPUT_DIR:--output_dir RUN_NAME:--run_name OVERWRITE:--overwrite
-  SEED:--seed DEVICE:--device LOG_EVERY:--log_every
-  SAVE_EVERY:--save_every KEEP_CHECKPOINTS:--keep_checkpoints RESUME:--resume NAN_PATIENCE:--nan_patience
-  SHARDING:--sharding OFFLOAD_OPTIMIZER:--offload_optimizer
-  MODEL_PATH:--model_path TRUST_REMOTE_CODE:--trust_remote_code LENGTH_GROUPING:--length_grouping
-  TOKEN_BUDGET:--token_budget PACKING:--packing SKIP_BAD_RECORDS:--skip_bad_records
-  VAL_FRACTION:--val_fraction VAL_PATH:--val_path EVAL_EVERY:--eval_every EVAL_BATCHES:--eval_batches
-  KEEP_BEST:--keep_best REPORT_TO:--report_to DRY_RUN:--dry_run
-  EFFECTIVE_BATCH:--effective_batch AUTO_BATCH:--auto_batch LR_SCALING:--lr_scaling
-  LR_REFERENCE_BATCH:--lr_reference_batch TARGET_VRAM:--target_vram MAX_MEMORY_MB:--max_memory_mb
-)
-# Variables in the guides' switch form: the flag itself ("--fp16"), or 1/0, or empty.
-KIT_SWITCH_KNOBS=(ENABLE_FP16:--fp16 ENABLE_BF16:--bf16 ENABLE_GRAD_CKPT:--gradient_checkpointing)
+kit_fail() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+# kit_knobs: KIT_VALUE_KNOBS (variable:--flag for every knob that takes a value; empty means "not
+# set": the preset or the dataclass default applies) and KIT_SWITCH_KNOBS (the guides' switch
+# form: the flag itself, or 1/0, or empty), both read from config.py's fields and their markers,
+# so a knob added there is a variable here too. One Python start (-I -S: no site-packages,
+# about 0.1 s), with the interpreter the run itself will use where the kit has one.
+kit_knobs() {
+  local py=python3 out
+  if [ -x "$KIT_DIR/.venv/bin/python" ]; then py="$KIT_DIR/.venv/bin/python"; fi
+  command -v "$py" >/dev/null 2>&1 || kit_fail "no python3 found: run 'make setup' in $KIT_DIR first"
+  # An edit that breaks config.py is one line (the file and line), exit code 2.
+  out=$("$py" -I -S -c 'import sys; sys.path.insert(0, sys.argv[1])
+try:
+    from train.config.knobs import print_launcher_lists
+except Exception as err:
+    sys.exit(f"error: config.py cannot be read: {type(err).__name__}: {err}")
+print_launcher_lists()' "$KIT_DIR") || exit 2
+  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS; } <<<"$out" || kit_fail "config.py: no knob lists read"
+}
+kit_knobs
+
 # The other variables the kit reads: multi-process runs (kit_torchrun; RANK, LOCAL_RANK and
 # WORLD_SIZE are torchrun's), scripts/bench.sh, scripts/compare.sh, scripts/setup.sh, the Makefile.
 KIT_OTHER_VARIABLES=(
@@ -36,11 +37,6 @@ KIT_OTHER_VARIABLES=(
   PRESET ROUNDS THREADS VS_PLAIN COMPARE_SAMPLES REPEAT PYTHON TORCH_INDEX_URL MODEL ARGS
   KIT_NAMES_CHECKED GPU_REPORT_BUDGET_S GPU_REPORT_DIR
 )
-
-kit_fail() {
-  echo "error: $*" >&2
-  exit 2
-}
 
 kit_python() {
   if [ -x "$KIT_DIR/.venv/bin/python" ]; then

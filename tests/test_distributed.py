@@ -226,7 +226,7 @@ def _local_state(model, optimizer):
 
 def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     from config import TrainConfig
-    from train.core.step import make_optimizer, train_step
+    from train.core.step import build_optimizer, train_step
 
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data
@@ -241,7 +241,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)
-    opt_a, _ = make_optimizer(a, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
+    opt_a, _ = build_optimizer(cfg.optim, a, cpu)
     steps(a, opt_a, batches[0:2])
     steps(a, opt_a, batches[2:4])
     where = os.path.join(folder, sharding)
@@ -251,7 +251,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
 
     # a different init: the load must replace all of it
     b = parallel.wrap(tiny_model(1), world, sharding, offload, cpu)
-    opt_b, _ = make_optimizer(b, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
+    opt_b, _ = build_optimizer(cfg.optim, b, cpu)
     parallel.load_sharded(where, b, opt_b)
     loaded = _local_state(b, opt_b)
     for x, y in zip(saved[0] + saved[1], loaded[0] + loaded[1], strict=True):

@@ -9,7 +9,7 @@ from conftest import launch, run_cli
 from train.config.flags import parse_training_args
 from train.core.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model, padded_vocab
-from train.core.step import make_optimizer, train_step
+from train.core.step import build_optimizer, train_step
 from train.run.build import build
 
 GPT2_SMALL = 124_439_808  # tied embeddings, vocab 50257 (the published count)
@@ -64,7 +64,7 @@ def test_estimate_matches_a_tracked_step(checkpointing, chunked, monkeypatch):
     cpu = torch.device("cpu")
     with FakeTensorMode():
         model = build_model(hf, checkpointing, 0)
-        optimizer, _ = make_optimizer(model, cfg.optim.learning_rate, cfg.optim.weight_decay, cpu)
+        optimizer, _ = build_optimizer(cfg.optim, model, cpu)
         ids = torch.randint(0, 512, (16, 128))
         tracker = MemTracker()
         tracker.track_external(model)

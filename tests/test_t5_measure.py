@@ -7,9 +7,10 @@ import pytest
 import torch
 from test_distributed import flat, spawn
 
+from config import OptimConfig
 from train.core.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model
-from train.core.step import make_optimizer, train_step
+from train.core.step import build_optimizer, train_step
 from train.core.units import IGNORE_INDEX
 
 VOCAB = 512
@@ -55,7 +56,7 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
     cpu = torch.device("cpu")
     batch, source, target = shape
     model = build_model(hf, checkpointing, 0)
-    optimizer, _ = make_optimizer(model, 1e-3, 0.1, cpu)
+    optimizer, _ = build_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1), model, cpu)
     data = seq2seq_batch(batch, source, target)
     tracker = MemTracker()
     tracker.track_external(model)

@@ -9,6 +9,7 @@ import inspect
 from dataclasses import fields
 
 import config
+from train.config.knobs import marked
 from train.core.errors import UsageError
 
 
@@ -38,9 +39,9 @@ def field_type(name: str) -> type:
     raise TypeError(f"unsupported annotation {annotation} for {name}")
 
 
-# Fields whose empty value the run decides ("auto" and "none" say the same; tests/test_knob_lists.py
-# keeps them config fields that default to None).
-AUTO_FIELDS = ("max_length", "warmup_steps", "model_size", "log_every")
+# Fields whose empty value the run decides ("auto" and "none" say the same): marked "auto" in
+# config.py (tests/test_knob_lists.py keeps them fields that default to None).
+AUTO_FIELDS = marked("auto")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -86,7 +87,7 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
     parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
     for name in config.FIELD_SECTION:
-        if name == "mode":
+        if name == "mode":  # the command itself
             continue
         kind = field_type(name)
         help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
@@ -106,7 +107,7 @@ def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
         text = getattr(args, name, None)
         if text is not None:
             value = parse_value(name, text)
-            if value is not None or name in ("model_size", "max_length", "warmup_steps", "log_every"):
+            if value is not None or name in AUTO_FIELDS:
                 overrides[name] = value
     if args.is_keep_training is not None:  # the guides' --is_keep_training=True: --resume under another name
         keep = parse_value("resume", args.is_keep_training)

@@ -28,21 +28,23 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def make_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float, device: torch.device):
-    """AdamW with decay on matrices only; fused (one kernel for all parameters) where the
-    device has it, which saves the per-parameter launch overhead of the for-loop version.
-    On CPU too (bench/RESULTS.md): nano's step takes 4.9 ms fused vs 18.3 foreach, 17.2 for-loop."""
+def build_optimizer(optim, model: torch.nn.Module, device: torch.device):
+    """(AdamW, "fused" | "foreach") from the optimizer section (config.OptimConfig: LEARNING_RATE,
+    WEIGHT_DECAY), the one builder the trainer, find-batch, autotune and the benches share.
+    Decay on matrices only; fused (one kernel for all parameters) where the device has it, which
+    saves the per-parameter launch overhead of the for-loop version. On CPU too
+    (bench/RESULTS.md): nano's step takes 4.9 ms fused vs 18.3 foreach, 17.2 for-loop."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": weight_decay},
+        {"params": decay, "weight_decay": optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    betas = (0.9, 0.95)
+    betas, lr = (0.9, 0.95), optim.learning_rate
     try:
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True), "fused"
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True), "fused"
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, foreach=True), "foreach"
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True), "foreach"
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:

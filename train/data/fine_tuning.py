@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from torch.utils.data import Dataset
 
+from train.core.units import cpu_cores
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.data.loader import Data
 from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
@@ -90,7 +90,7 @@ def tokenize_workers(d) -> int:
     """TOKENIZE_WORKERS, or every core this process may run on."""
     if d.tokenize_workers is not None:
         return d.tokenize_workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpu_cores()
 
 
 def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SFTDataset, str, int, int]:

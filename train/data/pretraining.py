@@ -7,13 +7,13 @@ train/data only, never the root config.py."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 from torch.utils.data import Subset
 
 from train.core.errors import UsageError
 from train.core.seq2seq import corrupted_lengths, span_lengths
+from train.core.units import cpu_cores
 from train.data import span_corruption
 from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
@@ -31,7 +31,7 @@ def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, se
     key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
     tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
     tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     if d.num_workers > cores:
         decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers only contend")
         d.num_workers = cores

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from train.core import units
 from train.data import records
 
 # Characters (text) or bytes (JSONL, Arrow) per unit: enough for encode_batch to be efficient
@@ -33,7 +34,7 @@ IN_FLIGHT_PER_WORKER = 2
 
 
 def all_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return units.cpu_cores()
 
 
 def _columns(path: Path, field: str) -> Iterator[tuple[list, int]]:

@@ -86,9 +86,12 @@ def sync_context(model: torch.nn.Module):
     return None
 
 
-def grad_scaler(device: torch.device, enabled: bool, model: torch.nn.Module):
-    """fp16 loss scaling; with sharded gradients the overflow check must agree across ranks, or
-    one rank steps while another skips (ShardedGradScaler all-reduces found_inf)."""
+def build_scaler(precision: str, model: torch.nn.Module, device: torch.device):
+    """The GradScaler for the run's resolved PRECISION (loss scaling only for fp16; otherwise a
+    disabled scaler, so the step has one code path), the one builder every caller shares. With
+    sharded gradients the overflow check must agree across ranks, or one rank steps while
+    another skips (ShardedGradScaler all-reduces found_inf)."""
+    enabled = precision == "fp16"
     if enabled and is_sharded(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import math
-import os
 import re
 
 import numpy as np
@@ -28,10 +27,6 @@ RAM_RESERVE_MB = 1024  # left free for the OS and the training process's own gro
 LOW_RAM_MB = 2048  # below this, page-locked (pinned) buffers that can never be swapped out are a risk
 TOKENS_IN_RAM_SHARE = 0.10  # a token cache under this share of available RAM is read into RAM
 PREFETCH_RAM_SHARE = 0.05  # batches in flight (workers x prefetch) may take at most this share
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ---- measuring memory ----

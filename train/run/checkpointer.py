@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from train.config import knobs
 from train.distributed import distributed
 from train.run.checkpoint import CheckpointManager, checkpoint_name
 from train.run.rng import rng_state
 
-# Settings compared with the checkpoint's on resume, to say what changed.
-COMPARED = (
-    "batch_size gradient_accumulation_steps precision learning_rate min_lr_ratio max_steps epochs "
-    "max_samples warmup_steps num_workers"
-).split()
+# Settings compared with the checkpoint's on resume, to say what changed: config.py's fields
+# marked "compared".
+COMPARED = knobs.marked("compared")
 
 
 class Checkpointer:
@@ -38,8 +37,7 @@ class Checkpointer:
 
     def settings(self, feed=None) -> dict:
         """What a later RESUME=1 compares. feed: the OOM guard, whose micro-batch is the one trained now."""
-        o = self.cfg.optim
-        settings = {k: getattr(o, k) for k in COMPARED if hasattr(o, k)}
+        settings = {k: knobs.value(self.cfg, k) for k in COMPARED}
         if feed is not None:  # smaller than the plan's after an out-of-memory
             settings.update(batch_size=feed.batch_size, gradient_accumulation_steps=feed.accumulation)
         settings.update(precision=self.b.precision, num_workers=self.cfg.data.num_workers)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.core.step import make_optimizer, train_step
+from train.core.step import build_optimizer, train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
@@ -57,9 +57,9 @@ def prepare(b, run_dir, say, guard) -> Parts:
     cfg, device = b.cfg, b.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
     train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
-    optimizer, kind = make_optimizer(train_model, cfg.optim.learning_rate, cfg.optim.weight_decay, device)
+    optimizer, kind = build_optimizer(cfg.optim, train_model, device)
     say(f"optimizer: AdamW ({kind})")
-    scaler = parallel.grad_scaler(device, b.precision == "fp16", train_model)
+    scaler = parallel.build_scaler(b.precision, train_model, device)
 
     def open_stream(batch_size: int, epoch: int, start: int) -> BatchStream:
         """A stream of micro-batches of batch_size from a sample position (the start, a resume's,

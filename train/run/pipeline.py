@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 from config import TrainConfig
-from train.core.step import make_optimizer
+from train.core.step import build_optimizer
 from train.distributed import distributed
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
@@ -67,7 +67,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     def param_groups():
         """The optimizer's parameter groups, for checking a checkpoint's optimizer state against."""
-        optimizer = make_optimizer(b.model, cfg.optim.learning_rate, cfg.optim.weight_decay, b.device)[0]
+        optimizer = build_optimizer(cfg.optim, b.model, b.device)[0]
         return [g["params"] for g in optimizer.param_groups]
 
     guard = RunGuard(b, run_path, say, param_groups)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
+from train.config import knobs
 from train.core import model as model_lib
 from train.core.attention import use_attention
 from train.core.errors import UsageError
@@ -35,16 +36,15 @@ from train.run.sft_model import (  # noqa: F401 (newest_pretrained: the tests' a
     prepare_model,
 )
 
-SFT_ONLY = ("model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records")
+SFT_ONLY = knobs.marked("sft")  # config.py's fields marked "sft"
 
 
 def refuse_sft_settings(cfg: TrainConfig) -> None:
     """Pretraining: an SFT-only knob that is set would be ignored, so say so and stop."""
     for name in SFT_ONLY:
-        section = getattr(cfg, "model" if name in ("model_path", "trust_remote_code") else "data")
-        if getattr(section, name) not in (None, False):
+        if knobs.value(cfg, name) not in (None, False):
             raise UsageError(
-                f"{name.upper()} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
+                f"{knobs.env_name(name)} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
             )
 
 

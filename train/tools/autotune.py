@@ -2,7 +2,7 @@
 fixed), DataLoader workers, precision and torch.compile; a ranked table; the winner written as
 launcher variables.
 
-Each trial is the run's own code: build(), make_optimizer, the real DataLoader (workers, prefetch,
+Each trial is the run's own code: build(), build_optimizer, the real DataLoader (workers, prefetch,
 pinned memory) and train_step, one warm-up step (worker start-up, compilation, allocator) and
 TRIAL_STEPS timed optimizer steps. The full grid (3 precisions x 5 sizes x 4 worker counts x 2)
 is too long for "short", so the search is coordinate descent from the OPTIMIZED preset: one
@@ -30,7 +30,8 @@ from train.config import knobs
 from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
-from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
+from train.core.units import cpu_cores
+from train.run.adapt import PeakMeter, capacity_mb
 from train.run.oom import free_memory, is_oom
 from train.tools.find_batch import divisors, wants_help
 
@@ -85,15 +86,16 @@ def trial_config(cfg, cand: Candidate):
 
 def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
-    from train.core.step import make_optimizer, train_step
+    from train.core.step import build_optimizer, train_step
     from train.data.stream import BatchStream
+    from train.distributed.parallel import build_scaler
     from train.run.build import build
     from train.run.parts import data_loader
 
     b = build(trial_config(cfg, cand), lambda line: None)
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
-    optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=b.precision == "fp16")
+    optimizer, _ = build_optimizer(b.cfg.optim, b.model, device)
+    scaler = build_scaler(b.precision, b.model, device)
     loader, sampler = data_loader(b, b.cfg.optim.batch_size)
     batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)

@@ -28,8 +28,9 @@ from train.core.device import resolve_device, supports
 from train.core.errors import UsageError
 from train.core.files import write_json
 from train.core.timing import INPUT_BOUND_FRAC
+from train.core.units import cpu_cores
 from train.observe import monitor
-from train.run.adapt import PeakMeter, capacity_mb, cpu_cores
+from train.run.adapt import PeakMeter, capacity_mb
 from train.run.claim import plan_run_dir
 
 DOCTOR_STEPS = 10

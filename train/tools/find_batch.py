@@ -1,6 +1,6 @@
 """find-batch: the fastest micro-batch that fits, measured with real training steps.
 
-How: the model, optimizer and step of a real run (build, make_optimizer, train_step) at the
+How: the model, optimizer and step of a real run (build, build_optimizer, train_step) at the
 worst-case length (every packed sequence is MAX_LENGTH tokens long), at micro-batches growing by
 doubling, then a binary search between the last size that fit and the first that did not.
 A size fits when its steps run and their peak memory stays under TARGET_VRAM x the memory this
@@ -131,11 +131,12 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.model import is_seq2seq
-    from train.core.step import make_optimizer
+    from train.core.step import build_optimizer
+    from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
 
-    optimizer, _ = make_optimizer(b.model, b.cfg.optim.learning_rate, b.cfg.optim.weight_decay, b.device)
-    scaler = torch.amp.GradScaler(b.device.type, enabled=b.precision == "fp16")
+    optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
+    scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
     lengths = run_lengths(b) if is_seq2seq(b.model) else None
     sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size)

@@ -1,0 +1,110 @@
+"""A new knob is one field with its doc in config.py: in a copy of the kit whose config.py alone
+gains two fields, the launchers pass them, the flags parse and document them, the run saves them
+in config.json, RESUME=1 names the one marked "compared" when it changed, and pretraining refuses
+the one marked "sft", with no other file of the copy edited."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+NEW_FIELDS = '''    dummy_knob: int = knob(3, "compared")
+    """A knob the test adds: a whole number that a resume compares."""
+    dummy_sft: bool = knob(False, "sft")
+    """A knob the test adds: SFT only."""
+
+'''
+SKIP = (".git", ".venv", "runs", ".cache", "tests", "bench", "__pycache__", ".ruff_cache", ".pytest_cache")
+
+
+def kit_with_new_knobs(tmp_path: Path) -> Path:
+    kit = tmp_path / "kit"
+    shutil.copytree(ROOT, kit, ignore=shutil.ignore_patterns(*SKIP), symlinks=True)
+    if (ROOT / ".venv").exists():
+        (kit / ".venv").symlink_to(ROOT / ".venv")  # the launchers' own interpreter, as in a checkout
+    text = (kit / "config.py").read_text()
+    data = text.index("class DataConfig")
+    at = text.index("    def __post_init__(self):", data)  # DataConfig's last field ends here
+    (kit / "config.py").write_text(text[:at] + NEW_FIELDS + text[at:])
+    return kit
+
+
+def digests(kit: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(kit)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(kit.rglob("*"))
+        if p.is_file() and not p.is_symlink() and "__pycache__" not in p.parts and ".venv" not in p.parts
+    }
+
+
+def launch(kit: Path, script: str, env: dict) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    return subprocess.run(["bash", str(kit / script)], env={**base, **env}, capture_output=True, text=True, cwd=kit, timeout=300)
+
+
+def test_one_field_in_config_py_is_a_knob_everywhere(tmp_path, corpus, tiny_config, cache_dir):
+    kit = kit_with_new_knobs(tmp_path)
+    before = digests(kit)
+    original = {name: hashlib.sha256((ROOT / name).read_bytes()).hexdigest() for name in before if (ROOT / name).is_file()}
+    assert {name for name in before if before[name] != original.get(name)} == {"config.py"}
+
+    # the launchers: a variable of the kit (no misspelling warning), passed as its flag
+    shown = launch(kit, "run_single_gpu.sh", {"DUMMY_KNOB": "7", "DUMMY_SFT": "1", "SHOW_COMMAND": "1"})
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+    argv = shlex.split(shown.stdout)
+    assert argv[argv.index("--dummy_knob") + 1] == "7" and argv[argv.index("--dummy_sft") + 1] == "1"
+
+    # the flags: typed, documented, a bad value named by its variable, the SFT-only one refused
+    probe = """
+import sys
+from train.config.flags import parse_training_args, training_parser
+from train.core.errors import UsageError
+from train.run.sft import refuse_sft_settings
+print(parse_training_args("pretrain", ["--dummy_knob", "5"]).data.dummy_knob + 1)
+print("[DUMMY_KNOB] A knob the test adds" in training_parser("pretrain").format_help())
+for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
+    try:
+        refuse_sft_settings(parse_training_args("pretrain", argv))
+    except UsageError as err:
+        print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=kit, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(kit)})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "6",
+        "True",
+        "DUMMY_KNOB (--dummy_knob): expected a whole number, got 'abc'",
+        "DUMMY_SFT (--dummy_sft) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh",
+    ]
+
+    # a real run saves it; RESUME=1 says it changed
+    env = {
+        "MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512", "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "dummy", "MAX_LENGTH": "64", "BATCH_SIZE": "4",
+        "MAX_STEPS": "2", "EVAL_BATCHES": "1", "DUMMY_KNOB": "7",
+    }  # fmt: skip
+    first = launch(kit, "run_single_gpu.sh", env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = json.loads((tmp_path / "runs" / "dummy" / "config.json").read_text())
+    assert saved["config"]["data"]["dummy_knob"] == 7
+    again = launch(kit, "run_single_gpu.sh", {**env, "RESUME": "1", "MAX_STEPS": "3", "DUMMY_KNOB": "9"})
+    assert again.returncode == 0, again.stderr[-2000:]
+    log = (tmp_path / "runs" / "dummy" / "train.log").read_text()
+    assert "changed since the checkpoint: " in log and "DUMMY_KNOB 7 -> 9" in log
+
+    assert digests(kit) == before  # the runs wrote outside the kit
+
+    # an edit that breaks config.py: one line naming it, exit code 2, from any launcher
+    (kit / "config.py").write_text((kit / "config.py").read_text().replace('knob(3, "compared")', "knob(3, "))
+    broken = launch(kit, "train_sft_custom.sh", {"SHOW_COMMAND": "1"})
+    assert broken.returncode == 2 and broken.stdout == ""
+    assert broken.stderr.startswith("error: config.py cannot be read: SyntaxError") and broken.stderr.count("\n") == 1

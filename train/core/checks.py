@@ -1,0 +1,76 @@
+"""What the root config.py builds its fields with: the markers a field carries (knob), the
+launcher variable of each field, and the value checks that name it (one line naming the
+variable, exit code 2; config.py's __post_init__ methods call these). Here, below config.py, so
+that imports run one way: core <- config.py <- train/config (flags, knobs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+from pathlib import Path
+
+from train.core.errors import UsageError
+
+# A field's markers: the lists kept beside config.py (the launchers' variables, the flags that
+# take "auto", the SFT-only refusals, the settings a resume compares) are derived from them
+# (train/config/knobs.py), so a new knob is one field with its doc.
+MARKS = {
+    "auto": 'empty, "auto" or "none" leave it to the run (the field defaults to None)',
+    "sft": "SFT only: pretraining stops when it is set, as it would be ignored",
+    "compared": "a RESUME=1 says so when it changed since the checkpoint",
+    "switch": 'its launcher variable takes the guides\' switch form ("--flag", or 1/0)',
+    "command": "set by the command or the launcher script itself: no launcher variable",
+}
+
+
+def knob(default=None, *marks: str):
+    """A config field with markers (MARKS): `warmup_steps: int | None = knob(None, "auto", "compared")`."""
+    unknown = set(marks) - set(MARKS)
+    if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
+        raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
+    return dataclasses.field(default=default, metadata={"marks": frozenset(marks)})
+
+
+def has_mark(field: dataclasses.Field, mark: str) -> bool:
+    return mark in field.metadata.get("marks", ())
+
+# Launcher variable for a field, where it is not simply the field name in upper case (the
+# guides' names; DESIGN's table). ENABLE_FP16 / ENABLE_BF16 are no fields: they set PRECISION.
+ENV_NAMES = {
+    "gradient_accumulation_steps": "GRADIENT_ACCUM",
+    "gradient_checkpointing": "ENABLE_GRAD_CKPT",
+}
+
+
+def env_name(name: str) -> str:
+    """The launcher variable for a config field (the README's knob table)."""
+    return ENV_NAMES.get(name, name.upper())
+
+
+def bad_value(name: str, accepted: str, value) -> UsageError:
+    return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
+
+
+def check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise bad_value(name, f"a whole number >= {minimum}", value)
+
+
+def check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
+
+
+def exists_or_matches(path: str) -> bool:
+    """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
+    if any(c in path for c in "*?["):
+        return bool(glob.glob(path, recursive=True))
+    return Path(path).exists()
