@@ -16,7 +16,7 @@ import tracemalloc
 import pytest
 from test_bad_input import snapshot
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from train.core.errors import UsageError
 from train.data import json_lines, records, tokenize
 from train.data.sft_formats import load_conversations
@@ -46,10 +46,19 @@ def train(mode: str, *argv: str, timeout: int = 120, rss_file=None) -> subproces
                           timeout=timeout, cwd=ROOT)
 
 
-def refused(world, mode: str, data, *expect: str, extra=(), **kw) -> subprocess.CompletedProcess:
+def train_here(capsys, mode: str, *argv: str) -> subprocess.CompletedProcess:
+    """The same entry point in this process (torch imported once: seconds less per case)."""
+    capsys.readouterr()
+    code = run_cli(mode, *argv)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([mode, *argv], code, out.out, out.err)
+
+
+def refused(world, mode: str, data, *expect: str, extra=(), here=None, **kw) -> subprocess.CompletedProcess:
+    """Refused in one line; in a fresh `python -m train` process, or in this one given capsys."""
     before = snapshot(world["runs"])
-    flags = [*world["flags"], *(world["pretrain"] if mode == "pretrain" else ())]
-    result = train(mode, *flags, "--data_path", str(data), *extra, **kw)
+    flags = [*world["flags"], *(world["pretrain"] if mode == "pretrain" else ()), "--data_path", str(data), *extra]
+    result = train_here(here, mode, *flags) if here else train(mode, *flags, **kw)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
@@ -82,14 +91,15 @@ SURROGATE = '{"text": "lone \\ud800 half"}'
 
 @pytest.mark.parametrize("bad, expect", [(DEEP, "nested too deep"), (HUGE_INT, "number too long"),
                                          (SURROGATE, "lone surrogate")], ids=["deep", "digits", "surrogate"])
-def test_a_costly_or_undecodable_json_line_is_one_line(world, bad, expect):
+def test_a_costly_or_undecodable_json_line_is_one_line(world, bad, expect, capsys):
     data = jsonl(world["dir"] / "d.jsonl", GOOD, bad)
-    refused(world, "pretrain", data, f"{data} line 2", expect)
+    refused(world, "pretrain", data, f"{data} line 2", expect, here=capsys)
 
 
-def test_a_lone_surrogate_with_a_given_tokenizer(world, base_model):
+def test_a_lone_surrogate_with_a_given_tokenizer(world, base_model, capsys):
     data = jsonl(world["dir"] / "d.jsonl", GOOD, SURROGATE)
-    refused(world, "pretrain", data, f"{data} line 2", "lone surrogate", extra=("--tokenizer_path", str(base_model)))
+    refused(world, "pretrain", data, f"{data} line 2", "lone surrogate", extra=("--tokenizer_path", str(base_model)),
+            here=capsys)
 
 
 def test_parquet_string_that_is_not_utf8_names_the_row(world):
@@ -176,11 +186,11 @@ def test_a_glob_skips_a_stray_meta_json_as_the_folder_does(tmp_path):
 ROLE_LIST = {"messages": [{"role": ["user"], "content": "q"}, {"role": "assistant", "content": "a"}]}
 
 
-def test_a_role_that_is_a_list_is_a_bad_record_skipped_with_the_knob(world, base_model):
+def test_a_role_that_is_a_list_is_a_bad_record_skipped_with_the_knob(world, base_model, capsys):
     data = jsonl(world["dir"] / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
     sft = ["--model_path", str(base_model), "--batch_size", "2"]
-    refused(world, "sft", data, f"{data} line 2", "turn 1 has role ['user']", "SKIP_BAD_RECORDS", extra=sft)
-    result = train("sft", *world["flags"], "--data_path", str(data), *sft, "--skip_bad_records", "1",
+    refused(world, "sft", data, f"{data} line 2", "turn 1 has role ['user']", "SKIP_BAD_RECORDS", extra=sft, here=capsys)
+    result = train_here(capsys, "sft", *world["flags"], "--data_path", str(data), *sft, "--skip_bad_records", "1",
                    "--run_name", "skip")
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((world["runs"] / "skip" / "summary.json").read_text())["n_skipped"] == 1
