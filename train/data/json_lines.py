@@ -24,8 +24,10 @@ BLOCK_BYTES = 1 << 20
 # to a few books (kB to a few MB); past this a line is a mistake or a decompression bomb, and
 # parsing it would take ~10x its size in Python objects.
 MAX_RECORD_BYTES = 64 << 20
-# An escaped UTF-16 surrogate: a lone one decodes to a str no UTF-8 encoder accepts.
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+# An escaped UTF-16 surrogate pair ("\\ud83d\\ude00", one emoji), or a surrogate alone
+# ("\\ud800"), which decodes to a str that no UTF-8 encoder accepts. Pairs are common (JSON
+# written with ensure_ascii), so the scan keeps to C: a lone one is a match that is not 12 long.
+_SURROGATES = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F]")
 
 
 class BadLine(ValueError):
@@ -89,7 +91,7 @@ def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[i
         raise fail(path, f"near line {line}", f"cannot be read ({getattr(err, 'strerror', None) or short(err)})") from None
 
 
-def loads(raw: bytes | str) -> object:
+def loads(raw: str) -> object:
     """A JSON value whose strings are all encodable text. ValueError with the reason otherwise:
     bad JSON, nesting deeper than the interpreter's recursion limit, an integer over Python's
     4,300 digits, a lone surrogate."""
@@ -101,7 +103,7 @@ def loads(raw: bytes | str) -> object:
         raise ValueError("nested too deep to be a record") from None
     except ValueError as err:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
         raise ValueError(f"holds a number too long to read ({short(err)})") from None
-    if _SURROGATE.search(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw):
+    if ("\\ud" in raw or "\\uD" in raw) and any(len(m) != 12 for m in _SURROGATES.findall(raw)):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as err:
