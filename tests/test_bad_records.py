@@ -225,3 +225,13 @@ def test_costly_sft_lines_are_bad_records_too(tmp_path, bad):
     with pytest.raises(UsageError, match=r"d.jsonl line 2: "):
         load_conversations(data)
     assert load_conversations(data, skip_bad_records=True)[2] == 1
+
+
+def test_val_path_files_are_named_as_val_path(tmp_path):
+    bad = jsonl(tmp_path / "val.jsonl", GOOD, "{broken")
+    with pytest.raises(UsageError, match=re.escape(f"VAL_PATH: {bad} line 2: not valid JSON")):
+        with records.reading("VAL_PATH"):
+            list(records.iter_texts(bad))
+    with pytest.raises(UsageError, match=r"^VAL_PATH: .*d\.jsonl line 2: turn 1 has role"):
+        with records.reading("VAL_PATH"):
+            load_conversations(jsonl(tmp_path / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST)))

@@ -19,6 +19,7 @@ import json
 import os
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.core.errors import UsageError
@@ -45,6 +46,20 @@ CHUNK_CHARS = 1 << 16
 MAX_PIECE_CHARS = 1 << 22
 BLOCK_BYTES = 1 << 20
 ROWS_PER_BATCH = 1024
+
+
+@contextmanager
+def reading(variable: str):
+    """Errors about the files read inside name `variable`: VAL_PATH's files are read by the
+    same code as DATA_PATH's, and "DATA_PATH: val.jsonl line 3" sends the user to the wrong
+    variable. Raised where they happen (worker processes included), renamed here, once."""
+    try:
+        yield
+    except UsageError as err:
+        text = str(err)
+        if variable == "DATA_PATH" or not text.startswith("DATA_PATH"):
+            raise
+        raise UsageError(variable + text[len("DATA_PATH"):]) from None
 
 
 def is_arrow_folder(path: Path) -> bool:
