@@ -118,12 +118,14 @@ def _turn(turn: dict, i: int, role_key: str, content_key: str) -> dict:
 def turns(raw: list, role_key: str, content_key: str, tools: object = None) -> list[dict]:
     """A record's turn list (and its "tools" field) -> a conversation, before the checks every
     format shares (sft_formats.to_conversation)."""
-    conversation = []
+    conversation, called = [], False
     for i, turn in enumerate(raw, 1):
         if not isinstance(turn, dict):
             raise BadRecord(f"turn {i} is {type(turn).__name__}, expected an object")
         conversation.append(_turn(turn, i, role_key, content_key))
-        if conversation[-1]["role"] == "tool" and not any(t.get("tool_calls") for t in conversation):
+        called = called or bool(conversation[-1].get("tool_calls"))
+        # A result with no call before it would teach the model that results come unasked.
+        if conversation[-1]["role"] == "tool" and not called:
             raise BadRecord(f"turn {i} is a tool result (observation) before any call")
     listed = parse_tools(tools)
     return [{"role": TOOLS_ROLE, "tools": listed}, *conversation] if listed else conversation
