@@ -6,7 +6,6 @@ that imports run one way: core <- config.py <- train/config (flags, knobs)."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 from pathlib import Path
 
@@ -71,6 +70,11 @@ def check_float(obj, name: str, minimum: float, optional: bool = False, strict: 
 
 def exists_or_matches(path: str) -> bool:
     """A file or folder that exists, or a glob pattern (*, ?, [) that matches something."""
-    if any(c in path for c in "*?["):
-        return bool(glob.glob(path, recursive=True))
-    return Path(path).exists()
+    parts = Path(path).parts
+    first = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), None)
+    if first is None:
+        return Path(path).exists()
+    # pathlib's glob, not glob.glob: "**" does not follow links to folders, which through a
+    # link to a parent made glob.glob walk forever.
+    root = Path(*parts[:first]) if first else Path(".")
+    return root.is_dir() and next(iter(root.glob("/".join(parts[first:]))), None) is not None

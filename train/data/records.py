@@ -15,15 +15,23 @@ or row: "DATA_PATH: <file> line 7: not valid JSON (...)".
 from __future__ import annotations
 
 import codecs
-import glob
-import gzip
 import json
 import os
-import zlib
+import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.core.errors import UsageError
+from train.data.json_lines import (  # noqa: F401 (jsonl_blocks, parse_jsonl_block: read through here)
+    BadLine,
+    json_list,
+    jsonl_blocks,
+    parse_jsonl_block,
+    suffix_of,
+)
+from train.data.json_lines import fail as _fail
+from train.data.json_lines import short as _short
 
 TEXT_SUFFIXES = (".txt", ".md")
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".arrow")
@@ -40,13 +48,18 @@ BLOCK_BYTES = 1 << 20
 ROWS_PER_BATCH = 1024
 
 
-class BadLine(ValueError):
-    """One JSON line that cannot be parsed; yielded instead of a record with keep_bad_lines."""
-
-
-def suffix_of(path: Path) -> str:
-    name = path.name.lower()
-    return ".jsonl.gz" if name.endswith(".jsonl.gz") else path.suffix.lower()
+@contextmanager
+def reading(variable: str):
+    """Errors about the files read inside name `variable`: VAL_PATH's files are read by the
+    same code as DATA_PATH's, and "DATA_PATH: val.jsonl line 3" sends the user to the wrong
+    variable. Raised where they happen (worker processes included), renamed here, once."""
+    try:
+        yield
+    except UsageError as err:
+        text = str(err)
+        if variable == "DATA_PATH" or not text.startswith("DATA_PATH"):
+            raise
+        raise UsageError(variable + text[len("DATA_PATH"):]) from None
 
 
 def is_arrow_folder(path: Path) -> bool:
@@ -61,9 +74,23 @@ def _wanted(path: Path, named: bool) -> bool:
     return suffix in TEXT_SUFFIXES + RECORD_SUFFIXES or (named and suffix == JSON_SUFFIX)
 
 
+def _regular(path: Path) -> bool:
+    """A FIFO, socket or device named like data would block or never end on open: skipped with
+    a note and never opened (stat follows a link to what it names, as open would)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False  # a dangling link: nothing to read
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return True
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    print(f"note: DATA_PATH: skipped {path}: {kind}, not a regular file", flush=True)
+    return False
+
+
 def _walk(folder: Path) -> list[Path]:
     found = []
-    for root, dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(folder):  # links to folders are not followed: no loops
         here = Path(root)
         keep = []
         for name in sorted(dirs):
@@ -74,8 +101,23 @@ def _walk(folder: Path) -> list[Path]:
             else:
                 keep.append(name)
         dirs[:] = keep
-        found += [here / f for f in files if not f.startswith(".") and _wanted(here / f, False)]
+        names = [f for f in sorted(files) if not f.startswith(".") and _wanted(here / f, False)]
+        found += [here / f for f in names if _regular(here / f)]
     return found
+
+
+def glob_matches(pattern: str) -> Iterator[Path]:
+    """A glob pattern's matches, "**" included, without following links to folders (pathlib's
+    rule; glob.glob follows them, and a link to a parent folder made it walk forever)."""
+    parts = Path(pattern).parts
+    first = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    root = Path(*parts[:first]) if first else Path(".")
+    if first == len(parts) or not root.is_dir():
+        return iter([root] if first == len(parts) and root.exists() else [])
+    rest = parts[first:]
+    hidden = any(part.startswith(".") for part in rest)  # as glob.glob: "*" skips dot names
+    return (m for m in root.glob("/".join(rest)) if hidden or not any(
+        part.startswith(".") for part in m.relative_to(root).parts))
 
 
 def source_files(data_path: str) -> list[Path]:
@@ -84,10 +126,10 @@ def source_files(data_path: str) -> list[Path]:
     kinds = ".txt, .md, .jsonl, .jsonl.gz, .parquet or .arrow files, nor an Arrow (save_to_disk) folder"
     if any(c in data_path for c in "*?["):
         found = []
-        for match in sorted(glob.glob(data_path, recursive=True)):
-            path = Path(match)
+        named = data_path.lower().endswith(JSON_SUFFIX)  # "dir/*" skips a stray meta.json, as "dir" does
+        for path in sorted(glob_matches(data_path)):
             if is_arrow_folder(path) or not path.is_dir():
-                found += [path] if _wanted(path, True) else []
+                found += [path] if _wanted(path, named) and _regular(path) else []
             else:
                 found += _walk(path)
         if not found:
@@ -96,91 +138,16 @@ def source_files(data_path: str) -> list[Path]:
     path = Path(data_path)
     if not path.exists():
         raise UsageError(f"DATA_PATH: {path}: no such file or folder")
-    if path.is_file() or is_arrow_folder(path):
+    if is_arrow_folder(path):
+        return [path]
+    if not path.is_dir():
+        if not _regular(path):
+            raise UsageError(f"DATA_PATH: {path} is not a regular file (a FIFO, socket or device); name a file")
         return [path]
     found = _walk(path)
     if not found:
         raise UsageError(f"DATA_PATH: folder {path} holds no {kinds}")
     return sorted(found)
-
-
-def _fail(path: Path, where: str, what: str) -> UsageError:
-    place = f" {where}" if where else ""
-    sep = " " if what.startswith(("is ", "has ")) else ": "
-    return UsageError(f"DATA_PATH: {path}{place}{sep}{what}")
-
-
-def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-# --- JSON and JSONL ----------------------------------------------------------------------------
-
-
-def _open_lines(path: Path):
-    if suffix_of(path) == ".jsonl.gz":
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
-def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
-    """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
-    .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel."""
-    line = 1
-    try:
-        with _open_lines(path) as handle:
-            rest = b""
-            for block in iter(lambda: handle.read(block_bytes), b""):
-                block = rest + block
-                cut = block.rfind(b"\n") + 1
-                if cut == 0:
-                    rest = block
-                    continue
-                rest = block[cut:]
-                yield line, block[:cut]
-                line += block.count(b"\n", 0, cut)
-            if rest:
-                yield line, rest
-    except (OSError, EOFError, zlib.error) as err:
-        raise _fail(path, f"near line {line}", f"cannot be read ({getattr(err, 'strerror', None) or _short(err)})") from None
-
-
-def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines: bool = False):
-    """(where, record) for each non-blank line of a block from jsonl_blocks."""
-    for number, raw in enumerate(block.split(b"\n"), first_line):
-        if not raw.strip():
-            continue
-        where = f"line {number}"
-        try:
-            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as err:
-            raise _fail(path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
-        try:
-            yield where, json.loads(text)
-        except json.JSONDecodeError as err:
-            message = f"not valid JSON ({err.msg}, column {err.colno})"
-            if not keep_bad_lines:
-                raise _fail(path, where, message) from None
-            yield where, BadLine(message)
-
-
-def _json_list(path: Path) -> list | None:
-    """The records of a .json list, or None when the file holds JSON lines instead."""
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            data = json.load(handle)
-    except UnicodeDecodeError as err:
-        raise _fail(path, "", f"not UTF-8 (bad byte at offset {err.start}); save the file as UTF-8") from None
-    except json.JSONDecodeError as err:
-        if err.msg == "Extra data":  # a .json file holding JSON lines: common enough to accept
-            return None
-        raise _fail(path, f"line {err.lineno}", f"not valid JSON ({err.msg}, column {err.colno})") from None
-    except OSError as err:
-        raise _fail(path, "", f"cannot be read ({err.strerror or err})") from None
-    if not isinstance(data, list):
-        raise _fail(path, "", f"expected a JSON list of records, found a {type(data).__name__}")
-    return data
 
 
 # --- parquet and Arrow -------------------------------------------------------------------------
@@ -254,15 +221,38 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
             raise _fail(file, "", f"not a readable {what} file ({_short(err)})") from None
 
 
-def text_column(path: Path, batch, field: str) -> list[str | None]:
-    """One batch's TEXT_FIELD as Python strings (nulls stay None), read as a column."""
+def is_text_type(kind) -> bool:
+    """A string column, or a dictionary-encoded one (pandas "category": each distinct text once)."""
     import pyarrow as pa
 
+    kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
+
+
+def as_python(path: Path, values, first_row: int = 1) -> list:
+    """values.to_pylist() (an array or a batch whose first row is first_row); a string column
+    holding bytes that are not UTF-8 (pyarrow does not check on read) is one line naming the row."""
+    try:
+        return values.to_pylist()
+    except UnicodeDecodeError:
+        row = next(i for i in range(len(values)) if not _decodes(values.slice(i, 1)))
+        raise _fail(path, f"row {first_row + row}", "holds a string that is not UTF-8; save the text as UTF-8") from None
+
+
+def _decodes(values) -> bool:
+    try:
+        values.to_pylist()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def text_column(path: Path, batch, field: str, first_row: int = 1) -> list[str | None]:
+    """One batch's TEXT_FIELD as Python strings (nulls stay None), read as a column."""
     column = batch.column(0) if batch.num_columns == 1 else batch.column(field)
-    kind = column.type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
-        raise _fail(path, "", f'column "{field}" (TEXT_FIELD) holds {kind}, not text')
-    return column.to_pylist()
+    if not is_text_type(column.type):
+        raise _fail(path, "", f'column "{field}" (TEXT_FIELD) holds {column.type}, not text')
+    return as_python(path, column, first_row)
 
 
 # --- records (SFT) and texts (pretraining) -----------------------------------------------------
@@ -278,12 +268,12 @@ def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str
     if path.is_dir() or suffix in (".parquet", ".arrow"):
         row = 0
         for batch in record_batches(path):
-            for record in batch.to_pylist():
+            for record in as_python(path, batch, row + 1):
                 row += 1
                 yield f"row {row}", record
         return
     if suffix == JSON_SUFFIX:
-        data = _json_list(path)
+        data = json_list(path)
         if data is not None:
             yield from ((f"record {i}", record) for i, record in enumerate(data, 1))
             return
@@ -368,8 +358,10 @@ def iter_texts(path: Path, text_field: str = "text") -> Iterator[str]:
         yield ""
         return
     if path.is_dir() or suffix_of(path) in (".parquet", ".arrow"):
+        row = 1
         for batch in record_batches(path, [text_field]):
-            for doc in text_column(path, batch, text_field):
+            docs, row = text_column(path, batch, text_field, row), row + batch.num_rows
+            for doc in docs:
                 if doc is not None:
                     yield from split_document(doc)
                     yield ""

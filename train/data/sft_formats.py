@@ -151,7 +151,7 @@ def converted(items, fmt: str) -> tuple[list[list[dict]], list[str]]:
 
 def refuse_bad(first: str) -> UsageError:
     """A bad record stops the run (without SKIP_BAD_RECORDS): one line with its place."""
-    return UsageError(f"{first} (SKIP_BAD_RECORDS=1 skips such records)")
+    return UsageError(f"DATA_PATH: {first} (SKIP_BAD_RECORDS=1 skips such records)")
 
 
 def all_bad(data_path, skipped: int, first: str) -> UsageError:

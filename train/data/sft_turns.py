@@ -83,6 +83,8 @@ def _call(value: object, what: str) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise BadRecord(f"{what} is not a call ({{\"name\": ..., \"arguments\": ...}})")
     arguments = _json(call.get("arguments", {}), f"{what} arguments")
+    if not isinstance(arguments, dict):  # a template writes them as keyword arguments: an object
+        raise BadRecord(f"{what} arguments are a {type(arguments).__name__}, expected an object")
     return {"type": "function", "function": {"name": call["name"], "arguments": arguments}}
 
 
@@ -98,7 +100,7 @@ def _turn(turn: dict, i: int, role_key: str, content_key: str) -> dict:
     # Accept role/content inside "conversations" and from/value inside "messages": both occur.
     source_role = turn.get(role_key, turn.get("role", turn.get("from")))
     content = turn.get(content_key, turn.get("content", turn.get("value")))
-    if source_role not in ROLE_NAMES:
+    if not isinstance(source_role, str) or source_role not in ROLE_NAMES:
         raise BadRecord(f"turn {i} has role {source_role!r}; accepted: {', '.join(ROLE_NAMES)}")
     role = ROLE_NAMES[source_role]
     if source_role == "function_call":
@@ -116,11 +118,15 @@ def _turn(turn: dict, i: int, role_key: str, content_key: str) -> dict:
 def turns(raw: list, role_key: str, content_key: str, tools: object = None) -> list[dict]:
     """A record's turn list (and its "tools" field) -> a conversation, before the checks every
     format shares (sft_formats.to_conversation)."""
-    conversation = []
+    conversation, called = [], False
     for i, turn in enumerate(raw, 1):
         if not isinstance(turn, dict):
             raise BadRecord(f"turn {i} is {type(turn).__name__}, expected an object")
         conversation.append(_turn(turn, i, role_key, content_key))
+        called = called or bool(conversation[-1].get("tool_calls"))
+        # A result with no call before it would teach the model that results come unasked.
+        if conversation[-1]["role"] == "tool" and not called:
+            raise BadRecord(f"turn {i} is a tool result (observation) before any call")
     listed = parse_tools(tools)
     return [{"role": TOOLS_ROLE, "tools": listed}, *conversation] if listed else conversation
 

@@ -37,23 +37,27 @@ def all_cores() -> int:
     return units.cpu_cores()
 
 
-def _columns(path: Path, field: str) -> Iterator[tuple[list, int]]:
-    """The TEXT_FIELD column of a parquet/Arrow source as (arrays, bytes) of about UNIT_SIZE."""
+def _columns(path: Path, field: str) -> Iterator[tuple[list, int, int]]:
+    """The TEXT_FIELD column of a parquet/Arrow source as (arrays, bytes, first row) of about
+    UNIT_SIZE; the row (1-based) lets a worker name the row of a string that is not UTF-8."""
     import pyarrow as pa
 
-    arrays, size = [], 0
+    arrays, size, first, row = [], 0, 1, 1
     for batch in records.record_batches(path, [field]):
         column = batch.column(0)
         records.text_column(path, batch.slice(0, 0), field)  # the type check, on no rows
+        if pa.types.is_dictionary(column.type):  # pandas "category": the texts themselves
+            column = column.dictionary_decode()
         # A batch may be a slice of a whole decoded row group, and a slice pickles with its
         # parent's buffers (120 MB for 1 MB of text): a compact copy goes to the worker.
         arrays.append(pa.concat_arrays([column]) if column.offset or column.get_total_buffer_size() > 2 * column.nbytes else column)
         size += column.nbytes
+        row += len(column)
         if size >= UNIT_SIZE:
-            yield arrays, size
-            arrays, size = [], 0
+            yield arrays, size, first
+            arrays, size, first = [], 0, row
     if arrays:
-        yield arrays, size
+        yield arrays, size, first
 
 
 def _grouped(pieces: Iterable[str]) -> Iterator[tuple[list[str], int]]:
@@ -75,8 +79,8 @@ def file_units(path: Path, field: str) -> Iterator[tuple[tuple, int]]:
         for pieces, size in _grouped(records.iter_texts(path, field)):
             yield ("pieces", pieces), size
     elif path.is_dir() or suffix in (".parquet", ".arrow"):
-        for arrays, size in _columns(path, field):
-            yield ("column", str(path), arrays, field), size
+        for arrays, size, first_row in _columns(path, field):
+            yield ("column", str(path), arrays, field, first_row), size
     else:
         for first_line, block in records.jsonl_blocks(path, UNIT_SIZE):
             yield ("jsonl", str(path), first_line, block, field), len(block)
@@ -100,12 +104,13 @@ def unit_pieces(unit: tuple) -> list[str]:
         return unit[1]
     pieces: list[str] = []
     if kind == "column":
-        _, path, arrays, field = unit
+        _, path, arrays, field, row = unit
         for array in arrays:
-            for doc in array.to_pylist():
+            for doc in records.as_python(Path(path), array, row):
                 if doc is not None:
                     pieces += records.split_document(doc)
                     pieces.append("")
+            row += len(array)
         return pieces
     _, path, first_line, block, field = unit
     for where, record in records.parse_jsonl_block(Path(path), first_line, block):

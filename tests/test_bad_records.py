@@ -1,0 +1,239 @@
+"""Records that cost without bound or do not decode, made for real and run through
+`python -m train`: one line naming the file and the line or row, exit code 2, no traceback,
+quickly, in bounded memory, and no run folder touched."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import pytest
+from test_bad_input import snapshot
+
+from conftest import ROOT, run_cli
+from train.core.errors import UsageError
+from train.data import json_lines, records, tokenize
+from train.data.sft_formats import load_conversations
+
+GOOD = [{"text": f"line {i} of a small document"} for i in range(5)]
+GOOD_SFT = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(4)]
+
+
+@pytest.fixture
+def world(tmp_path, tiny_config, cache_dir):
+    runs = tmp_path / "runs"
+    (runs / "keep").mkdir(parents=True)
+    (runs / "keep" / "summary.json").write_text('{"mode": "pretrain"}')
+    flags = ["--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", "--max_steps", "1"]
+    pretrain = ["--model_config", str(tiny_config), "--vocab_size", "512"]
+    return {"runs": runs, "flags": flags, "pretrain": pretrain, "dir": tmp_path}
+
+
+def train(mode: str, *argv: str, timeout: int = 120, rss_file=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    code = "import runpy, sys; sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')"
+    if rss_file:  # the process's own peak RSS, written as it exits
+        code = (f"import atexit, resource; atexit.register(lambda: open({str(rss_file)!r}, 'w').write("
+                "str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n") + code
+    return subprocess.run([sys.executable, "-c", code, mode, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def train_here(capsys, mode: str, *argv: str) -> subprocess.CompletedProcess:
+    """The same entry point in this process (torch imported once: seconds less per case)."""
+    capsys.readouterr()
+    code = run_cli(mode, *argv)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([mode, *argv], code, out.out, out.err)
+
+
+def refused(world, mode: str, data, *expect: str, extra=(), here=None, **kw) -> subprocess.CompletedProcess:
+    """Refused in one line; in a fresh `python -m train` process, or in this one given capsys."""
+    before = snapshot(world["runs"])
+    flags = [*world["flags"], *(world["pretrain"] if mode == "pretrain" else ()), "--data_path", str(data), *extra]
+    result = train_here(here, mode, *flags) if here else train(mode, *flags, **kw)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert all(e in lines[0] for e in expect), lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert snapshot(world["runs"]) == before and sorted(p.name for p in world["runs"].iterdir()) == ["keep"]
+    return result
+
+
+def jsonl(path, rows, bad: str):
+    path.write_text("\n".join([json.dumps(rows[0]), bad, *map(json.dumps, rows[1:])]) + "\n")
+    return path
+
+
+def bad_utf8_parquet(path, column="text"):
+    """A string column whose row 3 holds bytes that are not UTF-8: binary reinterpreted as string
+    (no check), as a writer that does not validate leaves it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = pa.array([b"fine text one", b"fine two", b"caf\xe9 \xff bad", b"four"], pa.binary())
+    pq.write_table(pa.table({column: raw.view(pa.string())}), path)
+    return path
+
+
+DEEP = '{"text": "x", "deep": ' + "[" * 200_000 + "]" * 200_000 + "}"
+HUGE_INT = '{"text": "x", "n": ' + "7" * 5000 + "}"
+SURROGATE = '{"text": "lone \\ud800 half"}'
+
+
+@pytest.mark.parametrize("bad, expect", [(DEEP, "nested too deep"), (HUGE_INT, "number too long"),
+                                         (SURROGATE, "lone surrogate")], ids=["deep", "digits", "surrogate"])
+def test_a_costly_or_undecodable_json_line_is_one_line(world, bad, expect, capsys):
+    data = jsonl(world["dir"] / "d.jsonl", GOOD, bad)
+    refused(world, "pretrain", data, f"{data} line 2", expect, here=capsys)
+
+
+def test_a_lone_surrogate_with_a_given_tokenizer(world, base_model, capsys):
+    data = jsonl(world["dir"] / "d.jsonl", GOOD, SURROGATE)
+    refused(world, "pretrain", data, f"{data} line 2", "lone surrogate", extra=("--tokenizer_path", str(base_model)),
+            here=capsys)
+
+
+def test_parquet_string_that_is_not_utf8_names_the_row(world):
+    data = bad_utf8_parquet(world["dir"] / "d.parquet")
+    refused(world, "pretrain", data, f"{data} row 3", "not UTF-8")
+    sft = bad_utf8_parquet(world["dir"] / "s.parquet", "prompt")
+    with pytest.raises(UsageError, match=re.escape(f"{sft} row 3: holds a string that is not UTF-8")):
+        load_conversations(sft)
+
+
+def test_a_category_column_is_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # What pandas' "category" becomes in parquet: a dictionary-encoded string column.
+    column = pa.array(["alpha beta", "gamma", "alpha beta", None]).dictionary_encode()
+    pq.write_table(pa.table({"text": column}), tmp_path / "c.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "c.parquet").field("text").type)
+    want = ["alpha beta", "gamma", "alpha beta"]
+    assert [p for p in records.iter_texts(tmp_path / "c.parquet") if p] == want
+    units = [u for u, _ in tokenize.file_units(tmp_path / "c.parquet", "text")]
+    assert [p for u in units for p in tokenize.unit_pieces(u) if p] == want
+
+
+def bomb(path, gigabytes: float = 3.0):
+    """A .jsonl.gz of a few MB holding one line of `gigabytes`: gzip members of 16 MB of "a" each
+    (16 kB compressed), one after another, which gzip readers read as one stream."""
+    member = gzip.compress(b"a" * (16 << 20), compresslevel=9)
+    with open(path, "wb") as out:
+        out.write(gzip.compress(b'{"text": "'))
+        for _ in range(int(gigabytes * 1024 / 16)):
+            out.write(member)
+    return path
+
+
+def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world):
+    data = bomb(world["dir"] / "bomb.jsonl.gz")
+    assert data.stat().st_size < 5 << 20
+    start = time.perf_counter()
+    rss = world["dir"] / "rss"
+    refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", rss_file=rss)
+    assert time.perf_counter() - start < 60
+    assert int(rss.read_text()) < 1_200_000  # kB: the interpreter and torch, plus at most ~2 x 64 MB
+    tracemalloc.start()
+    with pytest.raises(UsageError, match="line 1 is longer than 64 MB"):
+        for _ in json_lines.jsonl_blocks(data):
+            pass
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * json_lines.MAX_RECORD_BYTES  # the line so far and its last block, not 3 GB
+    with pytest.raises(UsageError, match="line 1 is longer than 64 MB"):  # SFT reads it the same way
+        load_conversations(data)
+
+
+def test_a_symlink_loop_under_a_recursive_glob_ends(world):
+    folder = world["dir"] / "loop" / "a"
+    folder.mkdir(parents=True)
+    for name in ("up", "top", "again"):  # each a way back: glob.glob's walk doubled with each
+        os.symlink("..", folder / name)
+    jsonl(folder / "bad.jsonl", GOOD, "{broken")
+    refused(world, "pretrain", f"{world['dir']}/loop/**", "bad.jsonl line 2", timeout=60)
+    assert records.source_files(f"{world['dir']}/loop/**") == [folder / "bad.jsonl"]
+
+
+def test_a_fifo_in_a_folder_is_skipped_never_opened(world):
+    folder = world["dir"] / "withfifo"
+    folder.mkdir()
+    os.mkfifo(folder / "x.txt")  # opening it would wait for a writer forever
+    with pytest.raises(UsageError, match="holds no"):
+        records.source_files(str(folder))
+    with pytest.raises(UsageError, match="x.txt is not a regular file"):
+        records.source_files(str(folder / "x.txt"))
+    jsonl(folder / "bad.jsonl", GOOD, "{broken")
+    result = refused(world, "pretrain", folder, "bad.jsonl line 2", timeout=60)  # read past the FIFO
+    assert "skipped" in result.stdout and "x.txt: a FIFO" in result.stdout
+    assert records.source_files(str(folder)) == records.source_files(f"{folder}/*") == [folder / "bad.jsonl"]
+
+
+def test_a_glob_skips_a_stray_meta_json_as_the_folder_does(tmp_path):
+    (tmp_path / "meta.json").write_text('{"rows": 3}')
+    jsonl(tmp_path / "a.jsonl", GOOD, json.dumps(GOOD[0]))
+    assert records.source_files(f"{tmp_path}/*") == records.source_files(str(tmp_path)) == [tmp_path / "a.jsonl"]
+    assert records.source_files(f"{tmp_path}/*.json") == [tmp_path / "meta.json"]  # named: read
+
+
+ROLE_LIST = {"messages": [{"role": ["user"], "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+def test_a_role_that_is_a_list_is_a_bad_record_skipped_with_the_knob(world, base_model, capsys):
+    data = jsonl(world["dir"] / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
+    sft = ["--model_path", str(base_model), "--batch_size", "2"]
+    refused(world, "sft", data, f"{data} line 2", "turn 1 has role ['user']", "SKIP_BAD_RECORDS", extra=sft, here=capsys)
+    result = train_here(capsys, "sft", *world["flags"], "--data_path", str(data), *sft, "--skip_bad_records", "1",
+                   "--run_name", "skip")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((world["runs"] / "skip" / "summary.json").read_text())["n_skipped"] == 1
+
+
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+    "name": "f", "arguments": "[1, 2]"}}]}
+BAD_SFT = {
+    "role dict": {"messages": [{"role": {"r": 1}, "content": "q"}, {"role": "assistant", "content": "a"}]},
+    "observation first": {"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "42"},
+                                            {"from": "gpt", "value": "a"}]},
+    "arguments a list": {"messages": [{"role": "user", "content": "q"}, TOOL_CALL,
+                                      {"role": "tool", "content": "3"}, {"role": "assistant", "content": "a"}]},
+}
+EXPECT = {"role dict": "turn 1 has role {'r': 1}", "observation first": "turn 2 is a tool result (observation) before any call",
+          "arguments a list": "turn 2 tool_calls arguments are a list, expected an object"}
+
+
+@pytest.mark.parametrize("label", list(BAD_SFT))
+def test_bad_tool_and_role_records_are_refused_or_counted(tmp_path, label):
+    good = GOOD_SFT if label != "observation first" else [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}] * 3
+    data = jsonl(tmp_path / "d.jsonl", good, json.dumps(BAD_SFT[label]))
+    with pytest.raises(UsageError, match=re.escape("d.jsonl line 2: " + EXPECT[label])):
+        load_conversations(data)
+    assert load_conversations(data, skip_bad_records=True)[2] == 1
+
+
+@pytest.mark.parametrize("bad", [DEEP, HUGE_INT, SURROGATE], ids=["deep", "digits", "surrogate"])
+def test_costly_sft_lines_are_bad_records_too(tmp_path, bad):
+    data = jsonl(tmp_path / "d.jsonl", GOOD_SFT, bad.replace('"text": "x"', '"prompt": "p"'))
+    with pytest.raises(UsageError, match=r"d.jsonl line 2: "):
+        load_conversations(data)
+    assert load_conversations(data, skip_bad_records=True)[2] == 1
+
+
+def test_val_path_files_are_named_as_val_path(tmp_path):
+    bad = jsonl(tmp_path / "val.jsonl", GOOD, "{broken")
+    with pytest.raises(UsageError, match=re.escape(f"VAL_PATH: {bad} line 2: not valid JSON")):
+        with records.reading("VAL_PATH"):
+            list(records.iter_texts(bad))
+    with pytest.raises(UsageError, match=r"^VAL_PATH: .*d\.jsonl line 2: turn 1 has role"):
+        with records.reading("VAL_PATH"):
+            load_conversations(jsonl(tmp_path / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST)))

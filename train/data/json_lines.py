@@ -1,0 +1,160 @@
+"""JSON and JSONL records with a bound on what one record may cost, for train/data/records.py.
+
+A record is user data, and one line can be made to cost without limit: a .jsonl.gz of 3 MB that
+expands to one 3 GB line, nesting 200,000 deep, a 5,000-digit number, a lone surrogate
+("\\ud800") that no tokenizer can encode. Each is one line naming the file and the line, found
+before the rest of the file is read. The bounds cost nothing on normal lines: the line length
+is a count the block reader keeps anyway; depth and digits are Python's own limits, caught;
+surrogates are looked for only in lines that spell one as an escape.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from train.core.errors import UsageError
+
+BLOCK_BYTES = 1 << 20
+# The longest line (decompressed) a JSONL record may be. Real records are text of a few pages
+# to a few books (kB to a few MB); past this a line is a mistake or a decompression bomb, and
+# parsing it would take ~10x its size in Python objects.
+MAX_RECORD_BYTES = 64 << 20
+# An escaped UTF-16 surrogate pair ("\\ud83d\\ude00", one emoji), or a surrogate alone
+# ("\\ud800"), which decodes to a str that no UTF-8 encoder accepts. Pairs are common (JSON
+# written with ensure_ascii), so the scan keeps to C: a lone one is a match that is not 12 long.
+_SURROGATES = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F]")
+
+
+class BadLine(ValueError):
+    """One JSON line that cannot be parsed; yielded instead of a record with keep_bad_lines."""
+
+
+def fail(path: Path, where: str, what: str) -> UsageError:
+    place = f" {where}" if where else ""
+    sep = " " if what.startswith(("is ", "has ")) else ": "
+    return UsageError(f"DATA_PATH: {path}{place}{sep}{what}")
+
+
+def short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def suffix_of(path: Path) -> str:
+    name = path.name.lower()
+    return ".jsonl.gz" if name.endswith(".jsonl.gz") else path.suffix.lower()
+
+
+def _open_lines(path: Path):
+    if suffix_of(path) == ".jsonl.gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _too_long(path: Path, line: int) -> UsageError:
+    mb = MAX_RECORD_BYTES >> 20
+    return fail(path, f"line {line}", f"is longer than {mb} MB (decompressed): one record that large is "
+                "a mistake or a decompression bomb; split it")
+
+
+def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
+    .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel. A line
+    longer than MAX_RECORD_BYTES stops the read as soon as that much of it has been read."""
+    line = 1
+    try:
+        with _open_lines(path) as handle:
+            parts: list[bytes] = []  # a line's start, not yet ended (joined once it ends)
+            held = 0
+            for block in iter(lambda: handle.read(block_bytes), b""):
+                cut = block.rfind(b"\n") + 1
+                if cut == 0:
+                    parts.append(block)
+                    held += len(block)
+                    if held > MAX_RECORD_BYTES:
+                        raise _too_long(path, line)
+                    continue
+                if held + block.find(b"\n") > MAX_RECORD_BYTES:
+                    raise _too_long(path, line)
+                whole = b"".join([*parts, block[:cut]]) if parts else block[:cut]
+                parts, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
+                yield line, whole
+                line += whole.count(b"\n")
+            if parts:
+                yield line, b"".join(parts)
+    except (OSError, EOFError, zlib.error) as err:
+        raise fail(path, f"near line {line}", f"cannot be read ({getattr(err, 'strerror', None) or short(err)})") from None
+
+
+def loads(raw: str) -> object:
+    """A JSON value whose strings are all encodable text. ValueError with the reason otherwise:
+    bad JSON, nesting deeper than the interpreter's recursion limit, an integer over Python's
+    4,300 digits, a lone surrogate."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg}, column {err.colno})") from None
+    except RecursionError:
+        raise ValueError("nested too deep to be a record") from None
+    except ValueError as err:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(f"holds a number too long to read ({short(err)})") from None
+    if ("\\ud" in raw or "\\uD" in raw) and any(len(m) != 12 for m in _SURROGATES.findall(raw)):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"holds a lone surrogate (\\u{ord(err.object[err.start]):04x}), which is not text") from None
+    return value
+
+
+def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines: bool = False):
+    """(where, record) for each non-blank line of a block from jsonl_blocks."""
+    for number, raw in enumerate(block.split(b"\n"), first_line):
+        if not raw.strip():
+            continue
+        where = f"line {number}"
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise fail(path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
+        try:
+            yield where, loads(text)
+        except ValueError as err:
+            if not keep_bad_lines:
+                raise fail(path, where, str(err)) from None
+            yield where, BadLine(str(err))
+
+
+def json_list(path: Path) -> list | None:
+    """The records of a .json list, or None when the file holds JSON lines instead."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as err:
+        raise fail(path, "", f"not UTF-8 (bad byte at offset {err.start}); save the file as UTF-8") from None
+    except OSError as err:
+        raise fail(path, "", f"cannot be read ({err.strerror or err})") from None
+    try:
+        data = loads(text)
+    except ValueError as err:
+        if "Extra data" in str(err):  # a .json file holding JSON lines: common enough to accept
+            return None
+        line = _error_line(text)
+        raise fail(path, f"line {line}" if line else "", str(err)) from None
+    if not isinstance(data, list):
+        raise fail(path, "", f"expected a JSON list of records, found a {type(data).__name__}")
+    return data
+
+
+def _error_line(text: str) -> int | None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        return err.lineno
+    except (ValueError, RecursionError):
+        return None
+    return None
