@@ -237,3 +237,15 @@ def test_val_path_files_are_named_as_val_path(tmp_path):
     with pytest.raises(UsageError, match=r"^VAL_PATH: .*d\.jsonl line 2: turn 1 has role"):
         with records.reading("VAL_PATH"):
             load_conversations(jsonl(tmp_path / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST)))
+
+
+def test_bad_val_path_contents_are_named_as_val_path_by_a_real_run(world, base_model, capsys):
+    """E7/E8 through `python -m train`: the data is fine, VAL_PATH's file is not."""
+    good = jsonl(world["dir"] / "good.jsonl", GOOD * 8, json.dumps(GOOD[0]))
+    val = jsonl(world["dir"] / "val.jsonl", GOOD, "{broken")
+    refused(world, "pretrain", good, f"VAL_PATH: {val} line 2: not valid JSON", extra=["--val_path", str(val)],
+            here=capsys)
+    good_sft = jsonl(world["dir"] / "good_sft.jsonl", GOOD_SFT, json.dumps(GOOD_SFT[0]))
+    val_sft = jsonl(world["dir"] / "val_sft.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
+    sft = ["--model_path", str(base_model), "--batch_size", "2", "--val_path", str(val_sft)]
+    refused(world, "sft", good_sft, f"VAL_PATH: {val_sft} line 2: turn 1 has role", extra=sft, here=capsys)

@@ -16,6 +16,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from train.core.units import cpu_cores
+from train.data import records
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.data.loader import Data
 from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
@@ -148,7 +149,8 @@ def split_validation(d, eval_batches: int, dataset: SFTDataset, tok, max_length:
     """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
     the data (never trained on). None when VAL_FRACTION is 0."""
     if d.val_path is not None:
-        val, *_ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
+        with records.reading("VAL_PATH"):
+            val, *_ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
         decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={d.val_path}")
         return val
     want = eval_batches * VAL_ROWS

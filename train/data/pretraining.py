@@ -14,7 +14,7 @@ from torch.utils.data import Subset
 from train.core.errors import UsageError
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.core.units import cpu_cores
-from train.data import span_corruption
+from train.data import records, span_corruption
 from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
 from train.data.loader import Data
@@ -66,9 +66,10 @@ def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_l
     VAL_PATH's own windows, or the last part of the token stream, so the two never overlap."""
     window = window or max_length
     if d.val_path is not None:
-        files = data.corpus_files(d.val_path)
-        key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums", "VAL_PATH")
-        tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
+        with records.reading("VAL_PATH"):
+            files = data.corpus_files(d.val_path)
+            key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums", "VAL_PATH")
+            tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
         val = data.PackedDataset(tokens, window)
         if len(val) == 0:
             raw = f" (a raw window of {window} before span corruption)" if window != max_length else ""
