@@ -85,6 +85,9 @@ class DataConfig:
     tokenizer_sample_mb: float = 100.0
     """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a
     sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
+    max_record_mb: float = 64.0
+    """Longest JSONL record (one line, decompressed) read before it is refused: past it a line is a
+    mistake or a decompression bomb. Raise it for real records of whole books."""
     tokenize_workers: int | None = None
     """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
     every core (a corpus under 8 MB: none, in the training process)."""
@@ -130,6 +133,7 @@ class DataConfig:
     def __post_init__(self):
         _check_int(self, "vocab_size", 256)
         _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
+        _check_float(self, "max_record_mb", 0.0, strict=True)
         _check_int(self, "tokenize_workers", 1, optional=True)
         if not self.text_field.strip():
             raise bad_value("text_field", "the name of the text field or column", self.text_field)

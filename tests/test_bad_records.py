@@ -249,3 +249,14 @@ def test_bad_val_path_contents_are_named_as_val_path_by_a_real_run(world, base_m
     val_sft = jsonl(world["dir"] / "val_sft.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
     sft = ["--model_path", str(base_model), "--batch_size", "2", "--val_path", str(val_sft)]
     refused(world, "sft", good_sft, f"VAL_PATH: {val_sft} line 2: turn 1 has role", extra=sft, here=capsys)
+
+
+def test_max_record_mb_sets_the_bound(world, capsys):
+    """A 2 MB record: refused under MAX_RECORD_MB=1 (the line names the knob), read under the default."""
+    data = jsonl(world["dir"] / "long.jsonl", GOOD * 4, json.dumps({"text": "word " * 400_000}))
+    refused(world, "pretrain", data, f"{data} line 2", "longer than 1 MB", "MAX_RECORD_MB=1",
+            extra=["--max_record_mb", "1"], here=capsys)
+    with json_lines.record_limit(1):
+        with pytest.raises(UsageError, match="line 2 is longer than 1 MB"):
+            list(json_lines.jsonl_blocks(data))
+    assert sum(block.count(b"\n") for _, block in json_lines.jsonl_blocks(data)) == 21  # default 64 MB: read whole

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 from train.core.units import cpu_cores
 from train.data import records
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
+from train.data.json_lines import record_limit
 from train.data.loader import Data
 from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
 from train.data.sft_batching import Seq2SeqCollator
@@ -29,7 +30,8 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
                      set_attention, say, decide) -> Data:
     """The encoded conversations of data config `d` (or pairs, kind "seq2seq"), the held-out ones,
     and their collators. PACKING=1 packs them into rows (and lowers LENGTH_GROUPING in `d`)."""
-    dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
+    with record_limit(d.max_record_mb):
+        dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
     n_loaded = len(dataset)
     val_dataset = split_validation(d, eval_batches, dataset, tok, max_length, say, decide, kind)
     if val_dataset is not None and d.val_path is None:
@@ -149,7 +151,7 @@ def split_validation(d, eval_batches: int, dataset: SFTDataset, tok, max_length:
     """Held-out conversations: VAL_PATH (same formats as DATA_PATH), or the last VAL_FRACTION of
     the data (never trained on). None when VAL_FRACTION is 0."""
     if d.val_path is not None:
-        with records.reading("VAL_PATH"):
+        with records.reading("VAL_PATH"), record_limit(d.max_record_mb):
             val, *_ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
         decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={d.val_path}")
         return val

@@ -10,11 +10,13 @@ surrogates are looked for only in lines that spell one as an escape.
 
 from __future__ import annotations
 
+import contextvars
 import gzip
 import json
 import re
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.core.errors import UsageError
@@ -22,8 +24,20 @@ from train.core.errors import UsageError
 BLOCK_BYTES = 1 << 20
 # The longest line (decompressed) a JSONL record may be. Real records are text of a few pages
 # to a few books (kB to a few MB); past this a line is a mistake or a decompression bomb, and
-# parsing it would take ~10x its size in Python objects.
+# parsing it would take ~10x its size in Python objects. MAX_RECORD_MB sets it for a run
+# (record_limit); lines are read in the main process, so a context variable reaches every reader.
 MAX_RECORD_BYTES = 64 << 20
+_limit = contextvars.ContextVar("max_record_bytes", default=MAX_RECORD_BYTES)
+
+
+@contextmanager
+def record_limit(mb: float):
+    """Lines read inside may be up to `mb` MB (decompressed): MAX_RECORD_MB."""
+    token = _limit.set(int(mb * (1 << 20)))
+    try:
+        yield
+    finally:
+        _limit.reset(token)
 # An escaped UTF-16 surrogate pair ("\\ud83d\\ude00", one emoji), or a surrogate alone
 # ("\\ud800"), which decodes to a str that no UTF-8 encoder accepts. Pairs are common (JSON
 # written with ensure_ascii), so the scan keeps to C: a lone one is a match that is not 12 long.
@@ -56,17 +70,17 @@ def _open_lines(path: Path):
     return open(path, "rb")
 
 
-def _too_long(path: Path, line: int) -> UsageError:
-    mb = MAX_RECORD_BYTES >> 20
+def _too_long(path: Path, line: int, limit: int) -> UsageError:
+    mb = f"{limit / (1 << 20):g}"
     return fail(path, f"line {line}", f"is longer than {mb} MB (decompressed): one record that large is "
-                "a mistake or a decompression bomb; split it")
+                f"a mistake or a decompression bomb; split it, or raise MAX_RECORD_MB={mb} if it is real")
 
 
 def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
     .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel. A line
-    longer than MAX_RECORD_BYTES stops the read as soon as that much of it has been read."""
-    line = 1
+    longer than MAX_RECORD_MB stops the read as soon as that much of it has been read."""
+    line, limit = 1, _limit.get()
     try:
         with _open_lines(path) as handle:
             parts: list[bytes] = []  # a line's start, not yet ended (joined once it ends)
@@ -76,11 +90,11 @@ def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[i
                 if cut == 0:
                     parts.append(block)
                     held += len(block)
-                    if held > MAX_RECORD_BYTES:
-                        raise _too_long(path, line)
+                    if held > limit:
+                        raise _too_long(path, line, limit)
                     continue
-                if held + block.find(b"\n") > MAX_RECORD_BYTES:
-                    raise _too_long(path, line)
+                if held + block.find(b"\n") > limit:
+                    raise _too_long(path, line, limit)
                 whole = b"".join([*parts, block[:cut]]) if parts else block[:cut]
                 parts, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
                 yield line, whole

@@ -17,6 +17,7 @@ from train.core.units import cpu_cores
 from train.data import records, span_corruption
 from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
+from train.data.json_lines import record_limit
 from train.data.loader import Data
 from train.data.sft_batching import Seq2SeqCollator
 
@@ -27,10 +28,12 @@ def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, se
     little longer than MAX_LENGTH; its sentinels are added to the tokenizer here. NUM_WORKERS
     above the CPU cores is lowered in `d` (a decision)."""
     cache_dir = Path(d.cache_dir)
-    files = data.corpus_files(d.data_path)
-    key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
-    tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field, d.tokenizer_sample_mb)
-    tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
+    with record_limit(d.max_record_mb):
+        files = data.corpus_files(d.data_path)
+        key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
+        tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field,
+                                  d.tokenizer_sample_mb)
+        tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     cores = cpu_cores()
     if d.num_workers > cores:
         decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers only contend")
@@ -66,7 +69,7 @@ def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_l
     VAL_PATH's own windows, or the last part of the token stream, so the two never overlap."""
     window = window or max_length
     if d.val_path is not None:
-        with records.reading("VAL_PATH"):
+        with records.reading("VAL_PATH"), record_limit(d.max_record_mb):
             files = data.corpus_files(d.val_path)
             key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums", "VAL_PATH")
             tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
