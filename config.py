@@ -8,6 +8,7 @@ variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag i
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -86,7 +87,8 @@ class DataConfig:
     sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
     tokenize_workers: int | None = None
     """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
-    every core (a corpus under 8 MB: none, in the training process)."""
+    every core (a corpus under 8 MB: none, in the training process). More than the CPU cores is
+    refused: each extra process only adds its start-up (32 on 2 cores spawned 33 processes)."""
     max_length: int | None = None
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
@@ -130,6 +132,10 @@ class DataConfig:
         _check_int(self, "vocab_size", 256)
         _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
         _check_int(self, "tokenize_workers", 1, optional=True)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.tokenize_workers is not None and self.tokenize_workers > cores:
+            raise bad_value("tokenize_workers", f"a whole number from 1 to {cores} (this machine's CPU cores)",
+                            self.tokenize_workers)  # fmt: skip
         if not self.text_field.strip():
             raise bad_value("text_field", "the name of the text field or column", self.text_field)
         _check_int(self, "token_budget", 1, optional=True)
@@ -310,6 +316,8 @@ class RunConfig:
             raise bad_value("mode", " | ".join(MODES), self.mode)
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
             raise bad_value("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
+        if (self.run_name or "").lower() == "latest":  # a run folder there would stop runs/latest from ever moving again
+            raise UsageError("RUN_NAME=latest: that name is the link to the newest run (OUTPUT_DIR/latest); pick another")
         _check_int(self, "log_every", 1, optional=True)
         _check_int(self, "save_every", 0)
         _check_int(self, "keep_checkpoints", 1)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, make_text, run_cli
 
 FAST = ["--batch_size", "4", "--seed", "3", "--log_every", "1", "--save_every", "2"]
 
@@ -91,3 +91,106 @@ def test_file_size_limit_inside_a_checkpoint_write_is_one_line(file, done):
     # and the line's command continues the run once the limit is gone
     assert train("pretrain", *flags, "--max_steps", "6", "--resume", "1").returncode == 0
     assert json.loads((run / "summary.json").read_text())["exit_reason"] == "completed"
+
+
+T5_TINY = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_ff": 64, "num_heads": 2,
+           "d_kv": 16, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32}  # fmt: skip
+GPT2_TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
+BAD_CONFIGS = [
+    ("T3 d_kv 0", {**T5_TINY, "d_kv": 0}, "d_kv must be a whole number >= 1, got 0"),
+    ("T4 d_ff 0", {**T5_TINY, "d_ff": 0}, "d_ff must be a whole number >= 1, got 0"),
+    ("T5 buckets 0", {**T5_TINY, "relative_attention_num_buckets": 0},
+     "relative_attention_num_buckets must be a whole number >= 4, got 0"),
+    ("buckets beyond distance", {**T5_TINY, "relative_attention_max_distance": 4},
+     "relative_attention_max_distance (4) must be larger than half of relative_attention_num_buckets (8)"),
+    ("E17 NaN epsilon", {**GPT2_TINY, "layer_norm_epsilon": float("nan")},
+     "layer_norm_epsilon is nan; a model config's numbers must be finite"),
+    ("inf T5 epsilon", {**T5_TINY, "layer_norm_epsilon": float("inf")},
+     "layer_norm_epsilon is inf; a model config's numbers must be finite"),
+    ("T11 unknown type", {**GPT2_TINY, "model_type": "gpt3-turbo"},
+     "unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, qwen2 ...) and encoder-decoders "
+     "(t5, bart ...)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("label, config, expect", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_a_model_config_that_cannot_train_is_one_line_before_any_run_folder(label, config, expect, done,
+                                                                           tmp_path, capsys):  # fmt: skip
+    """Each was a ZeroDivisionError (weight init or the first forward, a half-made run folder),
+    a NaN run that ended advising a lower LEARNING_RATE, or transformers' 11,745-character list."""
+    runs, flags = done
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))  # json writes NaN and Infinity, and reads them back
+    out = tmp_path / "runs"
+    assert run_cli("pretrain", *flags, "--model_config", str(path), "--output_dir", str(out), "--max_steps", "2") == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert errors[0] == f"error: MODEL_CONFIG={path}: {expect}" and len(errors[0]) < 400
+    assert not out.exists() or not any(out.iterdir())  # no run folder, half-made or not
+
+
+def test_the_nan_epsilon_through_the_command_line_exits_2(done, tmp_path):
+    """The same refusal in a real `python -m train` process: exit code 2, one line."""
+    runs, flags = done
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT2_TINY, "layer_norm_epsilon": float("nan")}))
+    proc = train("pretrain", *flags, "--model_config", str(path), "--output_dir", str(tmp_path / "runs"))
+    assert one_line(proc).endswith("layer_norm_epsilon is nan; a model config's numbers must be finite")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("workers", ["1000", "cores+1"])
+def test_tokenize_workers_above_the_cores_is_one_line(workers, done, tmp_path, capsys):
+    runs, flags = done
+    cores = len(os.sched_getaffinity(0))
+    value = str(cores + 1) if workers == "cores+1" else workers
+    argv = [*flags, "--output_dir", str(tmp_path / "runs"), "--max_steps", "2", "--tokenize_workers", value]
+    assert run_cli("pretrain", *argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"error: TOKENIZE_WORKERS (--tokenize_workers): expected a whole number from 1 to {cores} "
+        f"(this machine's CPU cores), got {value}"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_name_latest_is_refused_and_a_failed_latest_swap_leaves_no_link(done, tmp_path, capsys):
+    """RUN_NAME=latest made a run folder where the runs/latest link goes, and every later run
+    left a .latest.<pid> link beside it. Refused now; and where runs/latest is such a folder
+    (made by an older kit), a run leaves no temporary link behind."""
+    runs, flags = done
+    out = tmp_path / "runs"
+    assert run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "2", "--run_name", "latest") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "error: RUN_NAME=latest: that name is the link to the newest run (OUTPUT_DIR/latest); pick another"
+    )
+    assert not out.exists()
+    (out / "latest").mkdir(parents=True)
+    (out / "latest" / "keep.txt").write_text("an older kit's run\n")
+    assert run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "2", "--run_name", "next") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["latest", "next"]
+    assert not list((out / "next" / "checkpoints").glob(".latest.*"))
+    assert (out / "latest" / "keep.txt").read_text() == "an older kit's run\n"
+
+
+def test_resume_with_a_data_path_that_trains_another_tokenizer_is_refused(done, tmp_path, capsys):
+    """E15: the new corpus trains a BPE of the same size whose ids mean other text; the run's
+    checkpoint, files and final/ stay as they were."""
+    run, flags = copy_run(done, "newdata")
+    other = tmp_path / "other.txt"
+    # other sentences of the same words: a BPE of the same size, its ids in another order
+    other.write_text(make_text(9, 6000))
+    before = snapshot(run)
+    argv = [*flags, "--data_path", str(other), "--max_steps", "4", "--resume", "1"]
+    assert run_cli("pretrain", *argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"error: RESUME=1: checkpoint step-00000002 was trained with another tokenizer than this run's "
+        f"(DATA_PATH={flags[flags.index('--data_path') + 1]}); a new DATA_PATH or TOKENIZER_PATH gives the same "
+        "text other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
+    )
+    assert snapshot(run) == before
+    # the run's own DATA_PATH resumes it
+    assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 0
