@@ -246,3 +246,19 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
     assert not list(folder.glob(".tmp-*")) and not list(folder.glob(".latest.*"))
     summary = json.loads((disk / "full" / "summary.json").read_text())
     assert summary["exit_reason"] == "write_failed" and summary["steps"] == 4
+
+
+def test_sft_from_a_model_of_an_unknown_type_is_one_short_line(base_model, tmp_path, capsys):
+    """T11 through MODEL_PATH: transformers' own error is one line listing every model type."""
+    folder = tmp_path / "model"
+    shutil.copytree(base_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt3-turbo"}))
+    out = tmp_path / "runs"
+    assert run_cli("sft", "--model_path", str(folder), "--output_dir", str(out), "--max_steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"error: MODEL_PATH={folder}: unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, "
+        "qwen2 ...) and encoder-decoders (t5, bart ...)"
+    )
+    assert not out.exists()
