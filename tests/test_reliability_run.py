@@ -259,6 +259,7 @@ def test_sft_from_a_model_of_an_unknown_type_is_one_short_line(base_model, tmp_p
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         f"error: MODEL_PATH={folder}: unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, "
-        "qwen2 ...) and encoder-decoders (t5, bart ...)"
+        "qwen2 ...) and encoder-decoders (t5, bart ...); if it ships its own model code and you trust it: "
+        "TRUST_REMOTE_CODE=1"
     )
     assert not out.exists()

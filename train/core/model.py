@@ -63,7 +63,7 @@ def refuse_other_kinds(cfg, variable: str) -> None:
         )
 
 
-def refuse_unknown_type(model_type, variable: str) -> None:
+def refuse_unknown_type(model_type, variable: str, hint: str = "") -> None:
     """A model_type transformers does not know: one short line, not transformers' own error,
     which lists every model type it has (11,745 characters on one line)."""
     from transformers import CONFIG_MAPPING
@@ -71,7 +71,7 @@ def refuse_unknown_type(model_type, variable: str) -> None:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise UsageError(
             f"{variable}: unknown model_type {str(model_type)[:80]!r}; this kit trains causal LMs (gpt2, llama, "
-            "qwen2 ...) and encoder-decoders (t5, bart ...)"
+            f"qwen2 ...) and encoder-decoders (t5, bart ...){hint}"
         )
 
 
