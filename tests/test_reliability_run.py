@@ -177,13 +177,16 @@ def test_run_name_latest_is_refused_and_a_failed_latest_swap_leaves_no_link(done
     assert (out / "latest" / "keep.txt").read_text() == "an older kit's run\n"
 
 
-def test_resume_with_a_data_path_that_trains_another_tokenizer_is_refused(done, tmp_path, capsys):
-    """E15: the new corpus trains a BPE of the same size whose ids mean other text; the run's
-    checkpoint, files and final/ stay as they were."""
-    run, flags = copy_run(done, "newdata")
+@pytest.mark.parametrize("size", ["same", "other"])
+def test_resume_with_a_data_path_that_trains_another_tokenizer_is_refused(size, done, tmp_path, capsys):
+    """E15: the new corpus trains a BPE whose ids mean other text, of the same size (trained
+    silently before) or another (named as another model before); the run stays as it was."""
+    run, flags = copy_run(done, f"newdata-{size}")
     other = tmp_path / "other.txt"
-    # other sentences of the same words: a BPE of the same size, its ids in another order
-    other.write_text(make_text(9, 6000))
+    if size == "same":  # other sentences of the same words: as many tokens, their ids in another order
+        other.write_text(make_text(9, 6000))
+    else:  # the words spelled backwards: more merges
+        other.write_text("".join(" ".join(w[::-1] for w in line.split()) + "\n" for line in make_text(5, 4000).splitlines()))
     before = snapshot(run)
     argv = [*flags, "--data_path", str(other), "--max_steps", "4", "--resume", "1"]
     assert run_cli("pretrain", *argv) == 2
@@ -194,6 +197,8 @@ def test_resume_with_a_data_path_that_trains_another_tokenizer_is_refused(done, 
         "text other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
     )
     assert snapshot(run) == before
+    if size == "other":
+        return
     # the run's own DATA_PATH resumes it
     assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 0
 

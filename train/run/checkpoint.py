@@ -51,6 +51,7 @@ from train.run.checkpoint_checks import (
     other_model,
     read_weights,
     sha256_of,
+    tokenizer_change,
 )
 from train.run.rng import rng_state, rng_states, set_rng_state
 
@@ -278,7 +279,7 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         check_meta(meta)
-        changed = model_change(path.name, meta["settings"], settings)
+        changed = model_change(path.name, meta["settings"], settings) or tokenizer_change(path.name, meta, settings)
         if changed:
             raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"

@@ -88,7 +88,6 @@ def from_checkpoint(b, run_path: Path, say, checkpoints: Checkpointer, param_gro
     if len(set(names)) > 1:  # a checkpoint folder not shared by every machine
         raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
     meta, saved = loaded.meta, loaded.meta["settings"]
-    _same_tokenizer(loaded.path.name, meta, checkpoints.settings())
     state = _counts(meta, fresh(b, effective))
     samples = state.counted_before[0] if state.counted_before else meta["samples"]
     say(
@@ -111,25 +110,6 @@ def from_checkpoint(b, run_path: Path, say, checkpoints: Checkpointer, param_gro
         if dropped:
             say(f"dropped {dropped} metrics row(s) written after step {state.first_step} by the stopped run")
     return state, loaded
-
-
-def _same_tokenizer(name: str, meta: dict, now: dict) -> None:
-    """The checkpoint's weights know its tokenizer's ids: a tokenizer trained on another DATA_PATH
-    (or another TOKENIZER_PATH), even of the same size, maps the same text to other ids, and the
-    run would train on noise, then ship that tokenizer in final/. Refused rather than kept: the
-    checkpoint holds no copy of its tokenizer, and the new data would need its own token cache
-    made with the old one. A checkpoint from before the digest was recorded is not checked."""
-    saved = meta["settings"].get("tokenizer")
-    if saved is None or now.get("tokenizer") is None or saved == now["tokenizer"]:
-        return
-    settings = meta["settings"]
-    was = [f"{k.upper()}={settings[k] or '(the built-in corpus)'}" for k in ("data_path",) if k in settings]
-    was += [f"TOKENIZER_PATH={settings['tokenizer_path']}"] if settings.get("tokenizer_path") else []
-    raise UsageError(
-        f"RESUME=1: checkpoint {name} was trained with another tokenizer than this run's"
-        f"{' (' + ', '.join(was) + ')' if was else ''}; a new DATA_PATH or TOKENIZER_PATH gives the same text "
-        "other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
-    )
 
 
 def _counts(meta: dict, state: ResumeState) -> ResumeState:
