@@ -19,6 +19,7 @@ from train.core.checks import ENV_NAMES, bad_value, env_name, exists_or_matches,
 from train.core.checks import check_float as _check_float
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
+from train.core.units import cpu_cores
 
 KIT_DIR = Path(__file__).resolve().parent
 
@@ -86,11 +87,11 @@ class DataConfig:
     """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a
     sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
     max_record_mb: float = 64.0
-    """Longest JSONL record (one line, decompressed) read before it is refused: past it a line is a
-    mistake or a decompression bomb. Raise it for real records of whole books."""
+    """Longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb."""
     tokenize_workers: int | None = None
     """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
-    every core (a corpus under 8 MB: none, in the training process)."""
+    every core (a corpus under 8 MB: none, in the training process). More than the CPU cores is
+    refused: each extra process only adds its start-up (32 on 2 cores spawned 33 processes)."""
     max_length: int | None = knob(None, "auto")
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
     model's context length."""
@@ -134,7 +135,7 @@ class DataConfig:
         _check_int(self, "vocab_size", 256)
         _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
         _check_float(self, "max_record_mb", 0.0, strict=True)
-        _check_int(self, "tokenize_workers", 1, optional=True)
+        _check_int(self, "tokenize_workers", 1, optional=True, maximum=cpu_cores(), why=" (this machine's CPU cores)")
         if not self.text_field.strip():
             raise bad_value("text_field", "the name of the text field or column", self.text_field)
         _check_int(self, "token_budget", 1, optional=True)
@@ -315,6 +316,8 @@ class RunConfig:
             raise bad_value("mode", " | ".join(MODES), self.mode)
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
             raise bad_value("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
+        if (self.run_name or "").lower() == "latest":  # a run folder there would stop runs/latest from ever moving again
+            raise UsageError("RUN_NAME=latest: that name is the link to the newest run (OUTPUT_DIR/latest); pick another")
         _check_int(self, "log_every", 1, optional=True)
         _check_int(self, "save_every", 0)
         _check_int(self, "keep_checkpoints", 1)

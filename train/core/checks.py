@@ -51,12 +51,15 @@ def bad_value(name: str, accepted: str, value) -> UsageError:
     return UsageError(f"{env_name(name)} (--{name}): expected {accepted}, got {value!r}")
 
 
-def check_int(obj, name: str, minimum: int, optional: bool = False) -> None:
+def check_int(obj, name: str, minimum: int, optional: bool = False, maximum: int | None = None,
+              why: str = "") -> None:
     value = getattr(obj, name)
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise bad_value(name, f"a whole number >= {minimum}", value)
+    if maximum is not None and value > maximum:
+        raise bad_value(name, f"a whole number from {minimum} to {maximum}{why}", value)
 
 
 def check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:

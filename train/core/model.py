@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -59,6 +60,18 @@ def refuse_other_kinds(cfg, variable: str) -> None:
         raise UsageError(
             f"{variable}: model type {getattr(cfg, 'model_type', None)!r} is neither a causal LM (gpt2, llama, "
             "qwen2, mistral ...) nor an encoder-decoder LM (t5, mt5, bart ...); this kit trains those two kinds"
+        )
+
+
+def refuse_unknown_type(model_type, variable: str, hint: str = "") -> None:
+    """A model_type transformers does not know: one short line, not transformers' own error,
+    which lists every model type it has (11,745 characters on one line)."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise UsageError(
+            f"{variable}: unknown model_type {str(model_type)[:80]!r}; this kit trains causal LMs (gpt2, llama, "
+            f"qwen2 ...) and encoder-decoders (t5, bart ...){hint}"
         )
 
 
@@ -119,8 +132,11 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     try:
         raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         model_type = raw.pop("model_type")
+        refuse_unknown_type(model_type, f"MODEL_CONFIG={model_config}")
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
+    except UsageError:
+        raise
     except Exception as err:  # OSError, ValueError, KeyError, huggingface_hub's validation errors
         why = " ".join(line.strip() for line in str(err).splitlines()) or type(err).__name__
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
@@ -156,6 +172,44 @@ def check_shape(cfg, variable: str) -> None:
         if getattr(cfg, name, None) is not None:
             whole(f"the context length ({name})", getattr(cfg, name))
             break
+    # Sizes transformers divides by or builds layers of: 0 is a ZeroDivisionError in the weight
+    # init (T5's d_kv, d_ff) or at the first forward (T5's relative position buckets).
+    for name in SIZE_FIELDS:
+        if getattr(cfg, name, None) is not None:
+            whole(name, getattr(cfg, name))
+    check_buckets(cfg, variable)
+    check_finite(cfg.to_dict(), variable)
+
+
+SIZE_FIELDS = ("d_kv", "d_ff", "n_inner", "intermediate_size", "head_dim",
+               "num_decoder_layers", "relative_attention_max_distance")  # fmt: skip
+
+
+def check_buckets(cfg, variable: str) -> None:
+    """T5's relative positions: the encoder halves the buckets and takes half of those as exact
+    offsets, then divides by log(max_distance / exact); fewer than 4 buckets, or a distance not
+    beyond the decoder's exact half, divides by zero or indexes outside the table."""
+    buckets = getattr(cfg, "relative_attention_num_buckets", None)
+    distance = getattr(cfg, "relative_attention_max_distance", None)
+    if buckets is None:
+        return
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 4:
+        raise UsageError(f"{variable}: relative_attention_num_buckets must be a whole number >= 4, got {buckets!r}")
+    if distance is not None and distance <= buckets // 2:
+        raise UsageError(
+            f"{variable}: relative_attention_max_distance ({distance}) must be larger than half of "
+            f"relative_attention_num_buckets ({buckets})"
+        )
+
+
+def check_finite(values: dict, variable: str, prefix: str = "") -> None:
+    """Every float of a model config finite: a NaN layer_norm_epsilon trains NaN from the first
+    step and would end advising a lower LEARNING_RATE."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            check_finite(value, variable, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{variable}: {prefix}{key} is {value}; a model config's numbers must be finite")
 
 
 def context_length(cfg) -> int:

@@ -21,7 +21,7 @@ unpickler too, never by torch.distributed.checkpoint's own reader (train/distrib
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import os
 import re
@@ -51,6 +51,7 @@ from train.run.checkpoint_checks import (
     other_model,
     read_weights,
     sha256_of,
+    tokenizer_change,
 )
 from train.run.rng import rng_state, rng_states, set_rng_state
 
@@ -135,18 +136,23 @@ class CheckpointManager:
         free = self.free_bytes()
         if free < needed:
             raise self._disk_full(name, needed, free)
-        tmp = None
+        tmp, writing = None, WEIGHTS
         try:
             tmp = files.fresh_folder(self.folder, f".tmp-{name}-")
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+            writing = STATE
             state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **rng_states(rngs)}
-            torch.save(state, tmp / STATE)
+            # Through a handle of ours: given a path, torch.save's C++ writer reports a full disk
+            # or EFBIG as "unexpected pos" with no errno; given a handle, the OSError is kept.
+            with open(tmp / STATE, "xb") as handle:
+                torch.save(state, handle)
+            writing = META
             target = self._complete(tmp, name, step, meta, [WEIGHTS, STATE])
-        except OSError as err:
+        except Exception as err:  # safetensors (Rust) raises its "(os error 27)" as a plain Exception
             if tmp is not None:
                 files.remove(tmp)
-            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise self._disk_full(name, needed, self.free_bytes()) from None
+            if files.errno_of(err) in files.DISK_FULL:
+                raise self._failed_write(name, writing, files.errno_of(err)) from None
             raise
         return target
 
@@ -179,8 +185,8 @@ class CheckpointManager:
         except Exception as err:
             if world.is_main:
                 files.remove(tmp)
-            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise self._disk_full(name, needed, self.free_bytes()) from None
+            if files.errno_of(err) in files.DISK_FULL:
+                raise self._failed_write(name, SHARDS, files.errno_of(err)) from None
             raise
         distributed.agree(None)  # a barrier: the checkpoint is complete for every rank
         self.last_saved = name
@@ -205,16 +211,31 @@ class CheckpointManager:
         self.prune()
         return target
 
-    def _disk_full(self, name: str, needed: int, free: int) -> DiskFull:
+    def _resume_advice(self) -> tuple[str, str]:
+        """(what is intact, what to do) after a save that did not fit."""
         # RESUME=1 needs a checkpoint to continue from; before the first one only a rerun helps.
         saved = self.last_saved or next((p.name for p in list_checkpoints(self.folder)), None)
         if saved:
-            previous, then = f"the previous checkpoint {saved} is intact", "free space or lower KEEP_CHECKPOINTS, then RESUME=1"
-        else:
-            previous, then = "no checkpoint yet", "free space, then run again (OVERWRITE=1 to reuse the run folder)"
+            return (
+                f"the previous checkpoint {saved} is intact",
+                f"free space or lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME={self.folder.parent.name} continues the run",
+            )
+        return "no checkpoint yet", "free space, then run again (OVERWRITE=1 to reuse the run folder)"
+
+    def _disk_full(self, name: str, needed: int, free: int) -> DiskFull:
+        previous, then = self._resume_advice()
         return DiskFull(
             f"disk full: checkpoint {name} needs about {needed / 2**20:,.0f} MiB in {self.folder} but "
             f"{free / 2**20:,.0f} MiB are free ({previous}); {then}"
+        )
+
+    def _failed_write(self, name: str, file: str, code: int) -> DiskFull:
+        """A write that failed part-way (the space check passed, then the disk filled or the
+        file-size limit hit): the file named, its temporary folder already removed."""
+        previous, then = self._resume_advice()
+        return DiskFull(
+            f"disk full: writing checkpoint {name} failed at {file} in {self.folder} ({os.strerror(code)}); "
+            f"{previous}; {then}"
         )
 
     def _point_latest(self, name: str) -> None:
@@ -224,8 +245,9 @@ class CheckpointManager:
                 tmp.unlink()
             tmp.symlink_to(name)
             os.replace(tmp, link)
-        except OSError:
-            pass  # checkpoints/latest is a convenience; loading scans the folder instead
+        except OSError:  # checkpoints/latest is a convenience; loading scans the folder instead
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # never left behind: one per process id would pile up
 
     def prune(self) -> None:
         """Keep the newest `keep` checkpoints; only called once a newer one is complete."""
@@ -257,7 +279,7 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         check_meta(meta)
-        changed = model_change(path.name, meta["settings"], settings)
+        changed = model_change(path.name, meta["settings"], settings) or tokenizer_change(path.name, meta, settings)
         if changed:
             raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"

@@ -85,6 +85,26 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     )
 
 
+def tokenizer_change(name: str, meta: dict, now: dict | None) -> str | None:
+    """The line for a resume whose tokenizer is not the checkpoint's, or None. The checkpoint's
+    weights know its tokenizer's ids: one trained on another DATA_PATH (or another
+    TOKENIZER_PATH), even of the same size, maps the same text to other ids, and the run would
+    train on noise, then ship that tokenizer in final/. Refused rather than kept: the checkpoint
+    holds no copy of its tokenizer, and the new data would need its own token cache made with the
+    old one. A checkpoint from before the digest was recorded is not checked."""
+    settings = meta["settings"]
+    saved, current = settings.get("tokenizer"), (now or {}).get("tokenizer")
+    if saved is None or current is None or saved == current:
+        return None
+    was = [f"DATA_PATH={settings['data_path'] or '(the built-in corpus)'}"] if "data_path" in settings else []
+    was += [f"TOKENIZER_PATH={settings['tokenizer_path']}"] if settings.get("tokenizer_path") else []
+    return (
+        f"RESUME=1: checkpoint {name} was trained with another tokenizer than this run's"
+        f"{' (' + ', '.join(was) + ')' if was else ''}; a new DATA_PATH or TOKENIZER_PATH gives the same text "
+        "other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
+    )
+
+
 def check_files(path: Path, meta: dict) -> None:
     names = set(meta["files"])
     if layout(meta) == "whole" and names != {WEIGHTS, STATE}:

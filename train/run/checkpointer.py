@@ -6,6 +6,8 @@ position, schedule) is the resume state's (train/run/resume.py), handed in as `m
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -17,6 +19,18 @@ from train.run.rng import rng_state
 # Settings compared with the checkpoint's on resume, to say what changed: config.py's fields
 # marked "compared".
 COMPARED = knobs.marked("compared")
+
+
+def tokenizer_digest(tok) -> str | None:
+    if tok is None:
+        return None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        raw = json.loads(backend.to_str())
+        what = {"model": raw.get("model"), "added": raw.get("added_tokens")}
+    else:
+        what = sorted(tok.get_vocab().items())
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Checkpointer:
@@ -44,8 +58,17 @@ class Checkpointer:
         settings.update(effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length)
         # what chose the model, for the changed-model message of a later RESUME=1
         settings.update(model_config=self.cfg.model.model_config, model_path=self.b.summary_extra.get("model_path"))
-        settings.update(model_family=self.cfg.model.model_family)
+        settings.update(model_family=self.cfg.model.model_family, tokenizer=self.tokenizer_digest())
+        settings.update(data_path=self.cfg.data.data_path, tokenizer_path=self.cfg.data.tokenizer_path)
         return settings
+
+    def tokenizer_digest(self) -> str | None:
+        """What the token ids mean: a digest of the tokenizer's vocabulary and merges (not its
+        padding or truncation state), so RESUME=1 can tell a tokenizer trained on other data
+        (train/run/resume_state.py). Computed once per run."""
+        if not hasattr(self, "_tokenizer_digest"):
+            self._tokenizer_digest = tokenizer_digest(getattr(self.b, "tokenizer", None))
+        return self._tokenizer_digest
 
     def data_identity(self) -> dict:
         ds = self.b.dataset

@@ -21,7 +21,7 @@ def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) ->
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a
-    failed append (a full disk) writes no final/ (RESUME=1 continues from the checkpoint): its
+    failed append or checkpoint (a full disk) writes no final/ (RESUME=1 continues from the checkpoint): its
     summary.json where the disk still takes it, then the append's one line."""
     full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
     stopped = summary["exit_reason"] == "write_failed"
@@ -34,7 +34,9 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
                 run_dir.write("summary.json", summary)
             raise
     if stopped:
-        summary["write_error"] = line = run_dir.failed or "rank 0 could not write the run folder"
+        # a checkpoint that did not fit (the guard's line) or a failed append (the run folder's)
+        line = summary.get("write_error") or run_dir.failed or "rank 0 could not write the run folder"
+        summary["write_error"] = line
         try:
             run_dir.write("summary.json", summary)
         except OSError:

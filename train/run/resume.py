@@ -18,7 +18,7 @@ import torch
 
 from train.distributed import distributed, parallel
 from train.run import resume_state
-from train.run.checkpoint import SHARDS, checkpoint_name, list_checkpoints
+from train.run.checkpoint import SHARDS, DiskFull, checkpoint_name, list_checkpoints
 from train.run.checkpointer import Checkpointer
 from train.run.health import Health
 from train.run.rng import set_rng_state
@@ -39,6 +39,7 @@ class RunGuard:
         self.signals = StopSignals(announce=b.world.is_main)
         self.stop_signal: int | None = None
         self.stop_detail = ""
+        self.write_error: str | None = None  # a checkpoint that did not fit: its one line
         self.loaded = None
         if self.cfg.run.resume:
             self.state, self.loaded = resume_state.from_checkpoint(
@@ -113,8 +114,8 @@ class RunGuard:
                 f"loss non-finite for {streak} steps in a row from step {first_bad} (NAN_PATIENCE={r.nan_patience}); "
                 f"newest good checkpoint: {last or 'none'}; lower LEARNING_RATE and resume with RESUME=1",
             )
-        if save_due:
-            self.save(steps_done, counted)
+        if save_due and not self.save(steps_done, counted):
+            return "write_failed"
         return None
 
     def stop(self, reason: str, detail: str) -> str:
@@ -123,12 +124,19 @@ class RunGuard:
         self.say("stopping: " + detail)
         return reason
 
-    def save(self, steps_done: int, counted=None) -> None:
-        """A checkpoint of this step (train/run/checkpointer.py), with where the run is."""
+    def save(self, steps_done: int, counted=None) -> bool:
+        """A checkpoint of this step (train/run/checkpointer.py), with where the run is. False
+        when it did not fit (a full disk, a file-size limit): the run then stops as a failed
+        append stops it, with summary.json where the disk takes it and the resume command."""
         counts = counted or (lambda: None)
-        self.checkpoints.save(
-            steps_done, self.model, self.optimizer, self.scaler, self.health, lambda: self._meta(steps_done, counts())
-        )
+        try:
+            self.checkpoints.save(
+                steps_done, self.model, self.optimizer, self.scaler, self.health, lambda: self._meta(steps_done, counts())
+            )
+        except DiskFull as err:
+            self.write_error = str(err)
+        # every rank stops at the same step, or one waits forever in a collective
+        return not distributed.max_across(self.b.world, [int(self.write_error is not None)])[0]
 
     def seconds_saving_since(self, t0: float, t1: float = float("inf")) -> float:
         return self.checkpoints.seconds_saving_since(t0, t1)
@@ -187,6 +195,8 @@ class RunGuard:
             "loss_scale": scale,
             "stop_signal": signal.Signals(self.stop_signal).name if self.stop_signal else None,
             "stop_detail": self.stop_detail or None,
+            # a checkpoint that did not fit: the run ends as write_failed (train/run/outputs.py)
+            **({"exit_reason": "write_failed", "write_error": self.write_error} if self.write_error else {}),
         }
 
     def exit_code(self, exit_reason: str) -> int:

@@ -8,6 +8,7 @@ finished only when summary.json and a complete final/ of the same step agree."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,8 +153,9 @@ class RunDir:
                 tmp.unlink()
             tmp.symlink_to(self.path.name)
             os.replace(tmp, latest)
-        except OSError:
-            pass  # file systems without symlinks: runs/latest is a convenience only
+        except OSError:  # file systems without symlinks: runs/latest is a convenience only
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # never left behind: one per process id would pile up
 
     def _append(self, handle: files.Appender, text: str) -> None:
         if handle.fd is None:  # failed before: a later row would leave a gap in the record

@@ -78,6 +78,9 @@ def model_kind_of(path: Path, trust_remote_code: bool) -> str | None:
 
     config = SimpleNamespace(model_type=raw.get("model_type"), is_decoder=bool(raw.get("is_decoder")))
     if config.model_type not in CONFIG_MAPPING_NAMES:
+        if isinstance(config.model_type, str) and "auto_map" not in raw:  # not a type of the folder's own code
+            hint = "; if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1"
+            model_lib.refuse_unknown_type(config.model_type, f"MODEL_PATH={path}", "" if trust_remote_code else hint)
         return None
     model_lib.refuse_other_kinds(config, f"MODEL_PATH={path}")
     return model_lib.model_kind(config)
