@@ -29,7 +29,7 @@ from pathlib import Path
 
 kit = Path(__file__).resolve().parents[2]
 args = sys.argv[1:]
-if args[:3] == ["-m", "train", "compare"] or args[:1] == ["-c"]:
+if args[:2] != ["-m", "train"] or args[2:3] == ["compare"]:  # common.sh's knob lists, compare: real
     os.execv({python!r}, [{python!r}, *args])
 flags = dict(zip(args[3::2], args[4::2]))
 with open(kit / "calls.jsonl", "a") as f:
