@@ -110,7 +110,7 @@ class SFTSource:
                                 set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide)
         self.conversations = data.conversations
         data.summary = {"model_path": str(self.path), **data.summary}
-        compile_guard.bucket_lengths(cfg.model.compile, device, max_length, (data.collate, data.val_collate),
+        compile_guard.bucket_lengths(cfg.model.compile, device, max_length, data.collate, data.val_collate,
                                      self.kind == "seq2seq", decide)
         return data
 
