@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 
 from train.core.units import IGNORE_INDEX
 
-BUCKETS = 8  # at most dynamo's recompile_limit (8): one graph per width never overflows it
+BUCKETS = 8  # a static graph per width: few compiles, each within dynamo's recompile limit
 BUCKET_RATIO = 1.5  # each width at most 1.5x the one below: a row pads to at most 1.5x itself
 
 

@@ -135,6 +135,12 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
         say(f"warning: COMPILE=1 but {info['compile_error']}; training without it (eager)")
         return model, batches, info
     _reset_dynamo()  # a fresh cache: an earlier model compiled in this process must not count
+    if static_lengths:  # past the limit dynamo runs new shapes eager, silently; a bucket's graph
+        # may be made once more when the rows change (TOKEN_BUDGET, an out-of-memory halving)
+        from train.data.sft_batching import BUCKETS
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * BUCKETS)
     counts = info["counts"] = Counts()
 
     def failed(err: BaseException) -> None:
@@ -194,7 +200,7 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
            "pair would be dozens)" if seq2seq else "a static graph per bucket, at most one compile each")
     decide("length_buckets", ",".join(map(str, widths)),
            f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below "
-           f"(at most dynamo's recompile limit of 8 graphs); {how}; a packed row pads to rows x MAX_LENGTH")
+           f"(a static graph each, within dynamo's recompile limit, raised to 16 for them); {how}; a packed row pads to rows x MAX_LENGTH")
 
 
 def finish_counts(info: dict) -> dict:
