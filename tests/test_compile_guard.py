@@ -30,7 +30,7 @@ def test_failed_compile_trains_like_eager_and_says_so(tiny_flags, tmp_path, monk
     assert run_cli("pretrain", *argv, "--compile", "1", "--run_name", "broken") == 0
     run = tmp_path / "runs" / "broken"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["compile"] is False
+    assert summary["compile"]["enabled"] is False
     assert "no working Triton here" in summary["compile_error"] and "\n" not in summary["compile_error"]
     warnings = [
         line for line in (run / "train.log").read_text().splitlines() if "torch.compile failed" in line
@@ -45,7 +45,8 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
     argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "3", "--val_fraction", "0", "--compile", "1"]
     assert run_cli("pretrain", *argv, "--run_name", "c") == 0
     summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
-    assert summary["compile"] is True and summary["compile_error"] is None and summary["compile_s"] > 0
+    assert summary["compile"]["enabled"] is True and summary["compile_error"] is None and summary["compile_s"] > 0
+    assert summary["compile"]["graph_breaks"] == 0 and summary["compile"]["recompiles"] == 0
     assert len(losses(tmp_path / "runs" / "c")) == 3
 
 

@@ -33,17 +33,31 @@ import torch.nn.functional as F
 VARLEN_SDPA = "varlen_sdpa"
 
 
-def varlen_indices(lengths) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_indices(lengths, total: int | None = None, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(varlen_index, varlen_place) for conversations of these lengths laid end to end. The
     padding of a short conversation reads the row's first token: causality keeps every real
-    query of it away from those keys."""
+    query of it away from those keys.
+
+    total (a row padded past its real tokens, for shapes that repeat under torch.compile): the
+    row's pad tokens all take the first slot's output; nothing real ever reads a pad token
+    (no index points at one), and their labels are -100, so they change no loss and no
+    gradient. multiple: the longest rounded up to a multiple of it, and at least 2 of both
+    conversations and longest (a padded conversation reads the first token, and its output is
+    never gathered), so neither size is ever 1, which dynamo would specialize on."""
     lengths = torch.as_tensor(lengths, dtype=torch.long)
     longest = max(1, int(lengths.max())) if len(lengths) else 1
+    rows = len(lengths)
+    if total is not None:
+        longest, rows = max(2, -(-longest // multiple) * multiple), max(2, rows)
     starts = torch.cumsum(lengths, 0) - lengths
     offsets = torch.arange(longest)
-    inside = offsets[None, :] < lengths[:, None]
-    index = torch.where(inside, starts[:, None] + offsets[None, :], 0)
-    place = torch.arange(len(lengths) * longest).view(-1, longest)[inside]
+    inside = torch.zeros((rows, longest), dtype=torch.bool)
+    inside[: len(lengths)] = offsets[None, :] < lengths[:, None]
+    index = torch.zeros((rows, longest), dtype=torch.long)
+    index[: len(lengths)] = torch.where(inside[: len(lengths)], starts[:, None] + offsets[None, :], 0)
+    place = torch.arange(rows * longest).view(-1, longest)[inside]
+    if total is not None and total > len(place):
+        place = torch.cat([place, place.new_zeros(total - len(place))])
     return index, place
 
 

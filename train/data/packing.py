@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from train.core.attention import VARLEN_SDPA, varlen_indices
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
+from train.data.sft_batching import padded_width
 
 FLASH = "flash_attention_2"
 SDPA = "sdpa"
@@ -154,7 +155,13 @@ class PackedCollator:
     varlen_index / varlen_place (train/core/attention.py) in place of the cu_seq_lens; no mask
     tensor at all. Every form carries the ints n_real_tokens, n_padded_tokens (as PadCollator)
     and n_conversations.
+
+    widths (length_buckets, set where shapes must repeat): a masked batch pads to a bucket; a
+    flat row pads to rows x the last width (MAX_LENGTH), so every full batch has one shape,
+    its pad tokens labelled -100 and read by no real token (varlen_indices).
     """
+
+    widths: tuple[int, ...] | None = None
 
     def __init__(self, pad_token_id: int, attention: str = SDPA, pad_to_multiple_of: int = 1,
                  mask_dtype: torch.dtype = torch.float32):
@@ -169,7 +176,7 @@ class PackedCollator:
         if self.attention in (FLASH, VARLEN):
             return self._flat(parts, n_conversations)
         real = [len(p[0]) for p in parts]
-        width = max(1, -(-max(real) // self.multiple) * self.multiple)
+        width = max(1, padded_width(max(real), self.multiple, self.widths))
         ids = torch.full((len(parts), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(parts), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(parts), width), dtype=torch.long)
@@ -198,21 +205,28 @@ class PackedCollator:
         positions = [t for p in parts for t in p[2]]
         starts = [i for i, pos in enumerate(positions) if pos == 0] + [len(positions)]
         lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        real, total = len(ids), len(ids)
+        if self.widths and self.attention == VARLEN:  # flash's own varlen keeps its exact row
+            total = max(real, len(parts) * self.widths[-1])
+            ids += [self.pad_token_id] * (total - real)
+            labels += [IGNORE_INDEX] * (total - real)
+            positions += [0] * (total - real)
         batch = {
             "input_ids": torch.tensor([ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": torch.tensor([positions], dtype=torch.long),
         }
         if self.attention == VARLEN:
-            batch["varlen_index"], batch["varlen_place"] = varlen_indices(lengths)
+            padded = dict(total=total, multiple=8) if self.widths else {}
+            batch["varlen_index"], batch["varlen_place"] = varlen_indices(lengths, **padded)
         else:
             cu = torch.tensor(starts, dtype=torch.int32)
             longest = max(lengths, default=0)
             batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return {
             **batch,
-            "n_real_tokens": len(ids),
-            "n_padded_tokens": len(ids),
+            "n_real_tokens": real,
+            "n_padded_tokens": total,
             "n_conversations": n_conversations,
         }
 

@@ -19,6 +19,29 @@ from torch.utils.data import Sampler
 
 from train.core.units import IGNORE_INDEX
 
+BUCKETS = 8  # a static graph per width: few compiles, each within dynamo's recompile limit
+BUCKET_RATIO = 1.5  # each width at most 1.5x the one below: a row pads to at most 1.5x itself
+
+
+def length_buckets(max_length: int, multiple: int = 8) -> tuple[int, ...]:
+    """The padded widths a batch may take when shapes must repeat (COMPILE=1, or CUDA where
+    the caching allocator reuses blocks of equal size): MAX_LENGTH and up to BUCKETS - 1 widths
+    below it, each BUCKET_RATIO smaller, rounded up to a multiple of `multiple`."""
+    widths, width = {max_length}, float(max_length)
+    for _ in range(BUCKETS - 1):
+        width /= BUCKET_RATIO
+        widths.add(min(max_length, max(multiple, -(-int(width) // multiple) * multiple)))
+    return tuple(sorted(widths))
+
+
+def padded_width(longest: int, multiple: int = 1, widths: Sequence[int] | None = None) -> int:
+    """The width a batch whose longest row is `longest` pads to: the smallest bucket that holds
+    it (a row past the last bucket keeps its own width), or the next multiple of `multiple`."""
+    if widths:
+        return next((w for w in widths if w >= longest), longest)
+    return -(-longest // multiple) * multiple
+
+
 
 class PadCollator:
     """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
@@ -27,8 +50,11 @@ class PadCollator:
     Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
     loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
     size of the padded batch (rows x width, real tokens included). Pop the two ints before
-    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost.
+    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost; widths
+    (length_buckets, set where shapes must repeat) replaces it with a fixed set of widths.
     """
+
+    widths: tuple[int, ...] | None = None
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
@@ -36,8 +62,7 @@ class PadCollator:
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         lengths = [len(e["input_ids"]) for e in examples]
-        m = self.pad_to_multiple_of
-        width = -(-max(lengths) // m) * m
+        width = padded_width(max(lengths), self.pad_to_multiple_of, self.widths)
         input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -58,15 +83,17 @@ class Seq2SeqCollator:
     """An encoder-decoder's batch: input_ids (B, S) the sources padded to the longest source,
     attention_mask (B, S) 1 on real source tokens, labels (B, T) the targets, -100 on padding
     (the model shifts them right from its decoder start itself: no decoder_input_ids), plus the
-    two host ints of PadCollator over both sides (padded = rows x (S + T))."""
+    two host ints of PadCollator over both sides (padded = rows x (S + T)); widths as
+    PadCollator's, each side bucketed on its own."""
+
+    widths: tuple[int, ...] | None = None
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def _pad(self, rows: list, value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.pad_to_multiple_of
-        width = -(-max(len(r) for r in rows) // m) * m
+        width = padded_width(max(len(r) for r in rows), self.pad_to_multiple_of, self.widths)
         out = torch.full((len(rows), width), value, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):

@@ -39,21 +39,50 @@ def short_reason(err: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def mark_shapes(kwargs: dict, static_lengths: bool) -> dict:
+    """Tell dynamo which sizes to compile for. static_lengths (a causal model's bucketed batches):
+    the length dim static, one graph per bucket, each with kernels specialized to its size,
+    rather than dynamo's own switch to one dynamic graph at the second length. A packed row's
+    conversations x longest (varlen_index) vary with every batch: dynamic from the first call,
+    so the one graph serves them all (a graph per bucket pair would be dozens). The loss's
+    divisor num_items_in_batch, a host int that changes with every SFT batch, goes in as a
+    0-dim tensor made by a fill on the batch's device (no copy from the host, no sync): as an
+    int dynamo would guard on its value and recompile at the second one."""
+    items, ids = kwargs.get("num_items_in_batch"), kwargs.get("input_ids")
+    if isinstance(items, int) and torch.is_tensor(ids):
+        kwargs["num_items_in_batch"] = torch.full((), items, dtype=torch.long, device=ids.device)
+    if static_lengths:
+        for value in kwargs.values():
+            if torch.is_tensor(value) and value.dim() == 2:
+                torch._dynamo.mark_static(value, 1)
+    index = kwargs.get("varlen_index")
+    if index is not None:
+        torch._dynamo.maybe_mark_dynamic(index, 0)
+        torch._dynamo.maybe_mark_dynamic(index, 1)
+    return kwargs
+
+
 class GuardedModel:
     """Calls the compiled model; if it raises, calls the eager one instead, from then on. If the
-    eager call raises too, the fault is not compile's and that error propagates."""
+    eager call raises too, the fault is not compile's and that error propagates. strict (the
+    trial step): the compiled call's error propagates, for compile_model to judge."""
 
-    def __init__(self, compiled, eager, on_failure):
+    strict = False
+
+    def __init__(self, compiled, eager, on_failure, static_lengths: bool = False):
         self.compiled, self.eager, self.on_failure = compiled, eager, on_failure
+        self.static_lengths = static_lengths
 
     def __call__(self, *args, **kwargs):
         if self.compiled is None:
             return self.eager(*args, **kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            return self.compiled(*args, **mark_shapes(kwargs, self.static_lengths))
         except OOM:
             raise
         except Exception as err:
+            if self.strict:
+                raise
             out = self.eager(*args, **kwargs)
             self.compiled = None
             self.on_failure(err)
@@ -63,17 +92,59 @@ class GuardedModel:
         return getattr(self.eager, name)  # parameters(), config, train(): the eager module's
 
 
-def compile_model(model, batches, device: torch.device, precision: str, say):
+def not_compiled() -> dict:
+    """summary.json's compile entries of a run without COMPILE (or before it is tried)."""
+    return {"compile": {"enabled": False, "graph_breaks": None, "recompiles": None, "graphs": None},
+            "compile_error": None, "compile_s": None}
+
+
+def _counted() -> tuple[int, int]:
+    """(graph breaks, graphs) in dynamo's own counters, process-wide."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+class Counts:
+    """Dynamo's graph breaks and graphs since the trial began, read at summary time: the trial's
+    graphs are the first compile, every graph after them a recompile (a new shape, a new guard).
+    Evaluation runs the eager model (train/run/evaluate.py) and adds none."""
+
+    def __init__(self):
+        self.breaks, self.graphs = _counted()
+        self.first = None
+
+    def trial_done(self) -> None:
+        self.first = _counted()[1] - self.graphs
+
+    def __call__(self) -> dict:
+        breaks, graphs = _counted()
+        graphs -= self.graphs
+        return {"graph_breaks": breaks - self.breaks, "graphs": graphs,
+                "recompiles": max(0, graphs - (self.first or graphs))}
+
+
+def compile_model(model, batches, device: torch.device, precision: str, say, static_lengths: bool = False):
     """(model to train with, batch stream, info for summary.json). Without COMPILE, the model
-    and stream unchanged; with it, a trial step decides between compiled and eager."""
-    info = {"compile": False, "compile_error": None, "compile_s": None}
+    and stream unchanged; with it, a trial step decides between compiled and eager. info's
+    "compile" entry is filled in from dynamo's counters when summary.json is written
+    (finish_counts). static_lengths: mark_shapes's (bucketed batches of a causal model)."""
+    info = not_compiled()
     if not getattr(torch, "compile", None):
         info["compile_error"] = f"torch {torch.__version__} has no torch.compile"
         say(f"warning: COMPILE=1 but {info['compile_error']}; training without it (eager)")
         return model, batches, info
+    _reset_dynamo()  # a fresh cache: an earlier model compiled in this process must not count
+    if static_lengths:  # past the limit dynamo runs new shapes eager, silently; a bucket's graph
+        # may be made once more when the rows change (TOKEN_BUDGET, an out-of-memory halving)
+        from train.data.sft_batching import BUCKETS
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * BUCKETS)
+    counts = info["counts"] = Counts()
 
     def failed(err: BaseException) -> None:
-        info["compile"], info["compile_error"] = False, short_reason(err)
+        info["compile"]["enabled"], info["compile_error"] = False, short_reason(err)
         _reset_dynamo()
         say(f"warning: torch.compile failed ({info['compile_error']}); training without it (eager)")
 
@@ -88,9 +159,11 @@ def compile_model(model, batches, device: torch.device, precision: str, say):
     from train.core.step import forward_loss
 
     devices = [device] if device.type == "cuda" else []
+    guarded = GuardedModel(compiled, model, failed, static_lengths)
+    guarded.strict = True  # the trial compiles what training will call: the same shape marks
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
-            forward_loss(compiled, first, device, precision).backward()
+            forward_loss(guarded, first, device, precision).backward()
     except OOM:
         raise
     except Exception as err:
@@ -98,11 +171,45 @@ def compile_model(model, batches, device: torch.device, precision: str, say):
         return model, batches, info
     finally:
         model.zero_grad(set_to_none=True)  # the trial's gradients never reach a step
-    info["compile"], info["compile_s"] = True, time.perf_counter() - start
+        guarded.strict = False
+    counts.trial_done()
+    info["compile"]["enabled"], info["compile_s"] = True, time.perf_counter() - start
     say(
         f"torch.compile ({BACKEND}): first step compiled in {info['compile_s']:.1f}s (kept out of throughput)"
     )
-    return GuardedModel(compiled, model, failed), batches, info
+    return guarded, batches, info
+
+
+def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, seq2seq: bool,
+                   decide) -> None:
+    """Pad SFT batches to a fixed set of widths where repeated shapes pay: COMPILE=1 (a graph
+    per shape, at most one per bucket) or CUDA (the caching allocator reuses blocks of the
+    same sizes). Eager on a CPU gains nothing from repeated shapes: there each batch keeps its
+    own width, since every pad token is work thrown away; so do validation batches on a CPU
+    (evaluation runs the eager model)."""
+    from train.data.sft_batching import BUCKET_RATIO, length_buckets
+
+    if not (compile_on or device.type == "cuda"):
+        return
+    widths = length_buckets(max_length)
+    for c in (collate, val_collate if device.type == "cuda" else None):
+        if c is not None:
+            c.widths = widths
+    why = "COMPILE=1: a graph per padded shape" if compile_on else f"{device.type}: the allocator reuses equal sizes"
+    how = ("each side bucketed, the lengths left to dynamo's dynamic shapes (a static graph per source x target "
+           "pair would be dozens)" if seq2seq else "a static graph per bucket, at most one compile each")
+    decide("length_buckets", ",".join(map(str, widths)),
+           f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below "
+           f"(a static graph each, within dynamo's recompile limit, raised to 16 for them); {how}; a packed row pads to rows x MAX_LENGTH")
+
+
+def finish_counts(info: dict) -> dict:
+    """info (compile_model's) with its live counters read into the "compile" entry, for summary.json."""
+    info = dict(info)
+    counts = info.pop("counts", None)
+    if counts is not None:
+        info["compile"] = {**info["compile"], **counts()}
+    return info
 
 
 def _reset_dynamo() -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from train.core.model import is_seq2seq
 from train.core.step import build_optimizer, train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
@@ -74,9 +75,13 @@ def prepare(b, run_dir, say, guard) -> Parts:
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
     guard.start(b.model, optimizer, scaler, oom)
     batches = oom.batches()
-    step_model, compiled = train_model, {"compile": False, "compile_error": None, "compile_s": None}
+    step_model, compiled = train_model, compile_guard.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
-        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say)
+        # bucketed batches of a causal model compile a static graph per bucket (compile_guard.mark_shapes)
+        static = getattr(b.collate, "widths", None) is not None and not getattr(b.collate, "attention", None) \
+            and not is_seq2seq(b.model)
+        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
+                                                                    static)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), oom=oom,

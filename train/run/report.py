@@ -16,6 +16,7 @@ from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
+from train.run.compile_guard import finish_counts
 
 
 def config_lines(cfg: TrainConfig) -> list[str]:
@@ -123,7 +124,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
                      b.precision, tf32=cfg.system.tf32),
         "final_loss": meter.loss,
         **parts.evaluator.summary(),
-        **parts.compiled,
+        **finish_counts(parts.compiled),
         "exit_reason": exit_reason,
         **guard.summary(),
         **b.summary_extra,

@@ -26,6 +26,7 @@ from train.core.errors import UsageError
 from train.data.fine_tuning import fine_tuning_data, unit_of
 from train.data.loader import Data
 from train.data.sft_batching import BudgetSampler
+from train.run import compile_guard
 from train.run.plan import shortest_limit
 from train.run.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
     load_pretrained,
@@ -109,6 +110,8 @@ class SFTSource:
                                 set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide)
         self.conversations = data.conversations
         data.summary = {"model_path": str(self.path), **data.summary}
+        compile_guard.bucket_lengths(cfg.model.compile, device, max_length, data.collate, data.val_collate,
+                                     self.kind == "seq2seq", decide)
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:

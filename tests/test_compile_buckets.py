@@ -1,0 +1,148 @@
+"""COMPILE=1 stays compiled: SFT (plain), packed SFT, T5 SFT and T5 pretraining compile at most
+one graph per length bucket, with no graph break, and evaluation adds none; the counts are the
+ones a real run writes to summary.json (dynamo's own counters). Bucketed padding is masked: the
+loss and gradients of a bucketed batch, and of a packed row padded to rows x MAX_LENGTH, equal
+the unpadded ones.
+
+The runs use dynamo's "eager" backend: graphs, guards and recompiles are dynamo's and do not
+depend on the code generator, which on these 2 cores (inductor) would take minutes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_t5_sft import t5_folder  # noqa: F401 (the tiny T5 SFT starts from)
+
+from conftest import run_cli, tiny_model
+from train.core.attention import use_attention, varlen_indices
+from train.core.step import forward_loss
+from train.data.packing import VARLEN, PackedCollator
+from train.data.sft_batching import PadCollator, length_buckets
+from train.run import compile_guard
+
+# Lengths from a few tokens to past MAX_LENGTH=64 (truncated): many widths without buckets.
+RECORDS = [{"prompt": f"Item {i}.", "response": "fox " * (1 + (i * 7) % 45)} for i in range(240)]
+BUCKETS = length_buckets(64)
+
+
+def write_data(tmp_path) -> str:
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return str(path)
+
+
+def compiled_run(tmp_path, monkeypatch, *argv) -> dict:
+    monkeypatch.setattr(compile_guard, "BACKEND", "eager")
+    assert run_cli(*argv, "--output_dir", str(tmp_path / "runs"), "--compile", "1", "--run_name", "c",
+                   "--num_workers", "0", "--log_every", "20") == 0
+    summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
+    assert summary["compile"]["enabled"] is True, summary["compile_error"]
+    return summary
+
+
+def test_bucket_widths():
+    assert BUCKETS == (8, 16, 24, 32, 48, 64)
+    wide = length_buckets(1024)
+    assert len(wide) == 8 and wide[-1] == 1024 and all(w % 8 == 0 for w in wide)
+    assert all(b <= 1.5 * a + 8 for a, b in zip(wide, wide[1:], strict=False))
+
+
+def test_plain_sft_compiles_once_per_bucket_and_eval_adds_nothing(base_model, tmp_path, monkeypatch):
+    s = compiled_run(tmp_path, monkeypatch, "sft", "--model_path", str(base_model), "--data_path",
+                     write_data(tmp_path), "--max_length", "64", "--batch_size", "2", "--max_steps", "60",
+                     "--length_grouping", "0", "--eval_every", "20", "--val_fraction", "0.1")
+    c = s["compile"]
+    print("compile", c)
+    assert c["graph_breaks"] == 0 and 1 <= c["recompiles"] <= len(BUCKETS), c  # several buckets were met
+    assert c["graphs"] == c["recompiles"] + 1 and s["eval_passes"] >= 3
+    log = (tmp_path / "runs" / "c" / "train.log").read_text()
+    assert f"length_buckets = {','.join(map(str, BUCKETS))}" in log
+
+
+def test_packed_sft_is_one_graph(base_model, tmp_path, monkeypatch):
+    s = compiled_run(tmp_path, monkeypatch, "sft", "--model_path", str(base_model), "--data_path",
+                     write_data(tmp_path), "--max_length", "64", "--batch_size", "2", "--max_steps", "12",
+                     "--packing", "1", "--val_fraction", "0")
+    assert s["attention"] == VARLEN
+    assert s["compile"] == {"enabled": True, "graph_breaks": 0, "recompiles": 0, "graphs": 1}, s["compile"]
+
+
+def test_t5_sft_recompiles_at_most_the_buckets(t5_folder, tmp_path, monkeypatch):  # noqa: F811
+    s = compiled_run(tmp_path, monkeypatch, "sft", "--model_path", str(t5_folder), "--data_path",
+                     write_data(tmp_path), "--cache_dir", str(tmp_path / "cache"), "--tokenize_workers", "1",
+                     "--max_length", "64", "--batch_size", "4", "--max_steps", "16", "--length_grouping", "0",
+                     "--eval_every", "6", "--val_fraction", "0.1")
+    c = s["compile"]
+    print("compile", c)
+    assert c["graph_breaks"] == 0 and c["recompiles"] <= len(BUCKETS) and s["eval_passes"] >= 3, c
+
+
+def test_t5_pretraining_is_one_graph(tiny_flags, tmp_path, monkeypatch):
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({
+        "model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 1, "num_decoder_layers": 1, "num_heads": 2,
+        "d_kv": 16, "n_positions": 512, "dropout_rate": 0.0, "feed_forward_proj": "relu"}))  # fmt: skip
+    flags = [f for f in tiny_flags if f not in ("--output_dir", str(tmp_path / "runs"))]
+    at = flags.index("--model_config")
+    flags[at + 1] = str(t5)
+    s = compiled_run(tmp_path, monkeypatch, "pretrain", *flags, "--max_length", "32", "--batch_size", "4",
+                     "--max_steps", "20", "--eval_every", "10")
+    # every span-corrupted window has the same source and target length: one shape, no buckets
+    assert s["compile"] == {"enabled": True, "graph_breaks": 0, "recompiles": 0, "graphs": 1}, s["compile"]
+    assert s["eval_passes"] >= 2
+
+
+def batch_loss_and_grads(model, batch) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = forward_loss(model, batch, torch.device("cpu"), "fp32")
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def examples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(1, 500, (n,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
+    return out
+
+
+def test_bucketed_padding_leaves_loss_and_gradients_alone():
+    model = tiny_model()
+    batch = examples([5, 11, 19])
+    exact, bucketed = PadCollator(0), PadCollator(0)
+    bucketed.widths = BUCKETS
+    a, b = exact(batch), bucketed(batch)
+    assert a["input_ids"].shape[1] == 19 and b["input_ids"].shape[1] == 24
+    loss_a, grads_a = batch_loss_and_grads(model, a)
+    loss_b, grads_b = batch_loss_and_grads(model, b)
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
+
+
+def test_packed_row_padded_to_max_length_changes_nothing():
+    model = tiny_model()
+    use_attention(model, VARLEN)
+    rows = [examples([7, 13, 4], 1), examples([21, 9], 2)]
+    exact, bucketed = PackedCollator(0, attention=VARLEN), PackedCollator(0, attention=VARLEN)
+    bucketed.widths = BUCKETS
+    a, b = exact(rows), bucketed(rows)
+    assert a["input_ids"].shape == (1, 54) and b["input_ids"].shape == (1, 2 * 64)
+    assert (b["labels"][0, 54:] == -100).all() and b["n_real_tokens"] == 54 and b["n_padded_tokens"] == 128
+    assert b["varlen_index"].shape == (5, 24)  # conversations x longest (21) rounded up to 8
+    loss_a, grads_a = batch_loss_and_grads(model, a)
+    loss_b, grads_b = batch_loss_and_grads(model, b)
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
+
+
+def test_varlen_indices_never_size_one():
+    index, place = varlen_indices([3], total=6, multiple=8)
+    assert index.shape == (2, 8) and place.tolist() == [0, 1, 2, 0, 0, 0]
