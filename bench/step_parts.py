@@ -40,8 +40,8 @@ def main() -> int:
     import config
     from train.core.step import build_optimizer
     from train.data.stream import BatchStream
-    from train.run.build import build
-    from train.run.parts import data_loader
+    from train.run.loop.parts import data_loader
+    from train.run.plan.build import build
 
     torch.set_num_threads(1)
     cfg = config.resolve(

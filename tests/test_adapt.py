@@ -10,7 +10,7 @@ import torch
 import config
 from train.core.errors import UsageError
 from train.data.text import PackedDataset
-from train.run.adapt import adapt, scaled_lr
+from train.run.plan.adapt import adapt, scaled_lr
 
 CPU = torch.device("cpu")
 

@@ -1,12 +1,14 @@
-"""The shape of the kit: train/'s packages in layers, imports pointing down only (relative
-imports and importlib's included), the root config.py read only where it belongs, no import
-cycles, no function or file too long to read (config.py included), and the README's Layout map
-naming exactly the modules there are. Each rule is a function of the kit's folder, so the
-self-tests at the end plant each violation in a small tree of their own and watch it fail."""
+"""The shape of the kit: train/'s packages in layers, imports pointing down only (relative imports and
+importlib's included), run/'s rooms importing only the rooms below them, the root config.py read only
+where it belongs, no import cycles, no function or file too long to read (config.py included), no
+folder of more than 15 modules, and the README's Layout map naming exactly the modules there are.
+Each rule is a function of the kit's folder, so the self-tests at the end plant each violation in a
+small tree of their own and watch it fail."""
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,9 @@ import pytest
 KIT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones; packages of one layer do not import each other.
 LAYERS = {"core": 0, "config": 1, "data": 1, "distributed": 1, "observe": 1, "run": 2, "tools": 3, "": 4}
+# run/'s rooms (sub-packages; train.run.loop.meter is in "loop", in folder "run/loop"; "" is run/ itself):
+# each imports its own modules and the rooms below it.
+RUN_ROOMS = {"compile": 0, "checkpoint": 1, "rundir": 2, "plan": 3, "guard": 4, "loop": 5, "": 6}
 # The user's config.py (the root module "config") is read by these packages of train/ only; the
 # others are handed values. config.py itself imports only from core, so that imports run one way:
 # core <- config.py <- train/config.
@@ -21,6 +26,7 @@ CONFIG_READERS = ("config", "run")
 CONFIG_IMPORTS = ("core",)
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 400
+MAX_FOLDER_MODULES = 15
 
 
 def module_name(path: Path, kit: Path) -> str:
@@ -84,6 +90,14 @@ def package(module: str) -> str:
     return parts[1] if len(parts) > 2 else ""
 
 
+def folder(module: str) -> str:
+    return "/".join(module.split(".")[1:-1])
+
+
+def room(module: str) -> str:
+    return folder(module).partition("/")[2]
+
+
 def graph(kit: Path) -> dict[str, set[str]]:
     mods = modules(kit)
     known = set(mods)
@@ -108,6 +122,22 @@ def upward_imports(kit: Path) -> list[str]:
             if LAYERS.get(there, 99) >= LAYERS.get(here, -1):
                 wrong.append(f"{module} imports {dep} (layer {there or 'top'} is not below {here or 'top'})")
     return sorted(wrong)
+
+
+def run_room_imports(kit: Path) -> list[str]:
+    mods = [m for m in graph(kit).items() if package(m[0]) == "run"]
+    wrong = [f"{m}: run/{room(m)}/ is not in RUN_ROOMS" for m, _ in mods if room(m) not in RUN_ROOMS]
+    for module, deps in mods:
+        for dep in (d for d in deps if package(d) == "run" and room(d) != room(module)):
+            if RUN_ROOMS.get(room(module), -1) <= RUN_ROOMS.get(room(dep), 99):
+                wrong.append(f"{module} imports {dep} (run/{room(dep)}/ is not below run/{room(module)})")
+    return sorted(wrong)
+
+
+def crowded_folders(kit: Path) -> list[str]:
+    counts = Counter(folder(m) for m, path in modules(kit).items() if m != "config" and path.name != "__init__.py")
+    return sorted(f"train/{name}: {n} modules (at most {MAX_FOLDER_MODULES}; split it into rooms by job)"
+                  for name, n in counts.items() if n > MAX_FOLDER_MODULES)
 
 
 def config_misreads(kit: Path) -> list[str]:
@@ -178,16 +208,17 @@ def _without_parentheses(text: str) -> str:
 
 
 def layout_listed(kit: Path) -> dict[str, set[str]]:
-    """{package: the module names the Layout map lists under it} ("" for train/ itself). Under
-    "  pkg/" the names are the comma-separated words of its column (continued on the lines
-    indented to it), descriptions in parentheses or after "name:" left out."""
+    """{folder: the module names the Layout map lists under it} ("" for train/, "run/loop" for a room
+    "    loop/" under "  run/"). Under a folder the names are the comma-separated words of its column
+    (continued on the lines indented to it), descriptions in parentheses or after "name:" left out."""
     texts: dict[str, str] = {}
-    current, column = None, None
+    current, column, parent = None, None, None
     for line in layout_block(kit).splitlines():
         indent = len(line) - len(line.lstrip())
         head = line.strip().split("  ")[0]
-        if indent == 2 and head.endswith("/"):  # "  run/     names..."
-            current = head[:-1]
+        if indent in (2, 4) and head.endswith("/"):  # "  run/     names..." or "    loop/   names..."
+            parent = head[:-1] if indent == 2 else parent
+            current = head[:-1] if indent == 2 else f"{parent}/{head[:-1]}"
             rest = line.strip()[len(head):].strip()
             column = line.index(rest) if rest else len(line)
             texts[current] = rest
@@ -217,7 +248,7 @@ def map_mismatches(kit: Path) -> list[str]:
     for module, path in modules(kit).items():
         if module == "config" or path.name == "__init__.py":
             continue
-        pkg = package(module)
+        pkg = folder(module)
         if path.stem not in listed.get(pkg, set()):
             wrong.append(f"{module} is not in the README's Layout map")
     for pkg, names in listed.items():
@@ -236,6 +267,10 @@ def test_every_package_has_a_layer():
 
 def test_imports_point_down():
     assert not upward_imports(KIT), "\n".join(upward_imports(KIT))
+
+
+def test_run_rooms_import_only_the_rooms_below_and_no_folder_holds_more_than_15_modules():
+    assert not run_room_imports(KIT) + crowded_folders(KIT), "\n".join(run_room_imports(KIT) + crowded_folders(KIT))
 
 
 def test_the_root_config_is_read_by_config_and_run_only():
@@ -267,6 +302,8 @@ train/                    python -m train
   cli.py                    the command line
   run/                      loop, plan (the plan,
                             frozen), sft
+    guard/                    resume (the guard)
+    checkpoint/               files
   core/                     step, device
 ```
 """
@@ -283,6 +320,8 @@ def kit(tmp_path) -> Path:
         "train/run/loop.py": "from . import plan\nfrom .sft import x\nimport config\n",
         "train/run/plan.py": "from ..core import step\n",
         "train/run/sft.py": "x = 1\n",
+        "train/run/guard/resume.py": "from ..checkpoint import files\nfrom train.run.checkpoint.files import y\n",
+        "train/run/checkpoint/files.py": "y = 1\n",
         "train/core/__init__.py": "",
         "train/core/step.py": "import math\n",
         "train/core/device.py": "",
@@ -296,13 +335,15 @@ def kit(tmp_path) -> Path:
 
 def all_problems(kit: Path) -> list[str]:
     cycle = find_cycle(graph(kit))
-    return [*unlayered(kit), *upward_imports(kit), *config_misreads(kit), *too_long(kit), *map_mismatches(kit),
+    return [*unlayered(kit), *upward_imports(kit), *run_room_imports(kit), *crowded_folders(kit),
+            *config_misreads(kit), *too_long(kit), *map_mismatches(kit),
             *(["cycle " + " -> ".join(cycle)] if cycle else [])]
 
 
 def test_the_planted_kit_keeps_every_rule(kit):
     assert graph(kit)["train.run.loop"] == {"train.run.plan", "train.run.sft", "config"}
     assert graph(kit)["train.run.plan"] == {"train.core.step"}
+    assert graph(kit)["train.run.guard.resume"] == {"train.run.checkpoint.files"}
     assert all_problems(kit) == []
 
 
@@ -322,6 +363,12 @@ def test_the_planted_kit_keeps_every_rule(kit):
         ("train/core/step.py", "def f():\n" + "    x = 1\n" * 90, too_long, "f: 91 lines"),
         ("config.py", "x = 1\n" * 401, too_long, "config.py: 401 lines"),
         ("train/run/extra.py", "", map_mismatches, "train.run.extra is not in the README's Layout map"),
+        ("train/run/guard/extra.py", "", map_mismatches, "train.run.guard.extra is not in the README's Layout map"),
+        ("train/run/checkpoint/files.py", "from train.run.guard import resume\n", run_room_imports,
+         "train.run.checkpoint.files imports train.run.guard.resume"),
+        ("train/run/guard/resume.py", "from train.run import loop\n", run_room_imports,
+         "train.run.guard.resume imports train.run.loop"),
+        ("train/run/attic/old.py", "", run_room_imports, "run/attic/ is not in RUN_ROOMS"),
         ("train/weird/x.py", "", unlayered, "package 'weird' has no layer"),
     ],
 )
@@ -345,3 +392,9 @@ def test_a_cycle_is_found(kit):
     (kit / "train/run/sft.py").write_text("from train.run import loop\n")
     assert find_cycle(graph(kit)) == ["train.run.loop", "train.run.sft", "train.run.loop"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_folder_of_16_modules_is_crowded(kit):
+    for i in range(14):  # with step and device, 16 modules (KIT's core/ holds 15 and passes)
+        (kit / f"train/core/m{i}.py").write_text("")
+    assert crowded_folders(kit) == ["train/core: 16 modules (at most 15; split it into rooms by job)"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_CONFIG, launch, run_cli
-from train.run import checkpoint
+from train.run.checkpoint import checkpoint
 
 
 class Payload:

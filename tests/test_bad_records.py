@@ -19,7 +19,7 @@ from test_bad_input import snapshot
 from conftest import ROOT, run_cli
 from train.core.errors import UsageError
 from train.data import json_lines, records, tokenize
-from train.data.sft_formats import load_conversations
+from train.data.sft.sft_formats import load_conversations
 
 GOOD = [{"text": f"line {i} of a small document"} for i in range(5)]
 GOOD_SFT = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

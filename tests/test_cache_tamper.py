@@ -25,10 +25,11 @@ from tiny_tools import one_thread
 from conftest import make_text, read_jsonl, run_cli
 from data_tools import write_jsonl
 from train.core.errors import UsageError
-from train.data import cache_files, sft_cache
+from train.data import cache_files
 from train.data import text as data
-from train.data.sft_data import encode_conversations, ensure_special_tokens
-from train.data.sft_formats import load_conversations
+from train.data.sft import sft_cache
+from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
+from train.data.sft.sft_formats import load_conversations
 
 FAST = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "2", "--seed", "3",
         "--log_every", "1", "--overwrite", "1", "--tokenize_workers", "1"]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 from conftest import TINY_CONFIG, run_cli
 from train.distributed import safe_load
-from train.run import checkpoint
+from train.run.checkpoint import checkpoint
 
 
 class Payload:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli
-from train.run import compile_guard
+from train.run.compile import compile_guard
 
 
 def broken_backend(gm, example_inputs):

@@ -323,7 +323,7 @@ def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_
 
     import numpy as np
 
-    from train.run import checkpoint
+    from train.run.checkpoint import checkpoint
 
     argv = [*tiny_flags, "--batch_size", "2", "--max_steps", "4", "--save_every", "2", "--sharding", "zero2"]
     assert run_cli("pretrain", *argv, "--run_name", "ref") == 0

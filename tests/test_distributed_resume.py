@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, read_jsonl
-from train.run import checkpoint
+from train.run.checkpoint import checkpoint
 
 STEPS = 24
 EFFECTIVE = 4 * 2 * 2  # BATCH_SIZE x GRADIENT_ACCUM x 2 processes

@@ -10,7 +10,7 @@ from tiny_tools import one_thread, summary
 from conftest import run_cli
 from train.config.flags import parse_training_args
 from train.data import text as data
-from train.run import adapt
+from train.run.plan import adapt
 from train.tools.doctor import Reading, diagnose
 
 

@@ -10,7 +10,7 @@ from train.config.flags import parse_training_args
 from train.core.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model, padded_vocab
 from train.core.step import build_optimizer, train_step
-from train.run.build import build
+from train.run.plan.build import build
 
 GPT2_SMALL = 124_439_808  # tied embeddings, vocab 50257 (the published count)
 

@@ -12,8 +12,8 @@ from train.core.errors import UsageError
 from train.data import text as data
 from train.data.holdout import val_windows
 from train.data.loader import make_val_loader
-from train.run.build import build
-from train.run.evaluate import evaluate
+from train.run.loop.evaluate import evaluate
+from train.run.plan.build import build
 
 
 def test_val_windows_arithmetic():
@@ -138,8 +138,8 @@ def test_train_log_gets_library_warnings(tmp_path):
     import logging
     import warnings
 
-    from train.run.rundir import RunDir
-    from train.run.runlog import Console, capture_warnings
+    from train.run.rundir.rundir import RunDir
+    from train.run.rundir.runlog import Console, capture_warnings
 
     console = Console()
     shown = warnings.showwarning

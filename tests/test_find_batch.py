@@ -8,7 +8,7 @@ from tiny_tools import one_thread, patch_fake_oom, summary
 
 from conftest import run_cli
 from train.config.flags import parse_training_args
-from train.run import adapt
+from train.run.plan import adapt
 from train.tools.find_batch import RESULT_FILE, TIE, find, read_saved
 
 

@@ -67,7 +67,7 @@ def test_one_field_in_config_py_is_a_knob_everywhere(tmp_path, corpus, tiny_conf
 import sys
 from train.config.flags import parse_training_args, training_parser
 from train.core.errors import UsageError
-from train.run.sft import refuse_sft_settings
+from train.run.plan.sft import refuse_sft_settings
 print(parse_training_args("pretrain", ["--dummy_knob", "5"]).data.dummy_knob + 1)
 print("[DUMMY_KNOB] A knob the test adds" in training_parser("pretrain").format_help())
 for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):

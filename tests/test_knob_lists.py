@@ -17,8 +17,8 @@ from conftest import ROOT
 from train.config import knobs
 from train.config.flags import AUTO_FIELDS, training_parser
 from train.core.checks import knob
-from train.run.checkpointer import COMPARED
-from train.run.sft import SFT_ONLY
+from train.run.checkpoint.checkpointer import COMPARED
+from train.run.plan.sft import SFT_ONLY
 
 FIELDS = {f.name: f for klass in config.SECTIONS.values() for f in dataclasses.fields(klass)}
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from tiny_tools import one_thread, patch_fake_oom, summary
 
 from conftest import read_jsonl, run_cli
-from train.run.oom import is_oom, smaller_micro_batch
+from train.run.loop.oom import is_oom, smaller_micro_batch
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli
 from train.config.flags import parse_training_args
-from train.run.build import build
+from train.run.plan.build import build
 
 SAME_BATCH = ["--batch_size", "2", "--effective_batch", "16", "--lr_scaling", "linear", "--lr_reference_batch", "8",
               "--learning_rate", "1e-4", "--num_workers", "0", "--max_length", "64", "--pin_memory", "1"]  # fmt: skip
@@ -70,7 +70,7 @@ def test_oom_guard_holds_the_smaller_micro_batch_and_leaves_the_plan_alone(tiny_
 
     import torch
 
-    from train.run.oom import OomGuard
+    from train.run.loop.oom import OomGuard
 
     cfg = parse_training_args("pretrain", [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "2"])
     plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), max_length=64, precision="fp32")

@@ -227,7 +227,7 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
     """ENOSPC from the kernel, not a limit: the run folder on a tmpfs that holds one checkpoint
     and not two. The free-space check before the save is set to pass, so the disk fills inside
     the write itself, as when another process fills it during the save."""
-    from train.run import checkpoint
+    from train.run.checkpoint import checkpoint
 
     runs, flags = done
     size = sum(p.stat().st_size for p in (runs / "done" / "checkpoints" / "step-00000002").iterdir())

@@ -23,8 +23,8 @@ from tiny_tools import one_thread
 from conftest import ROOT, read_jsonl, run_cli
 from train.data.stream import BatchStream
 from train.data.text import EpochSampler
-from train.run import checkpoint
-from train.run import signals as signals_module
+from train.run.checkpoint import checkpoint
+from train.run.guard import signals as signals_module
 
 STEPS = 40
 RUN = ["--batch_size", "4", "--max_steps", str(STEPS), "--save_every", "3", "--keep_checkpoints", "20", "--seed", "7"]

@@ -19,9 +19,9 @@ import transformers
 from tiny_tools import one_thread
 
 from conftest import ROOT, read_jsonl, run_cli
-from train.run import claim as claims_module
-from train.run import rundir
-from train.run.checkpoint import list_checkpoints
+from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.rundir import claim as claims_module
+from train.run.rundir import rundir
 
 FAST = ["--batch_size", "4", "--seed", "3"]
 

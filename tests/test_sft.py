@@ -14,8 +14,8 @@ import torch
 from conftest import launch, read_jsonl, run_cli
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
-from train.data.sft_data import PadCollator, encode_conversations, ensure_special_tokens
-from train.run.sft import newest_pretrained
+from train.data.sft.sft_data import PadCollator, encode_conversations, ensure_special_tokens
+from train.run.plan.sft import newest_pretrained
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"Name fruit {i}.", "input": "", "output": "An apple." * (1 + i % 3)},

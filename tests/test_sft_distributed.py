@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from conftest import launch, read_jsonl
-from train.data.sft_batching import (
+from train.data.sft.sft_batching import (
     BudgetSampler,
     GroupedSampler,
     LengthGroupedSampler,
     TokenBudgetBatchSampler,
 )
-from train.run.checkpoint import list_checkpoints
+from train.run.checkpoint.checkpoint import list_checkpoints
 
 EPOCH = 1  # not 0: the epoch must reach the order
 

@@ -111,7 +111,7 @@ def test_flops_match_torch_flop_counter(dropout):
 
 
 def test_seq2seq_tokens_are_source_plus_target():
-    from train.run.meter import BatchCounter
+    from train.run.loop.meter import BatchCounter
 
     batches = [seq2seq_batch(2, 10, 4, pad=3), {**seq2seq_batch(2, 10, 4), "n_real_tokens": 999}]
     counter = BatchCounter(iter(batches), seq2seq=True)

@@ -45,7 +45,7 @@ def encoder_decoder_flops(n_encoder: int, n_decoder: int, n_cross_kv: int, n_hea
 
 def seq2seq_flops_per_token(model, source: int, target: int) -> float:
     """encoder_decoder_flops of a transformers encoder-decoder (T5, BART) per counted token: the
-    kit counts source + target tokens (train/run/meter.py), so MFU = tokens/s x this / peak.
+    kit counts source + target tokens (train/run/loop/meter.py), so MFU = tokens/s x this / peak.
     Checked against torch's FlopCounterMode (tests/test_t5_measure.py)."""
     cfg = model.config
     embed = {id(p) for p in model.get_input_embeddings().parameters()}

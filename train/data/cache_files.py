@@ -101,7 +101,7 @@ def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
     temps: list[Path] = []
     previous = None
     # SIGTERM is taken over only where nothing else handles it: the training loop installs its
-    # own handlers later (train/run/signals.py) and restores what was there before, which is this
+    # own handlers later (train/run/guard/signals.py) and restores what was there before, which is this
     # default again by then.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)

@@ -19,7 +19,7 @@ from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
 from train.data.json_lines import record_limit
 from train.data.loader import Data
-from train.data.sft_batching import Seq2SeqCollator
+from train.data.sft.sft_batching import Seq2SeqCollator
 
 
 def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:

@@ -41,7 +41,7 @@ class BatchStream:
     def close(self) -> None:
         """Stop the loader's workers now. Left to garbage collection, a loader still referenced
         at exit (a traceback's frames hold it) is stopped by multiprocessing's exit handler
-        with SIGTERM, which the workers ignore (train/run/signals.py): the process would hang."""
+        with SIGTERM, which the workers ignore (train/run/guard/signals.py): the process would hang."""
         shutdown = getattr(self._it, "_shutdown_workers", None)  # what the iterator's __del__ calls
         if shutdown is not None:
             shutdown()

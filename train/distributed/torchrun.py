@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as err:
-        return 128 + int(err.sigval)  # the ranks got it too and stopped cleanly (train/run/signals.py)
+        return 128 + int(err.sigval)  # the ranks got it too and stopped cleanly (train/run/guard/signals.py)
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
         if failure.exitcode == EXIT_USAGE:

@@ -19,15 +19,15 @@ from train.core.step import build_optimizer
 from train.distributed import distributed
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
-from train.run import report
-from train.run.build import build
-from train.run.claim import claim_run_dir
-from train.run.loop import run_loop
-from train.run.outputs import earlier_summary, finish
-from train.run.plan import Chosen
-from train.run.resume import RunGuard
-from train.run.rundir import RunDir
-from train.run.runlog import Console, capture_warnings
+from train.run.guard.resume import RunGuard
+from train.run.loop.loop import run_loop
+from train.run.plan.build import build
+from train.run.plan.plan import Chosen
+from train.run.rundir import report
+from train.run.rundir.claim import claim_run_dir
+from train.run.rundir.outputs import earlier_summary, finish
+from train.run.rundir.rundir import RunDir
+from train.run.rundir.runlog import Console, capture_warnings
 
 
 def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before=None) -> int:
@@ -48,7 +48,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None
     claims = []
 
     def claim():
-        """Rank 0 claims and locks the run folder for the run's life (train/run/rundir.py)."""
+        """Rank 0 claims and locks the run folder for the run's life (train/run/rundir/rundir.py)."""
         claims.append(claim_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume))
         return claims[0].path
 

@@ -31,8 +31,8 @@ from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
-from train.run.adapt import PeakMeter, capacity_mb
-from train.run.oom import free_memory, is_oom
+from train.run.loop.oom import free_memory, is_oom
+from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.tools.find_batch import divisors, wants_help
 
 TRIAL_STEPS = 2
@@ -89,8 +89,8 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     from train.core.step import build_optimizer, train_step
     from train.data.stream import BatchStream
     from train.distributed.parallel import build_scaler
-    from train.run.build import build
-    from train.run.parts import data_loader
+    from train.run.loop.parts import data_loader
+    from train.run.plan.build import build
 
     b = build(trial_config(cfg, cand), lambda line: None)
     device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps

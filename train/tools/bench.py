@@ -1,6 +1,6 @@
 """`python -m train bench`: throughput of the real training loop, optionally against a plain loop.
 
-The kit side is train.run.loop.run_loop itself (the code the launchers run: same optimizer, step,
+The kit side is train.run.loop.loop.run_loop itself (the code the launchers run: same optimizer, step,
 DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in
 the figure (nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
 pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
@@ -128,11 +128,11 @@ def plain_round(model, batches: list, accum: int, lr: float, device, precision: 
 
 
 def kit_round(b, say) -> dict:
-    """One run of train.run.loop.run_loop (what `python -m train pretrain` runs) into a temporary
+    """One run of train.run.loop.loop.run_loop (what `python -m train pretrain` runs) into a temporary
     run folder; its own steady-state figures (warm-up excluded) are the kit's."""
-    from train.run.loop import run_loop
-    from train.run.resume import RunGuard
-    from train.run.rundir import RunDir
+    from train.run.guard.resume import RunGuard
+    from train.run.loop.loop import run_loop
+    from train.run.rundir.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         run_dir = RunDir(Path(tmp) / "round", overwrite=False)
@@ -190,9 +190,9 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     from train.core.mfu import model_flops_per_token, peak_flops
     from train.core.model import count_params, is_seq2seq
     from train.data.stream import BatchStream
-    from train.run.build import build
-    from train.run.meter import steady_start
-    from train.run.parts import data_loader
+    from train.run.loop.meter import steady_start
+    from train.run.loop.parts import data_loader
+    from train.run.plan.build import build
     from train.tools.dryrun import run_lengths
 
     if threads is not None:

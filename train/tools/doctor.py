@@ -30,8 +30,8 @@ from train.core.files import write_json
 from train.core.timing import INPUT_BOUND_FRAC
 from train.core.units import cpu_cores
 from train.observe import monitor
-from train.run.adapt import PeakMeter, capacity_mb
-from train.run.claim import plan_run_dir
+from train.run.plan.adapt import PeakMeter, capacity_mb
+from train.run.rundir.claim import plan_run_dir
 
 DOCTOR_STEPS = 10
 MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound

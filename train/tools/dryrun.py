@@ -14,7 +14,7 @@ from train.core.estimate_seq2seq import lengths
 from train.core.mfu import model_flops_per_token
 from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
-from train.run.report import config_lines
+from train.run.rundir.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
 
@@ -61,8 +61,8 @@ def device_total_mb(device) -> float | None:
 
 
 def dry_run(cfg, say) -> int:
-    from train.run.build import build
-    from train.run.claim import plan_run_dir
+    from train.run.plan.build import build
+    from train.run.rundir.claim import plan_run_dir
 
     say(
         f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing trains"

@@ -4,7 +4,7 @@ How: the model, optimizer and step of a real run (build, build_optimizer, train_
 worst-case length (every packed sequence is MAX_LENGTH tokens long), at micro-batches growing by
 doubling, then a binary search between the last size that fit and the first that did not.
 A size fits when its steps run and their peak memory stays under TARGET_VRAM x the memory this
-process can use (train/run/adapt.py: peak reserved VRAM on a GPU; peak RSS against MAX_MEMORY_MB or
+process can use (train/run/plan/adapt.py: peak reserved VRAM on a GPU; peak RSS against MAX_MEMORY_MB or
 the reachable host RAM on CPU). An out-of-memory error at size F also caps the answer at
 TARGET_VRAM x F: activation memory grows with the micro-batch, and a size just under a crash has
 no headroom for fragmentation or a spike later in the run. Each size's samples/s is measured and
@@ -30,9 +30,9 @@ import torch
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
 from train.distributed.distributed import SINGLE, Dist
-from train.run.adapt import PeakMeter, capacity_mb
-from train.run.oom import free_memory, is_oom, remedies
-from train.run.plan import Chosen
+from train.run.loop.oom import free_memory, is_oom, remedies
+from train.run.plan.adapt import PeakMeter, capacity_mb
+from train.run.plan.plan import Chosen
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -232,7 +232,7 @@ def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | 
 
 def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1) -> Result:
     """Build the run's model and data (quietly), then search or reuse; frees what it built."""
-    from train.run.build import build
+    from train.run.plan.build import build
 
     effective = cfg.optim.effective_batch or cfg.effective_batch_size(world)
     if effective % world:

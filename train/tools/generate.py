@@ -25,8 +25,8 @@ from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.model import auto_class, context_length, is_seq2seq, refuse_other_kinds
 from train.core.remote_code import refuse_custom_code
-from train.data.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
-from train.data.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
+from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
+from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
 
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")

@@ -1,7 +1,7 @@
-"""Build everything a run needs before its folder exists: the plan (train/run/plan.py
+"""Build everything a run needs before its folder exists: the plan (train/run/plan/plan.py
 make_plan, the same for every mode) and, for pretraining, where its model and data come from
 (PretrainingSource: a new model; the data from train/data/pretraining.py's front door).
-`python -m train sft` takes its model and data from train/run/sft.py instead. Nothing here
+`python -m train sft` takes its model and data from train/run/plan/sft.py instead. Nothing here
 writes to runs/."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from train.core.errors import UsageError
 from train.data.loader import Data
 from train.data.pretraining import pretraining_data
 from train.distributed.distributed import SINGLE, Dist
-from train.run.plan import Chosen, Plan, make_plan, shortest_limit
-from train.run.sft import SFTSource, refuse_sft_settings
+from train.run.plan.plan import Chosen, Plan, make_plan, shortest_limit
+from train.run.plan.sft import SFTSource, refuse_sft_settings
 
 
 def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[int, str]:

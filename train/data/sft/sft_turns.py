@@ -8,7 +8,7 @@ a tool turn is a call's result (its "tool_call_id" and "name" kept when the sour
 and a conversation whose record lists tools starts with {"role": "tools", "tools": [...]}, each
 tool {"type": "function", "function": <its JSON schema>}. That is the shape transformers' chat
 templates take (apply_chat_template(messages, tools=...), arguments as an object), so the
-tokenizer's own template gets it as it is; train/data/sft_data.py renders it either way.
+tokenizer's own template gets it as it is; train/data/sft/sft_data.py renders it either way.
 
 Sources spell tool calls two ways, both accepted:
 - ShareGPT / glaive (LLaMA-Factory's glaive_toolcall): turns from "function_call" (the value a

@@ -20,10 +20,19 @@ from train.data import records
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
 from train.data.json_lines import record_limit
 from train.data.loader import Data
-from train.data.packing import FLASH, SDPA, VARLEN, Attention, PackedCollator, PackedRows, attention_for, pack
-from train.data.sft_batching import Seq2SeqCollator
-from train.data.sft_cache import sft_cache
-from train.data.sft_data import PadCollator, builtin_conversations
+from train.data.sft.packing import (
+    FLASH,
+    SDPA,
+    VARLEN,
+    Attention,
+    PackedCollator,
+    PackedRows,
+    attention_for,
+    pack,
+)
+from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.sft.sft_cache import sft_cache
+from train.data.sft.sft_data import PadCollator, builtin_conversations
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -69,7 +78,7 @@ def unit_of(pairs: bool) -> str:
 
 class SFTDataset(Dataset):
     """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
-    (train/data/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
+    (train/data/sft/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
     pairs (encoder-decoder: labels are the target): lengths are source + target, and
     source_lengths the sources (None for conversations)."""
 
@@ -120,7 +129,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
 
 def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int, decide):
     """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
-    (train/data/packing.py), the collator that keeps them apart in attention, and the figures
+    (train/data/sft/packing.py), the collator that keeps them apart in attention, and the figures
     for summary.json. set_attention(kind): switches the model to the varlen kernel chosen. Returns (rows
     dataset, collator, summary entries)."""
     if d.length_grouping:

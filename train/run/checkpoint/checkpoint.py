@@ -37,7 +37,7 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.distributed import safe_load
-from train.run.checkpoint_checks import (
+from train.run.checkpoint.checkpoint_checks import (
     META,
     SHARDS,
     STATE,
@@ -53,7 +53,7 @@ from train.run.checkpoint_checks import (
     sha256_of,
     tokenizer_change,
 )
-from train.run.rng import rng_state, rng_states, set_rng_state
+from train.run.checkpoint.rng import rng_state, rng_states, set_rng_state
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")

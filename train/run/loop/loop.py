@@ -5,12 +5,12 @@ SIGTERM, non-finite losses) and the out-of-memory guard (halve the micro-batch, 
 
 from __future__ import annotations
 
-from train.run import oom as oom_lib
-from train.run import report
-from train.run.evaluate import val_stop
-from train.run.meter import Meter
-from train.run.parts import prepare
-from train.run.rundir import stop_for_write
+from train.run.loop import oom as oom_lib
+from train.run.loop.evaluate import val_stop
+from train.run.loop.meter import Meter
+from train.run.loop.parts import prepare
+from train.run.rundir import report
+from train.run.rundir.rundir import stop_for_write
 
 
 def run_loop(b, run_dir, say, guard) -> dict:

@@ -108,7 +108,7 @@ def _counted() -> tuple[int, int]:
 class Counts:
     """Dynamo's graph breaks and graphs since the trial began, read at summary time: the trial's
     graphs are the first compile, every graph after them a recompile (a new shape, a new guard).
-    Evaluation runs the eager model (train/run/evaluate.py) and adds none."""
+    Evaluation runs the eager model (train/run/loop/evaluate.py) and adds none."""
 
     def __init__(self):
         self.breaks, self.graphs = _counted()
@@ -137,7 +137,7 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
     _reset_dynamo()  # a fresh cache: an earlier model compiled in this process must not count
     if static_lengths:  # past the limit dynamo runs new shapes eager, silently; a bucket's graph
         # may be made once more when the rows change (TOKEN_BUDGET, an out-of-memory halving)
-        from train.data.sft_batching import BUCKETS
+        from train.data.sft.sft_batching import BUCKETS
 
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 2 * BUCKETS)
@@ -187,7 +187,7 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
     same sizes). Eager on a CPU gains nothing from repeated shapes: there each batch keeps its
     own width, since every pad token is work thrown away; so do validation batches on a CPU
     (evaluation runs the eager model)."""
-    from train.data.sft_batching import BUCKET_RATIO, length_buckets
+    from train.data.sft.sft_batching import BUCKET_RATIO, length_buckets
 
     if not (compile_on or device.type == "cuda"):
         return

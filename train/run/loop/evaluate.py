@@ -106,7 +106,7 @@ class Evaluator:
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train.run.rundir import save_model
+                from train.run.rundir.rundir import save_model
 
                 state = parallel.full_state_dict(self.b.model)  # sharded: a gather every rank joins
                 # One writer (the other ranks hold the same weights); a failed save stops every rank.
@@ -140,7 +140,7 @@ def val_stop(b, evaluator: Evaluator, guard, steps_done: int, say) -> str | None
     bad = loss is not None and not math.isfinite(loss)
     if not distributed.max_across(b.world, [int(bad)])[0]:  # every rank stops at the same step
         return None
-    from train.run.checkpoint import list_checkpoints
+    from train.run.checkpoint.checkpoint import list_checkpoints
 
     saved = list_checkpoints(guard.manager.folder)
     if saved:

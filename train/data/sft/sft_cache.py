@@ -14,7 +14,7 @@ is a (source, target) pair (sft_data.encode_pairs), ids.bin holds the source the
 trained.bin is 1 on the target, and source_lengths.bin (int32) says where the target starts. Nothing of it is held in RAM but the lengths (4 bytes each),
 which packing, length grouping and token budgets need.
 
-The build streams the records (train/data/sft_formats.py) and hands chunks of them to
+The build streams the records (train/data/sft/sft_formats.py) and hands chunks of them to
 TOKENIZE_WORKERS processes, which render, tokenize and truncate; the main process writes the
 results in record order, so the cache is the same whatever the number of workers. It is built in
 a temporary folder, fsynced, and renamed into place: a crash leaves no half cache, and a damaged
@@ -46,8 +46,8 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records
-from train.data.sft_data import encode
-from train.data.sft_formats import all_bad, converted, open_records, refuse_bad
+from train.data.sft.sft_data import encode
+from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
 SFT_CACHE_VERSION = "2"  # 2: tool-call records (once refused or skipped) are conversations
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even

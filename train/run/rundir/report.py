@@ -16,7 +16,7 @@ from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
-from train.run.compile_guard import finish_counts
+from train.run.compile.compile_guard import finish_counts
 
 
 def config_lines(cfg: TrainConfig) -> list[str]:

@@ -31,8 +31,8 @@ An encoder-decoder (T5, BART) trains on source -> target pairs instead (encode_p
 per assistant turn, the source everything the template renders before that reply, the target
 the reply itself + eos.
 
-Loading the formats and the built-in default data live in train/data/sft_formats.py; padding and
-batching (length grouping, token budgets, each rank's share) in train/data/sft_batching.py.
+Loading the formats and the built-in default data live in train/data/sft/sft_formats.py; padding and
+batching (length grouping, token budgets, each rank's share) in train/data/sft/sft_batching.py.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft_batching import (
+from train.data.sft.sft_batching import (
     LengthGroupedSampler,
     PadCollator,
     TokenBudgetBatchSampler,
     padding_efficiency,
 )
-from train.data.sft_formats import builtin_conversations, load_conversations
-from train.data.sft_turns import call_text, split_tools
+from train.data.sft.sft_formats import builtin_conversations, load_conversations
+from train.data.sft.sft_turns import call_text, split_tools
 
 __all__ = [
     "IGNORE_INDEX",

@@ -4,7 +4,7 @@ The loop calls a RunGuard at start (restore the state, position the data), after
 optimizer step (count skipped and non-finite steps on the device, save every SAVE_EVERY steps,
 stop on a signal or NAN_PATIENCE) and at the end (save). Where the run starts (a fresh start, or
 RESUME=1's checkpoint: step and sample counters, data position, schedule) is decided once in
-train/run/resume_state.py as a frozen ResumeState; the guard reads it and never changes it.
+train/run/guard/resume_state.py as a frozen ResumeState; the guard reads it and never changes it.
 Exact resume also restores the weights, optimizer, GradScaler and every RNG, so a continued run
 repeats the uninterrupted one step for step.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from train.distributed import distributed, parallel
-from train.run import resume_state
-from train.run.checkpoint import SHARDS, DiskFull, checkpoint_name, list_checkpoints
-from train.run.checkpointer import Checkpointer
-from train.run.health import Health
-from train.run.rng import set_rng_state
-from train.run.signals import StopSignals
+from train.run.checkpoint.checkpoint import SHARDS, DiskFull, checkpoint_name, list_checkpoints
+from train.run.checkpoint.checkpointer import Checkpointer
+from train.run.checkpoint.rng import set_rng_state
+from train.run.guard import resume_state
+from train.run.guard.health import Health
+from train.run.guard.signals import StopSignals
 
 
 class RunGuard:
@@ -30,7 +30,7 @@ class RunGuard:
 
     def __init__(self, b, run_path: Path, say, param_groups):
         """Fresh run: the plan's schedule. RESUME=1: the newest valid checkpoint (weights go
-        into b.model) and the remaining steps (train/run/resume_state.py), and only then the
+        into b.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
         run folder touched."""
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
@@ -47,7 +47,7 @@ class RunGuard:
             )
         else:
             self.state = resume_state.fresh(b, self.effective)
-        # The run's totals from here on belong to Health (train/run/health.py), which counts them.
+        # The run's totals from here on belong to Health (train/run/guard/health.py), which counts them.
         self.counters = dict(self.state.counters)
 
     # Where this session starts and ends: read from the frozen ResumeState.
@@ -64,7 +64,7 @@ class RunGuard:
 
     def start(self, model, optimizer, scaler, feed) -> None:
         """Apply the loaded state and open the feed's batch stream at the saved data position
-        (RNG restored last). feed: the OOM guard (train/run/oom.py), which owns the stream and
+        (RNG restored last). feed: the OOM guard (train/run/loop/oom.py), which owns the stream and
         the current micro-batch that checkpoints record."""
         self.model, self.optimizer, self.scaler, self.feed = model, optimizer, scaler, feed
         if self.loaded is not None and self.sharding != "none":
@@ -125,7 +125,7 @@ class RunGuard:
         return reason
 
     def save(self, steps_done: int, counted=None) -> bool:
-        """A checkpoint of this step (train/run/checkpointer.py), with where the run is. False
+        """A checkpoint of this step (train/run/checkpoint/checkpointer.py), with where the run is. False
         when it did not fit (a full disk, a file-size limit): the run then stops as a failed
         append stops it, with summary.json where the disk takes it and the resume command."""
         counts = counted or (lambda: None)
@@ -195,7 +195,7 @@ class RunGuard:
             "loss_scale": scale,
             "stop_signal": signal.Signals(self.stop_signal).name if self.stop_signal else None,
             "stop_detail": self.stop_detail or None,
-            # a checkpoint that did not fit: the run ends as write_failed (train/run/outputs.py)
+            # a checkpoint that did not fit: the run ends as write_failed (train/run/rundir/outputs.py)
             **({"exit_reason": "write_failed", "write_error": self.write_error} if self.write_error else {}),
         }
 

@@ -1,8 +1,8 @@
 """Saving a run's checkpoints as the loop goes: when a save is worth making (healthy weights on
 every rank), who writes (rank 0, or every rank its own shards with SHARDING), the settings and
 data identity a later RESUME=1 compares, and the time spent saving (left out of throughput).
-The files themselves are train/run/checkpoint.py's; where the run is (step, samples, data
-position, schedule) is the resume state's (train/run/resume.py), handed in as `meta`."""
+The files themselves are train/run/checkpoint/checkpoint.py's; where the run is (step, samples, data
+position, schedule) is the resume state's (train/run/guard/resume.py), handed in as `meta`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from train.config import knobs
 from train.distributed import distributed
-from train.run.checkpoint import CheckpointManager, checkpoint_name
-from train.run.rng import rng_state
+from train.run.checkpoint.checkpoint import CheckpointManager, checkpoint_name
+from train.run.checkpoint.rng import rng_state
 
 # Settings compared with the checkpoint's on resume, to say what changed: config.py's fields
 # marked "compared".
@@ -37,7 +37,7 @@ class Checkpointer:
     def __init__(self, b, folder: Path, say):
         self.b, self.cfg, self.say = b, b.cfg, say
         # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
-        # every rank writes its own shards (train/run/checkpoint.py).
+        # every rank writes its own shards (train/run/checkpoint/checkpoint.py).
         self.sharding = self.cfg.system.sharding
         self.saves = b.world.is_main or self.sharding != "none"
         self.manager = CheckpointManager(folder, self.cfg.run.keep_checkpoints, say)
@@ -65,7 +65,7 @@ class Checkpointer:
     def tokenizer_digest(self) -> str | None:
         """What the token ids mean: a digest of the tokenizer's vocabulary and merges (not its
         padding or truncation state), so RESUME=1 can tell a tokenizer trained on other data
-        (train/run/resume_state.py). Computed once per run."""
+        (train/run/guard/resume_state.py). Computed once per run."""
         if not hasattr(self, "_tokenizer_digest"):
             self._tokenizer_digest = tokenizer_digest(getattr(self.b, "tokenizer", None))
         return self._tokenizer_digest

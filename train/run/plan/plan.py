@@ -25,7 +25,7 @@ from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
-from train.run import adapt
+from train.run.plan import adapt
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
 CPU_DEMO_SAMPLES = 2048  # with no GPU and no MODEL_SIZE, a demo sized to finish in minutes on 2 cores

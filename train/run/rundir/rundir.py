@@ -35,7 +35,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     is replaced only once the new one is whole (a link there is removed, never followed). A failed
     write (a full disk) is one line naming what failed, what is intact and what to do. A sharded
     model passes its gathered state dict."""
-    from train.run.runlog import quiet_saving
+    from train.run.rundir.runlog import quiet_saving
 
     parent = folder.parent
     for leftover in parent.glob(f".{folder.name}.*-*"):  # a killed save's (the run's lock makes it ours)
@@ -72,7 +72,7 @@ def write_failed(target: Path, code: int) -> str:
     """The one line for a failed write of final/, best/, summary.json or an append to
     metrics.jsonl / train.log: what failed, what is intact, and what to do (RESUME=1 only where a
     checkpoint exists to resume from)."""
-    from train.run.checkpoint import list_checkpoints
+    from train.run.checkpoint.checkpoint import list_checkpoints
 
     run = target.parent
     what = "disk full" if code in DISK_FULL else "write failed"

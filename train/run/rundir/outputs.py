@@ -1,4 +1,4 @@
-"""What a run leaves behind: final/ (written whole, train/run/rundir.py), then summary.json, and the
+"""What a run leaves behind: final/ (written whole, train/run/rundir/rundir.py), then summary.json, and the
 closing lines on the console."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import json
 from train.core import files
 from train.core.errors import UsageError
 from train.distributed import distributed, parallel
-from train.run.rundir import RunDir, save_model, write_failed
+from train.run.rundir.rundir import RunDir, save_model, write_failed
 
 
 def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
     """final/: save_pretrained (safetensors) and the tokenizer, loads offline with from_pretrained;
-    written whole or not at all (train/run/rundir.py). A sharded model passes its gathered state dict."""
+    written whole or not at all (train/run/rundir/rundir.py). A sharded model passes its gathered state dict."""
     save_model(b, run_dir.path / "final", step, state_dict)
 
 

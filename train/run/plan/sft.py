@@ -1,11 +1,11 @@
 """`python -m train sft`: where an SFT run's model and data come from (SFTSource).
 
-The plan is made by the same function as a pretraining run's (train/run/plan.py make_plan), with
+The plan is made by the same function as a pretraining run's (train/run/plan/plan.py make_plan), with
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
-causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/sft_model.py); the
-data comes through train/data/fine_tuning.py's front door: conversations (or for an
+causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py); the
+data comes through train/data/sft/fine_tuning.py's front door: conversations (or for an
 encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
 length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with
 every process reading its own share of each epoch.
@@ -23,12 +23,12 @@ from train.config import knobs
 from train.core import model as model_lib
 from train.core.attention import use_attention
 from train.core.errors import UsageError
-from train.data.fine_tuning import fine_tuning_data, unit_of
 from train.data.loader import Data
-from train.data.sft_batching import BudgetSampler
-from train.run import compile_guard
-from train.run.plan import shortest_limit
-from train.run.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
+from train.data.sft.fine_tuning import fine_tuning_data, unit_of
+from train.data.sft.sft_batching import BudgetSampler
+from train.run.compile import compile_guard
+from train.run.plan.plan import shortest_limit
+from train.run.plan.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
     load_pretrained,
     model_kind_of,
     model_label,

@@ -18,8 +18,8 @@ from config import TrainConfig
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data.sft_data import ensure_special_tokens, stop_token_ids
-from train.run.runlog import quiet_saving
+from train.data.sft.sft_data import ensure_special_tokens, stop_token_ids
+from train.run.rundir.runlog import quiet_saving
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 

@@ -14,10 +14,10 @@ from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
 from train.distributed.distributed import step_total
-from train.run import compile_guard
-from train.run import oom as oom_lib
-from train.run.evaluate import Evaluator
-from train.run.signals import QuietWorkers
+from train.run.compile import compile_guard
+from train.run.guard.signals import QuietWorkers
+from train.run.loop import oom as oom_lib
+from train.run.loop.evaluate import Evaluator
 
 
 def data_loader(b, batch_size: int):
@@ -70,9 +70,9 @@ def prepare(b, run_dir, say, guard) -> Parts:
             loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
         return BatchStream(loader, sampler, batch_size, epoch, start)
 
-    # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/oom.py)
+    # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/loop/oom.py)
     oom = oom_lib.OomGuard(b, open_stream, optimizer, scaler, say)
-    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/resume.py).
+    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/guard/resume.py).
     guard.start(b.model, optimizer, scaler, oom)
     batches = oom.batches()
     step_model, compiled = train_model, compile_guard.not_compiled()

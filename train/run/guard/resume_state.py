@@ -23,7 +23,7 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.step import Schedule
 from train.distributed import distributed
-from train.run.checkpointer import COMPARED, Checkpointer
+from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
 
 BUDGET = ("max_steps", "epochs", "max_samples")
 
@@ -161,7 +161,7 @@ def _finished(b, run_path: Path, state: ResumeState, name: str, say) -> bool:
     """Nothing left to train. Complete (True) only with its summary.json and a whole final/ of
     this step (a full disk may have stopped it writing them): then nothing of the run folder
     is touched. Else the session writes them. Rank 0 reads, every rank agrees."""
-    from train.run.rundir import unfinished
+    from train.run.rundir.rundir import unfinished
 
     missing = distributed.on_main(b.world, lambda: unfinished(run_path, state.first_step))
     if missing is None:  # a finished run (a scheduler's requeue, a repeated command)

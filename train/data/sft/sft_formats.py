@@ -1,8 +1,8 @@
 """SFT records in the formats users already have -> conversations; plus the built-in default set.
 
 FORMATS is the table of formats, a row each (name, detect, convert); every convert ends in the
-one conversation shape of train/data/sft_turns.py (roles system, user, assistant, tool; tool
-calls and the tools list included), so the template and the loss mask (train/data/sft_data.py)
+one conversation shape of train/data/sft/sft_turns.py (roles system, user, assistant, tool; tool
+calls and the tools list included), so the template and the loss mask (train/data/sft/sft_data.py)
 see one shape.
 Records come from train/data/records.py, streamed, so a .json list, JSONL, parquet and Arrow
 rows are all dicts here and read alike. Errors are UsageError with one line that names the file
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.sft_turns import BadRecord, text, turns
+from train.data.sft.sft_turns import BadRecord, text, turns
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def all_bad(data_path, skipped: int, first: str) -> UsageError:
 
 def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list[list[dict]], str, int]:
     """DATA_PATH -> (conversations, format name, records skipped), all in memory: for small
-    data and tests; a run reads through the SFT cache (train/data/sft_cache.py) instead.
+    data and tests; a run reads through the SFT cache (train/data/sft/sft_cache.py) instead.
 
     The format is detected from the first record that matches one; every record must then be
     in that format. With skip_bad_records a bad record is counted instead of stopping the run,
