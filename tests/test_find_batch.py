@@ -106,3 +106,37 @@ def test_make_targets_take_the_launchers_variables():
     assert make.returncode == 0, make.stderr
     assert [line.split()[:3] for line in make.stdout.splitlines()] == [
         ["bash", "scripts/kit.sh", cmd] for cmd in ("find-batch", "doctor", "autotune")]
+
+
+def test_a_run_says_when_the_saved_answer_beat_its_own_micro_batch(tiny_flags, tmp_path):
+    """The kit's own answer, offered: a real find-batch, then a run at another micro-batch says
+    (or not) what find-batch measured against it, from the saved trials; AUTO_BATCH=1 takes it."""
+    flags = [*tiny_flags, "--batch_size", "1", "--gradient_accumulation_steps", "8", "--max_memory_mb", "100000"]
+    assert run_cli("find-batch", *flags) == 0
+    path = tmp_path / "runs" / RESULT_FILE
+    saved = json.loads(path.read_text())
+    rate = {t["batch_size"]: t["samples_per_sec"] for t in saved["trials"] if t["status"] == "fits"}
+    answer = saved["batch_size"]
+    other = next(size for size in (1, 8, 2, 4) if size != answer and size in rate)
+    # Whatever the machine measured, the note follows the saved figures: made slower here, the
+    # run's own size is what find-batch would have beaten.
+    for t in saved["trials"]:
+        if t["batch_size"] == other:
+            t["samples_per_sec"] = rate[answer] / 2
+    path.write_text(json.dumps(saved))
+
+    def run(name, *extra):
+        argv = [*tiny_flags, "--max_memory_mb", "100000", "--max_steps", "1", "--run_name", name, *extra]
+        assert run_cli("pretrain", *argv) == 0
+        return (tmp_path / "runs" / name / "train.log").read_text()
+
+    log = run("own", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other))
+    assert (f"find-batch measured BATCH_SIZE={answer} GRADIENT_ACCUM={8 // answer} at {rate[answer]:.1f} samples/s"
+            f" on {saved['key']['device']}, 2.00x this run's {other} x {8 // other}") in log and "AUTO_BATCH=1 takes it" in log
+    log = run("same", "--batch_size", str(answer), "--gradient_accumulation_steps", str(8 // answer))
+    assert "find-batch measured" not in log  # already the answer: nothing to offer
+    log = run("other_length", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other),
+              "--max_length", "32")
+    assert "find-batch measured" not in log  # another MAX_LENGTH: the saved answer does not hold
+    log = run("auto", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other), "--auto_batch", "1")
+    assert f"AUTO_BATCH=1: BATCH_SIZE={answer}" in log and "find-batch measured" not in log

@@ -21,6 +21,7 @@ from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
 from train.run.guard.resume import RunGuard
 from train.run.loop.loop import run_loop
+from train.run.plan import batch_answer
 from train.run.plan.build import build
 from train.run.plan.plan import Chosen
 from train.run.rundir import report
@@ -85,6 +86,9 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     for line in report.config_lines(cfg):
         say(line)
     say(report.start_line(b, run_path, guard.total_steps))
+    faster = batch_answer.faster_answer(b, world.world_size)  # the kit's own measurement, offered
+    if faster:
+        say(faster)
     run_dir.write("config.json", report.config_record(b, guard))
     summary = run_loop(b, run_dir, say, guard)
     exit_code = guard.exit_code(summary["exit_reason"])

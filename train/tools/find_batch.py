@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import hashlib
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,11 +30,11 @@ from train.core.errors import UsageError
 from train.distributed.distributed import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
 from train.run.plan.adapt import PeakMeter, capacity_mb
+from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401 (RESULT_FILE, read_saved: the tests' names)
 from train.run.plan.plan import Chosen
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
-RESULT_FILE = ".auto_batch.json"  # in OUTPUT_DIR; read back by AUTO_BATCH=1 (JSON: never sourced)
 
 
 @dataclass
@@ -191,43 +189,6 @@ def choose(trials: list[Trial], largest_safe: int) -> Trial:
     safe = [t for t in trials if t.status == "fits" and t.batch_size <= largest_safe]
     best = max(t.samples_per_sec for t in safe)
     return min((t for t in safe if t.samples_per_sec >= (1 - TIE) * best), key=lambda t: t.batch_size)
-
-
-def settings_key(b, effective: int, world_size: int) -> dict:
-    """What the answer depends on; a saved result is reused only when all of it matches."""
-    model_cfg = json.dumps(b.model.config.to_dict(), sort_keys=True, default=str)
-    return {
-        "model": hashlib.sha256(model_cfg.encode()).hexdigest()[:16],
-        "max_length": b.max_length,
-        "precision": b.precision,
-        "gradient_checkpointing": b.cfg.model.gradient_checkpointing,
-        "compile": b.cfg.model.compile,
-        "device": device_name(b.device),
-        "target_vram": b.cfg.system.target_vram,
-        "max_memory_mb": b.cfg.system.max_memory_mb,
-        "effective_batch": effective,
-        "world_size": world_size,
-        "torch": torch.__version__,
-    }
-
-
-def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | None, str]:
-    """A saved (batch, accumulation) if the file is valid and for these settings, else the reason."""
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, "no earlier result"
-    except (OSError, ValueError):
-        return None, f"{path} is unreadable"
-    if not isinstance(saved, dict):
-        return None, f"{path} is not a find-batch result"
-    size, accum = saved.get("batch_size"), saved.get("gradient_accumulation_steps")
-    whole = all(type(v) is int and v >= 1 for v in (size, accum))  # type(): bools are ints too
-    if not whole or size * accum != per_rank:
-        return None, f"{path} holds no valid BATCH_SIZE x GRADIENT_ACCUM = {per_rank}"
-    if saved.get("key") != key:
-        return None, "the model, length, precision, device or budget changed since the saved result"
-    return (size, accum), f"saved by find-batch at {saved.get('written', '?')} in {path}"
 
 
 def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1) -> Result:
