@@ -39,6 +39,7 @@ def test_counter_catches_planted_syncs_and_names_the_line():
     with HostSyncs("cpu") as s:
         batch = next(s.host_batches(batches_of(torch.ones(2, 4))))
         host_count = int(batch["input_ids"].sum())  # a host tensor: no sync on a GPU either
+        assert torch.tensor([3, 4]).tolist() == [3, 4]  # Python data on the host (a host all-reduce's box)
         y = model(batch["input_ids"].to("cpu"))
         y.sum().backward()
         assert s.count == 0, s.summary()
@@ -47,8 +48,8 @@ def test_counter_catches_planted_syncs_and_names_the_line():
         bool((y > 0).any())
         y[y > 0]
         y.tolist()
-        y.repeat_interleave(torch.tensor([1, 2]), dim=0)
-        y.repeat_interleave(torch.tensor([1, 2]), dim=0, output_size=3)  # the host said the size: no sync
+        y.repeat_interleave(torch.ones(2, dtype=torch.long), dim=0)  # repeats on the device
+        y.repeat_interleave(torch.ones(2, dtype=torch.long), dim=0, output_size=2)  # the host said the size: no sync
     assert host_count == 8
     ops = [sync.op for sync in s.syncs]
     assert len(ops) == 6, s.summary()

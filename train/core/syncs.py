@@ -166,7 +166,10 @@ class HostSyncs(TorchDispatchMode):
             if reason:
                 self.record(reason)
         out = func(*args, **kwargs)
-        if self.simulated and (self._in_host or (inputs and all(self.is_host(t) for t in inputs))):
+        # torch.tensor(python data) (aten.lift_fresh) is host data until moved: the host
+        # all-reduces of a few ints (train/distributed) never touch the device
+        made_on_host = func is aten.lift_fresh.default
+        if self.simulated and (self._in_host or made_on_host or (inputs and all(self.is_host(t) for t in inputs))):
             self.mark_host(out)
         return out
 
