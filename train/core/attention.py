@@ -59,8 +59,8 @@ def no_sync_mask(attention_mask=None, **kwargs):
     otherwise."""
     from transformers.masking_utils import sdpa_mask
 
-    known = _PADDED.get()
-    if known is None or torch.compiler.is_compiling():
+    known = None if torch.compiler.is_compiling() else _PADDED.get()  # compiled: traced, no read-back
+    if known is None:
         return sdpa_mask(attention_mask=attention_mask, **kwargs)
     padded = known and attention_mask is not None  # no mask given (a T5 decoder): nothing padded
     same = kwargs.get("q_length") == kwargs.get("kv_length") and kwargs.get("local_size") is None
@@ -115,7 +115,7 @@ def varlen_mask(attention_mask=None, **kwargs):
     """The mask for VARLEN_SDPA: none where the 2D mask is none (a packed row, whose restarting
     position_ids would otherwise make transformers build the (N x N) block mask; or an unpadded
     batch, which sdpa runs with is_causal), sdpa's own where padding must be masked."""
-    if attention_mask is None or _PADDED.get() is False:  # a flat row: the host built it unpadded
+    if attention_mask is None or (not torch.compiler.is_compiling() and _PADDED.get() is False):  # a flat row
         return None
     return no_sync_mask(attention_mask=attention_mask, **kwargs)
 

@@ -103,9 +103,12 @@ def forward_loss(
     padded = _host_padded(batch)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
-    if padded is not None and "attention_mask" not in batch and not hasattr(model, "_orig_mod"):
+    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and not hasattr(
+        model, "_orig_mod"
+    ):
         # a 2D mask keeps transformers from asking the device whether position_ids restart (a
-        # packed row); compiled models trace that look away and keep their graph as it was
+        # packed row). Not for flash-attention's varlen row, which a mask would turn into one
+        # sequence; compiled models trace that look away and keep their graph as it was.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
         if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target
