@@ -154,12 +154,13 @@ class Meter:
 
     @contextlib.contextmanager
     def sync_probe(self, done: int, quiet: bool):
-        """Yields a HostSyncs counter over the first quiet steady step (no log line, validation or
-        save due; past warm-up, whose end syncs on purpose), else None. Its ops pay a Python call
-        each for that one step: a few ms on a small model, inside the throughput figures."""
+        """Yields a HostSyncs counter over the first quiet step from the second on (no log line,
+        validation or save due; the first step builds the optimizer state once), else None. Its
+        ops pay a Python call each (tens of ms once), so it is a warm-up step where the run has
+        two or more (steady_start: from 20 steps), outside the throughput figures."""
         save_every = self.b.cfg.run.save_every
         quiet = quiet and not (save_every > 0 and done % save_every == 0)
-        if self.host_syncs is not None or not quiet or done - self.first <= max(1, self.skip):
+        if self.host_syncs is not None or not quiet or done - self.first < 2:
             yield None
             return
         with HostSyncs(self.device) as counter:
