@@ -19,18 +19,56 @@ torch.nn.attention.varlen runs only on CUDA in half precision and has no dropout
 (jagged) tensors find no sdpa backend on CPU. Batches without varlen_index (an unpacked
 validation batch, generation) take transformers' own sdpa path and mask unchanged.
 
-Hazard: transformers still looks for packing in the restarting position_ids once per forward
-(masking_utils.find_packed_sequence_indices), and outside torch.compile that look reads one
-flag back from the device (a host sync per micro-step, as on the flash-attention path); the
-mask it would build is then dropped by `varlen_mask`.
+Host syncs: transformers asks the device twice where the host already knows the answer: it
+looks for packing in position_ids when no 2D mask is given (find_packed_sequence_indices), and
+sdpa's mask asks whether the mask has any padding (to run is_causal instead). Each is a read
+back per forward on a GPU. The kit's forward (core/step.py) therefore always hands over a 2D
+mask (ones where the batch had none) and says, under `host_padding`, whether the batch as the
+host built it has padding; `no_sync_mask` (registered for sdpa and varlen_sdpa) answers from
+that: no mask for an unpadded batch, the same dense mask transformers builds for a padded one.
+Outside the kit's forward (generation, any other caller) and under torch.compile, where the
+reads are traced away, it is transformers' own mask unchanged.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
 
 import torch
 import torch.nn.functional as F
 
 VARLEN_SDPA = "varlen_sdpa"
+_PADDED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("host_padding", default=None)
+
+
+@contextlib.contextmanager
+def host_padding(padded: bool):
+    """Inside: the batch running forward has padding (True) or none (False), as its host tensors said."""
+    token = _PADDED.set(padded)
+    try:
+        yield
+    finally:
+        _PADDED.reset(token)
+
+
+def no_sync_mask(attention_mask=None, **kwargs):
+    """transformers' sdpa mask without the read-backs (module doc): None for a batch the host knows
+    is unpadded (is_causal, or no mask at all for bidirectional attention), the dense mask
+    otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    known = None if torch.compiler.is_compiling() else _PADDED.get()  # compiled: traced, no read-back
+    if known is None:
+        return sdpa_mask(attention_mask=attention_mask, **kwargs)
+    padded = known and attention_mask is not None  # no mask given (a T5 decoder): nothing padded
+    same = kwargs.get("q_length") == kwargs.get("kv_length") and kwargs.get("local_size") is None
+    causal_skip = kwargs.get("allow_is_causal_skip", True) and same
+    if not padded and (causal_skip or kwargs.get("allow_is_bidirectional_skip", False)):
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False,
+                                                       "allow_is_bidirectional_skip": False})
 
 
 def varlen_indices(lengths, total: int | None = None, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +129,9 @@ def varlen_mask(attention_mask=None, **kwargs):
     """The mask for VARLEN_SDPA: none where the 2D mask is none (a packed row, whose restarting
     position_ids would otherwise make transformers build the (N x N) block mask; or an unpadded
     batch, which sdpa runs with is_causal), sdpa's own where padding must be masked."""
-    if attention_mask is None:
+    if attention_mask is None or (not torch.compiler.is_compiling() and _PADDED.get() is False):  # a flat row
         return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+    return no_sync_mask(attention_mask=attention_mask, **kwargs)
 
 
 def register() -> None:
@@ -106,6 +142,14 @@ def register() -> None:
 
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
     AttentionMaskInterface.register(VARLEN_SDPA, varlen_mask)
+
+
+@functools.cache
+def register_no_sync_mask() -> None:
+    """sdpa's mask through no_sync_mask: transformers' own wherever host_padding is not set."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register("sdpa", no_sync_mask)
 
 
 def use_attention(model, kind: str) -> None:

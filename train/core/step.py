@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from train.core.attention import host_padding, register_no_sync_mask
 from train.core.device import autocast
 from train.core.loss import (
     chunked_cross_entropy,
@@ -101,9 +102,17 @@ def forward_loss(
         targets = count_targets(batch, shifted=not seq2seq)
     # Only tensors reach the model: the collators also hand over host ints (n_real_tokens ...),
     # which BatchCounter has already read.
+    padded = _host_padded(batch)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
-    with autocast(device, precision):
+    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and not hasattr(
+        model, "_orig_mod"
+    ):
+        # a 2D mask keeps transformers from asking the device whether position_ids restart (a
+        # packed row). Not for flash-attention's varlen row, which a mask would turn into one
+        # sequence; compiled models trace that look away and keep their graph as it was.
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
         if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target
             total = seq2seq_loss_sum(model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels)
             return token_mean_share(total, targets, world_size)
@@ -112,6 +121,16 @@ def forward_loss(
             total, _ = chunked_cross_entropy(hidden, weight, labels)
             return token_mean_share(total, targets, world_size)
         return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss * world_size
+
+
+def _host_padded(batch: dict) -> bool | None:
+    """Whether the batch has padding, read from its host tensors before they move (no device
+    sync): the 2D attention_mask's zeros; None for a prepared 4D mask (used as it is)."""
+    register_no_sync_mask()
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return False
+    return None if mask.dim() != 2 else not bool(mask.all())
 
 
 def train_step(

@@ -5,6 +5,8 @@ SIGTERM, non-finite losses) and the out-of-memory guard (halve the micro-batch, 
 
 from __future__ import annotations
 
+from functools import partial
+
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import val_stop
 from train.run.loop.meter import Meter
@@ -22,22 +24,25 @@ def run_loop(b, run_dir, say, guard) -> dict:
     meter.start()
     try:
         for step in range(guard.first_step, guard.total_steps):
-            lr = parts.set_lr(guard.lr_at(step))  # samples-based: the same curve after a resume
-            loss_t, norm_t, _ = parts.oom.step(lambda: batches.attempt(lambda: parts.step(batches)))
             done = step + 1
             last = done == guard.total_steps
             log_due = done % log_every == 0 or last
             eval_due = parts.evaluator.due(done, last)
-            meter.step_end(done, counts_due=log_due or eval_due)
-            if log_due:
-                meter.log(done, loss_t, norm_t, lr)
-                if stop_for_write(b.world, run_dir):  # a full disk: metrics.jsonl or train.log
-                    exit_reason = "write_failed"
-                    break
-            if eval_due:
-                meter.exclude(parts.evaluator.run(done, meter.samples()))
-            # saves every SAVE_EVERY (with the meter's counts); signals; NaN
-            stop = guard.step_done(done, loss_t, synced=log_due, counted=meter.counted)
+            # one quiet steady step runs under the host-sync counter (summary: host_syncs_per_step)
+            with meter.sync_probe(done, quiet=not (log_due or eval_due)) as probe:
+                lr = parts.set_lr(guard.lr_at(step))  # samples-based: the same curve after a resume
+                step_batches = probe.host_batches(batches) if probe else batches
+                loss_t, norm_t, _ = parts.oom.step(partial(batches.attempt, partial(parts.step, step_batches)))
+                meter.step_end(done, counts_due=log_due or eval_due)
+                if log_due:
+                    meter.log(done, loss_t, norm_t, lr)
+                    if stop_for_write(b.world, run_dir):  # a full disk: metrics.jsonl or train.log
+                        exit_reason = "write_failed"
+                        break
+                if eval_due:
+                    meter.exclude(parts.evaluator.run(done, meter.samples()))
+                # saves every SAVE_EVERY (with the meter's counts); signals; NaN
+                stop = guard.step_done(done, loss_t, synced=log_due, counted=meter.counted)
             if not stop and eval_due:
                 stop = val_stop(b, parts.evaluator, guard, done, say)  # a NaN validation loss
             if stop:

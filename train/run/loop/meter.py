@@ -9,14 +9,17 @@ shapes and the collator's ints), and the one device sync is at log points.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections import Counter
 
 import torch
 from tqdm import tqdm
 
 from train.core.device import synchronize
 from train.core.model import is_seq2seq
+from train.core.syncs import HostSyncs
 from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
@@ -102,6 +105,7 @@ class Meter:
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
         self.host = monitor_lib.HostMemoryPeaks()
+        self.host_syncs: list[str] | None = None  # the probed step's syncs, each with its line
 
     def counted(self) -> tuple[int, int]:
         """(samples, tokens) trained so far, all ranks (a collective), for a checkpoint."""
@@ -147,6 +151,22 @@ class Meter:
                 self.steady_t0, self.steady_at = now, self.seen
                 self.timer.start_steady()
         self.bar.update(1)
+
+    @contextlib.contextmanager
+    def sync_probe(self, done: int, quiet: bool):
+        """Yields a HostSyncs counter over the first quiet step from the second on (no log line,
+        validation or save due; the first step builds the optimizer state once), else None. Its
+        ops pay a Python call each (tens of ms once), so it is a warm-up step where the run has
+        two or more (steady_start: from 20 steps), outside the throughput figures."""
+        save_every = self.b.cfg.run.save_every
+        quiet = quiet and not (save_every > 0 and done % save_every == 0)
+        if self.host_syncs is not None or not quiet or done - self.first < 2:
+            yield None
+            return
+        with HostSyncs(self.device) as counter:
+            yield counter
+        self.host_syncs = [f"{n} x {s}" for s, n in Counter(counter.syncs).items()]
+        self.host_syncs_count = counter.count
 
     def log(self, step: int, loss_t, norm_t, lr: float) -> None:
         """One metrics row and console line: the one host sync of the interval."""
@@ -238,4 +258,7 @@ class Meter:
             "compute_s": compute_s,
             "compute_frac": min(1.0, compute_s / steady_s) if compute_s is not None and steady_s > 0 else None,
             "input_bound": data_wait is not None and data_wait > INPUT_BOUND_FRAC,
+            # syncs of one quiet steady optimizer step (None: the run had no such step)
+            "host_syncs_per_step": None if self.host_syncs is None else self.host_syncs_count,
+            "host_syncs": self.host_syncs,
         }
