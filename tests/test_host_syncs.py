@@ -13,8 +13,9 @@ import torch
 from test_t5_sft import t5_folder  # noqa: F401  (the tiny T5 SFT fixture)
 from tiny_tools import one_thread
 
+from config import OptimConfig
 from conftest import run_cli
-from train.core.step import make_optimizer, train_step
+from train.core.step import build_optimizer, train_step
 from train.core.syncs import HostSyncs
 
 QUIET = ["--gradient_accumulation_steps", "2", "--max_steps", "4", "--log_every", "100", "--num_workers", "0"]
@@ -65,7 +66,7 @@ def test_train_step_counts_a_sync_planted_in_the_loss(monkeypatch):
     import train.core.step as step
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-    opt, _ = make_optimizer(model, 1e-3, 0.1, torch.device("cpu"))  # the kit's (fused) AdamW
+    opt, _ = build_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1), model, torch.device("cpu"))  # the kit's (fused) AdamW
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     x = torch.randint(0, 64, (2, 8))
 

@@ -163,7 +163,10 @@ class Meter:
         if self.host_syncs is not None or not quiet or done - self.first < 2:
             yield None
             return
-        with HostSyncs(self.device) as counter:
+        # Eager for this one step under COMPILE=1: a dispatch mode inside compiled frames made
+        # dynamo skip them for good (every later step eager, silently). force_eager leaves the
+        # compiled code and its caches as they are; the step's own syncs are the same eager.
+        with torch.compiler.set_stance("force_eager"), HostSyncs(self.device) as counter:
             yield counter
         self.host_syncs = [f"{n} x {s}" for s, n in Counter(counter.syncs).items()]
         self.host_syncs_count = counter.count
