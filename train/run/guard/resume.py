@@ -85,11 +85,6 @@ class RunGuard:
     def samples_at(self, steps_done: int) -> int:
         return self.state.base_samples + (steps_done - self.first_step) * self.effective
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (from 0), by samples consumed (core/step.py Schedule)."""
-        o = self.cfg.optim
-        return self.schedule.lr(self.samples_at(step), o.learning_rate, o.min_lr_ratio)
-
     def step_done(self, steps_done: int, loss: torch.Tensor, synced: bool, counted=None) -> str | None:
         """After each optimizer step. Counts on the device (no host sync); reads the counts only
         where the loop already synced (a log line) or is about to save. Returns a stop reason.
@@ -176,11 +171,7 @@ class RunGuard:
                 "identity": self.checkpoints.data_identity(),
             },
             "sharding": self.sharding,
-            "schedule": {
-                "unit_samples": self.schedule.unit,
-                "warmup_samples": self.schedule.warmup_samples,
-                "budget_samples": self.schedule.budget_samples,
-            },
+            "schedule": self.schedule.state_dict(),
             "settings": self.checkpoints.settings(self.feed),
             "counters": dict(self.counters),
         }

@@ -21,7 +21,7 @@ from pathlib import Path
 from config import env_name
 from train.core import files
 from train.core.errors import UsageError
-from train.core.step import Schedule
+from train.core.step import Schedule, build_schedule
 from train.distributed import distributed
 from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
 
@@ -49,8 +49,7 @@ class ResumeState:
 
 def fresh(b, effective: int) -> ResumeState:
     """A new run: the plan's span, the schedule in samples."""
-    e = effective
-    schedule = Schedule(unit=e, warmup_samples=b.warmup_steps * e, budget_samples=b.total_steps * e)
+    schedule = build_schedule(b.cfg.optim, effective, b.warmup_steps, b.total_steps)
     return ResumeState(schedule, b.total_steps, b.warmup_steps)
 
 
@@ -118,11 +117,10 @@ def _counts(meta: dict, state: ResumeState) -> ResumeState:
     before = None
     if isinstance(counted, dict) and all(isinstance(counted.get(k), int) for k in ("samples", "tokens")):
         before = (counted["samples"], counted["tokens"])
-    sched = meta["schedule"]
     return replace(
         state, first_step=meta["step"], base_samples=meta["samples"], counted_before=before,
         counters={**state.counters, **meta.get("counters", {})}, resuming=True,
-        schedule=Schedule(sched["unit_samples"], sched["warmup_samples"], sched["budget_samples"]),
+        schedule=state.schedule.load_state_dict(meta["schedule"]),
     )  # fmt: skip
 
 
