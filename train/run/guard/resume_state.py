@@ -47,6 +47,32 @@ class ResumeState:
     complete: bool = False  # RESUME=1 of a run that has nothing left to train
 
 
+class Progress:
+    """The run's counters as a checkpoint holds them (meta.json's samples, tokens and counted):
+    the loop's step, set before each save, and the rows and real tokens counted (SFT batches
+    vary in both). Samples and tokens are in the schedule's units: steps x effective batch."""
+
+    def __init__(self, state: ResumeState, effective: int, max_length: int):
+        self.state, self.effective, self.max_length = state, effective, max_length
+        self.step, self.counted = state.first_step, None
+
+    def at(self, steps_done: int, counted=None) -> Progress:
+        """Where the next save is: counted () -> (samples, tokens) all ranks (the meter's collective)."""
+        self.step, self.counted = steps_done, counted
+        return self
+
+    def samples_at(self, steps_done: int) -> int:
+        return self.state.base_samples + (steps_done - self.state.first_step) * self.effective
+
+    def state_dict(self) -> dict:
+        samples, counted = self.samples_at(self.step), self.counted() if self.counted else None
+        return {
+            "samples": samples,
+            "tokens": samples * self.max_length,
+            "counted": {"samples": counted[0], "tokens": counted[1]} if counted else None,
+        }
+
+
 def fresh(b, effective: int) -> ResumeState:
     """A new run: the plan's span, the schedule in samples."""
     schedule = build_schedule(b.cfg.optim, effective, b.warmup_steps, b.total_steps)

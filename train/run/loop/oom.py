@@ -100,6 +100,15 @@ class OomGuard:
         self.stream = self.open_stream(self.batch_size, epoch, consumed)
         return self.stream
 
+    def state_dict(self) -> dict:
+        """The data position for a checkpoint (meta.json's data): the epoch and the samples of it
+        all ranks consumed (global), and how many processes consumed them."""
+        return {"epoch": self.stream.epoch, "position": self.stream.consumed, "world_size": self.b.world.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Open the stream at a saved (or a fresh run's) data position."""
+        self.open(state["epoch"], state["position"])
+
     def batches(self):
         while True:
             yield next(self.stream)
