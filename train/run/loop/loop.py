@@ -19,12 +19,12 @@ def run_loop(b, run_dir, say, guard) -> dict:
     meter = Meter(b, run_dir, say, guard, parts.batches)
     batches, log_every = meter.batches, b.cfg.run.log_every
     exit_reason, done = "completed", guard.first_step
-    # the LR curve in samples, and the samples trained before each step: the same curve after a resume
-    schedule, samples_at = guard.schedule, guard.samples_at
+    # the LR curve in samples and the run's counters: the same curve step for step after a resume
+    schedule, progress = guard.schedule, guard.progress
     meter.start()
     try:
         for step in range(guard.first_step, guard.total_steps):
-            lr = parts.set_lr(schedule.lr(samples_at(step)))
+            lr = parts.set_lr(schedule.lr(progress.samples_at(step)))
             loss_t, norm_t, _ = parts.train_one_step(batches)
             done = step + 1
             last = done == guard.total_steps

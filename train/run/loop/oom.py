@@ -78,6 +78,8 @@ class OutOfMemoryStop(Exception):
 class OomGuard:
     """Owns the batch stream of a run and its current micro-batch, so that a failed step can be
     redone from its first sample with a smaller one. The plan keeps the micro-batch it chose.
+    Held as `feed` (Parts.feed, RunGuard.start, the checkpoint manager, whose data position it
+    owns: state_dict / load_state_dict).
 
     batches() is the micro-batch iterator train_step reads; step(fn) runs one optimizer step and,
     on OOM, halves batch_size, doubles accumulation and retries. The stream's sampler is
