@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,15 +62,34 @@ class Schedule:
     for step; with a changed BATCH_SIZE or GRADIENT_ACCUM (a resume) the run continues at the same
     sample, at the same point of the warm-up and cosine, and ends at the same sample. unit: the
     samples of the run's first effective batch, so that an unchanged run gives lr_at exactly
-    (step, WARMUP_STEPS, total steps)."""
+    (step, WARMUP_STEPS, total steps). peak and min_ratio: LEARNING_RATE and MIN_LR_RATIO."""
 
     unit: int
     warmup_samples: int
     budget_samples: int
+    peak: float = 0.0
+    min_ratio: float = 0.0
 
-    def lr(self, samples: int, peak: float, min_ratio: float) -> float:
+    def lr(self, samples: int) -> float:
+        """The learning rate of a step that starts after `samples` samples."""
         u = self.unit
-        return lr_at(samples / u, peak, self.warmup_samples / u, self.budget_samples / u, min_ratio)
+        return lr_at(samples / u, self.peak, self.warmup_samples / u, self.budget_samples / u, self.min_ratio)
+
+    def state_dict(self) -> dict:
+        """A checkpoint's meta.json "schedule": the curve in samples (the peak is the config's)."""
+        return {"unit_samples": self.unit, "warmup_samples": self.warmup_samples, "budget_samples": self.budget_samples}
+
+    def load_state_dict(self, state: dict) -> Schedule:
+        """The saved curve with this schedule's peak (frozen: a new Schedule)."""
+        return replace(self, unit=state["unit_samples"], warmup_samples=state["warmup_samples"],
+                       budget_samples=state["budget_samples"])  # fmt: skip
+
+
+def build_schedule(optim, effective: int, warmup_steps: int, total_steps: int) -> Schedule:
+    """The LR schedule from the optimizer section (config.OptimConfig: LEARNING_RATE,
+    MIN_LR_RATIO) and the plan's steps of `effective` samples, beside build_optimizer."""
+    e = effective
+    return Schedule(e, warmup_steps * e, total_steps * e, optim.learning_rate, optim.min_lr_ratio)
 
 
 def chunkable(model) -> bool:

@@ -17,7 +17,6 @@ import os
 import resource
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -304,33 +303,3 @@ def add_rank_figures(summary: dict, world: Dist, device: torch.device) -> dict:
         summary["mfu"] /= n  # achieved FLOPs are over all GPUs, the peak is one GPU's
     return summary
 
-
-class NullRunDir:
-    """What ranks other than 0 write: nothing. Same methods as RunDir."""
-
-    failed = None  # rank 0's RunDir holds the line of a failed append
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def log(self, line: str) -> None:
-        pass
-
-    def metrics(self, row: dict) -> None:
-        pass
-
-    def write(self, name: str, data) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Quiet:
-    """The console of ranks other than 0: N copies of every line help no one."""
-
-    def __call__(self, line: str) -> None:
-        pass
-
-    def attach(self, run_dir) -> None:
-        pass

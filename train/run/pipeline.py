@@ -27,13 +27,13 @@ from train.run.plan.plan import Chosen
 from train.run.rundir import report
 from train.run.rundir.claim import claim_run_dir
 from train.run.rundir.outputs import earlier_summary, finish
-from train.run.rundir.rundir import RunDir
-from train.run.rundir.runlog import Console, capture_warnings
+from train.run.rundir.rundir import NullRunDir, RunDir
+from train.run.rundir.runlog import Console, Quiet, capture_warnings
 
 
 def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before=None) -> int:
     """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
-    say = Console() if world.is_main else distributed.Quiet()
+    say = Console() if world.is_main else Quiet()
     if not world.is_main:  # N copies of transformers' loading bars and notes help no one
         import transformers
 
@@ -78,7 +78,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     run_dir = (
         RunDir(run_path, cfg.run.overwrite, resume=guard.resuming, mirror=mirror)
         if world.is_main
-        else distributed.NullRunDir(run_path)
+        else NullRunDir(run_path)
     )
     mirror = getattr(run_dir, "mirror", NoLog())
     say.attach(run_dir)

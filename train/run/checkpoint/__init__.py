@@ -1,3 +1,4 @@
 """Checkpoints on disk: the files of one checkpoint written whole (or sharded, one part per rank),
-checked before they are trusted, listed and pruned; what goes in them (Checkpointer) and the RNG
-states. Imports core, config, distributed and, of run/, only run/compile/."""
+checked before they are trusted, listed and pruned; the one manager that saves and restores the
+objects owning their state (Checkpointer) and the RNG states. Imports core, config, distributed
+and, of run/, only run/compile/."""

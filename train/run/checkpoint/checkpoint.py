@@ -53,7 +53,7 @@ from train.run.checkpoint.checkpoint_checks import (
     sha256_of,
     tokenizer_change,
 )
-from train.run.checkpoint.rng import rng_state, rng_states, set_rng_state
+from train.run.checkpoint.rng import rng_state, set_rng_state
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
@@ -128,8 +128,9 @@ class CheckpointManager:
             raise files.LinkRefused(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
 
-    def save(self, step: int, model, optimizer, scaler, meta: dict, rngs: list | None = None) -> Path:
-        """Write checkpoint `step` (fresh temporary folder, fsync, rename), then drop the oldest."""
+    def save(self, step: int, model, optimizer, state: dict, meta: dict) -> Path:
+        """Write checkpoint `step` (fresh temporary folder, fsync, rename), then drop the oldest.
+        state: state.pt's entries (optimizer, scaler, rng); meta: meta.json's record."""
         self._make_folder()
         name = checkpoint_name(step)
         needed = self.needed_bytes(model, optimizer)
@@ -141,7 +142,6 @@ class CheckpointManager:
             tmp = files.fresh_folder(self.folder, f".tmp-{name}-")
             safetensors.torch.save_model(model, str(tmp / WEIGHTS))
             writing = STATE
-            state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), **rng_states(rngs)}
             # Through a handle of ours: given a path, torch.save's C++ writer reports a full disk
             # or EFBIG as "unexpected pos" with no errno; given a handle, the OSError is kept.
             with open(tmp / STATE, "xb") as handle:
@@ -156,7 +156,7 @@ class CheckpointManager:
             raise
         return target
 
-    def save_sharded(self, step: int, model, optimizer, scaler, meta: dict, world, rngs: list | None = None) -> Path:
+    def save_sharded(self, step: int, model, optimizer, state: dict, meta: dict, world) -> Path:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
@@ -178,7 +178,7 @@ class CheckpointManager:
         try:
             parallel.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
-                torch.save({"optimizer": {}, "scaler": scaler.state_dict(), **rng_states(rngs)}, tmp / STATE)
+                torch.save(state, tmp / STATE)  # the optimizer's state is in the shards
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
                 fsync(tmp / SHARDS)
                 self._complete(tmp, name, step, meta, [*shards, STATE])

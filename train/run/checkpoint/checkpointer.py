@@ -1,8 +1,19 @@
-"""Saving a run's checkpoints as the loop goes: when a save is worth making (healthy weights on
-every rank), who writes (rank 0, or every rank its own shards with SHARDING), the settings and
-data identity a later RESUME=1 compares, and the time spent saving (left out of throughput).
-The files themselves are train/run/checkpoint/checkpoint.py's; where the run is (step, samples, data
-position, schedule) is the resume state's (train/run/guard/resume.py), handed in as `meta`."""
+"""The one checkpoint manager of a run: it saves and restores one list of objects that each own
+their state (state_dict / load_state_dict), as torchtitan's CheckpointManager does over Stateful
+objects:
+  model      the weights (model.safetensors, or shards/ with SHARDING)
+  optimizer  AdamW's state (state.pt, or shards/)
+  scaler     the GradScaler (state.pt)
+  rng        every rank's random-number states (state.pt; rng.RngStates)
+  progress   step, samples, tokens and the rows and tokens counted (meta.json)
+  feed       the data position: epoch and samples consumed (meta.json's data)
+  schedule   the LR schedule in samples (meta.json)
+  health     the skipped and non-finite steps (meta.json's counters)
+It decides when a save is worth making (healthy weights on every rank), who writes (rank 0, or
+every rank its own shards), records the settings and data identity a later RESUME=1 compares,
+and the time spent saving (left out of throughput). The files are train/run/checkpoint/
+checkpoint.py's. RESUME=1 reads the same entries back: the weights, the counters and the
+schedule before the session is planned (train/run/guard/resume_state.py), the rest by restore()."""
 
 from __future__ import annotations
 
@@ -12,9 +23,8 @@ import time
 from pathlib import Path
 
 from train.config import knobs
-from train.distributed import distributed
-from train.run.checkpoint.checkpoint import CheckpointManager, checkpoint_name
-from train.run.checkpoint.rng import rng_state
+from train.distributed import distributed, parallel
+from train.run.checkpoint.checkpoint import SHARDS, CheckpointManager, checkpoint_name
 
 # Settings compared with the checkpoint's on resume, to say what changed: config.py's fields
 # marked "compared".
@@ -44,6 +54,7 @@ class Checkpointer:
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
         self.saving_s: list[tuple[float, float]] = []
         self.others_saved: str | None = None  # ranks that do not write: the name rank 0 gave it
+        self.stateful: dict = {}  # what a checkpoint holds (the module doc), from track()
 
     @property
     def last_saved(self) -> str | None:
@@ -81,27 +92,54 @@ class Checkpointer:
             "source": Path(str(source[0])).name if source else type(self.b.dataset).__name__,
         }
 
-    def save(self, steps_done: int, model, optimizer, scaler, health, meta) -> None:
+    def track(self, **stateful) -> None:
+        """The objects a checkpoint holds (the module doc's list, by those names)."""
+        self.stateful = stateful
+
+    def restore(self, loaded, position: dict) -> None:
+        """A loaded checkpoint's state into the tracked objects, RNG last (the weights are in
+        the model already, checked on load); with none (a fresh run) the feed only, at `position`.
+        A sharded checkpoint's weights and optimizer state are read here, into the sharded model."""
+        s = self.stateful
+        if loaded is not None and self.sharding != "none":
+            parallel.load_sharded(loaded.path / SHARDS, s["model"], s["optimizer"])
+        elif loaded is not None:
+            s["optimizer"].load_state_dict(loaded.optimizer)
+            if s["scaler"].is_enabled() and loaded.scaler:
+                s["scaler"].load_state_dict(loaded.scaler)
+        s["feed"].load_state_dict(position)
+        if loaded is not None:
+            s["rng"].load_state_dict({"rng": loaded.rng, "rng_ranks": loaded.rng_ranks})
+
+    def save(self, steps_done: int) -> None:
         """Save unless the model is unhealthy (a non-finite loss at this step or non-finite
         weights on any rank): a checkpoint must be one worth resuming from. Every rank calls
         it at the same step (the RNG states and counts are gathered); rank 0 writes, or with
-        SHARDING every rank writes its shards. meta: () -> the checkpoint's record (a collective)."""
+        SHARDING every rank writes its shards."""
+        s = self.stateful
         start = time.perf_counter()
-        healthy = health.worth_saving(model)
-        if distributed.max_across(self.b.world, [int(not healthy)])[0]:
+        if distributed.max_across(self.b.world, [int(not s["health"].worth_saving(s["model"]))])[0]:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
-        rngs = distributed.gather(rng_state())
-        record = meta()
+        rng = s["rng"].state_dict()  # collectives, on every rank in this order
+        progress = s["progress"].state_dict()
         if not self.saves:
             self.others_saved = checkpoint_name(steps_done)  # as rank 0 will have it
             return
-        health.read()
-        record["counters"] = dict(health.counters)
-        if self.sharding != "none":
-            self.manager.save_sharded(steps_done, model, optimizer, scaler, record, self.b.world, rngs)
+        record = {
+            **progress,
+            "data": {**s["feed"].state_dict(), "identity": self.data_identity()},
+            "sharding": self.sharding,
+            "schedule": s["schedule"].state_dict(),
+            "settings": self.settings(s["feed"]),
+            "counters": s["health"].state_dict(),
+        }
+        sharded = self.sharding != "none"  # then the optimizer's state is in the shards
+        state = {"optimizer": {} if sharded else s["optimizer"].state_dict(), "scaler": s["scaler"].state_dict(), **rng}
+        if sharded:
+            self.manager.save_sharded(steps_done, s["model"], s["optimizer"], state, record, self.b.world)
         else:
-            self.manager.save(steps_done, model, optimizer, scaler, record, rngs)
+            self.manager.save(steps_done, s["model"], s["optimizer"], state, record)
         self.saving_s.append((start, time.perf_counter() - start))
         self.say(f"saved checkpoint {self.manager.last_saved} ({time.perf_counter() - start:.1f} s)")
 

@@ -8,6 +8,8 @@ import random
 import numpy as np
 import torch
 
+from train.distributed import distributed
+
 
 def rng_state() -> dict:
     """Every random-number state the run draws from, as plain tensors and numbers (numpy's
@@ -48,3 +50,20 @@ def rng_states(rngs: list | None) -> dict:
     if not rngs:
         return {"rng": rng_state()}
     return {"rng": rngs[0], **({"rng_ranks": rngs} if len(rngs) > 1 else {})}
+
+
+class RngStates:
+    """The run's random-number states as one entry of the checkpoint (state.pt's rng, and
+    rng_ranks with several processes), owning its state_dict / load_state_dict."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def state_dict(self) -> dict:
+        """Every rank's states (a collective: every rank calls it at the same step)."""
+        return rng_states(distributed.gather(rng_state()))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Each rank its own states; with another number of processes, rank 0's for all."""
+        ranks, world = state.get("rng_ranks"), self.world
+        set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.world_size else state["rng"])

@@ -46,6 +46,12 @@ class Health:
         """No non-finite loss at this step and finite weights: a checkpoint worth resuming from."""
         return self.streak_now() == 0 and _weights_finite(model)
 
+    def state_dict(self) -> dict:
+        """The run's totals for a checkpoint (meta.json's counters): the device counts read first.
+        RESUME=1 hands them back through the ResumeState (the counters this Health is made with)."""
+        self.read()
+        return dict(self.counters)
+
     def read(self) -> None:
         """Fold the device counts into the totals (a sync: at saves and at the end)."""
         if self.streak is not None:

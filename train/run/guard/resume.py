@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from train.distributed import distributed, parallel
-from train.run.checkpoint.checkpoint import SHARDS, DiskFull, checkpoint_name, list_checkpoints
+from train.distributed import distributed
+from train.run.checkpoint.checkpoint import DiskFull, checkpoint_name, list_checkpoints
 from train.run.checkpoint.checkpointer import Checkpointer
-from train.run.checkpoint.rng import set_rng_state
+from train.run.checkpoint.rng import RngStates
 from train.run.guard import resume_state
 from train.run.guard.health import Health
 from train.run.guard.signals import StopSignals
@@ -49,6 +49,7 @@ class RunGuard:
             self.state = resume_state.fresh(b, self.effective)
         # The run's totals from here on belong to Health (train/run/guard/health.py), which counts them.
         self.counters = dict(self.state.counters)
+        self.progress = resume_state.Progress(self.state, self.effective, b.max_length)
 
     # Where this session starts and ends: read from the frozen ResumeState.
     first_step = property(lambda self: self.state.first_step)
@@ -63,32 +64,23 @@ class RunGuard:
     # ---- the loop's calls -----------------------------------------------------------------
 
     def start(self, model, optimizer, scaler, feed) -> None:
-        """Apply the loaded state and open the feed's batch stream at the saved data position
-        (RNG restored last). feed: the OOM guard (train/run/loop/oom.py), which owns the stream and
-        the current micro-batch that checkpoints record."""
-        self.model, self.optimizer, self.scaler, self.feed = model, optimizer, scaler, feed
-        if self.loaded is not None and self.sharding != "none":
-            parallel.load_sharded(self.loaded.path / SHARDS, model, optimizer)
-        elif self.loaded is not None:
-            optimizer.load_state_dict(self.loaded.optimizer)
-            if scaler.is_enabled() and self.loaded.scaler:
-                scaler.load_state_dict(self.loaded.scaler)
-        feed.open(self.state.epoch, self.state.consumed)
-        if self.loaded is not None:
-            ranks, world = self.loaded.rng_ranks, self.b.world
-            # each rank its own states; with another number of processes, rank 0's for all
-            set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.world_size else self.loaded.rng)
-            self.loaded = None  # free the host copies of the optimizer state
+        """Hand the checkpoint manager the objects a checkpoint holds, apply the loaded state to
+        them and open the feed's batch stream at the saved data position (RNG restored last).
+        feed: the OOM guard (train/run/loop/oom.py), which owns the stream and the current
+        micro-batch that checkpoints record."""
+        self.scaler, self.feed = scaler, feed
         self.health = Health(scaler, self.counters)
+        self.checkpoints.track(
+            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.b.world), progress=self.progress,
+            feed=feed, schedule=self.schedule, health=self.health,
+        )  # fmt: skip
+        position = {"epoch": self.state.epoch, "position": self.state.consumed}
+        self.checkpoints.restore(self.loaded, position)
+        self.loaded = None  # free the host copies of the optimizer state
         self.signals.install()
 
     def samples_at(self, steps_done: int) -> int:
-        return self.state.base_samples + (steps_done - self.first_step) * self.effective
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (from 0), by samples consumed (core/step.py Schedule)."""
-        o = self.cfg.optim
-        return self.schedule.lr(self.samples_at(step), o.learning_rate, o.min_lr_ratio)
+        return self.progress.samples_at(steps_done)
 
     def step_done(self, steps_done: int, loss: torch.Tensor, synced: bool, counted=None) -> str | None:
         """After each optimizer step. Counts on the device (no host sync); reads the counts only
@@ -128,11 +120,9 @@ class RunGuard:
         """A checkpoint of this step (train/run/checkpoint/checkpointer.py), with where the run is. False
         when it did not fit (a full disk, a file-size limit): the run then stops as a failed
         append stops it, with summary.json where the disk takes it and the resume command."""
-        counts = counted or (lambda: None)
         try:
-            self.checkpoints.save(
-                steps_done, self.model, self.optimizer, self.scaler, self.health, lambda: self._meta(steps_done, counts())
-            )
+            self.progress.at(steps_done, counted)
+            self.checkpoints.save(steps_done)
         except DiskFull as err:
             self.write_error = str(err)
         # every rank stops at the same step, or one waits forever in a collective
@@ -159,31 +149,6 @@ class RunGuard:
         ):
             self.save(steps_done, counted)
         self.health.read()
-
-    # ---- state ----------------------------------------------------------------------------
-
-    def _meta(self, steps_done: int, counted: tuple[int, int] | None) -> dict:
-        samples = self.samples_at(steps_done)  # in the schedule's units: steps x effective batch
-        return {
-            "samples": samples,
-            "tokens": samples * self.b.max_length,
-            # rows and real tokens as counted (SFT batches vary in both), for the figures
-            "counted": {"samples": counted[0], "tokens": counted[1]} if counted else None,
-            "data": {
-                "epoch": self.feed.stream.epoch,
-                "position": self.feed.stream.consumed,  # global: samples of the epoch all ranks consumed
-                "world_size": self.b.world.world_size,
-                "identity": self.checkpoints.data_identity(),
-            },
-            "sharding": self.sharding,
-            "schedule": {
-                "unit_samples": self.schedule.unit,
-                "warmup_samples": self.schedule.warmup_samples,
-                "budget_samples": self.schedule.budget_samples,
-            },
-            "settings": self.checkpoints.settings(self.feed),
-            "counters": dict(self.counters),
-        }
 
     def summary(self) -> dict:
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None

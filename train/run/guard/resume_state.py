@@ -21,7 +21,7 @@ from pathlib import Path
 from config import env_name
 from train.core import files
 from train.core.errors import UsageError
-from train.core.step import Schedule
+from train.core.step import Schedule, build_schedule
 from train.distributed import distributed
 from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
 
@@ -47,10 +47,35 @@ class ResumeState:
     complete: bool = False  # RESUME=1 of a run that has nothing left to train
 
 
+class Progress:
+    """The run's counters as a checkpoint holds them (meta.json's samples, tokens and counted):
+    the loop's step, set before each save, and the rows and real tokens counted (SFT batches
+    vary in both). Samples and tokens are in the schedule's units: steps x effective batch."""
+
+    def __init__(self, state: ResumeState, effective: int, max_length: int):
+        self.state, self.effective, self.max_length = state, effective, max_length
+        self.step, self.counted = state.first_step, None
+
+    def at(self, steps_done: int, counted=None) -> Progress:
+        """Where the next save is: counted () -> (samples, tokens) all ranks (the meter's collective)."""
+        self.step, self.counted = steps_done, counted
+        return self
+
+    def samples_at(self, steps_done: int) -> int:
+        return self.state.base_samples + (steps_done - self.state.first_step) * self.effective
+
+    def state_dict(self) -> dict:
+        samples, counted = self.samples_at(self.step), self.counted() if self.counted else None
+        return {
+            "samples": samples,
+            "tokens": samples * self.max_length,
+            "counted": {"samples": counted[0], "tokens": counted[1]} if counted else None,
+        }
+
+
 def fresh(b, effective: int) -> ResumeState:
     """A new run: the plan's span, the schedule in samples."""
-    e = effective
-    schedule = Schedule(unit=e, warmup_samples=b.warmup_steps * e, budget_samples=b.total_steps * e)
+    schedule = build_schedule(b.cfg.optim, effective, b.warmup_steps, b.total_steps)
     return ResumeState(schedule, b.total_steps, b.warmup_steps)
 
 
@@ -118,11 +143,10 @@ def _counts(meta: dict, state: ResumeState) -> ResumeState:
     before = None
     if isinstance(counted, dict) and all(isinstance(counted.get(k), int) for k in ("samples", "tokens")):
         before = (counted["samples"], counted["tokens"])
-    sched = meta["schedule"]
     return replace(
         state, first_step=meta["step"], base_samples=meta["samples"], counted_before=before,
         counters={**state.counters, **meta.get("counters", {})}, resuming=True,
-        schedule=Schedule(sched["unit_samples"], sched["warmup_samples"], sched["budget_samples"]),
+        schedule=state.schedule.load_state_dict(meta["schedule"]),
     )  # fmt: skip
 
 

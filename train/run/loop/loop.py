@@ -5,8 +5,6 @@ SIGTERM, non-finite losses) and the out-of-memory guard (halve the micro-batch, 
 
 from __future__ import annotations
 
-from functools import partial
-
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import val_stop
 from train.run.loop.meter import Meter
@@ -21,6 +19,8 @@ def run_loop(b, run_dir, say, guard) -> dict:
     meter = Meter(b, run_dir, say, guard, parts.batches)
     batches, log_every = meter.batches, b.cfg.run.log_every
     exit_reason, done = "completed", guard.first_step
+    # the LR curve in samples and the run's counters: the same curve step for step after a resume
+    schedule, progress = guard.schedule, guard.progress
     meter.start()
     try:
         for step in range(guard.first_step, guard.total_steps):
@@ -30,9 +30,8 @@ def run_loop(b, run_dir, say, guard) -> dict:
             eval_due = parts.evaluator.due(done, last)
             # one quiet steady step runs under the host-sync counter (summary: host_syncs_per_step)
             with meter.sync_probe(done, quiet=not (log_due or eval_due)) as probe:
-                lr = parts.set_lr(guard.lr_at(step))  # samples-based: the same curve after a resume
-                step_batches = probe.host_batches(batches) if probe else batches
-                loss_t, norm_t, _ = parts.oom.step(partial(batches.attempt, partial(parts.step, step_batches)))
+                lr = parts.set_lr(schedule.lr(progress.samples_at(step)))
+                loss_t, norm_t, _ = parts.train_one_step(batches, probe.host_batches(batches) if probe else None)
                 meter.step_end(done, counts_due=log_due or eval_due)
                 if log_due:
                     meter.log(done, loss_t, norm_t, lr)

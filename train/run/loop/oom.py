@@ -78,6 +78,8 @@ class OutOfMemoryStop(Exception):
 class OomGuard:
     """Owns the batch stream of a run and its current micro-batch, so that a failed step can be
     redone from its first sample with a smaller one. The plan keeps the micro-batch it chose.
+    Held as `feed` (Parts.feed, RunGuard.start, the checkpoint manager, whose data position it
+    owns: state_dict / load_state_dict).
 
     batches() is the micro-batch iterator train_step reads; step(fn) runs one optimizer step and,
     on OOM, halves batch_size, doubles accumulation and retries. The stream's sampler is
@@ -99,6 +101,15 @@ class OomGuard:
         """The stream at a data position (the run's start, or a resume's)."""
         self.stream = self.open_stream(self.batch_size, epoch, consumed)
         return self.stream
+
+    def state_dict(self) -> dict:
+        """The data position for a checkpoint (meta.json's data): the epoch and the samples of it
+        all ranks consumed (global), and how many processes consumed them."""
+        return {"epoch": self.stream.epoch, "position": self.stream.consumed, "world_size": self.b.world.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Open the stream at a saved (or a fresh run's) data position."""
+        self.open(state["epoch"], state["position"])
 
     def batches(self):
         while True:

@@ -33,7 +33,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scaler: object
     gradient_sync: object  # (last micro-step) -> context: gradients stay local until the last
-    oom: oom_lib.OomGuard
+    feed: oom_lib.OomGuard  # the batch stream and the current micro-batch (smaller after an OOM)
     evaluator: Evaluator
     batches: object  # micro-batches: positioned, OOM-aware, compile-aware
     compiled: dict = field(default_factory=dict)
@@ -43,14 +43,22 @@ class Parts:
             group["lr"] = lr
         return lr
 
-    def step(self, batches):
-        """One optimizer step over `batches` (accumulation and micro-batch as the OOM guard holds
-        them now: an out-of-memory retry changes both)."""
-        b = self.b
-        return train_step(
-            self.model, self.optimizer, self.scaler, batches, self.oom.accumulation, b.cfg.optim.grad_clip,
-            b.device, b.precision, self.gradient_sync, step_total(b.world),
-        )
+    def train_one_step(self, batches, probed=None):
+        """One optimizer step over `batches` (the meter's counted micro-batches) at the feed's
+        micro-batch and accumulation now. On out of memory the feed halves the micro-batch,
+        doubles accumulation and redoes the step from its first sample (train/run/loop/oom.py);
+        a failed attempt leaves no count (BatchCounter.attempt). probed: the same batches as
+        the host-sync counter sees them (its host data), on the one step it counts."""
+        b, feed = self.b, self.feed
+
+        def attempt():
+            return batches.attempt(lambda: train_step(
+                model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
+                accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
+                gradient_sync=self.gradient_sync, step_total=step_total(b.world),
+            ))  # fmt: skip
+
+        return feed.step(attempt)
 
 
 def prepare(b, run_dir, say, guard) -> Parts:
@@ -71,10 +79,10 @@ def prepare(b, run_dir, say, guard) -> Parts:
         return BatchStream(loader, sampler, batch_size, epoch, start)
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/loop/oom.py)
-    oom = oom_lib.OomGuard(b, open_stream, optimizer, scaler, say)
+    feed = oom_lib.OomGuard(b, open_stream, optimizer, scaler, say)
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/guard/resume.py).
-    guard.start(b.model, optimizer, scaler, oom)
-    batches = oom.batches()
+    guard.start(b.model, optimizer, scaler, feed)
+    batches = feed.batches()
     step_model, compiled = train_model, compile_guard.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # bucketed batches of a causal model compile a static graph per bucket (compile_guard.mark_shapes)
@@ -84,7 +92,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
                                                                     static)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
-        gradient_sync=parallel.sync_context(train_model), oom=oom,
-        evaluator=Evaluator(b, run_dir, say, b.val_collate, micro_batch=lambda: oom.batch_size),
+        gradient_sync=parallel.sync_context(train_model), feed=feed,
+        evaluator=Evaluator(b, run_dir, say, b.val_collate, micro_batch=lambda: feed.batch_size),
         batches=batches, compiled=compiled,
     )

@@ -91,8 +91,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         fpt = model_flops_per_token(model, seq_len)
     torch_mem = monitor_lib.torch_memory(device)
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
-    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom.batch_size,
-                                     gradient_accumulation_steps=parts.oom.accumulation))
+    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.feed.batch_size,
+                                     gradient_accumulation_steps=parts.feed.accumulation))
     estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size)
     gpu = meter.gpu_summary
     record = {
@@ -104,8 +104,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "model_size": b.model_size,
         "n_params": n_params,
         "precision": b.precision,
-        "batch_size": parts.oom.batch_size,  # smaller than the plan's after an out-of-memory
-        "gradient_accumulation_steps": parts.oom.accumulation,
+        "batch_size": parts.feed.batch_size,  # smaller than the plan's after an out-of-memory
+        "gradient_accumulation_steps": parts.feed.accumulation,
         "effective_batch_size": cfg.effective_batch_size(b.world.world_size),
         "max_length": b.max_length,
         "num_workers": cfg.data.num_workers,
@@ -128,8 +128,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "exit_reason": exit_reason,
         **guard.summary(),
         **b.summary_extra,
-        "oom_retries": parts.oom.retries,
-        "oom_events": parts.oom.events,
+        "oom_retries": parts.feed.retries,
+        "oom_events": parts.feed.events,
     }
     return distributed.add_rank_figures(record, b.world, device)
 

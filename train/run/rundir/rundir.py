@@ -186,3 +186,24 @@ def stop_for_write(world: distributed.Dist, run_dir) -> bool:
     """True on every rank once rank 0 could not append to metrics.jsonl or train.log (ranks
     stop at the same step, or one waits forever in a collective)."""
     return bool(distributed.max_across(world, [int(run_dir.failed is not None)])[0])
+
+
+class NullRunDir:
+    """What ranks other than 0 write: nothing. Same methods as RunDir."""
+
+    failed = None  # rank 0's RunDir holds the line of a failed append
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log(self, line: str) -> None:
+        pass
+
+    def metrics(self, row: dict) -> None:
+        pass
+
+    def write(self, name: str, data) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -94,3 +94,13 @@ class Console:
         for line in self.pending:
             run_dir.log(line)
         self.pending = []
+
+
+class Quiet:
+    """The console of ranks other than 0: N copies of every line help no one."""
+
+    def __call__(self, line: str) -> None:
+        pass
+
+    def attach(self, run_dir) -> None:
+        pass
