@@ -24,14 +24,14 @@ def run_loop(b, run_dir, say, guard) -> dict:
     meter.start()
     try:
         for step in range(guard.first_step, guard.total_steps):
-            done = step + 1
-            last = done == guard.total_steps
-            log_due = done % log_every == 0 or last
-            eval_due = parts.evaluator.due(done, last)
+            last = step + 1 == guard.total_steps
+            log_due = (step + 1) % log_every == 0 or last
+            eval_due = parts.evaluator.due(step + 1, last)
             # one quiet steady step runs under the host-sync counter (summary: host_syncs_per_step)
-            with meter.sync_probe(done, quiet=not (log_due or eval_due)) as probe:
+            with meter.sync_probe(step + 1, quiet=not (log_due or eval_due)) as probe:
                 lr = parts.set_lr(schedule.lr(progress.samples_at(step)))
                 loss_t, norm_t, _ = parts.train_one_step(batches, probe.host_batches(batches) if probe else None)
+                done = step + 1  # only once the step is done: an out-of-memory stop counts it not
                 meter.step_end(done, counts_due=log_due or eval_due)
                 if log_due:
                     meter.log(done, loss_t, norm_t, lr)
