@@ -34,6 +34,8 @@ from train.core.files import write_json
 COMMANDS = ("pretrain", "sft", "doctor")
 MARK = "step_profile: profiled step"
 TOP = 8
+# kineto's activity types of work on the device (not its annotations, runtime calls or syncs)
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # kernel name fragments -> category; the first that matches wins (attention before matmul:
 # fused attention kernels hold gemms of their own; a Triton kernel that fuses a norm is a norm)
 CATEGORIES = (
@@ -69,8 +71,7 @@ def summarize(prof, wall_s: float, compiled: bool, step: int, device: str) -> di
     events = prof.profiler.kineto_results.events()
     marks = [e for e in events if e.name() == MARK]
     lo, hi = (marks[0].start_ns(), marks[0].end_ns()) if marks else (None, None)
-    kernels = [e for e in events if e.device_type() != DeviceType.CPU and not e.is_user_annotation()
-               and not e.name().startswith("ProfilerStep")]
+    kernels = [e for e in events if e.activity_type() in DEVICE_WORK]
     busy = cats = None
     if kernels and lo is not None:
         busy = busy_ns([(e.start_ns(), e.end_ns()) for e in kernels], lo, hi) / 1e6
