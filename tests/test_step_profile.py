@@ -49,3 +49,22 @@ def test_busy_time_is_the_union_inside_the_step():
     assert category("triton_per_fused_add_native_layer_norm_0") == "norm / softmax / loss"
     assert category("triton_poi_fused_gelu_1") == "fused (Triton)"
     assert category("multi_tensor_apply_kernel<FusedAdamW>") == "optimizer"
+
+
+def test_a_gpu_step_summarized_from_its_timeline():
+    """The record a GPU step gives (kineto's kernel events as (name, start ns, end ns))."""
+    from train.tools.step_profile import summarize
+
+    work = [("sm90_xmma_gemm_bf16", 1_000_000, 5_000_000), ("flash_fwd_kernel", 4_000_000, 6_000_000),
+            ("multi_tensor_apply_kernel<AdamW>", 8_000_000, 9_000_000), ("Memcpy HtoD", 0, 2_000_000)]
+    ops = [{"name": "aten::mm", "device_ms": 4.0, "cpu_ms": 0.3, "calls": 12},
+           {"name": "aten::_fused_adamw_", "device_ms": 1.0, "cpu_ms": 0.1, "calls": 1},
+           {"name": "aten::view", "device_ms": 0.0, "cpu_ms": 0.5, "calls": 40}]
+    r = summarize((1_000_000, 11_000_000), work, ops, 0.5, False, 1, "cuda")
+    assert r["step_ms"] == 10.0  # the window, not the host's wall clock
+    # busy: 1..6 (the gemm, the attention on another stream, the copy clipped to 1..2 under them) + 8..9
+    assert r["device_busy_ms"] == 6.0 and r["device_busy_frac"] == 0.6
+    assert [c["name"] for c in r["kernel_categories"]] == ["matmul", "attention", "copy / set", "optimizer"]
+    assert r["kernel_categories"][0]["share"] == 4 / 9
+    assert [op["name"] for op in r["top_ops"]] == ["aten::mm", "aten::_fused_adamw_"]  # zero device time left out
+    assert r["ranked_by"] == "self device time"

@@ -64,38 +64,45 @@ def busy_ns(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
     return total
 
 
-def summarize(prof, wall_s: float, compiled: bool, step: int, device: str) -> dict:
-    """The JSON record of one traced step (see the module docstring)."""
+def timeline(prof) -> tuple[tuple[int, int] | None, list[tuple[str, int, int]]]:
+    """(the profiled step's window, or None; device work as (name, start, end)), in ns of the
+    profiler's one clock (kineto puts the GPU's timestamps on the host's)."""
+    events = prof.profiler.kineto_results.events()
+    marks = [(e.start_ns(), e.end_ns()) for e in events if e.name() == MARK]
+    work = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.activity_type() in DEVICE_WORK]
+    return (marks[0] if marks else None), work
+
+
+def host_ops(prof) -> list[dict]:
+    """The ops the host called, with their kernels' time (self_device_time_total) and their own
+    CPU time; the kernels themselves are ranked by category."""
     from torch.autograd import DeviceType
 
-    events = prof.profiler.kineto_results.events()
-    marks = [e for e in events if e.name() == MARK]
-    lo, hi = (marks[0].start_ns(), marks[0].end_ns()) if marks else (None, None)
-    kernels = [e for e in events if e.activity_type() in DEVICE_WORK]
+    return [{"name": a.key, "device_ms": a.self_device_time_total / 1e3, "cpu_ms": a.self_cpu_time_total / 1e3,
+             "calls": a.count} for a in prof.key_averages()
+            if a.key != MARK and getattr(a, "device_type", DeviceType.CPU) == DeviceType.CPU]
+
+
+def summarize(window, work: list, ops: list[dict], wall_s: float, compiled: bool, step: int, device: str) -> dict:
+    """The JSON record of one traced step (see the module docstring)."""
     busy = cats = None
-    if kernels and lo is not None:
-        busy = busy_ns([(e.start_ns(), e.end_ns()) for e in kernels], lo, hi) / 1e6
+    if work and window is not None:
+        busy = busy_ns([(start, end) for _, start, end in work], *window) / 1e6
         per: dict[str, float] = {}
-        for e in kernels:
-            per[category(e.name())] = per.get(category(e.name()), 0.0) + e.duration_ns() / 1e6
+        for name, start, end in work:
+            per[category(name)] = per.get(category(name), 0.0) + (end - start) / 1e6
         total = sum(per.values()) or 1.0
         cats = [{"name": k, "device_ms": v, "share": v / total} for k, v in sorted(per.items(), key=lambda kv: -kv[1])]
-    on_device = bool(kernels)
-    # the ops the host called (their kernels' time is in self_device_time_total); the kernels
-    # themselves are ranked by category above
-    averages = [a for a in prof.key_averages() if a.key != MARK
-                and getattr(a, "device_type", DeviceType.CPU) == DeviceType.CPU]
-    by = (lambda a: a.self_device_time_total) if on_device else (lambda a: a.self_cpu_time_total)
-    top = [{"name": a.key, "device_ms": a.self_device_time_total / 1e3, "cpu_ms": a.self_cpu_time_total / 1e3,
-            "calls": a.count} for a in sorted(averages, key=by, reverse=True)[:TOP] if by(a) > 0]
-    step_ms = (hi - lo) / 1e6 if lo is not None else 1000 * wall_s
+    key = "device_ms" if work else "cpu_ms"
+    top = [op for op in sorted(ops, key=lambda op: op[key], reverse=True)[:TOP] if op[key] > 0]
+    step_ms = (window[1] - window[0]) / 1e6 if window is not None else 1000 * wall_s
     return {
         "step": step,
         "device": device,
         "step_ms": step_ms,
         "device_busy_ms": busy,
         "device_busy_frac": busy / step_ms if busy is not None and step_ms > 0 else None,
-        "ranked_by": "self device time" if on_device else "self CPU time (no device kernels)",
+        "ranked_by": "self device time" if work else "self CPU time (no device kernels)",
         "top_ops": top,
         "kernel_categories": cats,
         "compiled_during_step": compiled,
@@ -139,7 +146,9 @@ class OneStep:
             wall = time.perf_counter() - self.t0
             self.prof.stop()
             device = "cuda" if self.cuda else "cpu"
-            self.result = summarize(self.prof, wall, _graphs() != self.graphs, self.step, device)
+            window, work = timeline(self.prof)
+            self.result = summarize(window, work, host_ops(self.prof), wall, _graphs() != self.graphs, self.step,
+                                    device)
 
 
 def run(command: str, rest: list[str]) -> int:
