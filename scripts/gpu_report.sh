@@ -14,10 +14,12 @@
 #   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer), 20 steps (~60 s)
 #   bench-baseline    90 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (~46 s)
-# about 450 s expected; the total budget GPU_REPORT_BUDGET_S (540 s) leaves the rest of one 10-minute
-# device call to start-up and the report. Every part but pretrain-auto and bench-baseline runs under
-# train/tools/step_profile.py, which traces optimizer step 1 (inside the warm-up the throughput leaves
-# out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table" section of
+# about 450 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
+# the smaller of its limit and what is left of GPU_REPORT_BUDGET_S (540 s: one 10-minute device call
+# with room for start-up and the report), so the parts the targets need come first and
+# bench-baseline, measured before, last. The five paths (pretrain-preset, sft-grouped, sft-packing1,
+# t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
+# the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table" section of
 # bench/RESULTS.md (device, date, every row, the targets as met / missed by how much, the
 # profiles). A part that fails or runs out of time is named in the table and the others still run.
 # Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
