@@ -19,9 +19,9 @@
 # with room for start-up and the report), so the parts the issue's targets need come first and
 # bench-baseline, measured before, last. The five paths (pretrain-preset, sft-grouped, sft-packing1,
 # t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
-# the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table" section of
-# bench/RESULTS.md (device, date, every row, the issue's targets as met / missed by how much, the
-# profiles). A part that fails or runs out of time is named in the table and the others still run.
+# the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py
+# writes the "GPU table" section of bench/RESULTS.md (device, date, every row, the issue's targets
+# as met / missed by how much, the profiles). A part that fails or runs out of time is named in the table and the others still run.
 # Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
