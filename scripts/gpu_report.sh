@@ -11,7 +11,8 @@
 #   t5-pretrain       90 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
 #                           bf16 + compile, 20 steps (~70 s)
 #   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 20 steps, eager (~35 s)
-#   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer), 20 steps (~60 s)
+#   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer),
+#                           20 steps (~60 s)
 #   bench-baseline    90 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (~46 s)
 # about 450 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
@@ -21,7 +22,8 @@
 # t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
 # the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py
 # writes the "GPU table" section of bench/RESULTS.md (device, date, every row, the issue's targets
-# as met / missed by how much, the profiles). A part that fails or runs out of time is named in the table and the others still run.
+# as met / missed by how much, the profiles). A part that fails or runs out of time is named in
+# the table and the others still run.
 # Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
