@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# `make gpu-report`: the GPU figures of bench/RESULTS.md in one go, with the kit's own commands:
-# bench for GPT-2 small at T=1024 (baseline preset vs optimized preset with bf16 + compile),
-# find-batch, doctor, and SFT with PACKING=0 vs PACKING=1 from the doctor run's model; then
-# train/tools/gpu_report.py writes the "GPU table" section of bench/RESULTS.md (device, date).
-# Each part gets a time limit inside a total budget (GPU_REPORT_BUDGET_S, 540 s), so the whole
-# report takes under 10 minutes; a part that fails or runs out of time is named in the table
-# and the others still run. Outputs: runs/gpu-report-<date>/ (a log per part).
-# Without a CUDA GPU it says so in one line and exits 0.
+# `make gpu-report`: the GPU figures of bench/RESULTS.md in one go, with the kit's own commands,
+# every path of the kit measured and one step of each profiled. Parts, in order, with the most
+# seconds each may take (what they took on an H100 before, or an estimate where new):
+#   find-batch       130 s  GPT-2 small, T=1024, bf16 + compile: the answer AUTO_BATCH=1 takes (~90 s)
+#   pretrain-preset  100 s  doctor on the optimized preset (32 x 4), bf16 + compile, 20 steps: its
+#                           verdict, the pretraining row and whether find-batch's answer was faster (~60 s)
+#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 20 steps, eager:
+#                           a static graph per length bucket would be up to 8 compiles (~36 s)
+#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, ~55 s)
+#   t5-pretrain       90 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
+#                           bf16 + compile, 20 steps (~70 s)
+#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 20 steps, eager (~35 s)
+#   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer),
+#                           20 steps (~60 s)
+#   bench-baseline    90 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
+#                           ratio against pretrain-preset (~46 s)
+# about 450 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
+# the smaller of its limit and what is left of GPU_REPORT_BUDGET_S (540 s: one 10-minute device call
+# with room for start-up and the report), so the parts the issue's targets need come first and
+# bench-baseline, measured before, last. The five paths (pretrain-preset, sft-grouped, sft-packing1,
+# t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
+# the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py
+# writes the "GPU table" section of bench/RESULTS.md (device, date, every row, the issue's targets
+# as met / missed by how much, the profiles). A part that fails or runs out of time is named in
+# the table and the others still run.
+# Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/common.sh
 
 PY=$(kit_python)
-PLAN="bench (GPT-2 small, T=1024: baseline vs optimized bf16+compile), find-batch, doctor and SFT PACKING=0 vs 1"
+PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, one step of each profiled"
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md"
   exit 0
@@ -23,8 +41,9 @@ BUDGET=${GPU_REPORT_BUDGET_S:-540}
 OUT=${GPU_REPORT_DIR:-runs/gpu-report-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT" || kit_fail "GPU_REPORT_DIR: cannot create $OUT"
 deadline=$((SECONDS + BUDGET))
-# Every part: GPT-2 small at T=1024, runs and find-batch's result inside $OUT, not runs/.
-export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT"
+# Every part: GPT-2 small at T=1024 unless it says otherwise, runs and find-batch's result inside
+# $OUT, not runs/; 20 steps, so that step 1 (the profiled one) is inside the 2 warm-up steps.
+export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=20
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
 # part NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget;
@@ -47,23 +66,48 @@ part() {
   echo "gpu-report: $name: $status ($((SECONDS - start)) s)"
 }
 
-part bench-baseline 120 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 MAX_STEPS=20 \
-  bash scripts/bench.sh --json "$OUT/bench-baseline.json"
-part bench-optimized 200 env PRESET=optimized ENABLE_BF16=1 COMPILE=1 VS_PLAIN=0 ROUNDS=1 MAX_STEPS=12 \
-  bash scripts/bench.sh --json "$OUT/bench-optimized.json"
-part find-batch 100 env ENABLE_BF16=1 bash scripts/kit.sh find-batch optimized
-part doctor 90 env ENABLE_BF16=1 bash scripts/kit.sh doctor optimized --steps 6
+# profiled NAME LIMIT_S LAUNCHER...: the launcher's own command (SHOW_COMMAND=1 prints it:
+# python -m train COMMAND flags...) run as a part under step_profile, which writes NAME.profile.json.
+profiled() {
+  local name=$1 limit=$2 text
+  shift 2
+  local cmd=()
+  if text=$(SHOW_COMMAND=1 "$@" 2>>"$OUT/$name.log") && eval "cmd=($text)" && [ "${cmd[2]:-}" = train ]; then
+    part "$name" "$limit" "$PY" -m train.tools.step_profile --json "$OUT/$name.profile.json" "${cmd[@]:3}"
+  else
+    printf '%s\t0\t%s\n' "$name" "failed (no launcher command; see $name.log)" >>"$OUT/parts.tsv"
+  fi
+}
+
+# skip NAME WHY: a part that cannot run, named in the table
+skip() { printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
+
+GPT2="env ENABLE_BF16=1 COMPILE=1"
+part find-batch 130 $GPT2 bash scripts/kit.sh find-batch optimized
+profiled pretrain-preset 100 $GPT2 bash scripts/kit.sh doctor optimized --steps 20
 
 # SFT starts from the model the doctor run trained (MODEL_SIZE does not apply to SFT).
 doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
 base=${doctor_json:+$(dirname "$doctor_json")/final}
-for packing in 0 1; do
-  if [ -z "$base" ] || [ ! -d "$base" ]; then
-    printf '%s\t0\t%s\n' "sft-packing$packing" "skipped (no doctor run to start from)" >>"$OUT/parts.tsv"
-    continue
-  fi
-  part "sft-packing$packing" 60 env -u MODEL_SIZE MODEL_PATH="$base" PACKING=$packing \
-    RUN_NAME="sft-packing$packing" MAX_STEPS=20 ENABLE_BF16=1 NUM_WORKERS=0 ./train_sft_custom.sh 16
-done
+SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=1 NUM_WORKERS=0"
+if [ -n "$base" ] && [ -d "$base" ]; then
+  profiled sft-grouped 60 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh 16
+  profiled sft-packing1 75 $SFT PACKING=1 COMPILE=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh 16
+else
+  skip sft-grouped "no doctor run to start from"
+  skip sft-packing1 "no doctor run to start from"
+fi
+
+T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
+profiled t5-pretrain 90 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
+if [ -d "$OUT/t5-pretrain/final" ]; then
+  profiled t5-sft 60 env -u MODEL_SIZE MODEL_PATH="$OUT/t5-pretrain/final" MAX_LENGTH=512 ENABLE_BF16=1 \
+    NUM_WORKERS=0 RUN_NAME=t5-sft ./train_sft_custom.sh 20
+else
+  skip t5-sft "no t5-pretrain final/ to start from"
+fi
+
+part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
+part bench-baseline 90 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
 "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md

@@ -97,3 +97,93 @@ def test_missing_parts_and_a_section_between_others(tmp_path):
     assert replace_section(text, section) == text
     assert replace_section("# R\n", "## GPU table\n\nnew\n") == "# R\n\n## GPU table\n\nnew\n"
     assert main(["--out", str(tmp_path / "nowhere"), "--results", str(results)]) == 2
+
+
+def _summary(**kw):
+    """A summary.json as report.summary writes it (the fields the GPU table reads)."""
+    base = {"precision": "bf16", "batch_size": 32, "gradient_accumulation_steps": 4, "max_length": 1024,
+            "tokens_per_sec": 500000.0, "mfu": 0.31, "peak_vram_mb": 28000.0, "estimate_peak_mb": 27000.0,
+            "host_syncs_per_step": 1.0, "compute_frac": 0.97, "padding_efficiency": 1.0,
+            "compile": {"enabled": True, "graph_breaks": 0, "recompiles": 0, "graphs": 1}, "compile_error": None}
+    return {**base, **kw}
+
+
+def _profile(busy, cats):
+    """NAME.profile.json as train/tools/step_profile.py writes it on a GPU."""
+    return {"command": "sft", "step": 1, "device": "cuda", "step_ms": 240.0, "device_busy_ms": 240.0 * busy,
+            "device_busy_frac": busy, "ranked_by": "self device time", "compiled_during_step": False,
+            "top_ops": [{"name": "aten::mm", "device_ms": 80.0, "cpu_ms": 3.0, "calls": 96}],
+            "kernel_categories": [{"name": n, "device_ms": 100 * s, "share": s} for n, s in cats]}
+
+
+def _paths_session(out):
+    out.mkdir()
+    (out / "doctor-before-x").mkdir()
+    (out / "doctor-before-x" / "doctor.json").write_text(json.dumps({
+        "before": {"precision": "bf16"}, "verdict": {"kind": "compute-bound", "why": "w"}, "try": ""}))
+    (out / "doctor-before-x" / "summary.json").write_text(json.dumps(_summary()))
+    (out / "pretrain-preset.log").write_text(
+        "resolved config:\nfind-batch measured BATCH_SIZE=64 GRADIENT_ACCUM=2 at 230.5 samples/s on NVIDIA H100, "
+        "1.14x this run's 32 x 4 (201.6 samples/s); AUTO_BATCH=1 takes it (effective batch kept), or set both\n")
+    (out / "pretrain-preset.profile.json").write_text(json.dumps(_profile(0.93, [("matmul", 0.7)])))
+    runs = {
+        "pretrain-auto": _summary(batch_size=64, gradient_accumulation_steps=2, mfu=0.47, tokens_per_sec=760000.0),
+        # no host_syncs_per_step (an older checkout), eager: n/a and "off"
+        "sft-grouped": {k: v for k, v in _summary(batch_size=16, gradient_accumulation_steps=1, tokens_per_sec=300000.0,
+                                                 padding_efficiency=0.9, mfu=0.19,
+                                                 compile={"enabled": False, "graph_breaks": None, "recompiles": None,
+                                                          "graphs": None}).items() if k != "host_syncs_per_step"},
+        "sft-packing1": _summary(batch_size=16, gradient_accumulation_steps=1, tokens_per_sec=460000.0, mfu=0.29,
+                                 packing=True, compile={"enabled": True, "graph_breaks": 0, "recompiles": 2, "graphs": 3}),
+        "t5-pretrain": _summary(max_length=512, tokens_per_sec=247426.0, mfu=0.039, peak_vram_mb=9053.0,
+                                estimate_peak_mb=6099.0),
+    }
+    for name, summary in runs.items():
+        (out / name).mkdir()
+        (out / name / "summary.json").write_text(json.dumps(summary))
+    (out / "pretrain-auto.log").write_text("AUTO_BATCH=1: BATCH_SIZE=64 GRADIENT_ACCUM=2 (was 32 x 4; kept)\n")
+    (out / "sft-grouped.profile.json").write_text(json.dumps(_profile(0.41, [("matmul", 0.5), ("attention", 0.2),
+                                                                             ("optimizer", 0.1), ("other", 0.05)])))
+    (out / "t5-sft.profile.json").write_text(json.dumps({"command": "sft", "step": 1, "error": "the run ended"}))
+    (out / "parts.tsv").write_text("find-batch\t90\tok\npretrain-preset\t61\tok\nsft-grouped\t36\tok\n"
+                                   "sft-packing1\t55\tok\nt5-pretrain\t70\tok\nt5-sft\t60\tstopped after 60 s\n"
+                                   "pretrain-auto\t58\tok\nbench-baseline\t46\tok\n")
+    (out / "bench-baseline.json").write_text(json.dumps(_bench("fp32", False, 8, 1, 150.2, 54543.0, 36.3, 0.542)))
+
+
+def test_paths_rows_targets_and_profiles(tmp_path):
+    _paths_session(tmp_path / "s")
+    results = tmp_path / "R.md"
+    results.write_text("# R\n")
+    assert main(["--out", str(tmp_path / "s"), "--results", str(results), "--device", "d", "--date", "x"]) == 0
+    t = results.read_text()
+    # the optimized bench was not run: no empty row for it, the ratio from the preset's run
+    assert "bench, optimized preset" not in t and "| bench, baseline preset | fp32, compile 0" in t
+    assert "Optimized / baseline: **x9.17** tokens/s (optimized: the pretrain-preset run below)." in t
+    assert ("| GPT-2 small pretraining, optimized preset | bf16, 32 x 4, T=1024 | 500,000 | 31.0% | 28,000 MB, "
+            "estimated 27,000 (-4%) | 1.00 | 1 graphs, 0 recompiles, 0 breaks | 97% | 93% of 240 ms | 61 s |") in t
+    assert "| GPT-2 small pretraining, AUTO_BATCH=1 | bf16, 64 x 2, T=1024 | 760,000 | 47.0% |" in t
+    assert "| GPT-2 SFT, LENGTH_GROUPING=1 | bf16, 16 x 1, T=1024 | 300,000 | 19.0% | 28,000 MB, estimated " \
+           "27,000 (-4%) | n/a | off | 97% | 41% of 240 ms | 36 s |" in t
+    assert "| 3 graphs, 2 recompiles, 0 breaks |" in t
+    assert "| T5 small SFT | | | | | | | | | 60 s, stopped after 60 s (see t5-sft.log) |" in t
+    assert 'the run said: "find-batch measured BATCH_SIZE=64 GRADIENT_ACCUM=2 at 230.5 samples/s' in t
+    assert 'the run said: "AUTO_BATCH=1: BATCH_SIZE=64 GRADIENT_ACCUM=2 (was 32 x 4; kept)"' in t
+    # targets: met / missed by how much / not measured, and the profile beside a miss
+    assert "| GPT-2 small pretraining (preset) MFU >= 45% | 31.0% | missed by 14.0 points | GPU busy 93% of the " \
+           "step; kernel time: matmul 70% |" in t
+    assert "| GPT-2 small pretraining (AUTO_BATCH=1) MFU >= 45% | 47.0% | met | |" in t
+    assert "| packed SFT tokens/s >= 90% of pretraining's (500,000) | 460,000 | met | |" in t
+    assert ("| grouped SFT tokens/s >= 0.8 x padding efficiency (90.0%) x pretraining's = 360,000 | 300,000 | "
+            "missed by 60,000 tokens/s (17% short) | GPU busy 41% of the step; kernel time: matmul 50%, "
+            "attention 20%, optimizer 10% |") in t
+    assert "| T5 small pretraining (span corruption) MFU >= 25% | 3.9% | missed by 21.1 points | not profiled |" in t
+    assert "| T5 small SFT MFU >= 15% | n/a | not measured | |" in t
+    assert ("| T5 small pretraining (span corruption): memory estimate within 10% of the peak | estimate 6,099 MB "
+            "vs peak 9,053 MB (-33%) | missed by 23 points |") in t
+    assert "| T5 small SFT: memory estimate within 10% of the peak | n/a | not measured | |" in t
+    # the profile section: only the paths that were profiled
+    assert "| GPT-2 SFT, LENGTH_GROUPING=1 | 240.0 | 41% | matmul 50%, attention 20%, optimizer 10%, other 5% | " \
+           "aten::mm 80.0 ms |" in t
+    section = t[t.index("One step of each path"):]
+    assert "T5 small SFT" not in section and "T5 small pretraining" not in section

@@ -1,9 +1,11 @@
 """`make gpu-report`'s second half: the outputs of one GPU session -> bench/RESULTS.md's GPU table.
 
-scripts/gpu_report.sh runs the kit's own commands (bench, find-batch, doctor, SFT) into one
-folder; this reads what they wrote there (bench --json files, .auto_batch.json, doctor.json,
-the SFT runs' summary.json, parts.tsv with each part's seconds and status) and writes the
-"## GPU table" section of RESULTS.md, replacing the previous one, naming the device and date.
+scripts/gpu_report.sh runs the kit's own commands (bench, find-batch, doctor, the training
+paths, each profiled for one step) into one folder; this reads what they wrote there (bench
+--json files, .auto_batch.json, doctor.json, every run's summary.json, NAME.profile.json, the
+parts' logs, parts.tsv with each part's seconds and status) and writes the "## GPU table"
+section of RESULTS.md, replacing the previous one, naming the device and date. The per-path
+rows, the issue's targets and the profiles are train/tools/gpu_paths.py's.
 
     python -m train.tools.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md]
 """
@@ -17,8 +19,11 @@ import time
 from pathlib import Path
 
 from train.core import files
+from train.tools import gpu_paths
 
 HEADING = "## GPU table"
+# SFT runs by folder name -> the PACKING cell of their row (plain, grouped, packed)
+SFT_RUNS = {"packing0": "0", "grouped": "0, LENGTH_GROUPING=1", "packing1": "1"}
 
 
 def _json(path: Path):
@@ -41,7 +46,8 @@ def collect(out: Path) -> dict:
         "bench_optimized": _json(out / "bench-optimized.json"),
         "find_batch": _json(out / ".auto_batch.json"),
         "doctor": _json(doctor) if doctor else None,
-        "sft": {p: _json(out / f"sft-packing{p}" / "summary.json") for p in (0, 1)},
+        "sft": {p: _json(out / f"sft-{p}" / "summary.json") for p in SFT_RUNS},
+        "paths": gpu_paths.collect_paths(out, doctor),
         "out": str(out),
     }
 
@@ -62,6 +68,8 @@ def _bench_rows(fig: dict) -> list[str]:
     for key, part, label in (("bench_baseline", "bench-baseline", "baseline preset"),
                              ("bench_optimized", "bench-optimized", "optimized preset")):
         r = fig[key]
+        if r is None and key == "bench_optimized" and part not in fig["parts"]:
+            continue  # the optimized preset's figures are the pretrain-preset path's (gpu_paths)
         if r is None:
             rows.append(f"| bench, {label} | | | | | | {_took(fig, part)} |")
             continue
@@ -88,20 +96,28 @@ def section(fig: dict, device: str, date: str) -> str:
         "|---|---|---|---|---|---|---|",
         *_bench_rows(fig),
     ]
-    if base and opt:
-        ratio = opt["kit"]["tokens_per_sec"] / base["kit"]["tokens_per_sec"]
-        compile_s = opt.get("startup", {}).get("compile_s")
+    preset = fig["paths"]["pretrain-preset"]["summary"] or {}
+    if base and (opt or preset.get("tokens_per_sec")):
+        ratio = (opt["kit"] if opt else preset)["tokens_per_sec"] / base["kit"]["tokens_per_sec"]
+        compile_s = opt.get("startup", {}).get("compile_s") if opt else None
         lines += ["", f"Optimized / baseline: **x{ratio:.2f}** tokens/s"
+                  + ("" if opt else " (optimized: the pretrain-preset run below)")
                   + (f" (the compiled first step took about {compile_s:.0f} s more than a steady one)."
                      if compile_s is not None else ".")]
     lines += _tool_rows(fig)
     lines += _sft_rows(fig)
+    found = fig["paths"]
+    lines += gpu_paths.path_rows(found, lambda part: _took(fig, part))
+    lines += gpu_paths.target_rows(found)
+    lines += gpu_paths.profile_rows(found)
     return "\n".join(lines) + "\n"
 
 
 def _tool_rows(fig: dict) -> list[str]:
     lines = ["", "| tool | result | took |", "|---|---|---|"]
     fb, doc = fig["find_batch"], fig["doctor"]
+    # the doctor's run is the pretrain-preset path's (profiled) where the script ran it that way
+    doctor = "doctor" if "doctor" in fig["parts"] or "pretrain-preset" not in fig["parts"] else "pretrain-preset"
     if fb:
         label = f"find-batch ({fb.get('key', {}).get('precision', '?')})"
         rate = "" if fb.get("samples_per_sec") is None else f", {fb['samples_per_sec']:.1f} samples/s"
@@ -113,27 +129,28 @@ def _tool_rows(fig: dict) -> list[str]:
     if doc:
         v = doc["verdict"]
         lines.append(f"| doctor ({doc['before']['precision']}) | {v['kind']}: {v['why']}; "
-                     f"try: {doc.get('try') or 'nothing'} | {_took(fig, 'doctor')} |")
+                     f"try: {doc.get('try') or 'nothing'} | {_took(fig, doctor)} |")
     else:
-        lines.append(f"| doctor | no result | {_took(fig, 'doctor')} |")
+        lines.append(f"| doctor | no result | {_took(fig, doctor)} |")
     return lines
 
 
 def _sft_rows(fig: dict) -> list[str]:
     sft = fig["sft"]
     lines = ["", "SFT on the built-in conversations from the doctor run's model, one conversation per row "
-             "(PACKING=0) vs packed rows (PACKING=1):", "",
+             "(PACKING=0, plain or LENGTH_GROUPING=1) vs packed rows (PACKING=1):", "",
              "| PACKING | batch | precision | padding efficiency | samples/s | real tokens/s | step ms | "
              "final loss | took |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for p in (0, 1):
+    for p, shown in SFT_RUNS.items():
         s = sft.get(p)
         if s is None:
-            lines.append(f"| {p} | | | | | | | | {_took(fig, f'sft-packing{p}')} |")
+            if f"sft-{p}" in fig["parts"] or p == "packing1":
+                lines.append(f"| {shown} | | | | | | | | {_took(fig, f'sft-{p}')} |")
             continue
-        cells = [p, s.get("batch_size"), s.get("precision"), _fmt(s.get("padding_efficiency"), ".1%"),
+        cells = [shown, s.get("batch_size"), s.get("precision"), _fmt(s.get("padding_efficiency"), ".1%"),
                  _fmt(s.get("samples_per_sec"), ".2f"), _fmt(s.get("tokens_per_sec"), ",.0f"),
-                 _fmt(s.get("step_time_ms"), ".0f"), _fmt(s.get("final_loss"), ".4f"), _took(fig, f"sft-packing{p}")]
+                 _fmt(s.get("step_time_ms"), ".0f"), _fmt(s.get("final_loss"), ".4f"), _took(fig, f"sft-{p}")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(s is not None and "packing" not in s for s in sft.values()):
         lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both SFT "
