@@ -1,4 +1,4 @@
-"""Peak-memory estimate (train/core/estimate.py) against a measured peak, through the kit's own
+"""Peak-memory estimate (train/core/measure/estimate.py) against a measured peak, through the kit's own
 optimizer and train_step.
 
 On a GPU: torch.cuda.max_memory_allocated over three optimizer steps of random tokens.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import config  # noqa: E402
-from train.core.estimate import count_params, estimate_memory  # noqa: E402
+from train.core.measure.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import build_config, build_model, padded_vocab  # noqa: E402
 from train.core.step import build_optimizer, train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402

@@ -3,7 +3,14 @@
 import pytest
 
 from train.core.errors import UsageError
-from train.core.mfu import PEAK_TFLOPS, achieved_tflops, flops_per_token, match_device, mfu, peak_flops
+from train.core.measure.mfu import (
+    PEAK_TFLOPS,
+    achieved_tflops,
+    flops_per_token,
+    match_device,
+    mfu,
+    peak_flops,
+)
 
 # GPT-2 small as Hugging Face counts it (wte tied with lm_head, counted once).
 GPT2_SMALL_PARAMS = 124_439_808
@@ -121,7 +128,7 @@ def test_mfu_arithmetic():
 
 
 def test_mfu_report_fields_and_notes():
-    from train.core.mfu import mfu_report
+    from train.core.measure.mfu import mfu_report
 
     fpt = flops_per_token(124_000_000, 12, 12, 64, 1024)
     report = mfu_report(100_000.0, fpt, "NVIDIA H100 80GB HBM3", "bf16")

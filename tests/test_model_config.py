@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import TINY_CONFIG, launch, run_cli
-from train.core.estimate import count_params
+from train.core.measure.estimate import count_params
 
 SHAPES = {
     "deep": ({"n_layer": 100_000, "n_embd": 256, "n_head": 4}, "cannot fit"),

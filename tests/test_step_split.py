@@ -12,7 +12,7 @@ import torch
 import train.observe.curves
 import train.run.pipeline
 from conftest import read_jsonl, run_cli
-from train.core.timing import StepTimer, exposed_wait_frac
+from train.core.measure.timing import StepTimer, exposed_wait_frac
 
 
 def test_exposed_wait_frac():

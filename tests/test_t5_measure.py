@@ -8,7 +8,7 @@ import torch
 from test_distributed import flat, spawn
 
 from config import OptimConfig
-from train.core.estimate import count_params, estimate_memory
+from train.core.measure.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model
 from train.core.step import build_optimizer, train_step
 from train.core.units import IGNORE_INDEX
@@ -76,7 +76,7 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
 def test_t5_estimate_lengths_follow_the_mode():
     """Pretraining: span corruption's target (512 -> 114); SFT: MAX_LENGTH for both as a bound;
     the logits are counted at the target length only."""
-    from train.core.estimate_seq2seq import lengths
+    from train.core.measure.estimate_seq2seq import lengths
 
     assert lengths("pretrain", 512) == (512, 114)
     assert lengths("sft", 256) == (256, 256)
@@ -96,7 +96,7 @@ def test_flops_match_torch_flop_counter(dropout):
     from torch.utils.flop_counter import FlopCounterMode
 
     from train.core.loss import seq2seq_loss_sum
-    from train.core.mfu import model_flops_per_token
+    from train.core.measure.mfu import model_flops_per_token
 
     hf = tiny_t5_config(dropout)
     hf.num_decoder_layers = 3  # encoder and decoder of different depth

@@ -162,7 +162,7 @@ def kit_round(b, say) -> dict:
 
 def figures(rounds: list[dict], effective: int, max_length: int, fpt: float, peak: float | None) -> dict:
     """Medians over rounds of ms/step, samples/s, tokens/s, TFLOP/s and MFU."""
-    from train.core.mfu import achieved_tflops, mfu
+    from train.core.measure.mfu import achieved_tflops, mfu
 
     per_round = [sps(r, effective) for r in rounds]
     median = statistics.median(per_round)
@@ -187,7 +187,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     import torch
 
     from train.core.device import device_name, resolve_device
-    from train.core.mfu import model_flops_per_token, peak_flops
+    from train.core.measure.mfu import model_flops_per_token, peak_flops
     from train.core.model import count_params, is_seq2seq
     from train.data.stream import BatchStream
     from train.run.loop.meter import steady_start

@@ -27,7 +27,7 @@ from train.config import knobs
 from train.core.device import resolve_device, supports
 from train.core.errors import UsageError
 from train.core.files import write_json
-from train.core.timing import INPUT_BOUND_FRAC
+from train.core.measure.timing import INPUT_BOUND_FRAC
 from train.core.units import cpu_cores
 from train.observe import monitor
 from train.run.plan.adapt import PeakMeter, capacity_mb

@@ -9,9 +9,9 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 from __future__ import annotations
 
 from train.core.errors import UsageError
-from train.core.estimate import describe, estimate_for_run
-from train.core.estimate_seq2seq import lengths
-from train.core.mfu import model_flops_per_token
+from train.core.measure.estimate import describe, estimate_for_run
+from train.core.measure.estimate_seq2seq import lengths
+from train.core.measure.mfu import model_flops_per_token
 from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.run.rundir.report import config_lines

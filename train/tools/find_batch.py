@@ -67,7 +67,7 @@ def divisors(n: int) -> list[int]:
 def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None, vocab: int = 0):
     """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random. An
     encoder-decoder: batches of the seq2seq contract at the worst-case lengths (a full source,
-    the mode's target: train/core/estimate_seq2seq.lengths), random tokens: memory and time
+    the mode's target: train/core/measure/estimate_seq2seq.lengths), random tokens: memory and time
     depend on the shapes only."""
     generator = torch.Generator().manual_seed(seed)
     if seq2seq_lengths is not None:

@@ -18,9 +18,9 @@ import torch
 from tqdm import tqdm
 
 from train.core.device import synchronize
+from train.core.measure.syncs import HostSyncs
+from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.model import is_seq2seq
-from train.core.syncs import HostSyncs
-from train.core.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib

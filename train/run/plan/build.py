@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from config import TrainConfig
-from train.core import estimate
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.measure import estimate
 from train.data.loader import Data
 from train.data.pretraining import pretraining_data
 from train.distributed.distributed import SINGLE, Dist

@@ -9,9 +9,9 @@ import torch
 
 from config import SECTIONS, TrainConfig, env_name
 from train.core.device import device_name
-from train.core.estimate import estimate_for_run
-from train.core.estimate_seq2seq import lengths
-from train.core.mfu import mfu_report, model_flops_per_token
+from train.core.measure.estimate import estimate_for_run
+from train.core.measure.estimate_seq2seq import lengths
+from train.core.measure.mfu import mfu_report, model_flops_per_token
 from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
 from train.distributed import distributed

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import copy
 
-from train.core import estimate_seq2seq
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
+from train.core.measure import estimate_seq2seq
 from train.core.model import auto_class, is_seq2seq
 from train.core.units import MIB
 

@@ -218,7 +218,7 @@ def mfu_report(tokens_per_sec: float | None, flops_per_token: float, device_name
         note = "no GPU: MFU is measured against a GPU's datasheet peak, so it is null on this device"
     elif peak is None:
         note = (f"no dense {precision} peak known for {device_name!r}: MFU is null rather than a guess "
-                "(add the device to PEAK_TFLOPS in train/core/mfu.py)")
+                "(add the device to PEAK_TFLOPS in train/core/measure/mfu.py)")
     return {
         "achieved_tflops": achieved_tflops(tokens_per_sec, flops_per_token) if tokens_per_sec else None,
         "peak_tflops": total_peak / 1e12 if total_peak else None,
