@@ -30,15 +30,16 @@ from train.data.sft.packing import (
     attention_for,
     pack,
 )
-from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
 from train.data.sft.sft_data import PadCollator, builtin_conversations
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
-                     set_attention, say, decide) -> Data:
+                     set_attention, say, decide, compile_on: bool = False) -> Data:
     """The encoded conversations of data config `d` (or pairs, kind "seq2seq"), the held-out ones,
-    and their collators. PACKING=1 packs them into rows (and lowers LENGTH_GROUPING in `d`)."""
+    and their collators. PACKING=1 packs them into rows (and lowers LENGTH_GROUPING in `d`);
+    compile_on (COMPILE=1) or a CUDA device pads batches to length buckets (a decision)."""
     with record_limit(d.max_record_mb):
         dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
     n_loaded = len(dataset)
@@ -64,10 +65,11 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
         "token_budget": d.token_budget,
         "packing": d.packing,
     }
+    val_collate = collator(tok.pad_token_id, pad_to_multiple_of=multiple)
+    bucket_lengths(compile_on, device, max_length, collate, val_collate, dataset.pairs, decide)
     return Data(
-        tokenizer=tok, dataset=train_set, val_dataset=val_dataset, collate=collate,
-        val_collate=collator(tok.pad_token_id, pad_to_multiple_of=multiple), summary={**summary, **packed},
-        conversations=dataset,
+        tokenizer=tok, dataset=train_set, val_dataset=val_dataset, collate=collate, val_collate=val_collate,
+        summary={**summary, **packed}, conversations=dataset,
     )
 
 

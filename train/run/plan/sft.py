@@ -26,7 +26,6 @@ from train.core.errors import UsageError
 from train.data.loader import Data
 from train.data.sft.fine_tuning import fine_tuning_data, unit_of
 from train.data.sft.sft_batching import BudgetSampler
-from train.run.compile import compile_guard
 from train.run.plan.plan import shortest_limit
 from train.run.plan.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
     load_pretrained,
@@ -107,11 +106,10 @@ class SFTSource:
         """The encoded conversations, the held-out ones, and how to batch them."""
         data = fine_tuning_data(cfg.data, self.tok, kind=self.kind, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
-                                set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide)
+                                set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide,
+                                compile_on=cfg.model.compile)
         self.conversations = data.conversations
         data.summary = {"model_path": str(self.path), **data.summary}
-        compile_guard.bucket_lengths(cfg.model.compile, device, max_length, data.collate, data.val_collate,
-                                     self.kind == "seq2seq", decide)
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
