@@ -25,6 +25,7 @@ mkdir -p "$OUT" || kit_fail "GPU_REPORT_DIR: cannot create $OUT"
 deadline=$((SECONDS + BUDGET))
 # Every part: GPT-2 small at T=1024, runs and find-batch's result inside $OUT, not runs/.
 export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT"
+export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
 # part NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget;
