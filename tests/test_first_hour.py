@@ -124,3 +124,14 @@ def test_a_dry_run_over_the_memory_warns_and_one_that_cannot_fit_is_refused(tiny
     code, text = dry(capsys, *flags)
     print(lines[0])
     assert code == 2 and "cannot fit" in text.strip().splitlines()[-1] and "warning: the memory estimate" not in text
+
+
+def test_the_cpu_demo_is_eight_steps_of_32_unless_a_budget_is_set(corpus, cache_dir, tmp_path, capsys):
+    """No GPU, no MODEL_SIZE, no budget: `make train` is a ~2 minute demo, not 16 steps of 32 x 4."""
+    flags = ["--data_path", str(corpus), "--vocab_size", "512", "--cache_dir", str(cache_dir), "--output_dir",
+             str(tmp_path / "runs"), "--device", "cpu", "--batch_size", "32", "--gradient_accumulation_steps", "4"]
+    code, text = dry(capsys, *flags)
+    assert code == 0 and "max_samples = 256  (CPU demo budget" in text, text[-3000:]
+    assert "gradient_accumulation_steps = 1  (CPU demo" in text and "plan: 8 optimizer steps" in text, text[-3000:]
+    code, text = dry(capsys, *flags, "--max_steps", "3")
+    assert code == 0 and "CPU demo budget" not in text and "GRADIENT_ACCUM 4" in text and "plan: 3 optimizer" in text
