@@ -117,12 +117,15 @@ def test_a_dry_run_over_the_memory_warns_and_one_that_cannot_fit_is_refused(tiny
     assert code == 0 and len(lines) == 1, text[-3000:]
     assert "over the 64 MB this run can use (MAX_MEMORY_MB)" in lines[0] and "warned, not refused" in lines[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # a dry run writes nothing
+    capsys.readouterr()  # a real start warns the same way and trains
+    assert run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "1", "--max_memory_mb", "1", "--run_name", "r") == 0
+    out = capsys.readouterr()
+    assert "warning: the memory estimate is" in out.out + out.err and "over the 1 MB" in out.out + out.err
     huge = tmp_path / "huge.json"  # ~155B parameters: even one sequence cannot fit this machine
     huge.write_text(json.dumps({"model_type": "gpt2", "n_layer": 48, "n_embd": 16384, "n_head": 64, "n_positions": 64, "vocab_size": 512}))
     flags = [*tiny_flags]
     flags[flags.index("--model_config") + 1] = str(huge)
     code, text = dry(capsys, *flags)
-    print(lines[0])
     assert code == 2 and "cannot fit" in text.strip().splitlines()[-1] and "warning: the memory estimate" not in text
 
 

@@ -115,7 +115,13 @@ def over_memory(b) -> str | None:
         return None
     est = estimate_for_run(b.model.config, count_params(b.model), cfg, b.max_length, b.precision, b.device.type,
                            b.world.world_size)
-    cap, what = capacity_mb(b.device, cfg.system.max_memory_mb)
+    if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
+        from train.core.device import memory_capacity
+
+        cap_bytes, what = memory_capacity(b.device, cfg.system.max_memory_mb)
+        cap = None if cap_bytes is None else cap_bytes / MIB
+    else:
+        cap, what = capacity_mb(b.device, cfg.system.max_memory_mb)
     peak = est["peak"] / MIB
     if cap is None or peak <= cap:
         return None
