@@ -35,7 +35,7 @@ kit_knobs
 KIT_OTHER_VARIABLES=(
   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT SHOW_COMMAND RANK LOCAL_RANK WORLD_SIZE
   PRESET ROUNDS THREADS VS_PLAIN COMPARE_SAMPLES REPEAT PYTHON TORCH_INDEX_URL MODEL ARGS
-  KIT_NAMES_CHECKED GPU_REPORT_BUDGET_S GPU_REPORT_DIR
+  KIT_NAMES_CHECKED GPU_REPORT_BUDGET_S GPU_REPORT_DIR KIT_MADE_BY
 )
 
 kit_python() {
@@ -112,7 +112,7 @@ PY
 kit_launch() {
   local mode=$1 preset=$2 pair var flag value
   shift 2
-  local args=(-m train "$mode" --preset "$preset" --launcher "$(basename "$0" .sh)")
+  local args=(-m train "$mode" --preset "$preset" --launcher "${KIT_MADE_BY:+$KIT_MADE_BY-}$(basename "$0" .sh)")
   for pair in "${KIT_VALUE_KNOBS[@]}"; do
     var=${pair%%:*} flag=${pair#*:}
     value=${!var:-}

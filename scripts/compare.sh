@@ -18,6 +18,8 @@ COMPARE_SAMPLES=${COMPARE_SAMPLES:-}
 REPEAT=${REPEAT:-1}
 OUTPUT_DIR=${OUTPUT_DIR:-$KIT_DIR/runs}
 export OUTPUT_DIR
+# Runs recorded as launcher compare-<script>: SFT's default model and RESUME=1 pass them by.
+export KIT_MADE_BY=compare
 
 # Knobs that make a side what it is; the baseline runs without them so it stays the "before".
 SIDE_KNOBS=(BATCH_SIZE GRADIENT_ACCUM NUM_WORKERS PREFETCH_FACTOR PIN_MEMORY PERSISTENT_WORKERS PRECISION

@@ -44,6 +44,7 @@ deadline=$((SECONDS + BUDGET))
 # Every part: GPT-2 small at T=1024 unless it says otherwise, runs and find-batch's result inside
 # $OUT, not runs/; 20 steps, so that step 1 (the profiled one) is inside the 2 warm-up steps.
 export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=20
+export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
 # part NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget;

@@ -5,7 +5,6 @@ bad input is one line with exit code 2, and the launchers pass the micro-batch t
 from __future__ import annotations
 
 import json
-import os
 import shlex
 
 import pytest
@@ -15,7 +14,6 @@ from conftest import launch, read_jsonl, run_cli
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.data.sft.sft_data import PadCollator, encode_conversations, ensure_special_tokens
-from train.run.plan.sft import newest_pretrained
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"Name fruit {i}.", "input": "", "output": "An apple." * (1 + i % 3)},
@@ -164,21 +162,6 @@ def test_length_grouping_raises_padding_efficiency(sft_flags, tmp_path):
 def test_pretraining_is_packed(base_model):
     summary = json.loads((base_model.parent / "summary.json").read_text())
     assert summary["padding_efficiency"] == 1.0 and summary["tokens"] == summary["samples"] * 64
-
-
-def test_default_model_is_newest_pretraining_run(tmp_path):
-    def run(name, mode, mtime):
-        (tmp_path / name / "final").mkdir(parents=True)
-        (tmp_path / name / "final" / "config.json").write_text("{}")
-        (tmp_path / name / "summary.json").write_text(json.dumps({"mode": mode}))
-        os.utime(tmp_path / name / "summary.json", (mtime, mtime))
-
-    assert newest_pretrained(tmp_path) is None
-    run("old", "pretrain", 1000)
-    run("new", "pretrain", 2000)
-    run("chat", "sft", 3000)  # newer, but an SFT run
-    (tmp_path / "latest").symlink_to("chat")
-    assert newest_pretrained(tmp_path) == tmp_path / "new" / "final"
 
 
 BAD = {

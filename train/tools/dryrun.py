@@ -14,6 +14,7 @@ from train.core.measure.estimate_seq2seq import lengths
 from train.core.measure.mfu import model_flops_per_token
 from train.core.model import count_params, is_seq2seq
 from train.core.units import MIB
+from train.run.plan.adapt import over_memory
 from train.run.rundir.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
@@ -100,8 +101,11 @@ def dry_run(cfg, say) -> int:
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)
+    warning = over_memory(b)  # over the device's memory: warned; the fit check in build() refused what cannot fit
+    if warning:
+        say(warning)
     total = device_total_mb(b.device)
-    if total:
+    if total and not warning:
         share = est["peak"] / MIB / total
         say(f"  that is {share:.0%} of this GPU's {total:,.0f} MB")
         if share > NEAR_FULL:

@@ -103,6 +103,37 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
     return cap, why
 
 
+def over_memory(b) -> str | None:
+    """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
+    is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
+    (exit 2) only where even one sequence cannot fit: train/core/estimate.py refuse_unfit, earlier."""
+    from train.core.estimate import estimate_for_run
+    from train.core.model import count_params
+
+    cfg = b.cfg
+    if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
+        return None
+    est = estimate_for_run(b.model.config, count_params(b.model), cfg, b.max_length, b.precision, b.device.type,
+                           b.world.world_size)
+    if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
+        from train.core.device import memory_capacity
+
+        cap_bytes, what = memory_capacity(b.device, cfg.system.max_memory_mb)
+        cap = None if cap_bytes is None else cap_bytes / MIB
+    else:
+        cap, what = capacity_mb(b.device, cfg.system.max_memory_mb)
+    peak = est["peak"] / MIB
+    if cap is None or peak <= cap:
+        return None
+    then = ("out-of-memory retries at a smaller micro-batch" if b.device.type == "cuda"
+            else "swapping or the system killing the run")
+    return (
+        f"warning: the memory estimate is {peak:,.0f} MB, over the {cap:,.0f} MB this run can use ({what}); "
+        f"warned, not refused (the fit check refuses only where one sequence of {b.max_length} tokens cannot fit): "
+        f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set ENABLE_GRAD_CKPT=1"
+    )
+
+
 # ---- the learning-rate rule ----
 
 

@@ -15,6 +15,7 @@ from train.core.measure import estimate
 from train.data.loader import Data
 from train.data.pretraining import pretraining_data
 from train.distributed.distributed import SINGLE, Dist
+from train.run.plan.adapt import over_memory
 from train.run.plan.plan import Chosen, Plan, make_plan, shortest_limit
 from train.run.plan.sft import SFTSource, refuse_sft_settings
 
@@ -39,7 +40,11 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
     source = SFTSource() if asked.run.mode == "sft" else PretrainingSource(world.world_size)
-    return make_plan(asked, say, world, source, chosen)
+    plan = make_plan(asked, say, world, source, chosen)
+    warning = None if plan.cfg.run.dry_run else over_memory(plan)  # a dry run says it by its estimate
+    if warning:
+        say(warning)
+    return plan
 
 
 class PretrainingSource:

@@ -86,7 +86,7 @@ class SFTSource:
             say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
         if cfg.model.model_family != "gpt2":
             say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: SFT fine-tunes MODEL_PATH, whose config.json decides")
-        self.path = Path(model_source(cfg, decide))
+        self.path = Path(model_source(cfg, decide, say))
         self.kind = model_kind_of(self.path, cfg.model.trust_remote_code) or "causal"
         if self.kind == "seq2seq":
             if cfg.data.packing:  # before the weights or any data are read

@@ -1,5 +1,5 @@
-"""SFT's model: MODEL_PATH (or the newest pretraining run's final/) loaded offline with the Auto
-class its config.json names: AutoModelForCausalLM for a causal LM (GPT-2, Llama, Qwen ...),
+"""SFT's model: MODEL_PATH (or the newest completed pretraining run's final/, choose_pretrained)
+loaded offline with the Auto class its config.json names: AutoModelForCausalLM for a causal LM (GPT-2, Llama, Qwen ...),
 AutoModelForSeq2SeqLM for an encoder-decoder (T5, mT5, BART ...); any other type is refused in
 one line. Then made ready for chat: template tokens, stop tokens, training mode.
 """
@@ -7,7 +7,6 @@ one line. Then made ready for chat: template tokens, stop tokens, training mode.
 from __future__ import annotations
 
 import json
-import math
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,44 +14,87 @@ from types import SimpleNamespace
 import torch
 
 from config import TrainConfig
+from train.core import files
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
 from train.data.sft.sft_data import ensure_special_tokens, stop_token_ids
+from train.run.rundir.rundir import unfinished
 from train.run.rundir.runlog import quiet_saving
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 
 
+# Who may have made SFT's default model: the pretraining launchers and `python -m train pretrain`.
+# Never doctor-* (doctor.py), compare-* / gpu-report-* (KIT_MADE_BY in scripts/common.sh): their
+# runs are a few steps long, measurements rather than models.
+PRETRAIN_LAUNCHERS = ("run_single_gpu", "run_single_gpu_optimized", "train")
+SFT_FAMILY = "gpt2"  # a chat model is a causal LM: a T5 run is taken only when it is the only one
+FEW_STEPS = 50  # fewer optimizer steps: the model still emits noise, and so will its SFT
+
+
+def _json_of(path: Path) -> dict | None:
+    """A kit file read as JSON, never through a link; None when it is not a readable object."""
+    try:
+        data = json.loads(files.read_text(path))
+    except (OSError, ValueError, files.LinkRefused):
+        return None  # a half-written or foreign file: not a run to start from
+    return data if isinstance(data, dict) else None
+
+
+def pretrained_run(run: Path) -> SimpleNamespace | None:
+    """run's final/ as SFT's default candidate, or None: a folder (not a link) whose summary.json
+    says a pretraining run that completed its budget (MAX_STEPS counts; Ctrl-C, out of memory, a
+    kill do not), whose final/ is whole and of that step, started by PRETRAIN_LAUNCHERS."""
+    summary = _json_of(run / "summary.json") if run.is_dir() and not run.is_symlink() else None
+    config = _json_of(run / "config.json") if summary else None
+    if not summary or not config or summary.get("mode") != "pretrain" or summary.get("exit_reason") != "completed":
+        return None
+    steps = summary.get("steps")
+    if not isinstance(steps, int) or unfinished(run, steps) is not None:
+        return None
+    run_cfg = config.get("config", {}).get("run") if isinstance(config.get("config"), dict) else None
+    if not isinstance(run_cfg, dict) or run_cfg.get("launcher") not in PRETRAIN_LAUNCHERS:
+        return None
+    family = (_json_of(run / "final" / "config.json") or {}).get("model_type")  # what was built, not asked
+    return SimpleNamespace(final=run / "final", steps=steps, family=family if isinstance(family, str) else "?",
+                           time=(run / "summary.json").stat().st_mtime)
+
+
+def choose_pretrained(output_dir: Path) -> SimpleNamespace | None:
+    """The newest completed launcher-made gpt2 pretraining run under output_dir (another family
+    only where no gpt2 run is there). runs/latest is no help: it may be an SFT or compare run."""
+    found = [c for run in (output_dir.iterdir() if output_dir.is_dir() else ()) if (c := pretrained_run(run))]
+    same = [c for c in found if c.family == SFT_FAMILY]
+    return max(same or found, key=lambda c: c.time, default=None)
+
+
 def newest_pretrained(output_dir: Path) -> Path | None:
-    """final/ of the newest run under output_dir whose summary.json says mode "pretrain".
-    runs/latest is no help here: it may point at an SFT run."""
-    best, best_time = None, -math.inf
-    for run in output_dir.iterdir() if output_dir.is_dir() else ():
-        summary, final = run / "summary.json", run / "final"
-        if run.is_symlink() or not summary.is_file() or not (final / "config.json").is_file():
-            continue
-        try:
-            mode = json.loads(summary.read_text()).get("mode")
-        except (OSError, ValueError, AttributeError):
-            continue  # a half-written or foreign file: not a run to start from
-        if mode == "pretrain" and summary.stat().st_mtime > best_time:
-            best, best_time = final, summary.stat().st_mtime
-    return best
+    """final/ of choose_pretrained's run, or None."""
+    chosen = choose_pretrained(output_dir)
+    return chosen.final if chosen else None
 
 
-def model_source(cfg: TrainConfig, decide) -> str:
-    """MODEL_PATH, or the newest pretraining run's final/ under OUTPUT_DIR."""
+def model_source(cfg: TrainConfig, decide, say=print) -> str:
+    """MODEL_PATH, or choose_pretrained's final/ under OUTPUT_DIR, with a warning where it is
+    barely trained."""
     if cfg.model.model_path is not None:
         return cfg.model.model_path
-    found = newest_pretrained(Path(cfg.run.output_dir))
-    if found is None:
+    chosen = choose_pretrained(Path(cfg.run.output_dir))
+    if chosen is None:
         raise UsageError(
-            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no pretraining run with final/; "
-            f"make one with `{MAKE_A_MODEL}` or set MODEL_PATH to a local transformers model folder"
+            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed pretraining run of a launcher "
+            f"(compare, doctor and unfinished runs do not count); make one with `{MAKE_A_MODEL}` or set MODEL_PATH "
+            "to a local transformers model folder"
         )
-    decide("model_path", str(found), "the newest pretraining run's final/ (set MODEL_PATH to choose)")
-    return str(found)
+    why = "the newest completed pretraining run of a launcher (set MODEL_PATH to choose)"
+    if chosen.family != SFT_FAMILY:
+        why += f"; note: a {chosen.family} model, as no completed {SFT_FAMILY} pretraining run is there"
+    decide("model_path", str(chosen.final), why)
+    if chosen.steps < FEW_STEPS:
+        say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under {FEW_STEPS}): "
+            f"fine-tuning it teaches little; pretrain longer (`{MAKE_A_MODEL}`) or set MODEL_PATH")
+    return str(chosen.final)
 
 
 def _first_line(err: Exception) -> str:

@@ -9,7 +9,7 @@ import json
 from train.core import files
 from train.core.errors import UsageError
 from train.distributed import distributed, parallel
-from train.run.rundir.rundir import RunDir, save_model, write_failed
+from train.run.rundir.rundir import RunDir, point_latest, save_model, write_failed
 
 
 def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
@@ -46,6 +46,8 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
         run_dir.write("summary.json", summary)
     except OSError as err:
         raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
+    if world.is_main:
+        point_latest(run_dir.path)  # only now: a run in progress is never runs/latest
 
 
 def earlier_summary(path, summary: dict) -> dict:

@@ -1,5 +1,6 @@
 """The run folder contract: runs/<name>/ with config.json, metrics.jsonl, summary.json,
-train.log and final/; runs/latest points at the newest run.
+train.log and final/; runs/latest points at the newest finished run (point_latest, once its
+final/ and summary.json agree), so `make chat` never meets a run in progress.
 
 One run per folder at a time: a run claims its folder before anything is built (a new one made
 atomically by mkdir) and holds an flock on it until it ends or its process dies. final/ and
@@ -115,6 +116,28 @@ def unfinished(run_path: Path, step: int) -> str | None:
     return None if held == step else f"its final/ holds step {held}"
 
 
+def point_latest(run_path: Path) -> None:
+    """runs/latest -> run_path, where the run is finished (unfinished() is None): moved at the end,
+    not the start, so `make chat` / `--model runs/latest/final` never meet a run in progress
+    (RESUME=1 finds its run by config.json's launcher, not by this link)."""
+    try:
+        steps = json.loads(files.read_text(run_path / "summary.json")).get("steps")
+    except (OSError, ValueError, AttributeError, files.LinkRefused):
+        return
+    if unfinished(run_path, steps) is not None:
+        return
+    latest = run_path.parent / "latest"
+    tmp = run_path.parent / f".latest.{os.getpid()}"
+    try:
+        if tmp.is_symlink():
+            tmp.unlink()
+        tmp.symlink_to(run_path.name)
+        os.replace(tmp, latest)
+    except OSError:  # file systems without symlinks: runs/latest is a convenience only
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # never left behind: one per process id would pile up
+
+
 class RunDir:
     """Owns one run folder: creates it, logs to train.log, appends metrics rows. Neither file is
     opened through a link (refused in one line). An append that fails (a full disk) is not
@@ -142,20 +165,7 @@ class RunDir:
             raise UsageError(
                 f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
             ) from None
-        self._point_latest()
         self.mirror = mirror(path) if mirror else NoLog()
-
-    def _point_latest(self) -> None:
-        latest = self.path.parent / "latest"
-        tmp = self.path.parent / f".latest.{os.getpid()}"
-        try:
-            if tmp.is_symlink():
-                tmp.unlink()
-            tmp.symlink_to(self.path.name)
-            os.replace(tmp, latest)
-        except OSError:  # file systems without symlinks: runs/latest is a convenience only
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # never left behind: one per process id would pile up
 
     def _append(self, handle: files.Appender, text: str) -> None:
         if handle.fd is None:  # failed before: a later row would leave a gap in the record

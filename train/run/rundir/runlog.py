@@ -1,6 +1,6 @@
 """Warnings into train.log: what the libraries print to the console during a run (Python
 warnings, transformers' and torch's logged warnings) also goes to the run's log, one line
-each, so `tail -f runs/latest/train.log` shows everything the console did. Console: the
+each, so `tail -f runs/<name>/train.log` shows everything the console did. Console: the
 run's own lines, through tqdm so the progress bar stays intact."""
 
 from __future__ import annotations
