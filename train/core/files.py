@@ -26,6 +26,7 @@ line); LinkRefused is a UsageError (exit code 2).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -57,6 +58,15 @@ class LinkRefused(UsageError):
             f"{path} is a symbolic link; the kit never writes or reads through a link in its own folders "
             "(remove it and run again)"
         )
+
+
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read in 4 MB blocks (a checkpoint's or a cache file's: never whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync(path: Path) -> None:

@@ -198,14 +198,6 @@ class Hashed:
         return getattr(self.handle, name)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_sums(folder: Path, sums, names, check=None) -> str | None:
     """What is wrong with folder's files (names: the kit's own, never read from a file) against
     their sha256 in its manifest (and check(name), for each file read), or None. A file checked
@@ -225,7 +217,7 @@ def verify_sums(folder: Path, sums, names, check=None) -> str | None:
         st = os.lstat(folder / name)
         stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, want]
         if memo.get(name) != stamp:
-            if _sha256(folder / name) != want:
+            if files.sha256_of(folder / name) != want:
                 return f"{name} does not hold the bytes meta.json's checksum describes"
             if check is not None and (damage := check(name)):
                 return damage

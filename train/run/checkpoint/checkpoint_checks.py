@@ -5,13 +5,13 @@ as that, not as a mismatch further down)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
 from train.core import files
+from train.core.files import sha256_of
 from train.distributed import safe_load
 
 WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
@@ -19,14 +19,6 @@ WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "sh
 
 class BadCheckpoint(Exception):
     """A checkpoint that cannot be used; the message says why (one line)."""
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # The fields resume relies on, and their types: a hand-edited or foreign meta.json is reported
