@@ -124,12 +124,14 @@ def forward_loss(
     padded = _host_padded(batch)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     labels = batch.pop("labels", batch["input_ids"])
-    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and not hasattr(
-        model, "_orig_mod"
+    compiled = hasattr(model, "_orig_mod")
+    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and (
+        not compiled or "varlen_index" in batch
     ):
         # a 2D mask keeps transformers from asking the device whether position_ids restart (a
         # packed row). Not for flash-attention's varlen row, which a mask would turn into one
-        # sequence; compiled models trace that look away and keep their graph as it was.
+        # sequence; not for a compiled model, which traces that look away, and where a traced
+        # mask of ones would become a dense (T x T) mask and cost sdpa its causal kernel.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
         if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target

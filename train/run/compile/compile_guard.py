@@ -88,6 +88,14 @@ class GuardedModel:
             self.on_failure(err)
             return out
 
+    @property
+    def _orig_mod(self):
+        """torch.compile's own name for the module inside, while compiled: forward_loss then
+        hands the model no all-ones mask (traced, it would cost sdpa its causal fast path)."""
+        if self.compiled is None:
+            raise AttributeError("_orig_mod")  # back on eager: no compiled module inside
+        return self.eager
+
     def __getattr__(self, name):
         return getattr(self.eager, name)  # parameters(), config, train(): the eager module's
 
