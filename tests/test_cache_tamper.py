@@ -25,7 +25,7 @@ from tiny_tools import one_thread
 from conftest import make_text, read_jsonl, run_cli
 from data_tools import write_jsonl
 from train.core.errors import UsageError
-from train.data import cache_files
+from train.data import cache_files, token_shards, tokenize
 from train.data import text as data
 from train.data.sft import sft_cache
 from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
@@ -322,4 +322,56 @@ def test_a_tampered_sft_cache_is_rebuilt_never_trained_on(file, damage, forged, 
     assert run_cli("sft", *sft_clean.argv, "--cache_dir", str(cache), "--run_name", "t") == 0
     out = capsys.readouterr().out
     assert f"was damaged ({note}" in out and "rebuilding" in out
+    assert trained(sft_clean.runs / "t") == sft_clean.trained
+
+
+def test_a_manifest_cut_short_is_not_served_as_the_whole_corpus(clean, corpus, tiny_config, tmp_path, capsys,
+                                                                monkeypatch):
+    """Review finding: the last shard entries deleted from a complete manifest (each left entry
+    sound) served part of the corpus silently; the count no longer adds up, so it is rebuilt."""
+    monkeypatch.setattr(tokenize, "UNIT_SIZE", 4096)  # several shards from the small corpus
+    monkeypatch.setattr(token_shards, "SHARD_SIZE", 16384)
+    cache = tmp_path / "cache"
+    assert run_with(clean, cache, corpus, tiny_config, tmp_path, "first") == 0
+    (folder,) = [p for p in (cache / "tokens").iterdir() if p.is_dir()]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 2
+    manifest["shards"] = manifest["shards"][:1]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert run_with(clean, cache, corpus, tiny_config, tmp_path) == 0
+    assert "manifest.json does not describe this token cache" in capsys.readouterr().out
+    assert trained(tmp_path / "runs" / "t") == trained(tmp_path / "runs" / "first")
+
+
+def signed_ids(folder: Path) -> None:
+    """ids.bin's uint16 ids read as int16 with one id made -1 (0xFFFF), meta.json made to agree."""
+    ids = np.fromfile(folder / "ids.bin", np.uint16)
+    ids[3] = 0xFFFF
+    ids.tofile(folder / "ids.bin")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["dtype"], meta["sha256"]["ids.bin"] = "int16", hashlib.sha256((folder / "ids.bin").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def negative_lengths(folder: Path) -> None:
+    lengths = np.fromfile(folder / "lengths.bin", np.int32)
+    lengths[0], lengths[1] = -1000, lengths[1] + lengths[0] + 1000  # the sum kept
+    lengths.tofile(folder / "lengths.bin")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["sha256"]["lengths.bin"] = hashlib.sha256((folder / "lengths.bin").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("forge, note", [(signed_ids, "ids of type int16"), (negative_lengths, "lengths.bin")],
+                         ids=["signed-id-type", "negative-lengths"])
+def test_a_forged_sft_meta_json_cannot_smuggle_bad_ids_or_lengths(forge, note, sft_clean, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    shutil.copytree(sft_clean.cache, cache)
+    (folder,) = [p for p in (cache / "sft").iterdir() if p.name != "sums"]
+    forge(folder)
+    capsys.readouterr()
+    assert run_cli("sft", *sft_clean.argv, "--cache_dir", str(cache), "--run_name", "t") == 0
+    out = capsys.readouterr().out
+    assert "was damaged" in out and note in out and "rebuilding" in out
     assert trained(sft_clean.runs / "t") == sft_clean.trained

@@ -149,6 +149,10 @@ def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> t
         shards = manifest["shards"]
         ok = manifest["format"] == FORMAT and manifest["dtype"] == dtype.name and manifest["vocab"] == vocab
         ok = ok and isinstance(shards, list) and all(_sound_entry(i, e) for i, e in enumerate(shards))
+        # Shards follow one another through the data, and a complete cache's count is theirs:
+        # a manifest cut short (entries deleted) must not serve part of the corpus as the whole.
+        ok = ok and all(e["start"] == (shards[i - 1]["end"] if i else [0, 0]) for i, e in enumerate(shards))
+        ok = ok and (not manifest.get("complete") or manifest.get("n_tokens") == sum(e["tokens"] for e in shards))
     except (ValueError, KeyError, TypeError, RecursionError) as err:
         return None, f"{MANIFEST} cannot be read: {cache_files.short(err)}"
     except OSError as err:

@@ -183,6 +183,8 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> t
         raw = json.loads(files.read_text(folder / "meta.json"))
         meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
         dtype = np.dtype(meta.dtype)
+        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):  # unsigned: no id below 0
+            raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
         sizes = {name: (folder / name).stat().st_size for name in FILES_OF[meta.kind]}
     except FileNotFoundError as err:
         return None, f"{Path(err.filename).name} is missing"
@@ -204,7 +206,7 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> t
     if damage:
         return None, damage
     examples = CachedExamples(folder, meta)
-    if int(examples.lengths.sum(dtype=np.int64)) != meta.n_tokens:
+    if int(examples.lengths.sum(dtype=np.int64)) != meta.n_tokens or (examples.lengths < 0).any():
         return None, "lengths.bin does not add up to the token count"
     sources = examples.source_lengths
     if sources is not None and not ((sources >= 0) & (sources <= examples.lengths)).all():

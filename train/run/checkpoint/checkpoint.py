@@ -178,7 +178,8 @@ class CheckpointManager:
         try:
             parallel.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
-                torch.save(state, tmp / STATE)  # the optimizer's state is in the shards
+                with open(tmp / STATE, "xb") as handle:  # a handle of ours: the errno survives
+                    torch.save(state, handle)  # the optimizer's state is in the shards
                 shards = sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.is_file())
                 fsync(tmp / SHARDS)
                 self._complete(tmp, name, step, meta, [*shards, STATE])
