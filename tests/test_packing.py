@@ -193,3 +193,23 @@ def test_attention_for_names_the_path_and_why(model, monkeypatch):
     assert fp32.kind == VARLEN and "bf16/fp16" in fp32.why
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     assert "not installed" in attention_for("cuda", "bf16").why
+
+
+def test_forward_loss_hands_flash_its_varlen_lengths(model):
+    """flash-attention's varlen row reaches the model with cu_seq_lens_q/k AND max_length_q/k
+    (host ints): without all four, transformers rebuilds them from position_ids on the device,
+    with a read back in every layer. The counters (n_real_tokens ...) stay behind."""
+    from train.core.step import forward_loss
+
+    _, _, batch = _packed_batch(FLASH)
+    seen = {}
+    # the base model: the kit's chunked loss calls it, not the LM head's forward
+    hook = model.base_model.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32")
+    finally:
+        hook.remove()
+    assert torch.isfinite(loss)
+    assert seen["max_length_q"] == seen["max_length_k"] == batch["max_length_q"]
+    assert {"cu_seq_lens_q", "cu_seq_lens_k"} <= seen.keys() and "n_real_tokens" not in seen

@@ -106,6 +106,9 @@ def chunkable(model) -> bool:
     return head is not None and getattr(head, "bias", None) is None
 
 
+VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longest, as host ints
+
+
 def forward_loss(
     model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1
 ) -> torch.Tensor:
@@ -119,10 +122,13 @@ def forward_loss(
     seq2seq = is_seq2seq(model)
     if targets is None:
         targets = count_targets(batch, shifted=not seq2seq)
-    # Only tensors reach the model: the collators also hand over host ints (n_real_tokens ...),
-    # which BatchCounter has already read.
+    # Only tensors reach the model, and flash-attention's varlen lengths: the collators also hand
+    # over host ints (n_real_tokens ...), which BatchCounter has already read. Without
+    # max_length_q/k transformers rebuilds the varlen arguments from position_ids on the device,
+    # reading them back in every layer.
     padded = _host_padded(batch)
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+             if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
     compiled = hasattr(model, "_orig_mod")
     if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and (
