@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from test_write_safety import copy_run, finished  # noqa: F401, F811 (finished: a fixture)
 
 from conftest import ROOT, make_text, run_cli
-
-FAST = ["--batch_size", "4", "--seed", "3", "--log_every", "1", "--save_every", "2"]
 
 
 def snapshot(folder):
@@ -49,19 +48,9 @@ def one_line(proc, code: int = 2) -> str:
 
 
 @pytest.fixture(scope="module")
-def done(corpus, tiny_config, cache_dir, tmp_path_factory):
+def done(finished):  # noqa: F811
     """A 2-step run with its checkpoint at step 2 (the token cache built), and its flags."""
-    runs = tmp_path_factory.mktemp("reliability") / "runs"
-    flags = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-             "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", *FAST]  # fmt: skip
-    assert run_cli("pretrain", *flags, "--max_steps", "2", "--run_name", "done") == 0
-    return runs, flags
-
-
-def copy_run(done, name):
-    runs, flags = done
-    shutil.copytree(runs / "done", runs / name, symlinks=True)
-    return runs / name, [*flags, "--run_name", name]
+    return finished
 
 
 @pytest.mark.parametrize("file", ["model.safetensors", "state.pt"])
