@@ -15,8 +15,7 @@ from pathlib import Path
 
 # One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name), the markers
 # and the checks that name it on a bad value live in train/core/checks.py.
-from train.core.checks import ENV_NAMES, bad_value, env_name, exists_or_matches, knob  # noqa: F401
-from train.core.checks import check_float as _check_float
+from train.core.checks import ENV_NAMES, bad_value, check_fields, env_name, exists_or_matches, knob  # noqa: F401
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
@@ -35,33 +34,30 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    model_size: str | None = knob(None, "auto")
-    """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium,
-    350M). Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
-    model_family: str = "gpt2"
-    """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small =
-    t5-small ~48M, medium = t5-base ~205M at an 8K vocab; span corruption on raw text)."""
+    model_size: str | None = knob(None, "auto", choices=MODEL_SIZES)
+    """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium, 350M).
+    Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
+    model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
+    """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small = t5-small
+    ~48M, medium = t5-base ~205M at an 8K vocab; span corruption on raw text)."""
     model_config: str | None = None
-    """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train from scratch
-    instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
+    """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to
+    train from scratch instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
     gradient_checkpointing: bool = knob(False, "switch")
-    """Recompute activations in the backward pass: about 30 % slower per step, far less
-    activation memory. The guides' fix when VRAM is full at the batch size you want."""
+    """Recompute activations in the backward pass: about 30 % slower per step, far less activation memory. The
+    guides' fix when VRAM is full at the batch size you want."""
     compile: bool = False
-    """torch.compile the model. Pays a one-off compile time (reported apart from throughput);
-    worth it for runs longer than a few minutes on a GPU."""
+    """torch.compile the model. Pays a one-off compile time (reported apart from throughput); worth it for
+    runs longer than a few minutes on a GPU."""
     model_path: str | None = knob(None, "sft")
-    """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer
-    (loaded offline). Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
+    """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer (loaded offline).
+    Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
     trust_remote_code: bool = knob(False, "sft")
-    """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only
-    architectures transformers knows are loaded, as the code runs with your permissions."""
+    """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
+    transformers knows are loaded, as the code runs with your permissions."""
 
     def __post_init__(self):
-        if self.model_size is not None and self.model_size not in MODEL_SIZES:
-            raise bad_value("model_size", " | ".join(MODEL_SIZES), self.model_size)
-        if self.model_family not in MODEL_FAMILIES:
-            raise bad_value("model_family", " | ".join(MODEL_FAMILIES), self.model_family)
+        check_fields(self)
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             raise UsageError(
                 f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
@@ -73,32 +69,32 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder
-    (datasets' save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty:
-    the built-in corpus (the standard-library sources of the running Python)."""
+    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder (datasets'
+    save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty: the built-in corpus
+    (the standard-library sources of the running Python)."""
     text_field: str = "text"
     """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
-    vocab_size: int = 8192
-    """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of
-    64 in the model, as nanoGPT pads 50257 to 50304, for faster matmuls)."""
-    tokenizer_sample_mb: float = 100.0
-    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a
-    sample spread through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
-    max_record_mb: float = 64.0
+    vocab_size: int = knob(8192, least=256)
+    """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of 64 in the model,
+    as nanoGPT pads 50257 to 50304, for faster matmuls)."""
+    tokenizer_sample_mb: float = knob(100.0, above=0.0)
+    """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a sample spread
+    through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
+    max_record_mb: float = knob(64.0, above=0.0)
     """Longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb."""
     tokenize_workers: int | None = None
-    """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty:
-    every core (a corpus under 8 MB: none, in the training process). More than the CPU cores is
-    refused: each extra process only adds its start-up (32 on 2 cores spawned 33 processes)."""
-    max_length: int | None = knob(None, "auto")
-    """Tokens per training sequence; sequences are packed to exactly this length. Empty: the
-    model's context length."""
-    num_workers: int = knob(0, "compared")
-    """DataLoader worker processes. 0 loads batches in the training process (the guides'
-    'before'); 4 overlaps loading with compute."""
-    prefetch_factor: int | None = None
+    """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty: every core (a
+    corpus under 8 MB: none, in the training process). More than the CPU cores is refused: each extra process
+    only adds its start-up (32 on 2 cores spawned 33 processes)."""
+    max_length: int | None = knob(None, "auto", least=2)
+    """Tokens per training sequence; sequences are packed to exactly this length. Empty: the model's context
+    length."""
+    num_workers: int = knob(0, "compared", least=0)
+    """DataLoader worker processes. 0 loads batches in the training process (the guides' 'before'); 4 overlaps
+    loading with compute."""
+    prefetch_factor: int | None = knob(None, least=1)
     """Batches each worker loads ahead (only with NUM_WORKERS > 0; torch's default is 2)."""
     pin_memory: bool = False
     """Page-locked host buffers so host-to-GPU copies run asynchronously (no effect on CPU)."""
@@ -107,50 +103,42 @@ class DataConfig:
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
     length_grouping: bool = knob(False, "sft")
-    """SFT: batch samples of similar length together (the guides' "dynamic batch size by
-    sequence length"): batches are padded to their longest sample, so less compute goes to pad
-    tokens. The order stays random from batch to batch."""
-    token_budget: int | None = knob(None, "sft")
-    """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this
-    many padded tokens (rows x longest), so short samples come many to a batch and memory per
-    step stays flat. Replaces BATCH_SIZE as the batch size; groups by length by itself."""
+    """SFT: batch samples of similar length together (the guides' "dynamic batch size by sequence length"):
+    batches are padded to their longest sample, so less compute goes to pad tokens. The order stays random
+    from batch to batch."""
+    token_budget: int | None = knob(None, "sft", least=1)
+    """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this many padded
+    tokens (rows x longest), so short samples come many to a batch and memory per step stays flat. Replaces
+    BATCH_SIZE as the batch size; groups by length by itself."""
     packing: bool = knob(False, "sft")
-    """SFT: pack several conversations into each row of MAX_LENGTH tokens (best-fit decreasing)
-    instead of one padded row each: a few percent of padding instead of half. Positions restart
-    and attention never crosses a conversation (a block mask with sdpa, varlen flash-attention
-    where installed). BATCH_SIZE then counts rows of MAX_LENGTH tokens."""
+    """SFT: pack several conversations into each row of MAX_LENGTH tokens (best-fit decreasing) instead of one
+    padded row each: a few percent of padding instead of half. Positions restart and attention never crosses a
+    conversation (a block mask with sdpa, varlen flash-attention where installed). BATCH_SIZE then counts rows
+    of MAX_LENGTH tokens."""
     skip_bad_records: bool = knob(False, "sft")
-    """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how
-    many, instead of stopping at the first. An empty file or an unknown format still stops."""
-    val_fraction: float = 0.01
-    """Share of the data held out for validation (the last part of the token stream, never
-    trained on); raised to fill EVAL_BATCHES x 8 sequences where the data allows (at most
-    10 %), the same whatever BATCH_SIZE, so runs that differ in it hold out the same data.
-    0: no validation."""
+    """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how many, instead
+    of stopping at the first. An empty file or an unknown format still stops."""
+    val_fraction: float = knob(0.01, least=0.0)
+    """Share of the data held out for validation (the last part of the token stream, never trained on); raised
+    to fill EVAL_BATCHES x 8 sequences where the data allows (at most 10 %), the same whatever BATCH_SIZE, so
+    runs that differ in it hold out the same data. 0: no validation."""
     val_path: str | None = None
-    """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same
-    tokenizer; used instead of VAL_FRACTION."""
+    """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer;
+    used instead of VAL_FRACTION."""
 
     def __post_init__(self):
-        _check_int(self, "vocab_size", 256)
-        _check_float(self, "tokenizer_sample_mb", 0.0, strict=True)
-        _check_float(self, "max_record_mb", 0.0, strict=True)
+        check_fields(self)
         _check_int(self, "tokenize_workers", 1, optional=True, maximum=cpu_cores(), why=" (this machine's CPU cores)")
         if not self.text_field.strip():
             raise bad_value("text_field", "the name of the text field or column", self.text_field)
-        _check_int(self, "token_budget", 1, optional=True)
         if self.packing and self.token_budget is not None:
             raise UsageError("PACKING=1 (--packing) and TOKEN_BUDGET (--token_budget) both size the batches: choose one")
-        _check_int(self, "max_length", 2, optional=True)
-        _check_int(self, "num_workers", 0)
-        _check_int(self, "prefetch_factor", 1, optional=True)
         if self.prefetch_factor is not None and self.num_workers == 0:
             self.prefetch_factor = None  # torch rejects a prefetch factor without workers
         if self.persistent_workers and self.num_workers == 0:
             self.persistent_workers = False
         if self.data_path is not None and not exists_or_matches(self.data_path):
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
-        _check_float(self, "val_fraction", 0.0)
         if self.val_fraction >= 0.5:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
         if self.val_path is not None and not exists_or_matches(self.val_path):
@@ -161,60 +149,47 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    batch_size: int = knob(8, "compared")
+    batch_size: int = knob(8, "compared", least=1)
     """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn."""
-    gradient_accumulation_steps: int = knob(1, "compared")
-    """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x
-    GRADIENT_ACCUM x GPUs; raise it to keep the effective batch when BATCH_SIZE must shrink."""
-    learning_rate: float = knob(6e-4, "compared")
+    gradient_accumulation_steps: int = knob(1, "compared", least=1)
+    """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs;
+    raise it to keep the effective batch when BATCH_SIZE must shrink."""
+    learning_rate: float = knob(6e-4, "compared", above=0.0)
     """Peak learning rate of AdamW, reached after the warm-up, then cosine-decayed."""
-    min_lr_ratio: float = knob(0.1, "compared")
+    min_lr_ratio: float = knob(0.1, "compared", least=0.0)
     """The cosine schedule ends at LEARNING_RATE x this."""
-    warmup_steps: int | None = knob(None, "auto", "compared")
+    warmup_steps: int | None = knob(None, "auto", "compared", least=0)
     """Optimizer steps of linear warm-up. Empty: 5 % of the run, at most 200."""
-    weight_decay: float = 0.1
+    weight_decay: float = knob(0.1, least=0.0)
     """AdamW weight decay on matrices (not on biases and norms)."""
-    grad_clip: float = 1.0
+    grad_clip: float = knob(1.0, least=0.0)
     """Clip the gradient norm to this before each step (0: no clipping)."""
-    max_steps: int | None = knob(None, "compared")
+    max_steps: int | None = knob(None, "compared", least=1)
     """Stop after this many optimizer steps."""
-    epochs: float | None = knob(None, "compared")
-    """Stop after this many passes over the data (fractions allowed). With no MAX_STEPS,
-    EPOCHS or MAX_SAMPLES: one epoch."""
-    max_samples: int | None = knob(None, "compared")
+    epochs: float | None = knob(None, "compared", above=0.0)
+    """Stop after this many passes over the data (fractions allowed). With no MAX_STEPS, EPOCHS or
+    MAX_SAMPLES: one epoch."""
+    max_samples: int | None = knob(None, "compared", least=1)
     """Stop after this many training sequences (the budget `make compare` holds fixed)."""
-    effective_batch: int | None = None
-    """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against
-    GRADIENT_ACCUM (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes
-    EFFECTIVE_BATCH / BATCH_SIZE. Empty: BATCH_SIZE x GRADIENT_ACCUM."""
+    effective_batch: int | None = knob(None, least=1)
+    """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM
+    (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes EFFECTIVE_BATCH /
+    BATCH_SIZE. Empty: BATCH_SIZE x GRADIENT_ACCUM."""
     auto_batch: bool = False
-    """1: before training, find the fastest micro-batch that fits TARGET_VRAM (make find-batch)
-    and set BATCH_SIZE and GRADIENT_ACCUM from it, keeping the effective batch. An earlier
-    result for the same model, length, precision and device is reused."""
-    lr_scaling: str = "none"
-    """none | linear | sqrt: scale LEARNING_RATE by (effective batch / LR_REFERENCE_BATCH), or
-    its square root, when the effective batch differs from the reference. none keeps it."""
-    lr_reference_batch: int | None = None
-    """The effective batch LEARNING_RATE is meant for. Empty: the preset's BATCH_SIZE x
-    GRADIENT_ACCUM (baseline 8, optimized 128; 8 without a preset)."""
+    """1: before training, find the fastest micro-batch that fits TARGET_VRAM (make find-batch) and set
+    BATCH_SIZE and GRADIENT_ACCUM from it, keeping the effective batch. An earlier result for the same model,
+    length, precision and device is reused."""
+    lr_scaling: str = knob("none", choices=LR_SCALINGS)
+    """none | linear | sqrt: scale LEARNING_RATE by (effective batch / LR_REFERENCE_BATCH), or its square
+    root, when the effective batch differs from the reference. none keeps it."""
+    lr_reference_batch: int | None = knob(None, least=1)
+    """The effective batch LEARNING_RATE is meant for. Empty: the preset's BATCH_SIZE x GRADIENT_ACCUM
+    (baseline 8, optimized 128; 8 without a preset)."""
 
     def __post_init__(self):
-        _check_int(self, "batch_size", 1)
-        _check_int(self, "gradient_accumulation_steps", 1)
-        _check_float(self, "learning_rate", 0.0, strict=True)
-        _check_float(self, "min_lr_ratio", 0.0)
-        _check_int(self, "warmup_steps", 0, optional=True)
-        _check_float(self, "weight_decay", 0.0)
-        _check_float(self, "grad_clip", 0.0)
-        _check_int(self, "max_steps", 1, optional=True)
-        _check_float(self, "epochs", 0.0, optional=True, strict=True)
-        _check_int(self, "max_samples", 1, optional=True)
+        check_fields(self)
         if self.min_lr_ratio > 1:
             raise bad_value("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
-        _check_int(self, "effective_batch", 1, optional=True)
-        _check_int(self, "lr_reference_batch", 1, optional=True)
-        if self.lr_scaling not in LR_SCALINGS:
-            raise bad_value("lr_scaling", " | ".join(LR_SCALINGS), self.lr_scaling)
         if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
             raise UsageError(
                 f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
@@ -225,52 +200,46 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class SystemConfig:
     device: str = "auto"
-    """auto (CUDA, which ROCm builds also present as cuda, then Apple mps, then CPU), or a
-    torch device such as cuda:1 or cpu."""
-    precision: str = knob("fp32", "compared")
-    """fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto (bf16 where the device runs
-    it fast, fp16 where it has fast fp16 but no bf16, fp32 otherwise; measured on CPU)."""
+    """auto (CUDA, which ROCm builds also present as cuda, then Apple mps, then CPU), or a torch device such
+    as cuda:1 or cpu."""
+    precision: str = knob("fp32", "compared", choices=PRECISIONS)
+    """fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto (bf16 where the device runs it fast, fp16
+    where it has fast fp16 but no bf16, fp32 otherwise; measured on CPU)."""
     tf32: bool = False
-    """Let fp32 matmuls use TF32 tensor cores (Ampere and newer): about 2-3x faster fp32 matmuls
-    at 10-bit mantissa precision, which training tolerates."""
-    seed: int = 1337
+    """Let fp32 matmuls use TF32 tensor cores (Ampere and newer): about 2-3x faster fp32 matmuls at 10-bit
+    mantissa precision, which training tolerates."""
+    seed: int = knob(1337, least=0)
     """Seeds model init, data order and dropout: the same seed gives the same run."""
-    sharding: str = "none"
-    """none: every process holds the whole model (DDP when NPROC_PER_NODE > 1). zero2: FSDP2
-    shards optimizer state and gradients, parameters stay gathered from forward to backward
-    (DeepSpeed ZeRO-2). zero3: parameters sharded too, gathered per block (ZeRO-3): least memory,
-    more communication. For when the model or the optimizer state does not fit."""
+    sharding: str = knob("none", choices=SHARDINGS)
+    """none: every process holds the whole model (DDP when NPROC_PER_NODE > 1). zero2: FSDP2 shards optimizer
+    state and gradients, parameters stay gathered from forward to backward (DeepSpeed ZeRO-2). zero3:
+    parameters sharded too, gathered per block (ZeRO-3): least memory, more communication. For when the model
+    or the optimizer state does not fit."""
     offload_optimizer: bool = False
-    """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run
-    the optimizer step on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded
-    for host-to-GPU copies every step."""
-    target_vram: float = 0.8
-    """Share of device memory find-batch, AUTO_BATCH and autotune may fill (the guides' 70-85 %);
-    the rest is headroom for fragmentation and spikes."""
-    max_memory_mb: int | None = None
-    """Memory budget in MiB. On a GPU, a hard cap on this process's VRAM (share a card); on CPU,
-    the process RSS find-batch and doctor measure against. Empty: the device's memory (on CPU,
-    the RAM available at start)."""
+    """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run the optimizer
+    step on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded for host-to-GPU copies every
+    step."""
+    target_vram: float = knob(0.8, above=0.0)
+    """Share of device memory find-batch, AUTO_BATCH and autotune may fill (the guides' 70-85 %); the rest is
+    headroom for fragmentation and spikes."""
+    max_memory_mb: int | None = knob(None, least=1)
+    """Memory budget in MiB. On a GPU, a hard cap on this process's VRAM (share a card); on CPU, the process
+    RSS find-batch and doctor measure against. Empty: the device's memory (on CPU, the RAM available at
+    start)."""
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise bad_value("precision", " | ".join(PRECISIONS), self.precision)
-        if self.sharding not in SHARDINGS:
-            raise bad_value("sharding", " | ".join(SHARDINGS), self.sharding)
+        check_fields(self)
         if self.offload_optimizer and self.sharding == "none":
             raise UsageError("OFFLOAD_OPTIMIZER=1 (--offload_optimizer) needs SHARDING=zero2 or zero3")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device or ""):
             raise bad_value("device", "auto | cpu | mps | cuda | cuda:N", self.device)
-        _check_int(self, "seed", 0)
-        _check_int(self, "max_memory_mb", 1, optional=True)
-        _check_float(self, "target_vram", 0.0, strict=True)
         if self.target_vram > 1:
             raise bad_value("target_vram", "a fraction above 0 and at most 1 (e.g. 0.8)", self.target_vram)
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    mode: str = knob("pretrain", "command")
+    mode: str = knob("pretrain", "command", choices=MODES)
     """pretrain | sft."""
     output_dir: str = str(KIT_DIR / "runs")
     """Run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest."""
@@ -280,54 +249,45 @@ class RunConfig:
     """Replace an existing run folder of the same RUN_NAME (refused otherwise)."""
     launcher: str = knob("train", "command")
     """Who started the run (the launcher script's name); used in default run names."""
-    log_every: int | None = knob(None, "auto")
-    """Optimizer steps between log lines. Reading the loss syncs host and device, so it is
-    done only here, never per micro-step. Empty: every 10 steps, more often in short runs."""
-    save_every: int = 500
-    """Optimizer steps between checkpoints in runs/<name>/checkpoints/ (0: only at the end and
-    when stopped). Each holds weights, optimizer, GradScaler, RNG states and data position."""
-    keep_checkpoints: int = 2
+    log_every: int | None = knob(None, "auto", least=1)
+    """Optimizer steps between log lines. Reading the loss syncs host and device, so it is done only here,
+    never per micro-step. Empty: every 10 steps, more often in short runs."""
+    save_every: int = knob(500, least=0)
+    """Optimizer steps between checkpoints in runs/<name>/checkpoints/ (0: only at the end and when stopped).
+    Each holds weights, optimizer, GradScaler, RNG states and data position."""
+    keep_checkpoints: int = knob(2, least=1)
     """Checkpoints kept: the newest N (an older one is deleted only once a newer one is complete)."""
     resume: bool = False
-    """Continue runs/RUN_NAME (empty RUN_NAME: the newest run of this launcher) from its newest
-    valid checkpoint; the same settings give the same losses as an uninterrupted run. The guides'
+    """Continue runs/RUN_NAME (empty RUN_NAME: the newest run of this launcher) from its newest valid
+    checkpoint; the same settings give the same losses as an uninterrupted run. The guides'
     --is_keep_training=True is accepted for it."""
-    nan_patience: int = 5
-    """Stop after this many optimizer steps in a row with a non-finite loss, keeping the newest
-    checkpoint from before them (0: never stop). fp16 steps the GradScaler skips are counted."""
-    eval_every: int = 250
-    """Optimizer steps between validation passes; one always runs at the end. 0: only at the
-    end. Each pass costs about EVAL_BATCHES / 3 training micro-steps (forward only)."""
-    eval_batches: int = 20
-    """Validation micro-batches (of BATCH_SIZE sequences) per pass, the same ones every time:
-    more gives a steadier number."""
+    nan_patience: int = knob(5, least=0)
+    """Stop after this many optimizer steps in a row with a non-finite loss, keeping the newest checkpoint
+    from before them (0: never stop). fp16 steps the GradScaler skips are counted."""
+    eval_every: int = knob(250, least=0)
+    """Optimizer steps between validation passes; one always runs at the end. 0: only at the end. Each pass
+    costs about EVAL_BATCHES / 3 training micro-steps (forward only)."""
+    eval_batches: int = knob(20, least=1)
+    """Validation micro-batches (of BATCH_SIZE sequences) per pass, the same ones every time: more gives a
+    steadier number."""
     keep_best: bool = False
-    """Also save the model with the lowest validation loss so far in best/ (final/ is always
-    the last model)."""
-    report_to: str = "none"
+    """Also save the model with the lowest validation loss so far in best/ (final/ is always the last
+    model)."""
+    report_to: str = knob("none", choices=REPORT_TO)
     """none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in
     runs/<name>/tensorboard/ (`tensorboard --logdir runs`), as the transformers Trainer does."""
     dry_run: bool = False
-    """Print the resolved settings, the derived numbers and a peak-memory estimate, then exit:
-    no model on the device, no run folder (`make show-config`)."""
+    """Print the resolved settings, the derived numbers and a peak-memory estimate, then exit: no model on the
+    device, no run folder (`make show-config`)."""
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise bad_value("mode", " | ".join(MODES), self.mode)
+        check_fields(self)
         if self.run_name is not None and not RUN_NAME_PATTERN.match(self.run_name):
             raise bad_value("run_name", "letters, digits, '.', '_' or '-' (no spaces or slashes)", self.run_name)
         if (self.run_name or "").lower() == "latest":  # a run folder there would stop runs/latest from ever moving again
             raise UsageError("RUN_NAME=latest: that name is the link to the newest run (OUTPUT_DIR/latest); pick another")
-        _check_int(self, "log_every", 1, optional=True)
-        _check_int(self, "save_every", 0)
-        _check_int(self, "keep_checkpoints", 1)
-        _check_int(self, "nan_patience", 0)
         if self.resume and self.overwrite:
             raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
-        _check_int(self, "eval_every", 0)
-        _check_int(self, "eval_batches", 1)
-        if self.report_to not in REPORT_TO:
-            raise bad_value("report_to", " | ".join(REPORT_TO), self.report_to)
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             raise UsageError(
                 "REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs it); "

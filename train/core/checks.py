@@ -23,12 +23,32 @@ MARKS = {
 }
 
 
-def knob(default=None, *marks: str):
-    """A config field with markers (MARKS): `warmup_steps: int | None = knob(None, "auto", "compared")`."""
+def knob(default=None, *marks: str, least=None, above=None, choices: tuple = ()):
+    """A config field with markers (MARKS) and its range: `warmup_steps: int | None = knob(None, "auto",
+    "compared", least=0)`. least / above: the smallest value allowed / the bound it must exceed, checked by
+    check_fields (int or float by the field's type; None allowed where the type allows it). choices: the
+    accepted values of a text field (`choices=PRECISIONS`)."""
     unknown = set(marks) - set(MARKS)
     if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
         raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
-    return dataclasses.field(default=default, metadata={"marks": frozenset(marks)})
+    return dataclasses.field(default=default, metadata={"marks": frozenset(marks), "least": least, "above": above,
+                                                                  "choices": tuple(choices)})
+
+
+def check_fields(obj) -> None:
+    """Check every field of a config section that declares a range (knob(least= / above=)) or choices."""
+    for f in dataclasses.fields(obj):
+        choices, value = f.metadata.get("choices"), getattr(obj, f.name)
+        if choices and not (value is None and "None" in str(f.type)) and value not in choices:
+            raise bad_value(f.name, " | ".join(choices), value)
+        least, above = f.metadata.get("least"), f.metadata.get("above")
+        if least is None and above is None:
+            continue
+        optional = "None" in str(f.type)
+        if str(f.type).startswith("int"):
+            check_int(obj, f.name, least, optional)
+        else:
+            check_float(obj, f.name, above if above is not None else least, optional, strict=above is not None)
 
 
 def has_mark(field: dataclasses.Field, mark: str) -> bool:
