@@ -73,7 +73,8 @@ class DataConfig:
     save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty: the built-in corpus
     (the standard-library sources of the running Python)."""
     text_field: str = "text"
-    """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text."""
+    """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text. SFT: a record with
+    it and no conversation keys is plain text, trained whole."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
     vocab_size: int = knob(8192, least=256)

@@ -114,7 +114,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     if d.data_path is None:
         builtin = builtin_conversations()
     examples, done = sft_cache(d.data_path, builtin, tok, max_length, d.skip_bad_records,
-                               Path(d.cache_dir), tokenize_workers(d), say, kind)
+                               Path(d.cache_dir), tokenize_workers(d), say, kind, d.text_field)
     meta, pairs = examples.meta, kind == "seq2seq"
     fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
     unit = unit_of(pairs)

@@ -49,7 +49,9 @@ from train.data import cache_files, records
 from train.data.sft.sft_data import encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
-SFT_CACHE_VERSION = "2"  # 2: tool-call records (once refused or skipped) are conversations
+# 2: tool-call records (once refused or skipped) are conversations; 3: typed content parts and
+# plain-text records too
+SFT_CACHE_VERSION = "3"
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
 SOURCE_LENGTHS = "source_lengths.bin"  # seq2seq caches only
@@ -361,13 +363,16 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
 
 
 def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
-              cache_dir: Path, workers: int, say, kind: str = "causal") -> tuple[CachedExamples, str]:
+              cache_dir: Path, workers: int, say, kind: str = "causal",
+              text_field: str = "text") -> tuple[CachedExamples, str]:
     """The SFT cache for this data, tokenizer, template, MAX_LENGTH and model kind ("causal" or
     "seq2seq"): opened when there is one, else built (TOKENIZE_WORKERS processes). Returns
     (examples, what was done, for the log)."""
     start = time.perf_counter()
     cache_files.refuse_link(cache_dir / "sft", cache_dir / "sft" / "sums")
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
+    if text_field != "text":  # TEXT_FIELD picks what a plain-text record trains on
+        data_key += f"\0text_field={text_field}"
     folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind)
     # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
     cache_files.drop_link(folder, say)
@@ -382,7 +387,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     if data_path is None:
         fmt, items = "messages", ((f"built-in pair {i}", {"messages": c}) for i, c in enumerate(builtin, 1))
     else:
-        fmt, items = open_records(data_path)
+        fmt, items = open_records(data_path, text_field)
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
         workers = max(1, min(workers, -(-total // CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""

@@ -2,8 +2,10 @@
 
 FORMATS is the table of formats, a row each (name, detect, convert); every convert ends in the
 one conversation shape of train/data/sft/sft_turns.py (roles system, user, assistant, tool; tool
-calls and the tools list included), so the template and the loss mask (train/data/sft/sft_data.py)
-see one shape.
+calls, reasoning, loss weights and the tools list included), so the template and the loss mask
+(train/data/sft/sft_data.py) see one shape. A record with TEXT_FIELD and no turns is plain text,
+trained whole; that format's name carries the field when it is not "text" ("text:body"), so the
+name alone says how to read a record, in the cache's worker processes too.
 Records come from train/data/records.py, streamed, so a .json list, JSONL, parquet and Arrow
 rows are all dicts here and read alike. Errors are UsageError with one line that names the file
 and the line (JSONL), the 1-based record number (.json) or row (parquet, Arrow), because "bad
@@ -23,7 +25,9 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.sft.sft_turns import BadRecord, text, turns
+from train.data.sft.sft_turns import TEXT_ROLE, BadRecord, text, turns
+
+TEXT_FIELD = "text"  # DataConfig.text_field's default
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,12 @@ class Format:
     """One SFT format: a row of FORMATS. A new format is a new row."""
 
     name: str
-    keys: str  # what its records carry, for "accepted: ..." messages
-    detect: Callable[[dict], bool]
-    convert: Callable[[dict], list[dict]]  # a record -> a conversation (sft_turns' shape)
+    keys: str  # what its records carry, for "accepted: ..." messages ({field}: TEXT_FIELD)
+    detect: Callable[[dict, str], bool]  # (record, TEXT_FIELD) -> its format?
+    convert: Callable[[dict, str], list[dict]]  # (record, TEXT_FIELD) -> a conversation (sft_turns' shape)
 
 
-def _alpaca(record: dict) -> list[dict]:
+def _alpaca(record: dict, _field: str) -> list[dict]:
     prompt = text(record["instruction"], "'instruction'")
     extra = text(record.get("input") or "", "'input'")
     if extra.strip():
@@ -47,60 +51,91 @@ def _alpaca(record: dict) -> list[dict]:
     return conv
 
 
-def _prompt_response(record: dict) -> list[dict]:
+def _prompt_response(record: dict, _field: str) -> list[dict]:
     return [
         {"role": "user", "content": text(record["prompt"], "'prompt'")},
         {"role": "assistant", "content": text(record["response"], "'response'")},
     ]
 
 
+def _plain_text(record: dict, field: str) -> list[dict]:
+    content = text(record[field], f"'{field}' (TEXT_FIELD)")
+    if not content.strip():
+        raise BadRecord(f"'{field}' (TEXT_FIELD) is empty")
+    return [{"role": TEXT_ROLE, "content": content}]
+
+
 # Detected in this order. Turn lists first: such records may also carry stray "prompt" or
-# "instruction" fields.
+# "instruction" fields; plain text last, so a record with turns and a "text" field is a conversation.
 FORMATS = {
     f.name: f
     for f in (
         Format(
             "messages",
             "messages: [{role, content}], tools",
-            lambda r: isinstance(r.get("messages"), list),
-            lambda r: turns(r["messages"], "role", "content", r.get("tools")),
+            lambda r, _: isinstance(r.get("messages"), list),
+            lambda r, _: turns(r["messages"], "role", "content", r.get("tools")),
         ),
         Format(
             "sharegpt",
             "conversations: [{from, value}], tools",
-            lambda r: isinstance(r.get("conversations"), list),
-            lambda r: turns(r["conversations"], "from", "value", r.get("tools")),
+            lambda r, _: isinstance(r.get("conversations"), list),
+            lambda r, _: turns(r["conversations"], "from", "value", r.get("tools")),
         ),
-        Format("alpaca", "instruction/input/output", lambda r: "instruction" in r and "output" in r, _alpaca),
-        Format("prompt_response", "prompt/response", lambda r: "prompt" in r and "response" in r, _prompt_response),
+        Format("alpaca", "instruction/input/output", lambda r, _: "instruction" in r and "output" in r, _alpaca),
+        Format("prompt_response", "prompt/response", lambda r, _: "prompt" in r and "response" in r, _prompt_response),
+        Format("text", "{field} = TEXT_FIELD, trained whole", lambda r, field: field in r, _plain_text),
     )
 }
-ACCEPTED = "; ".join(f"{f.name} ({f.keys})" for f in FORMATS.values())
 SOURCES = "a .json list, .jsonl (.jsonl.gz), .parquet or an Arrow (save_to_disk) folder"
 
 
-def detect_format(record: object) -> str | None:
+def accepted(text_field: str = TEXT_FIELD) -> str:
+    """The formats, for "accepted: ..." messages."""
+    return "; ".join(f"{f.name} ({f.keys.replace('{field}', text_field)})" for f in FORMATS.values())
+
+
+def _read_as(fmt: str) -> tuple[Format, str]:
+    """A format name -> (its row, TEXT_FIELD): "text:body" is the text row reading "body"."""
+    name, _, field = fmt.partition(":")
+    return FORMATS[name], field or TEXT_FIELD
+
+
+def detect_format(record: object, text_field: str = TEXT_FIELD) -> str | None:
     """The name of the first format whose keys the record carries, or None."""
     if not isinstance(record, dict):
         return None
-    return next((f.name for f in FORMATS.values() if f.detect(record)), None)
+    name = next((f.name for f in FORMATS.values() if f.detect(record, text_field)), None)
+    return f"{name}:{text_field}" if name == "text" and text_field != TEXT_FIELD else name
+
+
+def _trained(turn: dict) -> bool:
+    """Does the loss count on this turn by default? A loss_weight the source gave decides."""
+    weight = turn.get("loss_weight")
+    return weight > 0 if weight is not None else turn["role"] in ("assistant", TEXT_ROLE)
 
 
 def to_conversation(record: dict, fmt: str) -> list[dict]:
     """One record of format `fmt` -> a conversation; raises BadRecord with the reason."""
-    if detect_format(record) != fmt:
+    row, field = _read_as(fmt)
+    if detect_format(record, field) != fmt:
         keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-        raise BadRecord(f"does not match the file's format {fmt} ({FORMATS[fmt].keys}); has: {keys}")
-    conv = FORMATS[fmt].convert(record)
+        raise BadRecord(f"does not match the file's format {fmt} ({row.keys.replace('{field}', field)}); has: {keys}")
+    conv = row.convert(record, field)
     for i, turn in enumerate(conv, 1):
-        # An empty reply would teach the model to end its turn at once; a call is a reply.
-        if turn["role"] == "assistant" and not turn["content"].strip() and not turn.get("tool_calls"):
+        # An empty reply would teach the model to end its turn at once; a call or a thinking trace
+        # is a reply. (Turn lists say so turn by turn in sft_turns, with what their parts held.)
+        if turn["role"] == "assistant" and not (
+            turn["content"].strip() or turn.get("tool_calls") or turn.get("reasoning_content")
+        ):
             raise BadRecord(f"no response (assistant turn {i} is empty)")
-    # Trailing user, tool and system turns carry no loss and only cost tokens.
-    while conv and conv[-1]["role"] != "assistant":
-        conv.pop()
-    if not conv:
+    if not any(_trained(turn) for turn in conv):
+        if any(turn["role"] == "assistant" for turn in conv):
+            raise BadRecord("nothing to train (every assistant turn has loss_weight 0)")
         raise BadRecord("no response (no assistant turn)")
+    # Trailing turns the loss skips (user, tool, system; loss_weight 0) only cost tokens.
+    while not _trained(conv[-1]):
+        conv.pop()
     return conv
 
 
@@ -117,23 +152,23 @@ def source_records(data_path: str | Path) -> Iterator[tuple[str, object]]:
             yield place, BadRecord(str(record)) if isinstance(record, records.BadLine) else record
 
 
-def open_records(data_path: str | Path) -> tuple[str, Iterator[tuple[str, object]]]:
+def open_records(data_path: str | Path, text_field: str = TEXT_FIELD) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed.
 
     The format is the one of the first record that matches one; only the records before it
     (none, usually) are held while it is looked for. An empty source or an unknown format is
-    a UsageError naming DATA_PATH."""
+    a UsageError naming DATA_PATH. text_field: TEXT_FIELD, which a plain-text record trains on."""
     stream = source_records(data_path)
     head: list[tuple[str, object]] = []
     for place, record in stream:
         head.append((place, record))
-        if fmt := detect_format(record):
+        if fmt := detect_format(record, text_field):
             return fmt, itertools.chain(head, stream)
     if not head:
         raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
     first = next((r for _, r in head if isinstance(r, dict)), None)
     seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
-    raise UsageError(f"DATA_PATH: {data_path}: unknown SFT format ({seen}); accepted: {ACCEPTED}")
+    raise UsageError(f"DATA_PATH: {data_path}: unknown SFT format ({seen}); accepted: {accepted(text_field)}")
 
 
 def converted(items, fmt: str) -> tuple[list[list[dict]], list[str]]:
@@ -158,7 +193,8 @@ def all_bad(data_path, skipped: int, first: str) -> UsageError:
     return UsageError(f"DATA_PATH: {data_path}: all {skipped} records are bad; the first: {first}")
 
 
-def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list[list[dict]], str, int]:
+def load_conversations(path: Path, skip_bad_records: bool = False,
+                       text_field: str = TEXT_FIELD) -> tuple[list[list[dict]], str, int]:
     """DATA_PATH -> (conversations, format name, records skipped), all in memory: for small
     data and tests; a run reads through the SFT cache (train/data/sft/sft_cache.py) instead.
 
@@ -166,7 +202,7 @@ def load_conversations(path: Path, skip_bad_records: bool = False) -> tuple[list
     in that format. With skip_bad_records a bad record is counted instead of stopping the run,
     but an empty file, an unknown format, or a file with no good record still stops it.
     """
-    fmt, items = open_records(path)
+    fmt, items = open_records(path, text_field)
     conversations, bad = converted(items, fmt)
     if bad and not skip_bad_records:
         raise refuse_bad(bad[0])
