@@ -122,6 +122,16 @@ def test_reasoning_and_tool_call_parts(tmp_path):
     ]  # fmt: skip
 
 
+def test_parquet_parts_read_as_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # One struct type per column: there every part carries every key ("text": None beside "value").
+    records = [REASON_TOOL, OPENAI_PARTS, V1_MULTI]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+    assert load_conversations(tmp_path / "d.parquet") == loaded(tmp_path, *records)
+
+
 @pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])
 def test_openai_style_reasoning_keys(key):
     record = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", key: "Add."}]}

@@ -85,8 +85,10 @@ class Parts:
 
 
 def _part_value(part: dict, kind: str, where: str) -> object:
+    # None is a key the part does not have: a parquet or Arrow column of parts is one struct type,
+    # so every part there carries every key of every other ({"type": "text", "text": ..., "value": None}).
     for key in ("value", kind, "text"):
-        if key in part:
+        if part.get(key) is not None:
             return part[key]
     raise BadRecord(f"{where} ({kind}) has no {kind!r} or 'value'")
 
@@ -99,7 +101,7 @@ def parts(value: list, what: str) -> Parts:
         part = {"type": "text", "text": part} if isinstance(part, str) else part
         if not isinstance(part, dict):
             raise BadRecord(f"{where} is {type(part).__name__}, expected an object {{\"type\": ..., ...}}")
-        kind = part.get("type", "text")
+        kind = part.get("type") or "text"  # no type (or a null one, in parquet): a text part
         if isinstance(kind, str) and kind in MEDIA_PARTS:
             raise BadRecord(f"{where} is {MEDIA_PARTS[kind]} part: this kit trains text models")
         if kind not in PART_TYPES:
