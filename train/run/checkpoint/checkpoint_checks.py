@@ -97,6 +97,21 @@ def tokenizer_change(name: str, meta: dict, now: dict | None) -> str | None:
     )
 
 
+def optimizer_change(name: str, saved: dict, now: dict | None) -> str | None:
+    """The line for a resume whose optimizer state cannot carry over: another OPTIMIZER (other
+    state tensors) or another FREEZE (other parameters in its groups). A checkpoint from before
+    they were recorded was AdamW over every parameter."""
+    for key, env, default in (("optimizer", "OPTIMIZER", "adamw"), ("freeze", "FREEZE", None)):
+        was, has = saved.get(key, default), (now or {}).get(key, default)
+        if now and key in now and was != has:
+            return (
+                f"RESUME=1: checkpoint {name} holds the optimizer state of {env}={was or '(empty)'}, this run has "
+                f"{env}={has or '(empty)'}; resume with {env}={was or '(empty)'}, or start a new run from the "
+                "run's final/ (MODEL_PATH) to change it"
+            )
+    return None
+
+
 def check_files(path: Path, meta: dict) -> None:
     names = set(meta["files"])
     if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
