@@ -178,5 +178,10 @@ def check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None
     order = [i for group in groups for i in group["params"]]
     for index, param in zip(order, params, strict=True):
         for value in saved.get("state", {}).get(index, {}).values():
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+            if torch.is_tensor(value) and value.dim() > 0 and not _fits(value.shape, param.shape):
                 raise BadCheckpoint("optimizer state has other shapes than this model (another model)")
+
+
+def _fits(state: torch.Size, param: torch.Size) -> bool:
+    """The parameter's shape, or a factor of it (Adafactor's rows (R, 1) and columns (1, C))."""
+    return len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param, strict=True))
