@@ -317,6 +317,11 @@ class TrainConfig:
     system: SystemConfig = field(default_factory=SystemConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def __post_init__(self):
+        if self.optim.optimizer == "adafactor" and self.system.sharding != "none":  # its norms need whole matrices
+            raise UsageError(f"OPTIMIZER=adafactor and SHARDING={self.system.sharding}: torch's Adafactor cannot step "
+                             "FSDP2's sharded parameters; use OPTIMIZER=adamw or sgd, or SHARDING=none")
+
     def effective_batch_size(self, world_size: int = 1) -> int:
         """Sequences per optimizer step: micro-batch x accumulation x processes."""
         return self.optim.batch_size * self.optim.gradient_accumulation_steps * world_size

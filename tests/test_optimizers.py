@@ -151,6 +151,7 @@ def test_bad_values_stop_in_one_line(tiny_flags, capsys):
     cases = [
         (["--optimizer", "adam"], "OPTIMIZER (--optimizer): expected adamw | adafactor | sgd"),
         (["--lr_schedule", "step"], "LR_SCHEDULE (--lr_schedule)"),
+        (["--optimizer", "adafactor", "--sharding", "zero2"], "OPTIMIZER=adafactor and SHARDING=zero2"),
         (["--freeze", "encoder"], "FREEZE=encoder: encoder names an encoder-decoder's encoder"),
         (["--freeze", "embeddings,no.such.*"], "FREEZE=embeddings,no.such.*: 'no.such.*' matches no parameter"),
     ]

@@ -52,10 +52,15 @@ def build_optimizer(optim, model: torch.nn.Module, device: torch.device):
         klass, how, label = torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, "SGD (momentum 0.9, Nesterov, {})"
     else:
         klass, how, label = torch.optim.AdamW, {"betas": (0.9, 0.95)}, "AdamW ({})"
-    try:
-        return klass(groups, lr=lr, fused=True, **how), label.format("fused")
-    except (RuntimeError, TypeError):
-        return klass(groups, lr=lr, foreach=True, **how), label.format("foreach")
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2's parameters are DTensors, which torch's fused SGD kernel does not take (fused AdamW does)
+    if klass is torch.optim.AdamW or not any(isinstance(p, DTensor) for p in decay + no_decay):
+        try:
+            return klass(groups, lr=lr, fused=True, **how), label.format("fused")
+        except (RuntimeError, TypeError):
+            pass
+    return klass(groups, lr=lr, foreach=True, **how), label.format("foreach")
 
 
 ONECYCLE_DIV, ONECYCLE_FINAL_DIV = 25.0, 1e4  # OneCycleLR's div_factor and final_div_factor
