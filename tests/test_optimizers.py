@@ -14,7 +14,13 @@ from tiny_tools import one_thread
 import config
 from conftest import read_jsonl, run_cli, tiny_model
 from train.core.freeze import apply_freeze, trainable_of
-from train.core.measure.estimate import count_params, estimate_for_run, estimate_memory, trainable_for
+from train.core.measure.estimate import (
+    count_params,
+    estimate_for_run,
+    estimate_memory,
+    optimizer_bytes,
+    trainable_for,
+)
 from train.core.model import build_config, build_model
 from train.core.step import build_optimizer, build_schedule, lr_at, train_step
 from train.run.checkpoint import checkpoint
@@ -91,6 +97,29 @@ def test_each_optimizer_trains_a_tiny_model_with_its_own_state(name, lr, state):
         assert held["row_var"].numel() + held["col_var"].numel() == 64 + 256
     decays = {g["weight_decay"] for g in optimizer.param_groups}
     assert decays == {0.1, 0.0}  # matrices decay, biases and norms do not, whichever optimizer
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor"])
+def test_optimizer_step_memory_is_what_the_estimate_counts(name):
+    """torch's MemTracker over a real optimizer step (state already made), with a frozen part:
+    weights + trained gradients + the optimizer's state and temporaries, as estimate.py counts."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = tiny_model()
+    apply_freeze(model, "transformer.h.0.*")
+    optimizer, _ = build_optimizer(config.OptimConfig(optimizer=name), model, CPU)
+    for _ in range(2):  # the first step makes the state; the second is measured
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) if p.requires_grad else None
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            optimizer.step()
+    measured = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+    trained = trainable_of(model)
+    state, temporaries = optimizer_bytes(name, trained.params, trained.factored)
+    counted = 4 * count_params(model.config) + 4 * trained.params + state + temporaries
+    assert measured == pytest.approx(counted, rel=0.01)
 
 
 def test_freeze_leaves_frozen_weights_unchanged_and_out_of_the_optimizer():
