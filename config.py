@@ -26,6 +26,8 @@ MODEL_SIZES = ("nano", "tiny", "small", "medium")
 MODEL_FAMILIES = ("gpt2", "t5")
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
+OPTIMIZERS = ("adamw", "adafactor", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant", "onecycle")
 MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
@@ -55,6 +57,9 @@ class ModelConfig:
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
+    freeze: str | None = knob(None, "compared")
+    """Parameters left untrained (no gradients, no optimizer state): a comma list of embeddings | encoder | decoder |
+    lm_head or name patterns ("transformer.h.0.*"). Tied weights freeze together. Empty: nothing frozen."""
 
     def __post_init__(self):
         check_fields(self)
@@ -156,13 +161,19 @@ class OptimConfig:
     """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs;
     raise it to keep the effective batch when BATCH_SIZE must shrink."""
     learning_rate: float = knob(6e-4, "compared", above=0.0)
-    """Peak learning rate of AdamW, reached after the warm-up, then cosine-decayed."""
+    """Peak learning rate, reached after the warm-up, then following LR_SCHEDULE."""
     min_lr_ratio: float = knob(0.1, "compared", least=0.0)
-    """The cosine schedule ends at LEARNING_RATE x this."""
+    """The cosine and linear schedules end at LEARNING_RATE x this."""
+    optimizer: str = knob("adamw", "compared", choices=OPTIMIZERS)
+    """adamw (fused; 2 fp32 states per parameter) | adafactor (torch's: factored second moment, rows + columns of
+    each matrix) | sgd (momentum 0.9, Nesterov; 1 state)."""
+    lr_schedule: str = knob("cosine", "compared", choices=LR_SCHEDULES)
+    """cosine | linear (to LEARNING_RATE x MIN_LR_RATIO) | constant, each after WARMUP_STEPS of linear warm-up |
+    onecycle (torch's OneCycleLR shape: from LEARNING_RATE / 25 up over WARMUP_STEPS, cosine down to / 25e4)."""
     warmup_steps: int | None = knob(None, "auto", "compared", least=0)
     """Optimizer steps of linear warm-up. Empty: 5 % of the run, at most 200."""
     weight_decay: float = knob(0.1, least=0.0)
-    """AdamW weight decay on matrices (not on biases and norms)."""
+    """Weight decay on matrices (not on biases and norms)."""
     grad_clip: float = knob(1.0, least=0.0)
     """Clip the gradient norm to this before each step (0: no clipping)."""
     max_steps: int | None = knob(None, "compared", least=1)
@@ -306,6 +317,11 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.optim.optimizer == "adafactor" and self.system.sharding != "none":  # its norms need whole matrices
+            raise UsageError(f"OPTIMIZER=adafactor and SHARDING={self.system.sharding}: torch's Adafactor cannot step "
+                             "FSDP2's sharded parameters; use OPTIMIZER=adamw or sgd, or SHARDING=none")
 
     def effective_batch_size(self, world_size: int = 1) -> int:
         """Sequences per optimizer step: micro-batch x accumulation x processes."""

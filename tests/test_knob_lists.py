@@ -77,7 +77,7 @@ def test_markers_pick_the_lists_and_their_fields_fit_them():
     assert all(FIELDS[name].default in (None, False) for name in SFT_ONLY)  # "set" means not the default
     assert set(COMPARED) == set(
         "batch_size gradient_accumulation_steps precision learning_rate min_lr_ratio max_steps epochs "
-        "max_samples warmup_steps num_workers".split()
+        "max_samples warmup_steps num_workers optimizer lr_schedule freeze".split()
     )
     assert all(FIELDS[name].type == "bool" for name in knobs.marked("switch"))
 

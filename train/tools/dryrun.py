@@ -9,6 +9,7 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 from __future__ import annotations
 
 from train.core.errors import UsageError
+from train.core.freeze import trainable_of
 from train.core.measure.estimate import describe, estimate_for_run
 from train.core.measure.estimate_seq2seq import lengths
 from train.core.measure.mfu import model_flops_per_token
@@ -97,7 +98,8 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    est = estimate_for_run(b.model.config, n["n_params"], cfg, b.max_length, b.precision, b.device.type)
+    est = estimate_for_run(b.model.config, n["n_params"], cfg, b.max_length, b.precision, b.device.type,
+                           trainable=trainable_of(b.model))
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)

@@ -3,8 +3,10 @@ gradients and optimizer state by precision, plus activations by batch, length an
 gradient checkpointing. Plain functions of a transformers config and the settings.
 
 The kit keeps parameters in fp32 (they are the master weights); fp16/bf16 autocast adds a
-half-precision copy of each matmul weight for the step. AdamW holds two fp32 states per
-parameter. Activations are the tensors autograd saves for the backward pass, counted per
+half-precision copy of each matmul weight for the step. Gradients and optimizer state exist
+only for trainable parameters (FREEZE, or an adapter's own count: trainable_params): AdamW
+holds two fp32 states per parameter, SGD one (momentum), Adafactor one per row and per column
+of each matrix (and a whole vector's), plus, in its foreach step, an fp32 update per parameter. Activations are the tensors autograd saves for the backward pass, counted per
 token for the kit's GPT-2 block (transformers' implementation: its Python tanh-GELU saves
 five tensors of the MLP width, the guides' fused-GELU formula assumes two). The peak comes at
 the start of the backward pass, when every activation is alive and the loss adds its part:
@@ -24,6 +26,7 @@ import copy
 
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
+from train.core.freeze import PARTS, Trainable, apply_freeze, trainable_of
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.measure import estimate_seq2seq
 from train.core.model import auto_class, is_seq2seq
@@ -49,12 +52,47 @@ def count_params(hf_cfg) -> int:
     return _meta_count(hf_cfg)
 
 
-def _meta_count(hf_cfg) -> int:
+def _meta_model(hf_cfg):
     import torch
 
     with torch.device("meta"):  # AutoModelForSeq2SeqLM for an encoder-decoder
-        model = auto_class(hf_cfg).from_config(hf_cfg, trust_remote_code=False)
-    return sum(p.numel() for p in model.parameters())
+        return auto_class(hf_cfg).from_config(hf_cfg, trust_remote_code=False)
+
+
+def _meta_count(hf_cfg) -> int:
+    return sum(p.numel() for p in _meta_model(hf_cfg).parameters())
+
+
+def _meta_trainable(hf_cfg, freeze: str | None) -> Trainable:
+    model = _meta_model(hf_cfg)
+    apply_freeze(model, freeze)  # a FREEZE that names nothing stops here, before any data work
+    return trainable_of(model)
+
+
+def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
+    """What the optimizer of a model built from this config trains, with FREEZE applied, counted
+    on the meta device as count_params counts (a deep causal model from its one- and two-block
+    versions, unless a name pattern could pick out single blocks)."""
+    layers = hf_cfg.num_hidden_layers
+    parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
+    if layers > 2 and not is_seq2seq(hf_cfg) and parts_only:
+        try:
+            one, two = (_meta_trainable(_with_layers(hf_cfg, n), freeze) for n in (1, 2))
+            return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
+                (one.params, one.factored), (two.params, two.factored), strict=True)))
+        except UsageError:
+            raise
+        except Exception:
+            pass
+    return _meta_trainable(hf_cfg, freeze)
+
+
+def optimizer_bytes(optimizer: str, trainable_params: int, factored_state: int | None = None) -> tuple[int, int]:
+    """(state, the step's own temporaries) in bytes. factored_state: Adafactor's state elements
+    (Trainable.factored); without it, one per parameter (an upper bound)."""
+    if optimizer == "adafactor":  # the foreach step holds every matrix's fp32 update at once
+        return 4 * (trainable_params if factored_state is None else factored_state), 4 * trainable_params
+    return (4 if optimizer == "sgd" else 8) * trainable_params, 0  # SGD momentum; AdamW exp_avg, exp_avg_sq
 
 
 def _with_layers(hf_cfg, n: int):
@@ -183,17 +221,24 @@ def estimate_memory(
     device_type: str = "cuda",
     chunked_loss: bool = False,
     target_length: int | None = None,
+    optimizer: str = "adamw",
+    trainable_params: int | None = None,
+    factored_state: int | None = None,
 ) -> dict:
     """Bytes of each part and of the peak (the larger of the backward-start peak and the
-    optimizer-step peak: weights + gradients + AdamW state). An encoder-decoder: max_length is
-    the source length, target_length the target's (default: max_length)."""
+    optimizer-step peak: weights + gradients + optimizer state). An encoder-decoder: max_length is
+    the source length, target_length the target's (default: max_length). trainable_params: the
+    parameters with gradients and optimizer state (default n_params; FREEZE or adapters fewer),
+    factored_state their Adafactor state elements. Activations are counted as for a model that
+    trains whole (a frozen encoder saves fewer: an upper bound)."""
     seq2seq = is_seq2seq(hf_cfg)
     s = estimate_seq2seq.shapes(hf_cfg) if seq2seq else shapes(hf_cfg)
     layers = s["enc_layers"] + s["dec_layers"] if seq2seq else s["layers"]
     half = precision in HALF
+    trainable = n_params if trainable_params is None else trainable_params
     weights = 4 * n_params  # fp32: the master weights themselves
-    gradients = 4 * n_params  # fp32, like the parameters
-    optimizer = 2 * 4 * n_params  # AdamW: exp_avg and exp_avg_sq in fp32
+    gradients = 4 * trainable  # fp32, like the parameters
+    state, step_temporaries = optimizer_bytes(optimizer, trainable, factored_state)
     embed = s["vocab"] * s["hidden"]
     if not half:
         copies = 0
@@ -207,7 +252,7 @@ def estimate_memory(
         acts = estimate_seq2seq.activation_bytes(
             hf_cfg, batch_size, max_length, target, precision, gradient_checkpointing,
             estimate_seq2seq.attention_kind(hf_cfg, device_type), device_type,
-            n_params=n_params if gradient_accumulation_steps == 1 else 0,  # else held: counted below
+            n_params=trainable if gradient_accumulation_steps == 1 else 0,  # else held: counted below
         )  # fmt: skip
     else:
         acts = activation_bytes(
@@ -215,13 +260,13 @@ def estimate_memory(
             chunked_loss,
         )
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
-    backward_peak = weights + copies + optimizer + held_grads + acts["peak"]
-    step_peak = weights + gradients + optimizer
+    backward_peak = weights + copies + state + held_grads + acts["peak"]
+    step_peak = weights + gradients + state + step_temporaries
     parts = {
         "weights": weights,
         "weight_copies": copies,
         "gradients": gradients,
-        "optimizer": optimizer,
+        "optimizer": state,
         "activations": acts["peak"],
         "activations_per_layer": acts["per_layer"],
         "loss_logits": acts["loss"],
@@ -232,13 +277,16 @@ def estimate_memory(
 
 
 def estimate_for_run(
-    hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str, world_size: int = 1
+    hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str, world_size: int = 1,
+    trainable: Trainable | None = None,
 ) -> dict:
     """estimate_memory with a run's settings. The chunked loss runs on a bare causal model: not
     under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable).
-    An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths)."""
+    An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths).
+    trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE."""
     seq2seq = is_seq2seq(hf_cfg)
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
+    trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
     return estimate_memory(
         hf_cfg,
         n_params,
@@ -250,7 +298,19 @@ def estimate_for_run(
         device_type=device_type,
         chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile and not seq2seq,
         target_length=target,
+        **_optimizer_args(cfg, trainable),
     )
+
+
+def _trainable_of_run(hf_cfg, n_params: int, cfg) -> Trainable:
+    if not cfg.model.freeze and cfg.optim.optimizer != "adafactor":  # all of them; the state needs no shapes
+        return Trainable(n_params, n_params)
+    return trainable_for(hf_cfg, cfg.model.freeze)
+
+
+def _optimizer_args(cfg, trainable: Trainable) -> dict:
+    return {"optimizer": cfg.optim.optimizer, "trainable_params": trainable.params,
+            "factored_state": trainable.factored}
 
 
 def describe(estimate: dict) -> list[str]:
@@ -264,7 +324,7 @@ def describe(estimate: dict) -> list[str]:
     ]
     lines += [
         f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
-        f"gradients {mb('gradients')}, AdamW state {mb('optimizer')}",
+        f"gradients {mb('gradients')}, optimizer state {mb('optimizer')}",
         f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
         f"{mb('activations_per_layer')} per layer)",
         f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
@@ -277,11 +337,12 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
                 world_size: int = 1) -> int:
     """The least device memory one training step of this model can take: one sequence per
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
-    gradients and AdamW state are split over the processes."""
+    gradients and optimizer state are split over the processes."""
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if is_seq2seq(hf_cfg) else None
     est = estimate_memory(
         hf_cfg, n_params, batch_size=1, max_length=max_length, precision=precision,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type, target_length=target,
+        **_optimizer_args(cfg, _trainable_of_run(hf_cfg, n_params, cfg)),
     )
     shards = world_size if cfg.system.sharding != "none" else 1
     state = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
@@ -300,7 +361,7 @@ def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_siz
         gib = 2**30
         raise UsageError(
             f"{variable}: this model ({n_params / 1e9:,.2f}B parameters) cannot fit: training it needs at least "
-            f"{need / gib:,.1f} GiB (fp32 weights, gradients and AdamW state, one sequence of {max_length} tokens), "
+            f"{need / gib:,.1f} GiB (fp32 weights, gradients and {cfg.optim.optimizer} state, one sequence of {max_length} tokens), "
             f"{what} has {capacity / gib:,.1f} GiB; choose a smaller model"
         )
     return n_params

@@ -48,6 +48,7 @@ from train.run.checkpoint.checkpoint_checks import (
     check_optimizer,
     layout,
     model_change,
+    optimizer_change,
     other_model,
     read_weights,
     sha256_of,
@@ -280,7 +281,8 @@ class CheckpointManager:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         check_meta(meta)
-        changed = model_change(path.name, meta["settings"], settings) or tokenizer_change(path.name, meta, settings)
+        changed = model_change(path.name, meta["settings"], settings) or tokenizer_change(path.name, meta, settings) \
+            or optimizer_change(path.name, meta["settings"], settings)
         if changed:
             raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"

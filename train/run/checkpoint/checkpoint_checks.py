@@ -97,6 +97,21 @@ def tokenizer_change(name: str, meta: dict, now: dict | None) -> str | None:
     )
 
 
+def optimizer_change(name: str, saved: dict, now: dict | None) -> str | None:
+    """The line for a resume whose optimizer state cannot carry over: another OPTIMIZER (other
+    state tensors) or another FREEZE (other parameters in its groups). A checkpoint from before
+    they were recorded was AdamW over every parameter."""
+    for key, env, default in (("optimizer", "OPTIMIZER", "adamw"), ("freeze", "FREEZE", None)):
+        was, has = saved.get(key, default), (now or {}).get(key, default)
+        if now and key in now and was != has:
+            return (
+                f"RESUME=1: checkpoint {name} holds the optimizer state of {env}={was or '(empty)'}, this run has "
+                f"{env}={has or '(empty)'}; resume with {env}={was or '(empty)'}, or start a new run from the "
+                "run's final/ (MODEL_PATH) to change it"
+            )
+    return None
+
+
 def check_files(path: Path, meta: dict) -> None:
     names = set(meta["files"])
     if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
@@ -163,5 +178,10 @@ def check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None
     order = [i for group in groups for i in group["params"]]
     for index, param in zip(order, params, strict=True):
         for value in saved.get("state", {}).get(index, {}).values():
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+            if torch.is_tensor(value) and value.dim() > 0 and not _fits(value.shape, param.shape):
                 raise BadCheckpoint("optimizer state has other shapes than this model (another model)")
+
+
+def _fits(state: torch.Size, param: torch.Size) -> bool:
+    """The parameter's shape, or a factor of it (Adafactor's rows (R, 1) and columns (1, C))."""
+    return len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param, strict=True))

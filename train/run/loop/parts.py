@@ -1,5 +1,5 @@
 """What the loop holds for one session, built once before the first step: the model as it
-trains (DDP-wrapped, FSDP2-sharded or plain; compiled when asked), AdamW, the GradScaler, the
+trains (DDP-wrapped, FSDP2-sharded or plain; compiled when asked), the optimizer, the GradScaler, the
 positioned batch stream (restored by RESUME=1), the out-of-memory guard and the evaluator."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
     train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
     optimizer, kind = build_optimizer(cfg.optim, train_model, device)
-    say(f"optimizer: AdamW ({kind})")
+    say(f"optimizer: {kind}")
     scaler = parallel.build_scaler(b.precision, train_model, device)
 
     def open_stream(batch_size: int, epoch: int, start: int) -> BatchStream:

@@ -107,6 +107,7 @@ def over_memory(b) -> str | None:
     """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
     is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
     (exit 2) only where even one sequence cannot fit: train/core/measure/estimate.py refuse_unfit, earlier."""
+    from train.core.freeze import trainable_of
     from train.core.measure.estimate import estimate_for_run
     from train.core.model import count_params
 
@@ -114,7 +115,7 @@ def over_memory(b) -> str | None:
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
     est = estimate_for_run(b.model.config, count_params(b.model), cfg, b.max_length, b.precision, b.device.type,
-                           b.world.world_size)
+                           b.world.world_size, trainable_of(b.model))
     if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
         from train.core.device import memory_capacity
 

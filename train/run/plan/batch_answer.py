@@ -30,6 +30,8 @@ def settings_key(b, effective: int, world_size: int) -> dict:
         "precision": b.precision,
         "gradient_checkpointing": b.cfg.model.gradient_checkpointing,
         "compile": b.cfg.model.compile,
+        "optimizer": b.cfg.optim.optimizer,  # its state and what FREEZE leaves trained move the peak
+        "freeze": b.cfg.model.freeze,
         "device": device_name(b.device),
         "target_vram": b.cfg.system.target_vram,
         "max_memory_mb": b.cfg.system.max_memory_mb,

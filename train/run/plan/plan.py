@@ -23,6 +23,7 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
+from train.core.freeze import apply_freeze
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.run.plan import adapt
@@ -170,6 +171,9 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
     model = source.finish_model(cfg, device)
+    frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/core/freeze.py)
+    if frozen:
+        decide("freeze", cfg.model.freeze, frozen)
     parallel(cfg, world, decide)
     return Plan(
         cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,

@@ -9,6 +9,7 @@ import torch
 
 from config import SECTIONS, TrainConfig, env_name
 from train.core.device import device_name
+from train.core.freeze import trainable_of
 from train.core.measure.estimate import estimate_for_run
 from train.core.measure.estimate_seq2seq import lengths
 from train.core.measure.mfu import mfu_report, model_flops_per_token
@@ -71,6 +72,7 @@ def config_record(b, guard=None) -> dict:
             "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
             "world_size": world.world_size,
             "n_params": count_params(b.model),
+            "n_trainable_params": trainable_of(b.model).params,
             "model_config": b.model.config.to_dict(),
         },
         "decisions": [*b.decisions, *replanned],
@@ -93,7 +95,9 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
     now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.feed.batch_size,
                                      gradient_accumulation_steps=parts.feed.accumulation))
-    estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size)
+    trainable = trainable_of(model)
+    estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size,
+                                trainable)
     gpu = meter.gpu_summary
     record = {
         "mode": cfg.run.mode,
@@ -103,6 +107,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "world_size": 1,
         "model_size": b.model_size,
         "n_params": n_params,
+        "n_trainable_params": trainable.params,  # FREEZE leaves the rest untrained
         "precision": b.precision,
         "batch_size": parts.feed.batch_size,  # smaller than the plan's after an out-of-memory
         "gradient_accumulation_steps": parts.feed.accumulation,
