@@ -73,6 +73,8 @@ FORMATS = {
         ),
         Format("alpaca", "instruction/input/output", lambda r: "instruction" in r and "output" in r, _alpaca),
         Format("prompt_response", "prompt/response", lambda r: "prompt" in r and "response" in r, _prompt_response),
+        # A plain document, trained whole (TRL's dataset_text_field); the t27parts helper's row takes TEXT_FIELD.
+        Format("text", "text", lambda r: isinstance(r.get("text"), str), lambda r: [{"role": "text", "content": r["text"]}]),
     )
 }
 ACCEPTED = "; ".join(f"{f.name} ({f.keys})" for f in FORMATS.values())
@@ -97,7 +99,7 @@ def to_conversation(record: dict, fmt: str) -> list[dict]:
         if turn["role"] == "assistant" and not turn["content"].strip() and not turn.get("tool_calls"):
             raise BadRecord(f"no response (assistant turn {i} is empty)")
     # Trailing user, tool and system turns carry no loss and only cost tokens.
-    while conv and conv[-1]["role"] != "assistant":
+    while conv and conv[-1]["role"] not in ("assistant", "text"):
         conv.pop()
     if not conv:
         raise BadRecord("no response (no assistant turn)")
