@@ -237,14 +237,15 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
         for conversation, segments in zip(chunk, rendered, strict=True):
             input_ids: list[int] = []
             labels: list[int] = []
-            pinned = 0
+            pinned = n_trained = 0
             for _, flag in segments:
                 ids = list(next(piece_ids))
                 pinned += len(ids) if flag == PINNED and len(input_ids) == pinned else 0
+                n_trained += len(ids) if flag == TRAINED else 0
                 input_ids += ids
                 labels += ids if flag == TRAINED else [IGNORE_INDEX] * len(ids)
             index, at = index + 1, index
-            if all(label == IGNORE_INDEX for label in labels):
+            if not n_trained:
                 _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
                 continue
             if len(input_ids) > max_length:
