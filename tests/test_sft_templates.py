@@ -237,3 +237,27 @@ def test_a_bad_template_is_one_line(base_model, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "TEMPLATE" in err and words in err, err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
+    """TEMPLATE=<file>: its Jinja becomes the chat template (the trained spans found through it); a
+    file without {% generation %} is said in the log, TEMPLATE empty is recorded as a decision."""
+    from types import SimpleNamespace
+
+    from train.data.sft.fine_tuning import template_decision
+
+    path = tmp_path / "chatml.jinja"
+    path.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer = make_tokenizer()
+    assert ensure_special_tokens(tokenizer, str(path)) == 0 and tokenizer.chat_template == path.read_text()
+    (example,), _ = encode_conversations([MULTI[1:3]], tokenizer, 512, Rendering(template=str(path)))
+    assert trained_runs(example) == [ids_of(tokenizer, "Hello world.</s>")]
+    said, decided = [], {}
+    d = SimpleNamespace(template=str(path), loss_on=None, truncation=None, reasoning=None)
+    template_decision(d, tokenizer, "causal", said.append, lambda name, value, why: decided.update({name: value}))
+    assert decided == {} and "no {% generation %} markers" in said[0]
+    said.clear()
+    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), "causal", said.append,
+                      lambda name, value, why: decided.update({name: value}))
+    assert decided == {"template": "builtin"} and said == []
