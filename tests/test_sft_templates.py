@@ -214,17 +214,20 @@ def test_final_template_mask_equals_the_trained_tokens(runs):
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(runs["all"] / "final", local_files_only=True)
+    raw = AutoTokenizer.from_pretrained(runs["none"] / "final", local_files_only=True)
     records = [to_conversation({"instruction": "Name a fruit.", "input": "Red.", "output": "An apple."}, "alpaca"),
                MULTI, to_conversation(TOOL_RECORD, "messages"), THINKING]  # fmt: skip
-    for conversation in records:
-        tools, turns = split_tools(conversation)
-        (example,), _ = encode_conversations([conversation], saved, 10_000)
-        out = saved.apply_chat_template(list(turns), tools=tools, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-        assert out["input_ids"] == example["input_ids"]
-        assert [bool(m) for m in out["assistant_masks"]] == labels_trained(example), conversation
-    none_final = AutoTokenizer.from_pretrained(runs["none"] / "final", local_files_only=True)
-    assert none_final.chat_template is None  # the raw model is prompted with the raw text
+    for tokenizer, rendering in ((saved, Rendering()), (raw, Rendering(template="none"))):
+        for conversation in records:
+            tools, turns = split_tools(conversation)
+            (example,), _ = encode_conversations([conversation], tokenizer, 10_000, rendering)
+            out = tokenizer.apply_chat_template(list(turns), tools=tools, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+            assert out["input_ids"] == example["input_ids"]
+            assert [bool(m) for m in out["assistant_masks"]] == labels_trained(example), conversation
+    # TEMPLATE=none's final/ prompts the way it trained: the raw source + eos, no role markers.
+    assert raw.apply_chat_template(MULTI[:2], add_generation_prompt=True, tokenize=False) == (
+        "You are terse.\nSay hello." + raw.eos_token)
 
 
 def test_a_bad_template_is_one_line(base_model, tmp_path, capsys):

@@ -34,7 +34,7 @@ from train.data.sft.packing import (
 from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
 from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
-from train.data.sft.templates import has_generation_markers
+from train.data.sft.templates import has_generation_markers, raw_template
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -78,11 +78,14 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
 
 def template_decision(d, tok, kind: str, say, decide) -> None:
     """TEMPLATE as the run renders it (a decision where it was left empty), LOSS_ON=all refused for an
-    encoder-decoder, and a note where the template saved with final/ has no {% generation %} markers."""
+    encoder-decoder, TEMPLATE=none's Jinja twin on a causal LM's tokenizer (saved with final/), and a note
+    where the template saved with final/ has no {% generation %} markers."""
     if kind == "seq2seq" and d.loss_on == "all":
         raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
                          "predicted); leave LOSS_ON empty")
     mode = Rendering.of(d).mode(tok)
+    if mode == "none" and kind == "causal":  # final/ then prompts as trained: the raw source + eos
+        tok.chat_template = raw_template(tok)
     if not d.template:
         why = "the tokenizer's own chat template" if mode == "tokenizer" else "the tokenizer has no other chat template"
         decide("template", mode, f"TEMPLATE empty: {why}")

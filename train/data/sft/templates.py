@@ -75,6 +75,25 @@ EARLIER_TEMPLATES = (
     "<|tool_call|>{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endfor %}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
 )
+# TEMPLATE=none's Jinja twin for a causal LM's final/ (raw_segments writes the same characters; a test
+# holds them equal): every turn before a reply a line, + eos, then the reply + eos inside
+# {% generation %}; the generation prompt is the source + eos, what the model was trained to answer.
+# An encoder-decoder's final/ gets none: its encoder reads tokenizer(prompt) as it is.
+RAW_CHAT_TEMPLATE = (
+    "{#- the kit's TEMPLATE=none (raw text-to-text) -#}{{ BOS }}"
+    "{%- set ns = namespace(src=(tools | tojson) if tools else none) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}"
+    "{%- if ns.src is not none -%}{{ ns.src ~ eos_token }}{%- endif -%}{%- set ns.src = none -%}"
+    "{%- set ns.text = m['content'] or '' -%}{%- for call in m['tool_calls'] or [] -%}"
+    "{%- set f = call['function'] or call -%}{%- set c = {'name': f['name'], 'arguments': f['arguments']} | tojson -%}"
+    "{%- set ns.text = (ns.text ~ '\n' ~ c) if ns.text else c -%}{%- endfor -%}"
+    "{%- set body = ('<think>\n' ~ m['reasoning_content'] ~ '\n</think>\n' if m['reasoning_content'] else '')"
+    " ~ ns.text ~ eos_token -%}"
+    "{%- if m['loss_weight'] is not defined or m['loss_weight'] != 0 -%}{% generation %}{{ body }}{% endgeneration %}"
+    "{%- else -%}{{ body }}{%- endif -%}"
+    "{%- else -%}{%- set ns.src = m['content'] if ns.src is none else ns.src ~ '\n' ~ m['content'] -%}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt and ns.src is not none -%}{{ ns.src ~ eos_token }}{%- endif -%}"
+)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
@@ -95,7 +114,7 @@ class Rendering:
 
     def mode(self, tokenizer) -> str:
         """builtin | tokenizer | none: how this tokenizer renders (after ensure_special_tokens)."""
-        if self.template == "none":
+        if self.template == "none" or (not self.template and tokenizer.chat_template == raw_template(tokenizer)):
             return "none"
         return "builtin" if is_builtin(tokenizer) else "tokenizer"
 
@@ -110,6 +129,11 @@ DEFAULT = Rendering()
 
 def is_builtin(tokenizer) -> bool:
     return tokenizer.chat_template is None or tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
+
+
+def raw_template(tokenizer) -> str:
+    """RAW_CHAT_TEMPLATE with what tokenizer(text) puts first (Llama's <s>) written in."""
+    return RAW_CHAT_TEMPLATE.replace("{{ BOS }}", bos_text(tokenizer).replace("{", "{{ '{' }}"))
 
 
 def has_generation_markers(template: str | None) -> bool:
