@@ -15,7 +15,8 @@ TEMPLATE picks the rendering (Rendering.mode):
   eos. Encoder-decoder: the encoder reads every earlier turn's content joined with newlines,
   as tokenizer(source) gives it (+ eos where the tokenizer adds none); the labels are the reply
   + eos. A tools list is its JSON on the first line; a call is its JSON on a line of the reply.
-  final/ then carries no chat template: inference feeds the raw prompt.
+  A causal LM's final/ carries RAW_CHAT_TEMPLATE (its prompt: the source + eos); an
+  encoder-decoder's none (inference feeds tokenizer(prompt) as it is).
 Empty: the tokenizer's own template where it has one, else builtin.
 
 A conversation of one turn of role "text" (TEXT_FIELD records) is a plain document under any
