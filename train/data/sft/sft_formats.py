@@ -73,7 +73,7 @@ FORMATS = {
         ),
         Format("alpaca", "instruction/input/output", lambda r: "instruction" in r and "output" in r, _alpaca),
         Format("prompt_response", "prompt/response", lambda r: "prompt" in r and "response" in r, _prompt_response),
-        # A plain document, trained whole (TRL's dataset_text_field); the t27parts helper's row takes TEXT_FIELD.
+        # A plain document, trained whole (TRL's dataset_text_field): its one turn of role "text".
         Format("text", "text", lambda r: isinstance(r.get("text"), str), lambda r: [{"role": "text", "content": r["text"]}]),
     )
 }
