@@ -31,6 +31,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "onecycle")
 MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
+LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -78,8 +79,8 @@ class DataConfig:
     save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty: the built-in corpus
     (the standard-library sources of the running Python)."""
     text_field: str = "text"
-    """Pretraining: the field (JSON) or column (parquet, Arrow; only it is read) of the text. SFT: a record with
-    it and no conversation keys is plain text, trained whole."""
+    """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
+    no conversation keys is a plain document, trained whole."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
     vocab_size: int = knob(8192, least=256)
@@ -124,6 +125,15 @@ class DataConfig:
     skip_bad_records: bool = knob(False, "sft")
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how many, instead
     of stopping at the first. An empty file or an unknown format still stops."""
+    template: str | None = knob(None, "sft")
+    """SFT: builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file. Empty: the
+    tokenizer's own chat template where it has one, else builtin."""
+    loss_on: str | None = knob(None, "sft", choices=LOSS_ONS)
+    """SFT: assistant (empty: the replies only) | all (every token of the rendered sequence, pad excluded)."""
+    truncation: str | None = knob(None, "sft", choices=TRUNCATIONS)
+    """SFT: keep_end (empty: a long source keeps its end) | keep_start (its start, as ChatLM); tools kept."""
+    reasoning: str | None = knob(None, "sft", choices=REASONINGS)
+    """SFT: keep (empty: an assistant turn's reasoning_content is rendered and trained) | drop."""
     val_fraction: float = knob(0.01, least=0.0)
     """Share of the data held out for validation (the last part of the token stream, never trained on); raised
     to fill EVAL_BATCHES x 8 sequences where the data allows (at most 10 %), the same whatever BATCH_SIZE, so
@@ -149,6 +159,8 @@ class DataConfig:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
         if self.val_path is not None and not exists_or_matches(self.val_path):
             raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
+        if self.template not in (None, "builtin", "tokenizer", "none") and not Path(self.template).is_file():
+            raise bad_value("template", "builtin | tokenizer | none | a Jinja file (no such file)", self.template)
         if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
             raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")
 

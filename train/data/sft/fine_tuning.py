@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
+from train.core.errors import UsageError
 from train.core.units import cpu_cores
 from train.data import records
 from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
@@ -32,7 +33,8 @@ from train.data.sft.packing import (
 )
 from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
-from train.data.sft.sft_data import PadCollator, builtin_conversations
+from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
+from train.data.sft.templates import has_generation_markers, raw_template
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -40,6 +42,7 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
     """The encoded conversations of data config `d` (or pairs, kind "seq2seq"), the held-out ones,
     and their collators. PACKING=1 packs them into rows (and lowers LENGTH_GROUPING in `d`);
     compile_on (COMPILE=1) or a CUDA device pads batches to length buckets (a decision)."""
+    template_decision(d, tok, kind, say, decide)
     with record_limit(d.max_record_mb):
         dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
     n_loaded = len(dataset)
@@ -71,6 +74,24 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
         tokenizer=tok, dataset=train_set, val_dataset=val_dataset, collate=collate, val_collate=val_collate,
         summary={**summary, **packed}, conversations=dataset,
     )
+
+
+def template_decision(d, tok, kind: str, say, decide) -> None:
+    """TEMPLATE as the run renders it (a decision where it was left empty), LOSS_ON=all refused for an
+    encoder-decoder, TEMPLATE=none's Jinja twin on a causal LM's tokenizer (saved with final/), and a note
+    where the template saved with final/ has no {% generation %} markers."""
+    if kind == "seq2seq" and d.loss_on == "all":
+        raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
+                         "predicted); leave LOSS_ON empty")
+    mode = Rendering.of(d).mode(tok)
+    if mode == "none" and kind == "causal":  # final/ then prompts as trained: the raw source + eos
+        tok.chat_template = raw_template(tok)
+    if not d.template:
+        why = "the tokenizer's own chat template" if mode == "tokenizer" else "the tokenizer has no other chat template"
+        decide("template", mode, f"TEMPLATE empty: {why}")
+    if mode == "tokenizer" and not has_generation_markers(tok.chat_template):
+        say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
+            "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")
 
 
 def unit_of(pairs: bool) -> str:
@@ -114,7 +135,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     if d.data_path is None:
         builtin = builtin_conversations()
     examples, done = sft_cache(d.data_path, builtin, tok, max_length, d.skip_bad_records,
-                               Path(d.cache_dir), tokenize_workers(d), say, kind, d.text_field)
+                               Path(d.cache_dir), tokenize_workers(d), say, kind, Rendering.of(d), d.text_field)
     meta, pairs = examples.meta, kind == "seq2seq"
     fmt = meta.format if builtin is None else "built-in (standard-library functions: signature and docstring -> body)"
     unit = unit_of(pairs)
@@ -126,6 +147,8 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
         sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
                  if pairs else "")
         say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
+    if meta.n_tools_kept:
+        say(f"{meta.n_tools_kept} of them have a tools list: it was kept with the system turn, and the history cut")
     return SFTDataset(examples, pairs), fmt, meta.n_skipped, meta.n_truncated
 
 

@@ -7,12 +7,12 @@ records took a minute and 1.5 GB of host memory before the first step. Now the f
   lengths.bin  tokens per conversation (int32)
   meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated,
                and each file's sha256 (taken as it is written)
-and every later run with the same key maps them at once. The key covers what changes the
-ids: the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template,
-MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example
-is a (source, target) pair (sft_data.encode_pairs), ids.bin holds the source then the target,
-trained.bin is 1 on the target, and source_lengths.bin (int32) says where the target starts. Nothing of it is held in RAM but the lengths (4 bytes each),
-which packing, length grouping and token budgets need.
+and every later run with the same key maps them at once. The key covers what changes the ids:
+the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE,
+LOSS_ON, TRUNCATION, REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an
+encoder-decoder (T5, BART) an example is a (source, target) pair (sft_data.encode_pairs), ids.bin
+holds the source then the target, trained.bin is 1 on the target, and source_lengths.bin (int32)
+says where the target starts. Only the lengths (4 bytes each) are held in RAM.
 
 The build streams the records (train/data/sft/sft_formats.py) and hands chunks of them to
 TOKENIZE_WORKERS processes, which render, tokenize and truncate; the main process writes the
@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +46,11 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records
-from train.data.sft.sft_data import encode
+from train.data.sft.sft_data import Rendering, Tally, encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
-# 2: tool-call records (once refused or skipped) are conversations; 3: typed content parts and
-# plain-text records too
+# 2: tool-call records (once refused or skipped) are conversations; 3: typed content parts, plain-text
+# records, and the rendering (TEMPLATE, LOSS_ON, TRUNCATION, REASONING) in the key
 SFT_CACHE_VERSION = "3"
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
@@ -67,6 +67,7 @@ class Manifest:
     n_skipped: int
     n_truncated: int
     first_error: str  # the first skipped record's place and reason ("" when none)
+    n_tools_kept: int  # records with a tools list whose history was cut (the tools list kept)
     kind: str  # "causal" (conversations) or "seq2seq" ((source, target) pairs)
     sha256: dict  # file name -> the sha256 of its bytes
 
@@ -167,11 +168,12 @@ def _rows(source: Path, lines: int, so_far: int) -> int | None:
     return None  # .json lists, .gz, Arrow: the bar shows a rate without an end
 
 
-def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind: str = "causal") -> str:
+def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind: str = "causal",
+              rendering: Rendering | None = None) -> str:
     from train.data.text import tokenizer_fingerprint
 
     parts = [SFT_CACHE_VERSION, data_key, tokenizer_fingerprint(tok), str(tok.chat_template), str(max_length),
-             str(bool(skip_bad_records)), kind]
+             str(bool(skip_bad_records)), kind, (rendering or Rendering()).key()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -221,9 +223,9 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> t
 _WORKER: tuple = ()
 
 
-def _init_worker(tok, fmt: str, max_length: int, kind: str, pool_worker: bool = True) -> None:
+def _init_worker(tok, fmt: str, max_length: int, kind: str, rendering: Rendering, pool_worker: bool = True) -> None:
     global _WORKER
-    _WORKER = (tok, fmt, max_length, kind)
+    _WORKER = (tok, fmt, max_length, kind, rendering)
     if pool_worker:
         # A forked worker inherits the parent's handlers (the cache build's SIGTERM -> Interrupted,
         # the loop's "stop after this step"): with those, Pool.terminate()'s SIGTERM would not end
@@ -233,16 +235,21 @@ def _init_worker(tok, fmt: str, max_length: int, kind: str, pool_worker: bool = 
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
-    """A chunk of (place, record) -> (ids, trained flags, lengths, source lengths or None, truncated, bad)."""
-    tok, fmt, max_length, kind = _WORKER
-    conversations, bad = converted(chunk, fmt)
-    examples, truncated = encode(conversations, tok, max_length, kind)
+    """A chunk of (place, record) -> (ids, trained, lengths, source lengths or None, (truncated, tools kept), bad)."""
+    tok, fmt, max_length, kind, rendering = _WORKER
+    conversations, places, bad = [], [], []
+    for place, record in chunk:  # one at a time: a conversation encode refuses is named by its place
+        good, worse = converted([(place, record)], fmt)
+        conversations, places, bad = conversations + good, places + [place] * len(good), bad + worse
+    tally = Tally()
+    examples, n_cut = encode(conversations, tok, max_length, kind, rendering, tally)
+    bad += [f"{places[i]}: {reason}" for i, reason in tally.refused]
     # A conversation's length, or a pair's source length (its input_ids are the source).
     firsts = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
     if kind != "seq2seq":
         labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(firsts.sum()))
         ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels))
-        return ids, (labels != IGNORE_INDEX).astype(np.uint8), firsts, None, truncated, bad
+        return ids, (labels != IGNORE_INDEX).astype(np.uint8), firsts, None, (n_cut, tally.tools_kept), bad
     sources = firsts
     targets = np.fromiter((len(e["labels"]) for e in examples), dtype=np.int32, count=len(examples))
     lengths = sources + targets
@@ -250,17 +257,12 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
                       count=int(lengths.sum()))
     flags = chain.from_iterable(chain([0] * len(e["input_ids"]), [1] * len(e["labels"])) for e in examples)
     trained = np.fromiter(flags, dtype=np.uint8, count=len(ids))
-    return ids, trained, lengths, sources, truncated, bad
+    return ids, trained, lengths, sources, (n_cut, tally.tools_kept), bad
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
+    items = iter(items)
+    while chunk := list(islice(items, size)):
         yield chunk
 
 
@@ -279,18 +281,19 @@ def _single_threaded_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int, kind: str = "causal") -> Iterator[tuple]:
+def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int, kind: str = "causal",
+                   rendering: Rendering | None = None) -> Iterator[tuple]:
     """_encode_chunk's results for every chunk of items, in order. workers > 1: that many
     processes, at most two chunks each in flight, so memory stays flat however long the data."""
-    chunks = _chunks(items, CHUNK_ROWS)
+    chunks, rendering = _chunks(items, CHUNK_ROWS), rendering or Rendering()
     if workers <= 1:
-        _init_worker(tok, fmt, max_length, kind, pool_worker=False)
+        _init_worker(tok, fmt, max_length, kind, rendering, pool_worker=False)
         yield from map(_encode_chunk, chunks)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _single_threaded_tokenizers():
-        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length, kind))
+        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length, kind, rendering))
     with pool:
         pending: deque = deque()
         for chunk in chunks:
@@ -309,15 +312,16 @@ def _progress(total: int | None):
 
 
 def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
-           total: int | None, kind: str) -> Manifest:
+           total: int | None, kind: str, rendering: Rendering | None = None) -> Manifest:
     """Tokenize every record into tmp's files (fsynced); returns the manifest's content."""
     dtype = np.uint16 if len(tok) <= 65535 else np.uint32
-    n = n_tokens = n_skipped = n_truncated = 0
+    n = n_tokens = n_skipped = n_truncated = n_tools_kept = 0
     first_error = ""
     with contextlib.ExitStack() as stack:
         out = {name: cache_files.Hashed(stack.enter_context(open(tmp / name, "wb"))) for name in FILES_OF[kind]}
         bar = stack.enter_context(_progress(total))
-        for ids, trained, lengths, sources, truncated, bad in encoded_chunks(items, tok, fmt, max_length, workers, kind):
+        chunks = encoded_chunks(items, tok, fmt, max_length, workers, kind, rendering)
+        for ids, trained, lengths, sources, (truncated, tools_kept), bad in chunks:
             if bad and not skip:
                 raise refuse_bad(bad[0])
             first_error = first_error or (bad[0] if bad else "")
@@ -327,24 +331,24 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
             if sources is not None:
                 out[SOURCE_LENGTHS].write(sources.tobytes())
             n, n_tokens = n + len(lengths), n_tokens + len(ids)
-            n_skipped, n_truncated = n_skipped + len(bad), n_truncated + truncated
+            n_skipped, n_truncated, n_tools_kept = n_skipped + len(bad), n_truncated + truncated, n_tools_kept + tools_kept
             bar.update(len(lengths) + len(bad))
         for handle in out.values():
             handle.flush()
             os.fsync(handle.fileno())
     sums = {name: handle.digest.hexdigest() for name, handle in out.items()}
-    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, kind, sums)
+    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, n_tools_kept, kind, sums)
 
 
 def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
-          total: int | None, data_name: str, kind: str = "causal") -> CachedExamples:
+          total: int | None, data_name: str, kind: str = "causal", rendering=None) -> CachedExamples:
     """Write the cache for `items` into `folder`, atomically: a temporary folder beside it,
     manifest last, fsynced, renamed."""
     cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
         tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
-        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind)
+        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind, rendering)
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
@@ -364,16 +368,16 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
 
 def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
               cache_dir: Path, workers: int, say, kind: str = "causal",
-              text_field: str = "text") -> tuple[CachedExamples, str]:
-    """The SFT cache for this data, tokenizer, template, MAX_LENGTH and model kind ("causal" or
-    "seq2seq"): opened when there is one, else built (TOKENIZE_WORKERS processes). Returns
+              rendering: Rendering | None = None, text_field: str = "text") -> tuple[CachedExamples, str]:
+    """The SFT cache for this data, tokenizer, rendering (TEMPLATE, LOSS_ON ...), MAX_LENGTH and model
+    kind ("causal" or "seq2seq"): opened when there is one, else built (TOKENIZE_WORKERS processes). Returns
     (examples, what was done, for the log)."""
     start = time.perf_counter()
     cache_files.refuse_link(cache_dir / "sft", cache_dir / "sft" / "sums")
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
     if text_field != "text":  # TEXT_FIELD picks what a plain-text record trains on
         data_key += f"\0text_field={text_field}"
-    folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind)
+    folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind, rendering)
     # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
     cache_files.drop_link(folder, say)
     for name in [folder / "meta.json", *(folder / f for f in FILES_OF["seq2seq"])] if folder.is_dir() else []:
@@ -394,7 +398,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     say(f"tokenizing {rows}SFT records into {folder} on {workers} process(es) (once per data, tokenizer, "
         "template, MAX_LENGTH and model kind)")
     examples = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, total, data_path or "built-in",
-                     kind)
+                     kind, rendering)
     took = time.perf_counter() - start
     rate = (len(examples) + examples.meta.n_skipped) / max(took, 1e-9)
     return examples, f"SFT cache: built {folder} in {took:.1f} s ({rate:,.0f} records/s)"

@@ -12,14 +12,15 @@ the ids concatenated. A token therefore never straddles a masked/trained boundar
 Segment boundaries fall on special tokens and newlines, where a byte-level BPE splits anyway,
 so the ids equal those of the whole string in practice (the tests check it).
 
-Two templates:
+Two ways to find the trained text (TEMPLATE, LOSS_ON, REASONING, loss_weight, TRUNCATION and
+the raw TEMPLATE=none rendering live in train/data/sft/templates.py):
 - the tokenizer's own chat template (tokenizer.chat_template set, e.g. a local instruct
-  model): rendered with apply_chat_template; an assistant turn's characters are found by
-  rendering the conversation up to that turn with the generation prompt (where the reply
-  starts) and up to and including it (where it ends). Needs a template whose output for a
+  model, or a TEMPLATE file): rendered with apply_chat_template; an assistant turn's characters
+  are found by rendering the conversation up to that turn with the generation prompt (where the
+  reply starts) and up to and including it (where it ends). Needs a template whose output for a
   prefix of the conversation is a prefix of the output for the whole; the common ones are.
-  Tools go in as apply_chat_template's tools argument; a template that would drop the tools
-  or the calls a conversation has is refused in one line.
+  Tools go in as apply_chat_template's tools argument; a template that would drop the tools,
+  the calls or the reasoning a conversation has is refused in one line.
 - otherwise a built-in one, "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose
   markers ensure_special_tokens adds; it also stores the same template as Jinja on the
   tokenizer, so runs/<name>/final/ works with apply_chat_template like any chat model. Tool
@@ -37,12 +38,13 @@ batching (length grouping, token budgets, each rank's share) in train/data/sft/s
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
+from train.data.sft import templates
+from train.data.sft.chat_template import apply, template_segments
 from train.data.sft.sft_batching import (
     LengthGroupedSampler,
     PadCollator,
@@ -51,10 +53,29 @@ from train.data.sft.sft_batching import (
 )
 from train.data.sft.sft_formats import builtin_conversations, load_conversations
 from train.data.sft.sft_turns import call_text, split_tools
+from train.data.sft.templates import (
+    BUILTIN_CHAT_TEMPLATE,
+    DEFAULT,
+    END_TOKEN,
+    MASKED,
+    PINNED,
+    ROLE_TOKENS,
+    TOOL_CALL_TOKEN,
+    TOOLS_TOKEN,
+    TRAINED,
+    Rendering,
+    Tally,
+    ensure_special_tokens,
+    special_wrap,
+)
+from train.data.sft.templates import is_builtin as _builtin
 
 __all__ = [
     "IGNORE_INDEX",
     "BUILTIN_CHAT_TEMPLATE",
+    "TOOL_CALL_TOKEN",
+    "Rendering",
+    "Tally",
     "load_conversations",
     "builtin_conversations",
     "ensure_special_tokens",
@@ -70,58 +91,7 @@ __all__ = [
     "padding_efficiency",
 ]
 
-ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
-TOOLS_TOKEN = "<|tools|>"
-TOOL_CALL_TOKEN = "<|tool_call|>"
-END_TOKEN = "<|end|>"
-PAD_TOKEN = "<|pad|>"
-MARKERS = [ROLE_TOKENS["system"], ROLE_TOKENS["user"], ROLE_TOKENS["assistant"], END_TOKEN, TOOLS_TOKEN,
-           TOOL_CALL_TOKEN, ROLE_TOKENS["tool"]]  # fmt: skip
-# Jinja, for apply_chat_template on final/; _builtin_segments writes the same characters (a test
-# holds them equal). No newline right after a block tag: transformers renders with trim_blocks.
-BUILTIN_CHAT_TEMPLATE = (
-    "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
-    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
-    "<|tool_call|>{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endfor %}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-# The template before tool calls: a tokenizer saved with it (an earlier SFT run's final/) is
-# brought up to the current one by ensure_special_tokens.
-_EARLIER_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 _ENCODE_CHUNK = 1024  # conversations tokenized per call: batched calls are fast, and memory stays flat
-
-
-def _builtin(tokenizer) -> bool:
-    # The earlier template is not: a final/ saved with it has no tool markers, and its own
-    # Jinja renders what it was trained on (until ensure_special_tokens brings it up to date).
-    return tokenizer.chat_template is None or tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
-
-
-def ensure_special_tokens(tokenizer) -> int:
-    """Make the tokenizer ready for SFT; returns how many tokens were added to its vocabulary
-    (the caller resizes the model's embeddings when it is > 0). Safe to call twice.
-
-    Without a chat template of its own the tokenizer gets the built-in template's markers as
-    special tokens (never split, one id each) and BUILTIN_CHAT_TEMPLATE. A pad token is set in
-    any case: the eos token when there is one (padding is masked out by attention_mask and
-    labels, so sharing the id costs nothing), else a new <|pad|>.
-    """
-    added = 0
-    if _builtin(tokenizer) or tokenizer.chat_template == _EARLIER_TEMPLATE:
-        added += tokenizer.add_special_tokens(
-            {"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False
-        )
-        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token
-        else:
-            added += tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    return added
 
 
 def _check_markers(tokenizer) -> None:
@@ -135,101 +105,65 @@ def _check_markers(tokenizer) -> None:
         )
 
 
-def _builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, bool]]:
+def _builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, int]]:
     tools, turns = split_tools(conversation)
-    segments: list[tuple[str, bool]] = []
+    segments: list[tuple[str, int]] = []
     if tools:
-        segments.append((f"{TOOLS_TOKEN}\n{json.dumps(tools, ensure_ascii=False)}{END_TOKEN}\n", False))
+        segments.append((f"{TOOLS_TOKEN}\n{json.dumps(tools, ensure_ascii=False)}{END_TOKEN}\n", PINNED))
+    leading = True  # the system turns before the first other one: kept by truncation with the tools
     for turn in turns:
+        leading = leading and turn["role"] == "system"
         calls = "".join(TOOL_CALL_TOKEN + call_text(call) for call in turn.get("tool_calls") or ())
+        around = PINNED if leading else MASKED
+        body = templates.think(turn) + turn["content"] + calls + END_TOKEN
         segments += [
-            (f"{ROLE_TOKENS[turn['role']]}\n", False),
-            (turn["content"] + calls + END_TOKEN, turn["role"] == "assistant"),
-            ("\n", False),
+            (f"{ROLE_TOKENS[turn['role']]}\n", around),
+            (body, TRAINED if templates.trained(turn) else around),
+            ("\n", around),
         ]
     return segments
 
 
-def _apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool, tools: list | None = None) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            list(conversation), tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except Exception as e:  # jinja's TemplateError, e.g. a template that refuses system turns
-        raise UsageError(f"the tokenizer's chat template cannot render a conversation: {e}") from None
-
-
-@functools.lru_cache(maxsize=8)
-def _template_takes(template: str) -> tuple[bool, bool]:
-    """(uses the tools list, renders tool calls): read from the template's source once."""
-    import jinja2
-    from jinja2 import meta
-
-    try:
-        uses_tools = "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateError:  # transformers' own tags ({% generation %}): the plain parser fails
-        uses_tools = "tools" in template
-    return uses_tools, "tool_calls" in template
-
-
-def _refuse_dropped_tools(tokenizer, tools: list | None, turns: Sequence[dict]) -> None:
-    # A template that ignores tools or calls would train on conversations with them silently
-    # left out: the reply to an observation the model never saw a call for.
-    has_calls = any(t.get("tool_calls") for t in turns)
-    if not (tools or has_calls) or not isinstance(tokenizer.chat_template, str):
-        return
-    takes_tools, takes_calls = _template_takes(tokenizer.chat_template)
-    missing = "the tools list" if tools and not takes_tools else ""
-    if has_calls and not takes_calls:
-        missing = missing or "tool calls"
-    if missing:
-        raise UsageError(
-            f"the tokenizer's chat template does not render {missing}, which this data has; remove "
-            "chat_template from tokenizer_config.json to use the built-in template, which does"
-        )
-
-
-def _template_segments(tokenizer, conversation: Sequence[dict]) -> list[tuple[str, bool]]:
-    tools, conversation = split_tools(conversation)
-    _refuse_dropped_tools(tokenizer, tools, conversation)
-    full = _apply(tokenizer, conversation, False, tools)
-    segments, pos = [], 0
-    for i, turn in enumerate(conversation):
-        if turn["role"] != "assistant":
-            continue
-        before = _apply(tokenizer, conversation[:i], True, tools) if i else ""
-        through = _apply(tokenizer, conversation[: i + 1], False, tools)
-        if not (full.startswith(before) and full.startswith(through) and pos <= len(before) < len(through)):
-            raise UsageError(
-                "the tokenizer's chat template renders earlier turns differently as the conversation grows, "
-                "so the assistant replies cannot be located; remove chat_template from tokenizer_config.json "
-                "to use the built-in template"
-            )
-        # Trailing newlines after the end-of-turn token are markup, not something to learn.
-        end = max(len(through.rstrip()), len(before) + 1)
-        segments += [(full[pos : len(before)], False), (full[len(before) : end], True)]
-        pos = end
-    segments.append((full[pos:], False))
-    return segments
-
-
-def render(tokenizer, conversation: Sequence[dict], checked: bool = False) -> list[tuple[str, bool]]:
-    """A conversation -> segments (text, trained); "".join(texts) is the full prompt string and
-    trained is True exactly on assistant content plus its end-of-turn marker. checked: the
-    caller has run _check_markers for this tokenizer already (once per batch, not per turn)."""
-    if _builtin(tokenizer):
-        if not checked:
-            _check_markers(tokenizer)
+def _segments(tokenizer, conversation: Sequence[dict], r: Rendering, mode: str) -> list[tuple[str, int]]:
+    """(text, flag) segments, neighbours with the same flag merged (fewer tokenizer calls, same ids)."""
+    if templates.is_document(conversation):
+        doc = templates.bos_text(tokenizer) + conversation[0]["content"] + templates.eos_text(tokenizer)
+        return [(doc, TRAINED)]
+    conversation = templates.prepared(conversation, r)
+    if mode == "none":
+        tools, turns = split_tools(conversation)
+        eos, bos = templates.eos_text(tokenizer), templates.bos_text(tokenizer)
+        segments = templates.raw_segments(turns, tools, eos, bos)
+    elif mode == "builtin":
         segments = _builtin_segments(conversation)
     else:
-        segments = _template_segments(tokenizer, conversation)
-    merged: list[tuple[str, bool]] = []
-    for text, trained in segments:
-        # Neighbours with the same flag go in one piece: fewer tokenizer calls, same ids.
-        if merged and merged[-1][1] == trained:
-            merged[-1] = (merged[-1][0] + text, trained)
+        segments = template_segments(tokenizer, conversation)
+    if r.loss_on == "all":  # TRL's assistant_only_loss=False: the whole sequence (pad excluded by the collator)
+        segments = [(text, TRAINED) for text, _ in segments]
+    merged: list[tuple[str, int]] = []
+    for text, flag in segments:
+        if merged and merged[-1][1] == flag:
+            merged[-1] = (merged[-1][0] + text, flag)
         elif text:
-            merged.append((text, trained))
+            merged.append((text, flag))
+    return merged
+
+
+def render(tokenizer, conversation: Sequence[dict], checked: bool = False,
+           rendering: Rendering = DEFAULT) -> list[tuple[str, bool]]:
+    """A conversation -> segments (text, trained); "".join(texts) is the full prompt string and
+    trained is True exactly on assistant content plus its end-of-turn marker (LOSS_ON=all: on
+    everything). checked: the caller has run _check_markers for this tokenizer already (once per
+    batch, not per turn)."""
+    mode = rendering.mode(tokenizer)
+    if mode == "builtin" and not checked:
+        _check_markers(tokenizer)
+    merged: list[tuple[str, bool]] = []
+    for text, flag in _segments(tokenizer, conversation, rendering, mode):
+        if merged and merged[-1][1] == (flag == TRAINED):
+            merged[-1] = (merged[-1][0] + text, flag == TRAINED)
+        else:
+            merged.append((text, flag == TRAINED))
     return merged
 
 
@@ -242,7 +176,7 @@ def prompt_for_generation(tokenizer, conversation: Sequence[dict] | str) -> str:
         _check_markers(tokenizer)
         return "".join(text for text, _ in _builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"
     tools, turns = split_tools(conversation)
-    return _apply(tokenizer, turns, True, tools)
+    return apply(tokenizer, turns, True, tools)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -254,20 +188,12 @@ def stop_token_ids(tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _truncate(input_ids: list[int], labels: list[int], max_length: int) -> tuple[list[int], list[int]]:
-    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
-    if first < max_length:
-        return input_ids[:max_length], labels[:max_length]  # keep the start, as inference sees it
-    # The prompt alone fills max_length: cutting the end would leave nothing to learn, so keep
-    # the prompt's last half-window and the start of the reply.
-    start = first - max_length // 2
-    return input_ids[start : start + max_length], labels[start : start + max_length]
-
-
 def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
     """Token ids of each piece, no special tokens added: the same ids as tokenizer(pieces), but
     straight from the Rust tokenizer where there is one, without transformers turning every
     encoding into a dict of lists (a quarter of the tokenizing time in a profile)."""
+    if not pieces:
+        return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
     if encode is None:
@@ -275,92 +201,152 @@ def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
     return [e.ids for e in encode(pieces, add_special_tokens=False)]
 
 
-def encode_conversations(
-    conversations: Sequence[Sequence[dict]], tokenizer, max_length: int
-) -> tuple[list[dict], int]:
+def _refuse(tally: Tally | None, index: int, reason: str) -> None:
+    if tally is None:
+        raise UsageError(f"DATA_PATH: a conversation {reason}")
+    tally.refuse(index, reason)
+
+
+def _too_long(max_length: int) -> str:
+    return f"has a tools list and system turn that alone fill MAX_LENGTH={max_length} tokens (raise MAX_LENGTH)"
+
+
+def _prepare(tokenizer, r: Rendering) -> str:
+    mode = r.mode(tokenizer)
+    if mode == "builtin":
+        _check_markers(tokenizer)
+    return mode
+
+
+def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int,
+                         rendering: Rendering = DEFAULT, tally: Tally | None = None) -> tuple[list[dict], int]:
     """Conversations -> ([{"input_ids", "labels"}], number truncated to max_length).
 
-    Every assistant turn of a multi-turn conversation is trained on. A conversation longer
-    than max_length is cut, not dropped, and counted so the run can report it.
+    Every trained assistant turn of a multi-turn conversation is trained on. A conversation
+    longer than max_length is cut (templates.cut_conversation, TRUNCATION), not dropped, and
+    counted so the run can report it. One that cannot be used (nothing trained, a tools list that
+    alone overfills max_length) goes into tally.refused, or without a tally stops in one line.
     """
-    examples: list[dict] = []
-    n_truncated = 0
-    builtin = _builtin(tokenizer)
-    if builtin:
-        _check_markers(tokenizer)
+    r, examples, n_truncated = rendering, [], 0
+    mode = _prepare(tokenizer, r)
+    index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
-        rendered = [render(tokenizer, c, checked=builtin) for c in conversations[lo : lo + _ENCODE_CHUNK]]
-        pieces = [text for segments in rendered for text, _ in segments]
-        piece_ids = iter(_encode_pieces(tokenizer, pieces))
-        for segments in rendered:
+        chunk = conversations[lo : lo + _ENCODE_CHUNK]
+        rendered = [_segments(tokenizer, c, r, mode) for c in chunk]
+        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments]))
+        for conversation, segments in zip(chunk, rendered, strict=True):
             input_ids: list[int] = []
             labels: list[int] = []
-            for _, trained in segments:
+            pinned = n_trained = 0
+            for _, flag in segments:
                 ids = list(next(piece_ids))
+                pinned += len(ids) if flag == PINNED and len(input_ids) == pinned else 0
+                n_trained += len(ids) if flag == TRAINED else 0
                 input_ids += ids
-                labels += ids if trained else [IGNORE_INDEX] * len(ids)
+                labels += ids if flag == TRAINED else [IGNORE_INDEX] * len(ids)
+            index, at = index + 1, index
+            if not n_trained:
+                _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
+                continue
             if len(input_ids) > max_length:
-                input_ids, labels = _truncate(input_ids, labels, max_length)
+                tools = split_tools(conversation)[0]
+                known = None if tools and not pinned else pinned
+                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation)
+                if kept is None:
+                    _refuse(tally, at, _too_long(max_length))
+                    continue
                 n_truncated += 1
+                if tally is not None and tools and kept[0] != input_ids[:max_length]:  # the history was cut
+                    tally.tools_kept += 1
+                input_ids, labels = kept
             examples.append({"input_ids": input_ids, "labels": labels})
     return examples, n_truncated
 
 
-def _special_wrap(tokenizer) -> tuple[list[int], list[int]]:
-    """(ids before, ids after) that tokenizer(text) puts around a text's own ids: T5's appends
-    </s>, BART's wraps in <s> ... </s>, the kit's byte-level BPE adds none."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a")["input_ids"]
-    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
-    return ([], []) if at is None else (full[:at], full[at + len(bare) :])
+def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tuple[str, str, str, bool]]:
+    """(pinned source text, the rest of the source, reply, trained) of a plain document or under TEMPLATE=none."""
+    if templates.is_document(conversation):
+        return [("", "", conversation[0]["content"], True)]
+    tools, turns = split_tools(templates.prepared(conversation, r))
+    return templates.raw_pairs(turns, tools)
 
 
-def _fit_pair(source: list[int], target: list[int], wrap: tuple[list[int], list[int]], max_length: int):
-    """(source, target, cut?) each at most max_length tokens. A long source keeps its END: the
-    reply answers the last turns, and the assistant marker that says "reply now" is there; the
-    system prompt and the oldest turns go first. A long target keeps its start (as inference
-    writes it), without eos, since the reply did not end there."""
-    before, after = wrap
-    room = max(0, max_length - len(before) - len(after))
-    cut = len(source) > room or len(target) > max_length
-    return before + source[len(source) - min(room, len(source)) :] + after, target[:max_length], cut
+def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set) -> list[tuple[list, bool]]:
+    """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
+    per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
+    raw = [mode == "none" or templates.is_document(c) for c in chunk]
+    texts = [_raw_pairs(tokenizer, c, r) if is_raw else _segments(tokenizer, c, r, mode)
+             for c, is_raw in zip(chunk, raw, strict=True)]  # fmt: skip
+    pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items
+              for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
+    piece_ids = iter(_encode_pieces(tokenizer, pieces))
+    out = []
+    for items, is_raw in zip(texts, raw, strict=True):
+        pairs, context, pinned = [], [], 0
+        for item in items:
+            if is_raw:
+                head, rest, reply = (list(next(piece_ids)) for _ in range(3))
+                if item[3]:
+                    pairs.append((head + rest, len(head), reply))
+                continue
+            ids = list(next(piece_ids))
+            if item[1] == TRAINED:
+                reply = ids
+                while reply and reply[-1] in stops:  # the template's end-of-turn: eos ends a target
+                    reply = reply[:-1]
+                pairs.append((context, pinned, reply))
+            pinned += len(ids) if item[1] == PINNED and len(context) == pinned else 0
+            context = context + ids
+        out.append((pairs, is_raw))
+    return out
 
 
-def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int) -> tuple[list[dict], int]:
+def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int,
+                 rendering: Rendering = DEFAULT, tally: Tally | None = None) -> tuple[list[dict], int]:
     """Conversations -> ([{"input_ids": source, "labels": target}], pairs truncated) for an
-    encoder-decoder. One pair per assistant turn, so every reply is trained on as in the causal
-    case: the source is everything the template renders before that reply (system, tools list,
-    user turns, earlier replies, tool results, up to the assistant marker), with the special
-    tokens the tokenizer itself adds (T5's </s>), so tokenizer(prompt) at inference gives the
-    same ids; the target is the reply (its text and tool calls, without the template's
-    end-of-turn marker) + eos. Every target token is a label."""
+    encoder-decoder. One pair per trained assistant turn, so every reply is trained on as in the
+    causal case: the source is everything the template renders before that reply (system, tools
+    list, user turns, earlier replies, tool results, up to the assistant marker; under
+    TEMPLATE=none the earlier turns' contents, a line each), with the special tokens the
+    tokenizer itself adds (T5's </s>; eos appended under none where it adds none), so
+    tokenizer(prompt) at inference gives the same ids; the target is the reply (its reasoning,
+    text and tool calls, without the template's end-of-turn marker) + eos. Every target token is
+    a label. A source too long for max_length is cut by TRUNCATION (fit_pair), its tools list
+    kept."""
     if tokenizer.eos_token_id is None:
         raise UsageError("MODEL_PATH: the tokenizer has no eos token, which ends an encoder-decoder's target")
-    builtin = _builtin(tokenizer)
-    if builtin:
-        _check_markers(tokenizer)
-    wrap, stops, eos = _special_wrap(tokenizer), set(stop_token_ids(tokenizer)), tokenizer.eos_token_id
+    r = rendering
+    if r.loss_on == "all":
+        raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
+                         "predicted); leave LOSS_ON empty")
+    mode = _prepare(tokenizer, r)
+    wrap, stops, eos = special_wrap(tokenizer), set(stop_token_ids(tokenizer)), tokenizer.eos_token_id
+    raw_wrap = (wrap[0], wrap[1] if wrap[1][-1:] == [eos] else wrap[1] + [eos])  # raw: source + eos
     examples: list[dict] = []
-    n_truncated = 0
+    n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
-        rendered = [render(tokenizer, c, checked=builtin) for c in conversations[lo : lo + _ENCODE_CHUNK]]
-        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments]))
-        for segments in rendered:
-            context: list[int] = []
-            for _, trained in segments:
-                ids = list(next(piece_ids))
-                if trained:
-                    reply = ids
-                    while reply and reply[-1] in stops:  # the template's end-of-turn: eos ends a target
-                        reply = reply[:-1]
-                    source, target, cut = _fit_pair(context, reply + [eos], wrap, max_length)
-                    examples.append({"input_ids": source, "labels": target})
+        chunk = conversations[lo : lo + _ENCODE_CHUNK]
+        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops), strict=True):
+            index, at = index + 1, index
+            tools = split_tools(conversation)[0]
+            sides = raw_wrap if raw else wrap
+            fitted = [templates.fit_pair(source, None if tools and not pinned else pinned, reply + [eos], sides,
+                                         max_length, r.truncation) for source, pinned, reply in pairs]  # fmt: skip
+            if not pairs:
+                _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
+            elif None in fitted:
+                _refuse(tally, at, _too_long(max_length))
+            else:
+                for (source, _, _), (src, target, cut) in zip(pairs, fitted, strict=True):
+                    examples.append({"input_ids": src, "labels": target})
                     n_truncated += cut
-                context += ids
+                    if tally is not None and tools and len(src) < len(source) + len(sides[0]) + len(sides[1]):
+                        tally.tools_kept += 1
     return examples, n_truncated
 
 
-def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, kind: str = "causal"):
+def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, kind: str = "causal",
+           rendering: Rendering = DEFAULT, tally: Tally | None = None):
     """encode_conversations for a causal LM, encode_pairs for an encoder-decoder ("seq2seq")."""
     fn = encode_pairs if kind == "seq2seq" else encode_conversations
-    return fn(conversations, tokenizer, max_length)
+    return fn(conversations, tokenizer, max_length, rendering, tally)

@@ -99,7 +99,7 @@ class SFTSource:
                    "pairs, one per assistant turn, loss on the target")
         self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code,
                                                self.kind)
-        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide)
+        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide, cfg.data.template)
         return model_label(self.path, self.model), model_lib.context_length(self.model.config), False
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:

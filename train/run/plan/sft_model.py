@@ -186,9 +186,9 @@ def _decoder_ids(model, tok, decide) -> None:
         decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as T5 starts its decoder")
 
 
-def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
-    """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
-    added = ensure_special_tokens(tok)
+def prepare_model(model, tok, gradient_checkpointing: bool, decide, template: str | None = None) -> None:
+    """Chat-template tokens (TEMPLATE's) in the tokenizer and the embeddings, stop tokens, training mode."""
+    added = ensure_special_tokens(tok, template)
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
         from transformers.utils import logging as hf_logging
