@@ -1,7 +1,7 @@
 """SFT conversations tokenized once, into CACHE_DIR/sft/<key>/, and read back memory-mapped.
 
-A start used to read every record into RAM and tokenize it again, on every rank: 100k alpaca
-records took a minute and 1.5 GB of host memory before the first step. Now the first run writes
+A start used to read every record into RAM and tokenize it again on every rank (100k alpaca records:
+a minute and 1.5 GB before the first step). Now the first run writes
   ids.bin      every conversation's token ids, back to back (uint16, or uint32 for big vocabularies)
   trained.bin  one byte per token: 1 where the loss counts (assistant content), 0 elsewhere
   lengths.bin  tokens per conversation (int32)
@@ -49,9 +49,7 @@ from train.data import cache_files, records
 from train.data.sft.sft_data import Rendering, Tally, encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
-# 2: tool-call records (once refused or skipped) are conversations; 3: typed content parts, plain-text
-# records, and the rendering (TEMPLATE, LOSS_ON, TRUNCATION, REASONING) in the key
-SFT_CACHE_VERSION = "3"
+SFT_CACHE_VERSION = "3"  # 2: tool-call records are conversations; 3: typed parts, plain text, TEMPLATE ...
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
 SOURCE_LENGTHS = "source_lengths.bin"  # seq2seq caches only
@@ -375,8 +373,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     start = time.perf_counter()
     cache_files.refuse_link(cache_dir / "sft", cache_dir / "sft" / "sums")
     data_key, total = data_fingerprint(data_path, builtin, cache_dir / "sft" / "sums")
-    if text_field != "text":  # TEXT_FIELD picks what a plain-text record trains on
-        data_key += f"\0text_field={text_field}"
+    data_key += f"\0text_field={text_field}" if text_field != "text" else ""  # what a plain-text record trains on
     folder = cache_dir / "sft" / cache_key(data_key, tok, max_length, skip_bad_records, kind, rendering)
     # A link at one of the cache's names is not a cache this kit wrote: removed, never read.
     cache_files.drop_link(folder, say)
