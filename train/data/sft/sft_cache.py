@@ -14,14 +14,13 @@ encoder-decoder (T5, BART) an example is a (source, target) pair (sft_data.encod
 holds the source then the target, trained.bin is 1 on the target, and source_lengths.bin (int32)
 says where the target starts. Only the lengths (4 bytes each) are held in RAM.
 
-The build streams the records (train/data/sft/sft_formats.py) and hands chunks of them to
-TOKENIZE_WORKERS processes, which render, tokenize and truncate; the main process writes the
-results in record order, so the cache is the same whatever the number of workers. It is built in
-a temporary folder, fsynced, and renamed into place: a crash leaves no half cache, and a damaged
-one (a file cut short, a manifest missing) is noticed, said, and built again. A cache is trusted
-only for what it verifies: each file is checked against its sha256 once (trained.bin zeroed or
-lengths.bin rewritten with its sum kept is damage), then remembered in checked.json by size,
-mtime, ctime and inode, so a warm start reads the files again only when they changed.
+The build streams the records (train/data/sft/sft_formats.py) and hands chunks of them to TOKENIZE_WORKERS
+processes, which render, tokenize and truncate; the main process writes the results in record order, so the
+cache is the same whatever the number of workers. It is built in a temporary folder, fsynced, and renamed into
+place: a crash leaves no half cache, and a damaged one (a file cut short, a manifest missing) is noticed,
+said, and built again. A cache is trusted only for what it verifies: each file is checked against its sha256
+once (trained.bin zeroed or lengths.bin rewritten with its sum kept is damage), then remembered in
+checked.json by size, mtime, ctime and inode, so a warm start reads the files again only when they changed.
 """
 
 from __future__ import annotations
