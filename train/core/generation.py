@@ -118,4 +118,5 @@ def apply_generation_config(model, settings: dict, decide, path: str | None) -> 
     if not settings:
         return
     model.generation_config.update(**settings)
+    model.generation_config._from_model_config = False  # its own settings now, not config.json's copies
     decide("generation_config", dict(settings), f"GENERATION_CONFIG={path}, saved in final/generation_config.json")

@@ -11,6 +11,11 @@ An encoder-decoder (T5, BART: AutoModelForSeq2SeqLM, chosen from the folder's co
 prompt as its source and writes the reply as its target. A span-corruption pretraining run's
 model fills the prompt's <extra_id_N> sentinels: its reply shows them, each before the text it
 puts in that place.
+
+Decoding: sampling (temperature 0.7, top_k 50) by default; --greedy, --num_beams (beam search),
+--repetition_penalty and --no_repeat_ngram_size as transformers' generate() takes them. Where the
+folder's generation_config.json holds decoding settings (a run's GENERATION_CONFIG), they are the
+defaults instead, read as plain generate() reads them; a flag overrides each.
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
 
 def parser() -> ArgParser:
     p = ArgParser(
-        prog="python -m train generate", description="Sample from a trained model with its chat template."
+        prog="python -m train generate",
+        description="Reply with a trained model and its chat template: sampling, greedy or beam search.",
+        epilog="Decoding defaults: the model folder's generation_config.json where it sets them (a run's "
+        "GENERATION_CONFIG), else the defaults shown; each flag overrides.",
     )
     p.add_argument(
         "--model", default=str(DEFAULT_MODEL), help="a run's final/ folder (default: runs/latest/final)"
@@ -68,7 +76,7 @@ def parser() -> ArgParser:
     p.add_argument("--top_k", type=int, help="sample among the k likeliest tokens (default 50)")
     p.add_argument("--num_beams", type=int, help="beam search over this many beams (default 1: none)")
     p.add_argument("--repetition_penalty", type=float,
-                   help="divide the scores of tokens already in the text by this (default 1.0: off; ChatLM 1.1)")
+                   help="penalize tokens already in the text, > 1 (default 1.0: off; ChatLM 1.1)")
     p.add_argument("--no_repeat_ngram_size", type=int,
                    help="never repeat an n-gram of this many tokens (default 0: off; ChatLM 4)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
