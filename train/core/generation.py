@@ -83,7 +83,8 @@ def read_generation_config(path: str | None) -> dict:
         raise UsageError(f"{VARIABLE}: {path} is not JSON ({err})") from None
     if not isinstance(settings, dict):
         raise UsageError(f"{VARIABLE}: {path} must hold a JSON object of generate() settings, e.g. {{\"num_beams\": 4}}")
-    settings.pop("transformers_version", None)  # a saved generation_config.json is accepted as it is
+    # a model's own generation_config.json is accepted as it is: its bookkeeping fields dropped
+    settings = {k: v for k, v in settings.items() if not k.startswith("_") and k != "transformers_version"}
     unknown = sorted(set(settings) - known_settings())
     if unknown:
         raise UsageError(f"{VARIABLE}: {unknown[0]!r} in {path} is not a generate() setting of transformers' GenerationConfig")

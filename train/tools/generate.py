@@ -238,7 +238,7 @@ def saved_decoding(model, folder: str) -> dict:
     saved = model.generation_config.to_diff_dict()
     found = {k: saved[k] for k in DECODING | {"max_new_tokens"} if saved.get(k) is not None}
     for key, value in found.items():
-        problem = value_problem(key, value)
+        problem = None if key == "temperature" and value == 0 else value_problem(key, value)  # 0: greedy
         if problem:
             raise UsageError(f"--model {folder}: generation_config.json's {key}: {problem}")
     return found
