@@ -152,7 +152,8 @@ def forward_loss(
         elif chunkable(model):
             hidden, weight = lm_hidden_and_head(model, **batch)
             total, _, *hits = chunked_cross_entropy(hidden, weight, labels, correct=accuracy)
-            loss, hits = token_mean_share(total, targets, world_size), (hits or [None])[0]
+            loss = token_mean_share(total, targets, world_size)
+            hits = hits[0] if accuracy else None  # counted inside the chunks: no (tokens x vocab) logits
         else:
             out = model(**batch, labels=labels, num_items_in_batch=max(1, targets))
             loss = out.loss * world_size
