@@ -11,7 +11,7 @@ help:
 	@echo "make baseline  train with the baseline launcher"
 	@echo "make sft       SFT with ./train_sft_custom.sh (micro-batch 16; MODEL_PATH, DATA_PATH ...)"
 	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
-	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final)"
+	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final; ARGS=\"--num_beams 4\")"
 	@echo "make sft-bench the same SFT run three ways: plain padding, LENGTH_GROUPING=1, PACKING=1; padding and tokens/s"
 	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
 	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
@@ -46,7 +46,7 @@ sft-fast: $(STAMP)
 
 MODEL ?= runs/latest/final
 chat: $(STAMP)
-	$(PY) -m train generate --model "$(MODEL)" --interactive
+	$(PY) -m train generate --model "$(MODEL)" --interactive $(ARGS)
 
 sft-bench: $(STAMP)
 	scripts/bench_sft.sh

@@ -55,6 +55,9 @@ class ModelConfig:
     model_path: str | None = knob(None, "sft")
     """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer (loaded offline).
     Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
+    generation_config: str | None = None
+    """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
+    final/generation_config.json, checked at start with transformers' GenerationConfig."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""

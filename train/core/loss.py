@@ -44,10 +44,12 @@ def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, grads):
+    def forward(ctx, hidden, weight, targets, chunk, grads, correct):
         # hidden (N, H), weight (V, H), targets (N,) -> the SUM of token losses (fp32 scalar).
         # grads: grad mode was on outside (inside forward it is always off, and
         # needs_input_grad says True under no_grad too, where gradients would be wasted work).
+        # correct: also count the targets the argmax predicts, on the device (mean_token_accuracy
+        # of a log step), from each chunk's logits while they exist.
         want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         dtype = _compute_dtype(hidden.device, hidden.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -55,6 +57,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if want_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+            hits = torch.zeros((), dtype=torch.long, device=hidden.device) if correct else None
             for lo in range(0, hidden.shape[0], chunk):
                 h = hidden[lo : lo + chunk].to(dtype)
                 t = targets[lo : lo + chunk]
@@ -64,6 +67,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, safe[:, None])[:, 0]
                 total += ((lse - picked) * valid).sum()
+                if correct:  # before the gradient below overwrites the logits in place
+                    hits += correct_predictions(logits, t)
                 if not (want_h or want_w):
                     continue
                 # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows;
@@ -79,29 +84,42 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     grad_w += (g.T @ h).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
-        return total
+        if hits is None:
+            return total
+        ctx.mark_non_differentiable(hits)
+        return total, hits
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
+
+
+def correct_predictions(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Targets (not -100) whose argmax prediction equals them, as a device count (no sync):
+    logits (..., V) and targets (...) already aligned (shifted for a causal LM)."""
+    return ((logits.argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum()
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None,
+    correct: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(sum of token losses, number of target tokens) for final hidden states (B, T, H), the LM
     head's weight (V, H) (GPT-2 ties it to wte) and unshifted labels (B, T) with -100 where
     nothing is learned. Both are device tensors: reading them is what syncs, not this call.
-    chunk_tokens: tokens per chunk (default: CHUNK_ELEMENTS // V)."""
+    chunk_tokens: tokens per chunk (default: CHUNK_ELEMENTS // V). correct: a third, the count
+    of targets the argmax predicts (taken inside the chunks: the full logits never exist)."""
     vocab, width = weight.shape
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab)
     targets = shift_targets(labels).reshape(-1)
     flat = hidden.reshape(-1, width)
-    total = _ChunkedCrossEntropy.apply(flat, weight, targets, chunk, torch.is_grad_enabled())
-    return total, (targets != IGNORE_INDEX).sum()
+    out = _ChunkedCrossEntropy.apply(flat, weight, targets, chunk, torch.is_grad_enabled(), correct)
+    total, hits = out if correct else (out, None)
+    count = (targets != IGNORE_INDEX).sum()
+    return (total, count, hits) if correct else (total, count)
 
 
 def count_targets(batch: dict, shifted: bool = True) -> int:
@@ -121,17 +139,19 @@ def step_targets(batches: Iterable[dict], shifted: bool = True) -> int:
     return sum(count_targets(b, shifted) for b in batches)
 
 
-def seq2seq_loss_sum(model, unwrapped, input_ids, attention_mask, labels) -> torch.Tensor:
+def seq2seq_loss_sum(model, unwrapped, input_ids, attention_mask, labels, correct: bool = False):
     """The SUM of target-token losses of an encoder-decoder (T5, BART): the decoder's inputs are
     the labels shifted right from its start token (the model's own rule), the loss is taken
     here in fp32 as a sum, so accumulation can divide by the step's target count (transformers'
     T5 loss is a per-batch mean and takes no num_items_in_batch). `model` is what runs the
-    forward (DDP, FSDP2 or compiled); `unwrapped` the transformers model it wraps."""
+    forward (DDP, FSDP2 or compiled); `unwrapped` the transformers model it wraps. correct: also
+    the count of decoder labels the argmax predicts, as (sum, count)."""
     decoder_input_ids = unwrapped.prepare_decoder_input_ids_from_labels(labels=labels)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
-    return F.cross_entropy(
+    total = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return (total, correct_predictions(logits, labels)) if correct else total
 
 
 def token_mean_share(sum_loss: torch.Tensor, step_total: int, world_size: int = 1) -> torch.Tensor:

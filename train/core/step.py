@@ -15,9 +15,11 @@ from train.core.attention import host_padding, register_no_sync_mask
 from train.core.device import autocast
 from train.core.loss import (
     chunked_cross_entropy,
+    correct_predictions,
     count_targets,
     lm_hidden_and_head,
     seq2seq_loss_sum,
+    shift_targets,
     step_targets,
     token_mean_share,
 )
@@ -158,8 +160,9 @@ VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longe
 
 
 def forward_loss(
-    model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1
-) -> torch.Tensor:
+    model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1,
+    accuracy: bool = False,
+):
     """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
     one big batch would give, not a mean of per-micro-batch means). targets None: this batch's
@@ -189,13 +192,22 @@ def forward_loss(
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
         if seq2seq:  # source -> target: input_ids and attention_mask are the source, labels the target
-            total = seq2seq_loss_sum(model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels)
-            return token_mean_share(total, targets, world_size)
-        if chunkable(model):
+            out = seq2seq_loss_sum(
+                model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels, correct=accuracy
+            )
+            total, hits = out if accuracy else (out, None)
+            loss = token_mean_share(total, targets, world_size)
+        elif chunkable(model):
             hidden, weight = lm_hidden_and_head(model, **batch)
-            total, _ = chunked_cross_entropy(hidden, weight, labels)
-            return token_mean_share(total, targets, world_size)
-        return model(**batch, labels=labels, num_items_in_batch=max(1, targets)).loss * world_size
+            total, _, *hits = chunked_cross_entropy(hidden, weight, labels, correct=accuracy)
+            loss = token_mean_share(total, targets, world_size)
+            hits = hits[0] if accuracy else None  # counted inside the chunks: no (tokens x vocab) logits
+        else:
+            out = model(**batch, labels=labels, num_items_in_batch=max(1, targets))
+            loss = out.loss * world_size
+            # the logits exist on this path (DDP, FSDP2, compiled); argmax only on a log step
+            hits = correct_predictions(out.logits, shift_targets(labels)) if accuracy else None
+    return (loss, token_mean_share(hits.float(), targets, world_size)) if accuracy else loss
 
 
 def _host_padded(batch: dict) -> bool | None:
@@ -209,7 +221,8 @@ def _host_padded(batch: dict) -> bool | None:
 
 
 def train_step(
-    model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None
+    model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
+    accuracy: bool = False,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
@@ -218,7 +231,9 @@ def train_step(
     and the seconds spent waiting for batches. gradient_sync(last) (from
     train.distributed.distributed) keeps gradients local on all but the last micro-step;
     step_total(targets) -> (targets over all ranks, ranks) makes the loss the token mean over
-    every rank (SFT's ranks hold different numbers of target tokens)."""
+    every rank (SFT's ranks hold different numbers of target tokens). accuracy (a log step's):
+    a fourth, the step's mean_token_accuracy on this rank's share, a device tensor read with the
+    loss at the log line's one sync (the argmax costs a step that logs nothing no work at all)."""
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
@@ -227,9 +242,13 @@ def train_step(
     if step_total is not None:
         targets, world_size = step_total(targets)
     loss_sum = torch.zeros((), device=device)
+    acc_sum = torch.zeros((), device=device) if accuracy else None
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
-            loss = forward_loss(model, batch, device, precision, targets, world_size)
+            loss = forward_loss(model, batch, device, precision, targets, world_size, accuracy)
+            if accuracy:
+                loss, acc = loss
+                acc_sum += acc
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)
@@ -240,4 +259,4 @@ def train_step(
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, waited
+    return (loss_sum, grad_norm, waited, acc_sum) if accuracy else (loss_sum, grad_norm, waited)

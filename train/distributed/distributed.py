@@ -261,14 +261,15 @@ def rank_device(device: torch.device, why: str, world: Dist) -> tuple[torch.devi
 
 
 def mean_across(world: Dist, loss: torch.Tensor, waited: float) -> tuple[torch.Tensor, float]:
-    """Loss and data-wait averaged over ranks: one all-reduce, at log points only (gloo has no
-    AVG, so SUM / world size)."""
+    """Loss (a scalar, or a vector of figures) and data-wait averaged over ranks: one all-reduce,
+    at log points only (gloo has no AVG, so SUM / world size)."""
     if world.world_size == 1 or not _active():
         return loss, waited
-    both = torch.stack([loss.detach().float(), torch.tensor(waited, device=loss.device, dtype=torch.float32)])
+    wait = torch.tensor([waited], device=loss.device, dtype=torch.float32)
+    both = torch.cat([loss.detach().float().reshape(-1), wait])
     dist.all_reduce(both)
     both /= world.world_size
-    return both[0], both[1].item()
+    return both[:-1].reshape(loss.shape), both[-1].item()
 
 
 def _peak_rss_mb() -> float | None:

@@ -11,10 +11,16 @@ An encoder-decoder (T5, BART: AutoModelForSeq2SeqLM, chosen from the folder's co
 prompt as its source and writes the reply as its target. A span-corruption pretraining run's
 model fills the prompt's <extra_id_N> sentinels: its reply shows them, each before the text it
 puts in that place.
+
+Decoding: sampling (temperature 0.7, top_k 50) by default; --greedy, --num_beams (beam search),
+--repetition_penalty and --no_repeat_ngram_size as transformers' generate() takes them. Where the
+folder's generation_config.json holds decoding settings (a run's GENERATION_CONFIG), they are the
+defaults instead, read as plain generate() reads them; a flag overrides each.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -23,11 +29,20 @@ import torch
 from train.config import knobs
 from train.config.flags import ArgParser
 from train.core.errors import UsageError
+from train.core.generation import value_problem
 from train.core.model import auto_class, context_length, is_seq2seq, refuse_other_kinds
 from train.core.remote_code import refuse_custom_code
 from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
 from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
 
+# The tool's decoding where neither a flag nor the model folder's generation_config.json says:
+# sampling, as a chat demo wants variety (the kit's runs save no decoding settings of their own).
+TOOL_DEFAULTS = {"max_new_tokens": 128, "do_sample": True, "temperature": 0.7, "top_k": 50, "num_beams": 1,
+                 "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}  # fmt: skip
+# Settings that say how to decode: where the folder's generation_config.json names any, it decides
+# sampling too, as plain generate() reads it (do_sample off unless it says on: ChatLM's beams).
+DECODING = {"do_sample", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram_size"}
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")  # ignored (and warned of) by greedy/beams
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
@@ -35,7 +50,10 @@ DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
 
 def parser() -> ArgParser:
     p = ArgParser(
-        prog="python -m train generate", description="Sample from a trained model with its chat template."
+        prog="python -m train generate",
+        description="Reply with a trained model and its chat template: sampling, greedy or beam search.",
+        epilog="Decoding defaults: the model folder's generation_config.json where it sets them (a run's "
+        "GENERATION_CONFIG), else the defaults shown; each flag overrides.",
     )
     p.add_argument(
         "--model", default=str(DEFAULT_MODEL), help="a run's final/ folder (default: runs/latest/final)"
@@ -46,9 +64,21 @@ def parser() -> ArgParser:
     p.add_argument(
         "--tools", help="the tools the model may call: a JSON file or JSON text, a list of function schemas"
     )
-    p.add_argument("--max_new_tokens", type=int, default=128, help="most tokens in one reply")
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy, the same reply every time")
-    p.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens")
+    # Decoding: each flag's default is what the model folder's generation_config.json says (a
+    # run's GENERATION_CONFIG), else the tool's own (TOOL_DEFAULTS).
+    p.add_argument("--max_new_tokens", type=int, help="most tokens in one reply (default 128)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--do_sample", dest="do_sample", action="store_const", const=True,
+                     help="sample the reply (the default, unless the folder's generation_config.json decides)")
+    how.add_argument("--greedy", dest="do_sample", action="store_const", const=False,
+                     help="no sampling: the likeliest token each step (or the likeliest beam, with --num_beams)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 0.7); 0: greedy")
+    p.add_argument("--top_k", type=int, help="sample among the k likeliest tokens (default 50)")
+    p.add_argument("--num_beams", type=int, help="beam search over this many beams (default 1: none)")
+    p.add_argument("--repetition_penalty", type=float,
+                   help="penalize tokens already in the text, > 1 (default 1.0: off; ChatLM 1.1)")
+    p.add_argument("--no_repeat_ngram_size", type=int,
+                   help="never repeat an n-gram of this many tokens (default 0: off; ChatLM 4)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     p.add_argument("--trust_remote_code", action="store_true", help="let the model folder run its own code")
@@ -108,6 +138,8 @@ class Chat:
             self.turns.insert(0, {"role": TOOLS_ROLE, "tools": read_tools(args.tools)})
         # Turns kept however long the chat grows: the tools list and the system message.
         self.fixed = len(self.turns)
+        self.options = decoding(args, saved_decoding(model, args.model))
+        self.max_new_tokens = self.options.pop("max_new_tokens")
 
     def _prompt_ids(self) -> list[int]:
         if self.templated:
@@ -126,7 +158,7 @@ class Chat:
         ids = self._prompt_ids()
         # Oldest exchanges go first when the conversation outgrows the model's context.
         first = self.fixed
-        while len(ids) + self.args.max_new_tokens > self.context and len(self.turns) > first + 1:
+        while len(ids) + self.max_new_tokens > self.context and len(self.turns) > first + 1:
             del self.turns[first : first + 2]
             ids = self._prompt_ids()
         if not ids:  # an empty prompt, or a tokenizer without a vocabulary
@@ -138,23 +170,27 @@ class Chat:
                 f"--prompt: {len(ids)} tokens with the template; the model's context is {self.context}"
             )
         # A decoder's reply has the context to itself; a causal LM's follows the prompt.
-        new = min(self.args.max_new_tokens, self.context - (0 if self.seq2seq else len(ids)))
+        new = min(self.max_new_tokens, self.context - (0 if self.seq2seq else len(ids)))
         input_ids = torch.tensor([ids], device=self.device)
-        sampling = self.args.temperature > 0
-        options = dict(do_sample=sampling)
-        if sampling:
-            options.update(temperature=self.args.temperature, top_k=self.args.top_k)
+        # The folder's own settings (top_p, length_penalty ...) with the resolved ones over them;
+        # greedy and beam search drop the sampling-only ones transformers would warn about.
+        config = copy.deepcopy(self.model.generation_config)
+        sampling = self.options["do_sample"]
+        if not sampling:
+            for name in SAMPLING_ONLY:
+                setattr(config, name, None)
         stops = stop_token_ids(self.tok) if self.templated else [self.tok.eos_token_id]
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else stops[0]
+        config.update(
+            **{k: v for k, v in self.options.items() if sampling or k not in SAMPLING_ONLY},
+            max_new_tokens=new, eos_token_id=stops, pad_token_id=pad,
+        )
         torch.manual_seed(self.args.seed)
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids,
+                generation_config=config,
                 attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=new,
-                eos_token_id=stops,
-                pad_token_id=pad,
-                **options,
             )
         # The decoder's output starts with its start token; a causal LM's repeats the prompt.
         text = self._decode(out[0, 1 if self.seq2seq else len(ids) :].tolist())
@@ -196,12 +232,51 @@ def read_tools(value: str) -> list[dict]:
         raise UsageError(f"--tools: {err}") from None
 
 
+def saved_decoding(model, folder: str) -> dict:
+    """The decoding settings the model folder's generation_config.json holds (a run's
+    GENERATION_CONFIG): those that differ from transformers' defaults, checked as the flags are."""
+    saved = model.generation_config.to_diff_dict()
+    found = {k: saved[k] for k in DECODING | {"max_new_tokens"} if saved.get(k) is not None}
+    for key, value in found.items():
+        problem = None if key == "temperature" and value == 0 else value_problem(key, value)  # 0: greedy
+        if problem:
+            raise UsageError(f"--model {folder}: generation_config.json's {key}: {problem}")
+    return found
+
+
+def decoding(args, saved: dict) -> dict:
+    """The reply's generate() settings: the tool's defaults < the folder's generation_config.json
+    < the flags. Without --do_sample / --greedy, a --temperature above 0 or a --top_k asks for
+    sampling, and else a --num_beams above 1 for beam search without it (transformers' meaning)."""
+    options = dict(TOOL_DEFAULTS)
+    if DECODING & saved.keys():
+        options["do_sample"] = False
+    options.update({k: saved[k] for k in options if k in saved})
+    flags = {k: getattr(args, k) for k in options if getattr(args, k) is not None}
+    if args.do_sample is None and (args.top_k is not None or (args.temperature or 0) > 0):
+        flags["do_sample"] = True
+    elif args.do_sample is None and (args.num_beams or 1) > 1:
+        flags["do_sample"] = False
+    options.update(flags)
+    if options["temperature"] == 0:  # the tool's switch for greedy, before --greedy existed
+        options["do_sample"] = False
+    return options
+
+
+def check_flags(args) -> None:
+    """One line for a bad decoding flag, before the model is loaded."""
+    for key in ("max_new_tokens", "num_beams", "repetition_penalty", "no_repeat_ngram_size", "top_k"):
+        value = getattr(args, key)
+        problem = None if value is None else value_problem(key, value)
+        if problem:
+            raise UsageError(f"--{key}: {problem}")
+    if args.temperature is not None and args.temperature < 0:
+        raise UsageError(f"--temperature: expected a number >= 0 (0: greedy), got {args.temperature}")
+
+
 def generate_main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max_new_tokens: expected a whole number >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature: expected a number >= 0, got {args.temperature}")
+    check_flags(args)
     model, tok, device = load(args.model, args.device, args.trust_remote_code)
     chat = Chat(model, tok, device, args)
     if not chat.templated:

@@ -30,11 +30,14 @@ def run_loop(b, run_dir, say, guard) -> dict:
             # one quiet steady step runs under the host-sync counter (summary: host_syncs_per_step)
             with meter.sync_probe(step + 1, quiet=not (log_due or eval_due)) as probe:
                 lr = parts.set_lr(schedule.lr(progress.samples_at(step)))
-                loss_t, norm_t, _ = parts.train_one_step(batches, probe.host_batches(batches) if probe else None)
+                # a log step also counts the targets predicted right (mean_token_accuracy), on the device
+                loss_t, norm_t, _, *acc_t = parts.train_one_step(
+                    batches, probe.host_batches(batches) if probe else None, accuracy=log_due
+                )
                 done = step + 1  # only once the step is done: an out-of-memory stop counts it not
                 meter.step_end(done, counts_due=log_due or eval_due)
                 if log_due:
-                    meter.log(done, loss_t, norm_t, lr)
+                    meter.log(done, loss_t, norm_t, lr, acc_t[0])
                     if stop_for_write(b.world, run_dir):  # a full disk: metrics.jsonl or train.log
                         exit_reason = "write_failed"
                         break

@@ -171,17 +171,20 @@ class Meter:
         self.host_syncs = [f"{n} x {s}" for s, n in Counter(counter.syncs).items()]
         self.host_syncs_count = counter.count
 
-    def log(self, step: int, loss_t, norm_t, lr: float) -> None:
-        """One metrics row and console line: the one host sync of the interval."""
+    def log(self, step: int, loss_t, norm_t, lr: float, accuracy_t) -> None:
+        """One metrics row and console line: the one host sync of the interval (loss, grad norm
+        and mean_token_accuracy read together). The accuracy share of each rank adds up to the
+        token mean over all ranks' targets, as the loss does: averaged across ranks with it."""
         wait_s, compute_s = self.timer.take_interval()
-        loss_t, wait_s = distributed.mean_across(self.world, loss_t, wait_s)
-        self.loss = loss = loss_t.item()
+        pair, wait_s = distributed.mean_across(self.world, torch.stack([loss_t.float(), accuracy_t.float()]), wait_s)
+        loss, accuracy, grad_norm = torch.cat([pair, norm_t.float().reshape(1)]).tolist()
+        self.loss = loss
         now = time.perf_counter()
         span = now - self.interval_t0
         samples, tokens = self.totals(self.seen)
         row = {
             "step": step, "samples": samples, "tokens": tokens, "loss": loss, "lr": lr,
-            "grad_norm": norm_t.item(),
+            "grad_norm": grad_norm, "mean_token_accuracy": accuracy,
             "samples_per_sec": (self.seen[0] - self.interval_at[0]) / span,
             "data_wait_frac": exposed_wait_frac(wait_s, compute_s, span),
             "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
@@ -205,7 +208,7 @@ class Meter:
         train_s = now - self.t0 - self.excluded
         eta = train_s / (step - self.first) * (total - step)
         line = (
-            f"step {step}/{total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+            f"step {step}/{total} loss {row['loss']:.4f} acc {row['mean_token_accuracy']:.3f} lr {row['lr']:.2e} "
             f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
             f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
         )

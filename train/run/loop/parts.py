@@ -43,19 +43,20 @@ class Parts:
             group["lr"] = lr
         return lr
 
-    def train_one_step(self, batches, probed=None):
+    def train_one_step(self, batches, probed=None, accuracy: bool = False):
         """One optimizer step over `batches` (the meter's counted micro-batches) at the feed's
         micro-batch and accumulation now. On out of memory the feed halves the micro-batch,
         doubles accumulation and redoes the step from its first sample (train/run/loop/oom.py);
         a failed attempt leaves no count (BatchCounter.attempt). probed: the same batches as
-        the host-sync counter sees them (its host data), on the one step it counts."""
+        the host-sync counter sees them (its host data), on the one step it counts. accuracy: a
+        log step's, which also returns its mean_token_accuracy (train_step)."""
         b, feed = self.b, self.feed
 
         def attempt():
             return batches.attempt(lambda: train_step(
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
-                gradient_sync=self.gradient_sync, step_total=step_total(b.world),
+                gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
             ))  # fmt: skip
 
         return feed.step(attempt)

@@ -24,6 +24,7 @@ from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.freeze import apply_freeze
+from train.core.generation import apply_generation_config, read_generation_config
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.run.plan import adapt
@@ -152,6 +153,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
     cfg = copy.deepcopy(asked)
     source.refuse(cfg)
+    generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
     decide = Decisions(say)
     device, precision = device_and_precision(cfg, world, decide)
     model_size, context, demo = source.model(cfg, device, say, decide)
@@ -174,6 +176,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/core/freeze.py)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
+    apply_generation_config(model, generation, decide, cfg.model.generation_config)
     parallel(cfg, world, decide)
     return Plan(
         cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
