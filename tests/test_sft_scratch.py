@@ -108,6 +108,14 @@ def test_chatlm_state_dict_imports_by_command_and_as_model_path(t5_final, where,
     AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["T5ForConditionalGeneration"]
     assert all(torch.equal(v, weights[k]) for k, v in imported.state_dict().items())
+    # ChatLM's hub folder: transformers' file names, but config.json's auto_map names its own
+    # class over a plain T5: imported as T5 without running anything.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(auto_map={"AutoModelForSeq2SeqLM": "modeling_chat_model.TextToTextModel"}, architectures=["TextToTextModel"])
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert run_cli("import", str(tmp_path / "hf"), str(tmp_path / "plain")) == 0
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "auto_map" not in plain and plain["architectures"] == ["T5ForConditionalGeneration"]
     # As MODEL_PATH, with the config named config.json and DDP's "module." on every key: the
     # folder that once got a hint about remote code.
     bare_folder(t5_final, tmp_path / "ddp", prefix="module.", config_name="config.json")

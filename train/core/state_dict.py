@@ -20,6 +20,7 @@ import torch
 
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.remote_code import names_code
 
 # transformers' own weight names: a folder with one of these loads with from_pretrained.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -48,16 +49,17 @@ def weight_files(folder: Path) -> list[Path]:
                   and not p.name.startswith(skip))  # fmt: skip
 
 
-def bare_checkpoint(path: Path, variable: str) -> SimpleNamespace | None:
+def bare_checkpoint(path: Path, variable: str, plain: bool = False) -> SimpleNamespace | None:
     """(weights, config) of a bare checkpoint at path (a folder, or a weights file whose folder
     holds the config); None for a transformers folder (its own weight names). A folder with
-    neither is one line."""
+    neither is one line. plain: a transformers folder whose config names code of its own
+    (ChatLM's hub folder: auto_map over a plain T5) counts as bare, to be read as its model_type."""
     path = Path(path)
     folder = path.parent if path.is_file() else path
     config = config_file(folder)
     if path.is_file():
         weights = [path]
-    elif has_hf_weights(folder):
+    elif has_hf_weights(folder) and not (plain and config is not None and names_code(config)):
         return None
     else:
         weights = weight_files(folder)

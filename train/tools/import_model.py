@@ -1,7 +1,9 @@
 """`python -m train import SRC DEST [--tokenizer_path T]`: a bare checkpoint (a torch state_dict
 `*.bin` / `*.safetensors` beside config.json or ChatLM-mini-Chinese's model_config.json,
-train/core/state_dict.py) written as a transformers folder: config.json naming the plain class
-of its model_type, model.safetensors in the weights' own dtype, and the tokenizer. DEST then
+train/core/state_dict.py), or a folder whose config.json names code of its own over a model_type
+transformers has (ChatLM's hub folder: auto_map over T5), written as a transformers folder:
+config.json naming the plain class of its model_type (no code), model.safetensors in the
+weights' own dtype, and the tokenizer. DEST then
 loads with AutoModelForSeq2SeqLM / AutoModelForCausalLM and AutoTokenizer offline, and serves
 as MODEL_PATH (which also takes the bare folder itself, importing it in memory).
 """
@@ -45,7 +47,9 @@ def load_tokenizer(src_folder: Path, tokenizer_path: str | None):
     if not has_tokenizer(folder):
         hint = "" if tokenizer_path else "; give the tokenizer folder with --tokenizer_path"
         raise UsageError(f"{name}={folder}: no tokenizer there ({', '.join(TOKENIZER_FILES[:2])} ...){hint}")
-    refuse_custom_code(folder, name)
+    # Only the tokenizer's own file: SRC's config.json may name model code, which is never run
+    # here anyway (the model is built as its plain model_type).
+    refuse_custom_code(folder / "tokenizer_config.json", name)
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # OSError, ValueError ... of a bad folder
@@ -87,10 +91,10 @@ def import_main(argv: list[str], say=print) -> int:
         raise UsageError(f"SRC={src}: no such file or folder")
     if dest.exists() or dest.is_symlink():
         raise UsageError(f"DEST={dest}: already exists; name a new folder")
-    found = bare_checkpoint(src, "SRC")
+    found = bare_checkpoint(src, "SRC", plain=True)
     if found is None:
-        raise UsageError(f"SRC={src}: already a transformers folder (model.safetensors / pytorch_model.bin); "
-                         "use it as MODEL_PATH as it is")  # fmt: skip
+        raise UsageError(f"SRC={src}: already a transformers folder (model.safetensors / pytorch_model.bin) "
+                         "naming no code of its own; use it as MODEL_PATH as it is")  # fmt: skip
     tok = load_tokenizer(found.weights.parent, args.tokenizer_path)
     model, dtype = load_bare(found, "SRC", say)
     check_pair(model, tok, say)
