@@ -4,7 +4,8 @@ The plan is made by the same function as a pretraining run's (train/run/plan/pla
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
-causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py); the
+causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py), or
+a new one of MODEL_CONFIG / MODEL_SIZE trained from scratch (train/run/plan/sft_scratch.py); the
 data comes through train/data/sft/fine_tuning.py's front door: conversations (or for an
 encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
 length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with

@@ -191,9 +191,16 @@ def _decoder_ids(model, tok, decide) -> None:
         decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as T5 starts its decoder")
 
 
+def chat_tokens(tok) -> int:
+    """The chat template's tokens in the tokenizer (how many were added): the one place a loaded
+    model's tokenizer (prepare_model) and a new model's (sft_scratch, before it sizes the
+    vocabulary) get them."""
+    return ensure_special_tokens(tok)
+
+
 def prepare_model(model, tok, gradient_checkpointing: bool, decide) -> None:
     """Chat-template tokens in the tokenizer and the embeddings, stop tokens, training mode."""
-    added = ensure_special_tokens(tok)
+    added = chat_tokens(tok)
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
         from transformers.utils import logging as hf_logging

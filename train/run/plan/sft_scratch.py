@@ -25,9 +25,9 @@ from train.core.errors import UsageError
 from train.core.measure import estimate
 from train.data import records
 from train.data import text as text_lib
-from train.data.sft.sft_data import ensure_special_tokens
 from train.data.sft.sft_formats import builtin_conversations, open_records, to_conversation
 from train.data.sft.sft_turns import BadRecord, call_text, split_tools
+from train.run.plan.sft_model import chat_tokens
 
 # Part of the tokenizer cache's key: the same files give another BPE as SFT turns than as
 # pretraining text.
@@ -110,6 +110,8 @@ class Scratch:
         d = cfg.data
         if d.tokenizer_path is not None:
             return text_lib.load_tokenizer(d.tokenizer_path, [], "", d.vocab_size, Path(d.cache_dir), say)
+        if d.data_path is not None:
+            open_records(d.data_path)  # an unknown format or empty data stops here, before the tokenizer trains
         files = text_lib.builtin_corpus_files() if d.data_path is None else records.source_files(d.data_path)
         key = text_lib.corpus_fingerprint(files, TURNS_KEY, Path(d.cache_dir) / "sums")
         layout = text_lib.special_layout(self.declared.get("pad_token_id"), self.declared.get("eos_token_id"))
@@ -124,7 +126,7 @@ class Scratch:
         """The model config's vocabulary and special ids from the tokenizer, template markers
         included, so the embeddings never need resizing; MODEL_CONFIG's own ids where they differ
         are said."""
-        ensure_special_tokens(tok)  # the chat template's markers, before the vocabulary is sized
+        chat_tokens(tok)  # the chat template's markers, before the vocabulary is sized
         c = self.hf_cfg
         c.vocab_size = model_lib.padded_vocab(len(tok))
         decide("vocab_size", c.vocab_size, f"the tokenizer's {len(tok)} tokens, padded to a multiple of 64")
@@ -146,11 +148,10 @@ class Scratch:
         estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, world_size, self.variable)
         tok = self.tokenizer(cfg, say, decide)
         self.special_ids(tok, decide)
-        build = lambda: model_lib.build_model(self.hf_cfg, False, cfg.system.seed)  # noqa: E731
         if cfg.run.dry_run:
             with torch.device("meta"):
-                return build(), tok
-        return build(), tok
+                return model_lib.build_model(self.hf_cfg, False, cfg.system.seed), tok
+        return model_lib.build_model(self.hf_cfg, False, cfg.system.seed), tok
 
 
 def refuse_packing(cfg: TrainConfig, kind: str, what: str) -> None:
