@@ -162,11 +162,12 @@ def _shown(keys) -> str:
 
 
 def check_keys(model, tensors: dict, file: Path, variable: str) -> None:
-    """The state_dict's names and shapes are the model's (tied copies may be absent)."""
+    """The state_dict's names and shapes are the model's; a tied copy (T5's embed_tokens and
+    lm_head share shared.weight) may be absent, as save_pretrained leaves it out."""
     own = model.state_dict()
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
-    tied = tied if isinstance(tied, dict) and model.config.get_text_config().tie_word_embeddings else {}
-    missing = [k for k in own if k not in tensors and not (k in tied and tied[k] in tensors)]
+    storage = {k: v.data_ptr() for k, v in own.items()}  # tied names share one tensor
+    given = {storage[k] for k in tensors if k in storage}
+    missing = [k for k in own if k not in tensors and storage[k] not in given]
     unexpected = [k for k in tensors if k not in own]
     if missing or unexpected:
         parts = [f"missing {_shown(missing)}" if missing else "", f"unexpected {_shown(unexpected)}" if unexpected else ""]

@@ -64,9 +64,16 @@ def check_pair(model, tok, say) -> None:
         raise UsageError(f"the tokenizer has {len(tok)} tokens, more than the model's {rows} embedding rows: "
                          "not the tokenizer these weights were trained with")  # fmt: skip
     c = model.config
-    for what, mine, theirs in (("pad", c.pad_token_id, tok.pad_token_id), ("eos", c.eos_token_id, tok.eos_token_id)):
-        if mine is not None and theirs is not None and mine != theirs:
+    for what in ("pad", "eos", "bos"):
+        mine, theirs = getattr(c, f"{what}_token_id", None), getattr(tok, f"{what}_token_id", None)
+        if not isinstance(mine, int) or theirs is None or mine == theirs:
+            continue
+        if mine < rows:
             say(f"note: the config's {what}_token_id is {mine}, the tokenizer's {theirs}; the config's is kept")
+            continue
+        for holder in (c, model.generation_config):  # an id past the embeddings can only be wrong
+            setattr(holder, f"{what}_token_id", theirs)
+        say(f"note: the config's {what}_token_id {mine} is past the {rows} embedding rows: the tokenizer's {theirs}")
 
 
 def write_folder(model, tok, dest: Path) -> None:
