@@ -32,6 +32,7 @@ MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
 LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
+MODEL_CONFIG_NAMES = ("config.json", "model_config.json")  # ChatLM's bare checkpoints: model_config.json
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -39,13 +40,13 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 class ModelConfig:
     model_size: str | None = knob(None, "auto", choices=MODEL_SIZES)
     """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium, 350M).
-    Empty: small on a GPU, and on a machine without one the nano model for a short demo."""
+    Empty: small on a GPU, else a nano demo. SFT: set, a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
     """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small = t5-small
     ~48M, medium = t5-base ~205M at an 8K vocab; span corruption on raw text)."""
     model_config: str | None = None
-    """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to
-    train from scratch instead of a preset, e.g. a Llama- or Qwen2-style config. Overrides model_size."""
+    """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
+    from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""
     gradient_checkpointing: bool = knob(False, "switch")
     """Recompute activations in the backward pass: about 30 % slower per step, far less activation memory. The
     guides' fix when VRAM is full at the batch size you want."""
@@ -53,8 +54,8 @@ class ModelConfig:
     """torch.compile the model. Pays a one-off compile time (reported apart from throughput); worth it for
     runs longer than a few minutes on a GPU."""
     model_path: str | None = knob(None, "sft")
-    """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer (loaded offline).
-    Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
+    """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
+    Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/."""
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
@@ -67,7 +68,7 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self)
-        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+        if self.model_path is not None and not any((Path(self.model_path) / n).is_file() for n in MODEL_CONFIG_NAMES):
             raise UsageError(
                 f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
             )

@@ -248,7 +248,7 @@ def test_custom_launcher_takes_the_micro_batch_first():
 def test_quick_start_trains_and_prints_the_effective_batch(base_model, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [FORMATS["messages"](i) for i in range(24)])
     env = {"MODEL_PATH": str(base_model), "DATA_PATH": data, "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "q",
-           "BATCH_SIZE": "4", "MAX_STEPS": "2", "MAX_LENGTH": "64", "MODEL_SIZE": "nano"}  # fmt: skip
+           "BATCH_SIZE": "4", "MAX_STEPS": "2", "MAX_LENGTH": "64"}  # fmt: skip
     result = launch("quick_start_sft_fast.sh", env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "effective batch = BATCH_SIZE 4 x GRADIENT_ACCUM 2 = 8" in result.stdout

@@ -31,6 +31,8 @@ commands:
   doctor     a short profiled run of your config and what to change (--apply: try it)
   autotune   timed trials of batch x accumulation, workers, precision, compile; writes the winner
   bench      time the real training loop (--vs-plain: against a plain PyTorch loop)
+  import     a bare state_dict checkpoint (ChatLM's *.bin + model_config.json) as a transformers
+             folder: import SRC DEST [--tokenizer_path T]
 
 `python -m train <command> --help` lists the flags."""
 
@@ -81,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         from train.tools.bench import bench_main
 
         return bench_main(rest)
+    if command == "import":
+        from train.tools.import_model import import_main
+
+        return import_main(rest)
     if command in TOOL_COMMANDS:
         module, function = TOOL_COMMANDS[command]
         return getattr(importlib.import_module(module), function)(rest)
     raise UsageError(
-        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, {', '.join(TOOL_COMMANDS)}"
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, import, {', '.join(TOOL_COMMANDS)}"
     )

@@ -127,10 +127,10 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
             **SIZES[model_size],
         )
     path = Path(model_config)
-    # Pretraining has no TRUST_REMOTE_CODE: a config naming its own classes is refused.
+    # No TRUST_REMOTE_CODE for a new model: a config naming its own classes is refused.
     refuse_custom_code(path, "MODEL_CONFIG")
     try:
-        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        raw = json.loads(config_file_of(model_config).read_text())
         model_type = raw.pop("model_type")
         refuse_unknown_type(model_type, f"MODEL_CONFIG={model_config}")
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
@@ -145,6 +145,29 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     check_shape(cfg, f"MODEL_CONFIG={model_config}")
     cfg.use_cache = False
     return cfg
+
+
+def config_file_of(model_config: str) -> Path:
+    """MODEL_CONFIG's file: the path itself, or config.json in a folder."""
+    path = Path(model_config)
+    return path / "config.json" if path.is_dir() else path
+
+
+SPECIAL_IDS = ("pad_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def declared_ids(model_config: str | None) -> dict:
+    """The special ids MODEL_CONFIG's own file sets ({} for none, or an unreadable file, which
+    build_config reports): build_config replaces them with the tokenizer's, so SFT reads them
+    first to lay out a trained tokenizer the same way or say where they differ."""
+    if model_config is None:
+        return {}
+    try:
+        raw = json.loads(config_file_of(model_config).read_text())
+    except (OSError, ValueError):
+        return {}
+    ids = {k: raw.get(k) for k in SPECIAL_IDS if isinstance(raw, dict)}
+    return {k: v for k, v in ids.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def check_shape(cfg, variable: str) -> None:

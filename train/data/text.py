@@ -21,6 +21,8 @@ from train.core.remote_code import refuse_custom_code
 from train.data import cache_files, records, token_shards, tokenize
 
 EOS = "<|endoftext|>"
+PAD = "<|pad|>"  # only where a model config puts pad apart from end-of-text (special_layout)
+RESERVED_IDS = 8  # special ids a model config may ask a trained BPE to lay out
 CACHE_VERSION = "1"
 # Standard-library folders left out of the built-in corpus: tests are huge and repetitive.
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo", "tkinter"}
@@ -91,9 +93,11 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
 
 
 def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, vocab_size: int, cache_dir: Path, say,
-                   text_field: str = "text", sample_mb: float = DEFAULT_SAMPLE_MB):  # fmt: skip
+                   text_field: str = "text", sample_mb: float = DEFAULT_SAMPLE_MB, texts=None,
+                   specials: tuple[str, ...] = (EOS,)):  # fmt: skip
     """A local AutoTokenizer folder, or a byte-level BPE trained on (a sample of) the corpus and
-    cached."""
+    cached. texts: a callable giving the texts to train on instead of sample_pieces' (SFT's
+    turns); specials: the special tokens at ids 0, 1 ... (special_layout), EOS among them."""
     from transformers import AutoTokenizer
 
     if tokenizer_path is not None:
@@ -108,15 +112,31 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
         return tok
     total = sum(token_shards.source_size(p) for p in files)
     sampled = f"-s{sample_mb:g}" if total > sample_mb * (1 << 20) else ""
-    folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}{sampled}"
+    laid = "" if specials == (EOS,) else "-" + hashlib.sha256("\0".join(specials).encode()).hexdigest()[:8]
+    folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}{sampled}{laid}"
     # Before the training, not after: an unusable CACHE_DIR stops the run before minutes of work.
     parent = cache_files.cache_folder(folder.parent)
     # One process per machine trains it (torchrun): the others wait, then load the same files.
     with token_shards.locked(parent, "a tokenizer", say):
-        return _cached_or_trained(folder, files, vocab_size, say, text_field, sample_mb)
+        texts = texts or (lambda: sample_pieces(files, text_field, sample_mb, say))
+        return _cached_or_trained(folder, texts, vocab_size, say, specials)
 
 
-def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, text_field: str, sample_mb: float):
+def special_layout(pad_id: int | None, eos_id: int | None) -> tuple[str, ...] | None:
+    """The special tokens of a trained BPE that put end-of-text (and pad, where it differs) at a
+    model config's own ids (ChatLM's: pad 0, eos 1), the ids between them reserved; None where
+    those ids are not small (a config made for another tokenizer, GPT-2's eos 50256)."""
+    if not isinstance(eos_id, int) or eos_id < 0:
+        return None
+    at = {eos_id: EOS}
+    if isinstance(pad_id, int) and pad_id >= 0 and pad_id != eos_id:
+        at[pad_id] = PAD
+    if max(at) >= RESERVED_IDS:
+        return None
+    return tuple(at.get(i, f"<|reserved_{i}|>") for i in range(max(at) + 1))
+
+
+def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tuple[str, ...]):
     from transformers import PreTrainedTokenizerFast
 
     cache_files.drop_link(folder, say)
@@ -133,7 +153,7 @@ def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, te
             if folder.exists():
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
-        tok = _train_tokenizer(sample_pieces(files, text_field, sample_mb, say), vocab_size, say)
+        tok = _train_tokenizer(texts(), vocab_size, say, specials)
         if not cache_files.save_folder(folder, tok.save_pretrained, temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
@@ -141,7 +161,7 @@ def _cached_or_trained(folder: Path, files: list[Path], vocab_size: int, say, te
     return tok
 
 
-def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say):
+def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say, specials: tuple[str, ...] = (EOS,)):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -151,13 +171,13 @@ def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=list(specials),  # ids 0, 1 ... in this order
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(pieces, trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
-    tok.pad_token = EOS
+    tok.pad_token = PAD if PAD in specials else EOS
     return tok
 
 

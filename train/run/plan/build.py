@@ -39,7 +39,7 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
-    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource(world.world_size)
+    source = (SFTSource if asked.run.mode == "sft" else PretrainingSource)(world.world_size)
     plan = make_plan(asked, say, world, source, chosen)
     warning = None if plan.cfg.run.dry_run else over_memory(plan)  # a dry run says it by its estimate
     if warning:

@@ -4,7 +4,8 @@ The plan is made by the same function as a pretraining run's (train/run/plan/pla
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
-causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py); the
+causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py), or
+a new one of MODEL_CONFIG / MODEL_SIZE trained from scratch (train/run/plan/sft_scratch.py); the
 data comes through train/data/sft/fine_tuning.py's front door: conversations (or for an
 encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
 length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with
@@ -26,6 +27,7 @@ from train.core.errors import UsageError
 from train.data.loader import Data
 from train.data.sft.fine_tuning import fine_tuning_data, unit_of
 from train.data.sft.sft_batching import BudgetSampler
+from train.run.plan import sft_scratch
 from train.run.plan.plan import shortest_limit
 from train.run.plan.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
     load_pretrained,
@@ -73,43 +75,56 @@ def plan_sft_steps(
 
 
 class SFTSource:
-    """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), and
-    conversations from DATA_PATH (or the built-in pairs), padded, grouped, budgeted or packed."""
+    """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), or a
+    new model of MODEL_CONFIG / MODEL_SIZE (sft_scratch.py), and conversations from DATA_PATH (or
+    the built-in pairs), padded, grouped, budgeted or packed."""
+
+    def __init__(self, world_size: int = 1):
+        self.world_size, self.scratch = world_size, None
 
     def refuse(self, cfg: TrainConfig) -> None:
-        if cfg.model.model_config is not None:
-            raise UsageError("MODEL_CONFIG builds a new model for pretraining; SFT starts from MODEL_PATH")
+        sft_scratch.refuse_both(cfg)
 
     def model(self, cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, int, bool]:
-        """(model size, context length, CPU demo: never) of the loaded model."""
-        if cfg.model.model_size is not None:
-            say(f"MODEL_SIZE={cfg.model.model_size} is ignored: SFT fine-tunes MODEL_PATH at its own size")
+        """(model size, context length, CPU demo: never). A new model is only configured here: its
+        vocabulary waits for the tokenizer, which data() trains."""
+        if sft_scratch.asked(cfg):
+            self.scratch = sft_scratch.Scratch(cfg, say, decide)
+            self.kind, self.path = self.scratch.kind, None
+            sft_scratch.refuse_packing(cfg, self.kind, self.scratch.variable)
+            return self.scratch.size, model_lib.context_length(self.scratch.hf_cfg), False
         if cfg.model.model_family != "gpt2":
-            say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: SFT fine-tunes MODEL_PATH, whose config.json decides")
+            say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: it says what MODEL_SIZE builds (set MODEL_SIZE "
+                "to train a new model from scratch); a loaded model's config.json decides its own")
         self.path = Path(model_source(cfg, decide, say))
         self.kind = model_kind_of(self.path, cfg.model.trust_remote_code) or "causal"
+        sft_scratch.refuse_packing(cfg, self.kind, f"MODEL_PATH={self.path}")
         if self.kind == "seq2seq":
-            if cfg.data.packing:  # before the weights or any data are read
-                raise UsageError(
-                    f"PACKING=1: MODEL_PATH={self.path} is an encoder-decoder, and packing several source -> target "
-                    "pairs per row (per-pair attention masks on both sides) is not built; use LENGTH_GROUPING=1 or "
-                    "TOKEN_BUDGET"
-                )
             decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                    "pairs, one per assistant turn, loss on the target")
         self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code,
                                                self.kind)
-        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide, cfg.data.template)
+        self.ready(cfg, decide)
         return model_label(self.path, self.model), model_lib.context_length(self.model.config), False
+
+    def ready(self, cfg: TrainConfig, decide) -> None:
+        """The one place where the SFT model, loaded or new, becomes ready to train: chat-template
+        tokens, stop tokens, training mode. Whatever wraps the model for training goes here."""
+        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide, cfg.data.template)
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
+        if self.scratch is not None:
+            self.model, self.tok = self.scratch.build(cfg, device, precision, max_length, self.world_size, say,
+                                                     decide)
+            self.ready(cfg, decide)
         data = fine_tuning_data(cfg.data, self.tok, kind=self.kind, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
                                 set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide,
                                 compile_on=cfg.model.compile)
         self.conversations = data.conversations
-        data.summary = {"model_path": str(self.path), **data.summary}
+        where = {"model_path": str(self.path)} if self.path else {"model_path": None, "model_config": cfg.model.model_config}
+        data.summary = {**where, **data.summary}
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
@@ -125,7 +140,7 @@ class SFTSource:
         return total_steps, why
 
     def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-        return self.model.to(device)
+        return self.model if cfg.run.dry_run and self.scratch is not None else self.model.to(device)
 
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:

@@ -1,7 +1,9 @@
 """SFT's model: MODEL_PATH (or the newest completed pretraining run's final/, choose_pretrained)
 loaded offline with the Auto class its config.json names: AutoModelForCausalLM for a causal LM (GPT-2, Llama, Qwen ...),
 AutoModelForSeq2SeqLM for an encoder-decoder (T5, mT5, BART ...); any other type is refused in
-one line. Then made ready for chat: template tokens, stop tokens, training mode.
+one line. A bare checkpoint (a state_dict file beside config.json or ChatLM's model_config.json,
+train/core/state_dict.py) is imported in memory; final/ is then a transformers folder. Then made
+ready for chat: template tokens, stop tokens, training mode.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from config import TrainConfig
-from train.core import files
+from train.core import files, state_dict
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
@@ -103,12 +105,13 @@ def _first_line(err: Exception) -> str:
 
 
 def model_kind_of(path: Path, trust_remote_code: bool) -> str | None:
-    """"causal" or "seq2seq" from MODEL_PATH's config.json, read as JSON (no code runs); a type
-    transformers knows that is neither (BERT ...) is refused in one line. None where it cannot
-    tell (no readable config, a type of the folder's own code): loading then says why."""
+    """"causal" or "seq2seq" from MODEL_PATH's config.json (or a bare checkpoint's
+    model_config.json), read as JSON (no code runs); a type transformers knows that is neither
+    (BERT ...) is refused in one line. None where it cannot tell (no readable config, a type of
+    the folder's own code): loading then says why."""
     try:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+        raw = state_dict.raw_config(state_dict.config_file(Path(path)))
+    except (OSError, ValueError, TypeError):
         return None
     if not isinstance(raw, dict):
         return None
@@ -133,20 +136,22 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
     (model_kind_of): "seq2seq" loads with AutoModelForSeq2SeqLM, else AutoModelForCausalLM."""
     from transformers import AutoTokenizer
 
+    # No hint about TRUST_REMOTE_CODE when a load fails: a folder that names code of its own was
+    # refused above unless trusted, so the setting cannot be what is missing.
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-    hint = (
-        "" if trust_remote_code else " (if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1)"
-    )
     tok_source = tokenizer_path or path
     var = "TOKENIZER_PATH" if tokenizer_path else "MODEL_PATH"
-    for folder, name in ((tok_source, var), (path, "MODEL_PATH")):
-        refuse_custom_code(folder, name, trust_remote_code, allow="TRUST_REMOTE_CODE=1 lets it run")
+    bare = state_dict.bare_checkpoint(path, "MODEL_PATH")  # a state_dict file beside its config, no code
+    allow = "TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain folder)"
+    for folder, name in ((tok_source, var), *(() if bare else ((path, "MODEL_PATH"),))):
+        refuse_custom_code(folder, name, trust_remote_code, allow=allow)
     try:
         tok = AutoTokenizer.from_pretrained(tok_source, **offline)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
-        raise UsageError(
-            f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{hint}"
-        ) from None
+        also = "; a bare checkpoint's tokenizer is given with TOKENIZER_PATH" if bare and not tokenizer_path else ""
+        raise UsageError(f"{var}={tok_source}: no tokenizer could be loaded: {_first_line(err)}{also}") from None
+    if bare:
+        return state_dict.load_bare(bare, "MODEL_PATH")[0], tok
     # float32 weights whatever the checkpoint's dtype (transformers 5 loads "auto"): AdamW on
     # bf16 weights loses small updates; mixed precision is autocast's job (ENABLE_BF16/FP16).
     auto = model_lib.auto_class(SimpleNamespace(is_encoder_decoder=kind == "seq2seq"))
@@ -161,7 +166,7 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
                 model = load()  # an architecture without sdpa support (T5)
     except Exception as err:
         what = "an encoder-decoder (seq2seq)" if kind == "seq2seq" else "a causal-LM"
-        raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {_first_line(err)}{hint}") from None
+        raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {_first_line(err)}") from None
     return model, tok
 
 
@@ -186,9 +191,15 @@ def _decoder_ids(model, tok, decide) -> None:
         decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as T5 starts its decoder")
 
 
+def chat_tokens(tok, template: str | None = None) -> int:
+    """TEMPLATE's chat tokens in the tokenizer (how many were added): the one place a loaded model's
+    tokenizer (prepare_model) and a new model's (sft_scratch, before it sizes the vocabulary) get them."""
+    return ensure_special_tokens(tok, template)
+
+
 def prepare_model(model, tok, gradient_checkpointing: bool, decide, template: str | None = None) -> None:
     """Chat-template tokens (TEMPLATE's) in the tokenizer and the embeddings, stop tokens, training mode."""
-    added = ensure_special_tokens(tok, template)
+    added = chat_tokens(tok, template)
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
         from transformers.utils import logging as hf_logging
