@@ -44,14 +44,12 @@ def sft(where: dict, run: str, *more: str) -> int:
 
 @pytest.fixture(scope="module")
 def t5_final(where) -> Path:
-    assert sft(where, "t5", "--model_config", where["config"]) == 0
+    assert sft(where, "t5", "--model_config", where["config"], "--template", "none") == 0  # ChatLM: raw source
     return where["root"] / "runs" / "t5" / "final"
 
 
 def test_chatlm_shaped_t5_trains_from_scratch_and_generates(t5_final, where):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    from train.data.sft.sft_data import prompt_for_generation
 
     model = AutoModelForSeq2SeqLM.from_pretrained(t5_final, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(t5_final, local_files_only=True)
@@ -68,7 +66,9 @@ def test_chatlm_shaped_t5_trains_from_scratch_and_generates(t5_final, where):
     assert summary["model_path"] is None and summary["final_loss"] < 10
     decisions = {d["setting"]: d for d in json.loads((t5_final.parent / "config.json").read_text())["decisions"]}
     assert decisions["model"]["value"] == "new t5" and "tokenizer_specials" in decisions
-    inputs = tok(prompt_for_generation(tok, "What is 3 plus 3?"), return_tensors="pt", add_special_tokens=False)
+    # TEMPLATE=none: the encoder saw the raw prompt + eos, as ChatLM's own demo feeds it (tokenizer([txt]))
+    inputs = tok("What is 3 plus 3?" + tok.eos_token, return_tensors="pt", add_special_tokens=False)
+    assert json.loads((t5_final.parent / "config.json").read_text())["config"]["data"]["template"] == "none"
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out[0, 0].item() == 0 and out.shape[1] > 1  # the decoder starts at pad, then writes
 
