@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -180,11 +181,13 @@ def ran(tmp_path_factory) -> dict:
     results = {}
     for block in (b for b in ALL if b.kind == "cpu-test"):
         expected = int(dict(s.partition("=")[::2] for s in block.detail.split()).get("exit", 0))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run(["bash", "-c", script(block)], cwd=kit, env=env, stdin=subprocess.DEVNULL,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         results[str(block)] = (expected, out.returncode, out.stdout + out.stderr, time.perf_counter() - start)
-        print(f"{block}: {time.perf_counter() - start:.1f} s")
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+        print(f"{block}: {time.perf_counter() - start:.1f} s wall, {cpu_s:.1f} s CPU")
     return {"kit": kit, "results": results}
 
 
@@ -200,9 +203,12 @@ def test_the_run_folders_hold_what_the_readme_says(ran):
     readme = (ROOT / "README.md").read_text()
     written = readme[readme.index("## What a run writes") : readme.index("## Model sizes")]
     pretrain = next(p for p in runs.iterdir() if p.name.startswith("run_single_gpu-"))
-    for name in ("config.json", "metrics.jsonl", "train.log", "summary.json", "curves.png", "checkpoints", "final"):
+    made = ("config.json", "metrics.jsonl", "train.log", "summary.json", "curves.png", "tensorboard", "checkpoints", "final")
+    for name in made:  # the tested pretraining block runs with REPORT_TO=tensorboard
         assert (pretrain / name).exists(), name
         assert name in written, name
+    closing = (pretrain / "train.log").read_text().splitlines()[-1]
+    assert closing.startswith("outputs: ") and "tensorboard/" in closing, closing
     config = json.loads((pretrain / "config.json").read_text())
     assert list(config) == ["config", "resolved", "decisions", "versions"]
     rows = [json.loads(line) for line in (pretrain / "metrics.jsonl").read_text().splitlines()]
