@@ -48,7 +48,7 @@ class Block:
         return f"{self.doc}:{self.line}"
 
 
-def blocks(path: Path) -> list[Block]:
+def blocks_of(path: Path, root: Path | None = None) -> list[Block]:
     lines, found = path.read_text().splitlines(), []
     i = 0
     while i < len(lines):
@@ -57,14 +57,14 @@ def blocks(path: Path) -> list[Block]:
             if lines[i].strip() in SHELL_FENCES:
                 before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
                 mark = MARKER.match(before)
-                found.append(Block(path.relative_to(ROOT).as_posix(), i + 1, "\n".join(lines[i + 1 : end]),
+                found.append(Block(path.relative_to(root or path.parent).as_posix(), i + 1, "\n".join(lines[i + 1 : end]),
                                    mark.group(1) if mark else None, mark.group(2).strip() if mark else ""))  # fmt: skip
             i = end
         i += 1
     return found
 
 
-ALL = [b for doc in DOCS for b in blocks(doc)]
+ALL = [b for doc in DOCS for b in blocks_of(doc, ROOT)]
 
 
 def test_every_shell_block_is_tested_or_says_why_not():
@@ -135,6 +135,16 @@ def test_the_model_size_table_is_what_the_models_count():
             with torch.device("meta"):
                 n = sum(p.numel() for p in auto.from_config(cfg).parameters())
             assert said.strip() == f"{n / 1e6:.1f}M", (family, size, vocab, n)
+
+
+def test_the_parser_finds_an_unmarked_block_and_the_marker_cuts_the_run(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# T\n\n```bash\nmake train\n```\n\n<!-- cpu-test: MAX_STEPS=2 exit=2 -->\n```bash\n"
+                    "MAX_STEPS=100 ./run_single_gpu.sh  # NO_MAX_STEPS=100 stays\n```\n\n```\ntree, not run\n```\n")  # fmt: skip
+    found = blocks_of(page)
+    assert [(b.line, b.kind) for b in found] == [(3, None), (8, "cpu-test")]
+    assert script(found[1]).splitlines()[1:] == ["export MAX_STEPS=2", "MAX_STEPS=2 ./run_single_gpu.sh  # NO_MAX_STEPS=100 stays"]
+    assert slug("T5 fine-tuning (SFT)") == "t5-fine-tuning-sft"
 
 
 # ---- the blocks, run ---------------------------------------------------------------------------
