@@ -1,7 +1,7 @@
 """The shape of the kit: train/'s packages in layers, imports pointing down only (relative imports and
 importlib's included), run/'s rooms importing only the rooms below them, the root config.py read only
 where it belongs, no import cycles, no function or file too long to read (config.py included), no
-folder of more than 15 modules, and the README's Layout map naming exactly the modules there are.
+folder of more than 15 modules, and the Layout map (docs/layout.md) naming exactly the modules there are.
 Each rule is a function of the kit's folder, so the self-tests at the end plant each violation in a
 small tree of their own and watch it fail."""
 
@@ -192,8 +192,9 @@ def too_long(kit: Path) -> list[str]:
 
 
 def layout_block(kit: Path) -> str:
-    readme = (kit / "README.md").read_text()
-    block = readme[readme.index("## Layout"):]
+    """The map in docs/layout.md (the README links it)."""
+    readme = (kit / "docs" / "layout.md").read_text()
+    block = readme[readme.index("# Layout"):]
     return block[: block.index("```", block.index("```") + 3)]
 
 
@@ -250,11 +251,11 @@ def map_mismatches(kit: Path) -> list[str]:
             continue
         pkg = folder(module)
         if path.stem not in listed.get(pkg, set()):
-            wrong.append(f"{module} is not in the README's Layout map")
+            wrong.append(f"{module} is not in the Layout map (docs/layout.md)")
     for pkg, names in listed.items():
         for name in names:
             if not (kit / "train" / pkg / f"{name}.py").exists():
-                wrong.append(f"the README's Layout lists {pkg + '/' if pkg else ''}{name}, which does not exist")
+                wrong.append(f"the Layout map (docs/layout.md) lists {pkg + '/' if pkg else ''}{name}, which does not exist")
     return sorted(wrong)
 
 
@@ -292,9 +293,7 @@ def test_the_readme_map_and_the_modules_match_both_ways():
 
 # ---- the rules fail on what they are for ------------------------------------------------------
 
-README = """# kit
-
-## Layout
+LAYOUT = """# Layout
 
 ```
 config.py                 configs
@@ -325,7 +324,7 @@ def kit(tmp_path) -> Path:
         "train/core/__init__.py": "",
         "train/core/step.py": "import math\n",
         "train/core/device.py": "",
-        "README.md": README,
+        "docs/layout.md": LAYOUT,
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -362,8 +361,8 @@ def test_the_planted_kit_keeps_every_rule(kit):
         ("config.py", "from train.run import plan\n", config_misreads, "config.py imports train.run.plan"),
         ("train/core/step.py", "def f():\n" + "    x = 1\n" * 90, too_long, "f: 91 lines"),
         ("config.py", "x = 1\n" * 401, too_long, "config.py: 401 lines"),
-        ("train/run/extra.py", "", map_mismatches, "train.run.extra is not in the README's Layout map"),
-        ("train/run/guard/extra.py", "", map_mismatches, "train.run.guard.extra is not in the README's Layout map"),
+        ("train/run/extra.py", "", map_mismatches, "train.run.extra is not in the Layout map (docs/layout.md)"),
+        ("train/run/guard/extra.py", "", map_mismatches, "train.run.guard.extra is not in the Layout map (docs/layout.md)"),
         ("train/run/checkpoint/files.py", "from train.run.guard import resume\n", run_room_imports,
          "train.run.checkpoint.files imports train.run.guard.resume"),
         ("train/run/guard/resume.py", "from train.run import loop\n", run_room_imports,
@@ -381,11 +380,11 @@ def test_each_rule_fails_on_its_planted_violation(kit, path, text, rule, expecte
 
 def test_a_listed_module_that_does_not_exist_fails(kit):
     (kit / "train/run/sft.py").unlink()
-    assert "the README's Layout lists run/sft, which does not exist" in map_mismatches(kit)
+    assert "the Layout map (docs/layout.md) lists run/sft, which does not exist" in map_mismatches(kit)
     (kit / "train/run/sft.py").write_text("")
-    readme = (kit / "README.md").read_text().replace("loop, plan", "loop, gone, plan")
-    (kit / "README.md").write_text(readme)
-    assert map_mismatches(kit) == ["the README's Layout lists run/gone, which does not exist"]
+    layout = (kit / "docs/layout.md").read_text().replace("loop, plan", "loop, gone, plan")
+    (kit / "docs/layout.md").write_text(layout)
+    assert map_mismatches(kit) == ["the Layout map (docs/layout.md) lists run/gone, which does not exist"]
 
 
 def test_a_cycle_is_found(kit):

@@ -1,7 +1,8 @@
 """The knob lists are derived from config.py's fields and their markers (knob(default, "auto",
 "sft", "compared", ...)): the launchers' variable lists (scripts/common.sh asks Python once per
 start), the flags that take "auto", the SFT-only refusals and the settings a resume compares.
-The README's knob tables are written by hand, so they are checked against config.py here."""
+The knob tables of docs/knobs.md (the README links them) are written by hand, so they are checked
+against config.py here."""
 
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def pairs(items: list[str]) -> dict[str, str]:
     return dict(item.split(":--") for item in items)
 
 
+KNOB_TABLES = ROOT / "docs" / "knobs.md"
+
+
 def readme_variables() -> set[str]:
-    """Upper-case names in the first column of the README's knob tables."""
+    """Upper-case names in the first column of the knob tables (docs/knobs.md)."""
     found = set()
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in KNOB_TABLES.read_text().splitlines():
         if line.startswith("| ") and line.count("|") >= 3:
             found |= set(re.findall(r"\b[A-Z][A-Z0-9_]{2,}\b", line.split("|")[1]))
     return found
@@ -66,8 +70,9 @@ def test_the_readme_tables_name_every_knob_and_only_them():
     lists = shell_lists()
     knob_variables = {config.env_name(f) for f in FIELDS if f not in knobs.marked("command")} | {"ENABLE_FP16", "ENABLE_BF16"}
     listed = readme_variables()
-    assert knob_variables - listed == set(), "knobs of config.py without a row in the README's tables"
-    assert listed - knob_variables - set(lists["KIT_OTHER_VARIABLES"]) == set(), "README rows that are no knob of the kit"
+    assert knob_variables - listed == set(), "knobs of config.py without a row in docs/knobs.md's tables"
+    assert listed - knob_variables - set(lists["KIT_OTHER_VARIABLES"]) == set(), "docs/knobs.md rows that are no knob of the kit"
+    assert "(docs/knobs.md)" in (ROOT / "README.md").read_text()  # the README leads to them
 
 
 def test_markers_pick_the_lists_and_their_fields_fit_them():

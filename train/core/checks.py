@@ -63,7 +63,7 @@ ENV_NAMES = {
 
 
 def env_name(name: str) -> str:
-    """The launcher variable for a config field (the README's knob table)."""
+    """The launcher variable for a config field (the knob tables of docs/knobs.md)."""
     return ENV_NAMES.get(name, name.upper())
 
 

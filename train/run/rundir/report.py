@@ -162,7 +162,7 @@ def closing(s: dict, run_dir, say) -> None:
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
             "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
         )
-    names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "final/", "best/", "checkpoints/")
+    names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "tensorboard/", "final/", "best/", "checkpoints/")
     written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
     say(f"outputs: {run_dir.path}/ ({written})")
 
