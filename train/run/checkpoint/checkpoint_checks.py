@@ -10,7 +10,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from train.core import files
+from train.core import files, lora
 from train.core.files import sha256_of
 from train.distributed import safe_load
 
@@ -127,7 +127,7 @@ def read_weights(model: torch.nn.Module, file: Path) -> dict:
         tensors = safetensors.torch.load_file(file, device="cpu")
     except Exception as err:  # safetensors raises its own error type for a malformed file
         raise BadCheckpoint(f"{WEIGHTS} is not a valid safetensors file ({err})") from None
-    own = model.state_dict()
+    own = lora.saved_state(model)  # with LoRA the adapters alone, as saved
     for key, tensor in tensors.items():
         if key not in own:
             raise safe_load.OtherModel(f"its weights hold {key}, which this model lacks")

@@ -20,6 +20,7 @@ import torch
 
 from config import TrainConfig
 from train.config import knobs
+from train.core import lora
 from train.core import model as model_lib
 from train.core.attention import use_attention
 from train.core.errors import UsageError
@@ -100,6 +101,9 @@ class SFTSource:
         self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code,
                                                self.kind)
         prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide)
+        m = cfg.model  # LORA_R: adapters in, the rest frozen, before the optimizer and DDP are made
+        self.model = lora.wrap(self.model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide,
+                               cfg.system.sharding)
         return model_label(self.path, self.model), model_lib.context_length(self.model.config), False
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
