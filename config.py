@@ -52,9 +52,6 @@ class ModelConfig:
     model_path: str | None = knob(None, "sft")
     """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer (loaded offline).
     Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
-    trust_remote_code: bool = knob(False, "sft")
-    """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
-    transformers knows are loaded, as the code runs with your permissions."""
     lora_r: int | None = knob(None, "sft", "compared", least=0)
     """SFT: LoRA rank (peft): train small adapters, the model frozen; final/ is the merged model, final/adapter/
     the adapter alone. Empty or 0: full fine-tuning. 8-64 is usual."""
@@ -65,6 +62,9 @@ class ModelConfig:
     lora_targets: str | None = knob(None, "sft", "compared")
     """SFT: comma-separated layer names LoRA adapts, or all-linear. Empty: GPT-2 c_attn,c_proj,c_fc; Llama/Qwen
     q,k,v,o,gate,up,down_proj; T5 q,k,v,o,wi,wo."""
+    trust_remote_code: bool = knob(False, "sft")
+    """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
+    transformers knows are loaded, as the code runs with your permissions."""
 
     def __post_init__(self):
         check_fields(self)
