@@ -12,6 +12,7 @@ wrapper holds the same modules), so the step, DDP and the chunked loss see a Pre
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from pathlib import Path
 
@@ -149,21 +150,33 @@ def merged_state(model) -> dict:
     return merged
 
 
+def _resized(model, base: str | None) -> bool:
+    """Whether the embeddings have other rows than MODEL_PATH's config.json says (the kit's chat
+    markers): then the adapter must carry them. Read here, never asked of the Hub as peft's "auto"
+    would where the folder is gone; unknown counts as resized (the rows saved: bigger, still right)."""
+    try:
+        vocab = json.loads((Path(base or "") / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None
+    return vocab != model.get_input_embeddings().num_embeddings
+
+
 def save_adapter(model, folder: Path) -> None:
     """peft's adapter files (PeftModel.save_pretrained's): adapter_config.json and
-    adapter_model.safetensors; peft adds the embedding rows where the kit resized the vocabulary."""
+    adapter_model.safetensors, with the embedding rows where the kit resized the vocabulary."""
     import safetensors.torch
     from peft.utils import get_peft_model_state_dict
 
-    folder.mkdir()
-    with warnings.catch_warnings():  # peft's "embedding layer has been resized": final/'s doc says it
-        warnings.simplefilter("ignore", UserWarning)
-        state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    config = copy.copy(model.peft_config[ADAPTER])
+    base = config.base_model_name_or_path
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=_resized(model, base))
     # peft's names are those of its wrapper (base_model.model.<the model's own>); tied rows: a copy each
     tensors = {f"base_model.model.{k}": v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    folder.mkdir()
     safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.copy(model.peft_config[ADAPTER])
     config.inference_mode = True  # as peft saves it: loads for generation unless is_trainable=True
+    if base and Path(base).is_dir():  # found from anywhere (AutoPeftModel), not only from where the run started
+        config.base_model_name_or_path = str(Path(base).resolve())
     config.save_pretrained(str(folder))
 
 
