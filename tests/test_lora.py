@@ -237,3 +237,13 @@ def test_bad_lora_settings_are_one_line_exit_2(root, extra, line, capsys):
     err = capsys.readouterr().err
     assert line in err and "Traceback" not in err
     assert not (root / "runs" / "bad").exists()
+
+
+def test_a_resume_with_another_lora_r_is_one_line(runs, capsys):
+    before = (runs / "ref" / "metrics.jsonl").read_text()
+    for extra, now in ((["--lora_r", "8"], "8"), (["--lora_r", "0"], "(empty)")):
+        argv = flags(runs.parent, "gpt2", "--batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps",
+                     str(STEPS + 2), "--run_name", "ref", "--resume", "1", *extra)  # fmt: skip
+        assert run_cli("sft", *argv) == 2
+        assert f"holds LoRA adapters of LORA_R=4, this run has LORA_R={now}; resume with LORA_R=4" in capsys.readouterr().err
+    assert (runs / "ref" / "metrics.jsonl").read_text() == before

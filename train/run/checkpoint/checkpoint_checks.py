@@ -66,6 +66,10 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     optimizer state, whose mismatch could only say "another model"."""
     if not now or not isinstance(saved.get("model_size"), str):
         return None
+    rank = [s.get("lora_r") or None for s in (saved, now)]  # LoRA's adapters: the checkpoint's weights
+    if rank[0] != rank[1]:
+        return (f"RESUME=1: checkpoint {name} holds {f'LoRA adapters of LORA_R={rank[0]}' if rank[0] else 'the whole model'}"
+                f", this run has LORA_R={rank[1] or '(empty)'}; resume with LORA_R={rank[0] or '(empty)'}")
     family = [(s.get("model_family") or "gpt2") for s in (saved, now)]  # MODEL_SIZE picks in its family
     chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")  # MODEL_CONFIG / SFT: the knob is ignored
     if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or chosen_elsewhere):
