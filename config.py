@@ -53,15 +53,13 @@ class ModelConfig:
     """SFT: the model to fine-tune, a local transformers causal-LM folder with its tokenizer (loaded offline).
     Empty: the newest pretraining run's final/ under OUTPUT_DIR."""
     lora_r: int | None = knob(None, "sft", "compared", least=0)
-    """SFT: LoRA rank (peft): train small adapters, the model frozen; final/ is the merged model, final/adapter/
-    the adapter alone. Empty or 0: full fine-tuning. 8-64 is usual."""
+    """SFT: LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen. Empty or 0: full fine-tuning."""
     lora_alpha: float | None = knob(None, "sft", "compared", above=0.0)
     """SFT: LoRA's scale is LORA_ALPHA / LORA_R. Empty: 2 x LORA_R."""
     lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
     lora_targets: str | None = knob(None, "sft", "compared")
-    """SFT: comma-separated layer names LoRA adapts, or all-linear. Empty: GPT-2 c_attn,c_proj,c_fc; Llama/Qwen
-    q,k,v,o,gate,up,down_proj; T5 q,k,v,o,wi,wo."""
+    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (README)."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
