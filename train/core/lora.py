@@ -89,6 +89,9 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
 
     from train.core.model import is_seq2seq
 
+    if not getattr(model, "name_or_path", ""):  # from_config: no folder, random weights
+        raise UsageError(f"LORA_R={r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA would keep "
+                         "its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave LORA_R empty")
     if dropout is not None and dropout >= 1:
         raise UsageError(f"LORA_DROPOUT={dropout}: expected a probability below 1 (e.g. 0.05)")
     chosen, why = parse_targets(targets, model)
@@ -154,8 +157,8 @@ def _resized(model, base: str | None) -> bool:
     """Whether the embeddings have other rows than MODEL_PATH's config.json says (the kit's chat
     markers): then the adapter must carry them. Read here, never asked of the Hub as peft's "auto"
     would where the folder is gone; unknown counts as resized (the rows saved: bigger, still right)."""
-    try:
-        vocab = json.loads((Path(base or "") / "config.json").read_text()).get("vocab_size")
+    try:  # no base folder (a model SFT built new): nothing to compare with
+        vocab = json.loads((Path(base) / "config.json").read_text()).get("vocab_size") if base else None
     except (OSError, ValueError, AttributeError):
         vocab = None
     return vocab != model.get_input_embeddings().num_embeddings
