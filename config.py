@@ -59,6 +59,14 @@ class ModelConfig:
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
+    lora_r: int | None = knob(None, "sft", "compared", least=0)
+    """SFT: LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen. Empty or 0: full fine-tuning."""
+    lora_alpha: float | None = knob(None, "sft", "compared", above=0.0)
+    """SFT: LoRA's scale is LORA_ALPHA / LORA_R. Empty: 2 x LORA_R."""
+    lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
+    """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
+    lora_targets: str | None = knob(None, "sft", "compared")
+    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (README)."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""

@@ -79,11 +79,12 @@ def test_markers_pick_the_lists_and_their_fields_fit_them():
     assert set(AUTO_FIELDS) == {"max_length", "warmup_steps", "model_size", "log_every"}
     assert all(FIELDS[name].default is None for name in AUTO_FIELDS)  # empty / auto / none: the run decides
     assert set(SFT_ONLY) == {"model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records",
-                             "template", "loss_on", "truncation", "reasoning"}
+                             "template", "loss_on", "truncation", "reasoning", "lora_r", "lora_alpha", "lora_dropout",
+                             "lora_targets"}
     assert all(FIELDS[name].default in (None, False) for name in SFT_ONLY)  # "set" means not the default
     assert set(COMPARED) == set(
         "batch_size gradient_accumulation_steps precision learning_rate min_lr_ratio max_steps epochs "
-        "max_samples warmup_steps num_workers optimizer lr_schedule freeze".split()
+        "max_samples warmup_steps num_workers optimizer lr_schedule freeze lora_r lora_alpha lora_dropout lora_targets".split()
     )
     assert all(FIELDS[name].type == "bool" for name in knobs.marked("switch"))
 

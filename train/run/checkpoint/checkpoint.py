@@ -33,7 +33,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from train.core import files
+from train.core import files, lora
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.distributed import safe_load
@@ -114,7 +114,7 @@ class CheckpointManager:
     # ---- saving -------------------------------------------------------------------------
 
     def needed_bytes(self, model, optimizer) -> int:
-        unique = {t.data_ptr(): t for t in model.state_dict().values()}
+        unique = {t.data_ptr(): t for t in lora.saved_state(model).values()}
         total = sum(_tensor_bytes(t) for t in unique.values()) + _tensor_bytes(
             optimizer.state_dict()["state"]
         )
@@ -141,7 +141,10 @@ class CheckpointManager:
         tmp, writing = None, WEIGHTS
         try:
             tmp = files.fresh_folder(self.folder, f".tmp-{name}-")
-            safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+            if lora.is_lora(model):  # the adapters alone: the frozen weights are MODEL_PATH's
+                safetensors.torch.save_file(lora.saved_state(model), str(tmp / WEIGHTS))
+            else:
+                safetensors.torch.save_model(model, str(tmp / WEIGHTS))
             writing = STATE
             # Through a handle of ours: given a path, torch.save's C++ writer reports a full disk
             # or EFBIG as "unexpected pos" with no errno; given a handle, the OSError is kept.

@@ -10,7 +10,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from train.core import files
+from train.core import files, lora
 from train.core.files import sha256_of
 from train.distributed import safe_load
 
@@ -66,6 +66,10 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     optimizer state, whose mismatch could only say "another model"."""
     if not now or not isinstance(saved.get("model_size"), str):
         return None
+    rank = [s.get("lora_r") or None for s in (saved, now)]  # LoRA's adapters: the checkpoint's weights
+    if rank[0] != rank[1]:
+        return (f"RESUME=1: checkpoint {name} holds {f'LoRA adapters of LORA_R={rank[0]}' if rank[0] else 'the whole model'}"
+                f", this run has LORA_R={rank[1] or '(empty)'}; resume with LORA_R={rank[0] or '(empty)'}")
     family = [(s.get("model_family") or "gpt2") for s in (saved, now)]  # MODEL_SIZE picks in its family
     chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")  # MODEL_CONFIG / SFT: the knob is ignored
     if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or chosen_elsewhere):
@@ -142,7 +146,7 @@ def read_weights(model: torch.nn.Module, file: Path) -> dict:
         tensors = safetensors.torch.load_file(file, device="cpu")
     except Exception as err:  # safetensors raises its own error type for a malformed file
         raise BadCheckpoint(f"{WEIGHTS} is not a valid safetensors file ({err})") from None
-    own = model.state_dict()
+    own = lora.saved_state(model)  # with LoRA the adapters alone, as saved
     for key, tensor in tensors.items():
         if key not in own:
             raise safe_load.OtherModel(f"its weights hold {key}, which this model lacks")

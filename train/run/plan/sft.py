@@ -21,6 +21,7 @@ import torch
 
 from config import TrainConfig
 from train.config import knobs
+from train.core import lora
 from train.core import model as model_lib
 from train.core.attention import use_attention
 from train.core.errors import UsageError
@@ -111,6 +112,9 @@ class SFTSource:
         """The one place where the SFT model, loaded or new, becomes ready to train: chat-template
         tokens, stop tokens, training mode. Whatever wraps the model for training goes here."""
         prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide, cfg.data.template)
+        m = cfg.model  # LORA_R: adapters in, the rest frozen, before the optimizer and DDP are made
+        self.model = lora.wrap(self.model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide,
+                               cfg.system.sharding)
 
     def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from train.core import files
+from train.core import files, lora
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
 from train.distributed import distributed
@@ -50,7 +50,10 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     try:
         tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
-            b.model.save_pretrained(tmp, state_dict=state_dict)
+            if lora.is_lora(b.model):  # merged, loadable without peft; the adapter in tmp/adapter
+                lora.save_merged(b.model, tmp)
+            else:
+                b.model.save_pretrained(tmp, state_dict=state_dict)
         b.tokenizer.save_pretrained(tmp)
         files.atomic_write(tmp / COMPLETE, json.dumps({"step": step}) + "\n")
         files.sync_tree(tmp)
