@@ -28,9 +28,10 @@ from conftest import ROOT, TINY_CONFIG, make_text
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
 SHELL_FENCES = ("```bash", "```sh", "```shell")
-# The tiny base every tested block runs on; a block's marker (and its own settings) come on top.
+# The tiny base every tested block runs on (no MODEL_SIZE: SFT refuses it beside MODEL_PATH; the blocks that
+# build a model name their own); a block's marker (and its own settings) come on top.
 BASE = {
-    "MODEL_SIZE": "nano", "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
+    "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
     "TOKENIZE_WORKERS": "1", "EVAL_BATCHES": "2", "LOG_EVERY": "1",
 }  # fmt: skip
 SFT_PAIRS = [("Add two numbers.", "def add(a, b):\n    return a + b"), ("Say hi.", "Hi!"), ("Name a colour.", "Blue.")]
