@@ -140,3 +140,19 @@ def test_a_run_says_when_the_saved_answer_beat_its_own_micro_batch(tiny_flags, t
     assert "find-batch measured" not in log  # another MAX_LENGTH: the saved answer does not hold
     log = run("auto", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other), "--auto_batch", "1")
     assert f"AUTO_BATCH=1: BATCH_SIZE={answer}" in log and "find-batch measured" not in log
+
+
+def test_sft_auto_batch_measures_full_rows_and_trains(base_model, cache_dir, tmp_path):
+    """SFT's conversations are lists of every length: find-batch measures its worst case (full
+    MAX_LENGTH rows) instead of stacking them (a TypeError traceback before)."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "response": "an answer " * (1 + i % 5)}) + "\n"
+                            for i in range(40)))
+    argv = ["--model_path", str(base_model), "--data_path", str(data), "--cache_dir", str(cache_dir),
+            "--output_dir", str(tmp_path / "runs"), "--max_length", "64", "--batch_size", "2",
+            "--gradient_accumulation_steps", "4", "--max_steps", "1", "--auto_batch", "1",
+            "--max_memory_mb", "100000", "--run_name", "sft_auto"]  # fmt: skip
+    assert run_cli("sft", *argv) == 0
+    s = summary(tmp_path / "runs" / "sft_auto")
+    assert s["effective_batch_size"] == 8 and s["steps"] == 1
+    assert "AUTO_BATCH=1: BATCH_SIZE=" in (tmp_path / "runs" / "sft_auto" / "train.log").read_text()

@@ -64,7 +64,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None, vocab: int = 0):
+def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None, vocab: int = 0,
+             max_length: int = 0):
     """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random. An
     encoder-decoder: batches of the seq2seq contract at the worst-case lengths (a full source,
     the mode's target: train/core/measure/estimate_seq2seq.lengths), random tokens: memory and time
@@ -81,6 +82,12 @@ def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None,
             }
 
         return contract
+
+    if not torch.is_tensor(dataset[0]["input_ids"]):  # SFT: conversations of every length (lists of ids)
+        def worst(size: int) -> dict:  # the worst case, full rows of MAX_LENGTH tokens, all trained
+            return {"input_ids": torch.randint(1, vocab, (size, max_length), generator=generator)}
+
+        return worst
 
     def sample(size: int) -> dict:
         picks = torch.randint(len(dataset), (size,), generator=generator).tolist()
@@ -137,7 +144,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
     lengths = run_lengths(b) if is_seq2seq(b.model) else None
-    sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size)
+    sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU
