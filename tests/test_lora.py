@@ -247,3 +247,12 @@ def test_a_resume_with_another_lora_r_is_one_line(runs, capsys):
         assert run_cli("sft", *argv) == 2
         assert f"holds LoRA adapters of LORA_R=4, this run has LORA_R={now}; resume with LORA_R=4" in capsys.readouterr().err
     assert (runs / "ref" / "metrics.jsonl").read_text() == before
+
+
+def test_lora_on_a_model_sft_builds_new_is_refused_before_any_work(tmp_path, capsys):
+    argv = ["--model_size", "nano", "--lora_r", "4", "--output_dir", str(tmp_path / "runs"),
+            "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1", "--run_name", "new"]  # fmt: skip
+    assert run_cli("sft", *argv) == 2
+    err = capsys.readouterr().err
+    assert "LORA_R=4: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE)" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # no tokenizer trained

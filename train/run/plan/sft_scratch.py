@@ -46,6 +46,10 @@ def refuse_both(cfg: TrainConfig) -> None:
             f"MODEL_PATH and {both} are both set: MODEL_PATH fine-tunes an existing model, {both} builds a new one; "
             "set one of them"
         )
+    if asked(cfg) and cfg.model.lora_r:  # said before the tokenizer trains, not after (core/lora.py's own check)
+        raise UsageError(f"LORA_R={cfg.model.lora_r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA "
+                         "would keep its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave "
+                         "LORA_R empty")
 
 
 def turn_texts(data_path: str | None, sample_mb: float) -> Iterator[str]:
