@@ -39,7 +39,7 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass(kw_only=True)
 class ModelConfig:
     model_size: str | None = knob(None, "auto", choices=MODEL_SIZES)
-    """nano (~5M, tests and CPU), tiny (~30-50M), small (GPT-2 small, 124M), medium (GPT-2 medium, 350M).
+    """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
     Empty: small on a GPU, else a nano demo. SFT: set, a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
     """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small = t5-small
