@@ -156,6 +156,8 @@ def sized_validation(cfg: TrainConfig, val, total_steps: int, world: Dist, decid
         return val
     decide("eval_size", f"{trained} of {len(val)} held-out sequences", f"a short run: no more than the {trained} it "
            "trains on (the first ones, the same whatever BATCH_SIZE); a longer run evaluates them all")
+    if isinstance(val, torch.utils.data.Subset):  # a split of the stream: keep its indices into it
+        return torch.utils.data.Subset(val.dataset, val.indices[:trained])
     return torch.utils.data.Subset(val, range(trained))
 
 
