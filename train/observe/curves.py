@@ -176,10 +176,11 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
     ax_sps, ax_loss = axes["throughput"], axes["loss"]
 
     rate = [e[metric] or 0.0 for e in entries]
-    # Whiskers from min to max of the repeats; zero length for single runs.
+    # Whiskers from min to max of the repeats.
     lo = [max(0.0, (e[metric] or 0.0) - (e[f"{metric}_min"] or 0.0)) for e in entries]
     hi = [max(0.0, (e[f"{metric}_max"] or 0.0) - (e[metric] or 0.0)) for e in entries]
-    bars = ax_sps.bar(names, rate, color=colors, yerr=[lo, hi], capsize=6)
+    repeats = any(e["n"] > 1 for e in entries)  # a single run has no spread to draw
+    bars = ax_sps.bar(names, rate, color=colors, yerr=[lo, hi] if repeats else None, capsize=6)
     labels = [
         "n/a" if e[metric] is None
         else f"{e[metric]:,.1f}" + (f"\n{e['speedup']:.2f}x" if e["speedup"] is not None else "")
