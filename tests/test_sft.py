@@ -144,8 +144,8 @@ def test_length_grouping_raises_padding_efficiency(sft_flags, tmp_path):
             data,
             "--batch_size",
             "8",
-            "--max_steps",
-            "4",
+            "--epochs",  # grouping draws from the samples the run trains (a plain order's, under a budget): all
+            "1",
             "--run_name",
             f"g{grouping}",
         ]
