@@ -92,7 +92,7 @@ def test_ctrl_c_ends_with_the_command_that_resumes(tiny_flags, tmp_path, capsys)
     presser.join()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == ("interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped ./run_single_gpu.sh "
-                    "(with this run's other variables)")
+                    "(with this run's other settings)")
     assert read_jsonl(run / "metrics.jsonl")
 
 

@@ -140,7 +140,7 @@ LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_cus
 def resume_line(run_name: str, launcher: str | None) -> str:
     """How to continue an interrupted run: the launcher that started it, or the same command."""
     if launcher in LAUNCHER_SCRIPTS:
-        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh (with this run's other variables)"
+        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh (with this run's other settings)"
     else:
         how = f"the same command with --resume 1 --run_name {run_name}"
     return f"interrupted: to continue from the last checkpoint, run {how}"
