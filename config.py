@@ -302,10 +302,10 @@ class RunConfig:
     from before them (0: never stop). fp16 steps the GradScaler skips are counted."""
     eval_every: int = knob(250, least=0)
     """Optimizer steps between validation passes; one always runs at the end. 0: only at the end. Each pass
-    costs about EVAL_BATCHES / 3 training micro-steps (forward only)."""
+    reads EVAL_BATCHES x 8 held-out sequences, forward only (about a third of training on them)."""
     eval_batches: int = knob(20, least=1)
-    """Validation micro-batches (of BATCH_SIZE sequences) per pass, the same ones every time: more gives a
-    steadier number."""
+    """Validation batches of 8 sequences per pass (read BATCH_SIZE at a time): the same sequences every pass and
+    for any BATCH_SIZE, at most as many as a short run trains on. More gives a steadier number."""
     keep_best: bool = False
     """Also save the model with the lowest validation loss so far in best/ (final/ is always the last
     model)."""

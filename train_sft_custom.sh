@@ -10,28 +10,81 @@ if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # the first argument is the micro-batch
   BATCH_SIZE=$1
   shift
 fi
-MODEL_PATH=${MODEL_PATH:-}              # local causal-LM or encoder-decoder (T5, BART) folder; empty: newest pretraining run's final/
+# Every knob of config.py that applies here, grouped; each maps to one flag of `python -m train sft`
+# (README's knob table). Empty: the launcher's preset (sft), else config.py's default.
+# ---- model ----
+MODEL_PATH=${MODEL_PATH:-}              # local causal-LM or encoder-decoder (T5, BART) folder; empty: newest completed pretraining run's final/
+TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # 1: let MODEL_PATH run the code it ships
+ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): far less activation memory, ~30 % slower
+COMPILE=${COMPILE:-}                    # 1: torch.compile the model (pays off in runs of more than a few minutes on a GPU)
+
+# ---- data ----
 DATA_PATH=${DATA_PATH:-}                # .json/.jsonl/.parquet or Arrow folder: alpaca, messages, ShareGPT, prompt/response; empty: built-in
+TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local tokenizer folder; empty: MODEL_PATH's own
+SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how many
+TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes that tokenize into the SFT cache (once); empty: every core
+MAX_RECORD_MB=${MAX_RECORD_MB:-}        # longest JSONL record read, in MB; empty: 64
+VAL_FRACTION=${VAL_FRACTION:-}          # share of conversations held out for the validation loss; empty: 0.01 (0: none)
+VAL_PATH=${VAL_PATH:-}                  # a separate validation file, used instead of VAL_FRACTION
+CACHE_DIR=${CACHE_DIR:-}                # the SFT cache of tokenized conversations; empty: .cache/ in this folder
+
+# ---- batch, sequence length, data loading ----
 BATCH_SIZE=${BATCH_SIZE:-16}            # micro-batch (the first argument)
-GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
-MAX_LENGTH=${MAX_LENGTH:-}              # longer conversations are truncated (and counted); empty: model's context
-EPOCHS=${EPOCHS:-}                      # empty with no MAX_STEPS: one epoch
-MAX_STEPS=${MAX_STEPS:-}
-LEARNING_RATE=${LEARNING_RATE:-}        # empty: 1e-4 (preset sft); 2e-5 for a well-trained model of 1B+
+GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # micro-batches per optimizer step: effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs
+EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-}    # conversations per step to keep while BATCH_SIZE changes (GRADIENT_ACCUM follows)
+AUTO_BATCH=${AUTO_BATCH:-}              # 1: find-batch picks BATCH_SIZE x GRADIENT_ACCUM first, same effective batch
+MAX_LENGTH=${MAX_LENGTH:-}              # longer conversations are truncated (and counted); empty: the model's context
 LENGTH_GROUPING=${LENGTH_GROUPING:-0}   # 1: batch conversations of similar length (less padding)
 TOKEN_BUDGET=${TOKEN_BUDGET:-}          # N: micro-batches of at most N padded tokens instead of BATCH_SIZE rows
 PACKING=${PACKING:-0}                   # 1: pack conversations into MAX_LENGTH rows (BATCH_SIZE counts rows); causal LMs only
+NUM_WORKERS=${NUM_WORKERS:-}            # loader workers; empty: 2 (preset sft)
+PREFETCH_FACTOR=${PREFETCH_FACTOR:-}    # batches each worker prepares ahead; empty: 2
+PIN_MEMORY=${PIN_MEMORY:-}              # 1: page-locked buffers for asynchronous host-to-GPU copies; empty: 1 (preset sft)
+PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-} # 1: keep the workers alive between epochs; empty: 1 (preset sft)
+
+# ---- precision and device ----
 ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
-ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast
-ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): less memory, ~30 % slower
-NUM_WORKERS=${NUM_WORKERS:-}            # empty: 2 (preset sft)
-SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how many
-TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-} # processes that tokenize into the SFT cache (once); empty: every core
-TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0}  # 1: let MODEL_PATH run the code it ships
+ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)
+PRECISION=${PRECISION:-}                # fp32 | fp16 | bf16 | auto (bf16 where fast, fp16 where not, fp32 otherwise); empty: fp32
+TF32=${TF32:-}                          # 1: TF32 tensor cores for fp32 matmuls (Ampere+); empty: 1 (preset sft)
+DEVICE=${DEVICE:-}                      # auto | cpu | mps | cuda | cuda:N; empty: auto (CUDA, then mps, then CPU)
+MAX_MEMORY_MB=${MAX_MEMORY_MB:-}        # memory budget in MiB (caps this process's VRAM); empty: the device's
+TARGET_VRAM=${TARGET_VRAM:-}            # share of memory find-batch / AUTO_BATCH may fill; empty: 0.8
+
+# ---- learning rate and optimizer ----
+LEARNING_RATE=${LEARNING_RATE:-}        # empty: 1e-4 (preset sft); 2e-5 for a well-trained model of 1B+
+MIN_LR_RATIO=${MIN_LR_RATIO:-}          # the cosine schedule ends at LEARNING_RATE x this; empty: 0.1
+WARMUP_STEPS=${WARMUP_STEPS:-}          # linear warm-up steps; empty: 5 % of the run, at most 200
+WEIGHT_DECAY=${WEIGHT_DECAY:-}          # AdamW weight decay on matrices; empty: 0.0 (preset sft)
+GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this (0: off); empty: 1.0
+LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE with the effective batch; empty: none
+LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the launcher's
+
+# ---- how long ----
+MAX_STEPS=${MAX_STEPS:-}                # stop after N optimizer steps
+EPOCHS=${EPOCHS:-}                      # empty with no MAX_STEPS or MAX_SAMPLES: one epoch
+MAX_SAMPLES=${MAX_SAMPLES:-}            # stop after N conversations (packed rows with PACKING=1)
+
+# ---- run folder, checkpoints, evaluation, logs ----
+OUTPUT_DIR=${OUTPUT_DIR:-}              # where run folders go; empty: runs/ in this folder
 RUN_NAME=${RUN_NAME:-}                  # empty: train_sft_custom-<time>
-SEED=${SEED:-}
+OVERWRITE=${OVERWRITE:-}                # 1: replace an existing runs/$RUN_NAME
+RESUME=${RESUME:-}                      # 1: continue runs/$RUN_NAME (empty RUN_NAME: this launcher's newest run)
+SEED=${SEED:-}                          # model init, data order, dropout; empty: 1337
+SAVE_EVERY=${SAVE_EVERY:-}              # optimizer steps between checkpoints (0: only at the end); empty: 500
+KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-}  # checkpoints kept, newest first; empty: 2
+NAN_PATIENCE=${NAN_PATIENCE:-}          # stop after N steps in a row with a non-finite loss (0: never); empty: 5
+EVAL_EVERY=${EVAL_EVERY:-}              # steps between validation passes (one always at the end); empty: 250
+EVAL_BATCHES=${EVAL_BATCHES:-}          # validation batches of 8 sequences per pass; empty: 20
+KEEP_BEST=${KEEP_BEST:-}                # 1: also save the lowest-validation-loss model in best/
+LOG_EVERY=${LOG_EVERY:-}                # steps between log lines; empty: 10, more often in short runs
 REPORT_TO=${REPORT_TO:-none}            # tensorboard: also write TensorBoard events in the run folder
+DRY_RUN=${DRY_RUN:-}                    # 1: print settings, derived numbers and a memory estimate, then exit
+
+# ---- several GPUs ----
 NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 starts torchrun (DDP)
+SHARDING=${SHARDING:-}                  # zero2 | zero3: FSDP2 sharding (the guides' DeepSpeed ZeRO-2/3)
+OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-} # 1 (with SHARDING): optimizer state in host memory
 
 source "$(dirname "$0")/scripts/common.sh"
 kit_launch sft sft "$@"

@@ -16,6 +16,9 @@ export NUM_WORKERS=${NUM_WORKERS:-0}  # loading is not what is measured here
 export SEED=${SEED:-1337}
 PY="$(source scripts/common.sh && kit_python)"
 stamp=$(date +%Y%m%d-%H%M%S)
+# Each run's console output beside the runs (not the system temp folder, which a reboot empties)
+logs="${OUTPUT_DIR:-runs}/sft-bench-$stamp-logs"
+mkdir -p "$logs"
 if [ -z "${DATA_PATH:-}" ]; then
   mkdir -p "${OUTPUT_DIR:-runs}"
   export DATA_PATH="${OUTPUT_DIR:-runs}/sft-bench-alpaca.json"
@@ -36,8 +39,8 @@ for mode in plain grouping packing; do
     packing) vars=(LENGTH_GROUPING=0 PACKING=1) ;;
   esac
   echo "$mode (${vars[*]}): runs/$name (BATCH_SIZE=$BATCH_SIZE MAX_STEPS=$MAX_STEPS)"
-  env RUN_NAME="$name" "${vars[@]}" ./train_sft_custom.sh "$BATCH_SIZE" >"/tmp/$name.log" 2>&1 ||
-    { tail -n 3 "/tmp/$name.log" >&2; exit 2; }
+  env RUN_NAME="$name" "${vars[@]}" ./train_sft_custom.sh "$BATCH_SIZE" >"$logs/$mode.log" 2>&1 ||
+    { tail -n 3 "$logs/$mode.log" >&2; echo "sft-bench: $mode failed; its whole output: $logs/$mode.log" >&2; exit 2; }
   runs+=("${OUTPUT_DIR:-runs}/$name")
 done
 "$PY" - "${runs[@]}" <<'PY'
@@ -54,3 +57,4 @@ for name, r in (("grouping", grouped), ("packing", packed)):
 print("packing counts BATCH_SIZE in rows of MAX_LENGTH tokens, so its steps hold more conversations;"
       " compare real tokens/s")
 PY
+echo "logs: $logs/ (plain.log, grouping.log, packing.log)"

@@ -128,15 +128,16 @@ kit_launch() {
     esac
   done
   args+=("$@")
-  local runner=()
+  local runner=() python
   kit_torchrun runner
+  python=$(kit_python)
   if [ "${SHOW_COMMAND:-0}" = 1 ]; then
-    printf '%q ' python "${runner[@]}" "${args[@]}"
+    # The interpreter the run really uses (.venv's, by its path): a bare `python` outside the
+    # activated .venv has no torch. Run it from the kit's folder, where `-m train` is found.
+    printf '%q ' "$python" "${runner[@]}" "${args[@]}"
     echo
     return 0
   fi
-  local python
-  python=$(kit_python)
   PYTHONPATH="$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "${runner[@]}" "${args[@]}"
 }
 

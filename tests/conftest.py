@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# The interpreter the launchers run and SHOW_COMMAND=1 prints (scripts/common.sh kit_python).
+KIT_PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else "python3"
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wise kings of old sang songs about "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_CONFIG, launch, run_cli
+from conftest import KIT_PY, ROOT, TINY_CONFIG, launch, run_cli
 from train.run.checkpoint import checkpoint
 
 
@@ -139,7 +139,7 @@ def test_bad_input_exit_2_one_line_nothing_damaged(world, capsys, name, variable
         code, err = shown.returncode, shown.stderr
     else:
         argv = shlex.split(shown.stdout)
-        assert argv[:3] == ["python", "-m", "train"]
+        assert argv[:3] == [KIT_PY, "-m", "train"]
         capsys.readouterr()
         code = run_cli(*argv[3:])  # an exception other than UsageError would fail here, traceback and all
         err = capsys.readouterr().err

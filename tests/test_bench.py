@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from conftest import launch, run_cli
+from conftest import KIT_PY, launch, run_cli
 
 
 def test_bench_vs_plain_reports_consistent_figures(tiny_flags, tmp_path, capsys):
@@ -75,7 +75,7 @@ def test_make_bench_launcher_maps_variables():
     result = launch("scripts/bench.sh", env, "--max_steps", "4")
     assert result.returncode == 0, result.stderr
     argv = result.stdout.split()
-    assert argv[:4] == ["python", "-m", "train", "bench"]
+    assert argv[:4] == [KIT_PY, "-m", "train", "bench"]
     for flag, value in (
         ("--threads", "1"),
         ("--model_size", "nano"),

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import launch, read_jsonl, run_cli, tiny_model
+from conftest import KIT_PY, launch, read_jsonl, run_cli, tiny_model
 from train.core.errors import UsageError
 from train.core.step import full_value
 from train.data.loader import make_loader
@@ -92,7 +92,7 @@ def test_launcher_starts_torchrun_in_module_form():
     code, args, _ = argv({"NPROC_PER_NODE": "2", "SHARDING": "zero2", "OFFLOAD_OPTIMIZER": "1"})
     assert code == 0
     runner = args[: args.index("train")]
-    assert runner[:3] == ["python", "-m", "train.distributed.torchrun"]
+    assert runner[:3] == [KIT_PY, "-m", "train.distributed.torchrun"]
     assert runner[runner.index("--nproc_per_node") + 1] == "2" and "--standalone" in runner
     assert args[args.index("--sharding") + 1] == "zero2" and "--offload_optimizer" in args
     code, args, _ = argv(
@@ -107,7 +107,7 @@ def test_launcher_starts_torchrun_in_module_form():
     code, _, err = argv({"NPROC_PER_NODE": "0"})
     assert code == 2 and "NPROC_PER_NODE" in err
     code, args, _ = argv({})
-    assert args[:3] == ["python", "-m", "train"]  # one process: no torchrun
+    assert args[:3] == [KIT_PY, "-m", "train"]  # one process: no torchrun
 
 
 # ---- two processes (torch.multiprocessing spawn, gloo) ----

@@ -66,7 +66,7 @@ def test_eval_rows_and_val_loss_equal_a_plain_loop(tiny_flags, tmp_path, corpus,
     model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True).eval()
     losses = []
     with torch.no_grad():
-        for i in range(3):
+        for i in range(n_val // 4):  # EVAL_BATCHES x 8 sequences, read 4 at a time
             ids = torch.from_numpy(windows[4 * i : 4 * i + 4])
             losses.append(model(input_ids=ids, labels=ids).loss.item())
     assert summary["final_val_loss"] == pytest.approx(np.mean(losses), rel=1e-6)

@@ -88,12 +88,12 @@ def test_make_targets_take_the_launchers_variables():
     import shlex
     import subprocess
 
-    from conftest import ROOT, launch
+    from conftest import KIT_PY, ROOT, launch
 
     env = {"SHOW_COMMAND": "1", "MODEL_SIZE": "nano", "MAX_LENGTH": "128", "PRECISION": "bf16",
            "MAX_MEMORY_MB": "900", "TARGET_VRAM": "0.7", "EFFECTIVE_BATCH": "64"}
     argv = shlex.split(launch("scripts/kit.sh", env, "find-batch").stdout)
-    assert argv[:4] == ["python", "-m", "train", "find-batch"] and argv[argv.index("--preset") + 1] == "optimized"
+    assert argv[:4] == [KIT_PY, "-m", "train", "find-batch"] and argv[argv.index("--preset") + 1] == "optimized"
     for flag, value in [("--model_size", "nano"), ("--max_length", "128"), ("--precision", "bf16"),
                         ("--max_memory_mb", "900"), ("--target_vram", "0.7"), ("--effective_batch", "64")]:
         assert argv[argv.index(flag) + 1] == value

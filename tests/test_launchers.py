@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from conftest import launch
+from conftest import KIT_PY, launch
 
 
 def command(script, env, *args):
@@ -20,7 +20,7 @@ def flag_value(argv, flag):
 
 def test_baseline_defaults_are_the_guides():
     argv = command("run_single_gpu.sh", {})
-    assert argv[:4] == ["python", "-m", "train", "pretrain"]
+    assert argv[:4] == [KIT_PY, "-m", "train", "pretrain"]
     assert flag_value(argv, "--preset") == "baseline"
     assert flag_value(argv, "--batch_size") == "8"
     assert flag_value(argv, "--gradient_accumulation_steps") == "1"

@@ -10,7 +10,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import launch, read_jsonl, run_cli
+from conftest import KIT_PY, launch, read_jsonl, run_cli
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.data.sft.sft_data import PadCollator, encode_conversations, ensure_special_tokens
@@ -144,8 +144,8 @@ def test_length_grouping_raises_padding_efficiency(sft_flags, tmp_path):
             data,
             "--batch_size",
             "8",
-            "--max_steps",
-            "4",
+            "--epochs",  # grouping draws from the samples the run trains (a plain order's, under a budget): all
+            "1",
             "--run_name",
             f"g{grouping}",
         ]
@@ -238,7 +238,7 @@ def show(script, env, *args):
 
 def test_custom_launcher_takes_the_micro_batch_first():
     argv = shlex.split(show("train_sft_custom.sh", {}, "20", "--seed", "3")[-1])
-    assert argv[:4] == ["python", "-m", "train", "sft"]
+    assert argv[:4] == [KIT_PY, "-m", "train", "sft"]
     assert argv[argv.index("--preset") + 1] == "sft" and argv[argv.index("--batch_size") + 1] == "20"
     assert argv[-2:] == ["--seed", "3"]  # further flags passed through, last
     argv = shlex.split(show("train_sft_custom.sh", {}, "--seed", "3")[-1])

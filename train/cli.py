@@ -22,8 +22,8 @@ TOOL_COMMANDS = {
 USAGE = """usage: python -m train <command> [--flags]
 
 commands:
-  pretrain   train a causal LM from scratch on text (run_single_gpu*.sh)
-  sft        supervised fine-tuning on chat/instruction data
+  pretrain   train a model from scratch on text: GPT-2 (causal LM) or T5 (encoder-decoder) (run_single_gpu*.sh)
+  sft        fine-tune a trained model on chat or instruction data (train_sft_custom.sh, quick_start_sft_fast.sh)
   generate   sample from a trained model with its chat template: generate --model DIR --prompt TEXT
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
@@ -34,7 +34,8 @@ commands:
   import     a bare state_dict checkpoint (ChatLM's *.bin + model_config.json) as a transformers
              folder: import SRC DEST [--tokenizer_path T]
 
-`python -m train <command> --help` lists the flags."""
+`python -m train <command> --help` lists the flags. Run it from the kit's folder with the kit's Python,
+.venv/bin/python -m train ... (or after `source .venv/bin/activate`): a bare python has no torch."""
 
 
 def _ahead_of_the_run(cfg, say, world) -> int | None:

@@ -79,18 +79,39 @@ class ArgParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
+FLAGS_NOTE = (" Each flag is a config.py field; [VARIABLE] is its launcher variable. Precedence: config.py's default <"
+              " --preset < the flag.")
+DESCRIPTIONS = {
+    "pretrain": "Pretrain a model from scratch on text: a GPT-2-style causal LM, or a T5 encoder-decoder on span "
+                "corruption (--model_family t5, or a T5 --model_config). The launchers run_single_gpu.sh and "
+                "run_single_gpu_optimized.sh start it with the guides' baseline and optimized presets.",
+    "sft": "Fine-tune a trained model (--model_path: a causal LM or an encoder-decoder folder) on chat or instruction "
+           "data, with the loss on the assistant's replies only. train_sft_custom.sh and quick_start_sft_fast.sh "
+           "start it.",
+}
+
+
 def training_parser(command: str) -> argparse.ArgumentParser:
+    """The flags of a training command. Pretraining and the tools built on it (find-batch, doctor,
+    autotune, bench) hide the SFT-only flags and the sft preset from --help; an SFT flag given
+    there is still read, so the run refuses it in one line naming it."""
     docs = field_docs()
-    parser = ArgParser(prog=f"python -m train {command}", description=f"Train ({command}).")
-    parser.add_argument("--preset", choices=sorted(config.PRESETS), help="named preset applied under the flags")
+    sft = command == "sft"
+    description = DESCRIPTIONS.get(command, "It takes pretraining's flags, below.") + FLAGS_NOTE
+    parser = ArgParser(prog=f"python -m train {command}", description=description)
+    presets = sorted(p for p in config.PRESETS if sft or p != "sft")
+    parser.add_argument("--preset", choices=presets, help="named preset applied under the flags")
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
     parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
+    sft_only = set(marked("sft"))
     for name in config.FIELD_SECTION:
         if name == "mode":  # the command itself
             continue
         kind = field_type(name)
         help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
+        if name in sft_only and not sft:
+            help_text = argparse.SUPPRESS
         if kind is bool:
             # `--pin_memory` alone means on; `--pin_memory 0` turns a preset's setting off.
             parser.add_argument(f"--{name}", nargs="?", const="1", default=None, help=help_text)

@@ -55,18 +55,20 @@ def _data_loader(dataset, device: torch.device, data_cfg=None, collate_fn=None, 
 
 
 def make_loader(
-    dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None, rank: int = 0, world_size: int = 1
+    dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None, rank: int = 0, world_size: int = 1,
+    budget: int | None = None,
 ):
     """(loader, sampler) for training at a micro-batch: batches by TOKEN_BUDGET, length-grouped
     (LENGTH_GROUPING, not with PACKING), or batch_size rows in a seeded epoch order. Every rank
-    builds the same epoch order (same seed) and reads its own share of it."""
+    builds the same epoch order (same seed) and reads its own share of it. budget: the samples
+    the run trains (all ranks), so that length grouping trains the ones a plain order would."""
     share = dict(rank=rank, world_size=world_size)
     if getattr(data_cfg, "token_budget", None) is not None:
         sampler = BudgetSampler(dataset.lengths, data_cfg.token_budget, seed=seed,
                                 source_lengths=getattr(dataset, "source_lengths", None), **share)
         return _data_loader(dataset, device, data_cfg, collate_fn, batch_sampler=sampler), sampler
     if getattr(data_cfg, "length_grouping", False) and not data_cfg.packing:
-        sampler = GroupedSampler(dataset.lengths, batch_size, seed=seed, **share)
+        sampler = GroupedSampler(dataset.lengths, batch_size, seed=seed, budget=budget, **share)
         return _data_loader(dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler), sampler
     sampler = EpochSampler(len(dataset), seed, rank, world_size)
     return _data_loader(dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler), sampler

@@ -242,6 +242,13 @@ class PackedDataset(Dataset):
         return {"input_ids": torch.from_numpy(window)}
 
 
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The seeded order of one epoch's n samples. Every training sampler starts from it (the
+    length-grouped one too), so runs that differ in batching train the same samples under a
+    budget (make compare-sft: batch 1 against grouped batches of 16)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 class EpochSampler(Sampler):
     """A seeded shuffle per epoch; `start` skips the samples already consumed (a resumed position).
 
@@ -260,8 +267,7 @@ class EpochSampler(Sampler):
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        perm = torch.randperm(self.n, generator=generator)[: self.n - self.n % self.world_size]
+        perm = epoch_order(self.n, self.seed, self.epoch)[: self.n - self.n % self.world_size]
         yield from perm[self.rank :: self.world_size][self.start // self.world_size :].tolist()
 
     def __len__(self) -> int:

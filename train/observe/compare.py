@@ -24,27 +24,22 @@ from train.observe.curves import as_number, plot_comparison, read_metrics
 
 # Numbers summarised per group (median over the repeats).
 NUMERIC = (
-    "samples_per_sec",
-    "tokens_per_sec",
-    "step_time_ms",
-    "data_wait_frac",
-    "peak_vram_mb",
-    "vram_total_mb",
-    "vram_pct",
-    "avg_gpu_util",
-    "mfu",
-    "effective_batch_size",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "world_size",
-    "final_loss",
-    "final_val_loss",
+    "samples_per_sec", "tokens_per_sec", "step_time_ms", "data_wait_frac", "peak_vram_mb", "vram_total_mb",
+    "vram_pct", "avg_gpu_util", "mfu", "effective_batch_size", "batch_size", "gradient_accumulation_steps",
+    "world_size", "final_loss", "final_val_loss",
 )
 # Throughput numbers also get their spread, because they are what the verdict rests on.
 SPREAD = ("samples_per_sec", "tokens_per_sec", "step_time_ms")
 # Settings that should match across the sides for samples/s to be like for like ("samples": the
 # budget make compare holds fixed; a different count means the sides trained on different data).
 LIKE_FOR_LIKE = ("model_size", "max_length", "device_name", "samples")
+# What each side did, shown as its runs' values ("/" between repeats that differ): the notes say
+# when the sides differ, as final losses after different numbers of steps or tokens don't compare.
+COUNTS = ("mode", "steps", "tokens")
+# Fewer steady-state steps (after the warm-up ones) than this and a throughput is a guess: on a
+# shared 2-core CPU one step alone varies by more than the +-9 % of whole runs.
+MIN_STEADY_STEPS = 5
+UNITS = {"samples_per_sec": "samples/s", "tokens_per_sec": "tokens/s"}
 
 
 def load_run(path) -> dict:
@@ -125,10 +120,19 @@ def summarise_group(runs: list[dict]) -> dict:
         mid = entry[key]
         entry[f"{key}_min"], entry[f"{key}_max"] = lo, hi
         entry[f"{key}_spread_pct"] = (hi - lo) / 2 / mid * 100 if values and mid else None
-    for key in ("precision", "exit_reason", *LIKE_FOR_LIKE):
+    for key in ("precision", "exit_reason", *LIKE_FOR_LIKE, *COUNTS):
         seen = [str(r["summary"][key]) for r in runs if r["summary"].get(key) is not None]
         entry[key] = "/".join(dict.fromkeys(seen)) or None  # "/" marks repeats that differ
+    steady = [as_number(r["summary"].get("steady_state_steps")) for r in runs]
+    entry["steady_steps"] = min((s for s in steady if s is not None), default=None)  # the weakest repeat
     return entry
+
+
+def headline(entries: list[dict]) -> str:
+    """The throughput the speed-up rests on: tokens/s for SFT, whose rows vary in length (a side
+    of single conversations and one of grouped batches count samples very differently), else
+    samples/s (pretraining rows are all MAX_LENGTH tokens, so the two agree)."""
+    return "tokens_per_sec" if entries and all(e["mode"] == "sft" for e in entries) else "samples_per_sec"
 
 
 def compare_groups(groups: list[list[Path]]) -> dict:
@@ -145,20 +149,20 @@ def compare_groups(groups: list[list[Path]]) -> dict:
         if seen[entry["name"]] > 1:
             entry["name"] = f"{entry['name']} ({seen[entry['name']]})"
 
-    base = entries[0]
+    base, metric = entries[0], headline(entries)
     for entry in entries:
-        sps, base_sps = entry["samples_per_sec"], base["samples_per_sec"]
-        entry["speedup"] = sps / base_sps if sps is not None and base_sps else None
-        entry["within_noise"] = _overlap(base, entry) if entry is not base else None
+        rate, base_rate = entry[metric], base[metric]
+        entry["speedup"] = rate / base_rate if rate is not None and base_rate else None
+        entry["within_noise"] = _overlap(base, entry, metric) if entry is not base else None
 
-    rated = [e for e in entries if e["samples_per_sec"] is not None]
-    fastest = max(rated, key=lambda e: e["samples_per_sec"])["name"] if rated else None
+    rated = [e for e in entries if e[metric] is not None]
+    fastest = max(rated, key=lambda e: e[metric])["name"] if rated else None
     return {
-        "metric": "samples_per_sec",
+        "metric": metric,
         "runs": entries,
         "fastest": fastest,
-        "verdict": verdict(entries),
-        "notes": notes(entries),
+        "verdict": verdict(entries, metric),
+        "notes": notes(entries, metric),
     }
 
 
@@ -167,55 +171,63 @@ def compare_runs(run_dirs: list[Path]) -> dict:
     return compare_groups([[Path(p)] for p in run_dirs])
 
 
-def _overlap(a: dict, b: dict) -> bool | None:
-    """Do the samples/s ranges touch? None when neither side has repeats: one run per side
+def _overlap(a: dict, b: dict, metric: str = "samples_per_sec") -> bool | None:
+    """Do the throughput ranges touch? None when neither side has repeats: one run per side
     says nothing about noise, so singletons never get a noise verdict."""
     if a["n"] < 2 and b["n"] < 2:
         return None
-    if a["samples_per_sec_min"] is None or b["samples_per_sec_min"] is None:
+    if a[f"{metric}_min"] is None or b[f"{metric}_min"] is None:
         return None
-    return max(a["samples_per_sec_min"], b["samples_per_sec_min"]) <= min(
-        a["samples_per_sec_max"], b["samples_per_sec_max"]
-    )
+    return max(a[f"{metric}_min"], b[f"{metric}_min"]) <= min(a[f"{metric}_max"], b[f"{metric}_max"])
 
 
-def verdict(entries: list[dict]) -> str:
+def verdict(entries: list[dict], metric: str = "samples_per_sec") -> str:
     """The line under the table: who is fastest and by how much, or that it is noise."""
-    base = entries[0]
+    base, unit = entries[0], UNITS[metric]
     if len(entries) < 2:
         return "one side only: nothing to compare"
-    missing = [e["name"] for e in entries if e["samples_per_sec"] is None]
+    missing = [e["name"] for e in entries if e[metric] is None]
     if missing:
-        return f"no speed-up: samples/s missing for {', '.join(missing)}"
-    if not base["samples_per_sec"]:
-        return f"no speed-up: {base['name']} has 0 samples/s"
+        return f"no speed-up: {unit} missing for {', '.join(missing)}"
+    if not base[metric]:
+        return f"no speed-up: {base['name']} has 0 {unit}"
     many = len(entries) > 2
     parts = [
-        f"{e['name']} is {e['speedup']:.2f}x {base['name']}"
-        + (" (within noise)" if many and e["within_noise"] else "")
+        f"{e['name']} is {e['speedup']:.2f}x {base['name']}" + (" (within noise)" if many and e["within_noise"] else "")
         for e in entries[1:]
     ]
-    line = "; ".join(parts) + " (samples/s)"
-    fastest = max(entries, key=lambda e: e["samples_per_sec"])
+    line = "; ".join(parts) + f" ({unit})"
+    fastest = max(entries, key=lambda e: e[metric])
     if many:
         return f"{fastest['name']} is fastest: {line}"
     other = entries[1]
     if other["within_noise"]:
-        return f"within noise: {line}, but the samples/s ranges overlap ({_range(base)} vs {_range(other)})"
+        return f"within noise: {line}, but the {unit} ranges overlap ({_range(base, metric)} vs {_range(other, metric)})"
+    if metric != "samples_per_sec" and other["samples_per_sec"] and base["samples_per_sec"]:
+        line += f"; {other['samples_per_sec'] / base['samples_per_sec']:.2f}x in samples/s"
     return line if fastest is other else f"{base['name']} is fastest: {line}"
 
 
-def _range(entry: dict) -> str:
-    return f"{fmt_rate(entry['samples_per_sec_min'])}-{fmt_rate(entry['samples_per_sec_max'])}"
+def _range(entry: dict, metric: str) -> str:
+    return f"{fmt_rate(entry[f'{metric}_min'])}-{fmt_rate(entry[f'{metric}_max'])}"
 
 
-def notes(entries: list[dict]) -> list[str]:
-    """Warnings a reader needs before trusting the speed-up."""
+def notes(entries: list[dict], metric: str = "samples_per_sec") -> list[str]:
+    """Warnings a reader needs before trusting the speed-up or comparing the losses."""
     out = []
     for key in LIKE_FOR_LIKE:
         values = [e[key] for e in entries]
         if len(set(values)) > 1 and all(v is not None for v in values):
-            out.append(f"runs differ in {key} ({' vs '.join(values)}): samples/s are not like for like")
+            out.append(f"runs differ in {key} ({' vs '.join(values)}): {UNITS[metric]} are not like for like")
+    for e in entries:
+        if e["steady_steps"] is not None and e["steady_steps"] < MIN_STEADY_STEPS:
+            out.append(f"{e['name']} has {fmt_int(e['steady_steps'])} steady-state step(s), fewer than {MIN_STEADY_STEPS}: its "
+                       f"{UNITS[metric]} and the speed-up are a guess; train longer (COMPARE_SAMPLES, MAX_STEPS)")
+    for key, what in (("steps", "optimizer steps"), ("tokens", "tokens")):
+        values = [e[key] for e in entries]
+        if len(set(values)) > 1 and all(v is not None for v in values):
+            shown = " vs ".join(fmt_count(v) for v in values)
+            out.append(f"the sides trained different numbers of {what} ({shown}): their final losses are not comparable")
     for e in entries:
         for key in ("precision", *LIKE_FOR_LIKE):
             if e[key] and "/" in e[key] and e["n"] > 1:
@@ -234,6 +246,11 @@ def fmt_rate(x: float | None) -> str:
 
 def fmt_num(x: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def fmt_count(text: str | None) -> str:
+    """A count as the summaries hold it ("7181", or "7181/6536" for repeats that differ), with commas."""
+    return "n/a" if text is None else "/".join(f"{int(v):,}" if v.isdigit() else v for v in text.split("/"))
 
 
 def fmt_pct(frac: float | None) -> str:
@@ -287,6 +304,7 @@ ROWS = (
     ("MFU %", lambda e: fmt_pct(e["mfu"])),
     ("effective batch (= batch x accum)", batch_cell),
     ("precision", lambda e: e["precision"] or "n/a"),
+    ("optimizer steps / tokens", lambda e: f"{fmt_count(e['steps'])} / {fmt_count(e['tokens'])}"),
     ("final loss", lambda e: fmt_num(e["final_loss"], ".4f")),
     ("final val loss", lambda e: fmt_num(e["final_val_loss"], ".4f")),
     ("exit reason", lambda e: e["exit_reason"] or "n/a"),
@@ -294,11 +312,13 @@ ROWS = (
 
 
 def render_markdown(result: dict) -> str:
-    """A side-by-side table, one column per side, then the verdict and any notes."""
+    """A side-by-side table, one column per side (the headline throughput first), then the verdict
+    and any notes."""
     entries = result["runs"]
     header = [""] + [e["name"] + (f" (x{e['n']})" if e["n"] > 1 else "") for e in entries]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(entries) + "|"]
-    for label, cell in ROWS:
+    rows = ROWS if result.get("metric", "samples_per_sec") == "samples_per_sec" else (ROWS[1], ROWS[0], *ROWS[2:])
+    for label, cell in rows:
         lines.append("| " + " | ".join([label] + [cell(e) for e in entries]) + " |")
     lines += ["", result["verdict"]]
     lines += [f"note: {n}" for n in result.get("notes", [])]
@@ -331,26 +351,15 @@ def default_out_dir(result: dict) -> Path:
 def compare_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train compare",
-        description="Side-by-side table of finished runs (Markdown, JSON and PNG). The first run "
-        "(or group) is the baseline of every speed-up.",
+        description="Compare finished run folders side by side and write the table as compare.md, compare.json and "
+        "compare.png. The first run (or group) is the baseline of every speed-up; SFT runs are compared in tokens/s.",
     )
-    parser.add_argument(
-        "runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/baseline runs/optimized"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output folder (default: <parent of first run>/compare/<A>_vs_<B>)",
-    )
-    parser.add_argument(
-        "--group",
-        type=int,
-        default=1,
-        metavar="N",
-        help="consecutive runs are N repeats of one side, in order A1..AN B1..BN; "
-        "each side is shown as its median with the min-max spread",
-    )
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/baseline runs/optimized")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: <parent of first run>/compare/<A>_vs_<B>)")
+    parser.add_argument("--group", type=int, default=1, metavar="N",
+                        help="consecutive runs are N repeats of one side, in order A1..AN B1..BN; "
+                        "each side is shown as its median with the min-max spread")
     args = parser.parse_args(argv)
     if args.group < 1:
         raise UsageError(f"--group must be 1 or more, got {args.group}")

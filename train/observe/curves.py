@@ -141,9 +141,24 @@ def save_png(fig, path: Path) -> None:
     files.atomic_write(path, data.getvalue())
 
 
+def comparison_panels(result: dict) -> tuple[str, ...]:
+    """compare.png's panels: the memory one only where some side measured VRAM (CPU runs have
+    none, and an empty panel with "n/a" says nothing)."""
+    has_vram = any(e["peak_vram_mb"] is not None for e in result["runs"])
+    return ("throughput", "memory", "loss") if has_vram else ("throughput", "loss")
+
+
+def throughput_label(result: dict) -> str:
+    """The bars' unit: the headline metric, "median" only where a side is several runs."""
+    unit = {"tokens_per_sec": "tokens/s"}.get(result.get("metric"), "samples/s")
+    repeats = max(e["n"] for e in result["runs"])
+    return f"{unit} (median of {repeats} runs)" if repeats > 1 else unit
+
+
 def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Path) -> Path:
-    """compare.png: samples/s bars (min-max whiskers for repeats), peak VRAM bars, and loss
-    against samples seen for every run (val loss as markers), one colour per side.
+    """compare.png: throughput bars (the headline metric; min-max whiskers for repeats), peak
+    VRAM bars where measured, and loss against samples seen for every run (val loss as markers),
+    one colour per side.
 
     result is compare.compare_groups()'s output; curves maps each side's name to the metrics
     rows of its runs. Unlike plot_curves this raises: the user asked for this file.
@@ -151,41 +166,41 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    entries = result["runs"]
+    entries, metric = result["runs"], result.get("metric", "samples_per_sec")
     names = [e["name"] for e in entries]
     colors = [f"C{i % 10}" for i in range(len(entries))]
-    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    panels = comparison_panels(result)
+    fig = Figure(figsize=(5 * len(panels), 4.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_sps, ax_mem, ax_loss = fig.subplots(1, 3)
+    axes = dict(zip(panels, fig.subplots(1, len(panels)), strict=True))
+    ax_sps, ax_loss = axes["throughput"], axes["loss"]
 
-    sps = [e["samples_per_sec"] or 0.0 for e in entries]
-    # Whiskers from min to max of the repeats; zero length for single runs.
-    lo = [max(0.0, (e["samples_per_sec"] or 0.0) - (e["samples_per_sec_min"] or 0.0)) for e in entries]
-    hi = [max(0.0, (e["samples_per_sec_max"] or 0.0) - (e["samples_per_sec"] or 0.0)) for e in entries]
-    bars = ax_sps.bar(names, sps, color=colors, yerr=[lo, hi], capsize=6)
+    rate = [e[metric] or 0.0 for e in entries]
+    # Whiskers from min to max of the repeats.
+    lo = [max(0.0, (e[metric] or 0.0) - (e[f"{metric}_min"] or 0.0)) for e in entries]
+    hi = [max(0.0, (e[f"{metric}_max"] or 0.0) - (e[metric] or 0.0)) for e in entries]
+    repeats = any(e["n"] > 1 for e in entries)  # a single run has no spread to draw
+    bars = ax_sps.bar(names, rate, color=colors, yerr=[lo, hi] if repeats else None, capsize=6)
     labels = [
-        "n/a"
-        if e["samples_per_sec"] is None
-        else f"{e['samples_per_sec']:.1f}" + (f"\n{e['speedup']:.2f}x" if e["speedup"] is not None else "")
+        "n/a" if e[metric] is None
+        else f"{e[metric]:,.1f}" + (f"\n{e['speedup']:.2f}x" if e["speedup"] is not None else "")
         for e in entries
-    ]
+    ]  # fmt: skip
     ax_sps.bar_label(bars, labels=labels, label_type="center")
-    ax_sps.set_ylabel("samples/s (median)")
+    ax_sps.set_ylabel(throughput_label(result))
     ax_sps.set_title("throughput")
 
-    mem = [e["peak_vram_mb"] or 0.0 for e in entries]
-    bars = ax_mem.bar(names, mem, color=colors)
-    labels = [
-        "n/a"
-        if e["peak_vram_mb"] is None
-        else f"{e['peak_vram_mb']:,.0f}" + (f"\n{e['vram_pct']:.0f} %" if e["vram_pct"] is not None else "")
-        for e in entries
-    ]
-    ax_mem.bar_label(bars, labels=labels, label_type="edge" if any(mem) else "center")
-    if not any(mem):
-        ax_mem.set_ylim(0, 1)  # CPU runs: no VRAM; keep the panel, show n/a, not an empty error
-    ax_mem.set_ylabel("peak VRAM MB")
-    ax_mem.set_title("memory")
+    if "memory" in axes:
+        mem = [e["peak_vram_mb"] or 0.0 for e in entries]
+        bars = axes["memory"].bar(names, mem, color=colors)
+        labels = [
+            "n/a" if e["peak_vram_mb"] is None
+            else f"{e['peak_vram_mb']:,.0f}" + (f"\n{e['vram_pct']:.0f} %" if e["vram_pct"] is not None else "")
+            for e in entries
+        ]  # fmt: skip
+        axes["memory"].bar_label(bars, labels=labels, label_type="edge")
+        axes["memory"].set_ylabel("peak VRAM MB")
+        axes["memory"].set_title("memory")
 
     for n, entry in enumerate(entries):
         color = colors[n]
@@ -207,6 +222,7 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
     ax_loss.grid(alpha=0.3)
     if ax_loss.get_legend_handles_labels()[0]:
         ax_loss.legend()
-    fig.suptitle(result.get("verdict", ""))
+    note = "" if "memory" in axes else "\n(no memory panel: these runs measured no GPU memory)"
+    fig.suptitle(result.get("verdict", "") + note)
     save_png(fig, Path(path))
     return Path(path)

@@ -98,7 +98,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
         finish(b, run_dir, summary, world)  # final/, then summary.json
         mirror.summary(summary)
         plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
-        report.closing(summary, run_dir, say)
+        report.closing(summary, run_dir, say, cfg.run.launcher)
     finally:
         mirror.close()
         run_dir.close()

@@ -246,8 +246,10 @@ def autotune_main(argv: list[str]) -> int:
     """`python -m train autotune [--steps N] [--skip compile,workers] [training flags]`."""
     from train.config.flags import parse_training_args
 
-    if wants_help("autotune", f"[--steps N ({TRIAL_STEPS})] [--skip {','.join(DIMENSIONS)}] [training flags]: "
-                  "timed trials, a ranked table, the winner in OUTPUT_DIR/autotune.env", argv):
+    if wants_help("autotune", "time short trials of batch x accumulation, workers, precision and compile, rank them "
+                  "and write the winner to OUTPUT_DIR/autotune.env", argv, (
+                      ("--steps N", f"optimizer steps per trial (default {TRIAL_STEPS})"),
+                      ("--skip LIST", f"dimensions to leave as they are, comma-separated: {','.join(DIMENSIONS)}"))):
         return 0
     parser = argparse.ArgumentParser(prog="python -m train autotune", add_help=False, allow_abbrev=False)
     parser.add_argument("--steps", default=str(TRIAL_STEPS))

@@ -207,8 +207,10 @@ def doctor_main(argv: list[str]) -> int:
     from train.config.flags import parse_training_args
     from train.tools.find_batch import wants_help
 
-    if wants_help("doctor", f"[--apply] [--steps N ({DOCTOR_STEPS})] [training flags]: a short profiled run, "
-                  "a verdict, and with --apply the fix tried", argv):
+    if wants_help("doctor", "profile a short run of your settings, say what limits it and what to change, and with "
+                  "--apply try the change", argv, (
+                      ("--apply", "run the suggested change as a second profiled run and show before/after"),
+                      ("--steps N", f"optimizer steps per profiled run (default {DOCTOR_STEPS}, at least 2)"))):
         return 0
     parser = argparse.ArgumentParser(prog="python -m train doctor", add_help=False, allow_abbrev=False)
     parser.add_argument("--apply", action="store_true", help="run the suggested fix and show before/after")

@@ -273,14 +273,23 @@ def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
     return Chosen(result.batch_size, result.gradient_accumulation_steps, f"AUTO_BATCH=1: {why}")
 
 
-def wants_help(command: str, usage: str, argv: list[str]) -> bool:
-    """-h/--help for a tool command: its own usage, then the training flags it takes."""
+def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -> bool:
+    """-h/--help for a tool command: its own usage, then its own flags (options: (flag, help)
+    pairs) listed apart, then the training flags it takes."""
     if not {"-h", "--help"} & set(argv):
         return False
     from train.config.flags import training_parser
 
-    print(f"usage: python -m train {command} {usage}\n")
-    training_parser(command).print_help()
+    parser = training_parser(command)
+    parser.description = f"{usage[0].upper()}{usage[1:]}. {parser.description}"
+    parser.usage = "%(prog)s " + "".join(f"[{flag}] " for flag, _ in options) + "[training flags]"  # its own first
+    if options:
+        own = parser.add_argument_group(f"{command}'s own flags")
+        for flag, text in options:
+            name, _, metavar = flag.partition(" ")
+            kind = {"metavar": metavar} if metavar else {"action": "store_true"}
+            own.add_argument(name, help=text.replace("%", "%%"), **kind)
+    parser.print_help()
     return True
 
 
@@ -288,8 +297,8 @@ def find_batch_main(argv: list[str]) -> int:
     """`python -m train find-batch [training flags]`: search, print the variables, save them."""
     from train.config.flags import parse_training_args
 
-    if wants_help("find-batch", "[training flags]: the fastest micro-batch that fits TARGET_VRAM, "
-                  "effective batch kept; saved for AUTO_BATCH=1", argv):
+    if wants_help("find-batch", "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective batch, "
+                  "and save it for AUTO_BATCH=1", argv):
         return 0
     cfg = parse_training_args("pretrain", argv)
     result = find_everywhere(cfg, print)

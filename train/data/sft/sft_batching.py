@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Sampler
 
 from train.core.units import IGNORE_INDEX
+from train.data.text import epoch_order
 
 BUCKETS = 8  # a static graph per width: few compiles, each within dynamo's recompile limit
 BUCKET_RATIO = 1.5  # each width at most 1.5x the one below: a row pads to at most 1.5x itself
@@ -134,9 +135,13 @@ class LengthGroupedSampler(Sampler[int]):
     """DataLoader(sampler=..., batch_size=batch_size): an order in which each run of batch_size
     indices has similar lengths, so PadCollator pads little, yet the epoch stays random.
 
-    Shuffle, cut into mega-batches of mega_batch_mult x batch_size, sort each by length, split
-    into batches, shuffle the batches. Deterministic for (seed, epoch); call set_epoch each
-    epoch. The one short batch (if len % batch_size) stays last so batches never straddle.
+    Take the epoch's seeded order (the plain sampler's), cut into mega-batches of
+    mega_batch_mult x batch_size, sort each by length, split into batches, shuffle the batches.
+    Deterministic for (seed, epoch); call set_epoch each epoch. The one short batch (if len %
+    batch_size) stays last so batches never straddle. budget: the samples a run trains in all;
+    an epoch it ends in groups the first ones of the order it reaches (rounded up to whole
+    batches) among themselves and serves them first, so the run trains the same samples as a
+    plain run with that budget, only batched differently (the same tokens, make compare-sft).
     """
 
     def __init__(
@@ -146,34 +151,47 @@ class LengthGroupedSampler(Sampler[int]):
         seed: int = 0,
         epoch: int = 0,
         mega_batch_mult: int = 50,
+        budget: int | None = None,
     ):
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = (
-            batch_size,
-            seed,
-            epoch,
-            mega_batch_mult,
-        )
+        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = batch_size, seed, epoch, mega_batch_mult
+        self.budget = budget
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _head(self, n: int) -> int:
+        """How many samples of this epoch's order the budget reaches (n: no budget ends here)."""
+        if self.budget is None:
+            return n
+        left = self.budget - self.epoch * (n // self.batch_size * self.batch_size)
+        return n if left <= 0 else min(n, -(-left // self.batch_size) * self.batch_size)
+
     def batches(self) -> list[list[int]]:
-        if len(self.lengths) == 0:
+        n = len(self.lengths)
+        if n == 0:
             return []
         rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.lengths))
+        order = epoch_order(n, self.seed, self.epoch).numpy()
+        head = self._head(n)
+        out: list[list[int]] = []
+        for part in (order[:head], order[head:]):
+            batches = self._grouped(part)
+            if not batches:
+                continue
+            tail = [batches.pop()] if len(batches[-1]) < self.batch_size else []
+            rng.shuffle(batches)
+            out += (_longest_first(batches, self.lengths) if batches else []) + tail
+        return out
+
+    def _grouped(self, order: np.ndarray) -> list[list[int]]:
         mega = self.batch_size * self.mega_batch_mult
         batches: list[list[int]] = []
         for lo in range(0, len(order), mega):
             chunk = order[lo : lo + mega]
             chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            batches += [
-                chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)
-            ]
-        tail = [batches.pop()] if len(batches[-1]) < self.batch_size else []
-        rng.shuffle(batches)
-        return _longest_first(batches, self.lengths) + tail if batches else tail
+            batches += [chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)]
+        return batches
 
     def __iter__(self) -> Iterator[int]:
         for batch in self.batches():

@@ -14,7 +14,9 @@ import math
 import time
 
 import torch
+from torch.utils.data import Subset
 
+from train.data.holdout import VAL_ROWS
 from train.data.loader import make_val_loader
 from train.distributed import distributed, parallel
 
@@ -66,15 +68,17 @@ class Evaluator:
         self.b, self.run_dir, self.say = b, run_dir, say
         self.micro_batch = micro_batch or (lambda: b.cfg.optim.batch_size)
         run = b.cfg.run
-        self.every, self.batches, self.keep_best = run.eval_every, run.eval_batches, run.keep_best
+        self.every, self.keep_best = run.eval_every, run.keep_best
         dataset = getattr(b, "val_dataset", None)
+        # EVAL_BATCHES x 8 sequences a pass, in rows of 8 as the held-out set is sized: the same
+        # sequences whatever BATCH_SIZE (compare-sft's batch 1 read 20 where batch 16 read 160).
+        self.sequences = 0 if dataset is None else min(len(dataset), run.eval_batches * VAL_ROWS)
+        if dataset is not None and self.sequences < len(dataset):
+            dataset = Subset(dataset, range(self.sequences))
         self.dataset, self.collate_fn = dataset, collate_fn
-        self.loader = (
-            None
-            if dataset is None
-            else make_val_loader(dataset, b.cfg.optim.batch_size, b.device, collate_fn)
-        )
-        self.sequences = self.batches * b.cfg.optim.batch_size  # the same held-out sequences every pass
+        batch_size = b.cfg.optim.batch_size
+        self.loader = None if dataset is None else make_val_loader(dataset, batch_size, b.device, collate_fn)
+        self.batches = -(-self.sequences // batch_size)  # the last one partial
         self.last = self.best = self.best_step = None
         self.passes, self.seconds = 0, 0.0
 

@@ -23,7 +23,9 @@ from train.run.loop.evaluate import Evaluator
 def data_loader(b, batch_size: int):
     """(loader, sampler) for this run at a micro-batch, from the one loader factory."""
     w = b.world
-    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, b.collate, w.rank, w.world_size)
+    budget = b.total_steps * b.cfg.effective_batch_size(w.world_size)  # samples the whole run trains
+    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, b.collate, w.rank, w.world_size,
+                       budget=budget)
 
 
 @dataclass

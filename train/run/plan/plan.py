@@ -79,6 +79,12 @@ class Decisions:
         self.say, self.items = say, []
 
     def __call__(self, setting: str, value, reason: str) -> None:
+        earlier = next((d for d in self.items if d["setting"] == setting), None)
+        if earlier is not None and earlier["value"] == value:
+            # Confirmed by a later check (workers capped to the cores, then kept by free RAM): one
+            # line said it; config.json keeps both reasons.
+            earlier["reason"] += f"; {reason}"
+            return
         self.items.append({"setting": setting, "value": value, "reason": reason})
         self.say(f"  {setting} = {value}  ({reason})")
 
@@ -140,6 +146,23 @@ def resolve_pacing(cfg: TrainConfig, total_steps: int, decide: Decisions) -> int
     return warmup
 
 
+def sized_validation(cfg: TrainConfig, val, total_steps: int, world: Dist, decide: Decisions):
+    """The held-out set a short run evaluates: no more sequences than the run trains on, so its
+    end-of-run pass is not the run's longest part (a 5-step SFT run spent 67 s evaluating after 72 s
+    of training). The first ones, the same for any BATCH_SIZE: runs compared on one sample budget
+    evaluate the same sequences. TOKEN_BUDGET steps vary in rows, so those runs keep the whole set."""
+    if val is None or cfg.data.token_budget is not None:
+        return val
+    trained = total_steps * cfg.effective_batch_size(world.world_size)
+    if trained >= len(val):
+        return val
+    decide("eval_size", f"{trained} of {len(val)} held-out sequences", f"a short run: no more than the {trained} it "
+           "trains on (the first ones, the same whatever BATCH_SIZE); a longer run evaluates them all")
+    if isinstance(val, torch.utils.data.Subset):  # a split of the stream: keep its indices into it
+        return torch.utils.data.Subset(val.dataset, val.indices[:trained])
+    return torch.utils.data.Subset(val, range(trained))
+
+
 def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
     """DDP or FSDP2 sharding, where several processes (or SHARDING) are in play."""
     how = describe(world, cfg.system.sharding, cfg.system.offload_optimizer)
@@ -172,6 +195,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     total_steps, why = source.steps(cfg, data, world.world_size, say, decide)
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
+    val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
     model = source.finish_model(cfg, device)
     frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/core/freeze.py)
     if frozen:
@@ -182,5 +206,5 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
         cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
         model=model, tokenizer=data.tokenizer, dataset=data.dataset, total_steps=total_steps,
         warmup_steps=warmup, decisions=tuple(decide.items), world=world, collate=data.collate,
-        summary_extra=MappingProxyType(data.summary), val_dataset=data.val_dataset, val_collate=data.val_collate,
+        summary_extra=MappingProxyType(data.summary), val_dataset=val_dataset, val_collate=data.val_collate,
     )

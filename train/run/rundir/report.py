@@ -139,8 +139,21 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     return distributed.add_rank_figures(record, b.world, device)
 
 
-def closing(s: dict, run_dir, say) -> None:
-    """The run's last lines on the console: figures, validation, memory, what to change, outputs."""
+LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast")
+
+
+def resume_line(run_name: str, launcher: str | None) -> str:
+    """How to continue an interrupted run: the launcher that started it, or the same command."""
+    if launcher in LAUNCHER_SCRIPTS:
+        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh (with this run's other settings)"
+    else:
+        how = f"the same command with --resume 1 --run_name {run_name}"
+    return f"interrupted: to continue from the last checkpoint, run {how}"
+
+
+def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
+    """The run's last lines on the console: figures, validation, memory, what to change, outputs,
+    and for an interrupted run how to resume it (the last line)."""
 
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
@@ -165,6 +178,8 @@ def closing(s: dict, run_dir, say) -> None:
     names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "tensorboard/", "final/", "best/", "checkpoints/")
     written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
     say(f"outputs: {run_dir.path}/ ({written})")
+    if s.get("exit_reason") == "interrupted":
+        say(resume_line(run_dir.path.name, launcher))
 
 
 def _version(package: str) -> str | None:

@@ -1,0 +1,76 @@
+"""Every knob a user sets sits at the top of each launcher (issue 28, item 5): the list is derived
+from config.py (its fields and markers), so a knob added there and missing here fails this test."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import config
+from conftest import ROOT
+from train.config import knobs
+
+PRETRAIN = ("run_single_gpu.sh", "run_single_gpu_optimized.sh")
+SFT = ("train_sft_custom.sh", "quick_start_sft_fast.sh")
+# Fields that do not apply to SFT, which fine-tunes MODEL_PATH with its own tokenizer (the reason).
+NOT_FOR_SFT = {
+    "model_size": "SFT fine-tunes MODEL_PATH at its own size (the run says MODEL_SIZE is ignored)",
+    "model_family": "MODEL_PATH's config.json decides the family",
+    "model_config": "SFT refuses it: it builds a new model for pretraining",
+    "text_field": "pretraining's text column; SFT reads conversation formats",
+    "vocab_size": "the BPE trained for pretraining; SFT uses MODEL_PATH's tokenizer",
+    "tokenizer_sample_mb": "the BPE trained for pretraining; SFT uses MODEL_PATH's tokenizer",
+}
+# Launcher variables that are no config field: the guides' precision switches and torchrun's count.
+NOT_FIELDS = ("ENABLE_FP16", "ENABLE_BF16", "NPROC_PER_NODE")
+KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-[^}]*\}\s*(#\s*\S.*)?$")
+
+
+def expected(mode: str) -> set[str]:
+    """The launcher variables of every config field a user sets in this mode."""
+    names = [n for n in config.FIELD_SECTION if n not in knobs.marked("command")]
+    if mode == "pretrain":
+        names = [n for n in names if n not in knobs.marked("sft")]
+    else:
+        names = [n for n in names if n not in NOT_FOR_SFT]
+    return {knobs.env_name(n) for n in names} | set(NOT_FIELDS)
+
+
+def top(text: str) -> dict[str, str]:
+    """{VARIABLE: its comment} of the knob lines above `source .../common.sh`, in groups."""
+    head = text.split("source ", 1)[0]
+    found, group = {}, None
+    for line in head.splitlines():
+        if line.startswith("# ---- "):
+            group = line
+        match = KNOB_LINE.match(line)
+        if match and group is not None:
+            found[match.group(1)] = match.group(2) or ""
+    return found
+
+
+def missing(text: str, mode: str) -> set[str]:
+    return expected(mode) - set(top(text))
+
+
+@pytest.mark.parametrize("script", PRETRAIN + SFT)
+def test_every_knob_of_config_py_is_at_the_top(script):
+    mode = "pretrain" if script in PRETRAIN else "sft"
+    text = (ROOT / script).read_text()
+    assert missing(text, mode) == set(), f"{script}: add a commented line in its group for each"
+    lines = top(text)
+    assert [name for name, comment in lines.items() if not comment] == []  # every knob says what it does
+    if mode == "pretrain":  # SFT-only knobs would be refused there, one line each
+        sft_only = {knobs.env_name(n) for n in knobs.marked("sft")}
+        assert sft_only and not sft_only & set(lines)
+
+
+def test_a_knob_missing_at_the_top_is_named():
+    text = (ROOT / "run_single_gpu.sh").read_text()
+    without = re.sub(r"^PIN_MEMORY=.*\n", "", text, flags=re.M)
+    assert missing(without, "pretrain") == {"PIN_MEMORY"}
+    ungrouped = text.replace("# ---- ", "# ")  # lines outside the groups do not count
+    assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
+    assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
+    assert "MODEL_SIZE" not in expected("sft") and set(NOT_FOR_SFT) <= set(config.FIELD_SECTION)
