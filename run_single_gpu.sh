@@ -12,6 +12,8 @@ MODEL_FAMILY=${MODEL_FAMILY:-}          # gpt2 | t5 (encoder-decoder, span corru
 MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers config.json (or its folder) to train from scratch instead of MODEL_SIZE
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): far less activation memory, ~30 % slower
 COMPILE=${COMPILE:-}                    # 1: torch.compile the model (pays off in runs of more than a few minutes on a GPU)
+FREEZE=${FREEZE:-}                      # parameters left untrained: embeddings | encoder | decoder | lm_head or name patterns; empty: none
+GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings saved into final/generation_config.json
 
 # ---- data ----
 DATA_PATH=${DATA_PATH:-}                # .txt/.md, .jsonl(.gz), .parquet, Arrow folder, or a folder/glob of them; empty: built-in
@@ -49,6 +51,8 @@ TARGET_VRAM=${TARGET_VRAM:-}            # share of memory find-batch / AUTO_BATC
 LEARNING_RATE=${LEARNING_RATE:-}        # empty: 6e-4
 MIN_LR_RATIO=${MIN_LR_RATIO:-}          # the cosine schedule ends at LEARNING_RATE x this; empty: 0.1
 WARMUP_STEPS=${WARMUP_STEPS:-}          # linear warm-up steps; empty: 5 % of the run, at most 200
+OPTIMIZER=${OPTIMIZER:-}                # adamw | adafactor | sgd; empty: adamw
+LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle (after WARMUP_STEPS); empty: cosine
 WEIGHT_DECAY=${WEIGHT_DECAY:-}          # AdamW weight decay on matrices; empty: 0.1
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this (0: off); empty: 1.0
 LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE with the effective batch; empty: none

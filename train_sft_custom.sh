@@ -13,14 +13,30 @@ fi
 # Every knob of config.py that applies here, grouped; each maps to one flag of `python -m train sft`
 # (README's knob table). Empty: the launcher's preset (sft), else config.py's default.
 # ---- model ----
-MODEL_PATH=${MODEL_PATH:-}              # local causal-LM or encoder-decoder (T5, BART) folder; empty: newest completed pretraining run's final/
+MODEL_PATH=${MODEL_PATH:-}              # local causal-LM or encoder-decoder (T5, BART) folder; empty (and no MODEL_SIZE / MODEL_CONFIG): newest completed pretraining run's final/
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # 1: let MODEL_PATH run the code it ships
+MODEL_SIZE=${MODEL_SIZE:-}              # set (instead of MODEL_PATH): a NEW model of this size trained from scratch on the pairs
+MODEL_FAMILY=${MODEL_FAMILY:-}          # gpt2 | t5: what MODEL_SIZE builds; empty: gpt2
+MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers config.json (or folder): a NEW model of it, trained from scratch
+LORA_R=${LORA_R:-}                      # LoRA rank (8-64 usual): adapters train, the model stays frozen; empty or 0: full fine-tuning
+LORA_ALPHA=${LORA_ALPHA:-}              # LoRA's scale is LORA_ALPHA / LORA_R; empty: 2 x LORA_R
+LORA_DROPOUT=${LORA_DROPOUT:-}          # dropout on the adapters' input; empty: 0.05
+LORA_TARGETS=${LORA_TARGETS:-}          # layer names LoRA adapts (comma-separated, or all-linear); empty: the architecture's
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): far less activation memory, ~30 % slower
 COMPILE=${COMPILE:-}                    # 1: torch.compile the model (pays off in runs of more than a few minutes on a GPU)
+FREEZE=${FREEZE:-}                      # parameters left untrained: embeddings | encoder | decoder | lm_head or name patterns; empty: none
+GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings saved into final/generation_config.json
 
 # ---- data ----
 DATA_PATH=${DATA_PATH:-}                # .json/.jsonl/.parquet or Arrow folder: alpaca, messages, ShareGPT, prompt/response; empty: built-in
 TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local tokenizer folder; empty: MODEL_PATH's own
+TEXT_FIELD=${TEXT_FIELD:-}              # a record holding only this field is plain text, trained whole; empty: text
+VOCAB_SIZE=${VOCAB_SIZE:-}              # the BPE trained for a NEW model (MODEL_SIZE / MODEL_CONFIG, no TOKENIZER_PATH); empty: 8192
+TOKENIZER_SAMPLE_MB=${TOKENIZER_SAMPLE_MB:-} # MB of the data's text that BPE trains on; empty: 100
+TEMPLATE=${TEMPLATE:-}                  # builtin | tokenizer | none | a Jinja file; empty: the tokenizer's own, else builtin
+LOSS_ON=${LOSS_ON:-}                    # assistant | all; empty: assistant (the replies only)
+TRUNCATION=${TRUNCATION:-}              # keep_end | keep_start: which end of an over-long prompt is kept; empty: keep_end
+REASONING=${REASONING:-}                # keep | drop: an assistant turn's reasoning_content; empty: keep
 SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # 1: skip unusable records and print how many
 TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes that tokenize into the SFT cache (once); empty: every core
 MAX_RECORD_MB=${MAX_RECORD_MB:-}        # longest JSONL record read, in MB; empty: 64
@@ -55,6 +71,8 @@ TARGET_VRAM=${TARGET_VRAM:-}            # share of memory find-batch / AUTO_BATC
 LEARNING_RATE=${LEARNING_RATE:-}        # empty: 1e-4 (preset sft); 2e-5 for a well-trained model of 1B+
 MIN_LR_RATIO=${MIN_LR_RATIO:-}          # the cosine schedule ends at LEARNING_RATE x this; empty: 0.1
 WARMUP_STEPS=${WARMUP_STEPS:-}          # linear warm-up steps; empty: 5 % of the run, at most 200
+OPTIMIZER=${OPTIMIZER:-}                # adamw | adafactor | sgd; empty: adamw
+LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle (after WARMUP_STEPS); empty: cosine
 WEIGHT_DECAY=${WEIGHT_DECAY:-}          # AdamW weight decay on matrices; empty: 0.0 (preset sft)
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this (0: off); empty: 1.0
 LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE with the effective batch; empty: none

@@ -13,15 +13,9 @@ from train.config import knobs
 
 PRETRAIN = ("run_single_gpu.sh", "run_single_gpu_optimized.sh")
 SFT = ("train_sft_custom.sh", "quick_start_sft_fast.sh")
-# Fields that do not apply to SFT, which fine-tunes MODEL_PATH with its own tokenizer (the reason).
-NOT_FOR_SFT = {
-    "model_size": "SFT fine-tunes MODEL_PATH at its own size (the run says MODEL_SIZE is ignored)",
-    "model_family": "MODEL_PATH's config.json decides the family",
-    "model_config": "SFT refuses it: it builds a new model for pretraining",
-    "text_field": "pretraining's text column; SFT reads conversation formats",
-    "vocab_size": "the BPE trained for pretraining; SFT uses MODEL_PATH's tokenizer",
-    "tokenizer_sample_mb": "the BPE trained for pretraining; SFT uses MODEL_PATH's tokenizer",
-}
+# Fields that do not apply to SFT (the reason). None now: SFT builds a new model of MODEL_SIZE /
+# MODEL_FAMILY / MODEL_CONFIG with a BPE of VOCAB_SIZE, and reads plain-text records by TEXT_FIELD.
+NOT_FOR_SFT: dict[str, str] = {}
 # Launcher variables that are no config field: the guides' precision switches and torchrun's count.
 NOT_FIELDS = ("ENABLE_FP16", "ENABLE_BF16", "NPROC_PER_NODE")
 KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-[^}]*\}\s*(#\s*\S.*)?$")
@@ -39,7 +33,7 @@ def expected(mode: str) -> set[str]:
 
 def top(text: str) -> dict[str, str]:
     """{VARIABLE: its comment} of the knob lines above `source .../common.sh`, in groups."""
-    head = text.split("source ", 1)[0]
+    head = re.split(r"^source ", text, maxsplit=1, flags=re.M)[0]
     found, group = {}, None
     for line in head.splitlines():
         if line.startswith("# ---- "):
@@ -73,4 +67,4 @@ def test_a_knob_missing_at_the_top_is_named():
     ungrouped = text.replace("# ---- ", "# ")  # lines outside the groups do not count
     assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
     assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
-    assert "MODEL_SIZE" not in expected("sft") and set(NOT_FOR_SFT) <= set(config.FIELD_SECTION)
+    assert "MODEL_SIZE" in expected("sft") and set(NOT_FOR_SFT) <= set(config.FIELD_SECTION)
