@@ -29,8 +29,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
 SHELL_FENCES = ("```bash", "```sh", "```shell")
 # The tiny base every tested block runs on; a block's marker (and its own settings) come on top.
+# No MODEL_SIZE: SFT would read it as "build a new model" beside MODEL_PATH (refused).
 BASE = {
-    "MODEL_SIZE": "nano", "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
+    "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
     "TOKENIZE_WORKERS": "1", "EVAL_BATCHES": "2", "LOG_EVERY": "1",
 }  # fmt: skip
 SFT_PAIRS = [("Add two numbers.", "def add(a, b):\n    return a + b"), ("Say hi.", "Hi!"), ("Name a colour.", "Blue.")]
