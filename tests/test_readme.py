@@ -28,8 +28,8 @@ from conftest import ROOT, TINY_CONFIG, make_text
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
 SHELL_FENCES = ("```bash", "```sh", "```shell")
-# The tiny base every tested block runs on (no MODEL_SIZE: SFT refuses it beside MODEL_PATH; the blocks that
-# build a model name their own); a block's marker (and its own settings) come on top.
+# The tiny base every tested block runs on; a block's marker (and its own settings) come on top.
+# No MODEL_SIZE: SFT would read it as "build a new model" beside MODEL_PATH (refused).
 BASE = {
     "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
     "TOKENIZE_WORKERS": "1", "EVAL_BATCHES": "2", "LOG_EVERY": "1",
