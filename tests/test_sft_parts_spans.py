@@ -46,3 +46,18 @@ def test_records_train_exactly_their_replies(record, trained, untrained, tok, tm
     text = tok.decode(example["input_ids"])
     assert all(piece in text for piece in untrained)
     assert "Not trained." not in text  # v1: a trailing turn of weight 0 only cost tokens, so it is dropped
+
+
+def test_llama_factory_history_and_record_system_are_turns(tmp_path):
+    """LLaMA-Factory's alpaca "history" pairs and a record-level "system" (alpaca, ShareGPT) were dropped."""
+    from train.data.sft.sft_formats import to_conversation
+
+    alpaca = {"system": "Be kind.", "instruction": "And 3?", "input": "", "output": "Odd.",
+              "history": [["Is 2 even?", "Yes."]]}  # fmt: skip
+    assert [(t["role"], t["content"]) for t in to_conversation(alpaca, "alpaca")] == [
+        ("system", "Be kind."), ("user", "Is 2 even?"), ("assistant", "Yes."), ("user", "And 3?"), ("assistant", "Odd.")]
+    share = {"system": "Be brief.", "tools": "[]",
+             "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}  # fmt: skip
+    assert [t["role"] for t in to_conversation(share, "sharegpt")] == ["system", "user", "assistant"]
+    with pytest.raises(ValueError, match="'history' is not a list of"):
+        to_conversation({**alpaca, "history": ["loose"]}, "alpaca")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.sft.sft_turns import TEXT_ROLE, BadRecord, text, turns
+from train.data.sft.sft_turns import TEXT_ROLE, TOOLS_ROLE, BadRecord, text, turns
 
 TEXT_FIELD = "text"  # DataConfig.text_field's default
 
@@ -40,15 +40,28 @@ class Format:
     convert: Callable[[dict, str], list[dict]]  # (record, TEXT_FIELD) -> a conversation (sft_turns' shape)
 
 
+def _with_system(record: dict, conv: list[dict]) -> list[dict]:
+    """A record-level "system" (LLaMA-Factory's alpaca and ShareGPT columns) as the first turn."""
+    if record.get("system") and not any(turn["role"] == "system" for turn in conv):
+        at = 1 if conv and conv[0]["role"] == TOOLS_ROLE else 0  # after the tools list, which opens a conversation
+        conv.insert(at, {"role": "system", "content": text(record["system"], "'system'")})
+    return conv
+
+
 def _alpaca(record: dict, _field: str) -> list[dict]:
     prompt = text(record["instruction"], "'instruction'")
     extra = text(record.get("input") or "", "'input'")
     if extra.strip():
         prompt = f"{prompt}\n\n{extra}"
-    conv = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text(record["output"], "'output'")}]
-    if record.get("system"):
-        conv.insert(0, {"role": "system", "content": text(record["system"], "'system'")})
-    return conv
+    conv = []  # LLaMA-Factory's "history": [[instruction, response], ...] turns before this one, trained too
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):
+        raise BadRecord("'history' is not a list of [instruction, response] pairs")
+    for i, (asked, answered) in enumerate(history, 1):
+        conv += [{"role": "user", "content": text(asked, f"'history' pair {i}")},
+                 {"role": "assistant", "content": text(answered, f"'history' pair {i}")}]  # fmt: skip
+    conv += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text(record["output"], "'output'")}]
+    return _with_system(record, conv)
 
 
 def _prompt_response(record: dict, _field: str) -> list[dict]:
@@ -74,13 +87,13 @@ FORMATS = {
             "messages",
             "messages: [{role, content}], tools",
             lambda r, _: isinstance(r.get("messages"), list),
-            lambda r, _: turns(r["messages"], "role", "content", r.get("tools")),
+            lambda r, _: _with_system(r, turns(r["messages"], "role", "content", r.get("tools"))),
         ),
         Format(
             "sharegpt",
             "conversations: [{from, value}], tools",
             lambda r, _: isinstance(r.get("conversations"), list),
-            lambda r, _: turns(r["conversations"], "from", "value", r.get("tools")),
+            lambda r, _: _with_system(r, turns(r["conversations"], "from", "value", r.get("tools"))),
         ),
         Format("alpaca", "instruction/input/output", lambda r, _: "instruction" in r and "output" in r, _alpaca),
         Format("prompt_response", "prompt/response", lambda r, _: "prompt" in r and "response" in r, _prompt_response),
