@@ -61,3 +61,14 @@ def test_llama_factory_history_and_record_system_are_turns(tmp_path):
     assert [t["role"] for t in to_conversation(share, "sharegpt")] == ["system", "user", "assistant"]
     with pytest.raises(ValueError, match="'history' is not a list of"):
         to_conversation({**alpaca, "history": ["loose"]}, "alpaca")
+
+
+def test_trl_prompt_completion_records_are_read():
+    from train.data.sft.sft_formats import detect_format, to_conversation
+
+    plain = {"prompt": "2 + 2 =", "completion": " 4"}
+    chat = {"prompt": [{"role": "user", "content": "2 + 2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+    for record in (plain, chat):
+        assert detect_format(record) == "prompt_completion"
+        assert [t["role"] for t in to_conversation(record, "prompt_completion")] == ["user", "assistant"]
+    assert to_conversation(plain, "prompt_completion")[1]["content"] == " 4"

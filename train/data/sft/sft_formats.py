@@ -71,6 +71,15 @@ def _prompt_response(record: dict, _field: str) -> list[dict]:
     ]
 
 
+def _prompt_completion(record: dict, _field: str) -> list[dict]:
+    """TRL's prompt-completion records: two strings, or two lists of messages (its conversational form)."""
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return turns(prompt + completion, "role", "content", record.get("tools"))
+    return [{"role": "user", "content": text(prompt, "'prompt'")},
+            {"role": "assistant", "content": text(completion, "'completion'")}]  # fmt: skip
+
+
 def _plain_text(record: dict, field: str) -> list[dict]:
     content = text(record[field], f"'{field}' (TEXT_FIELD)")
     if not content.strip():
@@ -97,6 +106,8 @@ FORMATS = {
         ),
         Format("alpaca", "instruction/input/output", lambda r, _: "instruction" in r and "output" in r, _alpaca),
         Format("prompt_response", "prompt/response", lambda r, _: "prompt" in r and "response" in r, _prompt_response),
+        Format("prompt_completion", "prompt/completion (TRL)", lambda r, _: "prompt" in r and "completion" in r,
+               _prompt_completion),
         Format("text", "{field} = TEXT_FIELD, trained whole", lambda r, field: field in r, _plain_text),
     )
 }
