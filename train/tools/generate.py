@@ -134,7 +134,7 @@ class Chat:
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:
             if not self.templated:
-                raise UsageError(f"--tools: {args.model} has no chat template to put tools in (not an SFT run)")
+                raise UsageError(f"--tools: {args.model} has no chat template to put tools in (a pretraining or TEMPLATE=none run)")
             self.turns.insert(0, {"role": TOOLS_ROLE, "tools": read_tools(args.tools)})
         # Turns kept however long the chat grows: the tools list and the system message.
         self.fixed = len(self.turns)
@@ -281,11 +281,12 @@ def generate_main(argv: list[str]) -> int:
     chat = Chat(model, tok, device, args)
     if not chat.templated:
         how = (
-            "the prompt is the encoder's source (write <extra_id_0> ... where the model should fill in text)"
+            "the prompt + eos is the encoder's source (as TEMPLATE=none SFT trains it; for a span-corruption model "
+            "write <extra_id_0> ... where it should fill in text)"
             if chat.seq2seq
             else "continuing the prompt as plain text"
         )
-        print(f"note: {args.model} has no chat template (not an SFT run): {how}", file=sys.stderr)
+        print(f"note: {args.model} has no chat template: {how}", file=sys.stderr)
     if args.prompt is not None and not args.interactive:
         print(chat.reply(args.prompt, keep=False))
         return 0
