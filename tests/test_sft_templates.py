@@ -149,11 +149,13 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
     reply = ids_of(tok, f"{long_reply}<|end|>")
     (whole,), _ = encode_conversations([conv], tok, 10_000)
     assert whole["input_ids"] == pinned + history + reply + ids_of(tok, "\n")
+    marker = ids_of(tok, "<|end|>\n<|assistant|>\n")  # "reply now": every cut keeps it before the reply
+    assert history[-len(marker) :] == marker
     for m in (2 * len(pinned) + 20, len(pinned) + 6):  # half the window is source; or the tools list needs more
-        keep = max(m // 2, len(pinned))
+        keep = max(m // 2, len(pinned) + len(marker))
         assert len(pinned) + len(history) > m and len(reply) > m - keep
         expect = {"keep_end": pinned + history[len(history) - (keep - len(pinned)) :],
-                  "keep_start": pinned + history[: keep - len(pinned)]}  # fmt: skip
+                  "keep_start": pinned + history[: keep - len(pinned) - len(marker)] + marker}  # fmt: skip
         for mode, source in expect.items():
             tally = Tally()
             (cut,), n = encode_conversations([conv], tok, m, Rendering(truncation=mode), tally)
@@ -161,7 +163,8 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
             assert cut["input_ids"] == source + reply[: m - keep]
             assert cut["labels"] == [IGNORE_INDEX] * keep + reply[: m - keep]
             (pair,), n = encode_pairs([conv], tok, m, Rendering(truncation=mode), tally)
-            seq2seq = {"keep_end": pinned + history[len(history) - (m - len(pinned)) :], "keep_start": (pinned + history)[:m]}
+            seq2seq = {"keep_end": pinned + history[len(history) - (m - len(pinned)) :],
+                       "keep_start": (pinned + history)[: m - len(marker)] + marker}  # fmt: skip
             assert n == 1 and pair["input_ids"] == seq2seq[mode] and pair["labels"] == (reply[:-1] + [tok.eos_token_id])[:m]
             assert tally.tools_kept == 2  # the pair too: its history cut, its tools list kept
     tally = Tally()

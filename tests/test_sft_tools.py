@@ -194,9 +194,10 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
     for i in range(12):
         record = json.loads(json.dumps(GLAIVE))
         record["conversations"][0]["value"] = f"Weather in city {i}?"
-        # The tiny model's context is 64 tokens: a tools list that alone fills MAX_LENGTH is refused, not cut.
-        record["tools"] = json.dumps([{"name": "get_weather"}])
-        records.append(record if i % 3 else {**record, "tools": [{"name": "get_weather"}]})  # a string and a list
+        # The tiny model's context is 64 tokens: a tools list that with the "reply now" marker fills
+        # MAX_LENGTH is refused, not cut; so a one-letter tool here.
+        record["tools"] = json.dumps([{"name": "f"}])
+        records.append(record if i % 3 else {**record, "tools": [{"name": "f"}]})  # a string and a list
     # As in LLaMA-Factory's demo file: plain exchanges with "tools": "[]" among the calls.
     records[1] = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "tools": "[]"}
     data = tmp_path / "glaive_toolcall.jsonl"

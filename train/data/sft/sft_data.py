@@ -229,6 +229,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     """
     r, examples, n_truncated = rendering, [], 0
     mode = _prepare(tokenizer, r)
+    marker = templates.marker_length(tokenizer, mode)  # the "reply now" marker every cut keeps
     index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
@@ -251,7 +252,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
             if len(input_ids) > max_length:
                 tools = split_tools(conversation)[0]
                 known = None if tools and not pinned else pinned
-                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation)
+                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker)
                 if kept is None:
                     _refuse(tally, at, _too_long(max_length))
                     continue
@@ -322,6 +323,7 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     mode = _prepare(tokenizer, r)
     wrap, stops, eos = special_wrap(tokenizer), set(stop_token_ids(tokenizer)), tokenizer.eos_token_id
     raw_wrap = (wrap[0], wrap[1] if wrap[1][-1:] == [eos] else wrap[1] + [eos])  # raw: source + eos
+    marker = 0 if mode == "none" else templates.marker_length(tokenizer, mode)  # none: eos is in raw_wrap
     examples: list[dict] = []
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
@@ -331,7 +333,8 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
             tools = split_tools(conversation)[0]
             sides = raw_wrap if raw else wrap
             fitted = [templates.fit_pair(source, None if tools and not pinned else pinned, reply + [eos], sides,
-                                         max_length, r.truncation) for source, pinned, reply in pairs]  # fmt: skip
+                                         max_length, r.truncation, 0 if raw else marker)
+                      for source, pinned, reply in pairs]  # fmt: skip
             if not pairs:
                 _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
             elif None in fitted:

@@ -298,27 +298,49 @@ class Tally:
         self.refused.append((index, reason))
 
 
-def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_length: int, truncation: str):
+def marker_length(tokenizer, mode: str) -> int:
+    """Tokens of the "reply now" marker a source ends with (builtin: "<|end|>\n<|assistant|>\n"; none:
+    eos; a tokenizer's own template: what follows a user turn's text when the generation prompt is
+    asked for): kept by every cut, so a cut example ends its source as inference does."""
+    if mode == "none":
+        return 1 if tokenizer.eos_token_id is not None else 0
+    probe = "PROBE"
+    if mode == "builtin":
+        text = f"{END_TOKEN}\n{ROLE_TOKENS['assistant']}\n"
+    else:
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
+                                                     add_generation_prompt=True)  # fmt: skip
+        except Exception:  # a template that will not render a lone user turn: no marker known
+            return 0
+        text = rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else ""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+
+def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_length: int, truncation: str,
+                     marker: int = 0):
     """A causal example cut to max_length, or None when it cannot be without losing the tools list.
 
     The first trained token inside the window: the tail goes (both modes). The prompt fills the
     window: max_length // 2 source tokens are kept (more where the pinned prefix, the tools list
-    and system turn, needs them: always kept), then the start of the reply. keep_end takes the
-    source's end (the turns the reply answers, the "reply now" marker), keep_start its start.
-    pinned None: a tools list whose extent is unknown, so a cut source is refused."""
+    and system turn, needs them: always kept, and the `marker` tokens just before the reply, its
+    "reply now" marker: always kept), then the start of the reply. keep_end takes the source's end
+    (the turns the reply answers), keep_start its start. pinned None: a tools list whose extent is
+    unknown, so a cut source is refused."""
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
     if first < max_length:
         return ids[:max_length], labels[:max_length]
-    if pinned is None or pinned >= max_length:
+    if pinned is None or pinned + marker >= max_length:
         return None
-    keep = max(max_length // 2, pinned)
-    room = keep - pinned
-    middle = range(first - room, first) if truncation == "keep_end" else range(pinned, pinned + room)
-    order = [*range(pinned), *middle, *range(first, min(len(ids), first + max_length - keep))]
+    keep = max(max_length // 2, pinned + marker)
+    room = keep - pinned - marker
+    middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
+    order = [*range(pinned), *middle, *range(first - marker, first), *range(first, min(len(ids), first + max_length - keep))]
     return [ids[i] for i in order], [labels[i] for i in order]
 
 
-def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max_length: int, truncation: str):
+def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max_length: int, truncation: str,
+             marker: int = 0):
     """(source, target, cut?) each at most max_length tokens, or None when the pinned prefix (tools
     list, system turn) alone overfills the source. A long source keeps its end (keep_end: the
     reply answers the last turns, and the "reply now" marker is there) or its start (keep_start,
@@ -328,10 +350,10 @@ def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max
     room = max(0, max_length - len(before) - len(after))
     cut = len(source) > room or len(target) > max_length
     if len(source) > room:
-        if pinned is None or pinned > room:
+        if pinned is None or pinned + marker > room:
             return None
-        if truncation == "keep_start":
-            source = source[:room]
+        if truncation == "keep_start":  # the start, and the marker the source ends with (marker_length)
+            source = source[: room - marker] + source[len(source) - marker :]
         else:
             source = source[:pinned] + source[len(source) - (room - pinned) :]
     return before + source + after, target[:max_length], cut
