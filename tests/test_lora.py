@@ -256,3 +256,16 @@ def test_lora_on_a_model_sft_builds_new_is_refused_before_any_work(tmp_path, cap
     err = capsys.readouterr().err
     assert "LORA_R=4: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE)" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # no tokenizer trained
+
+
+def test_freeze_over_every_adapter_is_one_line(root, capsys):
+    assert run_cli("sft", *flags(root, "gpt2", "--run_name", "frozen", "--max_steps", "1", "--freeze", "decoder")) == 2
+    err = capsys.readouterr().err
+    assert "FREEZE=decoder: that freezes every parameter still trained (with LORA_R: the adapters too)" in err
+    assert "Traceback" not in err and not (root / "runs" / "frozen").exists()
+
+
+def test_lora_settings_without_lora_r_are_one_line(root, capsys):
+    argv = [a for a in flags(root, "gpt2", "--run_name", "stray", "--max_steps", "1") if a not in ("--lora_r", "4")]
+    assert run_cli("sft", *argv, "--lora_targets", "c_attn") == 2
+    assert "LORA_TARGETS set but LORA_R is empty" in capsys.readouterr().err

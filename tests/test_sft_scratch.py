@@ -119,9 +119,10 @@ def test_chatlm_state_dict_imports_by_command_and_as_model_path(t5_final, where,
     # As MODEL_PATH, with the config named config.json and DDP's "module." on every key: the
     # folder that once got a hint about remote code.
     bare_folder(t5_final, tmp_path / "ddp", prefix="module.", config_name="config.json")
-    assert sft(where, "ft", "--model_path", str(tmp_path / "ddp")) == 0
+    assert sft(where, "ft", "--model_path", str(tmp_path / "ddp"), "--lora_r", "2") == 0  # LoRA on imported weights
     summary = json.loads((where["root"] / "runs" / "ft" / "summary.json").read_text())
     assert (summary["steps"], summary["model_kind"]) == (2, "seq2seq")
+    assert 0 < summary["n_trainable_params"] < summary["n_params"] / 4
     AutoModelForSeq2SeqLM.from_pretrained(where["root"] / "runs" / "ft" / "final", local_files_only=True)
 
 
@@ -168,3 +169,15 @@ def test_bad_input_is_one_line_exit_2(case, where, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(e in err for e in expect), err
     assert not runs.exists() and not (tmp_path / "dest").exists() and not (tmp_path / "d").exists()
+
+
+def test_plain_text_from_scratch_reads_text_field(where, tmp_path):
+    """TEXT_FIELD reaches the tokenizer's sample and the records of a new model's run (review finding)."""
+    data = tmp_path / "body.jsonl"
+    data.write_text("".join(json.dumps({"body": f"The number {i} plus one is {i + 1}."}) + "\n" for i in range(24)))
+    assert run_cli("sft", "--data_path", str(data), "--text_field", "body", "--model_size", "nano",
+                   "--output_dir", str(where["root"] / "runs"), "--run_name", "body", "--cache_dir",
+                   str(where["root"] / "cache"), "--vocab_size", "300", "--max_length", "32", "--batch_size", "4",
+                   "--max_steps", "1", "--val_fraction", "0", "--tokenize_workers", "1") == 0  # fmt: skip
+    summary = json.loads((where["root"] / "runs" / "body" / "summary.json").read_text())
+    assert (summary["data_format"], summary["n_conversations"]) == ("text:body", 24)

@@ -90,8 +90,9 @@ def apply_freeze(model: torch.nn.Module, spec: str | None) -> str | None:
     if not spec or not spec.strip(","):
         return None
     chosen = _chosen(model, spec)
-    if all(id(p) in chosen for p in model.parameters()):
-        raise UsageError(f"FREEZE={spec}: that freezes every parameter of the model; nothing would train")
+    if all(id(p) in chosen or not p.requires_grad for p in model.parameters()):  # LoRA froze the rest already
+        raise UsageError(f"FREEZE={spec}: that freezes every parameter still trained (with LORA_R: the adapters "
+                         "too); nothing would train")
     for p in chosen.values():
         p.requires_grad_(False)
     names: dict[int, list[str]] = {}
@@ -100,7 +101,8 @@ def apply_freeze(model: torch.nn.Module, spec: str | None) -> str | None:
     tied = ["=".join(names[key]) for key in chosen if len(names.get(key, ())) > 1]
     frozen = sum(p.numel() for p in chosen.values())
     trainable = trainable_of(model).params
-    why = f"{frozen:,} parameters frozen, {trainable:,} trainable ({trainable / (frozen + trainable):.1%})"
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    why = f"{frozen:,} parameters frozen, {trainable:,} of {total:,} trainable ({trainable / total:.1%})"
     if tied:
         why += f"; tied, so frozen together: {', '.join(tied)}"
     return why

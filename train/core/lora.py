@@ -80,6 +80,11 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     """The model with LoRA adapters on `targets`, everything else frozen (r empty or 0: the model
     as it is). Call after the model is loaded and resized, before the optimizer and DDP."""
     if not r:
+        stray = [name for name, v in (("LORA_ALPHA", alpha), ("LORA_DROPOUT", dropout), ("LORA_TARGETS", targets))
+                 if v is not None]  # fmt: skip
+        if stray:  # set for a LoRA run that is not one: the user meant LoRA, or left a variable behind
+            raise UsageError(f"{', '.join(stray)} set but LORA_R is empty: set LORA_R (e.g. 16) to train LoRA "
+                             "adapters, or unset them for full fine-tuning")
         return model
     if sharding != "none":  # FSDP2's gathered state and the merge of final/ are not joined up
         raise UsageError(f"LORA_R={r} with SHARDING={sharding}: not built; LoRA's frozen weights need no sharded "

@@ -192,6 +192,7 @@ def load_bare(found: SimpleNamespace, variable: str, say=print):
     check_keys(model, tensors, found.weights, variable)
     model.load_state_dict(tensors, strict=False)  # tied copies absent from the file are tied below
     model.tie_weights()
+    model.name_or_path = str(found.weights.parent)  # trained weights from a folder (LoRA adapts only such models)
     took = f", key prefix {prefix!r} taken off" if prefix else ""
     say(f"{variable}: imported {found.weights.name} with {found.config.name} as {type(model).__name__}{took}")
     floats = [v.dtype for v in tensors.values() if v.is_floating_point()]

@@ -23,7 +23,7 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
-from train.core.freeze import apply_freeze
+from train.core.freeze import apply_freeze, trainable_of
 from train.core.generation import apply_generation_config, read_generation_config
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
@@ -200,6 +200,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/core/freeze.py)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
+        if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters
+            decide("trainable_params", trainable_of(model).params, "LoRA's adapters left trained by FREEZE")
     apply_generation_config(model, generation, decide, cfg.model.generation_config)
     parallel(cfg, world, decide)
     return Plan(

@@ -52,13 +52,13 @@ def refuse_both(cfg: TrainConfig) -> None:
                          "LORA_R empty")
 
 
-def turn_texts(data_path: str | None, sample_mb: float) -> Iterator[str]:
+def turn_texts(data_path: str | None, sample_mb: float, text_field: str = "text") -> Iterator[str]:
     """Every turn's text of the SFT data (contents, tool calls, tools lists), up to
     TOKENIZER_SAMPLE_MB; records that are bad are passed over here (the SFT cache names them)."""
     if data_path is None:
         conversations = iter(builtin_conversations())
     else:
-        fmt, items = open_records(data_path)
+        fmt, items = open_records(data_path, text_field)
         conversations = _good(items, fmt)
     budget, taken = sample_mb * (1 << 20), 0
     for conversation in conversations:
@@ -116,16 +116,17 @@ class Scratch:
         if d.tokenizer_path is not None:
             return text_lib.load_tokenizer(d.tokenizer_path, [], "", d.vocab_size, Path(d.cache_dir), say)
         if d.data_path is not None:
-            open_records(d.data_path)  # an unknown format or empty data stops here, before the tokenizer trains
+            open_records(d.data_path, d.text_field)  # an unknown format or empty data stops here, before the BPE trains
         files = text_lib.builtin_corpus_files() if d.data_path is None else records.source_files(d.data_path)
-        key = text_lib.corpus_fingerprint(files, TURNS_KEY, Path(d.cache_dir) / "sums")
+        turns_key = TURNS_KEY if d.text_field == "text" else f"{TURNS_KEY}:{d.text_field}"  # which text it learns
+        key = text_lib.corpus_fingerprint(files, turns_key, Path(d.cache_dir) / "sums")
         layout = text_lib.special_layout(self.declared.get("pad_token_id"), self.declared.get("eos_token_id"))
         specials = layout or (text_lib.EOS,)
         if layout and layout != (text_lib.EOS,):
             decide("tokenizer_specials", list(layout), f"{self.variable}'s pad / eos ids, so its ids hold")
         return text_lib.load_tokenizer(None, files, key, d.vocab_size, Path(d.cache_dir), say,
                                        sample_mb=d.tokenizer_sample_mb, specials=specials,
-                                       texts=lambda: turn_texts(d.data_path, d.tokenizer_sample_mb))  # fmt: skip
+                                       texts=lambda: turn_texts(d.data_path, d.tokenizer_sample_mb, d.text_field))  # fmt: skip
 
     def special_ids(self, tok, decide) -> None:
         """The model config's vocabulary and special ids from the tokenizer, template markers
