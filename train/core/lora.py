@@ -79,8 +79,8 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
          sharding: str = "none"):
     """The model with LoRA adapters on `targets`, everything else frozen (r empty or 0: the model
     as it is). Call after the model is loaded and resized, before the optimizer and DDP."""
-    if not r:
-        stray = [name for name, v in (("LORA_ALPHA", alpha), ("LORA_DROPOUT", dropout), ("LORA_TARGETS", targets))
+    if not r:  # 0: LoRA turned off on purpose, its other settings kept; empty: they were never meant for this run
+        stray = [] if r == 0 else [name for name, v in (("LORA_ALPHA", alpha), ("LORA_DROPOUT", dropout), ("LORA_TARGETS", targets))
                  if v is not None]  # fmt: skip
         if stray:  # set for a LoRA run that is not one: the user meant LoRA, or left a variable behind
             raise UsageError(f"{', '.join(stray)} set but LORA_R is empty: set LORA_R (e.g. 16) to train LoRA "

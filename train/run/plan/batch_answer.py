@@ -32,7 +32,7 @@ def settings_key(b, effective: int, world_size: int) -> dict:
         "compile": b.cfg.model.compile,
         "optimizer": b.cfg.optim.optimizer,  # its state and what FREEZE leaves trained move the peak
         "freeze": b.cfg.model.freeze,
-        "lora": (b.cfg.model.lora_r or 0, b.cfg.model.lora_targets),  # adapters alone trained: a far lower peak
+        "lora": [b.cfg.model.lora_r or 0, b.cfg.model.lora_targets],  # a list: as the saved JSON reads back  # adapters alone trained: a far lower peak
         "device": device_name(b.device),
         "target_vram": b.cfg.system.target_vram,
         "max_memory_mb": b.cfg.system.max_memory_mb,
