@@ -23,7 +23,7 @@ help:
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: find-batch, doctor, AUTO_BATCH, SFT grouped/packed, T5, bench, one step of each profiled; writes bench/RESULTS.md's GPU table"
-	@echo "make test      run the test suite (CPU only; about 8 minutes on 2 cores)"
+	@echo "make test      run the test suite (CPU only; about 8.5 minutes on 2 cores)"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
 

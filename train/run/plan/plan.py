@@ -31,8 +31,8 @@ from train.run.plan import adapt
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
 # With no GPU and no MODEL_SIZE: 8 optimizer steps of the launcher's 32, no accumulation, so that
-# `make train` ends in about 2 minutes on 2 cores (tokenizer and token cache included) with a
-# falling loss and every output; 2048 samples at 32 x 4 took over 30 minutes on a loaded host.
+# `make train` ends in 40 s on 2 quiet cores (tokenizer and token cache included; 1 min 35 s at load 4)
+# with a falling loss and every output; 2048 samples at 32 x 4 took over 30 minutes on a loaded host.
 CPU_DEMO_SAMPLES = 256
 
 
@@ -188,7 +188,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
-        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, about 2 minutes on 2 cores (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
+        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
         if cfg.optim.gradient_accumulation_steps > 1 and cfg.optim.effective_batch is None:
             cfg.optim.gradient_accumulation_steps = 1  # more, shorter steps: the loss is seen falling
             decide("gradient_accumulation_steps", 1, "CPU demo: one micro-batch per optimizer step (set MAX_STEPS, EPOCHS or MAX_SAMPLES to keep GRADIENT_ACCUM)")
