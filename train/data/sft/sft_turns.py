@@ -6,7 +6,7 @@ content is always a string here, whatever shape the source gave it (see "Content
 An assistant turn may also carry
   "tool_calls": [{"type": "function", "function": {"name": str, "arguments": object}}]
   "reasoning_content": str, its thinking trace (the key Qwen3's and DeepSeek's templates read),
-any turn may carry "loss_weight": float (>= 0; 0 = not trained) when the source gives one (the
+any turn may carry "loss_weight": 0.0 or 1.0 (0 = not trained) when the source gives one (the
 renderer applies it), a tool turn is a call's result (its "tool_call_id" and "name" kept when the
 source has them), and a conversation whose record lists tools starts with {"role": "tools",
 "tools": [...]}, each tool {"type": "function", "function": <its JSON schema>}. That is the shape
@@ -35,7 +35,6 @@ Sources spell tool calls two ways, both accepted:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,8 +180,10 @@ def _loss_weight(turn: dict, what: str) -> float | None:
     weight = turn.get("loss_weight")
     if weight is None:
         return None
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise BadRecord(f"{what} loss_weight is {weight!r}, expected a number >= 0 (0: not trained)")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
+        # a turn is trained or not: a 0.5 would be trained as 1 without a word, so it is said instead
+        raise BadRecord(f"{what} loss_weight is {weight!r}, expected 0 (not trained) or 1 (trained); the kit "
+                        "does not scale a turn's loss")
     return float(weight)
 
 
