@@ -141,6 +141,7 @@ def test_generation_config_is_saved_and_followed(chatlm_run, capsys):
     ({"max_new_tokens": "many"}, "max_new_tokens"),
     ({"use_cache": False}, "use_cache"),
     ([4], "JSON object"),
+    ({"eos_token_id": 99999}, "eos_token_id 99999 is outside the model's"),  # checked once the model is built
 ])  # fmt: skip
 def test_bad_generation_config_is_one_line(tiny_flags, tmp_path, capsys, settings, named):
     path = tmp_path / "gen.json"

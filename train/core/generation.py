@@ -118,6 +118,12 @@ def apply_generation_config(model, settings: dict, decide, path: str | None) -> 
     on when saved, the eos and pad ids of the tokenizer), recorded as a decision in config.json."""
     if not settings:
         return
+    rows = model.get_input_embeddings().num_embeddings
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id"):
+        ids = settings.get(key)
+        ids = ids if isinstance(ids, list) else [ids]
+        if any(isinstance(i, int) and not 0 <= i < rows for i in ids):  # generate() would index past the vocabulary
+            raise UsageError(f"{VARIABLE}: {path}: {key} {settings[key]!r} is outside the model's {rows} tokens")
     model.generation_config.update(**settings)
     model.generation_config._from_model_config = False  # its own settings now, not config.json's copies
     decide("generation_config", dict(settings), f"GENERATION_CONFIG={path}, saved in final/generation_config.json")
