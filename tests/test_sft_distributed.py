@@ -179,6 +179,8 @@ def test_two_process_sft_through_the_launcher(batching, base_model, tmp_path):
 
     assert AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True).num_parameters() > 0
 
+    if "TOKEN_BUDGET" not in batching:  # grouped positions resume exactly: the unit tests above, per rank
+        return
     # A copy stopped after step 1, resumed on 2 processes: every rank's position (and RNG) is
     # restored, so steps 2-3 read the same rows and reach the same losses.
     again = tmp_path / "runs" / "again"
