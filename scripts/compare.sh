@@ -2,10 +2,10 @@
 # `make compare` / `make compare-sft`: the guides' "before" launcher and the fast one on the same
 # model, data, seed and sample budget, then `python -m train compare` on their run folders.
 # Usage: [VAR=value ...] scripts/compare.sh [pretrain|sft]
-#   COMPARE_SAMPLES  sequences each run trains on (its MAX_SAMPLES); empty: 4096 on a GPU; on CPU about a
-#                    minute in all on 2 cores: 256 (pretrain: 32 steps of 8 against 2 of 128) or 128
-#                    (sft: 128 single conversations against 4 steps of 32). The table then says the fast
-#                    side's few steady-state steps make its throughput a guess; raise it for a firm number
+#   COMPARE_SAMPLES  sequences each run trains on (its MAX_SAMPLES); empty: 4096 on a GPU; on CPU 1024
+#                    (pretrain: 128 steps of 8 against 8 of 128, about 4 minutes on 2 cores) or 256 (sft:
+#                    256 single conversations against 8 steps of 32): the fewest that give the fast side
+#                    the 5 steady-state steps a throughput needs (with 256 / 128 the table called it a guess)
 #   REPEAT           runs per side, alternating A B A B ... so drift hits both; the table then shows
 #                    the median and the spread, and calls a difference inside the spread noise
 #   Shared by both sides: MODEL_SIZE, MODEL_FAMILY (gpt2 | t5), MODEL_CONFIG, MAX_LENGTH, DATA_PATH, TOKENIZER_PATH, VOCAB_SIZE,
@@ -55,8 +55,8 @@ if [ -z "$COMPARE_SAMPLES" ]; then
   if [ "${DEVICE:-auto}" != cpu ]; then
     on_gpu=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
   fi
-  # CPU: 1,024 took 1,024 batch-1 steps in compare-sft; a first look should take about a minute
-  cpu_samples=$([ "$MODE" = sft ] && echo 128 || echo 256)
+  # CPU: 1,024 batch-1 steps made compare-sft slow, 256 / 128 gave the fast side too few steps to time
+  cpu_samples=$([ "$MODE" = sft ] && echo 256 || echo 1024)
   COMPARE_SAMPLES=$([ "$on_gpu" = 1 ] && echo 4096 || echo "$cpu_samples")
 fi
 [[ "$COMPARE_SAMPLES" =~ ^[1-9][0-9]*$ ]] || kit_fail "COMPARE_SAMPLES must be a whole number >= 1, got '$COMPARE_SAMPLES'"

@@ -157,3 +157,31 @@ def test_train_log_gets_library_warnings(tmp_path):
         "warning: [transformers] before the run folder",
         "warning: FutureWarning: a deprecated knob",
     ]
+
+
+def test_a_resumed_keep_best_run_remembers_the_best_before_it(tiny_flags, tmp_path):
+    """best/ holds the lowest validation loss of the whole run, not of the part after a resume (a
+    resumed run started with no best, so its first pass overwrote best/ however worse)."""
+    import json
+    import shutil
+
+    from conftest import run_cli
+    from train.run.checkpoint.checkpoint import list_checkpoints
+
+    argv = [*tiny_flags, "--batch_size", "4", "--eval_every", "1", "--eval_batches", "1", "--keep_best", "1",
+            "--save_every", "1", "--keep_checkpoints", "3", "--run_name", "r"]  # fmt: skip
+    assert run_cli("pretrain", *argv, "--max_steps", "3") == 0
+    run = tmp_path / "runs" / "r"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # step 1's pass made the best by far: what a resume must not forget
+        row["val_loss"] = 0.001 if row.get("step") == 1 and "val_loss" in row else row.get("val_loss")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                                               for r in rows))  # fmt: skip
+    shutil.rmtree(list_checkpoints(run / "checkpoints")[-1])  # resume from step 2
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    best_before = (run / "best" / "model.safetensors").read_bytes()
+    assert run_cli("pretrain", *argv, "--max_steps", "3", "--resume", "1") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["best_val_loss"], summary["best_val_step"]) == (0.001, 1)
+    assert (run / "best" / "model.safetensors").read_bytes() == best_before

@@ -45,6 +45,10 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
     template_decision(d, tok, kind, say, decide)
     with record_limit(d.max_record_mb):
         dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
+    if fmt.partition(":")[0] == "text" and d.template is None and tok.chat_template is not None:
+        tok.chat_template = None  # plain documents: final/ is a text model, and generate continues a prompt
+        decide("template", "none (plain text)", "every record is plain text (TEXT_FIELD): final/ saves no chat "
+               "template, so generate continues a prompt as the model trained")
     n_loaded = len(dataset)
     val_dataset = split_validation(d, eval_batches, dataset, tok, max_length, say, decide, kind)
     if val_dataset is not None and d.val_path is None:

@@ -10,8 +10,10 @@ and goes through the loop's forward_loss, so SFT batches work unchanged.
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import Subset
@@ -59,6 +61,22 @@ def perplexity(loss: float | None) -> float | None:
     return math.exp(loss) if loss < 700 else math.inf
 
 
+def best_so_far(metrics: Path) -> tuple[float | None, int | None]:
+    """The lowest finite val_loss in a resumed run's metrics.jsonl (trimmed to its checkpoint) and its
+    step: without it a resumed KEEP_BEST=1 run saved its first pass over best/, however worse."""
+    best = step = None
+    if metrics.is_file() and not metrics.is_symlink():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            loss = row.get("val_loss") if isinstance(row, dict) else None
+            if isinstance(loss, (int, float)) and math.isfinite(loss) and (best is None or loss < best):
+                best, step = float(loss), row.get("step")
+    return best, step
+
+
 class Evaluator:
     """Runs the passes a run is due (every EVAL_EVERY steps and at the end), writes the rows,
     keeps the best loss and, with KEEP_BEST=1, the best model in best/."""
@@ -79,7 +97,8 @@ class Evaluator:
         batch_size = b.cfg.optim.batch_size
         self.loader = None if dataset is None else make_val_loader(dataset, batch_size, b.device, collate_fn)
         self.batches = -(-self.sequences // batch_size)  # the last one partial
-        self.last = self.best = self.best_step = None
+        self.last = None
+        self.best, self.best_step = best_so_far(Path(run_dir.path) / "metrics.jsonl")  # a fresh run: none
         self.passes, self.seconds = 0, 0.0
 
     def due(self, step: int, last: bool) -> bool:
