@@ -181,6 +181,8 @@ def test_plain_text_from_scratch_reads_text_field(where, tmp_path):
                    "--max_steps", "1", "--val_fraction", "0", "--tokenize_workers", "1") == 0  # fmt: skip
     summary = json.loads((where["root"] / "runs" / "body" / "summary.json").read_text())
     assert (summary["data_format"], summary["n_conversations"]) == ("text:body", 24)
-    from transformers import AutoTokenizer  # plain documents: a text model, no chat template to prompt it with
+    from transformers import (
+        AutoTokenizer,  # plain documents: a text model, no chat template to prompt it with
+    )
 
     assert AutoTokenizer.from_pretrained(where["root"] / "runs" / "body" / "final").chat_template is None
