@@ -72,7 +72,7 @@ LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle 
 WEIGHT_DECAY=${WEIGHT_DECAY:-}          # AdamW weight decay on matrices; empty: 0.0 (preset sft)
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this (0: off); empty: 1.0
 LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE with the effective batch; empty: none
-LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the launcher's
+LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the preset's BATCH_SIZE x GRADIENT_ACCUM
 
 # ---- how long ----
 MAX_STEPS=${MAX_STEPS:-}                # stop after N optimizer steps
@@ -100,7 +100,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; >1 s
 SHARDING=${SHARDING:-}                  # zero2 | zero3: FSDP2 sharding (the guides' DeepSpeed ZeRO-2/3)
 OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-} # 1 (with SHARDING): optimizer state in host memory
 
-if [[ -z $TOKEN_BUDGET && $BATCH_SIZE =~ ^[0-9]+$ && $GRADIENT_ACCUM =~ ^[0-9]+$ ]]; then  # TOKEN_BUDGET: rows vary
+if [[ -z $TOKEN_BUDGET && -z $EFFECTIVE_BATCH && -z $AUTO_BATCH && -z ${SHOW_COMMAND:-} && $BATCH_SIZE =~ ^[0-9]+$ && $GRADIENT_ACCUM =~ ^[0-9]+$ ]]; then  # TOKEN_BUDGET: rows vary
   echo "effective batch = BATCH_SIZE $BATCH_SIZE x GRADIENT_ACCUM $GRADIENT_ACCUM = $((BATCH_SIZE * GRADIENT_ACCUM)) per GPU (x NPROC_PER_NODE $NPROC_PER_NODE processes)"
 fi
 source "$(dirname "$0")/scripts/common.sh"

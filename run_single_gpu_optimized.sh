@@ -35,7 +35,7 @@ EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-}    # sequences per step to keep while BATCH
 AUTO_BATCH=${AUTO_BATCH:-0}             # 1: find-batch picks BATCH_SIZE x GRADIENT_ACCUM first, same effective batch
 MAX_LENGTH=${MAX_LENGTH:-}              # tokens per sequence; empty: the model's context
 NUM_WORKERS=${NUM_WORKERS:-4}           # DataLoader workers loading ahead of the GPU
-PREFETCH_FACTOR=${PREFETCH_FACTOR:-4}   # batches each worker prepares ahead; empty: 2
+PREFETCH_FACTOR=${PREFETCH_FACTOR:-4}   # batches each worker prepares ahead (torch's default: 2)
 PIN_MEMORY=${PIN_MEMORY:-1}             # 1: page-locked buffers for asynchronous host-to-GPU copies
 PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-1} # 1: keep the workers alive between epochs
 
@@ -57,7 +57,7 @@ LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle 
 WEIGHT_DECAY=${WEIGHT_DECAY:-}          # AdamW weight decay on matrices; empty: 0.1
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this (0: off); empty: 1.0
 LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE with the effective batch; empty: none
-LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the launcher's
+LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the preset's BATCH_SIZE x GRADIENT_ACCUM
 
 # ---- how long ----
 MAX_STEPS=${MAX_STEPS:-}                # stop after N optimizer steps

@@ -144,3 +144,10 @@ def test_cpu_compare_budget_is_small_and_sft_bench_logs_under_runs(tmp_path):
     env.pop("MAX_STEPS")
     run("scripts/compare.sh", "sft")  # CPU: 256 single conversations (8 steady-enough steps of 32 on the fast side)
     assert json.loads((kit / "runs" / "compare-sft-batch1" / "flags.json").read_text())["--max_samples"] == "256"
+
+
+def test_the_resume_line_keeps_the_custom_launchers_micro_batch():
+    from train.run.rundir.report import resume_line
+
+    assert "RESUME=1 RUN_NAME=x ./train_sft_custom.sh 4 (with" in resume_line("x", "train_sft_custom", 4)
+    assert "./quick_start_sft_fast.sh (with" in resume_line("x", "quick_start_sft_fast", 16)

@@ -85,9 +85,10 @@ DESCRIPTIONS = {
     "pretrain": "Pretrain a model from scratch on text: a GPT-2-style causal LM, or a T5 encoder-decoder on span "
                 "corruption (--model_family t5, or a T5 --model_config). The launchers run_single_gpu.sh and "
                 "run_single_gpu_optimized.sh start it with the guides' baseline and optimized presets.",
-    "sft": "Fine-tune a trained model (--model_path: a causal LM or an encoder-decoder folder) on chat or instruction "
-           "data, with the loss on the assistant's replies only. train_sft_custom.sh and quick_start_sft_fast.sh "
-           "start it.",
+    "sft": "Fine-tune a trained model (--model_path: a causal LM or an encoder-decoder folder; in full or with LoRA, "
+           "--lora_r) on chat, instruction or plain-text data, or train a new one from scratch on it (--model_size / "
+           "--model_config). The loss is on the assistant's replies (--loss_on all: every token). "
+           "train_sft_custom.sh and quick_start_sft_fast.sh start it.",
 }
 
 

@@ -142,10 +142,12 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
 LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast")
 
 
-def resume_line(run_name: str, launcher: str | None) -> str:
-    """How to continue an interrupted run: the launcher that started it, or the same command."""
+def resume_line(run_name: str, launcher: str | None, batch_size: int | None = None) -> str:
+    """How to continue an interrupted run: the launcher that started it (train_sft_custom.sh with its
+    micro-batch argument, which would otherwise fall back to 16), or the same command."""
     if launcher in LAUNCHER_SCRIPTS:
-        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh (with this run's other settings)"
+        batch = f" {batch_size}" if launcher == "train_sft_custom" and batch_size else ""
+        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh{batch} (with this run's other settings)"
     else:
         how = f"the same command with --resume 1 --run_name {run_name}"
     return f"interrupted: to continue from the last checkpoint, run {how}"
@@ -179,7 +181,7 @@ def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
     written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
     say(f"outputs: {run_dir.path}/ ({written})")
     if s.get("exit_reason") == "interrupted":
-        say(resume_line(run_dir.path.name, launcher))
+        say(resume_line(run_dir.path.name, launcher, s.get("batch_size")))
 
 
 def _version(package: str) -> str | None:
