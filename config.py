@@ -66,7 +66,7 @@ class ModelConfig:
     lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
     lora_targets: str | None = knob(None, "sft", "compared")
-    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (README)."""
+    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/knobs.md)."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
