@@ -10,7 +10,6 @@ and goes through the loop's forward_loss, so SFT batches work unchanged.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch.utils.data import Subset
 from train.data.holdout import VAL_ROWS
 from train.data.loader import make_val_loader
 from train.distributed import distributed, parallel
+from train.observe.curves import read_metrics
 
 
 def evaluate(model, loader, max_batches: int, device: torch.device, precision: str) -> float | None:
@@ -65,15 +65,10 @@ def best_so_far(metrics: Path) -> tuple[float | None, int | None]:
     """The lowest finite val_loss in a resumed run's metrics.jsonl (trimmed to its checkpoint) and its
     step: without it a resumed KEEP_BEST=1 run saved its first pass over best/, however worse."""
     best = step = None
-    if metrics.is_file() and not metrics.is_symlink():
-        for line in metrics.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            loss = row.get("val_loss") if isinstance(row, dict) else None
-            if isinstance(loss, (int, float)) and math.isfinite(loss) and (best is None or loss < best):
-                best, step = float(loss), row.get("step")
+    for row in read_metrics(metrics) if not metrics.is_symlink() else ():
+        loss = row.get("val_loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss) and (best is None or loss < best):
+            best, step = float(loss), row.get("step")
     return best, step
 
 
