@@ -70,11 +70,11 @@ def main() -> None:
     for train_name, train_text in texts.items():
         trained = text_lib._train_tokenizer(iter(train_text.splitlines()), args.vocab_size, quiet)
         label = f"(b) BPE on {train_name} ({len(trained.get_vocab())} tokens)"
+        seen = set(train_text.splitlines())  # a line both files hold is not held out
         for name, text in texts.items():
             if name == train_name:
                 row(label + ", fit", trained, text, name + " (itself)")
                 continue
-            seen = set(train_text.splitlines())  # a line both files hold is not held out
             unseen = "\n".join(line for line in text.splitlines() if line not in seen)
             if CHINESE.search(unseen):
                 row(label, trained, unseen, name + " (unseen lines)")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from train.core.errors import UsageError
+from train.core.freeze import trainable_of
 
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
 DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples and LLaMA-Factory use 0.05 to 0.1)
@@ -33,11 +34,6 @@ def is_lora(model) -> bool:
     from train.core.model import unwrapped
 
     return hasattr(unwrapped(model), "peft_config")
-
-
-def trainable_params(model) -> int:
-    """Parameters that get gradients and optimizer state (all of them without LoRA)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _has(model, name: str) -> bool:
@@ -119,7 +115,7 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     decide("lora_targets", ",".join(adapted), why + (" (Conv1D: fan_in_fan_out)" if config.fan_in_fan_out else ""))
     decide("lora_alpha", alpha, f"scale LORA_ALPHA / LORA_R = {alpha / r:g}" + (" (2 x LORA_R)" if alpha == 2 * r else ""))
     decide("lora_dropout", dropout, "LORA_DROPOUT" if dropout != DROPOUT else "the default")
-    n = trainable_params(model)
+    n = trainable_of(model).params
     decide("trainable_params", n, f"LoRA r={r}: {n:,} of {total:,} parameters trained ({100 * n / total:.2f} %); "
            "the rest frozen, without gradients or optimizer state")  # fmt: skip
     return model

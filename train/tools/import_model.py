@@ -19,9 +19,7 @@ from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
 from train.core.state_dict import bare_checkpoint, load_bare
 from train.run.rundir.runlog import quiet_saving
-
-# What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+from train.tools.generate import TOKENIZER_FILES  # what AutoTokenizer reads a tokenizer from
 
 
 def parser() -> ArgParser:

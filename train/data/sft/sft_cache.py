@@ -1,22 +1,20 @@
 """SFT conversations tokenized once, into CACHE_DIR/sft/<key>/, and read back memory-mapped.
 
-A start used to read every record into RAM and tokenize it again on every rank (100k alpaca records:
-a minute and 1.5 GB before the first step). Now the first run writes
+Once every record was read into RAM and tokenized again on every rank (100k alpaca records: a minute and
+1.5 GB before the first step). Now the first run writes
   ids.bin      every conversation's token ids, back to back (uint16, or uint32 for big vocabularies)
   trained.bin  one byte per token: 1 where the loss counts (assistant content), 0 elsewhere
   lengths.bin  tokens per conversation (int32)
   meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated,
                and each file's sha256 (taken as it is written)
-and every later run with the same key maps them at once. The key covers what changes the ids:
-the data's bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE,
-LOSS_ON, TRUNCATION, REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an
-encoder-decoder (T5, BART) an example is a (source, target) pair (sft_data.encode_pairs), ids.bin
-holds the source then the target, trained.bin is 1 on the target, and source_lengths.bin (int32)
-says where the target starts. Only the lengths (4 bytes each) are held in RAM.
+and every later run with the same key maps them at once. The key covers what changes the ids: the data's
+bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE, LOSS_ON, TRUNCATION,
+REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example is a
+(source, target) pair (sft_data.encode_pairs), ids.bin holds the source then the target, trained.bin is 1 on
+the target, and source_lengths.bin (int32) says where the target starts. Only lengths are held in RAM.
 
-The build streams the records (train/data/sft/sft_formats.py) and hands chunks of them to TOKENIZE_WORKERS
-processes, which render, tokenize and truncate; the main process writes the results in record order, so the
-cache is the same whatever the number of workers. It is built in a temporary folder, fsynced, and renamed into
+The build streams the records (sft_formats) in chunks to TOKENIZE_WORKERS processes, which render, tokenize
+and truncate; the main process writes the results in record order, the same whatever the number of workers. It is built in a temporary folder, fsynced, and renamed into
 place: a crash leaves no half cache, and a damaged one (a file cut short, a manifest missing) is noticed,
 said, and built again. A cache is trusted only for what it verifies: each file is checked against its sha256
 once (trained.bin zeroed or lengths.bin rewritten with its sum kept is damage), then remembered in
@@ -237,7 +235,9 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     conversations, places, bad = [], [], []
     for place, record in chunk:  # one at a time: a conversation encode refuses is named by its place
         good, worse = converted([(place, record)], fmt)
-        conversations, places, bad = conversations + good, places + [place] * len(good), bad + worse
+        conversations += good  # in place: a new list per record made each chunk quadratic
+        places += [place] * len(good)
+        bad += worse
     tally = Tally()
     examples, n_cut = encode(conversations, tok, max_length, kind, rendering, tally)
     bad += [f"{places[i]}: {reason}" for i, reason in tally.refused]

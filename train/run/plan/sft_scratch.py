@@ -13,6 +13,7 @@ laid out to give the same ids; where they still differ, the decision says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,10 +155,8 @@ class Scratch:
         estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, world_size, self.variable)
         tok = self.tokenizer(cfg, say, decide)
         self.special_ids(tok, decide)
-        if cfg.run.dry_run:
-            with torch.device("meta"):
-                return model_lib.build_model(self.hf_cfg, False, cfg.system.seed), tok
-        return model_lib.build_model(self.hf_cfg, False, cfg.system.seed), tok
+        with torch.device("meta") if cfg.run.dry_run else contextlib.nullcontext():
+            return model_lib.build_model(self.hf_cfg, False, cfg.system.seed), tok
 
 
 def refuse_packing(cfg: TrainConfig, kind: str, what: str) -> None:
