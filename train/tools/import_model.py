@@ -10,11 +10,13 @@ as MODEL_PATH (which also takes the bare folder itself, importing it in memory).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from train.config.flags import ArgParser
 from train.core import files
+from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
 from train.core.state_dict import bare_checkpoint, load_bare
@@ -75,7 +77,8 @@ def check_pair(model, tok, say) -> None:
 
 
 def write_folder(model, tok, dest: Path) -> None:
-    """DEST whole or not at all: written in a fresh folder beside it, then renamed."""
+    """DEST whole or not at all: written in a fresh folder beside it, then renamed; never over
+    something that appeared at DEST meanwhile, and a full disk is one line."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = files.fresh_folder(dest.parent, f".{dest.name}.import-")
     try:
@@ -83,9 +86,13 @@ def write_folder(model, tok, dest: Path) -> None:
             model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         files.sync_tree(tmp)
-        files.replace_folder(tmp, dest)
-    except BaseException:
+        if dest.exists() or dest.is_symlink():
+            raise UsageError(f"DEST={dest}: appeared while importing; name a new folder")
+        os.rename(tmp, dest)
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if files.errno_of(err) in files.DISK_FULL:
+            raise UsageError(f"DEST={dest}: the disk is full ({err}); nothing was written") from None
         raise
 
 
@@ -106,7 +113,7 @@ def import_main(argv: list[str], say=print) -> int:
     model.to(dtype)  # the weights as they were saved: fp16 stays half the size
     model.config.use_cache = model.generation_config.use_cache = True  # plain generate() at full speed
     write_folder(model, tok, dest)
-    n = sum(p.numel() for p in model.parameters())
+    n = model_lib.count_params(model)
     say(f"wrote {dest}: {type(model).__name__} ({n / 1e6:,.1f}M parameters, {str(dtype).removeprefix('torch.')}) "
         f"and its tokenizer; fine-tune it with MODEL_PATH={dest}")  # fmt: skip
     return 0
