@@ -3,7 +3,7 @@
 # model, data, seed and sample budget, then `python -m train compare` on their run folders.
 # Usage: [VAR=value ...] scripts/compare.sh [pretrain|sft]
 #   COMPARE_SAMPLES  sequences each run trains on (its MAX_SAMPLES); empty: 4096 on a GPU; on CPU 1024
-#                    (pretrain: 128 steps of 8 against 8 of 128, about 4 minutes on 2 cores) or 256 (sft:
+#                    (pretrain: 128 steps of 8 against 8 of 128, 6 minutes on 2 busy cores) or 256 (sft:
 #                    256 single conversations against 8 steps of 32): the fewest that give the fast side
 #                    the 5 steady-state steps a throughput needs (with 256 / 128 the table called it a guess)
 #   REPEAT           runs per side, alternating A B A B ... so drift hits both; the table then shows
