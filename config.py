@@ -19,11 +19,11 @@ from train.core.checks import ENV_NAMES, bad_value, check_fields, env_name, exis
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
+from train.models import FAMILIES, SIZES
 
 KIT_DIR = Path(__file__).resolve().parent
 
-MODEL_SIZES = ("nano", "tiny", "small", "medium")
-MODEL_FAMILIES = ("gpt2", "t5")
+MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry per family
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 OPTIMIZERS = ("adamw", "adafactor", "sgd")
@@ -42,8 +42,8 @@ class ModelConfig:
     """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
     Empty: small on a GPU, else a nano demo. SFT: set, a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
-    """What MODEL_SIZE builds: gpt2 (causal LM) or t5 (encoder-decoder: nano ~6M, tiny ~34M, small = t5-small
-    ~48M, medium = t5-base ~205M at an 8K vocab; span corruption on raw text)."""
+    """What MODEL_SIZE builds: gpt2 (causal LM), llama (causal LM: RMSNorm, rotary, SwiGLU, grouped-query attention;
+    5M/28M/82M/292M) or t5 (encoder-decoder, span corruption: 6M/34M/48M = t5-small/205M = t5-base), at an 8K vocab."""
     model_config: str | None = None
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
     from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""

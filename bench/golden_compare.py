@@ -125,7 +125,10 @@ def child(argv: list[str], options: dict) -> int:
     import torch
 
     torch.set_num_threads(1)
-    import train.core.model as model_lib
+    try:  # where the tree builds every new model (train/models/build.py; train/core/model.py before)
+        import train.models.build as model_lib
+    except ImportError:
+        import train.core.model as model_lib
 
     real = model_lib.build_model
     forwards = []

@@ -47,7 +47,7 @@ TINY_CONFIG = {
 
 def tiny_model(seed: int = 0):
     """The tiny GPT-2 of TINY_CONFIG, built in memory, without dropout (for exact comparisons)."""
-    from train.core.model import build_config, build_model
+    from train.models.build import build_config, build_model
 
     cfg = build_config("nano", None, 512, 0)
     for key in ("n_layer", "n_embd", "n_head", "n_positions"):

@@ -176,7 +176,7 @@ def test_the_decision_names_the_kernel(varlen_model):
 
 
 def _tiny_t5():
-    from train.core.model import build_config, build_model
+    from train.models.build import build_config, build_model
 
     cfg = build_config("nano", None, 128, 1, "t5")
     cfg.update(dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, relative_attention_num_buckets=8))

@@ -71,7 +71,7 @@ def test_sft_default_skips_compare_doctor_unfinished_and_t5_runs(tiny_flags, tmp
     shutil.rmtree(mine)  # the only gpt2 run gone: the T5 run, with a note
     path, said = source_of(runs)
     assert path == str(runs / "t5" / "final")
-    assert "note: a t5 model, as no completed gpt2 pretraining run is there" in said
+    assert "note: a t5 model, as no completed causal-LM pretraining run is there" in said
     assert "trained only 2 optimizer steps" in said
     for name in ("t5", "chat"):
         shutil.rmtree(runs / name)

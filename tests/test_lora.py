@@ -21,7 +21,7 @@ from test_sft_data import make_tokenizer
 from tiny_tools import one_thread
 
 from conftest import ROOT, launch, read_jsonl, run_cli
-from train.core import lora
+from train.models import lora
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.run.checkpoint.checkpoint import list_checkpoints
@@ -41,7 +41,8 @@ def _one_thread():
 def root(tmp_path_factory) -> Path:
     """A tiny GPT-2 whose vocabulary is the tokenizer's (the chat markers make the kit resize it,
     so final/adapter carries embedding rows), a tiny T5, and prompt/response pairs."""
-    from train.core.model import build_config, build_model, padded_vocab
+    from train.core.model import padded_vocab
+from train.models.build import build_config, build_model
 
     root = tmp_path_factory.mktemp("lora")
     tok = make_tokenizer()
@@ -102,11 +103,15 @@ def kit_and_peft(folder: Path):
     lora_B made non-zero (at init B = 0 and the adapter adds nothing)."""
     from peft import PeftModel
 
-    from train.run.plan.sft_model import load_pretrained, model_kind_of, prepare_model
+    from train.data.sft.sft_data import stop_token_ids
+    from train.data.tokenizer import chat_tokens, folder_tokenizer
+    from train.models import load
 
-    kind = model_kind_of(folder, False)
-    model, tok = load_pretrained(folder, None, False, kind)
-    prepare_model(model, tok, False, lambda *a: None)
+    tok = folder_tokenizer(folder, f"MODEL_PATH={folder}", False)
+    chat_tokens(tok)
+    model = load.load_pretrained(folder, False, load.family_of_folder(folder, False))
+    load.fit_tokenizer(model, tok, stop_token_ids(tok), lambda *a: None)
+    load.ready(model, False)
     model.eval()
     base = type(model).from_pretrained(folder, local_files_only=True).eval()
     base.resize_token_embeddings(model.get_input_embeddings().num_embeddings)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import TINY_CONFIG, launch, run_cli
-from train.core.measure.estimate import count_params
+from train.models.estimate import count_params
 
 SHAPES = {
     "deep": ({"n_layer": 100_000, "n_embd": 256, "n_head": 4}, "cannot fit"),
@@ -32,12 +32,12 @@ def write_config(tmp_path, change: dict):
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry_run", "run"])
 @pytest.mark.parametrize("case", list(SHAPES))
 def test_model_config_that_cannot_work_is_one_line(case, dry_run, corpus, tmp_path, capsys, monkeypatch):
-    import train.core.model
+    import train.models.build
 
     def no_build(*args, **kwargs):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr(train.core.model, "build_model", no_build)
+    monkeypatch.setattr(train.models.build, "build_model", no_build)
     change, expect = SHAPES[case]
     argv = ["pretrain", "--model_config", str(write_config(tmp_path, change)), "--data_path", str(corpus),
             "--vocab_size", "512", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"),

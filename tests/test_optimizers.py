@@ -13,15 +13,15 @@ from tiny_tools import one_thread
 
 import config
 from conftest import read_jsonl, run_cli, tiny_model
-from train.core.freeze import apply_freeze, trainable_of
-from train.core.measure.estimate import (
+from train.models.freeze import apply_freeze, trainable_of
+from train.models.estimate import (
     count_params,
     estimate_for_run,
     estimate_memory,
     optimizer_bytes,
     trainable_for,
 )
-from train.core.model import build_config, build_model
+from train.models.build import build_config, build_model
 from train.core.step import build_optimizer, build_schedule, lr_at, train_step
 from train.run.checkpoint import checkpoint
 

@@ -48,12 +48,12 @@ def test_packing_fills_rows_and_trains(base_model, mixed, tmp_path, capsys):
 
 def test_packing_with_token_budget_is_refused(base_model, mixed, tmp_path, capsys, monkeypatch):
     """Refused with the other settings (config validation), before the model or data load."""
-    import train.run.plan.sft
+    import train.models.load
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(train.run.plan.sft, "load_pretrained", no_load)
+    monkeypatch.setattr(train.models.load, "load_pretrained", no_load)
     argv = ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--data_path", mixed,
             "--max_length", "64", "--packing", "1", "--token_budget", "256", "--run_name", "x"]
     assert run_cli("sft", *argv) == 2

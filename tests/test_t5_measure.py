@@ -8,8 +8,8 @@ import torch
 from test_distributed import flat, spawn
 
 from config import OptimConfig
-from train.core.measure.estimate import count_params, estimate_memory
-from train.core.model import build_config, build_model
+from train.models.estimate import count_params, estimate_memory
+from train.models.build import build_config, build_model
 from train.core.step import build_optimizer, train_step
 from train.core.units import IGNORE_INDEX
 
@@ -62,7 +62,8 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
     tracker.track_external(model)
     with tracker:
         for _ in range(2):  # the second step has AdamW's state
-            train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), iter([data]), 1, 1.0, cpu, "fp32")
+            train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), iter([data]), 1, 1.0, cpu, "fp32",
+                       pairs=True)
             tracker.reset_mod_stats()
     measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(
@@ -76,7 +77,7 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
 def test_t5_estimate_lengths_follow_the_mode():
     """Pretraining: span corruption's target (512 -> 114); SFT: MAX_LENGTH for both as a bound;
     the logits are counted at the target length only."""
-    from train.core.measure.estimate_seq2seq import lengths
+    from train.models.estimate_seq2seq import lengths
 
     assert lengths("pretrain", 512) == (512, 114)
     assert lengths("sft", 256) == (256, 256)
@@ -96,7 +97,7 @@ def test_flops_match_torch_flop_counter(dropout):
     from torch.utils.flop_counter import FlopCounterMode
 
     from train.core.loss import seq2seq_loss_sum
-    from train.core.measure.mfu import model_flops_per_token
+    from train.models.flops import model_flops_per_token
 
     hf = tiny_t5_config(dropout)
     hf.num_decoder_layers = 3  # encoder and decoder of different depth
@@ -164,7 +165,7 @@ def _t5_worker(rank, world_size, port):
 def _sgd(model, batches, accum, sync):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync)
+    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, pairs=True)
 
 
 def test_two_ranks_ddp_and_fsdp2_train_t5_as_one_process():

@@ -133,7 +133,7 @@ def test_samples_are_a_function_of_seed_and_index():
 def tiny_t5():
     from transformers import T5Config
 
-    from train.core.model import build_model, set_special_tokens
+    from train.models.build import build_model, set_special_tokens
 
     cfg = T5Config(vocab_size=128, **{k: v for k, v in TINY_T5.items() if k != "model_type"})
     set_special_tokens(cfg, eos_id=1, pad_id=0)
@@ -158,7 +158,7 @@ def test_accumulation_on_uneven_targets_equals_one_big_batch():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter(collate(rows[i : i + micro]) for i in range(0, 8, micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32")
+        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", pairs=True)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in tiny_t5().parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,8 @@ MULTI = [
 @pytest.fixture(scope="module")
 def t5_folder(tmp_path_factory) -> Path:
     """A tiny T5 (build_config's t5 family, shrunk) saved beside the kit-style BPE tokenizer."""
-    from train.core.model import build_config, build_model, padded_vocab
+    from train.core.model import padded_vocab
+from train.models.build import build_config, build_model
 
     tok = make_tokenizer()
     tok.pad_token = tok.eos_token  # as the kit's own tokenizer: pad = eos = the decoder start
@@ -217,7 +218,7 @@ def test_a_decoder_without_a_start_token_starts_from_pad(t5_folder):
     from the pad id (T5's rule, said as a decision), not a traceback at the first step."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from train.run.plan.sft_model import prepare_model
+    from train.models.load import fit_tokenizer
 
     for config_pad in (True, False):
         decided = {}
@@ -226,7 +227,7 @@ def test_a_decoder_without_a_start_token_starts_from_pad(t5_folder):
         model.config.decoder_start_token_id = None
         if not config_pad:
             model.config.pad_token_id = None
-        prepare_model(model, tok, False, lambda name, value, why, d=decided: d.update({name: value}))
+        fit_tokenizer(model, tok, [tok.eos_token_id], lambda name, value, why, d=decided: d.update({name: value}))
         assert model.config.decoder_start_token_id == decided["decoder_start_token_id"] == tok.pad_token_id
         loss = model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[8, 9]])).loss
         assert torch.isfinite(loss)

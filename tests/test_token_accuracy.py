@@ -102,14 +102,14 @@ def test_t5_counts_its_decoder_labels():
     batch = {"input_ids": source, "attention_mask": torch.ones_like(source), "labels": labels}
     with torch.no_grad():
         expected = plain_accuracy(t5(input_ids=source, labels=labels).logits, labels)
-        _, accuracy = step.forward_loss(t5, dict(batch), CPU, "fp32", accuracy=True)
+        _, accuracy = step.forward_loss(t5, dict(batch), CPU, "fp32", accuracy=True, pairs=True)
     assert 0.2 < expected < 0.9 and accuracy.item() == pytest.approx(expected, abs=1e-6)
     # through train_step: a log step's figure, counted without a host sync
     optimizer = torch.optim.SGD(t5.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with HostSyncs("cpu") as syncs:
         out = step.train_step(t5, optimizer, scaler, syncs.host_batches(iter([dict(batch)])), 1, 0.0, CPU, "fp32",
-                              accuracy=True)  # fmt: skip
+                              accuracy=True, pairs=True)  # fmt: skip
     assert syncs.count == 0, syncs.summary()
     assert len(out) == 4 and out[3].item() == pytest.approx(expected, abs=1e-6)
 

@@ -40,9 +40,9 @@ def add_fake_oom(model, limit: int, from_call: int = 1, calls: list | None = Non
 
 def patch_fake_oom(monkeypatch, limit: int, from_call: int = 1) -> list:
     """Every model build() makes gets the fake OOM; returns the list of forward batch sizes."""
-    import train.core.model
+    import train.models.build
 
-    real = train.core.model.build_model
+    real = train.models.build.build_model
     calls: list = []
 
     def build_model(*args, **kwargs):
@@ -50,7 +50,7 @@ def patch_fake_oom(monkeypatch, limit: int, from_call: int = 1) -> list:
         add_fake_oom(model, limit, from_call, calls)
         return model
 
-    monkeypatch.setattr(train.core.model, "build_model", build_model)
+    monkeypatch.setattr(train.models.build, "build_model", build_model)
     return calls
 
 

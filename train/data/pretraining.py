@@ -22,17 +22,15 @@ from train.data.loader import Data
 from train.data.sft.sft_batching import Seq2SeqCollator
 
 
-def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:
-    """Tokenizer, token cache and the packed train / held-out datasets of data config `d`. An
-    encoder-decoder (seq2seq: T5, BART ...) trains on T5's span corruption of raw windows a
-    little longer than MAX_LENGTH; its sentinels are added to the tokenizer here. NUM_WORKERS
-    above the CPU cores is lowered in `d` (a decision)."""
+def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:
+    """Token cache and the packed train / held-out datasets of data config `d`, tokenized by `tok`
+    (train/data/tokenizer.py's corpus_tokenizer). An encoder-decoder (seq2seq: T5, BART ...) trains
+    on T5's span corruption of raw windows a little longer than MAX_LENGTH; its sentinels are
+    added to the tokenizer here. NUM_WORKERS above the CPU cores is lowered in `d` (a decision)."""
     cache_dir = Path(d.cache_dir)
     with record_limit(d.max_record_mb):
         files = data.corpus_files(d.data_path)
-        key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
-        tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field,
-                                  d.tokenizer_sample_mb)
+        key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")  # remembered: no second read
         tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     cores = cpu_cores()
     if d.num_workers > cores:

@@ -187,8 +187,9 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     import torch
 
     from train.core.device import device_name, resolve_device
-    from train.core.measure.mfu import model_flops_per_token, peak_flops
-    from train.core.model import count_params, is_seq2seq
+    from train.core.measure.mfu import peak_flops
+    from train.core.model import count_params
+    from train.models.flops import model_flops_per_token
     from train.data.stream import BatchStream
     from train.run.loop.meter import steady_start
     from train.run.loop.parts import data_loader
@@ -211,7 +212,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     effective = cfg.effective_batch_size()
     n_params = count_params(b.model)
     fpt = model_flops_per_token(b.model, *run_lengths(b))
-    if vs_plain and is_seq2seq(b.model):
+    if vs_plain and b.family.pairs:
         raise UsageError("bench --vs-plain: the plain reference loop is a causal LM's (model(x, labels=x)); "
                          "bench an encoder-decoder (MODEL_FAMILY=t5) without --vs-plain")
     peak = peak_flops(

@@ -9,11 +9,10 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 from __future__ import annotations
 
 from train.core.errors import UsageError
-from train.core.freeze import trainable_of
-from train.core.measure.estimate import describe, estimate_for_run
-from train.core.measure.estimate_seq2seq import lengths
-from train.core.measure.mfu import model_flops_per_token
-from train.core.model import count_params, is_seq2seq
+from train.models.freeze import trainable_of
+from train.models.estimate import describe, estimate_for_run
+from train.core.model import count_params
+from train.models.flops import model_flops_per_token, sample_lengths
 from train.core.units import MIB
 from train.run.plan.adapt import over_memory
 from train.run.rundir.report import config_lines
@@ -44,7 +43,7 @@ def derived_numbers(b) -> dict:
 
 def run_lengths(b) -> tuple[int, int | None]:
     """(window, None) for a causal LM; (source, target) for an encoder-decoder."""
-    return lengths(b.cfg.run.mode, b.max_length) if is_seq2seq(b.model) else (b.max_length, None)
+    return sample_lengths(b.family, b.cfg.run.mode, b.max_length)
 
 
 def tokens_per_sample(b) -> int:

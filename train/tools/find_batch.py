@@ -107,7 +107,8 @@ def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, mete
             batch = sample(size)
             synchronize(device)
             start = time.perf_counter()
-            train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device, precision)
+            train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device, precision,
+                       pairs=b.family.pairs)
             synchronize(device)
             times.append(time.perf_counter() - start)
     except Exception as err:  # anything but OOM is a real error
@@ -135,7 +136,6 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
-    from train.core.model import is_seq2seq
     from train.core.step import build_optimizer
     from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
@@ -143,7 +143,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
     scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    lengths = run_lengths(b) if is_seq2seq(b.model) else None
+    lengths = run_lengths(b) if b.family.pairs else None
     sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []

@@ -30,10 +30,12 @@ from train.config import knobs
 from train.config.flags import ArgParser
 from train.core.errors import UsageError
 from train.core.generation import value_problem
-from train.core.model import auto_class, context_length, is_seq2seq, refuse_other_kinds
 from train.core.remote_code import refuse_custom_code
 from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
 from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
+from train.models.build import context_length
+from train.models.family import CAUSAL, family_of
+from train.models.load import load_folder
 
 # The tool's decoding where neither a flag nor the model folder's generation_config.json says:
 # sampling, as a chat demo wants variety (the kit's runs save no decoding settings of their own).
@@ -86,7 +88,6 @@ def parser() -> ArgParser:
 
 
 def load(model_dir: str, device: str, trust_remote_code: bool):
-    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from train.core.device import resolve_device
@@ -104,18 +105,7 @@ def load(model_dir: str, device: str, trust_remote_code: bool):
             "give a run's final/ folder, which holds its tokenizer"
         )
     refuse_custom_code(path, "--model", trust_remote_code, allow="--trust_remote_code lets it run")
-    offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(path, **offline)
-        if not (trust_remote_code and getattr(config, "auto_map", None)):  # a trusted model's own classes decide
-            refuse_other_kinds(config, f"--model {model_dir}")
-        tok = AutoTokenizer.from_pretrained(path, **offline)
-        model = auto_class(config).from_pretrained(path, config=config, **offline)
-    except UsageError:
-        raise
-    except Exception as err:  # a folder transformers cannot load: one line, not a traceback
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UsageError(f"--model {model_dir}: cannot load the model: {first}") from None
+    model, tok = load_folder(path, f"--model {model_dir}", trust_remote_code)
     # A run saved before the kit wrote use_cache into generation_config.json has the cache off,
     # which makes generate() many times slower; a forward pass per token needs no other setting.
     model.generation_config.use_cache = True
@@ -129,7 +119,7 @@ class Chat:
     def __init__(self, model, tok, device, args):
         self.model, self.tok, self.device, self.args = model, tok, device, args
         self.templated = tok.chat_template is not None
-        self.seq2seq = is_seq2seq(model)
+        self.seq2seq = (family_of(model) or CAUSAL).pairs
         self.context = context_length(model.config)
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:

@@ -19,8 +19,8 @@ from train.core import files
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.core.state_dict import bare_checkpoint, load_bare
-from train.run.rundir.runlog import quiet_saving
+from train.models.state_dict import bare_checkpoint, load_bare
+from train.core.model import quiet_saving
 from train.tools.generate import TOKENIZER_FILES  # what AutoTokenizer reads a tokenizer from
 
 

@@ -1,4 +1,4 @@
-"""What a step costs, measured or predicted: the peak-memory estimate (estimate, and
-estimate_seq2seq for encoder-decoders), FLOPs per token and MFU (mfu), the step timer and data
-wait (timing), and the host-sync counter (syncs). Imports torch and train/core's other modules
-only; nothing here changes a run."""
+"""What a step costs, measured or predicted: device peaks, the FLOPs formula and MFU (mfu), the
+step timer and data wait (timing), and the host-sync counter (syncs). The per-family parts (peak
+memory, FLOPs per token of a model) are train/models/'s. Imports torch and train/core's other
+modules only; nothing here changes a run."""

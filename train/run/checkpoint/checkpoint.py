@@ -33,7 +33,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from train.core import files, lora
+from train.core import files
+from train.models import lora
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.distributed import safe_load

@@ -10,7 +10,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from train.core import files, lora
+from train.core import files
+from train.models import DEFAULT_FAMILY, lora
 from train.core.files import sha256_of
 from train.distributed import safe_load
 
@@ -56,8 +57,8 @@ def _model_of(settings: dict) -> str | None:
         return f"MODEL_PATH={settings['model_path']} ({size})"
     if size == "custom":
         return f"MODEL_CONFIG={settings['model_config']}" if settings.get("model_config") else None
-    family = settings.get("model_family") or "gpt2"  # a checkpoint from before MODEL_FAMILY: GPT-2
-    return f"MODEL_SIZE={size}" + (f" MODEL_FAMILY={family}" if family != "gpt2" else "")
+    family = settings.get("model_family") or DEFAULT_FAMILY  # a checkpoint from before MODEL_FAMILY: GPT-2
+    return f"MODEL_SIZE={size}" + (f" MODEL_FAMILY={family}" if family != DEFAULT_FAMILY else "")
 
 
 def model_change(name: str, saved: dict, now: dict | None) -> str | None:
@@ -70,7 +71,7 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
     if rank[0] != rank[1]:
         return (f"RESUME=1: checkpoint {name} holds {f'LoRA adapters of LORA_R={rank[0]}' if rank[0] else 'the whole model'}"
                 f", this run has LORA_R={rank[1] or '(empty)'}; resume with LORA_R={rank[0] or '(empty)'}")
-    family = [(s.get("model_family") or "gpt2") for s in (saved, now)]  # MODEL_SIZE picks in its family
+    family = [(s.get("model_family") or DEFAULT_FAMILY) for s in (saved, now)]  # MODEL_SIZE picks in its family
     chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")  # MODEL_CONFIG / SFT: the knob is ignored
     if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or chosen_elsewhere):
         return None

@@ -23,7 +23,7 @@ from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str) -> float | None:
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, pairs: bool = False) -> float | None:
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
     Each batch's mean loss is weighted by its predicted tokens (labels after the causal shift,
@@ -31,10 +31,8 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
     masked SFT prompts count by their tokens.
     One host read per call. The model is put back in the mode it was in."""
     from train.core.loss import count_targets
-    from train.core.model import is_seq2seq
     from train.core.step import forward_loss
 
-    seq2seq = is_seq2seq(model)  # every target label counts (no causal shift)
     was_training = model.training
     model.eval()
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
@@ -45,8 +43,8 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
             for index, batch in enumerate(loader):
                 if index >= max_batches:
                     break
-                tokens = count_targets(batch, shifted=not seq2seq)  # host labels: no sync
-                loss = forward_loss(model, batch, device, precision)
+                tokens = count_targets(batch, shifted=not pairs)  # an encoder-decoder's every label counts  # host labels: no sync
+                loss = forward_loss(model, batch, device, precision, pairs=pairs)
                 loss_sum += loss.to(dtype) * tokens
                 token_sum += tokens
     finally:
@@ -107,7 +105,7 @@ class Evaluator:
             self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
-        loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision)
+        loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision, self.b.family.pairs)
         self.passes += 1
         self.last = loss
         ppl = perplexity(loss)

@@ -20,7 +20,6 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.measure.syncs import HostSyncs
 from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
-from train.core.model import is_seq2seq
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
@@ -95,7 +94,7 @@ class Meter:
         self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
         self.device, self.world = b.device, b.world
         self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches), is_seq2seq(b.model))  # rows, real/padded tokens
+        self.batches = BatchCounter(self.timer.wrap(batches), b.family.pairs)  # rows, real/padded tokens
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)

@@ -1,22 +1,23 @@
 """Build everything a run needs before its folder exists: the plan (train/run/plan/plan.py
-make_plan, the same for every mode) and, for pretraining, where its model and data come from
-(PretrainingSource: a new model; the data from train/data/pretraining.py's front door).
-`python -m train sft` takes its model and data from train/run/plan/sft.py instead. Nothing here
-writes to runs/."""
+make_plan, the same for every mode) and, for pretraining, where its model, tokenizer and data come
+from (PretrainingSource: a new model of MODEL_SIZE in MODEL_FAMILY, or MODEL_CONFIG; the corpus's
+tokenizer and data from train/data's front doors). `python -m train sft` takes them from
+train/run/plan/sft.py instead. Nothing here writes to runs/."""
 
 from __future__ import annotations
 
 import torch
 
 from config import TrainConfig
-from train.core import model as model_lib
 from train.core.errors import UsageError
-from train.core.measure import estimate
 from train.data.loader import Data
 from train.data.pretraining import pretraining_data
+from train.data.tokenizer import corpus_tokenizer
 from train.distributed.distributed import SINGLE, Dist
+from train.models.build import build_config, context_length, new_model, size_vocab
+from train.models.family import family_of
 from train.run.plan.adapt import over_memory
-from train.run.plan.plan import Chosen, Plan, make_plan, shortest_limit
+from train.run.plan.plan import Chosen, ModelChoice, Plan, make_plan, note_family_ignored, shortest_limit
 from train.run.plan.sft import SFTSource, refuse_sft_settings
 
 
@@ -39,7 +40,7 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
-    source = (SFTSource if asked.run.mode == "sft" else PretrainingSource)(world.world_size)
+    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource()
     plan = make_plan(asked, say, world, source, chosen)
     warning = None if plan.cfg.run.dry_run else over_memory(plan)  # a dry run says it by its estimate
     if warning:
@@ -48,47 +49,40 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
 
 
 class PretrainingSource:
-    """Pretraining: a new model (MODEL_SIZE or MODEL_CONFIG) and packed windows of a token cache."""
-
-    def __init__(self, world_size: int = 1):
-        self.world_size = world_size
+    """Pretraining: a new model (MODEL_SIZE or MODEL_CONFIG), the corpus's tokenizer, and packed
+    windows of a token cache. Each call returns what it made."""
 
     def refuse(self, cfg: TrainConfig) -> None:
         refuse_sft_settings(cfg)
 
-    def model(self, cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, int, bool]:
-        """(model size, context length, CPU demo). The model's shape first (vocab set once the
-        tokenizer is known), so a MAX_LENGTH longer than its context stops before any data work."""
+    def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+        """The model's shape first (vocab set once the tokenizer is known), so a MAX_LENGTH longer
+        than its context stops before any data work."""
         model_size, demo = choose_model_size(cfg, device, say, decide)
-        self.model_size = model_size
-        self.hf_cfg = model_lib.build_config(
-            model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family
-        )
-        if cfg.model.model_config is not None and model_lib.is_seq2seq(self.hf_cfg):
-            decide("model_kind", "seq2seq", f"model_type {self.hf_cfg.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
-        return model_size, model_lib.context_length(self.hf_cfg), demo
-
-    def data(self, cfg: TrainConfig, device, precision: str, max_length: int, say, decide) -> Data:
-        # From the config alone, before the data work and before anything is allocated.
+        config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family)
+        family = family_of(config)
+        if cfg.model.model_config is not None and family.pairs:
+            decide("model_kind", "seq2seq", f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
         m = cfg.model.model_config
-        variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={self.model_size}"
-        estimate.refuse_unfit(self.hf_cfg, cfg, max_length, precision, device, self.world_size, variable)
-        hf_cfg = self.hf_cfg
-        data = pretraining_data(cfg.data, max_length=max_length, seq2seq=model_lib.is_seq2seq(hf_cfg),
+        variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={model_size}"
+        return ModelChoice(family=family, size=model_size, context=context_length(config), variable=variable,
+                           demo=demo, config=config)
+
+    def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+        return corpus_tokenizer(cfg.data, say)
+
+    def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
+             decide) -> Data:
+        return pretraining_data(cfg.data, tok, max_length=max_length, seq2seq=choice.family.pairs,
                                 eval_batches=cfg.run.eval_batches, seed=cfg.system.seed, say=say, decide=decide)
-        # The model's vocab and special tokens from the tokenizer (sentinels included).
-        tok = data.tokenizer
-        hf_cfg.vocab_size = model_lib.padded_vocab(len(tok))
-        if hf_cfg.vocab_size != len(tok):
-            decide("vocab_size", hf_cfg.vocab_size, f"tokenizer's {len(tok)} padded to a multiple of 64")
-        model_lib.set_special_tokens(hf_cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
-        return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         return plan_steps(cfg, len(data.dataset), world_size)
 
-    def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-        return make_model(cfg, self.hf_cfg, device)
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+        """The new model, its vocabulary and special ids from the tokenizer (T5's sentinels included)."""
+        size_vocab(choice.config, tok, decide)
+        return new_model(choice.config, cfg.model.gradient_checkpointing, cfg.system.seed, cfg.run.dry_run, device)
 
 
 def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, bool]:
@@ -96,8 +90,7 @@ def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tu
     model as a short demo on a CPU. Returns (size, demo)."""
     if cfg.model.model_config is not None:
         decide("model_size", "custom", f"MODEL_CONFIG={cfg.model.model_config}")
-        if cfg.model.model_family != "gpt2":
-            say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: MODEL_CONFIG's model_type decides the model")
+        note_family_ignored(cfg, say, "MODEL_CONFIG's model_type decides the model")
         return "custom", False
     if cfg.model.model_size is not None:
         return cfg.model.model_size, False
@@ -112,10 +105,3 @@ def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tu
     if demo:
         say("No GPU found: running the nano model as a short CPU demo (set MODEL_SIZE to choose).")
     return model_size, demo
-
-
-def make_model(cfg: TrainConfig, hf_cfg, device: torch.device) -> torch.nn.Module:
-    if cfg.run.dry_run:
-        with torch.device("meta"):  # shapes and parameter count only: nothing allocated anywhere
-            return model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed)
-    return model_lib.build_model(hf_cfg, cfg.model.gradient_checkpointing, cfg.system.seed).to(device)

@@ -1,9 +1,11 @@
 """The plan of a run, decided once before anything trains: device, precision, model size,
 sequence length, the effective batch and learning rate, the memory-adaptive settings, step count,
 warm-up, and every automatic choice with the reason for it. One function makes it for every mode
-(make_plan); a mode (pretraining in build.py, SFT in sft.py) supplies only where its model and
-data come from. The plan is frozen: what changes at run time (an out-of-memory's smaller
-micro-batch, a resume's position) belongs to the object that owns it.
+(make_plan), in one order: the model's family and shape (config only) -> MAX_LENGTH -> the fit
+check -> the tokenizer -> the data -> the model. A mode (pretraining in build.py, SFT in sft.py)
+supplies each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a
+Data, a model): nothing is kept on the source. The plan is frozen: what changes at run time (an
+out-of-memory's smaller micro-batch, a resume's position) belongs to the object that owns it.
 
 Nothing here writes to runs/, so bad input stops before any run folder is touched.
 """
@@ -15,6 +17,7 @@ import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -23,10 +26,12 @@ import torch
 from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
-from train.core.freeze import apply_freeze, trainable_of
 from train.core.generation import apply_generation_config, read_generation_config
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
+from train.models import estimate
+from train.models.family import Family
+from train.models.freeze import apply_freeze, trainable_of
 from train.run.plan import adapt
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
@@ -45,6 +50,8 @@ class Plan:
     device: torch.device
     precision: str
     model_size: str
+    family: Family
+    """The model's family (train/models): what differs between architectures, decided once."""
     max_length: int
     model: torch.nn.Module
     tokenizer: object
@@ -61,6 +68,28 @@ class Plan:
     val_dataset: torch.utils.data.Dataset | None = None
     val_collate: Callable | None = None
     """SFT: the collator for validation batches (padding); None: default stacking."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which model a run trains, decided from the settings and config files alone (no weights,
+    no data): its family, its summary name and context, what set it."""
+
+    family: Family
+    size: str
+    """summary.json's model_size: MODEL_SIZE, "custom" (MODEL_CONFIG), or a loaded model's name."""
+    context: int
+    variable: str
+    """What chose it, for messages: MODEL_SIZE=nano, MODEL_CONFIG=..., MODEL_PATH=..."""
+    demo: bool = False
+    """The CPU demo (no GPU, no MODEL_SIZE): a short budget."""
+    config: object = None
+    """A new model's transformers config (its vocabulary sized once the tokenizer is known); a
+    loaded model's, as read from MODEL_PATH."""
+    path: Path | None = None
+    """A saved model's folder (MODEL_PATH); None for a new model."""
+    declared: Mapping = field(default_factory=dict)
+    """MODEL_CONFIG's own special ids (SFT from scratch lays its BPE out at them)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +116,15 @@ class Decisions:
             return
         self.items.append({"setting": setting, "value": value, "reason": reason})
         self.say(f"  {setting} = {value}  ({reason})")
+
+
+def note_family_ignored(cfg: TrainConfig, say, why: str) -> None:
+    """MODEL_FAMILY set where something else decides the model (MODEL_CONFIG, a loaded MODEL_PATH):
+    said, not refused (the launchers pass the default through)."""
+    from train.config import knobs
+
+    if cfg.model.model_family != knobs.default("model_family"):
+        say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: {why}")
 
 
 def seed_everything(seed: int) -> None:
@@ -171,22 +209,25 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
 
 
 def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | None = None) -> Plan:
-    """The one plan function. `source` (build.PretrainingSource, sft.SFTSource) supplies the
-    model and the data; every other decision is made here, the same way for every mode.
-    chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
+    """The one plan function. `source` (build.PretrainingSource, sft.SFTSource) answers where the
+    model, tokenizer and data come from, each a pure call; every other decision is made here, the
+    same way for every mode. chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
     cfg = copy.deepcopy(asked)
     source.refuse(cfg)
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
     decide = Decisions(say)
     device, precision = device_and_precision(cfg, world, decide)
-    model_size, context, demo = source.model(cfg, device, say, decide)
-    max_length = sequence_length(cfg, context, MAX_LENGTH_CAP, decide)  # before any data work
-    data = source.data(cfg, device, precision, max_length, say, decide)
+    choice = source.choose(cfg, device, say, decide)
+    max_length = sequence_length(cfg, choice.context, MAX_LENGTH_CAP, decide)  # before any data work
+    if choice.path is None:  # a new model that cannot fit stops here, from its config alone
+        estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)
+    tok = source.tokenizer(cfg, choice, max_length, say, decide)
+    data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
     if chosen is not None:
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
-    if demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
+    if choice.demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
         decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
         if cfg.optim.gradient_accumulation_steps > 1 and cfg.optim.effective_batch is None:
@@ -196,8 +237,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
     val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
-    model = source.finish_model(cfg, device)
-    frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/core/freeze.py)
+    model = source.model(cfg, choice, tok, data, device, decide)
+    frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
         if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters
@@ -205,8 +246,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     apply_generation_config(model, generation, decide, cfg.model.generation_config)
     parallel(cfg, world, decide)
     return Plan(
-        cfg=cfg, device=device, precision=precision, model_size=model_size, max_length=max_length,
-        model=model, tokenizer=data.tokenizer, dataset=data.dataset, total_steps=total_steps,
+        cfg=cfg, device=device, precision=precision, model_size=choice.size, family=choice.family,
+        max_length=max_length, model=model, tokenizer=tok, dataset=data.dataset, total_steps=total_steps,
         warmup_steps=warmup, decisions=tuple(decide.items), world=world, collate=data.collate,
         summary_extra=MappingProxyType(data.summary), val_dataset=val_dataset, val_collate=data.val_collate,
     )

@@ -14,6 +14,7 @@ every process reading its own share of each epoch.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +22,19 @@ import torch
 
 from config import TrainConfig
 from train.config import knobs
-from train.core import lora
-from train.core import model as model_lib
 from train.core.attention import use_attention
 from train.core.errors import UsageError
+from train.data import tokenizer
 from train.data.loader import Data
 from train.data.sft.fine_tuning import fine_tuning_data, unit_of
+from train.data.sft.packing import FLASH, VARLEN
 from train.data.sft.sft_batching import BudgetSampler
+from train.data.sft.sft_data import stop_token_ids
+from train.models import CAUSAL, load, lora
+from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.run.plan import sft_scratch
-from train.run.plan.plan import shortest_limit
-from train.run.plan.sft_model import (  # noqa: F401 (newest_pretrained: the tests' and tools' name for it)
-    load_pretrained,
-    model_kind_of,
-    model_label,
-    model_source,
-    newest_pretrained,
-    prepare_model,
-)
+from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
+from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
 
 SFT_ONLY = knobs.marked("sft")  # config.py's fields marked "sft"
 
@@ -78,56 +75,51 @@ def plan_sft_steps(
 class SFTSource:
     """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), or a
     new model of MODEL_CONFIG / MODEL_SIZE (sft_scratch.py), and conversations from DATA_PATH (or
-    the built-in pairs), padded, grouped, budgeted or packed."""
-
-    def __init__(self, world_size: int = 1):
-        self.world_size, self.scratch = world_size, None
+    the built-in pairs), padded, grouped, budgeted or packed. Each call returns what it made."""
 
     def refuse(self, cfg: TrainConfig) -> None:
         sft_scratch.refuse_both(cfg)
 
-    def model(self, cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, int, bool]:
-        """(model size, context length, CPU demo: never). A new model is only configured here: its
-        vocabulary waits for the tokenizer, which data() trains."""
+    def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+        """A new model's config, or MODEL_PATH's (read, not loaded: its weights come after the data)."""
         if sft_scratch.asked(cfg):
-            self.scratch = sft_scratch.Scratch(cfg, say, decide)
-            self.kind, self.path = self.scratch.kind, None
-            sft_scratch.refuse_packing(cfg, self.kind, self.scratch.variable)
-            return self.scratch.size, model_lib.context_length(self.scratch.hf_cfg), False
-        if cfg.model.model_family != "gpt2":
-            say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: it says what MODEL_SIZE builds (set MODEL_SIZE "
-                "to train a new model from scratch); a loaded model's config.json decides its own")
-        self.path = Path(model_source(cfg, decide, say))
-        self.kind = model_kind_of(self.path, cfg.model.trust_remote_code) or "causal"
-        sft_scratch.refuse_packing(cfg, self.kind, f"MODEL_PATH={self.path}")
-        if self.kind == "seq2seq":
+            return sft_scratch.choose_new(cfg, say, decide)
+        note_family_ignored(cfg, say, "it says what MODEL_SIZE builds (set MODEL_SIZE to train a new model from "
+                            "scratch); a loaded model's config.json decides its own")
+        path = Path(model_source(cfg, decide, say))
+        family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
+        variable = f"MODEL_PATH={path}"
+        sft_scratch.refuse_packing(cfg, family.pairs, variable)
+        if family.pairs:
             decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                    "pairs, one per assistant turn, loss on the target")
-        self.model, self.tok = load_pretrained(self.path, cfg.data.tokenizer_path, cfg.model.trust_remote_code,
-                                               self.kind)
-        self.ready(cfg, decide)
-        return model_label(self.path, self.model), model_lib.context_length(self.model.config), False
+        config = load.read_config(path, cfg.model.trust_remote_code)
+        return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
+                           variable=variable, config=config, path=path)
 
-    def ready(self, cfg: TrainConfig, decide) -> None:
-        """The one place where the SFT model, loaded or new, becomes ready to train: chat-template
-        tokens, stop tokens, training mode. Whatever wraps the model for training goes here."""
-        prepare_model(self.model, self.tok, cfg.model.gradient_checkpointing, decide, cfg.data.template)
-        m = cfg.model  # LORA_R: adapters in, the rest frozen, before the optimizer and DDP are made
-        self.model = lora.wrap(self.model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide,
-                               cfg.system.sharding)
+    def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+        """MODEL_PATH's (or TOKENIZER_PATH), or a new model's (TOKENIZER_PATH or a BPE of the data's
+        turns), with TEMPLATE's chat markers added."""
+        d = cfg.data
+        if choice.path is None:
+            tok = tokenizer.turns_tokenizer(d, choice.declared, choice.variable, say, decide)
+        else:
+            source = d.tokenizer_path or choice.path
+            variable = f"TOKENIZER_PATH={source}" if d.tokenizer_path else f"MODEL_PATH={source}"
+            tok = tokenizer.folder_tokenizer(source, variable, cfg.model.trust_remote_code,
+                                             bare=load.bare_of(choice.path) is not None and not d.tokenizer_path)
+        tokenizer.chat_tokens(tok, d.template)
+        return tok
 
-    def data(self, cfg: TrainConfig, device: torch.device, precision: str, max_length: int, say, decide) -> Data:
+    def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
+             decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        if self.scratch is not None:
-            self.model, self.tok = self.scratch.build(cfg, device, precision, max_length, self.world_size, say,
-                                                     decide)
-            self.ready(cfg, decide)
-        data = fine_tuning_data(cfg.data, self.tok, kind=self.kind, max_length=max_length, device=device,
+        data = fine_tuning_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
-                                set_attention=lambda kind: use_attention(self.model, kind), say=say, decide=decide,
+                                set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
                                 compile_on=cfg.model.compile)
-        self.conversations = data.conversations
-        where = {"model_path": str(self.path)} if self.path else {"model_path": None, "model_config": cfg.model.model_config}
+        where = {"model_path": str(choice.path)} if choice.path else {"model_path": None,
+                                                                       "model_config": cfg.model.model_config}
         data.summary = {**where, **data.summary}
         return data
 
@@ -137,14 +129,27 @@ class SFTSource:
         if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
             effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
             data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-        lengths, sources = self.conversations.lengths, self.conversations.source_lengths
+        lengths, sources = data.conversations.lengths, data.conversations.source_lengths
         sides = {"conversation": lengths} if sources is None else {"source": sources, "target": lengths - sources}
         say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
                       for side, v in sides.items()))
         return total_steps, why
 
-    def finish_model(self, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-        return self.model if cfg.run.dry_run and self.scratch is not None else self.model.to(device)
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+        """The loaded model fitted to its chat-ready tokenizer, or the new one sized by it; the
+        packed attention the data chose; then LoRA's adapters (before the optimizer and DDP)."""
+        m = cfg.model
+        if choice.path is None:
+            size_vocab(choice.config, tok, decide, choice.variable, choice.declared)
+            model = new_model(choice.config, False, cfg.system.seed, cfg.run.dry_run, device)
+        else:
+            model = load.load_pretrained(choice.path, m.trust_remote_code, choice.family)
+            load.fit_tokenizer(model, tok, stop_token_ids(tok), decide)
+        if data.summary.get("attention") in (FLASH, VARLEN):
+            use_attention(model, data.summary["attention"])
+        load.ready(model, m.gradient_checkpointing)
+        model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
+        return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:

@@ -9,11 +9,11 @@ import torch
 
 from config import SECTIONS, TrainConfig, env_name
 from train.core.device import device_name
-from train.core.freeze import trainable_of
-from train.core.measure.estimate import estimate_for_run
-from train.core.measure.estimate_seq2seq import lengths
-from train.core.measure.mfu import mfu_report, model_flops_per_token
-from train.core.model import count_params, is_seq2seq
+from train.models.freeze import trainable_of
+from train.models.estimate import estimate_for_run
+from train.core.measure.mfu import mfu_report
+from train.core.model import count_params
+from train.models.flops import model_flops_per_token, sample_lengths
 from train.core.units import MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
@@ -86,8 +86,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    if is_seq2seq(model):  # FLOPs per source + target token at the planned lengths
-        fpt = model_flops_per_token(model, *lengths(cfg.run.mode, b.max_length))
+    if b.family.pairs:  # FLOPs per source + target token at the planned lengths
+        fpt = model_flops_per_token(model, *sample_lengths(b.family, cfg.run.mode, b.max_length))
     else:
         seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
         fpt = model_flops_per_token(model, seq_len)

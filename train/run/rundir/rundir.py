@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from train.core import files, lora
+from train.core import files
+from train.models import lora
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
 from train.distributed import distributed
@@ -36,7 +37,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     is replaced only once the new one is whole (a link there is removed, never followed). A failed
     write (a full disk) is one line naming what failed, what is intact and what to do. A sharded
     model passes its gathered state dict."""
-    from train.run.rundir.runlog import quiet_saving
+    from train.core.model import quiet_saving
 
     parent = folder.parent
     for leftover in parent.glob(f".{folder.name}.*-*"):  # a killed save's (the run's lock makes it ours)

@@ -61,21 +61,6 @@ def capture_warnings(console):
             logger.removeHandler(handler)
 
 
-@contextlib.contextmanager
-def quiet_saving():
-    """save_pretrained without its "Writing model shards" bar: one file for these sizes, and
-    "shards" on the console reads as if SHARDING were on."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
 class Console:
     """Console lines (through tqdm so the bar stays intact), copied into train.log."""
 

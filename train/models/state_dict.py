@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import torch
 
-from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.remote_code import names_code
+from train.models import build, checks
 
 # transformers' own weight names: a folder with one of these loads with from_pretrained.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -97,15 +97,15 @@ def read_config(file: Path, variable: str):
     for key in ("auto_map", "architectures", "_name_or_path", "transformers_version"):
         raw.pop(key, None)  # the folder's own classes are never imported: the plain model_type's
     model_type = raw.pop("model_type", None)
-    model_lib.refuse_unknown_type(model_type, f"{variable}: {file.name}")
+    checks.refuse_unknown_type(model_type, f"{variable}: {file.name}")
     from transformers import AutoConfig
 
     try:
         cfg = AutoConfig.for_model(model_type, **raw)
     except Exception as err:  # ValueError, TypeError, huggingface_hub's validation errors
         raise UsageError(f"{variable}: {file} is not a {model_type} config ({str(err).splitlines()[0]})") from None
-    model_lib.refuse_other_kinds(cfg, f"{variable}: {file.name}")
-    model_lib.check_shape(cfg, f"{variable}: {file.name}")
+    checks.refuse_other_kinds(cfg, f"{variable}: {file.name}")
+    checks.check_shape(cfg, f"{variable}: {file.name}")
     return cfg
 
 
@@ -187,7 +187,7 @@ def load_bare(found: SimpleNamespace, variable: str, say=print):
     tensors = read_weights(found.weights, variable)
     cfg.use_cache = False
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stays as it was: every weight is replaced
-        model = model_lib.build_model(cfg, gradient_checkpointing=False, seed=0)
+        model = build.build_model(cfg, gradient_checkpointing=False, seed=0)
     tensors, prefix = strip_prefix(tensors, set(model.state_dict()))
     check_keys(model, tensors, found.weights, variable)
     model.load_state_dict(tensors, strict=False)  # tied copies absent from the file are tied below

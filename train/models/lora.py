@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from train.core.errors import UsageError
-from train.core.freeze import trainable_of
+from train.models.family import family_of
+from train.models.freeze import trainable_of
 
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
 DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples and LLaMA-Factory use 0.05 to 0.1)
@@ -88,8 +89,6 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    from train.core.model import is_seq2seq
-
     if not getattr(model, "name_or_path", ""):  # from_config: no folder, random weights
         raise UsageError(f"LORA_R={r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA would keep "
                          "its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave LORA_R empty")
@@ -101,7 +100,7 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen,
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
-        task_type="SEQ_2_SEQ_LM" if is_seq2seq(model) else "CAUSAL_LM",
+        task_type=family_of(model).peft_task_type,
     )  # fmt: skip
     total = sum(p.numel() for p in model.parameters())
     try:

@@ -1,0 +1,101 @@
+"""The registry of model families: one Family entry per architecture the kit builds new
+(FAMILIES: gpt2, t5, llama; MODEL_FAMILY picks one), and a generic entry per kind for a loaded
+model of another type (Qwen, Mistral, BART, mT5 ...: KINDS). Everything that differs between
+families is a field here, so the rest of the kit reads `plan.family.<field>` instead of asking
+what the model is: a new family is one entry (a file beside this one and a line in FAMILIES).
+
+`family_of(model or config)` is the one way to tell: the named entry for its model_type, else the
+kind transformers' own tables give (causal or encoder-decoder), else None (BERT, ViT ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from train.core.model import unwrapped
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: how to configure, build, load, count and train it."""
+
+    name: str
+    """MODEL_FAMILY's value (a named entry) or the kind ("causal", "seq2seq") of a generic one."""
+    pairs: bool
+    """The one data-shape switch read outside train/models/: True for an encoder-decoder, whose
+    batches are (source -> encoder, target -> decoder) pairs of two lengths, whose targets are not
+    shifted, whose pretraining objective is span corruption and whose SFT example is a (source,
+    target) pair per assistant turn; False for a causal LM (one sequence, shifted targets)."""
+    auto: str
+    """transformers' Auto class that builds and loads it."""
+    peft_task_type: str
+    """peft's task type for LoRA."""
+    sizes: Mapping[str, Mapping] = field(default_factory=lambda: MappingProxyType({}))
+    """MODEL_SIZE -> the config class's keyword arguments (nano, tiny, small, medium)."""
+    make_config: Callable | None = None
+    """(size, vocab_size, eos_id) -> a transformers config of that size: MODEL_SIZE's new model."""
+    context: int = 1024
+    """The context length when the config has no position table (T5's relative positions)."""
+    objective: str = "causal_lm"
+    """Pretraining's objective on raw text: causal_lm (next token) or span_corruption (T5)."""
+
+    @property
+    def kind(self) -> str:
+        """"seq2seq" or "causal": the data layer's name for the batch shape (train/data)."""
+        return "seq2seq" if self.pairs else "causal"
+
+    def auto_class(self):
+        import transformers
+
+        return getattr(transformers, self.auto)
+
+    def config_for(self, size: str, vocab_size: int, eos_id: int):
+        if self.make_config is None or size not in self.sizes:
+            raise KeyError(f"the {self.name} family has no size {size!r}")
+        return self.make_config(self.sizes[size], vocab_size, eos_id)
+
+
+CAUSAL = Family("causal", pairs=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
+SEQ2SEQ = Family("seq2seq", pairs=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+                 context=512, objective="span_corruption")
+KINDS = {"causal": CAUSAL, "seq2seq": SEQ2SEQ}
+
+
+def kind_of_type(model_type, is_decoder: bool = False) -> str | None:
+    """"causal" (GPT-2, Llama, Qwen ...), "seq2seq" (T5, mT5, BART ...) or None for a model type
+    that is neither (BERT, ViT ...), from transformers' own tables of model types."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq"
+    # BERT, RoBERTa ... are in the causal table too (a head for is_decoder=True), but are encoders.
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not is_decoder
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not encoder:
+        return "causal"
+    return None
+
+
+def family_of_type(model_type) -> Family | None:
+    """family_of for a bare model_type string (a saved run's config.json, read as JSON)."""
+    return family_of(type("Config", (), {"model_type": model_type})())
+
+
+def family_of(model_or_config) -> Family | None:
+    """The Family of a model (wrapped or not) or of its config: its named entry (gpt2, t5, llama),
+    else the generic entry of its kind; None for a type that is neither a causal LM nor an
+    encoder-decoder."""
+    from train.models import FAMILIES
+
+    cfg = getattr(unwrapped(model_or_config), "config", model_or_config)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if getattr(cfg, "is_encoder_decoder", False):
+        return SEQ2SEQ
+    kind = kind_of_type(model_type, bool(getattr(cfg, "is_decoder", False)))
+    return KINDS[kind] if kind else None
