@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import config  # noqa: E402
-from train.models.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import padded_vocab
-from train.models.build import build_config, build_model  # noqa: E402
 from train.core.step import build_optimizer, train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
+from train.models.build import build_config, build_model  # noqa: E402
+from train.models.estimate import count_params, estimate_memory  # noqa: E402
 
 
 def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake) -> float:

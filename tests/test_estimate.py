@@ -7,10 +7,10 @@ import torch
 import config
 from conftest import launch, run_cli
 from train.config.flags import parse_training_args
-from train.models.estimate import count_params, estimate_memory
 from train.core.model import padded_vocab
-from train.models.build import build_config, build_model
 from train.core.step import build_optimizer, train_step
+from train.models.build import build_config, build_model
+from train.models.estimate import count_params, estimate_memory
 from train.run.plan.build import build
 
 GPT2_SMALL = 124_439_808  # tied embeddings, vocab 50257 (the published count)

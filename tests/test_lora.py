@@ -21,9 +21,9 @@ from test_sft_data import make_tokenizer
 from tiny_tools import one_thread
 
 from conftest import ROOT, launch, read_jsonl, run_cli
-from train.models import lora
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
+from train.models import lora
 from train.run.checkpoint.checkpoint import list_checkpoints
 
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(48)]
@@ -42,7 +42,7 @@ def root(tmp_path_factory) -> Path:
     """A tiny GPT-2 whose vocabulary is the tokenizer's (the chat markers make the kit resize it,
     so final/adapter carries embedding rows), a tiny T5, and prompt/response pairs."""
     from train.core.model import padded_vocab
-from train.models.build import build_config, build_model
+    from train.models.build import build_config, build_model
 
     root = tmp_path_factory.mktemp("lora")
     tok = make_tokenizer()

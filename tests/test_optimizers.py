@@ -13,7 +13,8 @@ from tiny_tools import one_thread
 
 import config
 from conftest import read_jsonl, run_cli, tiny_model
-from train.models.freeze import apply_freeze, trainable_of
+from train.core.step import build_optimizer, build_schedule, lr_at, train_step
+from train.models.build import build_config, build_model
 from train.models.estimate import (
     count_params,
     estimate_for_run,
@@ -21,8 +22,7 @@ from train.models.estimate import (
     optimizer_bytes,
     trainable_for,
 )
-from train.models.build import build_config, build_model
-from train.core.step import build_optimizer, build_schedule, lr_at, train_step
+from train.models.freeze import apply_freeze, trainable_of
 from train.run.checkpoint import checkpoint
 
 CPU = torch.device("cpu")

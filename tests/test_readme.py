@@ -124,7 +124,7 @@ def test_the_model_size_table_is_what_the_models_count():
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from train.core.model import padded_vocab
-from train.models.build import build_config
+    from train.models.build import build_config
 
     rows = [line.split("|")[1:-1] for line in (ROOT / "README.md").read_text().splitlines()
             if re.match(r"\| (nano|tiny|small|medium) \|", line)]  # fmt: skip

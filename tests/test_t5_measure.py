@@ -8,10 +8,10 @@ import torch
 from test_distributed import flat, spawn
 
 from config import OptimConfig
-from train.models.estimate import count_params, estimate_memory
-from train.models.build import build_config, build_model
 from train.core.step import build_optimizer, train_step
 from train.core.units import IGNORE_INDEX
+from train.models.build import build_config, build_model
+from train.models.estimate import count_params, estimate_memory
 
 VOCAB = 512
 

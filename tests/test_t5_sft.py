@@ -37,7 +37,7 @@ MULTI = [
 def t5_folder(tmp_path_factory) -> Path:
     """A tiny T5 (build_config's t5 family, shrunk) saved beside the kit-style BPE tokenizer."""
     from train.core.model import padded_vocab
-from train.models.build import build_config, build_model
+    from train.models.build import build_config, build_model
 
     tok = make_tokenizer()
     tok.pad_token = tok.eos_token  # as the kit's own tokenizer: pad = eos = the decoder start

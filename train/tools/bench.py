@@ -189,8 +189,8 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     from train.core.device import device_name, resolve_device
     from train.core.measure.mfu import peak_flops
     from train.core.model import count_params
-    from train.models.flops import model_flops_per_token
     from train.data.stream import BatchStream
+    from train.models.flops import model_flops_per_token
     from train.run.loop.meter import steady_start
     from train.run.loop.parts import data_loader
     from train.run.plan.build import build

@@ -9,11 +9,11 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 from __future__ import annotations
 
 from train.core.errors import UsageError
-from train.models.freeze import trainable_of
-from train.models.estimate import describe, estimate_for_run
 from train.core.model import count_params
-from train.models.flops import model_flops_per_token, sample_lengths
 from train.core.units import MIB
+from train.models.estimate import describe, estimate_for_run
+from train.models.flops import model_flops_per_token, sample_lengths
+from train.models.freeze import trainable_of
 from train.run.plan.adapt import over_memory
 from train.run.rundir.report import config_lines
 

@@ -18,9 +18,9 @@ from train.config.flags import ArgParser
 from train.core import files
 from train.core import model as model_lib
 from train.core.errors import UsageError
+from train.core.model import quiet_saving
 from train.core.remote_code import refuse_custom_code
 from train.models.state_dict import bare_checkpoint, load_bare
-from train.core.model import quiet_saving
 from train.tools.generate import TOKENIZER_FILES  # what AutoTokenizer reads a tokenizer from
 
 

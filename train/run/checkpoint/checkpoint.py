@@ -34,10 +34,10 @@ import safetensors.torch
 import torch
 
 from train.core import files
-from train.models import lora
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.distributed import safe_load
+from train.models import lora
 from train.run.checkpoint.checkpoint_checks import (
     META,
     SHARDS,

@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 
 from train.core import files
-from train.models import DEFAULT_FAMILY, lora
 from train.core.files import sha256_of
 from train.distributed import safe_load
+from train.models import DEFAULT_FAMILY, lora
 
 WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
 

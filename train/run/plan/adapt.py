@@ -107,9 +107,9 @@ def over_memory(b) -> str | None:
     """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
     is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
     (exit 2) only where even one sequence cannot fit: train/core/measure/estimate.py refuse_unfit, earlier."""
-    from train.models.freeze import trainable_of
-    from train.models.estimate import estimate_for_run
     from train.core.model import count_params
+    from train.models.estimate import estimate_for_run
+    from train.models.freeze import trainable_of
 
     cfg = b.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device

@@ -9,13 +9,13 @@ import torch
 
 from config import SECTIONS, TrainConfig, env_name
 from train.core.device import device_name
-from train.models.freeze import trainable_of
-from train.models.estimate import estimate_for_run
 from train.core.measure.mfu import mfu_report
 from train.core.model import count_params
-from train.models.flops import model_flops_per_token, sample_lengths
 from train.core.units import MIB
 from train.distributed import distributed
+from train.models.estimate import estimate_for_run
+from train.models.flops import model_flops_per_token, sample_lengths
+from train.models.freeze import trainable_of
 from train.observe import monitor as monitor_lib
 from train.run.compile.compile_guard import finish_counts
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from train.core import files
-from train.models import lora
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
 from train.distributed import distributed
+from train.models import lora
 from train.observe.tensorboard_log import NoLog
 
 COMPLETE = ".complete"  # written last into final/ and best/: {"step": N}
