@@ -63,9 +63,9 @@ def test_every_causal_path_equals_a_plain_forward(model, monkeypatch):
             _, count, hits = chunked_cross_entropy(hidden, weight, batch["labels"], chunk_tokens=chunk, correct=True)
             assert count.item() == targets and hits.item() / targets == pytest.approx(expected, abs=1e-9)
         assert step.chunkable(model)
-        _, chunked = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True)
+        _, chunked = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, pairs=False)
         monkeypatch.setattr(step, "chunkable", lambda m: False)  # transformers' loss (DDP, FSDP2, compile)
-        _, plain = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True)
+        _, plain = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, pairs=False)
     assert chunked.item() == pytest.approx(expected, abs=1e-6) and plain.item() == pytest.approx(expected, abs=1e-6)
 
 
@@ -82,7 +82,7 @@ def test_packed_rows_count_each_conversation_alone(model):
             trained = targets != IGNORE_INDEX
             hits += int(((logits.argmax(-1) == targets) & trained).sum())
             total += int(trained.sum())
-        _, accuracy = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True)
+        _, accuracy = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, pairs=False)
     assert len(rows) < len(examples) and accuracy.item() == pytest.approx(hits / total, abs=1e-6)
 
 
@@ -131,10 +131,10 @@ def test_accumulated_step_is_the_token_mean_and_takes_no_sync(model):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with HostSyncs("cpu") as syncs:
         out = step.train_step(model, optimizer, scaler, syncs.host_batches(iter(micro)), 2, 1.0, CPU, "fp32",
-                              accuracy=True)  # fmt: skip
+                              accuracy=True, pairs=False)  # fmt: skip
     assert syncs.count == 0, syncs.summary()
     assert out[3].item() == pytest.approx(expected_hits / expected_total, abs=1e-6)
-    assert len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32")) == 3  # not asked: none
+    assert len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32", pairs=False)) == 3  # not asked: none
 
 
 def test_sft_metrics_row_equals_a_plain_forward_on_its_batch(base_model, cache_dir, tmp_path):

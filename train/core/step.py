@@ -161,7 +161,7 @@ VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longe
 
 def forward_loss(
     model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1,
-    accuracy: bool = False, *, pairs: bool = False,
+    accuracy: bool = False, *, pairs: bool,
 ):
     """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
@@ -222,7 +222,7 @@ def _host_padded(batch: dict) -> bool | None:
 
 def train_step(
     model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
-    accuracy: bool = False, *, pairs: bool = False,
+    accuracy: bool = False, *, pairs: bool,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches

@@ -112,6 +112,8 @@ def shapes(hf_cfg) -> dict:
         "hidden": hidden,
         "layers": hf_cfg.num_hidden_layers,
         "heads": hf_cfg.num_attention_heads,
+        "kv": (getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads)
+        * (getattr(hf_cfg, "head_dim", None) or hidden // hf_cfg.num_attention_heads),
         "width": width,
         "vocab": hf_cfg.vocab_size,
         "act": act,
@@ -156,10 +158,13 @@ def layer_bytes_per_token(hf_cfg, precision: str) -> float:
             # the projection saves; under autocast pow and tanh run in fp32.
             mlp = 16 * f if half else 20 * f
         return attn + mlp + masks
-    # Gated MLP (Llama/Qwen/Mistral style, approximate): two RMS norms in fp32 (input and
-    # normalised copy each), q,k,v and rotated q,k, output and its copy; gate, up, act, product.
-    ab = 2 if half else 4
-    return 2 * 8 * h + ab * (2 * h + 5 * h + 2 * h) + ab * 4 * f + masks
+    # Llama block (RMSNorm, rotary, grouped-query sdpa, SwiGLU), counted from autograd's saved
+    # tensors at head size 64: eight h-wide fp32 tensors (two RMS norms' input, normalised copy and
+    # output; rotated q; the attention output and its copy for o_proj); k and v at their grouped
+    # width; gate, its activation, up and the product. Under autocast the norms stay fp32 and the
+    # rest is half: 30h + 4kv + 8f bytes (measured, tests/test_llama.py).
+    kv = s["kv"]
+    return (30 * h + 4 * kv + 8 * f if half else 32 * h + 8 * kv + 16 * f) + masks
 
 
 def attention_scores_bytes(hf_cfg, batch_size: int, max_length: int, precision: str, kind: str) -> float:

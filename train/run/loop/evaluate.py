@@ -23,7 +23,7 @@ from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, pairs: bool = False) -> float | None:
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, pairs: bool) -> float | None:
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
     Each batch's mean loss is weighted by its predicted tokens (labels after the causal shift,
@@ -105,7 +105,8 @@ class Evaluator:
             self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
-        loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision, self.b.family.pairs)
+        loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision,
+                        pairs=self.b.family.pairs)
         self.passes += 1
         self.last = loss
         ppl = perplexity(loss)
