@@ -88,12 +88,12 @@ class SFTSource:
                             "scratch); a loaded model's config.json decides its own")
         path = Path(model_source(cfg, decide, say))
         family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
+        config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
         variable = f"MODEL_PATH={path}"
         sft_scratch.refuse_packing(cfg, family.source_target, variable)
         if family.source_target:
             decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                    "pairs, one per assistant turn, loss on the target")
-        config = load.read_config(path, cfg.model.trust_remote_code)
         return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
                            variable=variable, config=config, path=path)
 
