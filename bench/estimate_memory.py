@@ -24,7 +24,8 @@ import torch  # noqa: E402
 import config  # noqa: E402
 from train.core.measure.estimate import count_params, estimate_memory  # noqa: E402
 from train.core.model import build_config, build_model, padded_vocab  # noqa: E402
-from train.core.step import build_optimizer, train_step  # noqa: E402
+from train.core.optim.optimizers import build_optimizer  # noqa: E402
+from train.core.step import train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 

@@ -9,7 +9,8 @@ from conftest import launch, run_cli
 from train.config.flags import parse_training_args
 from train.core.measure.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model, padded_vocab
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.run.plan.build import build
 
 GPT2_SMALL = 124_439_808  # tied embeddings, vocab 50257 (the published count)

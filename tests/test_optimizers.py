@@ -22,7 +22,9 @@ from train.core.measure.estimate import (
     trainable_for,
 )
 from train.core.model import build_config, build_model
-from train.core.step import build_optimizer, build_schedule, lr_at, train_step
+from train.core.optim.optimizers import build_optimizer, build_schedule
+from train.core.optim.schedules import lr_at
+from train.core.step import train_step
 from train.run.checkpoint import checkpoint
 
 CPU = torch.device("cpu")

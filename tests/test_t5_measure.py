@@ -10,7 +10,8 @@ from test_distributed import flat, spawn
 from config import OptimConfig
 from train.core.measure.estimate import count_params, estimate_memory
 from train.core.model import build_config, build_model
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
 
 VOCAB = 512

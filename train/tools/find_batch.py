@@ -136,7 +136,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.model import is_seq2seq
-    from train.core.step import build_optimizer
+    from train.core.optim.optimizers import build_optimizer
     from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
 
