@@ -63,7 +63,11 @@ class RelativeAdafactor(torch.optim.Optimizer):
         state["step"] += 1
         t = float(state["step"])  # a host tensor: no device read
         weights = p.float() if p.dtype in HALF else p
-        lr = _rms(weights).clamp(min=eps_scale) * relative(t - 1)
+        step_size, rms = relative(t - 1), _rms(weights)
+        # max(eps, RMS) x step without reading RMS back: where RMS <= eps the product is taken in double
+        # and rounded once, as transformers' float product is (an ulp apart, the two drift on parameters
+        # whose gradient is rounding noise: a key bias, which softmax ignores)
+        lr = torch.where(rms > eps_scale, rms * step_size, rms.new_tensor(eps_scale * step_size))
         beta = 1.0 - math.pow(t, group["decay_rate"])
         update = grad**2 + eps_sq
         if factored:
@@ -78,7 +82,7 @@ class RelativeAdafactor(torch.optim.Optimizer):
         update.div_((_rms(update) / group["clip_threshold"]).clamp_(min=1.0))
         update.mul_(lr)
         if group["weight_decay"] != 0:
-            weights.sub_(weights * (group["weight_decay"] * lr))
+            weights.addcmul_(weights, -group["weight_decay"] * lr)  # transformers' add_(p, alpha=-wd x lr), no sync
         weights.sub_(update)
         if weights is not p:
             p.copy_(weights)
