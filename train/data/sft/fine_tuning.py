@@ -149,7 +149,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
     if meta.n_truncated:
-        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
+        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start and eos)"
                  if pairs else "")
         say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
     if meta.n_tools_kept:
