@@ -18,6 +18,7 @@ from pathlib import Path
 from train.core.checks import ENV_NAMES, bad_value, check_fields, env_name, exists_or_matches, knob  # noqa: F401
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
+from train.core.optim import optimizers, schedules
 from train.core.units import cpu_cores
 from train.models import FAMILIES, SIZES
 
@@ -26,8 +27,7 @@ KIT_DIR = Path(__file__).resolve().parent
 MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry per family
 PRECISIONS = ("fp32", "fp16", "bf16", "auto")
 LR_SCALINGS = ("none", "linear", "sqrt")
-OPTIMIZERS = ("adamw", "adafactor", "sgd")
-LR_SCHEDULES = ("cosine", "linear", "constant", "onecycle")
+OPTIMIZERS, LR_SCHEDULES = tuple(optimizers.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
 MODES = ("pretrain", "sft")
 SHARDINGS = ("none", "zero2", "zero3")
 REPORT_TO = ("none", "tensorboard")
@@ -189,13 +189,14 @@ class OptimConfig:
     min_lr_ratio: float = knob(0.1, "compared", least=0.0)
     """The cosine and linear schedules end at LEARNING_RATE x this."""
     optimizer: str = knob("adamw", "compared", choices=OPTIMIZERS)
-    """adamw (fused; 2 fp32 states per parameter) | adafactor (torch's: factored second moment, rows + columns of
-    each matrix) | sgd (momentum 0.9, Nesterov; 1 state)."""
+    """adamw (fused; 2 fp32 states per parameter) | adafactor (torch's: factored second moment) | sgd (momentum 0.9,
+    Nesterov; 1 state) | adafactor_relative (ChatLM's: its own relative step; LEARNING_RATE, LR_SCHEDULE unused)."""
     lr_schedule: str = knob("cosine", "compared", choices=LR_SCHEDULES)
     """cosine | linear (to LEARNING_RATE x MIN_LR_RATIO) | constant, each after WARMUP_STEPS of linear warm-up |
     onecycle (torch's OneCycleLR shape: from LEARNING_RATE / 25 up over WARMUP_STEPS, cosine down to / 25e4)."""
-    warmup_steps: int | None = knob(None, "auto", "compared", least=0)
-    """Optimizer steps of linear warm-up. Empty: 5 % of the run, at most 200."""
+    warmup_steps: float | None = knob(None, "auto", "compared", least=0.0)
+    """Optimizer steps of linear warm-up; below 1, a share of the run's steps (0.05: 5 %, rounded up, as TRL's
+    warmup_steps). Empty: 5 % of the run, at most 200."""
     weight_decay: float = knob(0.1, least=0.0)
     """Weight decay on matrices (not on biases and norms)."""
     grad_clip: float = knob(1.0, least=0.0)
@@ -224,6 +225,7 @@ class OptimConfig:
 
     def __post_init__(self):
         check_fields(self)
+        self.warmup_steps = schedules.steps_or_share(self.warmup_steps)
         if self.min_lr_ratio > 1:
             raise bad_value("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
         if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
@@ -343,9 +345,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
-        if self.optim.optimizer == "adafactor" and self.system.sharding != "none":  # its norms need whole matrices
-            raise UsageError(f"OPTIMIZER=adafactor and SHARDING={self.system.sharding}: torch's Adafactor cannot step "
-                             "FSDP2's sharded parameters; use OPTIMIZER=adamw or sgd, or SHARDING=none")
+        optimizers.check_sharding(self.optim.optimizer, self.system.sharding)
 
     def effective_batch_size(self, world_size: int = 1) -> int:
         """Sequences per optimizer step: micro-batch x accumulation x processes."""

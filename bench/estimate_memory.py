@@ -1,4 +1,4 @@
-"""Peak-memory estimate (train/core/measure/estimate.py) against a measured peak, through the kit's own
+"""Peak-memory estimate (train/models/estimate.py) against a measured peak, through the kit's own
 optimizer and train_step.
 
 On a GPU: torch.cuda.max_memory_allocated over three optimizer steps of random tokens.
@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 import config  # noqa: E402
 from train.core.model import padded_vocab
-from train.core.step import build_optimizer, train_step  # noqa: E402
+from train.core.optim.optimizers import build_optimizer  # noqa: E402
+from train.core.step import train_step  # noqa: E402
 from train.core.units import MIB  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from config import OptimConfig
-from train.core.step import build_schedule, lr_at
+from train.core.optim.optimizers import build_schedule
+from train.core.optim.schedules import lr_at
 from train.run.checkpoint.rng import RngStates
 from train.run.loop.oom import OomGuard
 

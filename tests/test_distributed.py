@@ -226,7 +226,8 @@ def _local_state(model, optimizer):
 
 def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     from config import TrainConfig
-    from train.core.step import build_optimizer, train_step
+    from train.core.optim.optimizers import build_optimizer
+    from train.core.step import train_step
 
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data

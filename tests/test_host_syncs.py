@@ -16,7 +16,8 @@ from tiny_tools import one_thread
 from config import OptimConfig
 from conftest import run_cli
 from train.core.measure.syncs import HostSyncs
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 
 QUIET = ["--gradient_accumulation_steps", "2", "--max_steps", "4", "--log_every", "100", "--num_workers", "0"]
 TINY_T5 = {

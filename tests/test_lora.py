@@ -142,7 +142,7 @@ def test_the_kits_loss_is_peft_forward_and_checkpointing_trains_the_adapters(roo
     model, peft, tok = kit_and_peft(root / name)
     batch = batch_of(tok, name == "t5")
     with torch.no_grad():
-        ours = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", pairs=name == "t5")
+        ours = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=name == "t5")
         theirs = peft(**batch).loss
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     assert ours.item() > 0
@@ -152,7 +152,7 @@ def test_the_kits_loss_is_peft_forward_and_checkpointing_trains_the_adapters(roo
 
     enable_checkpointing(model)
     model.train()
-    forward_loss(model, dict(batch), torch.device("cpu"), "fp32", pairs=name == "t5").backward()
+    forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=name == "t5").backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 

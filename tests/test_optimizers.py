@@ -13,7 +13,9 @@ from tiny_tools import one_thread
 
 import config
 from conftest import read_jsonl, run_cli, tiny_model
-from train.core.step import build_optimizer, build_schedule, lr_at, train_step
+from train.core.optim.optimizers import build_optimizer, build_schedule
+from train.core.optim.schedules import lr_at
+from train.core.step import train_step
 from train.models.build import build_config, build_model
 from train.models.estimate import (
     count_params,

@@ -129,7 +129,7 @@ def test_each_format_is_detected_and_parsed(tmp_path, fmt, suffix):
     assert {"role": "assistant", "content": "5"} in first
     assert {t["role"] for c in conversations for t in c} <= {"system", "user", "assistant"}
     if fmt == "alpaca":
-        assert first[0] == {"role": "user", "content": "Add numbers.\n\n2 and 3"}
+        assert first[0] == {"role": "user", "content": "Add numbers.\n2 and 3"}
         assert conversations[1][0]["content"] == "Greet." and conversations[2][0]["content"] == "Greet again."
     if fmt in ("messages", "sharegpt"):
         assert first[0] == {"role": "system", "content": "Be kind."}

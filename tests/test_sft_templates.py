@@ -160,12 +160,13 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
             tally = Tally()
             (cut,), n = encode_conversations([conv], tok, m, Rendering(truncation=mode), tally)
             assert (n, tally.tools_kept) == (1, 1)
-            assert cut["input_ids"] == source + reply[: m - keep]
-            assert cut["labels"] == [IGNORE_INDEX] * keep + reply[: m - keep]
+            kept = reply[: m - keep - 1] + reply[-1:]  # a cut reply keeps its <|end|> in its last place
+            assert cut["input_ids"] == source + kept
+            assert cut["labels"] == [IGNORE_INDEX] * keep + kept
             (pair,), n = encode_pairs([conv], tok, m, Rendering(truncation=mode), tally)
             seq2seq = {"keep_end": pinned + history[len(history) - (m - len(pinned)) :],
                        "keep_start": (pinned + history)[: m - len(marker)] + marker}  # fmt: skip
-            assert n == 1 and pair["input_ids"] == seq2seq[mode] and pair["labels"] == (reply[:-1] + [tok.eos_token_id])[:m]
+            assert n == 1 and pair["input_ids"] == seq2seq[mode] and pair["labels"] == reply[:-1][: m - 1] + [tok.eos_token_id]
             assert tally.tools_kept == 2  # the pair too: its history cut, its tools list kept
     tally = Tally()
     assert encode_conversations([conv], tok, len(pinned), tally=tally)[0] == []

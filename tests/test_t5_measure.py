@@ -8,7 +8,8 @@ import torch
 from test_distributed import flat, spawn
 
 from config import OptimConfig
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
 from train.models.build import build_config, build_model
 from train.models.estimate import count_params, estimate_memory

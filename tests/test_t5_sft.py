@@ -104,7 +104,7 @@ def test_truncation_keeps_the_end_of_a_source_and_the_start_of_a_target(tok):
     whole, _ = encode_pairs([long], tok, 10_000)
     assert cut == 1 and len(pair["input_ids"]) == len(pair["labels"]) == 16
     assert pair["input_ids"] == whole[0]["input_ids"][-16:]  # ends with the assistant marker
-    assert pair["labels"] == whole[0]["labels"][:16] and tok.eos_token_id not in pair["labels"]
+    assert pair["labels"] == whole[0]["labels"][:15] + [tok.eos_token_id]  # the start, and the eos: the reply ends
 
 
 def test_cache_is_keyed_by_model_kind_max_length_and_template(tmp_path, tok):

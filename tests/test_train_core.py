@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli, tiny_model
-from train.core.step import lr_at, train_step
+from train.core.optim.schedules import lr_at
+from train.core.step import train_step
 from train.data import text as data
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"

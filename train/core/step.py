@@ -1,13 +1,12 @@
 """One optimizer step, as the guides write it: set lr -> micro-steps (autocast, backward of
 loss / accumulation) -> unscale -> clip -> step -> zero_grad(set_to_none=True). The loop, the
-bench, find-batch and autotune all run this code: there is no second, faster copy."""
+bench, find-batch and autotune all run this code: there is no second, faster copy. The optimizer and
+the learning rate it is stepped with are train/core/optim's (build_optimizer, build_schedule)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,117 +28,6 @@ from train.core.model import unwrapped
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (FSDP2's grad norm) as a plain tensor."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def build_optimizer(optim, model: torch.nn.Module, device: torch.device):
-    """(optimizer, how it runs) from the optimizer section (config.OptimConfig: OPTIMIZER,
-    LEARNING_RATE, WEIGHT_DECAY), the one builder the trainer, find-batch, autotune and the benches
-    share. Only parameters that require grad (FREEZE leaves the rest out: no state for them).
-    Decay on matrices only. AdamW fused (one kernel for all parameters) where the device has it,
-    which saves the per-parameter launch overhead of the for-loop version; on CPU too
-    (bench/RESULTS.md): nano's step takes 4.9 ms fused vs 18.3 foreach, 17.2 for-loop.
-    adafactor: torch's own, its lr the schedule's (the cap of its relative step, which it scales
-    by each matrix's RMS); it reads two norms per parameter on the host each step (torch's code),
-    so on a GPU it syncs where AdamW does not. sgd: momentum 0.9, Nesterov."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    lr = optim.learning_rate
-    if optim.optimizer == "adafactor":  # foreach: one kernel per op over all tensors
-        return torch.optim.Adafactor(groups, lr=lr, foreach=True), "Adafactor (foreach)"
-    if optim.optimizer == "sgd":
-        klass, how, label = torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, "SGD (momentum 0.9, Nesterov, {})"
-    else:
-        klass, how, label = torch.optim.AdamW, {"betas": (0.9, 0.95)}, "AdamW ({})"
-    from torch.distributed.tensor import DTensor
-
-    # FSDP2's parameters are DTensors, which torch's fused SGD kernel does not take (fused AdamW does)
-    if klass is torch.optim.AdamW or not any(isinstance(p, DTensor) for p in decay + no_decay):
-        try:
-            return klass(groups, lr=lr, fused=True, **how), label.format("fused")
-        except (RuntimeError, TypeError):
-            pass
-    return klass(groups, lr=lr, foreach=True, **how), label.format("foreach")
-
-
-ONECYCLE_DIV, ONECYCLE_FINAL_DIV = 25.0, 1e4  # OneCycleLR's div_factor and final_div_factor
-
-
-def lr_at(step: float, peak: float, warmup: float, total: float, min_ratio: float, shape: str = "cosine") -> float:
-    """The learning rate of optimizer step `step` (from 0; fractional under a changed batch, see
-    Schedule). cosine, linear, constant: linear warm-up to the peak over `warmup` steps, then
-    cosine or linear decay to peak x min_ratio at `total`, or flat. onecycle: torch's
-    OneCycleLR (anneal_strategy="cos", pct_start = warmup / total, three_phase=False) computed
-    here: cosine from peak / 25 up to the peak at step warmup - 1, cosine down to peak / 25 / 1e4
-    at step total - 1. Its momentum cycling is not done (OneCycleLR's cycle_momentum): the
-    optimizers keep their own betas / momentum, and the kit sets only the lr."""
-    if shape == "onecycle":
-        return _onecycle(step, peak, warmup, total)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if shape == "constant":
-        return peak
-    if shape == "linear":
-        return peak * (min_ratio + (1 - min_ratio) * (1 - progress))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _onecycle(step: float, peak: float, warmup: float, total: float) -> float:
-    """OneCycleLR's two phases, with its step ends (warmup - 1, total - 1). A one-step warm-up,
-    where OneCycleLR would divide by zero, is the starting lr at step 0."""
-    initial = peak / ONECYCLE_DIV
-    low = initial / ONECYCLE_FINAL_DIV
-    rise_end = warmup - 1
-
-    def anneal(start, end, pct):
-        return end + (start - end) / 2.0 * (math.cos(math.pi * min(1.0, max(0.0, pct))) + 1)
-
-    if step <= rise_end:
-        return anneal(initial, peak, step / rise_end if rise_end > 0 else 0.0)
-    return anneal(peak, low, (step - rise_end) / max(1e-9, total - 1 - rise_end))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """lr_at over samples consumed, not steps: with the same settings that is the same curve step
-    for step; with a changed BATCH_SIZE or GRADIENT_ACCUM (a resume) the run continues at the same
-    sample, at the same point of the warm-up and decay, and ends at the same sample. unit: the
-    samples of the run's first effective batch, so that an unchanged run gives lr_at exactly
-    (step, WARMUP_STEPS, total steps). peak, min_ratio and shape: LEARNING_RATE, MIN_LR_RATIO and
-    LR_SCHEDULE. This is the one source of the lr (no torch LRScheduler object), onecycle too."""
-
-    unit: int
-    warmup_samples: int
-    budget_samples: int
-    peak: float = 0.0
-    min_ratio: float = 0.0
-    shape: str = "cosine"
-
-    def lr(self, samples: int) -> float:
-        """The learning rate of a step that starts after `samples` samples."""
-        u = self.unit
-        return lr_at(samples / u, self.peak, self.warmup_samples / u, self.budget_samples / u, self.min_ratio,
-                     self.shape)
-
-    def state_dict(self) -> dict:
-        """A checkpoint's meta.json "schedule": the curve in samples (peak and shape are the config's)."""
-        return {"unit_samples": self.unit, "warmup_samples": self.warmup_samples, "budget_samples": self.budget_samples}
-
-    def load_state_dict(self, state: dict) -> Schedule:
-        """The saved curve with this schedule's peak and shape (frozen: a new Schedule)."""
-        return replace(self, unit=state["unit_samples"], warmup_samples=state["warmup_samples"],
-                       budget_samples=state["budget_samples"])  # fmt: skip
-
-
-def build_schedule(optim, effective: int, warmup_steps: int, total_steps: int) -> Schedule:
-    """The LR schedule from the optimizer section (config.OptimConfig: LEARNING_RATE,
-    MIN_LR_RATIO, LR_SCHEDULE) and the plan's steps of `effective` samples, beside build_optimizer."""
-    e = effective
-    return Schedule(e, warmup_steps * e, total_steps * e, optim.learning_rate, optim.min_lr_ratio, optim.lr_schedule)
 
 
 def chunkable(model) -> bool:

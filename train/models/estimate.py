@@ -27,6 +27,7 @@ import copy
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
+from train.core.optim.optimizers import OPTIMIZERS
 from train.core.units import MIB
 from train.models import estimate_seq2seq
 from train.models.family import family_of
@@ -89,10 +90,9 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
 
 def optimizer_bytes(optimizer: str, trainable_params: int, factored_state: int | None = None) -> tuple[int, int]:
     """(state, the step's own temporaries) in bytes. factored_state: Adafactor's state elements
-    (Trainable.factored); without it, one per parameter (an upper bound)."""
-    if optimizer == "adafactor":  # the foreach step holds every matrix's fp32 update at once
-        return 4 * (trainable_params if factored_state is None else factored_state), 4 * trainable_params
-    return (4 if optimizer == "sgd" else 8) * trainable_params, 0  # SGD momentum; AdamW exp_avg, exp_avg_sq
+    (Trainable.factored); without it, one per parameter (an upper bound). Each optimizer's own
+    count is its OPTIMIZERS entry's (train/core/optim/optimizers.py)."""
+    return OPTIMIZERS[optimizer].state_bytes(trainable_params, factored_state)
 
 
 def _with_layers(hf_cfg, n: int):
@@ -308,7 +308,7 @@ def estimate_for_run(
 
 
 def _trainable_of_run(hf_cfg, n_params: int, cfg) -> Trainable:
-    if not cfg.model.freeze and cfg.optim.optimizer != "adafactor":  # all of them; the state needs no shapes
+    if not cfg.model.freeze and not OPTIMIZERS[cfg.optim.optimizer].factored:  # all; the state needs no shapes
         return Trainable(n_params, n_params)
     return trainable_for(hf_cfg, cfg.model.freeze)
 

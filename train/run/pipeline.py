@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 from config import TrainConfig
-from train.core.step import build_optimizer
+from train.core.optim.optimizers import build_optimizer
 from train.distributed import distributed
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter

@@ -86,7 +86,8 @@ def trial_config(cfg, cand: Candidate):
 
 def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
-    from train.core.step import build_optimizer, train_step
+    from train.core.optim.optimizers import build_optimizer
+    from train.core.step import train_step
     from train.data.stream import BatchStream
     from train.distributed.parallel import build_scaler
     from train.run.loop.parts import data_loader

@@ -68,7 +68,7 @@ def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None,
              max_length: int = 0):
     """Real packed windows (all MAX_LENGTH tokens: the worst case) drawn at random. An
     encoder-decoder: batches of the seq2seq contract at the worst-case lengths (a full source,
-    the mode's target: train/core/measure/estimate_seq2seq.lengths), random tokens: memory and time
+    the mode's target: train/models/estimate_seq2seq.lengths), random tokens: memory and time
     depend on the shapes only."""
     generator = torch.Generator().manual_seed(seed)
     if seq2seq_lengths is not None:
@@ -136,7 +136,7 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
-    from train.core.step import build_optimizer
+    from train.core.optim.optimizers import build_optimizer
     from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
 

@@ -1,6 +1,6 @@
 """`python -m train import SRC DEST [--tokenizer_path T]`: a bare checkpoint (a torch state_dict
 `*.bin` / `*.safetensors` beside config.json or ChatLM-mini-Chinese's model_config.json,
-train/core/state_dict.py), or a folder whose config.json names code of its own over a model_type
+train/models/state_dict.py), or a folder whose config.json names code of its own over a model_type
 transformers has (ChatLM's hub folder: auto_map over T5), written as a transformers folder:
 config.json naming the plain class of its model_type (no code), model.safetensors in the
 weights' own dtype, and the tokenizer. DEST then

@@ -34,7 +34,8 @@ from train.data.sft.packing import (
 from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
 from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
-from train.data.sft.templates import has_generation_markers, raw_template
+from train.data.sft.template_table import TEMPLATE
+from train.data.sft.templates import has_generation_markers
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -88,12 +89,12 @@ def template_decision(d, tok, kind: str, say, decide) -> None:
         raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
                          "predicted); leave LOSS_ON empty")
     mode = Rendering.of(d).mode(tok)
-    if mode == "none" and kind == "causal":  # final/ then prompts as trained: the raw source + eos
-        tok.chat_template = raw_template(tok)
+    entry = TEMPLATE[mode]
+    if entry.final is not None and kind == "causal":  # final/ then prompts as trained (none: the raw source + eos)
+        tok.chat_template = entry.final(tok)
     if not d.template:
-        why = "the tokenizer's own chat template" if mode == "tokenizer" else "the tokenizer has no other chat template"
-        decide("template", mode, f"TEMPLATE empty: {why}")
-    if mode == "tokenizer" and not has_generation_markers(tok.chat_template):
+        decide("template", mode, f"TEMPLATE empty: {entry.why}")
+    if entry.own_markup and not has_generation_markers(tok.chat_template):
         say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
             "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")
 
@@ -148,7 +149,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
     if meta.n_truncated:
-        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
+        sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start and eos)"
                  if pairs else "")
         say(f"truncated {meta.n_truncated} of {len(examples)} {unit} longer than MAX_LENGTH={max_length} tokens{sides}")
     if meta.n_tools_kept:

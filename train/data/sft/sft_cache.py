@@ -46,7 +46,7 @@ from train.data import cache_files, records
 from train.data.sft.sft_data import Rendering, Tally, encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
-SFT_CACHE_VERSION = "4"  # 2: tool calls; 3: typed parts, TEMPLATE ...; 4: history, system, cuts keep the marker
+SFT_CACHE_VERSION = "5"  # 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
 SOURCE_LENGTHS = "source_lengths.bin"  # seq2seq caches only

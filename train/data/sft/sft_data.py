@@ -38,13 +38,12 @@ batching (length grouping, token budgets, each rank's share) in train/data/sft/s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data.sft import templates
-from train.data.sft.chat_template import apply, template_segments
+from train.data.sft.chat_template import apply
 from train.data.sft.sft_batching import (
     LengthGroupedSampler,
     PadCollator,
@@ -52,20 +51,18 @@ from train.data.sft.sft_batching import (
     padding_efficiency,
 )
 from train.data.sft.sft_formats import builtin_conversations, load_conversations
-from train.data.sft.sft_turns import call_text, split_tools
+from train.data.sft.sft_turns import split_tools
+from train.data.sft.template_table import TEMPLATE, builtin_segments, check_markers, ensure_special_tokens
 from train.data.sft.templates import (
     BUILTIN_CHAT_TEMPLATE,
     DEFAULT,
     END_TOKEN,
-    MASKED,
     PINNED,
     ROLE_TOKENS,
     TOOL_CALL_TOKEN,
-    TOOLS_TOKEN,
     TRAINED,
     Rendering,
     Tally,
-    ensure_special_tokens,
     special_wrap,
 )
 from train.data.sft.templates import is_builtin as _builtin
@@ -94,50 +91,12 @@ __all__ = [
 _ENCODE_CHUNK = 1024  # conversations tokenized per call: batched calls are fast, and memory stays flat
 
 
-def _check_markers(tokenizer) -> None:
-    # One id lookup, not get_vocab(): that builds a dict of the whole vocabulary per call, and
-    # once per conversation it was most of SFT's start-up (a profile of 100k records).
-    ids = tokenizer.convert_tokens_to_ids([END_TOKEN, TOOL_CALL_TOKEN])
-    if any(i is None or i == tokenizer.unk_token_id for i in ids):
-        # A programming error, not a user one: the markers would be split into ordinary tokens.
-        raise RuntimeError(
-            "call ensure_special_tokens(tokenizer) before rendering with the built-in template"
-        )
-
-
-def _builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, int]]:
-    tools, turns = split_tools(conversation)
-    segments: list[tuple[str, int]] = []
-    if tools:
-        segments.append((f"{TOOLS_TOKEN}\n{json.dumps(tools, ensure_ascii=False)}{END_TOKEN}\n", PINNED))
-    leading = True  # the system turns before the first other one: kept by truncation with the tools
-    for turn in turns:
-        leading = leading and turn["role"] == "system"
-        calls = "".join(TOOL_CALL_TOKEN + call_text(call) for call in turn.get("tool_calls") or ())
-        around = PINNED if leading else MASKED
-        body = templates.think(turn) + turn["content"] + calls + END_TOKEN
-        segments += [
-            (f"{ROLE_TOKENS[turn['role']]}\n", around),
-            (body, TRAINED if templates.trained(turn) else around),
-            ("\n", around),
-        ]
-    return segments
-
-
 def _segments(tokenizer, conversation: Sequence[dict], r: Rendering, mode: str) -> list[tuple[str, int]]:
     """(text, flag) segments, neighbours with the same flag merged (fewer tokenizer calls, same ids)."""
     if templates.is_document(conversation):
         doc = templates.bos_text(tokenizer) + conversation[0]["content"] + templates.eos_text(tokenizer)
         return [(doc, TRAINED)]
-    conversation = templates.prepared(conversation, r)
-    if mode == "none":
-        tools, turns = split_tools(conversation)
-        eos, bos = templates.eos_text(tokenizer), templates.bos_text(tokenizer)
-        segments = templates.raw_segments(turns, tools, eos, bos)
-    elif mode == "builtin":
-        segments = _builtin_segments(conversation)
-    else:
-        segments = template_segments(tokenizer, conversation)
+    segments = TEMPLATE[mode].segments(tokenizer, templates.prepared(conversation, r))
     if r.loss_on == "all":  # TRL's assistant_only_loss=False: the whole sequence (pad excluded by the collator)
         segments = [(text, TRAINED) for text, _ in segments]
     merged: list[tuple[str, int]] = []
@@ -156,8 +115,8 @@ def render(tokenizer, conversation: Sequence[dict], checked: bool = False,
     everything). checked: the caller has run _check_markers for this tokenizer already (once per
     batch, not per turn)."""
     mode = rendering.mode(tokenizer)
-    if mode == "builtin" and not checked:
-        _check_markers(tokenizer)
+    if TEMPLATE[mode].checks_markers and not checked:
+        check_markers(tokenizer)
     merged: list[tuple[str, bool]] = []
     for text, flag in _segments(tokenizer, conversation, rendering, mode):
         if merged and merged[-1][1] == (flag == TRAINED):
@@ -173,8 +132,8 @@ def prompt_for_generation(tokenizer, conversation: Sequence[dict] | str) -> str:
     if isinstance(conversation, str):
         conversation = [{"role": "user", "content": conversation}]
     if _builtin(tokenizer):
-        _check_markers(tokenizer)
-        return "".join(text for text, _ in _builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"
+        check_markers(tokenizer)
+        return "".join(text for text, _ in builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"
     tools, turns = split_tools(conversation)
     return apply(tokenizer, turns, True, tools)
 
@@ -213,8 +172,8 @@ def _too_long(max_length: int) -> str:
 
 def _prepare(tokenizer, r: Rendering) -> str:
     mode = r.mode(tokenizer)
-    if mode == "builtin":
-        _check_markers(tokenizer)
+    if TEMPLATE[mode].checks_markers:
+        check_markers(tokenizer)
     return mode
 
 
@@ -229,7 +188,8 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     """
     r, examples, n_truncated = rendering, [], 0
     mode = _prepare(tokenizer, r)
-    marker = templates.marker_length(tokenizer, mode)  # the "reply now" marker every cut keeps
+    marker = TEMPLATE[mode].marker(tokenizer)  # the "reply now" marker every cut keeps
+    ends = set(stop_token_ids(tokenizer))  # and a cut reply its end-of-turn
     index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
@@ -252,7 +212,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
             if len(input_ids) > max_length:
                 tools = split_tools(conversation)[0]
                 known = None if tools and not pinned else pinned
-                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker)
+                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker, ends)
                 if kept is None:
                     _refuse(tally, at, _too_long(max_length))
                     continue
@@ -275,7 +235,7 @@ def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tu
 def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set) -> list[tuple[list, bool]]:
     """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
     per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
-    raw = [mode == "none" or templates.is_document(c) for c in chunk]
+    raw = [TEMPLATE[mode].raw or templates.is_document(c) for c in chunk]
     texts = [_raw_pairs(tokenizer, c, r) if is_raw else _segments(tokenizer, c, r, mode)
              for c, is_raw in zip(chunk, raw, strict=True)]  # fmt: skip
     pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items
@@ -323,7 +283,7 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     mode = _prepare(tokenizer, r)
     wrap, stops, eos = special_wrap(tokenizer), set(stop_token_ids(tokenizer)), tokenizer.eos_token_id
     raw_wrap = (wrap[0], wrap[1] if wrap[1][-1:] == [eos] else wrap[1] + [eos])  # raw: source + eos
-    marker = 0 if mode == "none" else templates.marker_length(tokenizer, mode)  # none: eos is in raw_wrap
+    marker = 0 if TEMPLATE[mode].raw else TEMPLATE[mode].marker(tokenizer)  # raw: eos is in raw_wrap
     examples: list[dict] = []
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):

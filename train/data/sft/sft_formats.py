@@ -51,8 +51,8 @@ def _with_system(record: dict, conv: list[dict]) -> list[dict]:
 def _alpaca(record: dict, _field: str) -> list[dict]:
     prompt = text(record["instruction"], "'instruction'")
     extra = text(record.get("input") or "", "'input'")
-    if extra.strip():
-        prompt = f"{prompt}\n\n{extra}"
+    if extra.strip():  # one newline between them, as LLaMA-Factory's AlpacaDatasetConverter joins them
+        prompt = f"{prompt}\n{extra}"
     conv = []  # LLaMA-Factory's "history": [[instruction, response], ...] turns before this one, trained too
     history = record.get("history") or []
     if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):

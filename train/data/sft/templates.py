@@ -1,7 +1,8 @@
 """SFT templates: which one renders a conversation (TEMPLATE), what of it is trained (LOSS_ON,
 REASONING, a turn's loss_weight) and what a long example keeps (TRUNCATION).
 
-TEMPLATE picks the rendering (Rendering.mode):
+TEMPLATE picks the rendering (Rendering.mode; each one's behaviour is its entry in
+train/data/sft/template_table.py):
 - builtin: "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose markers
   ensure_special_tokens adds as special tokens; BUILTIN_CHAT_TEMPLATE is its Jinja twin, saved
   with final/, with the trained spans inside {% generation %} ... {% endgeneration %}, so
@@ -39,7 +40,7 @@ from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data.sft.sft_turns import call_text
 
-TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's names; anything else is a Jinja file
+TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's words; anything else is a Jinja file (template_table)
 TEXT_ROLE = "text"  # a plain document (TEXT_FIELD): sft_formats' one-turn conversation
 MASKED, TRAINED, PINNED = 0, 1, 2  # a segment's flag; PINNED: masked, and kept by truncation (tools, system)
 
@@ -51,7 +52,7 @@ PAD_TOKEN = "<|pad|>"
 MARKERS = [ROLE_TOKENS["system"], ROLE_TOKENS["user"], ROLE_TOKENS["assistant"], END_TOKEN, TOOLS_TOKEN,
            TOOL_CALL_TOKEN, ROLE_TOKENS["tool"]]  # fmt: skip
 THINK = "<think>\n{}\n</think>\n"
-# Jinja, for apply_chat_template on final/; sft_data._builtin_segments writes the same characters
+# Jinja, for apply_chat_template on final/; template_table.builtin_segments writes the same characters
 # (a test holds them equal). No newline right after a block tag: transformers renders with
 # trim_blocks, hence {{ '\n' }}. The body is captured first and then emitted inside or outside
 # {% generation %}: the tracker counts characters of the top-level output, not of a macro's.
@@ -66,7 +67,7 @@ BUILTIN_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # Templates an earlier SFT run's final/ was saved with: brought up to the current one by
-# ensure_special_tokens (before tool calls; before reasoning and the generation markers).
+# template_table.ensure_special_tokens (before tool calls; before reasoning and the generation markers).
 EARLIER_TEMPLATES = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
@@ -154,38 +155,6 @@ def read_template(tokenizer, path: str) -> str:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {first}") from None
     return text
-
-
-def ensure_special_tokens(tokenizer, template: str | None = None) -> int:
-    """Make the tokenizer ready for SFT under TEMPLATE; returns how many tokens were added to its
-    vocabulary (the caller resizes the model's embeddings when it is > 0). Safe to call twice.
-
-    builtin (or empty, where the tokenizer has no template of its own): the built-in template's
-    markers as special tokens (never split, one id each) and BUILTIN_CHAT_TEMPLATE. tokenizer:
-    its own, refused where it has none. A file: its text becomes the chat template. none: no
-    chat template at all (final/ then says so to generate). A pad token is set in any case: the
-    eos token when there is one (padding is masked out by attention_mask and labels, so sharing
-    the id costs nothing), else a new <|pad|>.
-    """
-    added = 0
-    if template == "none":
-        tokenizer.chat_template = None
-    elif template == "builtin" or tokenizer.chat_template in EARLIER_TEMPLATES:
-        tokenizer.chat_template = None  # made the built-in one below
-    elif template == "tokenizer" and tokenizer.chat_template is None:
-        raise UsageError("TEMPLATE=tokenizer: the tokenizer (MODEL_PATH or TOKENIZER_PATH) has no chat template of "
-                         "its own; use TEMPLATE=builtin, none or a Jinja file")
-    elif template not in (None, "", *TEMPLATES):
-        tokenizer.chat_template = read_template(tokenizer, template)
-    if template != "none" and is_builtin(tokenizer):
-        added += tokenizer.add_special_tokens({"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False)
-        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token
-        else:
-            added += tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    return added
 
 
 def prepared(conversation, r: Rendering):
@@ -298,27 +267,20 @@ class Tally:
         self.refused.append((index, reason))
 
 
-def marker_length(tokenizer, mode: str) -> int:
-    """Tokens of the "reply now" marker a source ends with (builtin: "<|end|>\n<|assistant|>\n"; none:
-    eos; a tokenizer's own template: what follows a user turn's text when the generation prompt is
-    asked for): kept by every cut, so a cut example ends its source as inference does."""
-    if mode == "none":
-        return 1 if tokenizer.eos_token_id is not None else 0
-    probe = "PROBE"
-    if mode == "builtin":
-        text = f"{END_TOKEN}\n{ROLE_TOKENS['assistant']}\n"
-    else:
-        try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
-                                                     add_generation_prompt=True)  # fmt: skip
-        except Exception:  # a template that will not render a lone user turn: no marker known
-            return 0
-        text = rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else ""
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+def _closed(order: list[int], labels: list[int], ends) -> list[int]:
+    """Kept positions whose last one cuts a trained run short: that run's end-of-turn (eos, <|end|>;
+    one of `ends`) takes the last place, so a cut reply still ends, as ChatLM's [EOS] does."""
+    last = order[-1] if order else None
+    if last is None or labels[last] == IGNORE_INDEX:
+        return order
+    end = last
+    while end + 1 < len(labels) and labels[end + 1] != IGNORE_INDEX:
+        end += 1
+    return order[:-1] + [end] if end != last and labels[end] in ends else order
 
 
 def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_length: int, truncation: str,
-                     marker: int = 0):
+                     marker: int = 0, ends=frozenset()):
     """A causal example cut to max_length, or None when it cannot be without losing the tools list.
 
     The first trained token inside the window: the tail goes (both modes). The prompt fills the
@@ -326,16 +288,19 @@ def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_
     and system turn, needs them: always kept, and the `marker` tokens just before the reply, its
     "reply now" marker: always kept), then the start of the reply. keep_end takes the source's end
     (the turns the reply answers), keep_start its start. pinned None: a tools list whose extent is
-    unknown, so a cut source is refused."""
+    unknown, so a cut source is refused. A reply cut short keeps its end-of-turn token (`ends`: the
+    tokenizer's stop ids) in its last place."""
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
     if first < max_length:
-        return ids[:max_length], labels[:max_length]
-    if pinned is None or pinned + marker >= max_length:
+        order = list(range(max_length))
+    elif pinned is None or pinned + marker >= max_length:
         return None
-    keep = max(max_length // 2, pinned + marker)
-    room = keep - pinned - marker
-    middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
-    order = [*range(pinned), *middle, *range(first - marker, first), *range(first, min(len(ids), first + max_length - keep))]
+    else:
+        keep = max(max_length // 2, pinned + marker)
+        room = keep - pinned - marker
+        middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
+        order = [*range(pinned), *middle, *range(first - marker, first), *range(first, min(len(ids), first + max_length - keep))]
+    order = _closed(order, labels, ends)
     return [ids[i] for i in order], [labels[i] for i in order]
 
 
@@ -345,15 +310,16 @@ def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max
     list, system turn) alone overfills the source. A long source keeps its end (keep_end: the
     reply answers the last turns, and the "reply now" marker is there) or its start (keep_start,
     as ChatLM), and the pinned prefix in either case. A long target keeps its start (as inference
-    writes it), without eos, since the reply did not end there."""
+    writes it) and its last token, the eos (ChatLM's cut response keeps its [EOS]): a cut reply
+    still ends."""
     before, after = wrap
     room = max(0, max_length - len(before) - len(after))
     cut = len(source) > room or len(target) > max_length
     if len(source) > room:
         if pinned is None or pinned + marker > room:
             return None
-        if truncation == "keep_start":  # the start, and the marker the source ends with (marker_length)
+        if truncation == "keep_start":  # the start, and the marker the source ends with (its TEMPLATE entry's)
             source = source[: room - marker] + source[len(source) - marker :]
         else:
             source = source[:pinned] + source[len(source) - (room - pinned) :]
-    return before + source + after, target[:max_length], cut
+    return before + source + after, target if len(target) <= max_length else target[: max_length - 1] + target[-1:], cut

@@ -21,7 +21,8 @@ from pathlib import Path
 from config import env_name
 from train.core import files
 from train.core.errors import UsageError
-from train.core.step import Schedule, build_schedule
+from train.core.optim.optimizers import build_schedule
+from train.core.optim.schedules import Schedule
 from train.distributed import distributed
 from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
 

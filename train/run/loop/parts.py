@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel

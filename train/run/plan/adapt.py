@@ -106,7 +106,7 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
 def over_memory(b) -> str | None:
     """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
     is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
-    (exit 2) only where even one sequence cannot fit: train/core/measure/estimate.py refuse_unfit, earlier."""
+    (exit 2) only where even one sequence cannot fit: train/models/estimate.py refuse_unfit, earlier."""
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of

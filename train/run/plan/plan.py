@@ -27,6 +27,8 @@ from config import TrainConfig
 from train.core.device import resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
+from train.core.optim.optimizers import OPTIMIZERS
+from train.core.optim.schedules import warmup_of
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.models import estimate
@@ -173,7 +175,8 @@ def shortest_limit(cfg: TrainConfig, per_epoch: int, per_step: float) -> tuple[i
 
 
 def resolve_pacing(cfg: TrainConfig, total_steps: int, decide: Decisions) -> int:
-    """The log interval and the warm-up length for a run of total_steps; returns the warm-up."""
+    """The log interval and the warm-up length for a run of total_steps; returns the warm-up in
+    steps (WARMUP_STEPS below 1 is a share of the run; the config keeps the share)."""
     if cfg.run.log_every is None:
         cfg.run.log_every = max(1, min(10, total_steps // 10))
         decide("log_every", cfg.run.log_every, "every 10 steps, or ~10 lines in a short run")
@@ -181,6 +184,15 @@ def resolve_pacing(cfg: TrainConfig, total_steps: int, decide: Decisions) -> int
     if warmup is None:
         warmup = min(200, max(1, total_steps // 20))
         decide("warmup_steps", warmup, "5 % of the run, at most 200")
+    elif 0 < warmup < 1:
+        share, warmup = warmup, warmup_of(warmup, total_steps)
+        decide("warmup_steps", warmup, f"WARMUP_STEPS={share:g}: that share of the run's {total_steps} steps, "
+               "rounded up")
+    own = OPTIMIZERS[cfg.optim.optimizer].own_step
+    if own:
+        decide("lr_schedule", own, f"OPTIMIZER={cfg.optim.optimizer} sets its own step, min(1e-2, 1/sqrt(step)) x "
+               "each parameter's RMS: LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused (the lr logged is "
+               "its relative step)")
     return warmup
 
 
