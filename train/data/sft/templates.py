@@ -37,6 +37,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
+from train.data.sft.render_bounds import RenderFailed, render_chat
 from train.data.sft.sft_turns import call_text
 
 TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's names; anything else is a Jinja file
@@ -149,10 +150,9 @@ def read_template(tokenizer, path: str) -> str:
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"TEMPLATE (--template): cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     try:
-        tokenizer.apply_chat_template(_PROBE, chat_template=text, tokenize=False)
-    except Exception as err:  # jinja's TemplateSyntaxError, UndefinedError, a raise_exception() of the template
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {first}") from None
+        render_chat(tokenizer, _PROBE, template=text)
+    except RenderFailed as err:  # jinja's TemplateSyntaxError, a raise_exception() of the template, a loop
+        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {err.reason}") from None
     return text
 
 
@@ -309,9 +309,8 @@ def marker_length(tokenizer, mode: str) -> int:
         text = f"{END_TOKEN}\n{ROLE_TOKENS['assistant']}\n"
     else:
         try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
-                                                     add_generation_prompt=True)  # fmt: skip
-        except Exception:  # a template that will not render a lone user turn: no marker known
+            rendered = render_chat(tokenizer, [{"role": "user", "content": probe}], add_generation_prompt=True)
+        except RenderFailed:  # a template that will not render a lone user turn: no marker known
             return 0
         text = rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else ""
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
