@@ -62,6 +62,16 @@ REMOTE_DECODING = {"penalty_alpha": "contrastive search", "dola_layers": "DoLa d
                    "constraints": "constrained beam search"}
 
 
+ID_LISTS = {"suppress_tokens": 1, "begin_suppress_tokens": 1, "bad_words_ids": 2, "force_words_ids": 2}  # list depth
+
+
+def _shaped(value, depth: int) -> bool:
+    """A non-empty list (of non-empty lists, depth 2) where transformers indexes one."""
+    if depth == 0:
+        return True
+    return isinstance(value, list) and bool(value) and all(_shaped(v, depth - 1) for v in value)
+
+
 def _ids(value) -> list | None:
     """Every id in a token-id setting, or None where it holds anything but whole numbers >= 0."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -85,7 +95,7 @@ def settings_problem(settings: dict, vocab: int | None = None) -> tuple[str, str
                          "never runs; leave it out")
         if key in ID_SETTINGS and value is not None:
             ids = _ids(value)
-            if ids is None:
+            if ids is None or not _shaped(value, ID_LISTS.get(key, 0)):
                 return key, f"expected token ids (whole numbers >= 0, or lists of them), got {value!r}"
             if vocab is not None and any(i >= vocab for i in ids):
                 return key, f"{value!r} is outside the model's {vocab} tokens"

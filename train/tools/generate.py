@@ -21,6 +21,7 @@ defaults instead, read as plain generate() reads them; a flag overrides each.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -48,6 +49,8 @@ DECODING = {"do_sample", "num_beams", "temperature", "top_k", "top_p", "repetiti
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")  # ignored (and warned of) by greedy/beams
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+# The folder's JSON files that Python's json reads (tokenizer.json is read by the Rust tokenizer).
+SETTINGS_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
 
 
@@ -295,12 +298,21 @@ def check_flags(args) -> None:
 
 def check_folder(folder: str) -> None:
     """One line for a FIFO, socket or device among the model folder's files, which transformers
-    would open and wait on forever (or read without end: /dev/zero)."""
+    would open and wait on forever (or read without end: /dev/zero), and for a settings file
+    nested deeper than Python's JSON reader goes (a RecursionError deep inside the load)."""
     path = Path(folder)
     for entry in sorted(path.iterdir()) if path.is_dir() else ():
         kind = odd_kind(entry)
         if kind:
             raise UsageError(f"--model {folder}: {entry.name} is {kind}, not a regular file")
+    for name in SETTINGS_FILES:
+        if (path / name).is_file():
+            try:
+                json.loads(read_user_file(path / name, f"--model {folder}"))
+            except RecursionError:
+                raise UsageError(f"--model {folder}: {name} is nested too deep to read") from None
+            except (OSError, ValueError):
+                pass  # the load names what is wrong with it
 
 
 def generate_main(argv: list[str]) -> int:

@@ -33,9 +33,9 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from train.core.errors import UsageError
+from train.core.files import read_user_file
 from train.core.units import IGNORE_INDEX
 from train.data.sft.render_bounds import RenderFailed, render_chat
 from train.data.sft.sft_turns import call_text
@@ -146,7 +146,7 @@ def has_generation_markers(template: str | None) -> bool:
 def read_template(tokenizer, path: str) -> str:
     """TEMPLATE=<file>: its text, refused in one line when it cannot be read or rendered."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_user_file(path, "TEMPLATE (--template)").decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"TEMPLATE (--template): cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     try:
