@@ -16,7 +16,9 @@ so the file holds whole rows only.
 Folders (final/, a checkpoint, the tokenizer): `fresh_folder` makes a new folder under a fresh
 name (mkdir fails on anything already there, a link included), `sync_tree` fsyncs what was
 written into it, `replace_folder` renames it into place. `remove` deletes a file, link or
-folder without ever following a link. `inside` checks a relative name read from a file
+folder without ever following a link. `read_user_file` reads a user's small file (a settings
+file, a template) whole, refusing a FIFO or device in one line before it can block or never end;
+`odd_kind` tells what such a file is. `inside` checks a relative name read from a file
 (a checkpoint's meta.json, a cache manifest) before it is opened.
 
 Failures are OSError with the target's path as filename (the caller turns them into its one
@@ -33,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -304,3 +307,50 @@ def inside(folder: Path, name: object) -> Path | None:
         if path.is_symlink():
             return None
     return path
+
+
+USER_FILE_BYTES = 64 << 20  # a settings file, a template, a tools list: kB in practice
+
+
+def odd_kind(path: Path | str) -> str | None:
+    """"a FIFO", "a socket", "a device" for what is neither a regular file nor a folder (stat follows
+    a link, as open would); None otherwise, or where nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return _kind(mode)
+
+
+def _kind(mode: int) -> str | None:
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def read_user_file(path: Path | str, what: str, limit: int = USER_FILE_BYTES) -> bytes:
+    """A user's file named by `what` (GENERATION_CONFIG, TEMPLATE, --tools), read whole. Opened
+    without blocking and checked on the open descriptor, so a FIFO (whose open or read waits for a
+    writer forever), a device (/dev/zero never ends) or a file over `limit` bytes is one line
+    (UsageError) naming `what`, never read. A missing or unreadable file is the OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a socket
+            raise UsageError(f"{what}: {path} is a socket, not a regular file; name a file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else _kind(info.st_mode)
+        if kind:
+            raise UsageError(f"{what}: {path} is {kind}, not a regular file; name a file")
+        if info.st_size > limit:
+            raise UsageError(f"{what}: {path} is {info.st_size} bytes; such a file holds at most {limit}")
+        os.set_blocking(fd, True)
+        with open(fd, "rb", closefd=False) as handle:
+            data = handle.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew while read
+        raise UsageError(f"{what}: {path} is over {limit} bytes; such a file holds at most {limit}")
+    return data

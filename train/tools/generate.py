@@ -21,6 +21,7 @@ defaults instead, read as plain generate() reads them; a flag overrides each.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -28,9 +29,12 @@ import torch
 
 from train.config import knobs
 from train.config.flags import ArgParser
+from train.core.device import resolve_device
 from train.core.errors import UsageError
-from train.core.generation import value_problem
+from train.core.files import odd_kind, read_user_file
+from train.core.generation import settings_problem, value_problem
 from train.core.remote_code import refuse_custom_code
+from train.data.sft.render_bounds import RenderFailed
 from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
 from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
 from train.models.build import context_length
@@ -47,6 +51,8 @@ DECODING = {"do_sample", "num_beams", "temperature", "top_k", "top_p", "repetiti
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")  # ignored (and warned of) by greedy/beams
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+# The folder's JSON files that Python's json reads (tokenizer.json is read by the Rust tokenizer).
+SETTINGS_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 DEFAULT_MODEL = Path(knobs.default("output_dir")) / "latest" / "final"
 
 
@@ -133,7 +139,10 @@ class Chat:
 
     def _prompt_ids(self) -> list[int]:
         if self.templated:
-            text = prompt_for_generation(self.tok, self.turns)
+            try:
+                text = prompt_for_generation(self.tok, self.turns)
+            except RenderFailed as err:  # a template that loops, recurses or grows past the bound
+                raise UsageError(f"--model {self.args.model}: its chat template cannot render the chat: {err.reason}") from None
         else:
             text = "\n".join(t["content"] for t in self.turns)
         # An encoder-decoder's SFT sources carry what the tokenizer adds itself (T5's </s>).
@@ -211,10 +220,10 @@ class Chat:
 
 
 def read_tools(value: str) -> list[dict]:
-    """--tools: a JSON file's path, or the JSON itself."""
-    path = Path(value)
+    """--tools: a JSON file's path, or the JSON itself (what starts like JSON: a long JSON text is
+    no file name)."""
     try:
-        text = path.read_text(encoding="utf-8") if path.is_file() else value
+        text = value if value.lstrip().startswith(("[", "{")) else read_user_file(value, "--tools").decode("utf-8")
         return parse_tools(text)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"--tools: cannot read {value}: {err}") from None
@@ -226,6 +235,11 @@ def saved_decoding(model, folder: str) -> dict:
     """The decoding settings the model folder's generation_config.json holds (a run's
     GENERATION_CONFIG): those that differ from transformers' defaults, checked as the flags are."""
     saved = model.generation_config.to_diff_dict()
+    # Every setting generate() would follow, not only the decoding ones: beams, ids, remote decodings.
+    problem = settings_problem({k: v for k, v in saved.items() if not k.startswith("_") and k != "temperature"},
+                               model.get_input_embeddings().num_embeddings)  # fmt: skip
+    if problem:
+        raise UsageError(f"--model {folder}: generation_config.json's {problem[0]}: {problem[1]}")
     found = {k: saved[k] for k in DECODING | {"max_new_tokens"} if saved.get(k) is not None}
     for key, value in found.items():
         problem = None if key == "temperature" and value == 0 else value_problem(key, value)  # 0: greedy
@@ -260,13 +274,41 @@ def check_flags(args) -> None:
         problem = None if value is None else value_problem(key, value)
         if problem:
             raise UsageError(f"--{key}: {problem}")
-    if args.temperature is not None and args.temperature < 0:
+    if args.temperature is not None and not 0 <= args.temperature < float("inf"):  # nan fails both
         raise UsageError(f"--temperature: expected a number >= 0 (0: greedy), got {args.temperature}")
+    if not -(2**63) <= args.seed < 2**64:  # torch.manual_seed's range
+        raise UsageError(f"--seed: expected a whole number from -2**63 to 2**64 - 1, got {args.seed}")
+    try:
+        resolve_device(args.device)
+    except RuntimeError:  # torch.device("bogus")
+        raise UsageError(f"--device: expected auto | cpu | cuda | cuda:N | mps, got {args.device!r}") from None
+    except UsageError as err:
+        raise UsageError(str(err).replace(f"DEVICE={args.device}", f"--device {args.device}")) from None
+
+
+def check_folder(folder: str) -> None:
+    """One line for a FIFO, socket or device among the model folder's files, which transformers
+    would open and wait on forever (or read without end: /dev/zero), and for a settings file
+    nested deeper than Python's JSON reader goes (a RecursionError deep inside the load)."""
+    path = Path(folder)
+    for entry in sorted(path.iterdir()) if path.is_dir() else ():
+        kind = odd_kind(entry)
+        if kind:
+            raise UsageError(f"--model {folder}: {entry.name} is {kind}, not a regular file")
+    for name in SETTINGS_FILES:
+        if (path / name).is_file():
+            try:
+                json.loads(read_user_file(path / name, f"--model {folder}"))
+            except RecursionError:
+                raise UsageError(f"--model {folder}: {name} is nested too deep to read") from None
+            except (OSError, ValueError):
+                pass  # the load names what is wrong with it
 
 
 def generate_main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     check_flags(args)
+    check_folder(args.model)
     model, tok, device = load(args.model, args.device, args.trust_remote_code)
     chat = Chat(model, tok, device, args)
     if not chat.templated:
@@ -286,9 +328,13 @@ def generate_main(argv: list[str]) -> int:
     if tty:
         print("chat with the model; an empty line ends", file=sys.stderr)
     while True:
-        if tty:
-            print("you> ", end="", file=sys.stderr, flush=True)
+        print("you> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         if not line.strip():  # end of input or an empty line
+            if not tty:
+                print(file=sys.stderr)
             return 0
+        if not tty:  # a terminal echoes what is typed; piped input is shown so the reply has its question
+            print(line.strip(), file=sys.stderr)
+        print("model> ", end="", file=sys.stderr, flush=True)  # stderr: stdout holds the replies alone
         print(chat.reply(line.strip(), keep=True), flush=True)

@@ -13,17 +13,16 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.data.sft import templates
+from train.data.sft.render_bounds import Budget, RenderFailed, render_chat
 from train.data.sft.sft_turns import split_tools
 from train.data.sft.templates import MASKED, PINNED, TRAINED
 
 
-def apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool, tools: list | None = None) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            list(conversation), tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except Exception as e:  # jinja's TemplateError, e.g. a template that refuses system turns
-        raise UsageError(f"the tokenizer's chat template cannot render a conversation: {e}") from None
+def apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool, tools: list | None = None,
+          budget: Budget | None = None) -> str:
+    """apply_chat_template's text, bounded (render_bounds): RenderFailed when the template fails
+    on it (a template that refuses system turns), loops or grows past the budget."""
+    return render_chat(tokenizer, conversation, tools or None, generation_prompt, budget=budget)
 
 
 @functools.lru_cache(maxsize=8)
@@ -59,32 +58,38 @@ def _refuse_dropped(tokenizer, tools: list | None, turns: Sequence[dict]) -> Non
         )
 
 
-def _pinned_chars(tokenizer, conversation: Sequence[dict], tools, full: str) -> int | None:
+def _pinned_chars(tokenizer, conversation: Sequence[dict], tools, full: str, budget: Budget) -> int | None:
     """Characters of the tools list and leading system turns as the template renders them; None
     where that prefix cannot be told (a template that will not render it alone)."""
     k = next((i for i, t in enumerate(conversation) if t["role"] != "system"), len(conversation))
     if not (tools or k):
         return 0
     try:
-        head = apply(tokenizer, conversation[:k], False, tools)
-    except UsageError:
+        head = apply(tokenizer, conversation[:k], False, tools, budget)
+    except RenderFailed as err:
+        if err.spent:  # the conversation's budget, not the template's refusal of a lone head
+            raise
         return None
     return len(head) if head and full.startswith(head) else None
 
 
 def template_segments(tokenizer, conversation: Sequence[dict]) -> list[tuple[str, int]]:
+    """The conversation's (text, flag) segments; RenderFailed (a bad record) when its renders fail
+    or, all together, outgrow one Budget: each trained turn renders its prefix twice, so a
+    conversation of very many turns costs the square of its length (render_bounds)."""
     tools, conversation = split_tools(conversation)
     _refuse_dropped(tokenizer, tools, conversation)
-    full = apply(tokenizer, conversation, False, tools)
-    pinned = _pinned_chars(tokenizer, conversation, tools, full)
+    budget = Budget.of(conversation, tools)
+    full = apply(tokenizer, conversation, False, tools, budget)
+    pinned = _pinned_chars(tokenizer, conversation, tools, full, budget)
     segments, pos = [], 0
     if pinned:
         segments, pos = [(full[:pinned], PINNED)], pinned
     for i, turn in enumerate(conversation):
         if not templates.trained(turn):
             continue
-        before = apply(tokenizer, conversation[:i], True, tools) if i else ""
-        through = apply(tokenizer, conversation[: i + 1], False, tools)
+        before = apply(tokenizer, conversation[:i], True, tools, budget) if i else ""
+        through = apply(tokenizer, conversation[: i + 1], False, tools, budget)
         if not (full.startswith(before) and full.startswith(through) and pos <= len(before) < len(through)):
             raise UsageError(
                 "the tokenizer's chat template renders earlier turns differently as the conversation grows, "

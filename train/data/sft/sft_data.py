@@ -44,6 +44,7 @@ from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data.sft import templates
 from train.data.sft.chat_template import apply
+from train.data.sft.render_bounds import RenderFailed
 from train.data.sft.sft_batching import (
     LengthGroupedSampler,
     PadCollator,
@@ -147,6 +148,19 @@ def stop_token_ids(tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def _rendered(tokenizer, chunk, r: Rendering, mode: str, tally: Tally | None, first: int) -> list:
+    """_segments of each conversation; None for one its chat template cannot render within the
+    bound (render_bounds): a bad record, refused as SKIP_BAD_RECORDS says."""
+    out = []
+    for k, conversation in enumerate(chunk):
+        try:
+            out.append(_segments(tokenizer, conversation, r, mode))
+        except RenderFailed as err:
+            _refuse(tally, first + k, f"cannot be rendered by the chat template: {err.reason}")
+            out.append(None)
+    return out
+
+
 def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
     """Token ids of each piece, no special tokens added: the same ids as tokenizer(pieces), but
     straight from the Rust tokenizer where there is one, without transformers turning every
@@ -193,9 +207,12 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        rendered = [_segments(tokenizer, c, r, mode) for c in chunk]
-        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments]))
+        rendered = _rendered(tokenizer, chunk, r, mode, tally, lo)
+        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments or ()]))
         for conversation, segments in zip(chunk, rendered, strict=True):
+            if segments is None:  # refused in _rendered
+                index += 1
+                continue
             input_ids: list[int] = []
             labels: list[int] = []
             pinned = n_trained = 0
@@ -232,17 +249,21 @@ def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tu
     return templates.raw_pairs(turns, tools)
 
 
-def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set) -> list[tuple[list, bool]]:
+def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, tally: Tally | None = None,
+              first: int = 0) -> list[tuple[list | None, bool]]:
     """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
     per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
     raw = [TEMPLATE[mode].raw or templates.is_document(c) for c in chunk]
-    texts = [_raw_pairs(tokenizer, c, r) if is_raw else _segments(tokenizer, c, r, mode)
-             for c, is_raw in zip(chunk, raw, strict=True)]  # fmt: skip
-    pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items
+    texts = [_raw_pairs(tokenizer, c, r) if is_raw else _rendered(tokenizer, [c], r, mode, tally, first + k)[0]
+             for k, (c, is_raw) in enumerate(zip(chunk, raw, strict=True))]  # fmt: skip
+    pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items or ()
               for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
     piece_ids = iter(_encode_pieces(tokenizer, pieces))
     out = []
     for items, is_raw in zip(texts, raw, strict=True):
+        if items is None:  # refused in _rendered
+            out.append((None, False))
+            continue
         pairs, context, pinned = [], [], 0
         for item in items:
             if is_raw:
@@ -288,8 +309,11 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops), strict=True):
+        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops, tally, lo),
+                                              strict=True):  # fmt: skip
             index, at = index + 1, index
+            if pairs is None:  # refused in _rendered
+                continue
             tools = split_tools(conversation)[0]
             sides = raw_wrap if raw else wrap
             fitted = [templates.fit_pair(source, None if tools and not pinned else pinned, reply + [eos], sides,

@@ -38,6 +38,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from train.data import json_lines
+
 TOOLS_ROLE = "tools"
 TEXT_ROLE = "text"  # a plain-text record's one turn, trained whole
 # Source role -> conversation role; "function_call" is an assistant turn holding calls.
@@ -134,10 +136,12 @@ def text(value: object, what: str) -> str:
 def _json(value: object, what: str) -> object:
     if not isinstance(value, str):
         return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        raise BadRecord(f"{what} is not JSON: {value[:60]!r}") from None
+    try:  # json_lines' bounds: a string nested 100,000 deep is one bad record, as a line would be
+        return json_lines.loads(value)
+    except ValueError as err:
+        reason = str(err)
+        raise BadRecord(f"{what} is not JSON: {value[:60]!r}" if reason.startswith("not valid JSON")
+                        else f"{what} {reason.replace('to be a record', 'to read')}") from None
 
 
 def parse_tools(value: object) -> list[dict]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from train.core.errors import UsageError
 from train.data.sft import templates
 from train.data.sft.chat_template import template_segments
+from train.data.sft.render_bounds import RenderFailed, render_chat
 from train.data.sft.sft_turns import call_text, split_tools
 from train.data.sft.templates import (
     BUILTIN_CHAT_TEMPLATE,
@@ -97,9 +98,8 @@ def _own_marker(tokenizer) -> int:
     """What follows a user turn's text when the tokenizer's template is asked for the generation prompt."""
     probe = "PROBE"
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
-                                                 add_generation_prompt=True)  # fmt: skip
-    except Exception:  # a template that will not render a lone user turn: no marker known
+        rendered = render_chat(tokenizer, [{"role": "user", "content": probe}], add_generation_prompt=True)
+    except RenderFailed:  # a template that will not render a lone user turn: no marker known
         return 0
     return _marker_tokens(tokenizer, rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else "")
 

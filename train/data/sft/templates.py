@@ -34,10 +34,11 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from train.core.errors import UsageError
+from train.core.files import read_user_file
 from train.core.units import IGNORE_INDEX
+from train.data.sft.render_bounds import RenderFailed, render_chat
 from train.data.sft.sft_turns import call_text
 
 TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's words; anything else is a Jinja file (template_table)
@@ -146,14 +147,13 @@ def has_generation_markers(template: str | None) -> bool:
 def read_template(tokenizer, path: str) -> str:
     """TEMPLATE=<file>: its text, refused in one line when it cannot be read or rendered."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_user_file(path, "TEMPLATE (--template)").decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"TEMPLATE (--template): cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     try:
-        tokenizer.apply_chat_template(_PROBE, chat_template=text, tokenize=False)
-    except Exception as err:  # jinja's TemplateSyntaxError, UndefinedError, a raise_exception() of the template
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {first}") from None
+        render_chat(tokenizer, _PROBE, template=text)
+    except RenderFailed as err:  # jinja's TemplateSyntaxError, a raise_exception() of the template, a loop
+        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {err.reason}") from None
     return text
 
 
