@@ -128,10 +128,13 @@ def test_the_model_size_table_is_what_the_models_count():
 
     rows = [line.split("|")[1:-1] for line in (ROOT / "README.md").read_text().splitlines()
             if re.match(r"\| (nano|tiny|small|medium) \|", line)]  # fmt: skip
-    assert [r[0].strip() for r in rows] == ["nano", "tiny", "small", "medium"]
-    for size, _, gpt2_8k, gpt2_50k, _, t5_8k, t5_32k in rows:
+    assert [r[0].strip() for r in rows] == ["nano", "tiny", "small", "medium"] * 2  # GPT-2 and T5, then Llama
+    llama = {r[0].strip(): r for r in rows[4:]}
+    for size, _, gpt2_8k, gpt2_50k, _, t5_8k, t5_32k in rows[:4]:
+        _, _, llama_8k, llama_50k = llama[size.strip()]
         for family, vocab, said in [("gpt2", 8192, gpt2_8k), ("gpt2", 50257, gpt2_50k),
-                                    ("t5", padded_vocab(8192 + 100), t5_8k), ("t5", 32128, t5_32k)]:  # fmt: skip
+                                    ("t5", padded_vocab(8192 + 100), t5_8k), ("t5", 32128, t5_32k),
+                                    ("llama", 8192, llama_8k), ("llama", 50257, llama_50k)]:  # fmt: skip
             cfg = build_config(size.strip(), None, vocab, 0, family)
             auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
             with torch.device("meta"):
