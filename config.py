@@ -66,7 +66,7 @@ class ModelConfig:
     lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
     lora_targets: str | None = knob(None, "sft", "compared")
-    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/knobs.md)."""
+    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/sft.md)."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
@@ -87,9 +87,9 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder (datasets'
-    save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty: the built-in corpus
-    (the standard-library sources of the running Python)."""
+    """Training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl,
+    .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing them;
+    streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running Python)."""
     text_field: str = "text"
     """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
     no conversation keys is a plain document, trained whole."""
