@@ -150,3 +150,15 @@ def test_the_knobs_command(capsys):
     with pytest.raises(UsageError, match="--launcher: expected one of .*run_single_gpu.sh"):
         main(["knobs", "--launcher", "nope.sh"])
     assert main(["knobs", "--bogus"]) == 2
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=[lw.path.name for lw in LAUNCHERS])
+def test_a_launcher_written_before_the_markers_gets_its_block_in_place_of_its_knob_lines(launcher, tmp_path):
+    text = launcher.path.read_text()
+    # as the launchers were written by hand: no BEGIN/END lines, other comments on the knob lines
+    old = "\n".join(line.split("  #")[0].rstrip() + "  # said by hand" if knob_docs.KNOB_LINE.match(line) else line
+                    for line in text.splitlines() if not line.startswith(("# BEGIN knobs", "# END knobs")))  # fmt: skip
+    copy = tmp_path / launcher.path.name
+    copy.write_text(old + "\n")
+    block = knob_docs.launcher_block(knob_docs.Launcher(copy, launcher.mode, launcher.preset))
+    assert "\n".join(knob_docs.rewritten(old.splitlines(), block)) + "\n" == text  # the defaults kept

@@ -25,6 +25,7 @@ from train.core.errors import UsageError
 
 MD_BEGIN = "<!-- BEGIN knobs: generated from config.py by `make knobs`; edit the field docstrings there -->"
 MD_END = "<!-- END knobs -->"
+SH_BEGIN_PREFIX, MD_BEGIN_PREFIX = "# BEGIN knobs", "<!-- BEGIN knobs"
 SH_BEGIN = "# BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)"
 SH_END = "# END knobs"
 KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-([^}]*)\}")
@@ -157,21 +158,21 @@ def empty_means(knob: Knob, preset: str | None) -> str:
 
 
 def block_span(lines: list[str]) -> tuple[int, int] | None:
-    """(first, last + 1) of the generated block: between the BEGIN/END lines, or in a launcher
-    written before them, from its first knob line (or group heading) to its last knob line."""
-    if SH_BEGIN.split(":")[0] in "\n".join(lines):
-        begin = next(i for i, line in enumerate(lines) if line.startswith(SH_BEGIN.split(":")[0]))
+    """(first, last + 1) of the generated block: from its BEGIN line to its END line, or, in a
+    launcher written before the markers, from the comment lines above its first knob line to its
+    last knob line before `source .../common.sh`."""
+    begin = next((i for i, line in enumerate(lines) if line.startswith(SH_BEGIN_PREFIX)), None)
+    if begin is not None:
         end = next((i for i in range(begin, len(lines)) if lines[i].strip() == SH_END), None)
         if end is None:
-            raise UsageError(f"'{SH_BEGIN.split(':')[0]}' without a '{SH_END}' line")
+            raise UsageError(f"'{SH_BEGIN_PREFIX}' without a '{SH_END}' line")
         return begin, end + 1
     top = next((i for i, line in enumerate(lines) if line.startswith("source ")), len(lines))
     knob_lines = [i for i in range(top) if KNOB_LINE.match(lines[i])]
     if not knob_lines:
         return None
     first = knob_lines[0]
-    while first > 0 and (lines[first - 1].startswith("# ---- ") or lines[first - 1].startswith("# Every knob")
-                         or lines[first - 1].startswith("# (")):  # fmt: skip
+    while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith("#!"):
         first -= 1
     return first, knob_lines[-1] + 1
 
@@ -318,7 +319,7 @@ def targets() -> dict[Path, list[str]]:
     out = {}
     doc = config.KIT_DIR / "docs" / "knobs.md"
     lines = doc.read_text().splitlines()
-    begin = next((i for i, line in enumerate(lines) if line.startswith("<!-- BEGIN knobs")), None)
+    begin = next((i for i, line in enumerate(lines) if line.startswith(MD_BEGIN_PREFIX)), None)
     end = next((i for i, line in enumerate(lines) if line.startswith("<!-- END knobs")), None)
     if begin is None or end is None or end < begin:
         raise UsageError(f"{doc}: no '<!-- BEGIN knobs' ... '<!-- END knobs' lines to write between")
