@@ -185,8 +185,30 @@ def is_integration(path: Path, test: str, fixtures: list[str]) -> bool:
     )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, help="K/N: run every N-th test from the K-th (make test-fast runs "
+                     "two shards at once, one per core: the unit tests are single-threaded)")  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not integration" reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         test = getattr(item, "originalname", None) or item.name.split("[")[0]
         if is_integration(Path(str(item.fspath)), test, list(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.integration)
+
+
+class Shard:
+    """--shard K/N: every N-th of the tests left after -m, from the K-th."""
+
+    @pytest.hookimpl(trylast=True)  # after -m has deselected
+    def pytest_collection_modifyitems(self, config, items):
+        k, n = (int(x) for x in config.getoption("--shard").split("/"))
+        keep = items[k - 1 :: n]
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+        items[:] = keep
+
+
+def pytest_configure(config):
+    if config.getoption("--shard"):
+        config.pluginmanager.register(Shard(), "shard")

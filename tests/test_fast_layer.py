@@ -92,3 +92,25 @@ def test_the_kits_own_tests_are_split_by_it():
     assert is_integration(TESTS / "test_t5_measure.py", "test_estimate_matches_a_tracked_t5_step", [])  # MemTracker
     assert not is_integration(TESTS / "test_loss.py", "test_chunked_equals_plain_loss_and_gradients", ["chunk"])
     assert "test-fast" in (ROOT / "Makefile").read_text() and '-m "not integration"' in (ROOT / "Makefile").read_text()
+
+
+def test_pytest_marks_and_shards_a_planted_folder(tmp_path):
+    """The hook as pytest runs it: -m picks the marked tests, and the two shards of make test-fast
+    split the unit tests between them, each test in exactly one."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    units = "".join(f"def test_unit_{i}():\n    assert True\n\n\n" for i in range(5))
+    (tmp_path / "test_planted.py").write_text(f"import subprocess\n\n\n{units}def test_a_process():\n    subprocess.run(['true'])\n")
+
+    def collected(*args: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        return {line.split("::")[1] for line in out.stdout.splitlines() if "::" in line}
+
+    assert collected("-m", "integration") == {"test_a_process"}
+    one, two = collected("-m", "not integration", "--shard", "1/2"), collected("-m", "not integration", "--shard", "2/2")
+    assert one | two == {f"test_unit_{i}" for i in range(5)} and not one & two and len(one) == 3
