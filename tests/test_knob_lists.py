@@ -149,7 +149,9 @@ def test_the_knobs_command(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == knob_docs.SH_END
     with pytest.raises(UsageError, match="--launcher: expected one of .*run_single_gpu.sh"):
         main(["knobs", "--launcher", "nope.sh"])
-    assert main(["knobs", "--bogus"]) == 2
+    with pytest.raises(UsageError, match=r"^knobs: expected --markdown \| --launcher NAME \| --write \| --check, got '--bogus'$"):
+        main(["knobs", "--bogus"])
+    assert main(["knobs"]) == 0 and "--write" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, ids=[lw.path.name for lw in LAUNCHERS])

@@ -351,7 +351,8 @@ def knobs_main(argv: list[str]) -> int:
         verb = "rewritten" if argv[0] == "--write" else "out of date (make knobs)"
         print(f"{verb}: {', '.join(stale)}" if stale else "knob docs up to date")
         return 1 if stale and argv[0] == "--check" else 0
-    else:
+    elif argv in ([], ["-h"], ["--help"]):
         print(KNOBS_USAGE)
-        return 0 if argv in ([], ["-h"], ["--help"]) else 2
+    else:
+        raise UsageError(f"knobs: expected --markdown | --launcher NAME | --write | --check, got {' '.join(argv)!r}")
     return 0
