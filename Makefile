@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench bench-data gpu-report
+.PHONY: help setup train baseline show-config test test-fast knobs lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench bench-data gpu-report
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -24,6 +24,8 @@ help:
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: find-batch, doctor, AUTO_BATCH, SFT grouped/packed, T5, bench, one step of each profiled; writes bench/RESULTS.md's GPU table"
 	@echo "make test      run the test suite (CPU only; about 8.5 minutes on 2 cores)"
+	@echo "make test-fast the unit tests only: no test that starts a process or a whole run (tests/conftest.py)"
+	@echo "make knobs     rewrite docs/knobs.md's tables and the launchers' knob lines from config.py"
 	@echo "make lint      ruff check"
 	@echo "make clean     remove runs/, caches and .venv"
 
@@ -78,6 +80,15 @@ gpu-report: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The unit tests run single-threaded: two shards at once, one per core, halve the wait.
+test-fast: $(STAMP)
+	@log=$$(mktemp); $(PY) -m pytest -m "not integration" --shard 1/2 >"$$log" 2>&1 & one=$$!; \
+	$(PY) -m pytest -m "not integration" --shard 2/2; two=$$?; \
+	wait $$one; first=$$?; cat "$$log"; rm -f "$$log"; exit $$((first || two))
+
+knobs: $(STAMP)
+	$(PY) -m train knobs --write
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

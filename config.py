@@ -42,8 +42,8 @@ class ModelConfig:
     """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
     Empty: small on a GPU, else a nano demo. SFT: set, a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
-    """What MODEL_SIZE builds: gpt2 (causal LM), llama (causal LM: RMSNorm, rotary, SwiGLU, grouped-query attention;
-    5M/28M/82M/292M) or t5 (encoder-decoder, span corruption: 6M/34M/48M = t5-small/205M = t5-base), at an 8K vocab."""
+    """What MODEL_SIZE builds: gpt2, llama or t5. gpt2 and llama (RMSNorm, rotary, SwiGLU, grouped-query
+    attention) are causal LMs; t5 is an encoder-decoder (span corruption on raw text). Sizes: the README."""
     model_config: str | None = None
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
     from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""
@@ -66,7 +66,7 @@ class ModelConfig:
     lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
     lora_targets: str | None = knob(None, "sft", "compared")
-    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/knobs.md)."""
+    """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/sft.md)."""
     trust_remote_code: bool = knob(False, "sft")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
@@ -87,9 +87,9 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
-    """Training text: .txt/.md, JSONL (.jsonl, .jsonl.gz), a .json list, parquet, an Arrow folder (datasets'
-    save_to_disk), or a folder or glob mixing them; streamed, never read whole. Empty: the built-in corpus
-    (the standard-library sources of the running Python)."""
+    """Training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl,
+    .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing them;
+    streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running Python)."""
     text_field: str = "text"
     """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
     no conversation keys is a plain document, trained whole."""

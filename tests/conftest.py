@@ -5,6 +5,8 @@ Tests never download anything and never read ../shared: the corpus is generated 
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import random
 import subprocess
@@ -125,3 +127,88 @@ def launch(script: str, env: dict, *args: str, timeout: int = 300) -> subprocess
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- the fast layer: `make test-fast` runs the tests not marked "integration" -----------------
+# A test is "integration" when its code starts another process or a whole run, or drives torch's
+# whole-program machinery: its body, the fixtures it uses and every function of the tests' folder
+# they call (followed through this file and the test modules they import) name one of STARTERS.
+# The rest are unit tests: functions and tiny models called in this process, seconds each.
+# tests/test_fast_layer.py plants each kind and checks.
+STARTERS = frozenset({
+    # processes
+    "subprocess", "Popen", "system", "start_processes", "ProcessPoolExecutor", "multiprocessing",
+    # whole runs: the command line and the tools' entry points in this process, the flags of a
+    # real run (tiny_flags), a pretraining run's model (base_model)
+    "run_cli", "main", "tiny_flags", "base_model",
+    # torch.compile (dynamo traces), torch.profiler, MemTracker: a whole step traced, many seconds
+    "compile", "profile", "MemTracker",
+})  # fmt: skip
+TESTS = Path(__file__).resolve().parent
+
+
+@functools.cache
+def _names_of(path: Path) -> tuple[dict[str, frozenset], dict[str, Path]]:
+    """({function: the names its body uses}, {name imported from a module of the tests' folder: that file})."""
+    tree = ast.parse(path.read_text())
+    defs, imported = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            defs[node.name] = frozenset(used | defs.get(node.name, frozenset()))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (path.parent / f"{node.module}.py").exists():
+            imported.update({a.asname or a.name: path.parent / f"{node.module}.py" for a in node.names})
+    return defs, imported
+
+
+def starts_processes(path: Path, name: str, seen: set | None = None) -> bool:
+    """Does function `name` of the file at path start a process or a run, itself or through a call?"""
+    seen = set() if seen is None else seen
+    if (path, name) in seen:
+        return False
+    seen.add((path, name))
+    defs, imported = _names_of(path)
+    if name not in defs:
+        return name in imported and starts_processes(imported[name], name, seen)
+    used = defs[name]
+    if used & STARTERS:
+        return True
+    return any(starts_processes(path, n, seen) for n in used if n in defs or n in imported)
+
+
+def is_integration(path: Path, test: str, fixtures: list[str]) -> bool:
+    conftest = path.parent / "conftest.py"
+    return starts_processes(path, test) or any(
+        f in STARTERS or starts_processes(path, f) or (conftest.exists() and starts_processes(conftest, f))
+        for f in fixtures
+    )
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, help="K/N: run every N-th test from the K-th (make test-fast runs "
+                     "two shards at once, one per core: the unit tests are single-threaded)")  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not integration" reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        test = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if is_integration(Path(str(item.fspath)), test, list(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.integration)
+
+
+class Shard:
+    """--shard K/N: every N-th of the tests left after -m, from the K-th."""
+
+    @pytest.hookimpl(trylast=True)  # after -m has deselected
+    def pytest_collection_modifyitems(self, config, items):
+        k, n = (int(x) for x in config.getoption("--shard").split("/"))
+        keep = items[k - 1 :: n]
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+        items[:] = keep
+
+
+def pytest_configure(config):
+    if config.getoption("--shard"):
+        config.pluginmanager.register(Shard(), "shard")

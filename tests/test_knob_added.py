@@ -1,13 +1,16 @@
-"""A new knob is one field with its doc in config.py: in a copy of the kit whose config.py alone
-gains two fields, the launchers pass them, the flags parse and document them, the run saves them
-in config.json, RESUME=1 names the one marked "compared" when it changed, and pretraining refuses
-the one marked "sft", with no other file of the copy edited."""
+"""A new knob is one field with its doc in config.py, then `make knobs`: in a copy of the kit whose
+config.py alone gains two fields, the launchers pass them, the flags parse and document them, the
+run saves them in config.json, RESUME=1 names the one marked "compared" when it changed, and
+pretraining refuses the one marked "sft", with no other file of the copy edited; the generator then
+writes their rows in docs/knobs.md and their lines at the top of the launchers of their modes, and
+a new mode's launcher gets its block by the same rules."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,6 +38,12 @@ def kit_with_new_knobs(tmp_path: Path) -> Path:
     at = text.index("    def __post_init__(self):", data)  # DataConfig's last field ends here
     (kit / "config.py").write_text(text[:at] + NEW_FIELDS + text[at:])
     return kit
+
+
+def generate(kit: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m train knobs ...` in the copy (config.py, the launchers and docs of the copy)."""
+    return subprocess.run([sys.executable, "-m", "train", "knobs", *args], cwd=kit, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(kit)})  # fmt: skip
 
 
 def digests(kit: Path) -> dict[str, str]:
@@ -108,3 +117,81 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
     broken = launch(kit, "train_sft_custom.sh", {"SHOW_COMMAND": "1"})
     assert broken.returncode == 2 and broken.stdout == ""
     assert broken.stderr.startswith("error: config.py cannot be read: SyntaxError") and broken.stderr.count("\n") == 1
+
+
+DPO_LAUNCHER = """#!/usr/bin/env bash
+# Preference training, as a new mode's launcher arrives: no knob lines yet.
+# Usage: [VAR=value ...] ./train_dpo.sh [--any_flag value ...]
+set -euo pipefail
+
+source "$(dirname "$0")/scripts/common.sh"
+kit_launch dpo sft "$@"
+"""
+
+
+def block_of(path: Path) -> dict[str, str]:
+    """{VARIABLE: its line} between the launcher's BEGIN and END lines."""
+    lines = path.read_text().splitlines()
+    begin = next(i for i, line in enumerate(lines) if line.startswith("# BEGIN knobs"))
+    end = lines.index("# END knobs", begin)
+    return {line.split("=")[0]: line for line in lines[begin:end] if re.match(r"^[A-Z][A-Z0-9_]*=\$\{", line)}
+
+
+def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its_mode(tmp_path):
+    kit = kit_with_new_knobs(tmp_path)
+    before = digests(kit)
+    stale = generate(kit, "--check")
+    assert stale.returncode == 1 and "out of date (make knobs): docs/knobs.md" in stale.stdout
+    written = generate(kit, "--write")
+    assert written.returncode == 0, written.stderr
+    after = digests(kit)
+    changed = {name for name in after if after[name] != before.get(name)}
+    launchers = {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"}
+    assert changed == {"docs/knobs.md"} | launchers
+    assert all(os.access(kit / name, os.X_OK) for name in launchers)  # still executable
+    assert generate(kit, "--check").stdout.strip() == "knob docs up to date"
+
+    doc = (kit / "docs" / "knobs.md").read_text()
+    every, sft = doc.split("\n## Every mode\n")[1].split("\n## SFT (fine-tuning)\n")
+    assert "| DUMMY_KNOB | --dummy_knob | a whole number |" in every and "A knob the test adds: a whole number" in every
+    assert "| DUMMY_SFT | --dummy_sft |" in sft.split("<!-- END knobs")[0] and "DUMMY_SFT" not in every
+    for name in launchers:
+        block = block_of(kit / name)
+        assert block["DUMMY_KNOB"].endswith("# a knob the test adds: a whole number that a resume compares; empty: 3")
+        assert ("DUMMY_SFT" in block) == name.startswith(("train_sft", "quick_start_sft"))
+    # the launchers' own defaults and lines outside the block are kept
+    assert block_of(kit / "quick_start_sft_fast.sh")["GRADIENT_ACCUM"].startswith("GRADIENT_ACCUM=${GRADIENT_ACCUM:-2} ")
+    assert "effective batch = BATCH_SIZE" in (kit / "quick_start_sft_fast.sh").read_text()
+
+
+def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
+    kit = kit_with_new_knobs(tmp_path)
+    # what a new mode brings: its name among the modes and the markers, a field kept to it, a launcher
+    cfg = (kit / "config.py").read_text()
+    cfg = cfg.replace('MODES = ("pretrain", "sft")', 'MODES = ("pretrain", "sft", "dpo")')
+    cfg = cfg.replace('dummy_sft: bool = knob(False, "sft")', 'dummy_sft: bool = knob(False, "dpo")')
+    (kit / "config.py").write_text(cfg)
+    checks = kit / "train" / "core" / "checks.py"
+    checks.write_text(checks.read_text().replace("MARKS = {", 'MARKS = {\n    "dpo": "preference training only",', 1))
+    (kit / "train_dpo.sh").write_text(DPO_LAUNCHER)
+    (kit / "train_dpo.sh").chmod(0o755)
+    shown = generate(kit, "--launcher", "train_dpo.sh")
+    assert shown.returncode == 0, shown.stderr
+    written = generate(kit, "--write")
+    assert written.returncode == 0 and "train_dpo.sh" in written.stdout, written.stderr
+    dpo = block_of(kit / "train_dpo.sh")
+    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_dpo.sh").read_text()
+    assert "DUMMY_SFT" in dpo and "DUMMY_KNOB" in dpo and "MODEL_SIZE" in dpo and "NPROC_PER_NODE" in dpo
+    assert "MODEL_PATH" not in dpo and "PACKING" not in dpo  # kept to SFT by their "sft" marker
+    assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(kit / "run_single_gpu.sh")
+    text = (kit / "train_dpo.sh").read_text()
+    assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index("source ") and text.endswith('"$@"\n')
+    doc = (kit / "docs" / "knobs.md").read_text()
+    assert "## dpo\n\nKept to `python -m train dpo` (launchers: `train_dpo.sh`). preference training only." in doc
+    # the launcher passes its knobs as flags (scripts/common.sh reads the same fields)
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    out = subprocess.run(["bash", str(kit / "train_dpo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
+                         capture_output=True, text=True, timeout=120, cwd=kit)  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    argv = shlex.split(out.stdout)
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "dpo"] and "--dummy_sft" in argv

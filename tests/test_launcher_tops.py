@@ -1,5 +1,7 @@
-"""Every knob a user sets sits at the top of each launcher (issue 28, item 5): the list is derived
-from config.py (its fields and markers), so a knob added there and missing here fails this test."""
+"""Every knob a user sets sits at the top of each launcher (issue 28, item 5): the set is derived
+from config.py (its fields and markers) and from the mode the launcher itself runs (`kit_launch
+MODE PRESET`), so a knob added there and missing here fails this test, and a new launcher is
+checked as soon as it exists."""
 
 from __future__ import annotations
 
@@ -9,26 +11,21 @@ import pytest
 
 import config
 from conftest import ROOT
-from train.config import knobs
+from train.config import knob_docs, knobs
 
-PRETRAIN = ("run_single_gpu.sh", "run_single_gpu_optimized.sh")
-SFT = ("train_sft_custom.sh", "quick_start_sft_fast.sh")
-# Fields that do not apply to SFT (the reason). None now: SFT builds a new model of MODEL_SIZE /
-# MODEL_FAMILY / MODEL_CONFIG with a BPE of VOCAB_SIZE, and reads plain-text records by TEXT_FIELD.
-NOT_FOR_SFT: dict[str, str] = {}
+LAUNCHERS = knob_docs.launchers()
 # Launcher variables that are no config field: the guides' precision switches and torchrun's count.
-NOT_FIELDS = ("ENABLE_FP16", "ENABLE_BF16", "NPROC_PER_NODE")
+NOT_FIELDS = tuple(variable for variable, *_ in knob_docs.LAUNCHER_ONLY)
 KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-[^}]*\}\s*(#\s*\S.*)?$")
 
 
 def expected(mode: str) -> set[str]:
-    """The launcher variables of every config field a user sets in this mode."""
+    """The launcher variables of every config field a user sets in this mode: every field but the
+    command's own, less those a marker keeps to other modes."""
+    other_modes = {m for m in config.MODES if m != mode}
     names = [n for n in config.FIELD_SECTION if n not in knobs.marked("command")]
-    if mode == "pretrain":
-        names = [n for n in names if n not in knobs.marked("sft")]
-    else:
-        names = [n for n in names if n not in NOT_FOR_SFT]
-    return {knobs.env_name(n) for n in names} | set(NOT_FIELDS)
+    kept_elsewhere = {n for m in other_modes for n in knobs.marked(m)} - set(knobs.marked(mode))
+    return {knobs.env_name(n) for n in names if n not in kept_elsewhere} | set(NOT_FIELDS)
 
 
 def top(text: str) -> dict[str, str]:
@@ -48,16 +45,16 @@ def missing(text: str, mode: str) -> set[str]:
     return expected(mode) - set(top(text))
 
 
-@pytest.mark.parametrize("script", PRETRAIN + SFT)
-def test_every_knob_of_config_py_is_at_the_top(script):
-    mode = "pretrain" if script in PRETRAIN else "sft"
-    text = (ROOT / script).read_text()
-    assert missing(text, mode) == set(), f"{script}: add a commented line in its group for each"
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=[lw.path.name for lw in LAUNCHERS])
+def test_every_knob_of_config_py_is_at_the_top(launcher):
+    text = launcher.path.read_text()
+    assert missing(text, launcher.mode) == set(), f"{launcher.path.name}: run `make knobs`"
     lines = top(text)
     assert [name for name, comment in lines.items() if not comment] == []  # every knob says what it does
-    if mode == "pretrain":  # SFT-only knobs would be refused there, one line each
-        sft_only = {knobs.env_name(n) for n in knobs.marked("sft")}
-        assert sft_only and not sft_only & set(lines)
+    assert set(lines) == expected(launcher.mode)  # and no knob of another mode (it would be refused)
+    # the launcher's style: set -euo pipefail, a usage line, "$@" passed last
+    assert "set -euo pipefail" in text and re.search(r"^# Usage: .*" + re.escape(launcher.path.name), text, re.M)
+    assert re.search(r'^kit_launch \S+ \S+ "\$@"$', text, re.M)
 
 
 def test_a_knob_missing_at_the_top_is_named():
@@ -67,4 +64,5 @@ def test_a_knob_missing_at_the_top_is_named():
     ungrouped = text.replace("# ---- ", "# ")  # lines outside the groups do not count
     assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
     assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
-    assert "MODEL_SIZE" in expected("sft") and set(NOT_FOR_SFT) <= set(config.FIELD_SECTION)
+    assert "MODEL_SIZE" in expected("sft")
+    assert {knobs.env_name(n) for n in knobs.marked("sft")} & expected("pretrain") == set()

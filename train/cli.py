@@ -31,6 +31,7 @@ commands:
   doctor     a short profiled run of your config and what to change (--apply: try it)
   autotune   timed trials of batch x accumulation, workers, precision, compile; writes the winner
   bench      time the real training loop (--vs-plain: against a plain PyTorch loop)
+  knobs      the knob docs generated from config.py: --markdown, --launcher NAME, --write (make knobs)
   import     a bare state_dict checkpoint (ChatLM's *.bin + model_config.json) as a transformers
              folder: import SRC DEST [--tokenizer_path T]
 
@@ -88,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         from train.tools.import_model import import_main
 
         return import_main(rest)
+    if command == "knobs":
+        from train.config.knob_docs import knobs_main
+
+        return knobs_main(rest)
     if command in TOOL_COMMANDS:
         module, function = TOOL_COMMANDS[command]
         return getattr(importlib.import_module(module), function)(rest)
     raise UsageError(
-        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, import, {', '.join(TOOL_COMMANDS)}"
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, import, knobs, {', '.join(TOOL_COMMANDS)}"
     )

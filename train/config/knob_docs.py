@@ -1,0 +1,358 @@
+"""The knob documentation, generated from config.py: docs/knobs.md's tables and each launcher's
+block of `VAR=${VAR:-default}  # what it does` lines (`python -m train knobs`). A knob is one field
+with its docstring and markers; which launchers carry it follows from rules, not from lists:
+
+- a launcher is a root *.sh that calls `kit_launch MODE PRESET` (its mode and preset read from it);
+- a field carries a launcher variable unless it is marked "command" (set by the command itself);
+- a marker named after a mode (config.MODES: "sft" ...) keeps the field to that mode's launchers;
+- a launcher's own defaults (`BATCH_SIZE=${BATCH_SIZE:-16}`) are read back from its block, so
+  regenerating keeps them; comments, order and groups come from config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import config
+from train.config import knobs
+from train.config.flags import field_docs
+from train.core import files
+from train.core.checks import MARKS, has_mark
+from train.core.errors import UsageError
+
+MD_BEGIN = "<!-- BEGIN knobs: generated from config.py by `make knobs`; edit the field docstrings there -->"
+MD_END = "<!-- END knobs -->"
+SH_BEGIN_PREFIX, MD_BEGIN_PREFIX = "# BEGIN knobs", "<!-- BEGIN knobs"
+SH_BEGIN = "# BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)"
+SH_END = "# END knobs"
+KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-([^}]*)\}")
+LAUNCH = re.compile(r"^\s*kit_launch\s+([\w-]+)\s+([\w-]+)", re.M)
+SECTION_TITLES = {
+    "model": "model", "data": "data, tokenizer, data loading", "optim": "batch, learning rate, how long",
+    "system": "precision, device, several GPUs", "run": "run folder, checkpoints, evaluation, logs",
+}  # fmt: skip
+# Launcher variables that are no config field: (variable, the field its line goes before, what it
+# takes, what it does). The precision switches set PRECISION (knobs.PRECISION_SWITCHES);
+# NPROC_PER_NODE is torchrun's (scripts/common.sh).
+LAUNCHER_ONLY = (
+    ("ENABLE_FP16", "precision", "`--fp16`, `1` or `0`", '"--fp16" (or 1): fp16 autocast + GradScaler'),
+    ("ENABLE_BF16", "precision", "`--bf16`, `1` or `0`", '"--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)'),
+    ("NPROC_PER_NODE", "sharding", "a whole number >= 1",
+     "processes (GPUs) on this machine; above 1 starts torchrun (DDP): docs/multi-gpu.md"),
+)
+SENTENCE_END = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+(?=\S)")
+COMMENT_WIDTH = 120  # a launcher comment longer than this is cut at a clause
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str  # the field
+    section: str
+    doc: str
+    modes: frozenset  # the modes it is kept to (empty: every mode)
+    default: object
+    choices: tuple
+    switch: bool  # its variable takes the guides' switch form ("--flag" or 1/0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    path: Path
+    mode: str
+    preset: str
+
+
+def all_knobs() -> list[Knob]:
+    """Every field a user sets (not "command"), in config.py's order."""
+    docs, modes = field_docs(), set(config.MODES)
+    found = []
+    for section, klass in config.SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            if has_mark(f, "command"):
+                continue
+            marks = frozenset(f.metadata.get("marks", ())) & modes
+            found.append(Knob(f.name, section, docs.get(f.name, ""), marks, knobs.default(f.name),
+                              tuple(f.metadata.get("choices", ())), has_mark(f, "switch")))
+    return found
+
+
+def launchers(kit: Path | None = None) -> list[Launcher]:
+    """The root scripts that start a run (`kit_launch MODE PRESET`), by name."""
+    found = []
+    for path in sorted((kit or config.KIT_DIR).glob("*.sh")):
+        match = LAUNCH.search(path.read_text())
+        if match:
+            found.append(Launcher(path, match.group(1), match.group(2)))
+    return found
+
+
+def applies(knob: Knob, mode: str) -> bool:
+    return not knob.modes or mode in knob.modes
+
+
+def shown(value) -> str:
+    """A default as a user would type it: 1/0 for switches, paths inside the kit relative to it."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):  # 6e-4 as written, not 0.0006; 100.0 as 100
+        mantissa, _, exponent = f"{value:.3e}".partition("e")
+        small = value and abs(value) < 1e-3
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}" if small else f"{value:g}"
+    text = str(value)
+    kit = str(config.KIT_DIR)
+    return text.replace(kit + "/", "") if text.startswith(kit + "/") else text
+
+
+def _sentences(doc: str) -> list[str]:
+    return SENTENCE_END.split(doc)
+
+
+def _clip(text: str) -> str:
+    """The text up to COMMENT_WIDTH, cut at its last clause ("; ", ": ", ", ", " (") outside brackets."""
+    if len(text) <= COMMENT_WIDTH:
+        return text
+    depth, cut = 0, None
+    for i, ch in enumerate(text[:COMMENT_WIDTH]):
+        if depth == 0 and any(text.startswith(mark, i) for mark in ("; ", ": ", ", ", " (")):
+            cut = i
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+    return text[:cut] if cut else text
+
+
+def summary(knob: Knob) -> str:
+    """What it does, in a line: the docstring's first sentence (a mode's own prefix "SFT: " dropped)."""
+    first = _sentences(knob.doc)[0] if knob.doc else ""
+    for mode in knob.modes:
+        first = first.removeprefix(f"{mode.upper()}: ")
+    listed = " | ".join(knob.choices)
+    if knob.choices and first.startswith(knob.choices[0]) and not first.startswith(listed):
+        first = listed  # the choices, each explained: too long for a line, so their names
+    if re.match(r"(?:[A-Z][a-z]+|A)\b", first):  # a sentence's capital, not a name (DataLoader, MB, JSONL)
+        first = first[0].lower() + first[1:]
+    if knob.switch:
+        first = f'"--{knob.name}" (or 1): {first}'
+    return _clip(first.rstrip("."))
+
+
+def empty_means(knob: Knob, preset: str | None) -> str:
+    """What an empty variable gives ("empty: ..."): the preset's value, else config.py's default,
+    else what its docstring says ("Empty: ..." / "Empty or 0: ..." / "keep_end (empty: ...)")."""
+    values = config.PRESETS.get(preset, {}) if preset else {}
+    if knob.name in values:
+        return f"empty: {shown(values[knob.name])} (preset {preset})"
+    if knob.default is not None:
+        return f"empty: {shown(knob.default)}"
+    said = next((s for s in _sentences(knob.doc)[1:] if re.match(r"Empty\b[^:]*: ", s)), "")
+    if said:
+        return "e" + said[1:].rstrip(".")
+    inline = re.search(r"(\w+) \(empty: ([^)]*)\)", knob.doc)
+    return f"empty: {inline.group(1)} ({inline.group(2)})" if inline else ""
+
+
+# ---- launchers --------------------------------------------------------------------------------
+
+
+def block_span(lines: list[str]) -> tuple[int, int] | None:
+    """(first, last + 1) of the generated block: from its BEGIN line to its END line, or, in a
+    launcher written before the markers, from the comment lines above its first knob line to its
+    last knob line before `source .../common.sh`."""
+    begin = next((i for i, line in enumerate(lines) if line.startswith(SH_BEGIN_PREFIX)), None)
+    if begin is not None:
+        end = next((i for i in range(begin, len(lines)) if lines[i].strip() == SH_END), None)
+        if end is None:
+            raise UsageError(f"'{SH_BEGIN_PREFIX}' without a '{SH_END}' line")
+        return begin, end + 1
+    top = next((i for i, line in enumerate(lines) if line.startswith("source ")), len(lines))
+    knob_lines = [i for i in range(top) if KNOB_LINE.match(lines[i])]
+    if not knob_lines:
+        return None
+    first = knob_lines[0]
+    while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith("#!"):
+        first -= 1
+    return first, knob_lines[-1] + 1
+
+
+def launcher_defaults(lines: list[str]) -> dict[str, str]:
+    """{VARIABLE: default} of the knob lines in the launcher's block."""
+    span = block_span(lines)
+    if span is None:
+        return {}
+    return {m.group(1): m.group(2) for line in lines[span[0]:span[1]] if (m := KNOB_LINE.match(line))}
+
+
+def knob_line(variable: str, default: str, comment: str) -> str:
+    code = f"{variable}=${{{variable}:-{default}}}"
+    return f"{code:<39} # {comment}" if comment else code
+
+
+def launcher_block(launcher: Launcher) -> list[str]:
+    """The launcher's generated block, BEGIN and END lines included."""
+    defaults = launcher_defaults(launcher.path.read_text().splitlines())
+    extra = {before: [] for _, before, _, _ in LAUNCHER_ONLY}
+    for variable, before, _, comment in LAUNCHER_ONLY:
+        extra[before].append((variable, comment))
+    out = [SH_BEGIN,
+           f"# Every knob of config.py that applies to `python -m train {launcher.mode}`, as VARIABLE=${{VARIABLE:-default}}",
+           f"# (docs/knobs.md). Empty: the launcher's preset ({launcher.preset}), else config.py's default."]  # fmt: skip
+    section = None
+    for knob in all_knobs():
+        if not applies(knob, launcher.mode):
+            continue
+        if knob.section != section:
+            section = knob.section
+            out += ([""] if len(out) > 3 else []) + [f"# ---- {SECTION_TITLES.get(section, section)} ----"]
+        for variable, comment in extra.get(knob.name, []):
+            out.append(knob_line(variable, defaults.get(variable, ""), comment))
+        variable = knobs.env_name(knob.name)
+        default = defaults.get(variable, "")
+        comment = summary(knob)
+        if not default and (empty := empty_means(knob, launcher.preset)):
+            comment = f"{comment}; {empty}" if comment else empty
+        out.append(knob_line(variable, default, comment))
+    return [*out, SH_END]
+
+
+def rewritten(lines: list[str], block: list[str]) -> list[str]:
+    span = block_span(lines)
+    if span is None:  # a launcher with no knob lines yet: the block goes under `set -euo pipefail`
+        at = next((i + 1 for i, line in enumerate(lines) if line.startswith("set -")), len(lines))
+        return [*lines[:at], "", *block, *lines[at:]]
+    return [*lines[: span[0]], *block, *lines[span[1] :]]
+
+
+# ---- docs/knobs.md ----------------------------------------------------------------------------
+
+MODE_TITLES = {"pretrain": "Pretraining", "sft": "SFT (fine-tuning)"}  # headings others link to
+
+
+def _cell(text: str) -> str:
+    text = text.replace("|", "\\|")
+    return re.sub(r"<(?=[A-Za-z/])", "&lt;", text)  # runs/<name>/ is text, not an HTML tag
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def takes(name: str) -> str:
+    """The values a field accepts, from its type and knob(...) range, choices and markers."""
+    klass = config.SECTIONS[config.FIELD_SECTION[name]]
+    f = next(f for f in dataclasses.fields(klass) if f.name == name)
+    least, above, choices = f.metadata.get("least"), f.metadata.get("above"), f.metadata.get("choices")
+    kind = str(f.type).split("|")[0].strip()
+    if choices:
+        said = ", ".join(f"`{c}`" for c in choices)
+    elif kind == "bool":
+        said = f"`--{name}`, `1` or `0`" if has_mark(f, "switch") else "`1` or `0`"
+    elif kind in ("int", "float"):
+        number = "a whole number" if kind == "int" else "a number"
+        bound = f" > {shown(above)}" if above is not None else f" >= {shown(least)}" if least is not None else ""
+        said = number + bound
+    else:
+        said = "text"
+    return said + (", `auto`" if has_mark(f, "auto") else "")
+
+
+def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
+    """rows of (variable, flag, field (or, for a launcher-only variable, what it takes), what it
+    does) -> a Markdown table, with a column for each preset that sets one of its knobs."""
+    presets = [p for p in config.PRESETS if any(name in config.PRESETS[p] for _, _, name, _ in rows)]
+    out = [_row(["launcher variable", "flag", "takes", "default", *presets, "what it does"]),
+           _row(["---"] * (len(presets) + 5))]  # fmt: skip
+    for variable, flag, name, doc in rows:
+        field = name in config.FIELD_SECTION
+        values = [f"`{shown(config.PRESETS[p][name])}`" if name in config.PRESETS[p] else "" for p in presets]
+        default = shown(knobs.default(name)) if field else ""
+        accepted = takes(name) if field else name
+        out.append(_row([variable, flag, accepted, f"`{default}`" if default else "", *values, _cell(doc)]))
+    return out
+
+
+def markdown() -> list[str]:
+    """docs/knobs.md's generated part: one table per config section for the knobs of every mode,
+    then one per group of modes for the knobs kept to them. BEGIN and END lines included."""
+    every = [k for k in all_knobs() if not k.modes]
+    kept = {}
+    for knob in all_knobs():
+        if knob.modes:
+            kept.setdefault(knob.modes, []).append(knob)
+    extra = {before: [] for _, before, _, _ in LAUNCHER_ONLY}
+    for variable, before, accepted, comment in LAUNCHER_ONLY:
+        extra[before].append((variable, accepted, comment))
+    out = [MD_BEGIN, "", "## Every mode", ""]
+    for section in config.SECTIONS:
+        rows = []
+        for knob in (k for k in every if k.section == section):
+            for variable, accepted, comment in extra.get(knob.name, []):
+                flag = dict(s.split(":") for s in knobs.PRECISION_SWITCHES).get(variable, "(launcher only)")
+                rows.append((variable, flag, accepted, comment))
+            rows.append((knobs.env_name(knob.name), f"--{knob.name}", knob.name, knob.doc))
+        if rows:
+            out += [f"### {SECTION_TITLES.get(section, section)}", "", *_table(rows), ""]
+    by_launcher = launchers()
+    for modes, group in kept.items():
+        names = " and ".join(MODE_TITLES.get(m, m) for m in sorted(modes))
+        scripts = ", ".join(f"`{lw.path.name}`" for lw in by_launcher if lw.mode in modes) or "none yet"
+        marks = " ".join(MARKS[m] + "." for m in sorted(modes) if m in MARKS)
+        out += [f"## {names}", "", f"Kept to `python -m train {' | '.join(sorted(modes))}` (launchers: {scripts}). {marks}".rstrip(), ""]
+        out += [*_table([(knobs.env_name(k.name), f"--{k.name}", k.name, k.doc) for k in group]), ""]
+    return [*out, MD_END]
+
+
+# ---- python -m train knobs --------------------------------------------------------------------
+
+KNOBS_USAGE = """usage: python -m train knobs --markdown | --launcher NAME | --write | --check
+
+  --markdown       print docs/knobs.md's generated part
+  --launcher NAME  print the knob block of a root launcher (run_single_gpu.sh ...)
+  --write          rewrite the generated blocks in place (docs/knobs.md and every launcher)
+  --check          exit 1 naming every file whose generated block is out of date"""
+
+
+def targets() -> dict[Path, list[str]]:
+    """{file: its text with the generated blocks as config.py says them}."""
+    out = {}
+    doc = config.KIT_DIR / "docs" / "knobs.md"
+    lines = doc.read_text().splitlines()
+    begin = next((i for i, line in enumerate(lines) if line.startswith(MD_BEGIN_PREFIX)), None)
+    end = next((i for i, line in enumerate(lines) if line.startswith("<!-- END knobs")), None)
+    if begin is None or end is None or end < begin:
+        raise UsageError(f"{doc}: no '<!-- BEGIN knobs' ... '<!-- END knobs' lines to write between")
+    out[doc] = [*lines[:begin], *markdown(), *lines[end + 1 :]]
+    for launcher in launchers():
+        out[launcher.path] = rewritten(launcher.path.read_text().splitlines(), launcher_block(launcher))
+    return out
+
+
+def knobs_main(argv: list[str]) -> int:
+    if len(argv) == 1 and argv[0] == "--markdown":
+        print("\n".join(markdown()))
+    elif len(argv) == 2 and argv[0] == "--launcher":
+        found = {lw.path.name: lw for lw in launchers()}
+        if argv[1] not in found:
+            raise UsageError(f"--launcher: expected one of {' | '.join(found)}, got {argv[1]!r}")
+        print("\n".join(launcher_block(found[argv[1]])))
+    elif len(argv) == 1 and argv[0] in ("--write", "--check"):
+        stale = []
+        for path, lines in targets().items():
+            text = "\n".join(lines) + "\n"
+            if path.read_text() != text:
+                stale.append(path.relative_to(config.KIT_DIR).as_posix())
+                if argv[0] == "--write":
+                    mode = path.stat().st_mode & 0o777  # a launcher stays executable
+                    with files.writing(path) as out:
+                        os.fchmod(out.fileno(), mode)
+                        out.write(text.encode())
+        verb = "rewritten" if argv[0] == "--write" else "out of date (make knobs)"
+        print(f"{verb}: {', '.join(stale)}" if stale else "knob docs up to date")
+        return 1 if stale and argv[0] == "--check" else 0
+    elif argv in ([], ["-h"], ["--help"]):
+        print(KNOBS_USAGE)
+    else:
+        raise UsageError(f"knobs: expected --markdown | --launcher NAME | --write | --check, got {' '.join(argv)!r}")
+    return 0
