@@ -167,6 +167,7 @@ def load_pretrained(path: Path, tokenizer_path: str | None, trust_remote_code: b
     except Exception as err:
         what = "an encoder-decoder (seq2seq)" if kind == "seq2seq" else "a causal-LM"
         raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {_first_line(err)}") from None
+    state_dict.refuse_non_finite(model.state_dict(), f"MODEL_PATH={path}")  # NaN in, NaN out: refused here
     return model, tok
 
 

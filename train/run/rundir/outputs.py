@@ -25,7 +25,7 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     summary.json where the disk still takes it, then the append's one line."""
     full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
     stopped = summary["exit_reason"] == "write_failed"
-    if summary["exit_reason"] != "non_finite_loss" and not stopped:  # never a final/ of NaN weights
+    if not summary["exit_reason"].startswith("non_finite") and not stopped:  # never a final/ of NaN weights
         try:
             distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))
         except UsageError as err:
@@ -46,8 +46,8 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
         run_dir.write("summary.json", summary)
     except OSError as err:
         raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
-    if world.is_main:
-        point_latest(run_dir.path)  # only now: a run in progress is never runs/latest
+    if world.is_main and summary["exit_reason"] == "completed":
+        point_latest(run_dir.path)  # only now, and only a completed run: never one in progress, stopped or failed
 
 
 def earlier_summary(path, summary: dict) -> dict:

@@ -1,0 +1,171 @@
+"""A run's life from a new user's and a hostile probe's view (issue 37), on tiny real models: a
+run whose weights end non-finite writes no final/ and does not become runs/latest; runs/latest
+never names an interrupted run; `python -m train import` refuses NaN, integer and complex
+weights and a DEST it cannot make in one line; a MODEL_PATH holding NaN is refused at load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_sft_data import make_tokenizer
+
+from conftest import KIT_PY, ROOT, launch, run_cli
+
+GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 448}
+
+
+def launcher_env(corpus, tiny_config, cache_dir, runs: Path, **more) -> dict:
+    env = {"MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512",
+           "CACHE_DIR": str(cache_dir), "OUTPUT_DIR": str(runs), "MAX_LENGTH": "64", "BATCH_SIZE": "4"}  # fmt: skip
+    env.update({k: str(v) for k, v in more.items()})
+    return env
+
+
+def summary_of(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_non_finite_weights_are_never_final_nor_latest(corpus, tiny_config, cache_dir, tmp_path):
+    """Fewer non-finite steps than NAN_PATIENCE and no validation pass to see them: the run used to
+    end 'completed' (exit 0) with a final/ of NaN weights that became runs/latest."""
+    runs = tmp_path / "runs"
+    good = launch("run_single_gpu.sh", launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=2, RUN_NAME="good"))
+    assert good.returncode == 0, good.stderr
+    assert os.readlink(runs / "latest") == "good"
+    env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=3, RUN_NAME="nan", LEARNING_RATE="1e6",
+                       VAL_FRACTION=0, NAN_PATIENCE=5)  # fmt: skip
+    bad = launch("run_single_gpu.sh", env)
+    out = bad.stdout + bad.stderr
+    assert bad.returncode == 1, out
+    summary = summary_of(runs / "nan")
+    assert summary["exit_reason"] == "non_finite_weights" and summary["non_finite_steps"] >= 1
+    assert "stopping: the weights are non-finite" in out and "no final/ written" in out
+    assert not (runs / "nan" / "final").exists() and not (runs / "nan" / "best").exists()
+    assert os.readlink(runs / "latest") == "good"  # runs/latest did not move
+
+
+def test_interrupted_run_is_never_latest(corpus, tiny_config, cache_dir, tmp_path):
+    """Ctrl+C: exit 130, exit_reason interrupted, final/ of the step; runs/latest stays where it was
+    (the README: it moves only when a run completes)."""
+    runs = tmp_path / "runs"
+    assert run_cli("pretrain", "--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
+                   "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", "--batch_size", "4",
+                   "--max_steps", "1", "--run_name", "done") == 0  # fmt: skip
+    env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=10000, RUN_NAME="cut", LOG_EVERY=1)
+    proc = start_launcher(env)
+    wait_for_rows(runs / "cut" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert summary_of(runs / "cut")["exit_reason"] == "interrupted"
+    assert os.readlink(runs / "latest") == "done"
+
+
+def start_launcher(env: dict, script: str = "run_single_gpu.sh") -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    return subprocess.Popen(["bash", str(ROOT / script)], env={**base, **env}, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def wait_for_rows(metrics: Path, n: int, proc: subprocess.Popen, limit: float = 240) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("no metrics rows in time")
+
+
+# ---- python -m train import, MODEL_PATH --------------------------------------------------------
+
+
+def bare(folder: Path, change=None) -> Path:
+    """A bare GPT-2 state_dict (torch.save) beside its config.json and a tokenizer; change(weights)
+    spoils it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder.mkdir()
+    torch.manual_seed(0)
+    weights = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in GPT.items() if k != "model_type"})).state_dict()
+    if change:
+        change(weights)
+    torch.save(weights, folder / "weights.bin")
+    (folder / "config.json").write_text(json.dumps(GPT))
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _nan(w):
+    w["transformer.h.1.mlp.c_fc.weight"][0, 3] = float("nan")
+
+
+def _inf(w):
+    w["lm_head.weight"][2, 2] = float("inf")
+
+
+def _int64(w):
+    w["transformer.wpe.weight"] = w["transformer.wpe.weight"].to(torch.int64)
+
+
+def _complex(w):
+    w["transformer.h.0.attn.c_attn.bias"] = w["transformer.h.0.attn.c_attn.bias"].to(torch.complex64)
+
+
+SPOILED = {
+    "nan": (_nan, "transformer.h.1.mlp.c_fc.weight holds 1 non-finite value(s)"),
+    "inf": (_inf, "holds 1 non-finite value(s)"),  # lm_head is tied to wte: either name
+    "int64": (_int64, "transformer.wpe.weight is int64, not a floating-point tensor"),
+    "complex": (_complex, "transformer.h.0.attn.c_attn.bias is complex64, not a floating-point tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPOILED))
+def test_import_refuses_spoiled_weights_in_one_line(case, tmp_path, capsys):
+    change, expect = SPOILED[case]
+    src = bare(tmp_path / "src", change)
+    assert run_cli("import", str(src), str(tmp_path / "dest")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: SRC: weights.bin: ") and expect in err, err
+    assert not (tmp_path / "dest").exists() and not list(tmp_path.glob(".dest*"))
+
+
+def test_import_dest_it_cannot_make_is_one_line(tmp_path, capsys):
+    src = bare(tmp_path / "src")
+    (tmp_path / "file").write_text("a regular file")
+    for dest, expect in ((tmp_path / "file" / "dest", "is a file, not a folder"),
+                         (Path("/proc/kit-import-test/dest"), "no folder can be made there")):  # fmt: skip
+        assert run_cli("import", str(src), str(dest)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"error: DEST={dest}: " in err and expect in err, err
+    assert run_cli("import", str(src), str(tmp_path / "ok")) == 0  # the same SRC imports fine
+
+
+def test_model_path_with_a_nan_tensor_is_refused_at_load(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    src = bare(tmp_path / "src")
+    assert run_cli("import", str(src), str(tmp_path / "hf")) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    with torch.no_grad():
+        model.transformer.h[0].ln_1.weight[5] = float("nan")
+    model.save_pretrained(tmp_path / "hf")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}?", "response": f"{i}."}) + "\n" for i in range(16)))
+    runs = tmp_path / "runs"
+    capsys.readouterr()  # transformers' own loading bars above
+    assert run_cli("sft", "--model_path", str(tmp_path / "hf"), "--data_path", str(data), "--output_dir", str(runs),
+                   "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1", "--max_length", "32") == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"MODEL_PATH={tmp_path / 'hf'}" in err, err
+    assert "transformer.h.0.ln_1.weight holds 1 non-finite value(s)" in err
+    assert not runs.exists()
