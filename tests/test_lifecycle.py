@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import time
@@ -16,7 +18,7 @@ import pytest
 import torch
 from test_sft_data import make_tokenizer
 
-from conftest import KIT_PY, ROOT, launch, run_cli
+from conftest import ROOT, launch, read_jsonl, run_cli
 
 GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 448}
 
@@ -169,3 +171,42 @@ def test_model_path_with_a_nan_tensor_is_refused_at_load(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and f"MODEL_PATH={tmp_path / 'hf'}" in err, err
     assert "transformer.h.0.ln_1.weight holds 1 non-finite value(s)" in err
     assert not runs.exists()
+
+
+# ---- RESUME=1 keeps the run's own settings --------------------------------------------------
+
+
+def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_config, cache_dir, tmp_path):
+    """Ctrl+C, then the command the run printed, run as it is (no other variable): the same run
+    length and settings, and the same losses step for step as a run never interrupted. It once
+    planned the CPU demo's 256 samples instead of MAX_STEPS and stopped early, 'completed'."""
+    runs = tmp_path / "runs"
+    env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=60, LOG_EVERY=1, OMP_NUM_THREADS=1)
+    reference = launch("run_single_gpu.sh", {**env, "RUN_NAME": "whole"})
+    assert reference.returncode == 0, reference.stderr
+    proc = start_launcher({**env, "RUN_NAME": "cut"})
+    wait_for_rows(runs / "cut" / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    cut = summary_of(runs / "cut")["steps"]
+    assert cut < 60
+    line = (out + err).strip().splitlines()[-1]
+    command = re.fullmatch(r"interrupted: to continue from the last checkpoint, run (.*) \./run_single_gpu\.sh "
+                           r"\(its other settings are kept\)", line)  # fmt: skip
+    assert command, line
+    assigned = dict(item.split("=", 1) for item in shlex.split(command.group(1)))
+    assert assigned == {"RESUME": "1", "RUN_NAME": "cut", "OUTPUT_DIR": str(runs), "BATCH_SIZE": "4"}
+    resumed = launch("run_single_gpu.sh", {**assigned, "OMP_NUM_THREADS": "1"})
+    text = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, text
+    assert "changed since the checkpoint" not in text
+    taken = next(x for x in text.splitlines() if x.startswith("RESUME=1: settings not given again are cut's own: "))
+    assert "MAX_STEPS=60" in taken.split() and f"MODEL_CONFIG={tiny_config}" in taken.split()
+    summary = summary_of(runs / "cut")
+    assert (summary["exit_reason"], summary["steps"], summary["resumed_from_step"]) == ("completed", 60, cut)
+    rows = [r for r in read_jsonl(runs / "cut" / "metrics.jsonl") if "loss" in r]
+    whole = [r for r in read_jsonl(runs / "whole" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 61)) == [r["step"] for r in whole]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in whole], abs=1e-5)
+    assert os.readlink(runs / "latest") == "cut"  # completed now

@@ -149,5 +149,5 @@ def test_cpu_compare_budget_is_small_and_sft_bench_logs_under_runs(tmp_path):
 def test_the_resume_line_keeps_the_custom_launchers_micro_batch():
     from train.run.rundir.report import resume_line
 
-    assert "RESUME=1 RUN_NAME=x ./train_sft_custom.sh 4 (with" in resume_line("x", "train_sft_custom", 4)
-    assert "./quick_start_sft_fast.sh (with" in resume_line("x", "quick_start_sft_fast", 16)
+    assert "RESUME=1 RUN_NAME=x ./train_sft_custom.sh 4 (its" in resume_line("x", "train_sft_custom", 4)
+    assert "./quick_start_sft_fast.sh (its" in resume_line("x", "quick_start_sft_fast", 16)
