@@ -11,6 +11,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +39,13 @@ def test_non_finite_weights_are_never_final_nor_latest(corpus, tiny_config, cach
     """Fewer non-finite steps than NAN_PATIENCE and no validation pass to see them: the run used to
     end 'completed' (exit 0) with a final/ of NaN weights that became runs/latest."""
     runs = tmp_path / "runs"
-    good = launch("run_single_gpu.sh", launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=2, RUN_NAME="good"))
+    # a misspelled knob: the warning of the first line is said again at the end (it scrolled away)
+    good = launch("run_single_gpu.sh", launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=2, RUN_NAME="good",
+                                                    BACTH_SIZE=2))  # fmt: skip
     assert good.returncode == 0, good.stderr
+    warning = "warning: BACTH_SIZE is not a variable of this kit; did you mean BATCH_SIZE?"
+    assert good.stderr.splitlines()[0] == warning
+    assert good.stdout.splitlines()[-1] == warning + " (so it had no effect on this run)"
     assert os.readlink(runs / "latest") == "good"
     env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=3, RUN_NAME="nan", LEARNING_RATE="1e6",
                        VAL_FRACTION=0, NAN_PATIENCE=5)  # fmt: skip
@@ -184,6 +190,9 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=60, LOG_EVERY=1, OMP_NUM_THREADS=1)
     reference = launch("run_single_gpu.sh", {**env, "RUN_NAME": "whole"})
     assert reference.returncode == 0, reference.stderr
+    eta = [x for x in reference.stdout.splitlines() if x.startswith("about ")]  # after the warm-up steps, once
+    assert len(eta) == 1 and re.fullmatch(r"about \d+\.\d\d s per step on this machine \(the first 5 steps\), "
+                                          r"55 steps to go: ETA \d+:\d\d", eta[0]), eta  # fmt: skip
     proc = start_launcher({**env, "RUN_NAME": "cut"})
     wait_for_rows(runs / "cut" / "metrics.jsonl", 3, proc)
     proc.send_signal(signal.SIGINT)
@@ -191,7 +200,7 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     assert proc.returncode == 130, err
     cut = summary_of(runs / "cut")["steps"]
     assert cut < 60
-    line = (out + err).strip().splitlines()[-1]
+    line = next(x for x in (out + err).splitlines() if x.startswith("interrupted: to continue"))
     command = re.fullmatch(r"interrupted: to continue from the last checkpoint, run (.*) \./run_single_gpu\.sh "
                            r"\(its other settings are kept\)", line)  # fmt: skip
     assert command, line
@@ -210,3 +219,13 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     assert [r["step"] for r in rows] == list(range(1, 61)) == [r["step"] for r in whole]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in whole], abs=1e-5)
     assert os.readlink(runs / "latest") == "cut"  # completed now
+
+
+def test_python_m_train_without_torch_is_one_line():
+    """`python -m train` with a Python that lacks the kit's packages (outside .venv): one line naming
+    .venv/bin/python and make setup, not a 12-line ModuleNotFoundError traceback."""
+    bare = subprocess.run([sys.executable, "-S", "-m", "train", "pretrain", "--max_steps", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})  # fmt: skip
+    assert bare.returncode == 2 and not bare.stdout
+    assert bare.stderr.startswith("error: torch is not installed in this Python (") and len(bare.stderr.splitlines()) == 1
+    assert ".venv/bin/python -m train" in bare.stderr and "make setup" in bare.stderr

@@ -23,6 +23,7 @@ from train.run.checkpoint.rng import RngStates
 from train.run.guard import resume_state
 from train.run.guard.health import Health, weights_finite
 from train.run.guard.signals import StopSignals
+from train.run.rundir.outputs import check_saveable
 
 
 class RunGuard:
@@ -33,6 +34,7 @@ class RunGuard:
         into b.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
         run folder touched."""
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
+        check_saveable(b)  # what final/ needs, before a step is trained and the run folder touched
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
         self.checkpoints = Checkpointer(b, self.run_path / "checkpoints", say)
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding

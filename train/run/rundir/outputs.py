@@ -18,6 +18,29 @@ def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) ->
     save_model(b, run_dir.path / "final", step, state_dict)
 
 
+def check_saveable(b) -> None:
+    """What final/ needs, checked before the first step: a config whose generation settings
+    transformers refuses to save (a MODEL_CONFIG with pad_token_id -5) once failed the run after
+    it had trained, with no final/ and no summary.json. One line naming where they came from."""
+    import copy
+
+    m = b.cfg.model
+    source = next((f"{var}={value}" for var, value in (("GENERATION_CONFIG", m.generation_config),
+                   ("MODEL_CONFIG", m.model_config), ("MODEL_PATH", m.model_path)) if value), "the model's config")  # fmt: skip
+    gen = getattr(b.model, "generation_config", None)
+    try:
+        b.model.config.to_json_string()
+        if gen is not None:
+            gen = copy.deepcopy(gen)
+            gen.use_cache = True  # as save_model writes it
+            gen.validate(strict=True)  # what save_pretrained runs
+    except Exception as err:  # ValueError of transformers' checks, TypeError of a value JSON cannot hold
+        lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+        why = next((x.lstrip("- ") for x in lines if x.startswith("- ")), lines[0] if lines else type(err).__name__)
+        raise UsageError(f"{source}: final/ could not be saved with these settings ({why.split('. ')[0]}); "
+                         "fix them before training") from None
+
+
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a

@@ -4,6 +4,7 @@ closing lines. Built from what the other parts measured; nothing here changes th
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from dataclasses import asdict, fields, replace
@@ -241,6 +242,8 @@ def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
     names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "tensorboard/", "final/", "best/", "checkpoints/")
     written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
     say(f"outputs: {run_dir.path}/ ({written})")
+    for warning in os.environ.get("KIT_NAME_WARNINGS", "").splitlines():  # scripts/common.sh's, said again
+        say(f"{warning} (so it had no effect on this run)")
     if s.get("exit_reason") == "interrupted":
         say(resume_line(run_dir.path, launcher, s.get("batch_size")))
 

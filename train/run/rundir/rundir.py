@@ -51,7 +51,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
         tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
             if lora.is_lora(b.model):  # merged, loadable without peft; the adapter in tmp/adapter
-                lora.save_merged(b.model, tmp)
+                lora.save_merged(b.model, tmp, folder)
             else:
                 b.model.save_pretrained(tmp, state_dict=state_dict)
         b.tokenizer.save_pretrained(tmp)
