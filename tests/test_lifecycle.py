@@ -190,7 +190,9 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=60, LOG_EVERY=1, OMP_NUM_THREADS=1)
     reference = launch("run_single_gpu.sh", {**env, "RUN_NAME": "whole"})
     assert reference.returncode == 0, reference.stderr
-    eta = [x for x in reference.stdout.splitlines() if x.startswith("about ")]  # after the warm-up steps, once
+    eta = [
+        x for x in reference.stdout.splitlines() if x.startswith("about ")
+    ]  # after the warm-up steps, once
     assert len(eta) == 1 and re.fullmatch(r"about \d+\.\d\d s per step on this machine \(the first 5 steps\), "
                                           r"55 steps to go: ETA \d+:\d\d", eta[0]), eta  # fmt: skip
     proc = start_launcher({**env, "RUN_NAME": "cut"})
@@ -210,7 +212,9 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     text = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, text
     assert "changed since the checkpoint" not in text
-    taken = next(x for x in text.splitlines() if x.startswith("RESUME=1: settings not given again are cut's own: "))
+    taken = next(
+        x for x in text.splitlines() if x.startswith("RESUME=1: settings not given again are cut's own: ")
+    )
     assert "MAX_STEPS=60" in taken.split() and f"MODEL_CONFIG={tiny_config}" in taken.split()
     summary = summary_of(runs / "cut")
     assert (summary["exit_reason"], summary["steps"], summary["resumed_from_step"]) == ("completed", 60, cut)
@@ -227,5 +231,8 @@ def test_python_m_train_without_torch_is_one_line():
     bare = subprocess.run([sys.executable, "-S", "-m", "train", "pretrain", "--max_steps", "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})  # fmt: skip
     assert bare.returncode == 2 and not bare.stdout
-    assert bare.stderr.startswith("error: torch is not installed in this Python (") and len(bare.stderr.splitlines()) == 1
+    assert (
+        bare.stderr.startswith("error: torch is not installed in this Python (")
+        and len(bare.stderr.splitlines()) == 1
+    )
     assert ".venv/bin/python -m train" in bare.stderr and "make setup" in bare.stderr

@@ -35,7 +35,9 @@ def carry(cfg: config.TrainConfig, command: str, argv: list[str], say=print) -> 
     if not cfg.run.resume:
         return cfg
     r = cfg.run
-    run_path = plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, resume=True)  # refusals: one line
+    run_path = plan_run_dir(
+        r.output_dir, r.run_name, r.launcher, r.overwrite, resume=True
+    )  # refusals: one line
     saved = asked_settings(run_path)
     if not saved:
         return cfg

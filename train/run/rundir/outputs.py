@@ -36,9 +36,13 @@ def check_saveable(b) -> None:
             gen.validate(strict=True)  # what save_pretrained runs
     except Exception as err:  # ValueError of transformers' checks, TypeError of a value JSON cannot hold
         lines = [x.strip() for x in str(err).splitlines() if x.strip()]
-        why = next((x.lstrip("- ") for x in lines if x.startswith("- ")), lines[0] if lines else type(err).__name__)
-        raise UsageError(f"{source}: final/ could not be saved with these settings ({why.split('. ')[0]}); "
-                         "fix them before training") from None
+        why = next(
+            (x.lstrip("- ") for x in lines if x.startswith("- ")), lines[0] if lines else type(err).__name__
+        )
+        raise UsageError(
+            f"{source}: final/ could not be saved with these settings ({why.split('. ')[0]}); "
+            "fix them before training"
+        ) from None
 
 
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
@@ -70,7 +74,9 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     except OSError as err:
         raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
     if world.is_main and summary["exit_reason"] == "completed":
-        point_latest(run_dir.path)  # only now, and only a completed run: never one in progress, stopped or failed
+        point_latest(
+            run_dir.path
+        )  # only now, and only a completed run: never one in progress, stopped or failed
 
 
 def earlier_summary(path, summary: dict) -> dict:
