@@ -236,3 +236,34 @@ def test_python_m_train_without_torch_is_one_line():
         and len(bare.stderr.splitlines()) == 1
     )
     assert ".venv/bin/python -m train" in bare.stderr and "make setup" in bare.stderr
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 512}  # fmt: skip
+
+
+def llama_run(tmp_path, corpus, cache_dir, name: str, **change) -> list[str]:
+    config = tmp_path / f"{name}.json"
+    config.write_text(json.dumps({**LLAMA, **change}))
+    return ["--model_config", str(config), "--data_path", str(corpus), "--vocab_size", "512", "--cache_dir",
+            str(cache_dir), "--output_dir", str(tmp_path / "runs"), "--max_length", "64", "--batch_size", "4",
+            "--max_steps", "3", "--val_fraction", "0", "--run_name", name]  # fmt: skip
+
+
+def test_settings_final_cannot_save_are_refused_before_training(tmp_path, corpus, cache_dir, capsys):
+    """A MODEL_CONFIG whose generation settings transformers refuses to save (pad_token_id -5) once
+    trained the whole run and then failed at the save: no final/, no summary.json."""
+    argv = llama_run(tmp_path, corpus, cache_dir, "pad", pad_token_id=-5)
+    assert run_cli("pretrain", *argv) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("[transformers]")]
+    assert len(err) == 1 and err[0].startswith(f"error: MODEL_CONFIG={tmp_path / 'pad.json'}: final/ could not be "), err
+    assert "pad_token_id" in err[0] and "-5" in err[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_config_that_trains_nan_ends_non_finite(tmp_path, corpus, cache_dir, capsys):
+    """rope_theta -1: every loss NaN from the first step, fewer steps than NAN_PATIENCE."""
+    assert run_cli("pretrain", *llama_run(tmp_path, corpus, cache_dir, "rope", rope_theta=-1)) == 1
+    run = tmp_path / "runs" / "rope"
+    assert summary_of(run)["exit_reason"] == "non_finite_weights" and not (run / "final").exists()
+    assert not (tmp_path / "runs" / "latest").exists()

@@ -73,10 +73,9 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
         run_dir.write("summary.json", summary)
     except OSError as err:
         raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
+    # only now, and only a completed run: never one in progress, interrupted, stopped or failed
     if world.is_main and summary["exit_reason"] == "completed":
-        point_latest(
-            run_dir.path
-        )  # only now, and only a completed run: never one in progress, stopped or failed
+        point_latest(run_dir.path)
 
 
 def earlier_summary(path, summary: dict) -> dict:

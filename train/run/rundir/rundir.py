@@ -1,5 +1,5 @@
 """The run folder contract: runs/<name>/ with config.json, metrics.jsonl, summary.json,
-train.log and final/; runs/latest points at the newest finished run (point_latest, once its
+train.log and final/; runs/latest points at the newest completed run (point_latest, once its
 final/ and summary.json agree), so `make chat` never meets a run in progress.
 
 One run per folder at a time: a run claims its folder before anything is built (a new one made
