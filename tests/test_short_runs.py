@@ -91,8 +91,9 @@ def test_ctrl_c_ends_with_the_command_that_resumes(tiny_flags, tmp_path, capsys)
     assert run_cli("pretrain", *argv) == 130
     presser.join()
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == ("interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped ./run_single_gpu.sh "
-                    "(with this run's other settings)")
+    # a command that runs as it is: where the run is, and the launcher default it did not use
+    assert last == (f"interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped OUTPUT_DIR="
+                    f"{tmp_path / 'runs'} BATCH_SIZE=4 ./run_single_gpu.sh (its other settings are kept)")
     assert read_jsonl(run / "metrics.jsonl")
 
 
