@@ -35,7 +35,7 @@ kit_knobs
 KIT_OTHER_VARIABLES=(
   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT SHOW_COMMAND RANK LOCAL_RANK WORLD_SIZE
   PRESET ROUNDS THREADS VS_PLAIN COMPARE_SAMPLES REPEAT PYTHON TORCH_INDEX_URL MODEL ARGS
-  KIT_NAMES_CHECKED GPU_REPORT_BUDGET_S GPU_REPORT_DIR KIT_MADE_BY
+  KIT_NAMES_CHECKED KIT_NAME_WARNINGS GPU_REPORT_BUDGET_S GPU_REPORT_DIR KIT_MADE_BY
 )
 
 kit_python() {
@@ -58,7 +58,8 @@ kit_check_names() {
   [ -z "${KIT_NAMES_CHECKED:-}" ] || return 0
   export KIT_NAMES_CHECKED=1
   command -v python3 >/dev/null 2>&1 || return 0
-  python3 -I -S - "${KIT_VALUE_KNOBS[@]}" "${KIT_SWITCH_KNOBS[@]}" "${KIT_OTHER_VARIABLES[@]}" <<'PY' || true
+  local warnings
+  warnings=$(python3 -I -S - "${KIT_VALUE_KNOBS[@]}" "${KIT_SWITCH_KNOBS[@]}" "${KIT_OTHER_VARIABLES[@]}" 2>&1 <<'PY' || true
 import os, re, sys
 
 known, flag_forms = set(), {}
@@ -106,6 +107,11 @@ for name in sorted(os.environ):
     if guess is not None:
         print(f"warning: {name} is not a variable of this kit; did you mean {guess}?", file=sys.stderr)
 PY
+)
+  [ -n "$warnings" ] || return 0
+  echo "$warnings" >&2
+  # the first line scrolls away in a long run: the run repeats them in its closing lines
+  export KIT_NAME_WARNINGS="$warnings"
 }
 
 # kit_launch MODE PRESET [extra flags...]: build the flag list from the variables and run.

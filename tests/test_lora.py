@@ -214,6 +214,23 @@ def test_final_is_the_merged_model_and_adapter_plus_base_gives_its_logits(runs, 
         assert (plain(input_ids=ids, **extra).logits[..., :300] - a[..., :300]).abs().max() > 1e-3  # it trained
 
 
+def test_peft_auto_loader_takes_final_adapter_offline(runs, monkeypatch):
+    """AutoPeftModelForCausalLM.from_pretrained(final/adapter) once failed (8256 rows vs MODEL_PATH's
+    8192) wherever the kit resized the embeddings: the adapter names the resized base it applies to."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    final = runs / "ref" / "final"
+    adapter = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(final.absolute() / "adapter" / "base")  # not the temporary name
+    with_adapter = AutoPeftModelForCausalLM.from_pretrained(final / "adapter", local_files_only=True).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final, local_files_only=True).eval()
+    ids = torch.randint(0, 360, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
 def test_two_ddp_processes_equal_one(runs):
     """2 processes x batch 4 (gloo, through the launcher) take the step's 8 rows one process takes."""
     root = runs.parent
@@ -232,6 +249,9 @@ def test_two_ddp_processes_equal_one(runs):
     [
         (["--lora_targets", "c_attn,nope"], "LORA_TARGETS=c_attn,nope: 'nope' names no layer of this gpt2 model"),
         (["--lora_targets", "ln_1"], "LORA_TARGETS=ln_1:"),
+        (["--lora_targets", "wte"], "LORA_TARGETS=wte: 'wte' is the token embeddings"),  # once failed at the save
+        (["--lora_targets", "c_attn,lm_head"], "LORA_TARGETS=c_attn,lm_head: 'lm_head' is the output head"),
+        (["--lora_r", "100000"], "LORA_R=100000: above the rank of every adapted layer (at most "),  # once an OOM
         (["--lora_dropout", "1"], "LORA_DROPOUT=1.0: expected a probability below 1"),
         (["--sharding", "zero2"], "LORA_R=4 with SHARDING=zero2: not built"),
         (["--lora_r", "-1"], "LORA_R (--lora_r): expected a whole number >= 0"),

@@ -91,8 +91,9 @@ def test_ctrl_c_ends_with_the_command_that_resumes(tiny_flags, tmp_path, capsys)
     assert run_cli("pretrain", *argv) == 130
     presser.join()
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == ("interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped ./run_single_gpu.sh "
-                    "(with this run's other settings)")
+    # a command that runs as it is: where the run is, and the launcher default it did not use
+    assert last == (f"interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped OUTPUT_DIR="
+                    f"{tmp_path / 'runs'} BATCH_SIZE=4 ./run_single_gpu.sh (its other settings are kept)")
     assert read_jsonl(run / "metrics.jsonl")
 
 
@@ -149,5 +150,5 @@ def test_cpu_compare_budget_is_small_and_sft_bench_logs_under_runs(tmp_path):
 def test_the_resume_line_keeps_the_custom_launchers_micro_batch():
     from train.run.rundir.report import resume_line
 
-    assert "RESUME=1 RUN_NAME=x ./train_sft_custom.sh 4 (with" in resume_line("x", "train_sft_custom", 4)
-    assert "./quick_start_sft_fast.sh (with" in resume_line("x", "quick_start_sft_fast", 16)
+    assert "RESUME=1 RUN_NAME=x ./train_sft_custom.sh 4 (its" in resume_line("x", "train_sft_custom", 4)
+    assert "./quick_start_sft_fast.sh (its" in resume_line("x", "quick_start_sft_fast", 16)

@@ -34,6 +34,17 @@ def run() -> int:
     except Interrupted as err:
         print(str(err), file=sys.stderr)
         return err.exit_code
+    except ModuleNotFoundError as err:
+        top = (err.name or "").split(".")[0]
+        if not top or top in ("train", "config"):
+            raise  # the kit's own module: a bug, with its traceback
+        # a bare `python -m train` outside the kit's environment (no torch): one line, not 12 of traceback
+        print(
+            f"error: {top} is not installed in this Python ({sys.executable}); run the kit with its own: "
+            ".venv/bin/python -m train ... (`make setup` makes .venv)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except KeyboardInterrupt:
         # Ctrl+C before the training loop takes it over (loading, encoding SFT data ...).
         print("interrupted", file=sys.stderr)

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         world = distributed.from_env(os.environ)
         with distributed.quiet_errors(world):
             cfg = parse_training_args(command, rest)
+            from train.run.guard.carry import carry
+
+            # RESUME=1: what this command does not set again is the run's own (train/run/guard/carry.py)
+            cfg = carry(cfg, command, rest, print if world.is_main else lambda line: None)
         from train.run.pipeline import train
 
         return distributed.launch(partial(train, before=_ahead_of_the_run), cfg, world)

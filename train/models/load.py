@@ -98,6 +98,7 @@ def load_pretrained(path: Path, trust_remote_code: bool, family: Family | None =
     except Exception as err:
         what = "an encoder-decoder (seq2seq)" if family.source_target else "a causal-LM"
         raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {first_line(err)}") from None
+    state_dict.refuse_non_finite(model.state_dict(), f"MODEL_PATH={path}")  # NaN in, NaN out: refused here
     return model
 
 

@@ -25,6 +25,7 @@ from train.models.freeze import trainable_of
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
 DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples and LLaMA-Factory use 0.05 to 0.1)
 ADAPTER_FOLDER = "adapter"
+BASE_FOLDER = "base"  # in the adapter folder: the resized base it applies to (save_adapter)
 GPT2 = ("c_attn", "c_proj", "c_fc")  # Conv1D layers: weights stored (in, out), so fan_in_fan_out
 T5_TYPES = ("t5", "mt5", "umt5", "longt5")
 LLAMA_STYLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,13 +64,41 @@ def parse_targets(text: str | None, model) -> tuple[list[str] | str, str]:
     if text.strip() == "all-linear":
         return "all-linear", "LORA_TARGETS=all-linear: every linear layer but the output head (peft's shortcut)"
     names = [t.strip() for t in text.split(",") if t.strip()]
+    defaults = f"(its defaults: {','.join(t) if isinstance(t := default_targets(model)[0], list) else t})"
+    head = model.get_output_embeddings()
     for name in names:
         if not _has(model, name):
-            raise UsageError(
-                f"LORA_TARGETS={text}: {name!r} names no layer of this {model.config.model_type} model "
-                f"(its defaults: {','.join(t) if isinstance(t := default_targets(model)[0], list) else t})"
-            )
+            raise UsageError(f"LORA_TARGETS={text}: {name!r} names no layer of this {model.config.model_type} model {defaults}")
+        for module in _named(model, name):
+            # peft's embedding adapter failed at the save after training ('Embedding' object has no
+            # attribute 'num_embeddings'); the head is tied to the frozen embeddings ("does not require grad")
+            what = "the token embeddings" if isinstance(module, torch.nn.Embedding) else \
+                "the output head (tied to the embeddings)" if module is head else None
+            if what:
+                raise UsageError(f"LORA_TARGETS={text}: {name!r} is {what}; LoRA here adapts the attention and "
+                                 f"MLP layers {defaults}")  # fmt: skip
     return names, "LORA_TARGETS"
+
+
+def _named(model, name: str) -> list:
+    return [m for n, m in model.named_modules() if n == name or n.endswith("." + name)]
+
+
+def check_rank(model, r: int, chosen) -> None:
+    """LORA_R above the rank of every adapted layer: adapters bigger than the layers they adapt
+    (LORA_R=100000 went on to an out-of-memory traceback). Low rank is the point: 8 to 64."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, Conv1D)
+    head = model.get_output_embeddings()
+    if chosen == "all-linear":
+        layers = [m for m in model.modules() if isinstance(m, kinds) and m is not head]
+    else:
+        layers = [m for name in chosen for m in _named(model, name) if isinstance(m, kinds)]
+    ranks = [min(m.weight.shape) for m in layers]
+    if ranks and r > max(ranks):
+        raise UsageError(f"LORA_R={r}: above the rank of every adapted layer (at most {max(ranks)} here), so each "
+                         f"adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most {max(ranks)}")
 
 
 def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targets: str | None, decide,
@@ -95,6 +124,7 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     if dropout is not None and dropout >= 1:
         raise UsageError(f"LORA_DROPOUT={dropout}: expected a probability below 1 (e.g. 0.05)")
     chosen, why = parse_targets(targets, model)
+    check_rank(model, r, chosen)
     alpha = float(2 * r if alpha is None else alpha)
     dropout = DROPOUT if dropout is None else dropout
     config = LoraConfig(
@@ -132,10 +162,11 @@ def saved_state(model) -> dict:
 
 
 @torch.no_grad()
-def merged_state(model) -> dict:
+def merged_state(model, delta: bool = True) -> dict:
     """The state dict of the merged model (W + scale x B A per adapted layer, peft's own
     get_delta_weight), under the model's own key names, without changing the model: a save in
-    the middle of the run (best/) leaves training exactly as it was."""
+    the middle of the run (best/) leaves training exactly as it was. delta=False: the frozen
+    base as the run trained on it (resized embeddings included), without the adapters."""
     from peft.tuners.lora import LoraLayer
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -147,7 +178,7 @@ def merged_state(model) -> dict:
             merged[key] = tensor
             continue
         prefix, rest = key.split(".base_layer.", 1)
-        if rest == "weight" and prefix in layers:
+        if delta and rest == "weight" and prefix in layers:
             tensor = tensor + layers[prefix].get_delta_weight(ADAPTER).to(tensor.dtype)
         merged[f"{prefix}.{rest}"] = tensor
     return merged
@@ -164,26 +195,35 @@ def _resized(model, base: str | None) -> bool:
     return vocab != model.get_input_embeddings().num_embeddings
 
 
-def save_adapter(model, folder: Path) -> None:
+def save_adapter(model, folder: Path, final: Path | None = None) -> None:
     """peft's adapter files (PeftModel.save_pretrained's): adapter_config.json and
-    adapter_model.safetensors, with the embedding rows where the kit resized the vocabulary."""
+    adapter_model.safetensors, with the embedding rows where the kit resized the vocabulary. Then
+    the base the adapter applies to is not MODEL_PATH (8192 rows against the adapter's 8256): the
+    resized base is saved in folder/base and named in adapter_config.json, so peft's own
+    AutoPeftModelForCausalLM.from_pretrained(final/adapter) loads. final: where folder will be
+    once its parent is renamed into place (the path written there)."""
     import safetensors.torch
     from peft.utils import get_peft_model_state_dict
 
     config = copy.copy(model.peft_config[ADAPTER])
     base = config.base_model_name_or_path
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=_resized(model, base))
+    resized = _resized(model, base)
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=resized)
     # peft's names are those of its wrapper (base_model.model.<the model's own>); tied rows: a copy each
     tensors = {f"base_model.model.{k}": v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
     folder.mkdir()
     safetensors.torch.save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config.inference_mode = True  # as peft saves it: loads for generation unless is_trainable=True
-    if base and Path(base).is_dir():  # found from anywhere (AutoPeftModel), not only from where the run started
+    if resized:
+        model.save_pretrained(folder / BASE_FOLDER, state_dict=merged_state(model, delta=False))
+        config.base_model_name_or_path = str(Path(final or folder).absolute() / BASE_FOLDER)
+    elif base and Path(base).is_dir():  # found from anywhere (AutoPeftModel), not only from where the run started
         config.base_model_name_or_path = str(Path(base).resolve())
     config.save_pretrained(str(folder))
 
 
-def save_merged(model, folder: Path) -> None:
-    """final/ (or best/) of a LoRA run: the merged model, and the adapter in folder/adapter."""
+def save_merged(model, folder: Path, final: Path | None = None) -> None:
+    """final/ (or best/) of a LoRA run: the merged model, and the adapter in folder/adapter. final:
+    the folder's name once renamed into place."""
     model.save_pretrained(folder, state_dict=merged_state(model))
-    save_adapter(model, folder / ADAPTER_FOLDER)
+    save_adapter(model, folder / ADAPTER_FOLDER, final and final / ADAPTER_FOLDER)

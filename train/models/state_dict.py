@@ -178,6 +178,23 @@ def check_keys(model, tensors: dict, file: Path, variable: str) -> None:
                 f"{variable}: {file.name}: {key} has shape {tuple(value.shape)}, its config makes "
                 f"{tuple(own[key].shape)} (vocab_size, d_model ... differ from the weights)"
             )
+        if own[key].is_floating_point() and not value.is_floating_point():
+            # load_state_dict would cast int64 / complex to float without a word (complex: its real part)
+            raise UsageError(
+                f"{variable}: {file.name}: {key} is {str(value.dtype).removeprefix('torch.')}, not a floating-point "
+                "tensor: not the weights of this model (save them as they were trained, float32/16 or bfloat16)"
+            )
+    refuse_non_finite(tensors, f"{variable}: {file.name}")
+
+
+def refuse_non_finite(tensors: dict, where: str) -> None:
+    """One line naming the first tensor holding NaN or inf: weights that can only train NaN
+    (every loss non-finite from the first step) and be saved as such."""
+    for key, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise UsageError(f"{where}: {key} holds {bad:,} non-finite value(s) (NaN or inf); "
+                             "these weights cannot be trained or used")  # fmt: skip
 
 
 def load_bare(found: SimpleNamespace, variable: str, say=print):

@@ -64,7 +64,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None
 def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
     b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
-    cfg = b.cfg  # as decided (the asked config is left as it was)
+    asked, cfg = cfg, b.cfg  # as decided (the asked config is left as it was: config.json keeps both)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     def param_groups():
         """The optimizer's parameter groups, for checking a checkpoint's optimizer state against."""
@@ -89,7 +89,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     faster = batch_answer.faster_answer(b, world.world_size)  # the kit's own measurement, offered
     if faster:
         say(faster)
-    run_dir.write("config.json", report.config_record(b, guard))
+    run_dir.write("config.json", report.config_record(b, guard, asked))
     summary = run_loop(b, run_dir, say, guard)
     exit_code = guard.exit_code(summary["exit_reason"])
     if guard.resuming and guard.first_step == guard.total_steps and world.is_main:

@@ -76,11 +76,27 @@ def check_pair(model, tok, say) -> None:
         say(f"note: the config's {what}_token_id {mine} is past the {rows} embedding rows: the tokenizer's {theirs}")
 
 
+def check_dest(dest: Path) -> None:
+    """Before any loading: DEST new, under a folder (not a file) that can be written."""
+    if dest.exists() or dest.is_symlink():
+        raise UsageError(f"DEST={dest}: already exists; name a new folder")
+    above = dest.absolute().parent
+    while not above.exists() and not above.is_symlink() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise UsageError(f"DEST={dest}: {above} is a file, not a folder; name a folder to write")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UsageError(f"DEST={dest}: {above} is not writable; name a folder you can write")
+
+
 def write_folder(model, tok, dest: Path) -> None:
     """DEST whole or not at all: written in a fresh folder beside it, then renamed; never over
     something that appeared at DEST meanwhile, and a full disk is one line."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = files.fresh_folder(dest.parent, f".{dest.name}.import-")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = files.fresh_folder(dest.parent, f".{dest.name}.import-")
+    except OSError as err:  # /proc, a read-only disk, a path through a file
+        raise UsageError(f"DEST={dest}: no folder can be made there ({err.strerror or err}); name a folder you can write") from None
     try:
         with quiet_saving():  # one file: no "Writing model shards" bar
             model.save_pretrained(tmp)
@@ -101,8 +117,7 @@ def import_main(argv: list[str], say=print) -> int:
     src, dest = Path(args.src), Path(args.dest)
     if not src.exists():
         raise UsageError(f"SRC={src}: no such file or folder")
-    if dest.exists() or dest.is_symlink():
-        raise UsageError(f"DEST={dest}: already exists; name a new folder")
+    check_dest(dest)
     found = bare_checkpoint(src, "SRC", plain=True)
     if found is None:
         raise UsageError(f"SRC={src}: already a transformers folder (model.safetensors / pytorch_model.bin) "

@@ -44,7 +44,7 @@ class Health:
 
     def worth_saving(self, model) -> bool:
         """No non-finite loss at this step and finite weights: a checkpoint worth resuming from."""
-        return self.streak_now() == 0 and _weights_finite(model)
+        return self.streak_now() == 0 and weights_finite(model)
 
     def state_dict(self) -> dict:
         """The run's totals for a checkpoint (meta.json's counters): the device counts read first.
@@ -61,6 +61,7 @@ class Health:
             self._skipped.zero_()
 
 
-def _weights_finite(model) -> bool:
+def weights_finite(model) -> bool:
+    """Every parameter finite (one sync): final/, best/ and checkpoints never hold NaN or inf."""
     flags = [torch.isfinite(parallel.local(p)).all() for p in model.parameters()]
     return bool(torch.stack(flags).all().item()) if flags else True

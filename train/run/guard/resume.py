@@ -21,8 +21,9 @@ from train.run.checkpoint.checkpoint import DiskFull, checkpoint_name, list_chec
 from train.run.checkpoint.checkpointer import Checkpointer
 from train.run.checkpoint.rng import RngStates
 from train.run.guard import resume_state
-from train.run.guard.health import Health
+from train.run.guard.health import Health, weights_finite
 from train.run.guard.signals import StopSignals
+from train.run.rundir.outputs import check_saveable
 
 
 class RunGuard:
@@ -33,6 +34,7 @@ class RunGuard:
         into b.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
         run folder touched."""
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
+        check_saveable(b)  # what final/ needs, before a step is trained and the run folder touched
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
         self.checkpoints = Checkpointer(b, self.run_path / "checkpoints", say)
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding
@@ -137,18 +139,31 @@ class RunGuard:
         if feed is not None:
             feed.close()
 
-    def finish(self, steps_done: int, exit_reason: str, counted=None) -> None:
+    def finish(self, steps_done: int, exit_reason: str, counted=None) -> str:
         """The checkpoint at the end (and after a stop signal), unless the run stopped on
-        non-finite losses: then the newest checkpoint is the good one from before them."""
+        non-finite losses: then the newest checkpoint is the good one from before them. Returns
+        the exit reason: non_finite_weights where the weights the run would save are not finite
+        (fewer bad steps than NAN_PATIENCE, no validation to catch them): no final/ of them."""
         self.close()
         trained = self.health.trained
-        if (
-            exit_reason in ("completed", "interrupted", "out_of_memory")
-            and trained
-            and self.checkpoints.last_saved != checkpoint_name(steps_done)
-        ):
-            self.save(steps_done, counted)
+        if exit_reason in ("completed", "interrupted", "out_of_memory") and trained:
+            finite = weights_finite(self.checkpoints.stateful["model"])
+            if not distributed.max_across(self.b.world, [int(not finite)])[0]:
+                if self.checkpoints.last_saved != checkpoint_name(steps_done):
+                    self.save(steps_done, counted)
+            else:
+                self.health.read()  # the non-finite steps, for the line
+                last = self.checkpoints.last_saved or (list_checkpoints(self.manager.folder) or [None])[0]
+                last = getattr(last, "name", last)
+                exit_reason = self.stop(
+                    "non_finite_weights",
+                    f"the weights are non-finite (NaN or inf) after step {steps_done} "
+                    f"({self.counters['non_finite_steps']} non-finite loss step(s)); "
+                    f"no final/ written; newest good checkpoint: {last or 'none'}; lower LEARNING_RATE "
+                    f"(now {self.cfg.optim.learning_rate:g}) or check MODEL_CONFIG / MODEL_PATH",
+                )
         self.health.read()
+        return exit_reason
 
     def summary(self) -> dict:
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
@@ -166,7 +181,7 @@ class RunGuard:
 
     def exit_code(self, exit_reason: str) -> int:
         """0 completed; 128 + the signal number when stopped by one (130 Ctrl+C, 143 SIGTERM),
-        as shells report it; 1 when non-finite losses or repeated out-of-memory stopped the run."""
+        as shells report it; 1 when non-finite losses or weights or repeated out-of-memory stopped the run."""
         if exit_reason == "interrupted":
             return 128 + (self.stop_signal or signal.SIGINT)
-        return 1 if exit_reason in ("non_finite_loss", "out_of_memory") else 0
+        return 1 if exit_reason in ("non_finite_loss", "non_finite_weights", "out_of_memory") else 0

@@ -117,6 +117,9 @@ class Evaluator:
             line = f"eval step {step}: val_loss {loss:.4f} val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
         improved = loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best)
         if self.keep_best:
+            from train.run.guard.health import weights_finite
+
+            improved = improved and weights_finite(self.b.model)  # a finite loss can hide a NaN weight
             # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
             # worked): ranks whose losses differ in the last bit must still agree it is due.
             improved = bool(distributed.max_across(self.b.world, [int(improved)])[0])

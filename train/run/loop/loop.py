@@ -58,5 +58,5 @@ def run_loop(b, run_dir, say, guard) -> dict:
         meter.stop()
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
-    guard.finish(done, exit_reason, counted=meter.counted)
+    exit_reason = guard.finish(done, exit_reason, counted=meter.counted)  # non-finite weights: their own stop
     return report.summary(b, run_dir, meter, parts, guard, done, exit_reason)

@@ -18,6 +18,33 @@ def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) ->
     save_model(b, run_dir.path / "final", step, state_dict)
 
 
+def check_saveable(b) -> None:
+    """What final/ needs, checked before the first step: a config whose generation settings
+    transformers refuses to save (a MODEL_CONFIG with pad_token_id -5) once failed the run after
+    it had trained, with no final/ and no summary.json. One line naming where they came from."""
+    import copy
+
+    m = b.cfg.model
+    source = next((f"{var}={value}" for var, value in (("GENERATION_CONFIG", m.generation_config),
+                   ("MODEL_CONFIG", m.model_config), ("MODEL_PATH", m.model_path)) if value), "the model's config")  # fmt: skip
+    gen = getattr(b.model, "generation_config", None)
+    try:
+        b.model.config.to_json_string()
+        if gen is not None:
+            gen = copy.deepcopy(gen)
+            gen.use_cache = True  # as save_model writes it
+            gen.validate(strict=True)  # what save_pretrained runs
+    except Exception as err:  # ValueError of transformers' checks, TypeError of a value JSON cannot hold
+        lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+        why = next(
+            (x.lstrip("- ") for x in lines if x.startswith("- ")), lines[0] if lines else type(err).__name__
+        )
+        raise UsageError(
+            f"{source}: final/ could not be saved with these settings ({why.split('. ')[0]}); "
+            "fix them before training"
+        ) from None
+
+
 def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a
@@ -25,7 +52,7 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     summary.json where the disk still takes it, then the append's one line."""
     full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
     stopped = summary["exit_reason"] == "write_failed"
-    if summary["exit_reason"] != "non_finite_loss" and not stopped:  # never a final/ of NaN weights
+    if not summary["exit_reason"].startswith("non_finite") and not stopped:  # never a final/ of NaN weights
         try:
             distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))
         except UsageError as err:
@@ -46,8 +73,9 @@ def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
         run_dir.write("summary.json", summary)
     except OSError as err:
         raise UsageError(write_failed(run_dir.path / "summary.json", err.errno or 0)) from None
-    if world.is_main:
-        point_latest(run_dir.path)  # only now: a run in progress is never runs/latest
+    # only now, and only a completed run: never one in progress, interrupted, stopped or failed
+    if world.is_main and summary["exit_reason"] == "completed":
+        point_latest(run_dir.path)
 
 
 def earlier_summary(path, summary: dict) -> dict:

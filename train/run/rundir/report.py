@@ -3,12 +3,20 @@ closing lines. Built from what the other parts measured; nothing here changes th
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
 from dataclasses import asdict, fields, replace
+from pathlib import Path
 
 import torch
 
-from config import SECTIONS, TrainConfig, env_name
+from config import FIELD_SECTION, SECTIONS, TrainConfig, env_name
+from train.config import knobs
+from train.core import files
 from train.core.device import device_name
+from train.core.errors import UsageError
 from train.core.measure.mfu import mfu_report
 from train.core.model import count_params
 from train.core.units import MIB
@@ -52,15 +60,18 @@ def start_line(b, run_path, total_steps: int) -> str:
     )
 
 
-def config_record(b, guard=None) -> dict:
+def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
     """config.json: the config as resolved, the numbers derived from it, every automatic
     decision with its reason, and the library versions. guard: RESUME=1's continuation (its
-    steps and warm-up, and the re-planned total_steps as the last decision)."""
+    steps and warm-up, and the re-planned total_steps as the last decision). asked: the
+    settings the command gave, before the plan's decisions, which RESUME=1 keeps where it
+    sets none again (train/run/guard/carry.py)."""
     cfg, world = b.cfg, b.world
     total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (b.total_steps, b.warmup_steps)
     replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
+        **({"asked": asdict(asked)} if asked is not None else {}),
         "resolved": {
             "device": str(b.device),
             "precision": b.precision,
@@ -78,6 +89,22 @@ def config_record(b, guard=None) -> dict:
         "decisions": [*b.decisions, *replanned],
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
+
+def asked_settings(run_path: Path) -> dict | None:
+    """The flat settings the run's command asked for (config.json's "asked"), or None (a run from
+    before they were saved, or a folder whose config.json is unreadable or a link)."""
+    try:
+        record = json.loads(files.read_text(run_path / "config.json"))
+    except (OSError, ValueError, files.LinkRefused):
+        return None
+    asked = record.get("asked") if isinstance(record, dict) else None
+    if not isinstance(asked, dict):
+        return None
+    flat = {}
+    for section in asked.values():
+        if isinstance(section, dict):
+            flat.update({k: v for k, v in section.items() if k in FIELD_SECTION})
+    return flat
 
 
 def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
@@ -139,15 +166,50 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     return distributed.add_rank_figures(record, b.world, device)
 
 
+KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are
 LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast")
 
 
-def resume_line(run_name: str, launcher: str | None, batch_size: int | None = None) -> str:
-    """How to continue an interrupted run: the launcher that started it (train_sft_custom.sh with its
-    micro-batch argument, which would otherwise fall back to 16), or the same command."""
+def launcher_defaults(launcher: str) -> dict[str, str]:
+    """VARIABLE -> the non-empty default a launcher gives it at its top (`BATCH_SIZE=${BATCH_SIZE:-8}`)."""
+    try:
+        text = (KIT_ROOT / f"{launcher}.sh").read_text()
+    except OSError:
+        return {}
+    return dict(re.findall(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-([^}]+)\}", text, re.MULTILINE))
+
+
+def set_again(run_path: Path, launcher: str) -> list[str]:
+    """VARIABLE=value for each of the run's settings the launcher itself would set otherwise
+    (BATCH_SIZE=4 where it defaults to 8): RESUME=1 keeps every other one (train/run/guard/carry.py)."""
+    from train.config.flags import parse_value
+
+    asked, out = asked_settings(run_path) or {}, []
+    for var, default in launcher_defaults(launcher).items():
+        name = var.lower()
+        if name not in asked or asked[name] is None or (launcher == "train_sft_custom" and var == "BATCH_SIZE"):
+            continue
+        try:
+            if parse_value(name, default) == asked[name]:
+                continue
+        except UsageError:
+            continue
+        out.append(f"{var}={int(asked[name]) if isinstance(asked[name], bool) else asked[name]}")
+    where = asked.get("output_dir")
+    if where and Path(where) != Path(knobs.default("output_dir")):  # where RESUME=1 looks for the run
+        out.insert(0, f"OUTPUT_DIR={shlex.quote(where)}")
+    return out
+
+
+def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = None) -> str:
+    """How to continue an interrupted run, a command to run as it is: the launcher that started it
+    (train_sft_custom.sh with its micro-batch argument, which would otherwise fall back to 16) with
+    the settings its defaults would change; every other setting comes from the run."""
+    run_name = Path(run_path).name
     if launcher in LAUNCHER_SCRIPTS:
         batch = f" {batch_size}" if launcher == "train_sft_custom" and batch_size else ""
-        how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh{batch} (with this run's other settings)"
+        again = "".join(f" {item}" for item in set_again(Path(run_path), launcher))
+        how = f"RESUME=1 RUN_NAME={run_name}{again} ./{launcher}.sh{batch} (its other settings are kept)"
     else:
         how = f"the same command with --resume 1 --run_name {run_name}"
     return f"interrupted: to continue from the last checkpoint, run {how}"
@@ -180,8 +242,10 @@ def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
     names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "tensorboard/", "final/", "best/", "checkpoints/")
     written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
     say(f"outputs: {run_dir.path}/ ({written})")
+    for warning in os.environ.get("KIT_NAME_WARNINGS", "").splitlines():  # scripts/common.sh's, said again
+        say(f"{warning} (so it had no effect on this run)")
     if s.get("exit_reason") == "interrupted":
-        say(resume_line(run_dir.path.name, launcher, s.get("batch_size")))
+        say(resume_line(run_dir.path, launcher, s.get("batch_size")))
 
 
 def _version(package: str) -> str | None:

@@ -1,5 +1,5 @@
 """The run folder contract: runs/<name>/ with config.json, metrics.jsonl, summary.json,
-train.log and final/; runs/latest points at the newest finished run (point_latest, once its
+train.log and final/; runs/latest points at the newest completed run (point_latest, once its
 final/ and summary.json agree), so `make chat` never meets a run in progress.
 
 One run per folder at a time: a run claims its folder before anything is built (a new one made
@@ -52,7 +52,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
         tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
             if lora.is_lora(b.model):  # merged, loadable without peft; the adapter in tmp/adapter
-                lora.save_merged(b.model, tmp)
+                lora.save_merged(b.model, tmp, folder)
             else:
                 b.model.save_pretrained(tmp, state_dict=state_dict)
         b.tokenizer.save_pretrained(tmp)
