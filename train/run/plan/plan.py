@@ -2,7 +2,7 @@
 sequence length, the effective batch and learning rate, the memory-adaptive settings, step count,
 warm-up, and every automatic choice with the reason for it. One function makes it for every mode
 (make_plan), in one order: the model's family and shape (config only) -> MAX_LENGTH -> the fit
-check -> the tokenizer -> the data -> the model. A mode (pretraining in build.py, SFT in sft.py)
+check -> the tokenizer -> the data -> the model -> the memory-adaptive settings and the steps. A mode (pretraining in build.py, SFT in sft.py)
 supplies each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a
 Data, a model): nothing is kept on the source. The plan is frozen: what changes at run time (an
 out-of-memory's smaller micro-batch, a resume's position) belongs to the object that owns it.
@@ -235,6 +235,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
         estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)
     tok = source.tokenizer(cfg, choice, max_length, say, decide)
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
+    # The model before the memory-adaptive settings: what they see free is what the run will have.
+    model = source.model(cfg, choice, tok, data, device, decide)
     if chosen is not None:
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
@@ -249,7 +251,6 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
     val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
-    model = source.model(cfg, choice, tok, data, device, decide)
     frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
