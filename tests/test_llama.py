@@ -15,7 +15,8 @@ from test_resume import copy_run
 from tiny_tools import one_thread
 
 from conftest import read_jsonl, run_cli
-from train.core.step import build_optimizer, train_step
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_config, build_model
 from train.models.estimate import count_params, estimate_memory
