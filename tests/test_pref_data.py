@@ -16,7 +16,7 @@ from train.core.units import IGNORE_INDEX
 from train.data.pref.pref_encode import encode
 from train.data.pref.pref_formats import load_pairs
 from train.data.sft.sft_data import encode_conversations, encode_pairs, ensure_special_tokens
-from train.data.sft.templates import Rendering
+from train.data.sft.templates import Rendering, Tally
 
 SKY = {"prompt": [{"role": "user", "content": "What color is the sky?"}],
        "chosen": [{"role": "assistant", "content": "It is blue."}],
@@ -144,6 +144,11 @@ def test_chosen_row_is_sfts_conversation_with_the_prompt_untrained(tok):
     assert any(label != IGNORE_INDEX for label in sft["labels"][:reply_starts])  # SFT trains "Hello!"; a pair does not
     rejected = encode_conversations([prompt + SKY["rejected"]], tok, 256)[0][0]["input_ids"]
     assert example["prompt_ids"] + example["rejected_ids"] == rejected and (n_cut, n_reply) == (0, 0)
+    tally = Tally()  # a prompt cut keeps the tools list and system turn, and says so
+    (cut,), n_cut, n_reply = encode([pair], tok, len(example["prompt_ids"]), tally=tally)
+    kept = tok.decode(cut["prompt_ids"])
+    assert kept.startswith("<|tools|>\n[{") and "<|system|>\nBe brief.<|end|>" in kept and "Hello!" not in kept
+    assert (n_cut, n_reply, tally.tools_kept) == (1, 0, 1) and cut["chosen_ids"] == example["chosen_ids"]
 
 
 def test_chatlm_raw_strings_under_template_none_causal_and_t5(tmp_path):

@@ -6,6 +6,7 @@ file and line, and preference_data's held-out split, summary and loaders through
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ def test_pairs_are_tokenized_once_and_reused(tmp_path, tok):  # noqa: F811
     again, done, lines = cached(data, tok, tmp_path / "c")
     assert done.startswith("preference cache: reused") and lines == [] and again.folder == first.folder
     assert every(first[25:]) == expected[25:]  # a slice is a view of the same files
+    assert len(pickle.dumps(first[25:])) < 4096  # workers get file names and lengths, not the tokens
     t5, done, _ = cached(data, tok, tmp_path / "c", kind="seq2seq")  # the model kind is part of the key
     assert done.startswith("preference cache: built") and t5.folder != first.folder
     assert every(t5) == encode(load_pairs(data)[0], tok, 64, "seq2seq")[0]

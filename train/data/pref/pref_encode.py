@@ -106,6 +106,8 @@ def encode_causal(pairs: Sequence[dict], tokenizer, max_length: int, rendering: 
             _refuse(tally, at, f"has a reply whose trained tokens start past MAX_LENGTH={max_length}")
             continue
         n_truncated, n_reply_cut = n_truncated + (prompt_cut or reply_cut), n_reply_cut + reply_cut
+        if tally is not None and tools and prompt_cut:  # the history was cut, the tools list kept
+            tally.tools_kept += 1
         example = {"prompt_ids": prompt}
         for side, (ids, labels) in zip(SIDES, replies, strict=True):
             example.update({f"{side}_ids": ids, f"{side}_labels": labels})
