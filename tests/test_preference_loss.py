@@ -1,0 +1,354 @@
+"""Preference losses (train/core/preference) against an independent computation: per-sequence
+log-prob sums from plain transformers forwards with the full logits (an encoder-decoder's source
+run twice, as TRL does), then the DPO / IPO / hinge / SimPO / ORPO formulas written here. Loss,
+TRL's reward metrics and the policy's gradients agree to 1e-5 on tiny GPT-2, Llama and T5 models;
+accumulation and ranks equal one big batch; the three references agree."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.core.preference import build_reference, preference_loss, reference_over, step_counts
+from train.core.preference.logps import Responses, token_logps
+from train.core.preference.reference import adapters_off
+
+CPU = torch.device("cpu")
+VOCAB = 96
+TOL = 1e-5
+
+
+def gpt2(seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
+                     eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      bos_token_id=1, eos_token_id=1, pad_token_id=0)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def t5(seed: int):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
+                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    return T5ForConditionalGeneration(cfg)
+
+
+FAMILIES = {"gpt2": gpt2, "llama": llama, "t5": t5}
+
+
+def pairs_of(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """n (prompt, chosen, rejected) token triples of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(lo, hi):
+        return torch.randint(2, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
+
+    return [(tokens(2, 7), tokens(1, 8), tokens(1, 8)) for _ in range(n)]
+
+
+def _pad(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.stack([F.pad(r, (0, width - len(r)), value=value) for r in rows])
+
+
+def collate(pairs, seq2seq: bool) -> dict:
+    """The front door's layout: 2P rows, chosen first (causal: prompt + response, labels -100 on the
+    prompt and padding); seq2seq: the P prompts as sources, the 2P responses as labels."""
+    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    if seq2seq:
+        sources = [p for p, _, _ in pairs]
+        ids = _pad(sources, 0)
+        return {"input_ids": ids, "attention_mask": _pad([torch.ones_like(s) for s in sources], 0),
+                "labels": _pad(responses, -100)}  # fmt: skip
+    prompts = [p for p, _, _ in pairs] * 2
+    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
+    labels = [torch.cat([torch.full_like(p, -100), r]) for p, r in zip(prompts, responses, strict=True)]
+    return {"input_ids": _pad(ids, 0), "attention_mask": _pad([torch.ones_like(i) for i in ids], 0),
+            "labels": _pad(labels, -100)}  # fmt: skip
+
+
+def plain_sums(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed response log-probs, response tokens) per row from the full logits."""
+    labels = batch["labels"]
+    if model.config.is_encoder_decoder:  # TRL's way: the source once per row
+        logits = model(input_ids=batch["input_ids"].repeat(2, 1), attention_mask=batch["attention_mask"].repeat(2, 1),
+                       labels=labels).logits  # fmt: skip
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = labels[:, 1:]
+    valid = labels != -100
+    logp = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return (logp * valid).sum(-1), valid.sum(-1).float()
+
+
+def plain_loss(name: str, pol, ref, counts, beta=0.5, ls=0.0, gamma=0.5, sft=0.0):
+    """The papers' formulas (TRL's forms) on plain tensors -> (loss, metrics)."""
+    p = len(pol) // 2
+    normalise = name in ("ipo", "simpo", "orpo")
+    lp = pol / counts if normalise else pol
+    lr = (ref / counts if normalise else ref) if ref is not None else torch.zeros_like(pol)
+    pc, pr, rc, rr = lp[:p], lp[p:], lr[:p], lr[p:]
+    x = (pc - rc) - (pr - rr)
+    if name == "sigmoid":
+        losses = -(1 - ls) * F.logsigmoid(beta * x) - ls * F.logsigmoid(-beta * x)
+    elif name == "ipo":
+        losses = (x - 1 / (2 * beta)) ** 2
+    elif name == "hinge":
+        losses = torch.clamp(1 - beta * x, min=0)
+    elif name == "simpo":
+        z = beta * (pc - pr) - gamma
+        losses = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+    else:  # orpo: odds p / (1 - p) of the per-token mean likelihood
+        odds_c, odds_r = pc - torch.log(1 - torch.exp(pc)), pr - torch.log(1 - torch.exp(pr))
+        losses = -beta * F.logsigmoid(odds_c - odds_r)
+    nll = -pol[:p].sum() / counts[:p].sum()
+    loss = losses.mean() + (sft + (name == "orpo")) * nll
+    wc, wr = beta * (pc - rc), beta * (pr - rr)
+    metrics = {"rewards/chosen": wc.mean(), "rewards/rejected": wr.mean(), "rewards/margins": (wc - wr).mean(),
+               "rewards/accuracies": (wc > wr).float().mean(), "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}  # fmt: skip
+    return loss, metrics
+
+
+CASES = {  # each loss with its knobs: label smoothing and the SFT term where they apply
+    "sigmoid": dict(beta=0.5, ls=0.1, sft=0.3),
+    "ipo": dict(beta=0.5),
+    "hinge": dict(beta=0.5),
+    "simpo": dict(beta=2.0, ls=0.1, gamma=0.7),
+    "orpo": dict(beta=0.5),
+}
+
+
+def kit_kwargs(name: str, knobs: dict) -> dict:
+    return dict(loss=name, beta=knobs["beta"], label_smoothing=knobs.get("ls", 0.0),
+                simpo_gamma=knobs.get("gamma", 0.5), sft_weight=knobs.get("sft", 0.0))  # fmt: skip
+
+
+def grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a: dict, b: dict, tol: float = TOL):
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=tol, rtol=tol, msg=key)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", CASES)
+def test_loss_metrics_and_gradients_equal_the_plain_computation(family, name):
+    policy, other = FAMILIES[family](0), FAMILIES[family](1)
+    seq2seq = family == "t5"
+    batch = collate(pairs_of(3, seed=5), seq2seq)
+    knobs = CASES[name]
+    reference = build_reference("copy", other) if name in ("sigmoid", "ipo", "hinge") else None
+    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=4,
+                                    **kit_kwargs(name, knobs))  # fmt: skip
+    loss.backward()
+
+    twin = copy.deepcopy(policy)
+    twin.zero_grad(set_to_none=True)
+    pol, counts = plain_sums(twin, batch)
+    with torch.no_grad():
+        ref = plain_sums(other, batch)[0] if reference is not None else None
+    plain, expected = plain_loss(name, pol, ref, counts, **knobs)
+    plain.backward()
+    assert loss.item() == pytest.approx(plain.item(), abs=TOL)
+    assert_same({k: metrics[k] for k in expected}, {k: v.detach() for k, v in expected.items()})
+    if name == "orpo" or knobs.get("sft"):
+        assert metrics["nll_loss"].item() == pytest.approx((-pol[:3].sum() / counts[:3].sum()).item(), abs=TOL)
+    assert_same(grads(policy), grads(twin))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_a_copy_of_the_policy_as_reference_gives_ln2_and_no_reward(family):
+    policy = FAMILIES[family](0)
+    batch = collate(pairs_of(4, seed=2), family == "t5")
+    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=build_reference("copy", policy))
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    # (not rewards/accuracies: with rewards of 0 it compares rounding noise, the forward with grad and
+    # the reference's without take other kernels, 1e-6 apart on T5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert metrics[key].item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_accumulation_and_ranks_equal_one_big_batch(family):
+    """4 micro-batches of 2 pairs (shares of the step's pairs and chosen tokens) = 8 pairs at once;
+    and 2 ranks of 4 pairs each, world_size 2, averaged as DDP does = the same."""
+    seq2seq = family == "t5"
+    policy, other = FAMILIES[family](0), FAMILIES[family](1)
+    reference = build_reference("copy", other)
+    pairs = pairs_of(8, seed=9)
+    kw = dict(reference=reference, loss="sigmoid", beta=0.5, sft_weight=0.4)
+
+    def run(groups, world_size=1):
+        policy.zero_grad(set_to_none=True)
+        batches = [collate(g, seq2seq) for g in groups]
+        n, tokens = step_counts(batches, seq2seq)
+        total, sums = 0.0, {}
+        for batch in batches:
+            loss, metrics = preference_loss(policy, batch, CPU, "fp32", n * world_size, world_size,
+                                            chosen_tokens=tokens * world_size, **kw)  # fmt: skip
+            loss.backward()
+            total += loss.item()
+            sums = {k: sums.get(k, 0.0) + v for k, v in metrics.items()}
+        return total, sums, grads(policy)
+
+    one, one_metrics, one_grads = run([pairs])
+    many, many_metrics, many_grads = run([pairs[i : i + 2] for i in range(0, 8, 2)])
+    assert many == pytest.approx(one, abs=TOL)
+    assert_same(many_metrics, one_metrics)
+    assert_same(many_grads, one_grads)
+    # two ranks with equal pair and token counts (pairs_of's halves differ in tokens, so use the counts
+    # of both halves together: the rank shares below are each rank's own sums over the global totals)
+    halves = [pairs[:4], pairs[4:]]
+    counts = [step_counts([collate(h, seq2seq)], seq2seq) for h in halves]
+    n, tokens = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    rank_losses, rank_grads = [], []
+    for half in halves:
+        policy.zero_grad(set_to_none=True)
+        loss, _ = preference_loss(policy, collate(half, seq2seq), CPU, "fp32", n, 2, chosen_tokens=tokens, **kw)
+        loss.backward()
+        rank_losses.append(loss.item())
+        rank_grads.append(grads(policy))
+    assert sum(rank_losses) / 2 == pytest.approx(one, abs=TOL)
+    assert_same({k: (rank_grads[0][k] + rank_grads[1][k]) / 2 for k in one_grads}, one_grads)
+
+
+def lora_policy(base):
+    """The kit's LoRA shape (lora.wrap): the transformers model with peft's layers inside, the
+    adapters moved off their zero start so the policy and its base differ."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    with warnings.catch_warnings():  # peft asks the deprecated is_gradient_checkpointing (as lora.wrap says)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = get_peft_model(copy.deepcopy(base), config).base_model.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def test_precomputed_and_adapters_equal_a_copy():
+    base = gpt2(3)
+    policy = lora_policy(base)
+    batch = collate(pairs_of(3, seed=4), seq2seq=False)
+    chosen, rejected = reference_over(base, [batch], CPU, "fp32")
+    stored = {**batch, "ref_chosen_logps": torch.from_numpy(chosen), "ref_rejected_logps": torch.from_numpy(rejected)}
+    results = {}
+    for kind, b in (("copy", batch), ("precomputed", stored), ("adapters", batch)):
+        policy.zero_grad(set_to_none=True)
+        loss, metrics = preference_loss(policy, b, CPU, "fp32", reference=build_reference(kind, base if kind == "copy"
+                                        else policy), loss="sigmoid", beta=0.5)  # fmt: skip
+        loss.backward()
+        results[kind] = (loss.detach(), metrics, grads(policy))
+    assert abs(results["copy"][1]["rewards/margins"].item()) > 1e-3  # the adapters do change the policy
+    for kind in ("precomputed", "adapters"):
+        assert results[kind][0].item() == pytest.approx(results["copy"][0].item(), abs=TOL)
+        assert_same(results[kind][1], results["copy"][1])
+        assert_same(results[kind][2], results["copy"][2])
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained) and set(results["adapters"][2]) == trained
+    # the frozen head's path (hidden-state gradient made in the forward) against the full logits
+    twin = copy.deepcopy(policy)
+    twin.zero_grad(set_to_none=True)
+    pol, counts = plain_sums(twin, batch)
+    with torch.no_grad():
+        ref = plain_sums(base, batch)[0]
+    plain_loss("sigmoid", pol, ref, counts, beta=0.5)[0].backward()
+    assert_same(results["adapters"][2], grads(twin))
+
+
+def test_adapters_off_restores_the_policy():
+    policy = lora_policy(gpt2(3))
+    policy.train()
+    policy.transformer.h[0].eval()  # a part in eval mode on purpose stays so
+    with adapters_off(policy) as base:
+        assert not base.training and all(m.disable_adapters for m in base.modules() if hasattr(m, "lora_A"))
+    assert policy.training and not policy.transformer.h[0].training and policy.transformer.h[1].training
+    assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match="LORA_R"):
+        build_reference("adapters", gpt2(0))(gpt2(0), {}, {}, None)
+
+
+@pytest.mark.parametrize("head_trained", [True, False])
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_token_logps_and_gradients_equal_the_full_logits(head_trained, chunk):
+    """Per-token weights that differ (a sequence's DPO weight): both backward schemes are exact."""
+    g = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=head_trained)
+    targets = torch.randint(0, 50, (23,), generator=g)
+    upstream = torch.randn(23, generator=g)
+    out = token_logps(hidden, weight, targets, chunk_tokens=chunk)
+    plain = (hidden @ weight.T).log_softmax(-1).gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(out, plain, atol=TOL, rtol=0)
+    wanted = (hidden, weight) if head_trained else (hidden,)
+    ours, theirs = (torch.autograd.grad((x * upstream).sum(), wanted) for x in (out, plain))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    with torch.no_grad():
+        assert token_logps(hidden, weight, targets, chunk_tokens=chunk).grad_fn is None
+
+
+def test_bf16_autocast_runs_and_stays_close():
+    policy, other = gpt2(0), gpt2(1)
+    batch = collate(pairs_of(3, seed=5), seq2seq=False)
+    reference = build_reference("copy", other)
+    fp32, _ = preference_loss(policy, batch, CPU, "fp32", reference=reference, beta=0.5)
+    bf16, metrics = preference_loss(policy, batch, CPU, "bf16", reference=reference, beta=0.5)
+    bf16.backward()
+    assert bf16.dtype == torch.float32 and metrics["logps/chosen"].dtype == torch.float32
+    assert bf16.item() == pytest.approx(fp32.item(), abs=0.02) and bf16.item() != fp32.item()
+    assert all(torch.isfinite(p.grad).all() for p in policy.parameters())
+
+
+def test_t5_runs_its_encoder_once_per_pair_and_saves_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    policy = t5(0)
+    batch = collate(pairs_of(4, seed=1), seq2seq=True)
+    calls = []
+    policy.encoder.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape[0]), with_kwargs=True)
+    with FlopCounterMode(display=False) as ours:
+        preference_loss(policy, batch, CPU, "fp32", loss="simpo")[0].backward()
+    assert calls == [4]  # the P sources, once
+    with FlopCounterMode(display=False) as trl:
+        pol, counts = plain_sums(policy, batch)
+        plain_loss("simpo", pol, None, counts)[0].backward()
+    assert calls == [4, 8] and ours.get_total_flops() < trl.get_total_flops()
+
+
+def test_bad_input_is_one_clear_error():
+    policy = gpt2(0)
+    batch = collate(pairs_of(2, seed=0), seq2seq=False)
+    with pytest.raises(ValueError, match="DPO_LOSS='kto'"):
+        preference_loss(policy, batch, CPU, "fp32", loss="kto")
+    with pytest.raises(ValueError, match="reference model"):
+        preference_loss(policy, batch, CPU, "fp32", loss="sigmoid")
+    with pytest.raises(ValueError, match="ref_chosen_logps"):
+        preference_loss(policy, batch, CPU, "fp32", reference=build_reference("precomputed", policy))
+    with pytest.raises(ValueError, match="2P rows"):
+        Responses.of({k: v[:3] for k, v in batch.items()}, shifted=True)
+    with pytest.raises(ValueError, match="expected one of copy, precomputed, adapters"):
+        build_reference("frozen", policy)
