@@ -352,3 +352,54 @@ def test_bad_input_is_one_clear_error():
         Responses.of({k: v[:3] for k, v in batch.items()}, shifted=True)
     with pytest.raises(ValueError, match="expected one of copy, precomputed, adapters"):
         build_reference("frozen", policy)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_no_host_sync_in_a_micro_step(family):
+    """Forward and backward of a micro-batch read nothing back from the device (the counter plays
+    the GPU on the CPU: the loader's batches are host tensors until they move)."""
+    from train.core.measure.syncs import HostSyncs
+
+    policy, other = FAMILIES[family](0), FAMILIES[family](1)
+    reference = build_reference("copy", other)
+    batches = iter([collate(pairs_of(3, seed=5), family == "t5")])
+    with HostSyncs("cpu") as syncs:
+        batch = next(syncs.host_batches(batches))
+        loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=reference, sft_weight=0.2)
+        loss.backward()
+    assert syncs.count == 0, syncs.summary()
+    assert all(torch.is_tensor(v) for v in metrics.values())
+
+
+def _ddp_worker(rank, world_size, port):
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        policy, reference = gpt2(0), build_reference("copy", gpt2(1))
+        pairs = pairs_of(4, seed=9)
+        kw = dict(reference=reference, loss="sigmoid", beta=0.5, sft_weight=0.4)
+        alone = copy.deepcopy(policy)
+        preference_loss(alone, collate(pairs, False), CPU, "fp32", **kw)[0].backward()
+        mine = collate(pairs[2 * rank : 2 * rank + 2], False)  # ranks with different token counts
+        totals = torch.tensor(step_counts([mine]))
+        dist.all_reduce(totals)
+        ddp = DistributedDataParallel(policy)
+        loss, _ = preference_loss(ddp, mine, CPU, "fp32", int(totals[0]), world_size, chosen_tokens=int(totals[1]), **kw)
+        loss.backward()
+        assert_same(grads(policy), grads(alone))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_one_process():
+    """Real DDP (gloo, two processes, the wrapper's own forward and full logits): the ranks' averaged
+    gradient of their shares is the gradient of the 4 pairs in one process."""
+    from test_distributed import spawn
+
+    spawn(_ddp_worker)

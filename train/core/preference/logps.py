@@ -5,7 +5,8 @@ A preference batch of P pairs is one batch of 2P rows, the chosen first: rows i 
 Only response tokens count (labels != -100, after the causal shift for a causal LM). Where they are
 is read from the labels on the host before the batch moves (`Responses.of`: no device sync), and
 only those positions go through the LM head, so the prompt and the padding never pay for the
-(vocab x width) matmul.
+(vocab x width) matmul. A model behind DDP, FSDP2 or torch.compile runs its own forward and head
+instead (full logits, as step.forward_loss does for them: their wrappers need their own forward).
 
 The head runs a chunk of tokens at a time, as train/core/loss.py's chunked cross-entropy does, but
 the output here is one log-prob per token (summed per row afterwards), and the gradient that comes

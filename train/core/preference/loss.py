@@ -9,7 +9,9 @@ and orpo_trainer.py, now in trl/experimental), with TRL's metric names:
   simpo    -(1 - ls) logsigmoid(b (c - r) - gamma) - ls logsigmoid(-(...)), no reference,
            length-normalised (CPOTrainer's simpo with cpo_alpha = 0; SIMPO_GAMMA)
   orpo     chosen NLL - b logsigmoid(log odds(c) - log odds(r)), no reference, length-normalised,
-           log odds(p) = log p - log(1 - p) (ORPOTrainer)
+           log odds(p) = log p - log(1 - p) (ORPOTrainer). The NLL is over the chosen response's
+           tokens, as the kit's SFT loss and SFT_WEIGHT take it; TRL's ORPOTrainer takes a causal
+           LM's over prompt and response (its encoder-decoder's over the response, as here)
 SFT_WEIGHT adds sft_weight x the chosen side's token-mean NLL (TRL's rpo_alpha) to any of them.
 rewards/chosen is b (pi_c - ref_c) (b pi_c without a reference, as CPO and ORPO log it).
 
@@ -35,12 +37,11 @@ from train.core.preference.logps import Responses, device_inputs, sequence_logps
 
 @dataclass(frozen=True)
 class Knobs:
-    """The loss's settings, one field per launcher knob (BETA, LABEL_SMOOTHING, SIMPO_GAMMA, SFT_WEIGHT)."""
+    """The per-pair formulas' settings (BETA, LABEL_SMOOTHING, SIMPO_GAMMA)."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5  # TRL's CPOConfig default
-    sft_weight: float = 0.0
 
 
 def _smoothed(z: torch.Tensor, ls: float) -> torch.Tensor:
@@ -131,7 +132,7 @@ def preference_loss(
         raise ValueError(f"DPO_LOSS={loss!r}: expected one of {', '.join(DPO_LOSS)}")
     if row.reference and reference is None:
         raise ValueError(f"DPO_LOSS={loss} compares with a reference model: give one (copy, precomputed, adapters)")
-    knobs = Knobs(beta, label_smoothing, simpo_gamma, sft_weight)
+    knobs = Knobs(beta, label_smoothing, simpo_gamma)
     host = Responses.of(batch, shifted=not is_seq2seq(model))
     pairs, chosen_tokens = pairs or host.pairs, chosen_tokens or host.chosen_tokens
     responses = host.to(device)
