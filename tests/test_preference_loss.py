@@ -403,3 +403,43 @@ def test_ddp_two_ranks_equal_one_process():
     from test_distributed import spawn
 
     spawn(_ddp_worker)
+
+
+@pytest.mark.parametrize("head_trained", [True, False])
+def test_autograd_keeps_nothing_of_the_logits_size(head_trained):
+    """What the forward saves for backward (policy and reference): nothing near the (rows x width x
+    vocab) logits, which the plain computation keeps."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=2048, n_positions=64,
+                                        bos_token_id=1, eos_token_id=1))  # fmt: skip
+    policy.lm_head.weight.requires_grad_(head_trained)  # tied: the frozen-head path when False
+    batch = collate(pairs_of(3, seed=5), seq2seq=False)
+    rows, width = batch["input_ids"].shape
+    logits_size = rows * (width - 1) * 2048  # the shifted logits
+    reference = build_reference("copy", policy)
+
+    def largest(fn) -> int:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            fn()
+        return max(saved)
+
+    ours = largest(lambda: preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=8))
+    plain = largest(lambda: plain_sums(policy, batch))
+    assert plain >= logits_size > 2 * ours
+
+
+def test_t5_precomputed_equals_a_copy():
+    policy, other = t5(0), t5(1)
+    batches = [collate(pairs_of(2, seed=s), seq2seq=True) for s in (1, 2)]
+    chosen, rejected = reference_over(other, batches, CPU, "fp32")
+    assert chosen.shape == rejected.shape == (4,)
+    for i, batch in enumerate(batches):
+        stored = {**batch, "ref_chosen_logps": torch.from_numpy(chosen[2 * i : 2 * i + 2]),
+                  "ref_rejected_logps": torch.from_numpy(rejected[2 * i : 2 * i + 2])}  # fmt: skip
+        a, ma = preference_loss(policy, batch, CPU, "fp32", loss="ipo", reference=build_reference("copy", other))
+        b, mb = preference_loss(policy, stored, CPU, "fp32", loss="ipo", reference=build_reference("precomputed", policy))
+        assert a.item() == pytest.approx(b.item(), abs=TOL)
+        assert_same(ma, mb)
