@@ -1,6 +1,6 @@
-"""Preference losses (train/core/preference) against an independent computation: per-sequence
-log-prob sums from plain transformers forwards with the full logits (an encoder-decoder's source
-run twice, as TRL does), then the DPO / IPO / hinge / SimPO / ORPO formulas written here. Loss,
+"""Preference losses (train/core/preference) against an independent computation (preference_tools):
+per-sequence log-prob sums from plain transformers forwards with the full logits (an encoder-decoder's
+source run twice, as TRL does), then the DPO / IPO / hinge / SimPO / ORPO formulas written there. Loss,
 TRL's reward metrics and the policy's gradients agree to 1e-5 on tiny GPT-2, Llama and T5 models;
 accumulation and ranks equal one big batch; the three references agree."""
 
@@ -8,137 +8,24 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from preference_tools import CPU, FAMILIES, TOL, collate, gpt2, pairs_of, plain_loss, plain_sums, t5
 
 from train.core.preference import build_reference, preference_loss, reference_over, step_counts
 from train.core.preference.logps import Responses, token_logps
 from train.core.preference.reference import adapters_off
 
-CPU = torch.device("cpu")
-VOCAB = 96
-TOL = 1e-5
-
-
-def gpt2(seed: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
-                     eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    return GPT2LMHeadModel(cfg)
-
-
-def llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      bos_token_id=1, eos_token_id=1, pad_token_id=0)  # fmt: skip
-    return LlamaForCausalLM(cfg)
-
-
-def t5(seed: int):
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(seed)
-    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
-                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
-    return T5ForConditionalGeneration(cfg)
-
-
-FAMILIES = {"gpt2": gpt2, "llama": llama, "t5": t5}
-
-
-def pairs_of(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """n (prompt, chosen, rejected) token triples of random lengths."""
-    g = torch.Generator().manual_seed(seed)
-
-    def tokens(lo, hi):
-        return torch.randint(2, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
-
-    return [(tokens(2, 7), tokens(1, 8), tokens(1, 8)) for _ in range(n)]
-
-
-def _pad(rows: list[torch.Tensor], value: int) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.stack([F.pad(r, (0, width - len(r)), value=value) for r in rows])
-
-
-def collate(pairs, seq2seq: bool) -> dict:
-    """The front door's layout: 2P rows, chosen first (causal: prompt + response, labels -100 on the
-    prompt and padding); seq2seq: the P prompts as sources, the 2P responses as labels."""
-    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
-    if seq2seq:
-        sources = [p for p, _, _ in pairs]
-        ids = _pad(sources, 0)
-        return {"input_ids": ids, "attention_mask": _pad([torch.ones_like(s) for s in sources], 0),
-                "labels": _pad(responses, -100)}  # fmt: skip
-    prompts = [p for p, _, _ in pairs] * 2
-    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses, strict=True)]
-    labels = [torch.cat([torch.full_like(p, -100), r]) for p, r in zip(prompts, responses, strict=True)]
-    return {"input_ids": _pad(ids, 0), "attention_mask": _pad([torch.ones_like(i) for i in ids], 0),
-            "labels": _pad(labels, -100)}  # fmt: skip
-
-
-def plain_sums(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed response log-probs, response tokens) per row from the full logits."""
-    labels = batch["labels"]
-    if model.config.is_encoder_decoder:  # TRL's way: the source once per row
-        logits = model(input_ids=batch["input_ids"].repeat(2, 1), attention_mask=batch["attention_mask"].repeat(2, 1),
-                       labels=labels).logits  # fmt: skip
-    else:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        labels = labels[:, 1:]
-    valid = labels != -100
-    logp = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    return (logp * valid).sum(-1), valid.sum(-1).float()
-
-
-def plain_loss(name: str, pol, ref, counts, beta=0.5, ls=0.0, gamma=0.5, sft=0.0):
-    """The papers' formulas (TRL's forms) on plain tensors -> (loss, metrics)."""
-    p = len(pol) // 2
-    normalise = name in ("ipo", "simpo", "orpo")
-    lp = pol / counts if normalise else pol
-    lr = (ref / counts if normalise else ref) if ref is not None else torch.zeros_like(pol)
-    pc, pr, rc, rr = lp[:p], lp[p:], lr[:p], lr[p:]
-    x = (pc - rc) - (pr - rr)
-    if name == "sigmoid":
-        losses = -(1 - ls) * F.logsigmoid(beta * x) - ls * F.logsigmoid(-beta * x)
-    elif name == "ipo":
-        losses = (x - 1 / (2 * beta)) ** 2
-    elif name == "hinge":
-        losses = torch.clamp(1 - beta * x, min=0)
-    elif name == "simpo":
-        z = beta * (pc - pr) - gamma
-        losses = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
-    else:  # orpo: odds p / (1 - p) of the per-token mean likelihood
-        odds_c, odds_r = pc - torch.log(1 - torch.exp(pc)), pr - torch.log(1 - torch.exp(pr))
-        losses = -beta * F.logsigmoid(odds_c - odds_r)
-    nll = -pol[:p].sum() / counts[:p].sum()
-    loss = losses.mean() + (sft + (name == "orpo")) * nll
-    wc, wr = beta * (pc - rc), beta * (pr - rr)
-    metrics = {"rewards/chosen": wc.mean(), "rewards/rejected": wr.mean(), "rewards/margins": (wc - wr).mean(),
-               "rewards/accuracies": (wc > wr).float().mean(), "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}  # fmt: skip
-    return loss, metrics
-
-
 CASES = {  # each loss with its knobs: label smoothing and the SFT term where they apply
-    "sigmoid": dict(beta=0.5, ls=0.1, sft=0.3),
+    "sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3),
     "ipo": dict(beta=0.5),
     "hinge": dict(beta=0.5),
-    "simpo": dict(beta=2.0, ls=0.1, gamma=0.7),
+    "simpo": dict(beta=2.0, label_smoothing=0.1, simpo_gamma=0.7),
     "orpo": dict(beta=0.5),
 }
-
-
-def kit_kwargs(name: str, knobs: dict) -> dict:
-    return dict(loss=name, beta=knobs["beta"], label_smoothing=knobs.get("ls", 0.0),
-                simpo_gamma=knobs.get("gamma", 0.5), sft_weight=knobs.get("sft", 0.0))  # fmt: skip
 
 
 def grads(model) -> dict:
@@ -159,8 +46,7 @@ def test_loss_metrics_and_gradients_equal_the_plain_computation(family, name):
     batch = collate(pairs_of(3, seed=5), seq2seq)
     knobs = CASES[name]
     reference = build_reference("copy", other) if name in ("sigmoid", "ipo", "hinge") else None
-    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=4,
-                                    **kit_kwargs(name, knobs))  # fmt: skip
+    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=4, loss=name, **knobs)
     loss.backward()
 
     twin = copy.deepcopy(policy)
@@ -172,7 +58,7 @@ def test_loss_metrics_and_gradients_equal_the_plain_computation(family, name):
     plain.backward()
     assert loss.item() == pytest.approx(plain.item(), abs=TOL)
     assert_same({k: metrics[k] for k in expected}, {k: v.detach() for k, v in expected.items()})
-    if name == "orpo" or knobs.get("sft"):
+    if name == "orpo" or knobs.get("sft_weight"):
         assert metrics["nll_loss"].item() == pytest.approx((-pol[:3].sum() / counts[:3].sum()).item(), abs=TOL)
     assert_same(grads(policy), grads(twin))
 
@@ -217,9 +103,7 @@ def test_accumulation_and_ranks_equal_one_big_batch(family):
     assert many == pytest.approx(one, abs=TOL)
     assert_same(many_metrics, one_metrics)
     assert_same(many_grads, one_grads)
-    # two ranks with equal pair and token counts (pairs_of's halves differ in tokens, so use the counts
-    # of both halves together: the rank shares below are each rank's own sums over the global totals)
-    halves = [pairs[:4], pairs[4:]]
+    halves = [pairs[:4], pairs[4:]]  # two ranks of different token counts, each over the global totals
     counts = [step_counts([collate(h, seq2seq)], seq2seq) for h in halves]
     n, tokens = sum(c[0] for c in counts), sum(c[1] for c in counts)
     rank_losses, rank_grads = [], []
@@ -249,12 +133,16 @@ def lora_policy(base):
     return model
 
 
+def with_reference(batch: dict, chosen, rejected) -> dict:
+    """The batch with the cached reference columns the precomputed reference reads."""
+    return {**batch, "ref_chosen_logps": torch.as_tensor(chosen), "ref_rejected_logps": torch.as_tensor(rejected)}
+
+
 def test_precomputed_and_adapters_equal_a_copy():
     base = gpt2(3)
     policy = lora_policy(base)
     batch = collate(pairs_of(3, seed=4), seq2seq=False)
-    chosen, rejected = reference_over(base, [batch], CPU, "fp32")
-    stored = {**batch, "ref_chosen_logps": torch.from_numpy(chosen), "ref_rejected_logps": torch.from_numpy(rejected)}
+    stored = with_reference(batch, *reference_over(base, [batch], CPU, "fp32"))
     results = {}
     for kind, b in (("copy", batch), ("precomputed", stored), ("adapters", batch)):
         policy.zero_grad(set_to_none=True)
@@ -277,14 +165,10 @@ def test_precomputed_and_adapters_equal_a_copy():
         ref = plain_sums(base, batch)[0]
     plain_loss("sigmoid", pol, ref, counts, beta=0.5)[0].backward()
     assert_same(results["adapters"][2], grads(twin))
-
-
-def test_adapters_off_restores_the_policy():
-    policy = lora_policy(gpt2(3))
-    policy.train()
-    policy.transformer.h[0].eval()  # a part in eval mode on purpose stays so
-    with adapters_off(policy) as base:
-        assert not base.training and all(m.disable_adapters for m in base.modules() if hasattr(m, "lora_A"))
+    # adapters_off leaves the policy as it found it; a part in eval mode on purpose stays so
+    policy.transformer.h[0].eval()
+    with adapters_off(policy) as off:
+        assert not off.training and all(m.disable_adapters for m in off.modules() if hasattr(m, "lora_A"))
     assert policy.training and not policy.transformer.h[0].training and policy.transformer.h[1].training
     assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)
     with pytest.raises(ValueError, match="LORA_R"):
@@ -305,8 +189,7 @@ def test_token_logps_and_gradients_equal_the_full_logits(head_trained, chunk):
     torch.testing.assert_close(out, plain, atol=TOL, rtol=0)
     wanted = (hidden, weight) if head_trained else (hidden,)
     ours, theirs = (torch.autograd.grad((x * upstream).sum(), wanted) for x in (out, plain))
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    assert_same(dict(enumerate(ours)), dict(enumerate(theirs)))
     with torch.no_grad():
         assert token_logps(hidden, weight, targets, chunk_tokens=chunk).grad_fn is None
 
@@ -372,8 +255,6 @@ def test_no_host_sync_in_a_micro_step(family):
 
 
 def _ddp_worker(rank, world_size, port):
-    import os
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -409,26 +290,26 @@ def test_ddp_two_ranks_equal_one_process():
 def test_autograd_keeps_nothing_of_the_logits_size(head_trained):
     """What the forward saves for backward (policy and reference): nothing near the (rows x width x
     vocab) logits, which the plain computation keeps."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    policy = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=2048, n_positions=64,
-                                        bos_token_id=1, eos_token_id=1))  # fmt: skip
+    policy = gpt2(0, vocab=2048)
     policy.lm_head.weight.requires_grad_(head_trained)  # tied: the frozen-head path when False
     batch = collate(pairs_of(3, seed=5), seq2seq=False)
     rows, width = batch["input_ids"].shape
     logits_size = rows * (width - 1) * 2048  # the shifted logits
     reference = build_reference("copy", policy)
 
-    def largest(fn) -> int:
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+
+    def largest(fn) -> int:  # the largest activation saved (the head's weight is a parameter)
+        saved = [0]
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(0 if t.untyped_storage().data_ptr() in params else t.numel()) or t, lambda t: t
+        ):
             fn()
         return max(saved)
 
     ours = largest(lambda: preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=8))
     plain = largest(lambda: plain_sums(policy, batch))
-    assert plain >= logits_size > 2 * ours
+    assert plain >= logits_size > 4 * ours
 
 
 def test_t5_precomputed_equals_a_copy():
@@ -437,8 +318,7 @@ def test_t5_precomputed_equals_a_copy():
     chosen, rejected = reference_over(other, batches, CPU, "fp32")
     assert chosen.shape == rejected.shape == (4,)
     for i, batch in enumerate(batches):
-        stored = {**batch, "ref_chosen_logps": torch.from_numpy(chosen[2 * i : 2 * i + 2]),
-                  "ref_rejected_logps": torch.from_numpy(rejected[2 * i : 2 * i + 2])}  # fmt: skip
+        stored = with_reference(batch, chosen[2 * i : 2 * i + 2], rejected[2 * i : 2 * i + 2])
         a, ma = preference_loss(policy, batch, CPU, "fp32", loss="ipo", reference=build_reference("copy", other))
         b, mb = preference_loss(policy, stored, CPU, "fp32", loss="ipo", reference=build_reference("precomputed", policy))
         assert a.item() == pytest.approx(b.item(), abs=TOL)
