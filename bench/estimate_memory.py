@@ -40,7 +40,7 @@ def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake
         ids = torch.randint(0, hf_cfg.vocab_size, (batch_size, max_length), device=device)
         batches = iter([{"input_ids": ids}] * (3 * accum))
         for _ in range(3):
-            train_step(model, optimizer, scaler, batches, accum, 1.0, device, precision, pairs=False)
+            train_step(model, optimizer, scaler, batches, accum, 1.0, device, precision, source_target=False)
             if tracker is not None:
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
 

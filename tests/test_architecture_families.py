@@ -4,7 +4,7 @@ function of the kit's folder, with a planted violation for each (as tests/test_a
 1. No family branch outside train/models/: no code there asks what a model is (is_seq2seq,
    model_kind, config.is_encoder_decoder, an Auto class picked by hand) or compares a family name
    ("gpt2", "t5", "llama", "seq2seq" ...) with a model_type, MODEL_FAMILY or a family. The one
-   switch read elsewhere is Family.pairs, the data shape that truly differs (source -> target
+   switch read elsewhere is Family.source_target, the data shape that truly differs (source -> target
    pairs), and train/data/ may branch on the batch shape's name (kind == "seq2seq"), which the
    family hands it (Family.kind).
 2. The plan sources (train/run/plan/*Source) keep nothing: no method assigns to self, so each
@@ -101,7 +101,7 @@ def kit(tmp_path) -> Path:
         "train/models/family.py": "def is_seq2seq(m):\n    return m.config.model_type == 't5'\n",
         "train/data/sft/cut.py": "def f(kind):\n    return kind == 'seq2seq'\n",
         "train/run/plan/build.py": "class PretrainingSource:\n    def choose(self, cfg):\n        return 1\n",
-        "train/run/loop/parts.py": "def f(b):\n    return b.family.pairs\n",
+        "train/run/loop/parts.py": "def f(b):\n    return b.family.source_target\n",
     }.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)

@@ -98,7 +98,7 @@ def test_t5_pretraining_is_one_graph(tiny_flags, tmp_path, monkeypatch):
 
 def batch_loss_and_grads(model, batch) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = forward_loss(model, batch, torch.device("cpu"), "fp32", pairs=False)
+    loss = forward_loss(model, batch, torch.device("cpu"), "fp32", source_target=False)
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -165,6 +165,6 @@ def test_a_compiled_unpadded_batch_reaches_sdpa_causal_without_a_mask():
     torch._dynamo.reset()
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=64))
     guarded = GuardedModel(torch.compile(model, backend=backend), model, print)
-    forward_loss(guarded, {"input_ids": torch.randint(0, 100, (2, 16))}, torch.device("cpu"), "fp32", pairs=False).backward()
+    forward_loss(guarded, {"input_ids": torch.randint(0, 100, (2, 16))}, torch.device("cpu"), "fp32", source_target=False).backward()
     assert seen and all(k.get("attn_mask") is None and k.get("is_causal") for k in seen), seen
     torch._dynamo.reset()

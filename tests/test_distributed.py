@@ -152,7 +152,7 @@ def _sgd_step(model, loader, accum, sync, total=None):
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total, pairs=False)
+    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total, source_target=False)
 
 
 def _ddp_token_mean_over_uneven_ranks(world):
@@ -236,7 +236,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     def steps(model, optimizer, chunk):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(
-            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model), pairs=False)
+            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model), source_target=False)
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)

@@ -109,7 +109,7 @@ def test_evaluate_weights_by_predicted_tokens_and_restores_mode():
     ]
     loader = make_val_loader(rows, 2, torch.device("cpu"))  # batches of 2, 2, 1
     model.train()
-    loss = evaluate(model, loader, 10, torch.device("cpu"), "fp32", pairs=False)
+    loss = evaluate(model, loader, 10, torch.device("cpu"), "fp32", source_target=False)
     assert model.training
     model.eval()
     with torch.no_grad():

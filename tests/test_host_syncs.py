@@ -72,7 +72,7 @@ def test_train_step_counts_a_sync_planted_in_the_loss(monkeypatch):
 
     def run():
         with HostSyncs("cpu") as s:
-            train_step(model, opt, scaler, s.host_batches(batches_of(x)), 2, 1.0, torch.device("cpu"), "fp32", pairs=False)
+            train_step(model, opt, scaler, s.host_batches(batches_of(x)), 2, 1.0, torch.device("cpu"), "fp32", source_target=False)
         return s
 
     assert run().count == 0, run().summary()

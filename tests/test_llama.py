@@ -41,7 +41,7 @@ def tiny_llama(vocab: int = 512, seed: int = 0):
 
 def test_llama_is_one_entry_with_the_published_shape():
     llama = FAMILIES["llama"]
-    assert not llama.pairs and llama.auto == "AutoModelForCausalLM" and llama.peft_task_type == "CAUSAL_LM"
+    assert not llama.source_target and llama.auto == "AutoModelForCausalLM" and llama.peft_task_type == "CAUSAL_LM"
     counts = {}
     for size in ("nano", "tiny", "small", "medium"):
         cfg = llama.config_for(size, 8192, 0)
@@ -77,7 +77,7 @@ def test_estimate_matches_a_tracked_llama_step(checkpointing, chunked, monkeypat
         with tracker:
             for _ in range(2):  # the second step has AdamW's state
                 scaler = torch.amp.GradScaler("cpu", enabled=False)
-                train_step(model, optimizer, scaler, iter([{"input_ids": ids}]), 1, 1.0, CPU, "fp32", pairs=False)
+                train_step(model, optimizer, scaler, iter([{"input_ids": ids}]), 1, 1.0, CPU, "fp32", source_target=False)
                 tracker.reset_mod_stats()
         measured = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
     est = estimate_memory(hf, count_params(hf), batch_size=16, max_length=128, precision="fp32",
@@ -170,12 +170,12 @@ def _ddp_worker(rank, world_size, port):
         ddp = parallel.wrap(tiny_llama()[1], world, "none", False, CPU)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), scaler, iter(loader), 2, 0.0, CPU, "fp32",
-                   parallel.sync_context(ddp), pairs=False)
+                   parallel.sync_context(ddp), source_target=False)
         if world.rank == 0:
             reference = tiny_llama()[1]
             big, _ = make_loader(rows, DataConfig(), 8, 5, CPU)
             train_step(reference, torch.optim.SGD(reference.parameters(), lr=1.0), scaler, iter(big), 1, 0.0, CPU,
-                       "fp32", pairs=False)
+                       "fp32", source_target=False)
             torch.testing.assert_close(flat(ddp.module), flat(reference), rtol=1e-5, atol=1e-6)
         dist.barrier()
     finally:

@@ -207,7 +207,7 @@ def test_forward_loss_hands_flash_its_varlen_lengths(model):
     hook = model.base_model.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
     try:
         with torch.no_grad():
-            loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", pairs=False)
+            loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=False)
     finally:
         hook.remove()
     assert torch.isfinite(loss)

@@ -103,10 +103,10 @@ def test_loss_mask_through_forward_loss(base_model):
     assert a["input_ids"].shape != b["input_ids"].shape  # the prompt tail really differs
     cpu = torch.device("cpu")
     with torch.no_grad():
-        masked = abs(forward_loss(model, a, cpu, "fp32", pairs=False) - forward_loss(model, b, cpu, "fp32", pairs=False))
+        masked = abs(forward_loss(model, a, cpu, "fp32", source_target=False) - forward_loss(model, b, cpu, "fp32", source_target=False))
         for x in (a, b):  # the control: train on every real token
             x["labels"] = x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)
-        unmasked = abs(forward_loss(model, a, cpu, "fp32", pairs=False) - forward_loss(model, b, cpu, "fp32", pairs=False))
+        unmasked = abs(forward_loss(model, a, cpu, "fp32", source_target=False) - forward_loss(model, b, cpu, "fp32", source_target=False))
     assert masked < 1e-5 and unmasked > 1e-4, (masked, unmasked)
 
 

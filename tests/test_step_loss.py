@@ -31,7 +31,7 @@ def one_update(model, batches: list[dict]) -> tuple[torch.Tensor, float]:
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss, _, _ = step.train_step(model, optimizer, scaler, iter(batches), len(batches), 0.0, torch.device("cpu"), "fp32", pairs=False)
+    loss, _, _ = step.train_step(model, optimizer, scaler, iter(batches), len(batches), 0.0, torch.device("cpu"), "fp32", source_target=False)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), loss.item()
 
 
@@ -61,6 +61,6 @@ def test_both_loss_paths_agree():
     model = tiny_model(seed=1)
     batch = PadCollator(pad_token_id=0)(examples(1, 4))
     assert step.chunkable(model)
-    chunked = step.forward_loss(model, batch, torch.device("cpu"), "fp32", pairs=False)
+    chunked = step.forward_loss(model, batch, torch.device("cpu"), "fp32", source_target=False)
     plain = model(**{k: v for k, v in batch.items() if torch.is_tensor(v)}).loss
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-5)

@@ -63,7 +63,7 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
     with tracker:
         for _ in range(2):  # the second step has AdamW's state
             train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), iter([data]), 1, 1.0, cpu, "fp32",
-                       pairs=True)
+                       source_target=True)
             tracker.reset_mod_stats()
     measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(
@@ -165,7 +165,7 @@ def _t5_worker(rank, world_size, port):
 def _sgd(model, batches, accum, sync):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, pairs=True)
+    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, source_target=True)
 
 
 def test_two_ranks_ddp_and_fsdp2_train_t5_as_one_process():

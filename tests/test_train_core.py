@@ -27,7 +27,7 @@ def test_accumulation_4x8_equals_one_batch_of_32():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter({"input_ids": chunk} for chunk in batch.split(micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", pairs=False)
+        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", source_target=False)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
 

@@ -161,7 +161,7 @@ VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longe
 
 def forward_loss(
     model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1,
-    accuracy: bool = False, *, pairs: bool,
+    accuracy: bool = False, *, source_target: bool,
 ):
     """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
@@ -169,10 +169,10 @@ def forward_loss(
     own (its mean loss). Counted on the host before the batch moves: no device sync. With DDP or
     FSDP2, which average gradients over ranks, `targets` is the count over all ranks and the
     share is scaled by world_size: the step's gradient is the token mean over every rank's
-    targets, as one process would take it, whatever each rank's own count. pairs: the model's family's
-    data shape (train/models Family.pairs): an encoder-decoder's source -> target batch."""
+    targets, as one process would take it, whatever each rank's own count. source_target: the model's family's
+    data shape (train/models Family.source_target): an encoder-decoder's source -> target batch."""
     if targets is None:
-        targets = count_targets(batch, shifted=not pairs)
+        targets = count_targets(batch, shifted=not source_target)
     # Only tensors reach the model, and flash-attention's varlen lengths: the collators also hand
     # over host ints (n_real_tokens ...), which BatchCounter has already read. Without
     # max_length_q/k transformers rebuilds the varlen arguments from position_ids on the device,
@@ -191,7 +191,7 @@ def forward_loss(
         # mask of ones would become a dense (T x T) mask and cost sdpa its causal kernel.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
-        if pairs:  # source -> target: input_ids and attention_mask are the source, labels the target
+        if source_target:  # source -> target: input_ids and attention_mask are the source, labels the target
             out = seq2seq_loss_sum(
                 model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels, correct=accuracy
             )
@@ -222,7 +222,7 @@ def _host_padded(batch: dict) -> bool | None:
 
 def train_step(
     model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
-    accuracy: bool = False, *, pairs: bool,
+    accuracy: bool = False, *, source_target: bool,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
@@ -237,7 +237,7 @@ def train_step(
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
-    targets = step_targets(micro_batches, shifted=not pairs)
+    targets = step_targets(micro_batches, shifted=not source_target)
     world_size = 1
     if step_total is not None:
         targets, world_size = step_total(targets)
@@ -245,7 +245,7 @@ def train_step(
     acc_sum = torch.zeros((), device=device) if accuracy else None
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
-            loss = forward_loss(model, batch, device, precision, targets, world_size, accuracy, pairs=pairs)
+            loss = forward_loss(model, batch, device, precision, targets, world_size, accuracy, source_target=source_target)
             if accuracy:
                 loss, acc = loss
                 acc_sum += acc

@@ -74,7 +74,7 @@ def set_special_tokens(cfg, eos_id: int, pad_id: int | None) -> None:
     """The tokenizer's end-of-text (and pad) in the model's config. An encoder-decoder's decoder
     starts from pad, as T5's does; a tokenizer without pad uses end-of-text."""
     cfg.eos_token_id = eos_id
-    if family_of(cfg).pairs:
+    if family_of(cfg).source_target:
         cfg.pad_token_id = cfg.decoder_start_token_id = eos_id if pad_id is None else pad_id
     else:
         cfg.bos_token_id = eos_id
@@ -101,7 +101,7 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int, meta: bool = False
             model = auto.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
         except ValueError:
             model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
-    if not family.pairs and getattr(model, "loss_type", None) is None:
+    if not family.source_target and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:
         enable_checkpointing(model)
@@ -122,7 +122,7 @@ def size_vocab(cfg, tok, decide, variable: str | None = None, declared: dict | N
     set_special_tokens(cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
     if declared is None:
         return
-    if not family_of(cfg).pairs:
+    if not family_of(cfg).source_target:
         cfg.pad_token_id = tok.pad_token_id  # as the collator pads
     now = {k: getattr(cfg, k, None) for k in declared}
     differ = [k for k, v in declared.items() if now[k] != v]

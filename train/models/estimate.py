@@ -43,7 +43,7 @@ def count_params(hf_cfg) -> int:
     Every block has the same shape, so a deep model is counted from its one- and two-block
     versions: 100,000 layers take milliseconds instead of minutes of building modules."""
     layers = hf_cfg.num_hidden_layers
-    if layers > 2 and not family_of(hf_cfg).pairs:  # an encoder-decoder has two stacks: counted whole
+    if layers > 2 and not family_of(hf_cfg).source_target:  # an encoder-decoder has two stacks: counted whole
         try:
             one, two = (_meta_count(_with_layers(hf_cfg, n)) for n in (1, 2))
             return one + (layers - 1) * (two - one)
@@ -75,7 +75,7 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
     versions, unless a name pattern could pick out single blocks)."""
     layers = hf_cfg.num_hidden_layers
     parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
-    if layers > 2 and not family_of(hf_cfg).pairs and parts_only:
+    if layers > 2 and not family_of(hf_cfg).source_target and parts_only:
         try:
             one, two = (_meta_trainable(_with_layers(hf_cfg, n), freeze) for n in (1, 2))
             return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
@@ -236,7 +236,7 @@ def estimate_memory(
     parameters with gradients and optimizer state (default n_params; FREEZE or adapters fewer),
     factored_state their Adafactor state elements. Activations are counted as for a model that
     trains whole (a frozen encoder saves fewer: an upper bound)."""
-    seq2seq = family_of(hf_cfg).pairs
+    seq2seq = family_of(hf_cfg).source_target
     s = estimate_seq2seq.shapes(hf_cfg) if seq2seq else shapes(hf_cfg)
     layers = s["enc_layers"] + s["dec_layers"] if seq2seq else s["layers"]
     half = precision in HALF
@@ -289,7 +289,7 @@ def estimate_for_run(
     under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable).
     An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths).
     trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE."""
-    seq2seq = family_of(hf_cfg).pairs
+    seq2seq = family_of(hf_cfg).source_target
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
     return estimate_memory(
@@ -343,7 +343,7 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
     """The least device memory one training step of this model can take: one sequence per
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
     gradients and optimizer state are split over the processes."""
-    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).pairs else None
+    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).source_target else None
     est = estimate_memory(
         hf_cfg, n_params, batch_size=1, max_length=max_length, precision=precision,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type, target_length=target,

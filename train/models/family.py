@@ -22,7 +22,7 @@ class Family:
 
     name: str
     """MODEL_FAMILY's value (a named entry) or the kind ("causal", "seq2seq") of a generic one."""
-    pairs: bool
+    source_target: bool
     """The one data-shape switch read outside train/models/: True for an encoder-decoder, whose
     batches are (source -> encoder, target -> decoder) pairs of two lengths, whose targets are not
     shifted, whose pretraining objective is span corruption and whose SFT example is a (source,
@@ -43,7 +43,7 @@ class Family:
     @property
     def kind(self) -> str:
         """"seq2seq" or "causal": the data layer's name for the batch shape (train/data)."""
-        return "seq2seq" if self.pairs else "causal"
+        return "seq2seq" if self.source_target else "causal"
 
     def auto_class(self):
         import transformers
@@ -56,8 +56,8 @@ class Family:
         return self.make_config(self.sizes[size], vocab_size, eos_id)
 
 
-CAUSAL = Family("causal", pairs=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
-SEQ2SEQ = Family("seq2seq", pairs=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+CAUSAL = Family("causal", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
+SEQ2SEQ = Family("seq2seq", source_target=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
                  context=512, objective="span_corruption")
 KINDS = {"causal": CAUSAL, "seq2seq": SEQ2SEQ}
 

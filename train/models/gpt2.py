@@ -22,5 +22,5 @@ def make_config(shape, vocab_size: int, eos_id: int):
     return GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, use_cache=False, **shape)
 
 
-GPT2 = Family("gpt2", pairs=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
+GPT2 = Family("gpt2", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
               make_config=make_config)

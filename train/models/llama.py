@@ -30,5 +30,5 @@ def make_config(shape, vocab_size: int, eos_id: int):
                        attention_bias=False, mlp_bias=False, **shape)
 
 
-LLAMA = Family("llama", pairs=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
+LLAMA = Family("llama", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
                make_config=make_config)

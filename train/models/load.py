@@ -96,7 +96,7 @@ def load_pretrained(path: Path, trust_remote_code: bool, family: Family | None =
                     raise
                 model = load()  # an architecture without sdpa support (T5)
     except Exception as err:
-        what = "an encoder-decoder (seq2seq)" if family.pairs else "a causal-LM"
+        what = "an encoder-decoder (seq2seq)" if family.source_target else "a causal-LM"
         raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {first_line(err)}") from None
     return model
 
@@ -139,7 +139,7 @@ def fit_tokenizer(model, tok, stop_ids: list[int], decide) -> None:
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tok.pad_token_id
     family = family_of(model)
-    if family.pairs:
+    if family.source_target:
         _decoder_ids(model, tok, decide)
     elif getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run

@@ -107,7 +107,7 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
             synchronize(device)
             start = time.perf_counter()
             _, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    b.cfg.optim.grad_clip, device, b.precision, pairs=b.family.pairs)
+                                    b.cfg.optim.grad_clip, device, b.precision, source_target=b.family.source_target)
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation
                 spent, waited = spent + time.perf_counter() - start, waited + wait

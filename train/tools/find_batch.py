@@ -108,7 +108,7 @@ def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, mete
             synchronize(device)
             start = time.perf_counter()
             train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device, precision,
-                       pairs=b.family.pairs)
+                       source_target=b.family.source_target)
             synchronize(device)
             times.append(time.perf_counter() - start)
     except Exception as err:  # anything but OOM is a real error
@@ -143,7 +143,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
     scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    lengths = run_lengths(b) if b.family.pairs else None
+    lengths = run_lengths(b) if b.family.source_target else None
     sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []

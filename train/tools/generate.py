@@ -119,7 +119,7 @@ class Chat:
     def __init__(self, model, tok, device, args):
         self.model, self.tok, self.device, self.args = model, tok, device, args
         self.templated = tok.chat_template is not None
-        self.seq2seq = (family_of(model) or CAUSAL).pairs
+        self.seq2seq = (family_of(model) or CAUSAL).source_target
         self.context = context_length(model.config)
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:

@@ -133,12 +133,12 @@ class Counts:
 
 
 def compile_model(model, batches, device: torch.device, precision: str, say, static_lengths: bool = False,
-                  pairs: bool = False):
+                  source_target: bool = False):
     """(model to train with, batch stream, info for summary.json). Without COMPILE, the model
     and stream unchanged; with it, a trial step decides between compiled and eager. info's
     "compile" entry is filled in from dynamo's counters when summary.json is written
     (finish_counts). static_lengths: mark_shapes's (bucketed batches of a causal model). pairs: the
-    family's batch shape (train/models Family.pairs), for the trial step."""
+    family's batch shape (train/models Family.source_target), for the trial step."""
     info = not_compiled()
     if not getattr(torch, "compile", None):
         info["compile_error"] = f"torch {torch.__version__} has no torch.compile"
@@ -173,7 +173,7 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
     guarded.strict = True  # the trial compiles what training will call: the same shape marks
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
-            forward_loss(guarded, first, device, precision, pairs=pairs).backward()
+            forward_loss(guarded, first, device, precision, source_target=source_target).backward()
     except OOM:
         raise
     except Exception as err:

@@ -23,7 +23,7 @@ from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, pairs: bool) -> float | None:
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool) -> float | None:
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
     Each batch's mean loss is weighted by its predicted tokens (labels after the causal shift,
@@ -43,8 +43,8 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
             for index, batch in enumerate(loader):
                 if index >= max_batches:
                     break
-                tokens = count_targets(batch, shifted=not pairs)  # an encoder-decoder's every label counts  # host labels: no sync
-                loss = forward_loss(model, batch, device, precision, pairs=pairs)
+                tokens = count_targets(batch, shifted=not source_target)  # an encoder-decoder's every label counts  # host labels: no sync
+                loss = forward_loss(model, batch, device, precision, source_target=source_target)
                 loss_sum += loss.to(dtype) * tokens
                 token_sum += tokens
     finally:
@@ -106,7 +106,7 @@ class Evaluator:
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
         loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision,
-                        pairs=self.b.family.pairs)
+                        source_target=self.b.family.source_target)
         self.passes += 1
         self.last = loss
         ppl = perplexity(loss)

@@ -94,7 +94,7 @@ class Meter:
         self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
         self.device, self.world = b.device, b.world
         self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches), b.family.pairs)  # rows, real/padded tokens
+        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target)  # rows, real/padded tokens
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)

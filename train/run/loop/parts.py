@@ -58,7 +58,7 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                pairs=b.family.pairs,
+                source_target=b.family.source_target,
             ))  # fmt: skip
 
         return feed.step(attempt)
@@ -90,9 +90,9 @@ def prepare(b, run_dir, say, guard) -> Parts:
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # bucketed batches of a causal model compile a static graph per bucket (compile_guard.mark_shapes)
         static = getattr(b.collate, "widths", None) is not None and not getattr(b.collate, "attention", None) \
-            and not b.family.pairs
+            and not b.family.source_target
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
-                                                                    static, b.family.pairs)
+                                                                    static, b.family.source_target)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), feed=feed,

@@ -89,8 +89,8 @@ class SFTSource:
         path = Path(model_source(cfg, decide, say))
         family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
         variable = f"MODEL_PATH={path}"
-        sft_scratch.refuse_packing(cfg, family.pairs, variable)
-        if family.pairs:
+        sft_scratch.refuse_packing(cfg, family.source_target, variable)
+        if family.source_target:
             decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                    "pairs, one per assistant turn, loss on the target")
         config = load.read_config(path, cfg.model.trust_remote_code)

@@ -54,7 +54,7 @@ def pretrained_run(run: Path) -> SimpleNamespace | None:
 
 def _causal(model_type: str) -> bool:
     family = family_of_type(model_type)
-    return family is not None and not family.pairs
+    return family is not None and not family.source_target
 
 
 def choose_pretrained(output_dir: Path) -> SimpleNamespace | None:
