@@ -16,9 +16,30 @@ from transformers import (
     T5ForConditionalGeneration,
 )  # fmt: skip
 
+from train.core import preference
+from train.models import family_of
+
 CPU = torch.device("cpu")
 VOCAB = 96
 TOL = 1e-5
+
+
+def source_target(model) -> bool:
+    """The family's data shape, as the plan hands it to the loss (Family.source_target)."""
+    return family_of(getattr(model, "module", model)).source_target
+
+
+def preference_loss(model, *args, **kw):
+    """train.core.preference.preference_loss with the model's family's data shape."""
+    return preference.preference_loss(model, *args, source_target=source_target(model), **kw)
+
+
+def build_reference(kind, model):
+    return preference.build_reference(kind, model, source_target=source_target(model))
+
+
+def reference_over(model, *args):
+    return preference.reference_over(model, *args, source_target=source_target(model))
 
 
 def gpt2(seed: int, vocab: int = VOCAB):

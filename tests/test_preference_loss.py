@@ -13,9 +13,22 @@ import warnings
 
 import pytest
 import torch
-from preference_tools import CPU, FAMILIES, TOL, collate, gpt2, pairs_of, plain_loss, plain_sums, t5
+from preference_tools import (
+    CPU,
+    FAMILIES,
+    TOL,
+    build_reference,
+    collate,
+    gpt2,
+    pairs_of,
+    plain_loss,
+    plain_sums,
+    preference_loss,
+    reference_over,
+    t5,
+)  # fmt: skip
 
-from train.core.preference import build_reference, preference_loss, reference_over, step_counts
+from train.core.preference import step_counts
 from train.core.preference.logps import Responses, token_logps
 from train.core.preference.reference import adapters_off
 

@@ -32,7 +32,7 @@ import torch
 
 from train.core.attention import host_padding, register_no_sync_mask
 from train.core.loss import CHUNK_ELEMENTS, _compute_dtype, lm_hidden_and_head, shift_targets
-from train.core.model import is_seq2seq, unwrapped
+from train.core.model import unwrapped
 from train.core.step import chunkable
 from train.core.units import IGNORE_INDEX
 
@@ -176,15 +176,17 @@ def _seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int
     return token_logps(rows, bare.get_output_embeddings().weight, responses.targets, chunk_tokens)
 
 
-def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int | None = None) -> torch.Tensor:
+def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int | None = None, *,
+                   source_target: bool) -> torch.Tensor:  # fmt: skip
     """(2P,) fp32: each row's summed log-prob of its response tokens, under the caller's autocast
     and grad mode. inputs: the batch's tensors on the device (input_ids, attention_mask, labels);
     responses: Responses.of(the host labels).to(device). A causal LM runs its base model once on the
-    2P rows and the head on the response tokens only (chunked, module doc)."""
+    2P rows and the head on the response tokens only (chunked, module doc). source_target: the
+    model's family's data shape (train/models Family.source_target): an encoder-decoder's pairs."""
     register_no_sync_mask()
     mask = inputs.get("attention_mask")
     with host_padding(responses.padded):
-        if is_seq2seq(model):
+        if source_target:
             per_token = _seq2seq_tokens(model, inputs, responses, chunk_tokens)
         elif chunkable(model):
             hidden, weight = lm_hidden_and_head(model, input_ids=inputs["input_ids"], attention_mask=mask)

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from train.core.device import autocast
-from train.core.model import is_seq2seq
 from train.core.preference.logps import Responses, device_inputs, sequence_logps
 
 
@@ -94,13 +93,13 @@ DPO_LOSS = {
 }
 
 
-def step_counts(batches: Iterable[dict], seq2seq: bool = False) -> tuple[int, int]:
+def step_counts(batches: Iterable[dict], source_target: bool = False) -> tuple[int, int]:
     """(pairs, chosen response tokens) of one optimizer step's micro-batches, as host ints counted
     from their CPU labels (no device sync): the divisors preference_loss takes. With DDP, sum each
     over the ranks (one all_reduce of both) before the step's forwards."""
     pairs = tokens = 0
     for batch in batches:
-        r = Responses.of(batch, shifted=not seq2seq)
+        r = Responses.of(batch, shifted=not source_target)
         pairs, tokens = pairs + r.pairs, tokens + r.chosen_tokens
     return pairs, tokens
 
@@ -118,7 +117,7 @@ def pair_metrics(c, r, rewards_c, rewards_r, extra: dict, share: Callable) -> di
 
 def preference_loss(
     model, batch: dict, device: torch.device, precision: str, pairs: int | None = None, world_size: int = 1, *,
-    chosen_tokens: int | None = None, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+    source_target: bool, chosen_tokens: int | None = None, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5, sft_weight: float = 0.0, reference: Callable | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
@@ -126,19 +125,20 @@ def preference_loss(
     `chosen_tokens` are the whole step's (step_counts; over all ranks with DDP, with world_size the
     ranks), None: this batch's own. batch: 2P rows as the loader gives them (labels on the CPU), chosen
     first; for an encoder-decoder input_ids / attention_mask are the P sources, labels the 2P
-    targets. reference: reference.build_reference's function, None for simpo and orpo."""
+    targets. reference: reference.build_reference's function, None for simpo and orpo. source_target:
+    the model's family's data shape (train/models Family.source_target)."""
     row = DPO_LOSS.get(loss)
     if row is None:
         raise ValueError(f"DPO_LOSS={loss!r}: expected one of {', '.join(DPO_LOSS)}")
     if row.reference and reference is None:
         raise ValueError(f"DPO_LOSS={loss} compares with a reference model: give one (copy, precomputed, adapters)")
     knobs = Knobs(beta, label_smoothing, simpo_gamma)
-    host = Responses.of(batch, shifted=not is_seq2seq(model))
+    host = Responses.of(batch, shifted=not source_target)
     pairs, chosen_tokens = pairs or host.pairs, chosen_tokens or host.chosen_tokens
     responses = host.to(device)
     inputs = device_inputs(batch, device)
     with autocast(device, precision):
-        sums = sequence_logps(model, inputs, responses, chunk_tokens)
+        sums = sequence_logps(model, inputs, responses, chunk_tokens, source_target=source_target)
         ref = reference(model, batch, inputs, responses) if row.reference else None
     p = host.pairs
     counts = responses.counts.clamp(min=1).float()  # a row with no response token: 0, not 0 / 0
