@@ -4,10 +4,10 @@ reference model's log-probs three ways (reference). Imports torch, peft where as
 other modules only."""
 
 from train.core.preference.logps import Responses, sequence_logps
-from train.core.preference.loss import DPO_LOSS, preference_loss, step_counts
+from train.core.preference.loss import DPO_LOSS, PreferenceObjective, preference_loss, step_counts
 from train.core.preference.reference import REFERENCES, build_reference, reference_over
 
 __all__ = [
-    "DPO_LOSS", "REFERENCES", "Responses", "build_reference", "preference_loss", "reference_over", "sequence_logps",
+    "DPO_LOSS", "REFERENCES", "PreferenceObjective", "Responses", "build_reference", "preference_loss", "reference_over", "sequence_logps",
     "step_counts",
 ]

@@ -159,3 +159,34 @@ def preference_loss(
         value = value + nll_weight * nll
         metrics["nll_loss"] = nll.detach()
     return value, metrics
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """Preference training's objective for train_step (step.TokenObjective's interface): the step's
+    (pairs, chosen tokens) counted on the host, then each micro-batch's share of the loss and TRL's
+    metrics (device tensors; train_step sums them over the micro-steps, the loop reads them at a log
+    line). reference: build_reference's function (None for simpo and orpo)."""
+
+    source_target: bool
+    loss_name: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    sft_weight: float = 0.0
+    reference: Callable | None = None
+
+    def counts(self, micro_batches) -> tuple[int, int]:
+        return step_counts(micro_batches, self.source_target)
+
+    def loss(self, model, batch, device, precision, counts, world_size: int = 1, accuracy: bool = False):
+        pairs, chosen_tokens = counts
+        return preference_loss(
+            model, batch, device, precision, pairs, world_size, source_target=self.source_target,
+            chosen_tokens=chosen_tokens, loss=self.loss_name, beta=self.beta, label_smoothing=self.label_smoothing,
+            simpo_gamma=self.simpo_gamma, sft_weight=self.sft_weight, reference=self.reference,
+        )  # fmt: skip
+
+    def returned(self, sums: dict) -> dict:
+        """train_step's fourth value on a log step: every metric, summed over the micro-steps."""
+        return sums
