@@ -19,7 +19,7 @@ from train.config import knobs
 from train.config.flags import AUTO_FIELDS, training_parser
 from train.core.checks import knob
 from train.run.checkpoint.checkpointer import COMPARED
-from train.run.plan.sft import SFT_ONLY
+from train.run.plan.sft import DPO_ONLY, SFT_ONLY
 
 FIELDS = {f.name: f for klass in config.SECTIONS.values() for f in dataclasses.fields(klass)}
 
@@ -76,15 +76,18 @@ def test_the_readme_tables_name_every_knob_and_only_them():
 
 
 def test_markers_pick_the_lists_and_their_fields_fit_them():
-    assert set(AUTO_FIELDS) == {"max_length", "warmup_steps", "model_size", "log_every"}
+    assert set(AUTO_FIELDS) == {"max_length", "warmup_steps", "model_size", "log_every", "reference"}
     assert all(FIELDS[name].default is None for name in AUTO_FIELDS)  # empty / auto / none: the run decides
     assert set(SFT_ONLY) == {"model_path", "trust_remote_code", "length_grouping", "token_budget", "packing", "skip_bad_records",
                              "template", "loss_on", "truncation", "reasoning", "lora_r", "lora_alpha", "lora_dropout",
                              "lora_targets"}
     assert all(FIELDS[name].default in (None, False) for name in SFT_ONLY)  # "set" means not the default
+    assert set(DPO_ONLY) == {"dpo_loss", "beta", "label_smoothing", "simpo_gamma", "sft_weight", "reference"}
+    assert all(FIELDS[name].default is None for name in DPO_ONLY)  # "set" means not empty
     assert set(COMPARED) == set(
         "batch_size gradient_accumulation_steps precision learning_rate min_lr_ratio max_steps epochs "
-        "max_samples warmup_steps num_workers optimizer lr_schedule freeze lora_r lora_alpha lora_dropout lora_targets".split()
+        "max_samples warmup_steps num_workers optimizer lr_schedule freeze lora_r lora_alpha lora_dropout lora_targets "
+        "dpo_loss beta reference".split()
     )
     assert all(FIELDS[name].type == "bool" for name in knobs.marked("switch"))
 

@@ -140,7 +140,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     return distributed.add_rank_figures(record, b.world, device)
 
 
-LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast")
+LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast",
+                    "train_dpo")
 
 
 def resume_line(run_name: str, launcher: str | None, batch_size: int | None = None) -> str:
