@@ -148,7 +148,7 @@ def resume_line(run_name: str, launcher: str | None, batch_size: int | None = No
     """How to continue an interrupted run: the launcher that started it (train_sft_custom.sh with its
     micro-batch argument, which would otherwise fall back to 16), or the same command."""
     if launcher in LAUNCHER_SCRIPTS:
-        batch = f" {batch_size}" if launcher == "train_sft_custom" and batch_size else ""
+        batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo") and batch_size else ""
         how = f"RESUME=1 RUN_NAME={run_name} ./{launcher}.sh{batch} (with this run's other settings)"
     else:
         how = f"the same command with --resume 1 --run_name {run_name}"
