@@ -158,7 +158,7 @@ def test_freeze_encoder_of_a_t5_trains_only_the_rest_and_the_estimate_shrinks():
              "attention_mask": torch.ones(4, 16, dtype=torch.long), "labels": torch.randint(2, 512, (4, 8), generator=gen)}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for _ in range(2):
-        train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, CPU, "fp32", source_target=False)
+        train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, CPU, "fp32", source_target=True)
     assert all(torch.equal(p, encoder[n]) for n, p in model.encoder.named_parameters())
     # the estimate: gradients and optimizer state only for what trains, per optimizer
     counted = trainable_for(hf, "embeddings,encoder")

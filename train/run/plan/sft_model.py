@@ -83,7 +83,7 @@ def model_source(cfg: TrainConfig, decide, say=print) -> str:
     of an SFT run), with a warning where it is barely trained."""
     if cfg.model.model_path is not None:
         return cfg.model.model_path
-    mode, launchers, make = STAGES.get(cfg.run.mode, STAGES["sft"])
+    mode, launchers, make = STAGES.get(getattr(cfg.run, "mode", "sft"), STAGES["sft"])
     stage = "pretraining" if mode == "pretrain" else mode.upper()
     chosen = choose_pretrained(Path(cfg.run.output_dir), mode, launchers)
     if chosen is None:
