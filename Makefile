@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test test-fast knobs lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft monitor bench bench-data gpu-report
+.PHONY: help setup train baseline show-config test test-fast knobs lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft dpo compare-dpo monitor bench bench-data gpu-report
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -11,6 +11,7 @@ help:
 	@echo "make baseline  train with the baseline launcher"
 	@echo "make sft       SFT with ./train_sft_custom.sh (micro-batch 16; MODEL_PATH, DATA_PATH ...)"
 	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
+	@echo "make dpo       preference training with ./train_dpo.sh (8 pairs per micro-batch; DATA_PATH of pairs, MODEL_PATH ...)"
 	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final; ARGS=\"--num_beams 4\")"
 	@echo "make sft-bench the same SFT run three ways: plain padding, LENGTH_GROUPING=1, PACKING=1; padding and tokens/s"
 	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
@@ -19,6 +20,7 @@ help:
 	@echo "make autotune  timed trials; writes the winner to runs/autotune.env"
 	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES (GPU: 4096, CPU: 1024); REPEAT=N"
 	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh on the same conversations (GPU: 4096, CPU: 256), in tokens/s"
+	@echo "make compare-dpo  DPO with one pair per step vs ./train_dpo.sh on the same pairs (DATA_PATH; CPU: 128 pairs)"
 	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
@@ -46,6 +48,9 @@ sft: $(STAMP)
 sft-fast: $(STAMP)
 	./quick_start_sft_fast.sh
 
+dpo: $(STAMP)
+	./train_dpo.sh
+
 MODEL ?= runs/latest/final
 chat: $(STAMP)
 	$(PY) -m train generate --model "$(MODEL)" --interactive $(ARGS)
@@ -65,6 +70,9 @@ compare: $(STAMP)
 
 compare-sft: $(STAMP)
 	@bash scripts/compare.sh sft
+
+compare-dpo: $(STAMP)
+	@bash scripts/compare.sh dpo
 
 monitor: $(STAMP)
 	@$(PY) -m train monitor

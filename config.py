@@ -1,10 +1,7 @@
-"""Configuration: one dataclass per concern, named presets, and the flag/variable names.
-
-Precedence: dataclass default < preset (BASELINE / OPTIMIZED) < launcher variable / CLI flag.
-Users edit the defaults and presets here. Every field has one name at every layer: the launcher
-variable is in ENV_NAMES (upper case of the field unless listed), the CLI flag is --<field>;
-its markers (knob(default, "auto", "sft", "compared", ...)) put it in every list that needs it.
-"""
+"""Configuration: one dataclass per concern, named presets, and the flag/variable names. Precedence: dataclass
+default < preset (BASELINE / OPTIMIZED) < launcher variable / CLI flag. Users edit the defaults and presets here.
+Every field has one name at every layer: the launcher variable is in ENV_NAMES (upper case of the field unless
+listed), the CLI flag is --<field>; its markers (knob(default, "auto", "sft", "dpo", "compared", ...)) list it."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-# One name per knob: the launcher variable (ENV_NAMES, env_name: config.env_name), the markers
-# and the checks that name it on a bad value live in train/core/checks.py.
+# One name per knob: the launcher variable (ENV_NAMES, env_name), the markers and the checks: train/core/checks.py
 from train.core.checks import ENV_NAMES, bad_value, check_fields, env_name, exists_or_matches, knob  # noqa: F401
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
@@ -25,12 +21,10 @@ from train.models import FAMILIES, SIZES
 KIT_DIR = Path(__file__).resolve().parent
 
 MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry per family
-PRECISIONS = ("fp32", "fp16", "bf16", "auto")
-LR_SCALINGS = ("none", "linear", "sqrt")
+PRECISIONS, LR_SCALINGS = ("fp32", "fp16", "bf16", "auto"), ("none", "linear", "sqrt")
 OPTIMIZERS, LR_SCHEDULES = tuple(optimizers.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
-MODES = ("pretrain", "sft")
-SHARDINGS = ("none", "zero2", "zero3")
-REPORT_TO = ("none", "tensorboard")
+MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
+DPO_LOSSES, REFERENCES = ("sigmoid", "ipo", "hinge", "simpo", "orpo"), ("copy", "precomputed", "adapters")
 LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
 MODEL_CONFIG_NAMES = ("config.json", "model_config.json")  # ChatLM's bare checkpoints: model_config.json
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -53,23 +47,26 @@ class ModelConfig:
     compile: bool = False
     """torch.compile the model. Pays a one-off compile time (reported apart from throughput); worth it for
     runs longer than a few minutes on a GPU."""
-    model_path: str | None = knob(None, "sft")
+    model_path: str | None = knob(None, "sft", "dpo")
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
     Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/."""
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
-    lora_r: int | None = knob(None, "sft", "compared", least=0)
+    lora_r: int | None = knob(None, "sft", "dpo", "compared", least=0)
     """SFT: LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen. Empty or 0: full fine-tuning."""
-    lora_alpha: float | None = knob(None, "sft", "compared", above=0.0)
+    lora_alpha: float | None = knob(None, "sft", "dpo", "compared", above=0.0)
     """SFT: LoRA's scale is LORA_ALPHA / LORA_R. Empty: 2 x LORA_R."""
-    lora_dropout: float | None = knob(None, "sft", "compared", least=0.0)
+    lora_dropout: float | None = knob(None, "sft", "dpo", "compared", least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
-    lora_targets: str | None = knob(None, "sft", "compared")
+    lora_targets: str | None = knob(None, "sft", "dpo", "compared")
     """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/sft.md)."""
-    trust_remote_code: bool = knob(False, "sft")
+    trust_remote_code: bool = knob(False, "sft", "dpo")
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
+    reference: str | None = knob(None, "dpo", "auto", "compared", choices=REFERENCES)
+    """DPO: copy (a frozen copy on the device) | precomputed (its log-probs made once, cached) | adapters (LoRA's
+    base, adapters off). Empty: the run decides (adapters with LORA_R, else precomputed; docs/dpo.md)."""
     freeze: str | None = knob(None, "compared")
     """Parameters left untrained (no gradients, no optimizer state): a comma list of embeddings | encoder | decoder |
     lm_head or name patterns ("transformer.h.0.*"). Tied weights freeze together. Empty: nothing frozen."""
@@ -77,9 +74,7 @@ class ModelConfig:
     def __post_init__(self):
         check_fields(self)
         if self.model_path is not None and not any((Path(self.model_path) / n).is_file() for n in MODEL_CONFIG_NAMES):
-            raise UsageError(
-                f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}"
-            )
+            raise UsageError(f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}")
         if self.model_config is not None and not Path(self.model_config).exists():
             raise UsageError(f"MODEL_CONFIG (--model_config): no such file: {self.model_config}")
 
@@ -121,11 +116,11 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
-    length_grouping: bool = knob(False, "sft")
+    length_grouping: bool = knob(False, "sft", "dpo")
     """SFT: batch samples of similar length together (the guides' "dynamic batch size by sequence length"):
     batches are padded to their longest sample, so less compute goes to pad tokens. The order stays random
     from batch to batch."""
-    token_budget: int | None = knob(None, "sft", least=1)
+    token_budget: int | None = knob(None, "sft", "dpo", least=1)
     """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this many padded
     tokens (rows x longest), so short samples come many to a batch and memory per step stays flat. Replaces
     BATCH_SIZE as the batch size; groups by length by itself."""
@@ -134,17 +129,17 @@ class DataConfig:
     padded row each: a few percent of padding instead of half. Positions restart and attention never crosses a
     conversation (a block mask with sdpa, varlen flash-attention where installed). BATCH_SIZE then counts rows
     of MAX_LENGTH tokens."""
-    skip_bad_records: bool = knob(False, "sft")
+    skip_bad_records: bool = knob(False, "sft", "dpo")
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how many, instead
     of stopping at the first. An empty file or an unknown format still stops."""
-    template: str | None = knob(None, "sft")
+    template: str | None = knob(None, "sft", "dpo")
     """SFT: builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file. Empty: the
     tokenizer's own chat template where it has one, else builtin."""
     loss_on: str | None = knob(None, "sft", choices=LOSS_ONS)
     """SFT: assistant (empty: the replies only) | all (every token of the rendered sequence, pad excluded)."""
-    truncation: str | None = knob(None, "sft", choices=TRUNCATIONS)
+    truncation: str | None = knob(None, "sft", "dpo", choices=TRUNCATIONS)
     """SFT: keep_end (empty: a long source keeps its end) | keep_start (its start, as ChatLM); tools kept."""
-    reasoning: str | None = knob(None, "sft", choices=REASONINGS)
+    reasoning: str | None = knob(None, "sft", "dpo", choices=REASONINGS)
     """SFT: keep (empty: an assistant turn's reasoning_content is rendered and trained) | drop."""
     val_fraction: float = knob(0.01, least=0.0)
     """Share of the data held out for validation (the last part of the token stream, never trained on); raised
@@ -161,10 +156,8 @@ class DataConfig:
             raise bad_value("text_field", "the name of the text field or column", self.text_field)
         if self.packing and self.token_budget is not None:
             raise UsageError("PACKING=1 (--packing) and TOKEN_BUDGET (--token_budget) both size the batches: choose one")
-        if self.prefetch_factor is not None and self.num_workers == 0:
-            self.prefetch_factor = None  # torch rejects a prefetch factor without workers
-        if self.persistent_workers and self.num_workers == 0:
-            self.persistent_workers = False
+        if self.num_workers == 0:  # torch rejects a prefetch factor and persistent workers without workers
+            self.prefetch_factor, self.persistent_workers = None, False
         if self.data_path is not None and not exists_or_matches(self.data_path):
             raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
         if self.val_fraction >= 0.5:
@@ -208,6 +201,16 @@ class OptimConfig:
     MAX_SAMPLES: one epoch."""
     max_samples: int | None = knob(None, "compared", least=1)
     """Stop after this many training sequences (the budget `make compare` holds fixed)."""
+    dpo_loss: str | None = knob(None, "dpo", "compared", choices=DPO_LOSSES)
+    """DPO: sigmoid (empty: DPO) | ipo | hinge (against the reference) | simpo | orpo (reference-free)."""
+    beta: float | None = knob(None, "dpo", "compared", above=0.0)
+    """DPO: how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale). Empty: 0.1."""
+    label_smoothing: float | None = knob(None, "dpo", least=0.0)
+    """DPO: the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5. Empty: 0."""
+    simpo_gamma: float | None = knob(None, "dpo", least=0.0)
+    """DPO: SimPO's target reward margin. Empty: 0.5."""
+    sft_weight: float | None = knob(None, "dpo", least=0.0)
+    """DPO: adds this x the chosen replies' token-mean NLL to the loss (TRL's rpo_alpha). Empty: 0."""
     effective_batch: int | None = knob(None, least=1)
     """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM
     (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes EFFECTIVE_BATCH /
@@ -228,6 +231,8 @@ class OptimConfig:
         self.warmup_steps = schedules.steps_or_share(self.warmup_steps)
         if self.min_lr_ratio > 1:
             raise bad_value("min_lr_ratio", "a number from 0 to 1", self.min_lr_ratio)
+        if (self.label_smoothing or 0) >= 0.5:
+            raise bad_value("label_smoothing", "a number from 0 to 0.5", self.label_smoothing)
         if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
             raise UsageError(
                 f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
@@ -254,16 +259,14 @@ class SystemConfig:
     parameters sharded too, gathered per block (ZeRO-3): least memory, more communication. For when the model
     or the optimizer state does not fit."""
     offload_optimizer: bool = False
-    """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run the optimizer
-    step on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded for host-to-GPU copies every
-    step."""
+    """With SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run the optimizer step
+    on the CPU (the guides' DeepSpeed offload_optimizer): GPU memory traded for host-to-GPU copies every step."""
     target_vram: float = knob(0.8, above=0.0)
     """Share of device memory find-batch, AUTO_BATCH and autotune may fill (the guides' 70-85 %); the rest is
     headroom for fragmentation and spikes."""
     max_memory_mb: int | None = knob(None, least=1)
-    """Memory budget in MiB. On a GPU, a hard cap on this process's VRAM (share a card); on CPU, the process
-    RSS find-batch and doctor measure against. Empty: the device's memory (on CPU, the RAM available at
-    start)."""
+    """Memory budget in MiB. On a GPU, a hard cap on this process's VRAM (share a card); on CPU, the process RSS
+    find-batch and doctor measure against. Empty: the device's memory (on CPU, the RAM available at start)."""
 
     def __post_init__(self):
         check_fields(self)
@@ -278,7 +281,7 @@ class SystemConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     mode: str = knob("pretrain", "command", choices=MODES)
-    """pretrain | sft."""
+    """pretrain | sft | dpo."""
     output_dir: str = str(KIT_DIR / "runs")
     """Run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest."""
     run_name: str | None = None
@@ -309,8 +312,7 @@ class RunConfig:
     """Validation batches of 8 sequences per pass (read BATCH_SIZE at a time): the same sequences every pass and
     for any BATCH_SIZE, at most as many as a short run trains on. More gives a steadier number."""
     keep_best: bool = False
-    """Also save the model with the lowest validation loss so far in best/ (final/ is always the last
-    model)."""
+    """Also save the model with the lowest validation loss so far in best/ (final/ is always the last model)."""
     report_to: str = knob("none", choices=REPORT_TO)
     """none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in
     runs/<name>/tensorboard/ (`tensorboard --logdir runs`), as the transformers Trainer does."""
@@ -327,10 +329,8 @@ class RunConfig:
         if self.resume and self.overwrite:
             raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise UsageError(
-                "REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs it); "
-                "or set REPORT_TO=none"
-            )
+            raise UsageError("REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs "
+                             "it); or set REPORT_TO=none")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}
@@ -372,17 +372,17 @@ class TrainConfig:
 
 FIELD_SECTION = {f.name: sec for sec, klass in SECTIONS.items() for f in fields(klass)}
 
-# Named presets: the guides' numbers. Mixed precision stays opt-in (ENABLE_FP16 / ENABLE_BF16 /
-# PRECISION=auto), as in the guides, because it changes numerics.
+# Named presets: the guides' numbers. Mixed precision stays opt-in (ENABLE_FP16 / ENABLE_BF16 / PRECISION=auto).
 PRESETS: dict[str, dict] = {
     "baseline": dict(batch_size=8, gradient_accumulation_steps=1, precision="fp32", num_workers=0),
     "optimized": dict(batch_size=32, gradient_accumulation_steps=4, num_workers=4, prefetch_factor=4,
                       pin_memory=True, persistent_workers=True, tf32=True),
-    # Fine-tuning: a lower peak LR than pretraining (6e-4) and no weight decay, as SFT recipes
-    # use. 1e-4 suits the kit's own small models (GPT-2 class, briefly pretrained); for a
-    # well-trained model of a billion parameters or more, set LEARNING_RATE=2e-5.
+    # Fine-tuning: a lower peak LR than pretraining (6e-4) and no weight decay, as SFT recipes use. 1e-4 suits the
+    # kit's own small models (GPT-2 class, briefly pretrained); for a well-trained 1B+ model, LEARNING_RATE=2e-5.
     "sft": dict(batch_size=16, gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.0,
                 num_workers=2, pin_memory=True, persistent_workers=True, tf32=True),
+    # Preference training: TRL's DPO learning rate is 1e-6 for billion-parameter models; 5e-6 moves the kit's small ones
+    "dpo": dict(batch_size=8, learning_rate=5e-6, weight_decay=0.0, num_workers=2, pin_memory=True, tf32=True),
 }
 
 

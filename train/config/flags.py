@@ -89,6 +89,10 @@ DESCRIPTIONS = {
            "--lora_r) on chat, instruction or plain-text data, or train a new one from scratch on it (--model_size / "
            "--model_config). The loss is on the assistant's replies (--loss_on all: every token). "
            "train_sft_custom.sh and quick_start_sft_fast.sh start it.",
+    "dpo": "Preference training (the third stage: pretrain -> SFT -> DPO) of a chat model (--model_path; default the "
+           "newest completed SFT run's final/) on pairs of chosen and rejected replies (--data_path): --dpo_loss "
+           "sigmoid | ipo | hinge | simpo | orpo, --beta, a reference model (--reference copy | precomputed | "
+           "adapters). train_dpo.sh starts it; docs/dpo.md.",
 }
 
 
@@ -97,21 +101,21 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     autotune, bench) hide the SFT-only flags and the sft preset from --help; an SFT flag given
     there is still read, so the run refuses it in one line naming it."""
     docs = field_docs()
-    sft = command == "sft"
+    sft, dpo = command in ("sft", "dpo"), command == "dpo"  # preference training fine-tunes as SFT does
     description = DESCRIPTIONS.get(command, "It takes pretraining's flags, below.") + FLAGS_NOTE
     parser = ArgParser(prog=f"python -m train {command}", description=description)
-    presets = sorted(p for p in config.PRESETS if sft or p != "sft")
+    presets = sorted(p for p in config.PRESETS if (p != "sft" or sft) and (p != "dpo" or dpo))
     parser.add_argument("--preset", choices=presets, help="named preset applied under the flags")
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
     parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
-    sft_only = set(marked("sft"))
+    sft_only, dpo_only = set(marked("sft")), set(marked("dpo"))
     for name in config.FIELD_SECTION:
         if name == "mode":  # the command itself
             continue
         kind = field_type(name)
         help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
-        if name in sft_only and not sft:
+        if (name in sft_only and not sft) or (name in dpo_only and not dpo):
             help_text = argparse.SUPPRESS
         if kind is bool:
             # `--pin_memory` alone means on; `--pin_memory 0` turns a preset's setting off.

@@ -16,7 +16,8 @@ from train.core.errors import UsageError
 # (train/config/knobs.py), so a new knob is one field with its doc.
 MARKS = {
     "auto": 'empty, "auto" or "none" leave it to the run (the field defaults to None)',
-    "sft": "SFT only: pretraining stops when it is set, as it would be ignored",
+    "sft": "SFT only (and preference training, which fine-tunes too): pretraining stops when it is set",
+    "dpo": "preference training only: pretraining and SFT stop when it is set, as it would be ignored",
     "compared": "a RESUME=1 says so when it changed since the checkpoint",
     "switch": 'its launcher variable takes the guides\' switch form ("--flag", or 1/0)',
     "command": "set by the command or the launcher script itself: no launcher variable",

@@ -98,6 +98,29 @@ def forward_loss(
     return (loss, token_mean_share(hits.float(), targets, world_size)) if accuracy else loss
 
 
+@dataclass(frozen=True)
+class TokenObjective:
+    """The token-mean LM loss of pretraining and SFT: train_step's default objective. An objective
+    counts its step's divisors on the host from the micro-batches (counts; with several ranks each
+    is summed over them) and gives each micro-batch's share of the step's loss with its metrics,
+    device tensors that train_step sums over the micro-steps (loss). Preference training's is
+    train/core/preference/loss.py PreferenceObjective."""
+
+    source_target: bool
+
+    def counts(self, micro_batches) -> int:
+        return step_targets(micro_batches, shifted=not self.source_target)
+
+    def loss(self, model, batch, device, precision, counts, world_size: int, accuracy: bool):
+        out = forward_loss(model, batch, device, precision, counts, world_size, accuracy,
+                           source_target=self.source_target)  # fmt: skip
+        return (out[0], {"mean_token_accuracy": out[1]}) if accuracy else (out, {})
+
+    def returned(self, sums: dict):
+        """train_step's fourth value on a log step: the token accuracy (a device tensor)."""
+        return sums["mean_token_accuracy"]
+
+
 def _host_padded(batch: dict) -> bool | None:
     """Whether the batch has padding, read from its host tensors before they move (no device
     sync): the 2D attention_mask's zeros; None for a prepared 4D mask (used as it is)."""
@@ -110,7 +133,7 @@ def _host_padded(batch: dict) -> bool | None:
 
 def train_step(
     model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
-    accuracy: bool = False, *, source_target: bool,
+    accuracy: bool = False, *, source_target: bool, objective=None,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
@@ -121,24 +144,26 @@ def train_step(
     step_total(targets) -> (targets over all ranks, ranks) makes the loss the token mean over
     every rank (SFT's ranks hold different numbers of target tokens). accuracy (a log step's):
     a fourth, the step's mean_token_accuracy on this rank's share, a device tensor read with the
-    loss at the log line's one sync (the argmax costs a step that logs nothing no work at all)."""
+    loss at the log line's one sync (the argmax costs a step that logs nothing no work at all).
+    objective: the mode's loss (TokenObjective's interface), default the token loss; a log step's
+    fourth value is then objective.returned(the metrics summed over the micro-steps)."""
+    objective = objective or TokenObjective(source_target)
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
-    targets = step_targets(micro_batches, shifted=not source_target)
+    counts = objective.counts(micro_batches)  # host ints: no device sync
     world_size = 1
     if step_total is not None:
-        targets, world_size = step_total(targets)
+        counts, world_size = step_total(counts)
     loss_sum = torch.zeros((), device=device)
-    acc_sum = torch.zeros((), device=device) if accuracy else None
+    sums: dict = {}
     for micro, batch in enumerate(micro_batches):
         with gradient_sync(micro + 1 == accum) if gradient_sync else contextlib.nullcontext():
-            loss = forward_loss(model, batch, device, precision, targets, world_size, accuracy, source_target=source_target)
-            if accuracy:
-                loss, acc = loss
-                acc_sum += acc
+            loss, metrics = objective.loss(model, batch, device, precision, counts, world_size, accuracy)
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
+        for name, value in metrics.items():  # on the device, read at a log line only
+            sums[name] = sums[name] + value if name in sums else value
     scaler.unscale_(optimizer)
     if grad_clip > 0:
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
@@ -147,4 +172,4 @@ def train_step(
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return (loss_sum, grad_norm, waited, acc_sum) if accuracy else (loss_sum, grad_norm, waited)
+    return (loss_sum, grad_norm, waited, objective.returned(sums)) if accuracy else (loss_sum, grad_norm, waited)

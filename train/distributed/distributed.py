@@ -218,10 +218,17 @@ def sum_across(world: Dist, counts) -> tuple[int, ...]:
 
 def step_total(world: Dist):
     """For train_step: (a step's target tokens over all ranks, ranks), one host all-reduce per
-    optimizer step; None with one process (nothing to add up)."""
+    optimizer step; None with one process (nothing to add up). A tuple of counts (preference
+    training's pairs and chosen tokens) is summed item by item in the same all-reduce."""
     if world.world_size == 1:
         return None
-    return lambda targets: (sum_across(world, [targets])[0], world.world_size)
+
+    def total(counts):
+        many = isinstance(counts, tuple)
+        summed = sum_across(world, list(counts) if many else [counts])
+        return (tuple(summed) if many else summed[0]), world.world_size
+
+    return total
 
 
 def _attempt(fn):

@@ -292,10 +292,11 @@ def estimate_for_run(
     seq2seq = family_of(hf_cfg).source_target
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
-    return estimate_memory(
+    preference = cfg.run.mode == "dpo"  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
+    est = estimate_memory(
         hf_cfg,
         n_params,
-        batch_size=cfg.optim.batch_size,
+        batch_size=cfg.optim.batch_size * (2 if preference else 1),
         max_length=max_length,
         precision=precision,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -305,6 +306,10 @@ def estimate_for_run(
         target_length=target,
         **_optimizer_args(cfg, trainable),
     )
+    if preference and cfg.model.reference == "copy":  # a frozen fp32 copy of the weights beside the policy
+        est["reference"] = n_params * 4
+        est["peak"] += est["reference"]
+    return est
 
 
 def _trainable_of_run(hf_cfg, n_params: int, cfg) -> Trainable:

@@ -173,17 +173,24 @@ def pack_conversations(d, dataset, set_attention, tok, device, precision: str, m
         f"{len(dataset)} conversations best-fit into rows of MAX_LENGTH={max_length}: {packing.efficiency:.1%} of "
         "the row tokens are real; BATCH_SIZE counts rows",
     )
+    attention = packed_attention(device, precision, set_attention)
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    packed = {"packed_rows": len(rows), "packing_efficiency": packing.efficiency, "attention": attention.kind}
+    return rows, collate, packed
+
+
+def packed_attention(device, precision: str, set_attention) -> Attention:
+    """The attention that keeps packed sequences apart here (packing.attention_for), the model switched
+    to it by set_attention(kind); the masked sdpa path where the model cannot switch."""
     attention = attention_for(device, precision)
     if attention.kind in (FLASH, VARLEN):
         try:
             set_attention(attention.kind)
         except Exception as err:  # no flash/varlen support for this architecture: the masked path
             attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
-    decide("attention", attention.kind, attention.why)
-    multiple = 8 if device.type == "cuda" else 1
-    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
-    packed = {"packed_rows": len(rows), "packing_efficiency": packing.efficiency, "attention": attention.kind}
-    return rows, collate, packed
+    return attention
 
 
 def split_validation(d, eval_batches: int, dataset: SFTDataset, tok, max_length: int, say, decide, kind: str = "causal"):

@@ -279,13 +279,13 @@ def _single_threaded_tokenizers():
 
 
 def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int, kind: str = "causal",
-                   rendering: Rendering | None = None) -> Iterator[tuple]:
-    """_encode_chunk's results for every chunk of items, in order. workers > 1: that many
-    processes, at most two chunks each in flight, so memory stays flat however long the data."""
-    chunks, rendering = _chunks(items, CHUNK_ROWS), rendering or Rendering()
+                   rendering: Rendering | None = None, encode=None) -> Iterator[tuple]:
+    """encode's results (_encode_chunk's, or the preference cache's: it reads _WORKER too) per chunk, in order.
+    workers > 1: that many processes, at most two chunks each in flight: memory stays flat however long the data."""
+    chunks, rendering, encode = _chunks(items, CHUNK_ROWS), rendering or Rendering(), encode or _encode_chunk
     if workers <= 1:
         _init_worker(tok, fmt, max_length, kind, rendering, pool_worker=False)
-        yield from map(_encode_chunk, chunks)
+        yield from map(encode, chunks)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
@@ -294,7 +294,7 @@ def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int
     with pool:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(encode, (chunk,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:

@@ -191,6 +191,31 @@ def _prepare(tokenizer, r: Rendering) -> str:
     return mode
 
 
+def rendered_ids(conversations: Sequence[Sequence[dict]], tokenizer, rendering: Rendering = DEFAULT,
+                 tally: Tally | None = None):
+    """Per conversation, whole (before any cut): (input_ids, labels, pinned), pinned the tokens of its
+    leading tools list and system turns, which truncation keeps; None for one whose chat template
+    failed within its bound (a bad record, counted in `tally`). encode_conversations cuts them to
+    MAX_LENGTH; preference pairs (train/data/pref) cut a pair's two sequences together."""
+    mode = _prepare(tokenizer, rendering)
+    for lo in range(0, len(conversations), _ENCODE_CHUNK):
+        rendered = _rendered(tokenizer, conversations[lo : lo + _ENCODE_CHUNK], rendering, mode, tally, lo)
+        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments or ()]))
+        for segments in rendered:
+            if segments is None:
+                yield None
+                continue
+            input_ids: list[int] = []
+            labels: list[int] = []
+            pinned = 0
+            for _, flag in segments:
+                ids = list(next(piece_ids))
+                pinned += len(ids) if flag == PINNED and len(input_ids) == pinned else 0
+                input_ids += ids
+                labels += ids if flag == TRAINED else [IGNORE_INDEX] * len(ids)
+            yield input_ids, labels, pinned
+
+
 def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int,
                          rendering: Rendering = DEFAULT, tally: Tally | None = None) -> tuple[list[dict], int]:
     """Conversations -> ([{"input_ids", "labels"}], number truncated to max_length).
@@ -204,40 +229,26 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     mode = _prepare(tokenizer, r)
     marker = TEMPLATE[mode].marker(tokenizer)  # the "reply now" marker every cut keeps
     ends = set(stop_token_ids(tokenizer))  # and a cut reply its end-of-turn
-    index = 0
-    for lo in range(0, len(conversations), _ENCODE_CHUNK):
-        chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        rendered = _rendered(tokenizer, chunk, r, mode, tally, lo)
-        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments or ()]))
-        for conversation, segments in zip(chunk, rendered, strict=True):
-            if segments is None:  # refused in _rendered
-                index += 1
+    whole = rendered_ids(conversations, tokenizer, r, tally)
+    for at, (conversation, rendered) in enumerate(zip(conversations, whole, strict=True)):
+        if rendered is None:  # its chat template failed within the bound: refused in _rendered
+            continue
+        input_ids, labels, pinned = rendered
+        if labels.count(IGNORE_INDEX) == len(labels):
+            _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
+            continue
+        if len(input_ids) > max_length:
+            tools = split_tools(conversation)[0]
+            known = None if tools and not pinned else pinned
+            kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker, ends)
+            if kept is None:
+                _refuse(tally, at, _too_long(max_length))
                 continue
-            input_ids: list[int] = []
-            labels: list[int] = []
-            pinned = n_trained = 0
-            for _, flag in segments:
-                ids = list(next(piece_ids))
-                pinned += len(ids) if flag == PINNED and len(input_ids) == pinned else 0
-                n_trained += len(ids) if flag == TRAINED else 0
-                input_ids += ids
-                labels += ids if flag == TRAINED else [IGNORE_INDEX] * len(ids)
-            index, at = index + 1, index
-            if not n_trained:
-                _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
-                continue
-            if len(input_ids) > max_length:
-                tools = split_tools(conversation)[0]
-                known = None if tools and not pinned else pinned
-                kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker, ends)
-                if kept is None:
-                    _refuse(tally, at, _too_long(max_length))
-                    continue
-                n_truncated += 1
-                if tally is not None and tools and kept[0] != input_ids[:max_length]:  # the history was cut
-                    tally.tools_kept += 1
-                input_ids, labels = kept
-            examples.append({"input_ids": input_ids, "labels": labels})
+            n_truncated += 1
+            if tally is not None and tools and kept[0] != input_ids[:max_length]:  # the history was cut
+                tally.tools_kept += 1
+            input_ids, labels = kept
+        examples.append({"input_ids": input_ids, "labels": labels})
     return examples, n_truncated
 
 
@@ -324,10 +335,13 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
             elif None in fitted:
                 _refuse(tally, at, _too_long(max_length))
             else:
-                for (source, _, _), (src, target, cut) in zip(pairs, fitted, strict=True):
+                for (source, _, reply), (src, target, cut) in zip(pairs, fitted, strict=True):
                     examples.append({"input_ids": src, "labels": target})
                     n_truncated += cut
-                    if tally is not None and tools and len(src) < len(source) + len(sides[0]) + len(sides[1]):
+                    source_cut = len(src) < len(source) + len(sides[0]) + len(sides[1])
+                    if tally is not None and cut:
+                        tally.cut.append((at, source_cut, len(target) <= len(reply)))
+                    if tally is not None and tools and source_cut:
                         tally.tools_kept += 1
     return examples, n_truncated
 

@@ -258,10 +258,12 @@ def raw_pairs(turns, tools) -> list[tuple[str, str, str, bool]]:
 @dataclass
 class Tally:
     """What encoding did beside the examples: records whose history was cut with their tools list
-    kept, and the conversations refused ((index, reason): a skip-rules bad record)."""
+    kept, the conversations refused ((index, reason): a skip-rules bad record), and the
+    encoder-decoder pairs cut ((index, source cut?, target cut?), as preference pairs count them)."""
 
     tools_kept: int = 0
     refused: list = field(default_factory=list)
+    cut: list = field(default_factory=list)
 
     def refuse(self, index: int, reason: str) -> None:
         self.refused.append((index, reason))
@@ -297,11 +299,17 @@ def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_
         return None
     else:
         keep = max(max_length // 2, pinned + marker)
-        room = keep - pinned - marker
-        middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
-        order = [*range(pinned), *middle, *range(first - marker, first), *range(first, min(len(ids), first + max_length - keep))]
+        order = [*kept_source(first, pinned, keep, truncation, marker), *range(first, min(len(ids), first + max_length - keep))]
     order = _closed(order, labels, ends)
     return [ids[i] for i in order], [labels[i] for i in order]
+
+
+def kept_source(first: int, pinned: int, keep: int, truncation: str, marker: int = 0) -> list[int]:
+    """Which `keep` of a source's `first` tokens a cut keeps (their indices): the pinned prefix, the
+    source's end (keep_end) or start (keep_start), and the `marker` tokens it ends with."""
+    room = keep - pinned - marker
+    middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
+    return [*range(pinned), *middle, *range(first - marker, first)]
 
 
 def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max_length: int, truncation: str,

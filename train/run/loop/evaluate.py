@@ -23,16 +23,20 @@ from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool) -> float | None:
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool,
+             objective=None):  # fmt: skip
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
     Each batch's mean loss is weighted by its predicted tokens (labels after the causal shift,
     or an encoder-decoder's every label, that are not IGNORE_INDEX), so a short last batch or
     masked SFT prompts count by their tokens.
-    One host read per call. The model is put back in the mode it was in."""
+    One host read per call. The model is put back in the mode it was in. objective: preference
+    training's (the plan's): returns (mean loss, metrics), each the mean over the pairs read."""
     from train.core.loss import count_targets
     from train.core.step import forward_loss
 
+    if objective is not None:
+        return _evaluate_objective(model, loader, max_batches, device, precision, objective)
     was_training = model.training
     model.eval()
     dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
@@ -51,6 +55,30 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
         model.train(was_training)
     total = torch.stack([loss_sum, token_sum]).tolist()  # the one sync of the pass
     return total[0] / total[1] if total[1] > 0 else None
+
+
+def _evaluate_objective(model, loader, max_batches: int, device, precision: str, objective):
+    """(the pairs' mean loss, TRL's metrics as their means) over the first max_batches batches: each
+    batch's share is its own mean, weighted by its pairs; one host read."""
+    was_training = model.training
+    model.eval()
+    sums, pairs = {}, 0
+    try:
+        with torch.no_grad():
+            for index, batch in enumerate(loader):
+                if index >= max_batches:
+                    break
+                counts = objective.counts([batch])  # host labels: no sync
+                loss, metrics = objective.loss(model, batch, device, precision, counts)
+                for name, value in {"loss": loss, **metrics}.items():
+                    sums[name] = sums.get(name, 0) + value.double() * counts[0]
+                pairs += counts[0]
+    finally:
+        model.train(was_training)
+    if not pairs:
+        return None, {}
+    means = dict(zip(sums, (torch.stack(list(sums.values())) / pairs).tolist(), strict=True))  # the one sync
+    return means.pop("loss"), means
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -90,7 +118,7 @@ class Evaluator:
         batch_size = b.cfg.optim.batch_size
         self.loader = None if dataset is None else make_val_loader(dataset, batch_size, b.device, collate_fn)
         self.batches = -(-self.sequences // batch_size)  # the last one partial
-        self.last = None
+        self.last, self.last_metrics = None, {}
         self.best, self.best_step = best_so_far(Path(run_dir.path) / "metrics.jsonl")  # a fresh run: none
         self.passes, self.seconds = 0, 0.0
 
@@ -105,16 +133,22 @@ class Evaluator:
             self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
+        objective = getattr(self.b, "objective", None)
         loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision,
-                        source_target=self.b.family.source_target)
+                        source_target=self.b.family.source_target, objective=objective)
+        loss, metrics = loss if objective is not None else (loss, {})
         self.passes += 1
-        self.last = loss
-        ppl = perplexity(loss)
-        self.run_dir.metrics({"step": step, "samples": samples, "val_loss": loss, "val_ppl": ppl})
+        self.last, self.last_metrics = loss, metrics
+        ppl = perplexity(loss) if objective is None else None  # a preference loss is no token loss
+        self.run_dir.metrics({"step": step, "samples": samples, "val_loss": loss, "val_ppl": ppl,
+                              **{f"val_{name}": value for name, value in metrics.items()}})
         if loss is None:
             line = "eval: no tokens"
         else:  # a non-finite loss has no perplexity: n/a, and the loop stops the run
             line = f"eval step {step}: val_loss {loss:.4f} val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
+            if "rewards/accuracies" in metrics:
+                line = (f"eval step {step}: val_loss {loss:.4f} val_rewards/accuracies "
+                        f"{metrics['rewards/accuracies']:.3f} val_rewards/margins {metrics['rewards/margins']:.3f}")
         improved = loss is not None and math.isfinite(loss) and (self.best is None or loss < self.best)
         if self.keep_best:
             from train.run.guard.health import weights_finite
@@ -143,6 +177,7 @@ class Evaluator:
         return {
             "final_val_loss": self.last,
             "final_val_ppl": perplexity(self.last),
+            **{f"final_val_{name}": value for name, value in self.last_metrics.items() if name.startswith("rewards/")},
             "best_val_loss": self.best,
             "best_val_step": self.best_step,
             "val_sequences": None if self.loader is None else len(self.loader.dataset),

@@ -56,7 +56,8 @@ class BatchCounter:
     def __next__(self) -> dict:
         batch = next(self.batches)
         ids = batch["input_ids"]
-        self.rows += int(batch.get("n_conversations", ids.shape[0]))  # packed rows hold several
+        # packed rows hold several conversations; a preference batch's samples are its pairs
+        self.rows += int(batch.get("n_pairs", batch.get("n_conversations", ids.shape[0])))
         if self.seq2seq:
             real, padded = seq2seq_tokens(batch)
         else:
@@ -100,6 +101,7 @@ class Meter:
         self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
         self.loss: float | None = None  # the last logged loss
+        self.last_metrics: dict = {}  # and the last logged metrics (token accuracy, or TRL's rewards/...)
         self.first_step_s = None
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
@@ -183,17 +185,21 @@ class Meter:
     def log(self, step: int, loss_t, norm_t, lr: float, accuracy_t) -> None:
         """One metrics row and console line: the one host sync of the interval (loss, grad norm
         and mean_token_accuracy read together). The accuracy share of each rank adds up to the
-        token mean over all ranks' targets, as the loss does: averaged across ranks with it."""
+        token mean over all ranks' targets, as the loss does: averaged across ranks with it.
+        accuracy_t: the step's token accuracy, or the objective's metrics by name (preference
+        training: TRL's rewards/... and logps/..., each the step's mean over pairs, the same way)."""
         wait_s, compute_s = self.timer.take_interval()
-        pair, wait_s = distributed.mean_across(self.world, torch.stack([loss_t.float(), accuracy_t.float()]), wait_s)
-        loss, accuracy, grad_norm = torch.cat([pair, norm_t.float().reshape(1)]).tolist()
-        self.loss = loss
+        named = accuracy_t if isinstance(accuracy_t, dict) else {"mean_token_accuracy": accuracy_t}
+        stacked = torch.stack([loss_t.float(), *(v.float() for v in named.values())])
+        means, wait_s = distributed.mean_across(self.world, stacked, wait_s)
+        loss, *values, grad_norm = torch.cat([means, norm_t.float().reshape(1)]).tolist()
+        self.loss, self.last_metrics = loss, dict(zip(named, values, strict=True))
         now = time.perf_counter()
         span = now - self.interval_t0
         samples, tokens = self.totals(self.seen)
         row = {
             "step": step, "samples": samples, "tokens": tokens, "loss": loss, "lr": lr,
-            "grad_norm": grad_norm, "mean_token_accuracy": accuracy,
+            "grad_norm": grad_norm, **self.last_metrics,
             "samples_per_sec": (self.seen[0] - self.interval_at[0]) / span,
             "data_wait_frac": exposed_wait_frac(wait_s, compute_s, span),
             "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
@@ -216,8 +222,11 @@ class Meter:
         total, wait = self.guard.total_steps, row["data_wait_frac"] or 0
         train_s = now - self.t0 - self.excluded
         eta = train_s / (step - self.first) * (total - step)
+        pairs = "rewards/accuracies" in row  # preference training: the reward accuracy and margin
+        shown = (f"acc {row['rewards/accuracies']:.3f} margin {row['rewards/margins']:.3f}" if pairs
+                 else f"acc {row['mean_token_accuracy']:.3f}")  # fmt: skip
         line = (
-            f"step {step}/{total} loss {row['loss']:.4f} acc {row['mean_token_accuracy']:.3f} lr {row['lr']:.2e} "
+            f"step {step}/{total} loss {row['loss']:.4f} {shown} lr {row['lr']:.2e} "
             f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
             f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
         )

@@ -59,7 +59,7 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                source_target=b.family.source_target,
+                source_target=b.family.source_target, objective=b.objective,
             ))  # fmt: skip
 
         return feed.step(attempt)

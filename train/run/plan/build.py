@@ -17,6 +17,7 @@ from train.distributed.distributed import SINGLE, Dist
 from train.models.build import build_config, context_length, new_model, size_vocab
 from train.models.family import family_of
 from train.run.plan.adapt import over_memory
+from train.run.plan.dpo import DPOSource
 from train.run.plan.plan import Chosen, ModelChoice, Plan, make_plan, note_family_ignored, shortest_limit
 from train.run.plan.sft import SFTSource, refuse_sft_settings
 
@@ -40,7 +41,7 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None =
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
-    source = SFTSource() if asked.run.mode == "sft" else PretrainingSource()
+    source = {"sft": SFTSource, "dpo": DPOSource}.get(asked.run.mode, PretrainingSource)()
     plan = make_plan(asked, say, world, source, chosen)
     warning = None if plan.cfg.run.dry_run else over_memory(plan)  # a dry run says it by its estimate
     if warning:
@@ -83,6 +84,10 @@ class PretrainingSource:
         """The new model, its vocabulary and special ids from the tokenizer (T5's sentinels included)."""
         size_vocab(choice.config, tok, decide)
         return new_model(choice.config, cfg.model.gradient_checkpointing, cfg.system.seed, cfg.run.dry_run, device)
+
+    def objective(self, cfg, choice, model, data: Data, device, precision: str, trained: int, say, decide):
+        """(None: the step's token loss, the data as it is)."""
+        return None, data
 
 
 def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, bool]:

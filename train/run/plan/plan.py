@@ -70,6 +70,9 @@ class Plan:
     val_dataset: torch.utils.data.Dataset | None = None
     val_collate: Callable | None = None
     """SFT: the collator for validation batches (padding); None: default stacking."""
+    objective: object = None
+    """The mode's loss for train_step (train/core/step.py): None, the token loss of pretraining and SFT;
+    preference training's PreferenceObjective (train/core/preference), with its reference model."""
 
 
 @dataclass(frozen=True)
@@ -221,9 +224,10 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
 
 
 def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | None = None) -> Plan:
-    """The one plan function. `source` (build.PretrainingSource, sft.SFTSource) answers where the
-    model, tokenizer and data come from, each a pure call; every other decision is made here, the
-    same way for every mode. chosen: a micro-batch found ahead of planning (AUTO_BATCH=1)."""
+    """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
+    where the model, tokenizer, data and loss (objective) come from, each a pure call; every other
+    decision is made here, the same way for every mode. chosen: a micro-batch found ahead of
+    planning (AUTO_BATCH=1)."""
     cfg = copy.deepcopy(asked)
     source.refuse(cfg)
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
@@ -250,17 +254,21 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     total_steps, why = source.steps(cfg, data, world.world_size, say, decide)
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
-    val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
     frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
         if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters
             decide("trainable_params", trainable_of(model).params, "LoRA's adapters left trained by FREEZE")
     apply_generation_config(model, generation, decide, cfg.model.generation_config)
+    # the mode's loss, and its reference model made from the policy as it starts (preference training)
+    trained = total_steps * cfg.effective_batch_size(world.world_size)
+    objective, data = source.objective(cfg, choice, model, data, device, precision, trained, say, decide)
+    val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
     parallel(cfg, world, decide)
     return Plan(
         cfg=cfg, device=device, precision=precision, model_size=choice.size, family=choice.family,
         max_length=max_length, model=model, tokenizer=tok, dataset=data.dataset, total_steps=total_steps,
         warmup_steps=warmup, decisions=tuple(decide.items), world=world, collate=data.collate,
         summary_extra=MappingProxyType(data.summary), val_dataset=val_dataset, val_collate=data.val_collate,
+        objective=objective,
     )

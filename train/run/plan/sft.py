@@ -37,6 +37,7 @@ from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
 
 SFT_ONLY = knobs.marked("sft")  # config.py's fields marked "sft"
+DPO_ONLY = tuple(n for n in knobs.marked("dpo") if n not in SFT_ONLY)  # preference training's own
 
 
 def refuse_sft_settings(cfg: TrainConfig) -> None:
@@ -46,6 +47,15 @@ def refuse_sft_settings(cfg: TrainConfig) -> None:
             raise UsageError(
                 f"{knobs.env_name(name)} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
             )
+    refuse_dpo_settings(cfg)
+
+
+def refuse_dpo_settings(cfg: TrainConfig) -> None:
+    """Pretraining and SFT: a preference-training knob that is set would be ignored: one line, stop."""
+    for name in DPO_ONLY:
+        if knobs.value(cfg, name) is not None:
+            raise UsageError(f"{knobs.env_name(name)} (--{name}) is a preference-training setting; use "
+                             "`python -m train dpo` or ./train_dpo.sh")
 
 
 def plan_sft_steps(
@@ -79,6 +89,7 @@ class SFTSource:
 
     def refuse(self, cfg: TrainConfig) -> None:
         sft_scratch.refuse_both(cfg)
+        refuse_dpo_settings(cfg)
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
         """A new model's config, or MODEL_PATH's (read, not loaded: its weights come after the data)."""
@@ -151,9 +162,14 @@ class SFTSource:
         model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
         return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
+    def objective(self, cfg, choice, model, data: Data, device, precision: str, trained: int, say, decide):
+        """(None: the step's token loss, the data as it is); preference training's is dpo.py's."""
+        return None, data
 
-def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[int, str, float]:
-    """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean."""
+
+def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:
+    """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean. unit: what
+    a row is (default: conversations or pairs, unit_of)."""
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed,
                                 source_lengths=getattr(dataset, "source_lengths", None)).batches()
@@ -169,5 +185,5 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide) -> tuple[
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
     pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit_of(pairs))
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or unit_of(pairs))
     return total_steps, why, rows_per_micro

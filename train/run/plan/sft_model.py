@@ -1,5 +1,6 @@
 """Which saved model SFT fine-tunes: MODEL_PATH, or the newest completed pretraining run's final/
-(choose_pretrained), with a warning where it is barely trained. Loading it is train/models/load.py's.
+(choose_pretrained), with a warning where it is barely trained; preference training's default is
+the newest completed SFT run's final/ (STAGES). Loading it is train/models/load.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 # runs are a few steps long, measurements rather than models.
 PRETRAIN_LAUNCHERS = ("run_single_gpu", "run_single_gpu_optimized", "train")
 FEW_STEPS = 50  # fewer optimizer steps: the model still emits noise, and so will its SFT
+SFT_LAUNCHERS = ("train_sft_custom", "quick_start_sft_fast", "train")
+# A mode's default model: the mode of the run it continues, the launchers that make such runs, how to make one.
+STAGES = {"sft": ("pretrain", PRETRAIN_LAUNCHERS, MAKE_A_MODEL),
+          "dpo": ("sft", SFT_LAUNCHERS, "MODEL_PATH=runs/<pretraining run>/final DATA_PATH=chat.jsonl ./train_sft_custom.sh")}
 
 
 def _json_of(path: Path) -> dict | None:
@@ -33,19 +38,19 @@ def _json_of(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def pretrained_run(run: Path) -> SimpleNamespace | None:
+def pretrained_run(run: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHERS) -> SimpleNamespace | None:
     """run's final/ as SFT's default candidate, or None: a folder (not a link) whose summary.json
     says a pretraining run that completed its budget (MAX_STEPS counts; Ctrl-C, out of memory, a
     kill do not), whose final/ is whole and of that step, started by PRETRAIN_LAUNCHERS."""
     summary = _json_of(run / "summary.json") if run.is_dir() and not run.is_symlink() else None
     config = _json_of(run / "config.json") if summary else None
-    if not summary or not config or summary.get("mode") != "pretrain" or summary.get("exit_reason") != "completed":
+    if not summary or not config or summary.get("mode") != mode or summary.get("exit_reason") != "completed":
         return None
     steps = summary.get("steps")
     if not isinstance(steps, int) or unfinished(run, steps) is not None:
         return None
     run_cfg = config.get("config", {}).get("run") if isinstance(config.get("config"), dict) else None
-    if not isinstance(run_cfg, dict) or run_cfg.get("launcher") not in PRETRAIN_LAUNCHERS:
+    if not isinstance(run_cfg, dict) or run_cfg.get("launcher") not in launchers:
         return None
     family = (_json_of(run / "final" / "config.json") or {}).get("model_type")  # what was built, not asked
     return SimpleNamespace(final=run / "final", steps=steps, family=family if isinstance(family, str) else "?",
@@ -57,11 +62,12 @@ def _causal(model_type: str) -> bool:
     return family is not None and not family.source_target
 
 
-def choose_pretrained(output_dir: Path) -> SimpleNamespace | None:
+def choose_pretrained(output_dir: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHERS) -> SimpleNamespace | None:
     """The newest completed launcher-made causal-LM pretraining run under output_dir (gpt2, llama;
     an encoder-decoder only where no causal run is there: a chat model is a causal LM). runs/latest
-    is no help: it may be an SFT or compare run."""
-    found = [c for run in (output_dir.iterdir() if output_dir.is_dir() else ()) if (c := pretrained_run(run))]
+    is no help: it may be an SFT or compare run. mode: the run's mode (dpo asks for an SFT run)."""
+    runs = output_dir.iterdir() if output_dir.is_dir() else ()
+    found = [c for run in runs if (c := pretrained_run(run, mode, launchers))]
     same = [c for c in found if _causal(c.family)]
     return max(same or found, key=lambda c: c.time, default=None)
 
@@ -73,24 +79,26 @@ def newest_pretrained(output_dir: Path) -> Path | None:
 
 
 def model_source(cfg: TrainConfig, decide, say=print) -> str:
-    """MODEL_PATH, or choose_pretrained's final/ under OUTPUT_DIR, with a warning where it is
-    barely trained."""
+    """MODEL_PATH, or choose_pretrained's final/ under OUTPUT_DIR (SFT: of a pretraining run; DPO:
+    of an SFT run), with a warning where it is barely trained."""
     if cfg.model.model_path is not None:
         return cfg.model.model_path
-    chosen = choose_pretrained(Path(cfg.run.output_dir))
+    mode, launchers, make = STAGES.get(getattr(cfg.run, "mode", "sft"), STAGES["sft"])
+    stage = "pretraining" if mode == "pretrain" else mode.upper()
+    chosen = choose_pretrained(Path(cfg.run.output_dir), mode, launchers)
     if chosen is None:
         raise UsageError(
-            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed pretraining run of a launcher "
-            f"(compare, doctor and unfinished runs do not count); make one with `{MAKE_A_MODEL}` or set MODEL_PATH "
+            f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed {stage} run of a launcher "
+            f"(compare, doctor and unfinished runs do not count); make one with `{make}` or set MODEL_PATH "
             "to a local transformers model folder"
         )
-    why = "the newest completed pretraining run of a launcher (set MODEL_PATH to choose)"
+    why = f"the newest completed {stage} run of a launcher (set MODEL_PATH to choose)"
     if not _causal(chosen.family):
         why += f"; note: a {chosen.family} model, as no completed causal-LM pretraining run is there"
     decide("model_path", str(chosen.final), why)
     if chosen.steps < FEW_STEPS:
         say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under {FEW_STEPS}): "
-            f"fine-tuning it teaches little; pretrain longer (`{MAKE_A_MODEL}`) or set MODEL_PATH")
+            f"fine-tuning it teaches little; train it longer (`{make}`) or set MODEL_PATH")
     return str(chosen.final)
 
 

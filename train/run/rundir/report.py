@@ -155,6 +155,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         **mfu_report(measured["tokens_per_sec"], fpt, device_name(device) if device.type == "cuda" else None,
                      b.precision, tf32=cfg.system.tf32),
         "final_loss": meter.loss,
+        **{f"final_{name}": value for name, value in meter.last_metrics.items() if name.startswith("rewards/")},
         **parts.evaluator.summary(),
         **finish_counts(parts.compiled),
         "exit_reason": exit_reason,
@@ -167,7 +168,8 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
 
 
 KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are
-LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast")
+LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast",
+                    "train_dpo")
 
 
 def launcher_defaults(launcher: str) -> dict[str, str]:
@@ -207,7 +209,7 @@ def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = N
     the settings its defaults would change; every other setting comes from the run."""
     run_name = Path(run_path).name
     if launcher in LAUNCHER_SCRIPTS:
-        batch = f" {batch_size}" if launcher == "train_sft_custom" and batch_size else ""
+        batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo") and batch_size else ""
         again = "".join(f" {item}" for item in set_again(Path(run_path), launcher))
         how = f"RESUME=1 RUN_NAME={run_name}{again} ./{launcher}.sh{batch} (its other settings are kept)"
     else:

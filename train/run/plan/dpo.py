@@ -1,0 +1,136 @@
+"""`python -m train dpo`: where a preference-training run's model, data and loss come from (DPOSource).
+
+The plan is make_plan's, as for pretraining and SFT, and the step, loop, checkpoints and run folder are
+shared. The model and its tokenizer are SFT's (SFTSource's calls: MODEL_PATH, default the newest
+completed SFT run's final/; LoRA), the data is train/data/pref's front door (pairs of chosen and
+rejected replies), and the loss is train/core/preference's, handed to the step as the plan's objective
+with the reference model REFERENCE decides (train/run/plan/dpo_reference.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from config import TrainConfig
+from train.config import knobs
+from train.core.errors import UsageError
+from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
+from train.data.loader import Data
+from train.data.pref.preference import preference_data
+from train.models.build import attention_fits
+from train.run.plan import dpo_reference, sft_scratch
+from train.run.plan.plan import ModelChoice
+from train.run.plan.sft import SFTSource, sft_steps
+
+DEFAULTS = {"dpo_loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "sft_weight": 0.0}
+"""The DPO knobs' values when empty (config.py's docstrings say the same)."""
+
+
+def settings(cfg: TrainConfig) -> dict:
+    """The DPO knobs as the run uses them: empty ones at DEFAULTS."""
+    values = {name: knobs.value(cfg, name) for name in DEFAULTS}
+    return {name: DEFAULTS[name] if value is None else value for name, value in values.items()}
+
+
+def refuse_preference(cfg: TrainConfig) -> None:
+    """What preference training cannot do, one line each, before any work."""
+    if sft_scratch.asked(cfg):
+        which = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
+        raise UsageError(f"{which}: preference training fine-tunes a trained chat model; set MODEL_PATH (or leave it "
+                         "empty: the newest completed SFT run's final/)")
+    loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
+    if reference is not None and not DPO_LOSS[loss].reference:
+        raise UsageError(f"REFERENCE={reference}: DPO_LOSS={loss} is reference-free; leave REFERENCE empty")
+    if reference == "adapters" and not cfg.model.lora_r:
+        raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set LORA_R "
+                         "(or REFERENCE=copy / precomputed)")
+    if cfg.data.packing:  # the data front door packs pairs; the loss's per-sequence sums do not read them yet
+        raise UsageError("PACKING=1: preference training's loss does not read packed rows yet; leave PACKING empty "
+                         "(LENGTH_GROUPING=1 or TOKEN_BUDGET cut the padding instead)")
+    if cfg.system.sharding != "none" and reference == "copy":
+        raise UsageError(f"REFERENCE=copy with SHARDING={cfg.system.sharding}: a whole copy on every process defeats "
+                         "the sharding; use REFERENCE=precomputed")
+
+
+def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide) -> str | None:
+    """REFERENCE as the run uses it (set in the plan's config): the asked one, or the kit's choice."""
+    loss = settings(cfg)["dpo_loss"]
+    if not DPO_LOSS[loss].reference:
+        return None
+    if cfg.model.reference is not None:
+        return cfg.model.reference
+    if cfg.model.lora_r:
+        kind, why = "adapters", "LORA_R is set: the base model is the policy with its adapters off (no copy, no pass)"
+    elif trained >= pairs or cfg.system.sharding != "none":
+        kind, why = "precomputed", (f"the run reads {trained} pair(s) of {pairs}: one forward pass over them before "
+                                    "training (cached) costs less than a frozen copy's memory and its forward every step")
+    else:
+        kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of weights on "
+                             "the device) costs less than a pass over them all")
+    cfg.model.reference = kind
+    decide("reference", kind, why)
+    return kind
+
+
+class DPOSource(SFTSource):
+    """Preference training: SFT's model and tokenizer (MODEL_PATH or the newest SFT run's final/, LoRA),
+    pairs from DATA_PATH, and the preference loss as the step's objective. Each call returns what it made."""
+
+    def refuse(self, cfg: TrainConfig) -> None:
+        sft_scratch.refuse_both(cfg)
+        refuse_preference(cfg)
+
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+        """SFT's model (MODEL_PATH, LoRA), its dropout off: the policy and its reference (in eval mode)
+        then score a pair alike, so the first step's loss is ln 2 (TRL's disable_dropout, on by default)."""
+        model = super().model(cfg, choice, tok, data, device, decide)
+        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        for m in dropouts:
+            m.p = 0.0
+        if dropouts:
+            decide("dropout", 0.0, f"{len(dropouts)} dropout layers off, as TRL's DPO does: policy and reference score "
+                   "a pair alike (the first step's loss is ln 2)")
+        return model
+
+    def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
+             decide) -> Data:
+        """The encoded pairs, the held-out ones, and how to batch them (train/data/pref)."""
+        data = preference_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
+                               precision=precision, eval_batches=cfg.run.eval_batches,
+                               set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
+                               compile_on=cfg.model.compile)
+        data.summary = {"model_path": str(choice.path), **data.summary}
+        return data
+
+    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+        """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); the pairs' lengths said."""
+        total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit="pairs")
+        if cfg.data.token_budget is not None:
+            effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
+            data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
+        sides = data.conversations.sides
+        say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
+                      for side, v in zip(("prompt", "chosen", "rejected"), sides.T, strict=True)))
+        return total_steps, why
+
+    def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
+                  trained: int, say, decide):
+        """(the preference objective, the data): the reference REFERENCE decides, made now from the
+        policy as it starts (a copy, or the cached pass whose log-probs the batches then carry)."""
+        s = settings(cfg)
+        source_target = choice.family.source_target
+        kind = decide_reference(cfg, len(data.conversations), trained, decide)
+        reference = None
+        if kind is not None and not cfg.run.dry_run:
+            if kind == "precomputed":
+                data = dpo_reference.with_precomputed(data, model, device, precision, source_target,
+                                                      cfg.data.cache_dir, say)
+            reference = build_reference(kind, model, source_target=source_target)
+        data.summary.update({**s, "reference": kind})
+        objective = PreferenceObjective(source_target, s["dpo_loss"], s["beta"], s["label_smoothing"],
+                                        s["simpo_gamma"], s["sft_weight"], reference)
+        return objective, data
+

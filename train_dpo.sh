@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Preference training (the third stage: pretrain -> SFT -> DPO) with the micro-batch, in PAIRS, as the
+# first argument: each pair is two sequences (chosen and rejected) in one forward. Any further flags go to
+# `python -m train dpo` as they are. docs/dpo.md: the data shapes, the losses, REFERENCE's three ways.
+# Usage: [VAR=value ...] ./train_dpo.sh [MICRO_BATCH] [--any_flag value ...]
+#   e.g. DATA_PATH=pairs.jsonl ./train_dpo.sh 8
+#        MODEL_PATH=runs/my-sft/final DATA_PATH=dpo_en_demo.json DPO_LOSS=ipo LORA_R=16 ./train_dpo.sh 4
+set -euo pipefail
+
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # the first argument is the micro-batch unless it is a flag
+  BATCH_SIZE=$1
+  shift
+fi
+# BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)
+# Every knob of config.py that applies to `python -m train dpo`, as VARIABLE=${VARIABLE:-default}
+# (docs/knobs.md). Empty: the launcher's preset (dpo), else config.py's default.
+# ---- model ----
+MODEL_SIZE=${MODEL_SIZE:-}              # 8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K); empty: small on a GPU, else a nano demo
+MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2
+MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers causal-LM or encoder-decoder (T5, BART ...) config.json
+ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
+COMPILE=${COMPILE:-}                    # torch.compile the model; empty: 0
+MODEL_PATH=${MODEL_PATH:-}              # the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported); empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/
+GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
+LORA_R=${LORA_R:-}                      # LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen; empty or 0: full fine-tuning
+LORA_ALPHA=${LORA_ALPHA:-}              # LoRA's scale is LORA_ALPHA / LORA_R; empty: 2 x LORA_R
+LORA_DROPOUT=${LORA_DROPOUT:-}          # dropout on the LoRA adapters' input; empty: 0.05
+LORA_TARGETS=${LORA_TARGETS:-}          # layer names LoRA adapts (comma-separated, or all-linear); empty: the architecture's (docs/sft.md)
+TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # let MODEL_PATH run the Python code it ships (custom architectures)
+REFERENCE=${REFERENCE:-}                # copy | precomputed | adapters; empty: the run decides (adapters with LORA_R, else precomputed; docs/dpo.md)
+FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
+
+# ---- data, tokenizer, data loading ----
+DATA_PATH=${DATA_PATH:-}                # training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl, .jsonl.gz); empty: the built-in corpus (the standard-library sources of the running Python)
+TEXT_FIELD=${TEXT_FIELD:-}              # the field (JSON) or column (parquet, Arrow; only it is read) of the text; empty: text
+TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local AutoTokenizer folder; empty: a byte-level BPE trained on the corpus and cached
+VOCAB_SIZE=${VOCAB_SIZE:-}              # vocabulary of the BPE trained when no TOKENIZER_PATH is given; empty: 8192
+TOKENIZER_SAMPLE_MB=${TOKENIZER_SAMPLE_MB:-} # MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a sample spread through it; empty: 100
+MAX_RECORD_MB=${MAX_RECORD_MB:-}        # longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb; empty: 64
+TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes tokenizing the data into the token cache (pretraining) or the SFT cache; empty: every core (a corpus under 8 MB: none, in the training process)
+MAX_LENGTH=${MAX_LENGTH:-}              # tokens per training sequence; sequences are packed to exactly this length; empty: the model's context length
+NUM_WORKERS=${NUM_WORKERS:-}            # DataLoader worker processes; empty: 2 (preset dpo)
+PREFETCH_FACTOR=${PREFETCH_FACTOR:-}    # batches each worker loads ahead (only with NUM_WORKERS > 0; torch's default is 2)
+PIN_MEMORY=${PIN_MEMORY:-}              # page-locked host buffers so host-to-GPU copies run asynchronously (no effect on CPU); empty: 1 (preset dpo)
+PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-} # keep worker processes alive between epochs instead of restarting them; empty: 0
+CACHE_DIR=${CACHE_DIR:-}                # where trained tokenizers and token caches live, keyed by data content and tokenizer; empty: .cache
+LENGTH_GROUPING=${LENGTH_GROUPING:-0}   # batch samples of similar length together (the guides' "dynamic batch size by sequence length")
+TOKEN_BUDGET=${TOKEN_BUDGET:-}          # build each micro-batch by tokens instead of samples: as many samples as fit in this many padded tokens (rows x longest)
+SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # skip records that cannot be used (bad JSON, no response, wrong shape) and print how many
+TEMPLATE=${TEMPLATE:-}                  # builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file; empty: the tokenizer's own chat template where it has one, else builtin
+TRUNCATION=${TRUNCATION:-}              # keep_end | keep_start; empty: keep_end (a long source keeps its end)
+REASONING=${REASONING:-}                # keep | drop; empty: keep (an assistant turn's reasoning_content is rendered and trained)
+VAL_FRACTION=${VAL_FRACTION:-}          # share of the data held out for validation (the last part of the token stream, never trained on); empty: 0.01
+VAL_PATH=${VAL_PATH:-}                  # a separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer
+
+# ---- batch, learning rate, how long ----
+BATCH_SIZE=${BATCH_SIZE:-8}             # micro-batch per GPU: sequences in one forward/backward
+GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # micro-batches summed before each optimizer step
+LEARNING_RATE=${LEARNING_RATE:-}        # peak learning rate, reached after the warm-up, then following LR_SCHEDULE; empty: 5e-6 (preset dpo)
+MIN_LR_RATIO=${MIN_LR_RATIO:-}          # the cosine and linear schedules end at LEARNING_RATE x this; empty: 0.1
+OPTIMIZER=${OPTIMIZER:-}                # adamw | adafactor | sgd | adafactor_relative; empty: adamw
+LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle; empty: cosine
+WARMUP_STEPS=${WARMUP_STEPS:-}          # optimizer steps of linear warm-up; below 1, a share of the run's steps (0.05: 5 %, rounded up, as TRL's warmup_steps); empty: 5 % of the run, at most 200
+WEIGHT_DECAY=${WEIGHT_DECAY:-}          # weight decay on matrices (not on biases and norms); empty: 0 (preset dpo)
+GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this before each step (0: no clipping); empty: 1
+MAX_STEPS=${MAX_STEPS:-}                # stop after this many optimizer steps
+EPOCHS=${EPOCHS:-}                      # stop after this many passes over the data (fractions allowed)
+MAX_SAMPLES=${MAX_SAMPLES:-}            # stop after this many training sequences (the budget `make compare` holds fixed)
+DPO_LOSS=${DPO_LOSS:-}                  # sigmoid | ipo | hinge | simpo | orpo; empty: sigmoid (DPO)
+BETA=${BETA:-}                          # how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale); empty: 0.1
+LABEL_SMOOTHING=${LABEL_SMOOTHING:-}    # the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5; empty: 0
+SIMPO_GAMMA=${SIMPO_GAMMA:-}            # SimPO's target reward margin; empty: 0.5
+SFT_WEIGHT=${SFT_WEIGHT:-}              # adds this x the chosen replies' token-mean NLL to the loss (TRL's rpo_alpha); empty: 0
+EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-}    # sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM; empty: BATCH_SIZE x GRADIENT_ACCUM
+AUTO_BATCH=${AUTO_BATCH:-}              # 1: before training, find the fastest micro-batch that fits TARGET_VRAM; empty: 0
+LR_SCALING=${LR_SCALING:-}              # none | linear | sqrt: scale LEARNING_RATE by (effective batch / LR_REFERENCE_BATCH), or its square root; empty: none
+LR_REFERENCE_BATCH=${LR_REFERENCE_BATCH:-} # the effective batch LEARNING_RATE is meant for; empty: the preset's BATCH_SIZE x GRADIENT_ACCUM (baseline 8, optimized 128; 8 without a preset)
+
+# ---- precision, device, several GPUs ----
+DEVICE=${DEVICE:-}                      # auto (CUDA, which ROCm builds also present as cuda, then Apple mps, then CPU), or a torch device such as cuda:1 or cpu; empty: auto
+ENABLE_FP16=${ENABLE_FP16:-}            # "--fp16" (or 1): fp16 autocast + GradScaler
+ENABLE_BF16=${ENABLE_BF16:-}            # "--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)
+PRECISION=${PRECISION:-}                # fp32 | fp16 | bf16 | auto; empty: fp32
+TF32=${TF32:-}                          # let fp32 matmuls use TF32 tensor cores (Ampere and newer): about 2-3x faster fp32 matmuls at 10-bit mantissa precision; empty: 1 (preset dpo)
+SEED=${SEED:-}                          # seeds model init, data order and dropout: the same seed gives the same run; empty: 1337
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}     # processes (GPUs) on this machine; above 1 starts torchrun (DDP): docs/multi-gpu.md
+SHARDING=${SHARDING:-}                  # none | zero2 | zero3; empty: none
+OFFLOAD_OPTIMIZER=${OFFLOAD_OPTIMIZER:-} # with SHARDING: keep sharded parameters, gradients and AdamW state in host memory and run the optimizer step on the CPU; empty: 0
+TARGET_VRAM=${TARGET_VRAM:-}            # share of device memory find-batch, AUTO_BATCH and autotune may fill (the guides' 70-85 %); empty: 0.8
+MAX_MEMORY_MB=${MAX_MEMORY_MB:-}        # memory budget in MiB; empty: the device's memory (on CPU, the RAM available at start)
+
+# ---- run folder, checkpoints, evaluation, logs ----
+OUTPUT_DIR=${OUTPUT_DIR:-}              # run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest; empty: runs
+RUN_NAME=${RUN_NAME:-}                  # name of this run's folder; empty: the launcher's name and the time, always new
+OVERWRITE=${OVERWRITE:-}                # replace an existing run folder of the same RUN_NAME (refused otherwise); empty: 0
+LOG_EVERY=${LOG_EVERY:-}                # optimizer steps between log lines; empty: every 10 steps, more often in short runs
+SAVE_EVERY=${SAVE_EVERY:-}              # optimizer steps between checkpoints in runs/<name>/checkpoints/ (0: only at the end and when stopped); empty: 500
+KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-}  # checkpoints kept: the newest N (an older one is deleted only once a newer one is complete); empty: 2
+RESUME=${RESUME:-}                      # continue runs/RUN_NAME (empty RUN_NAME: the newest run of this launcher) from its newest valid checkpoint; empty: 0
+NAN_PATIENCE=${NAN_PATIENCE:-}          # stop after this many optimizer steps in a row with a non-finite loss, keeping the newest checkpoint from before them; empty: 5
+EVAL_EVERY=${EVAL_EVERY:-}              # optimizer steps between validation passes; one always runs at the end; empty: 250
+EVAL_BATCHES=${EVAL_BATCHES:-}          # validation batches of 8 sequences per pass (read BATCH_SIZE at a time); empty: 20
+KEEP_BEST=${KEEP_BEST:-}                # also save the model with the lowest validation loss so far in best/ (final/ is always the last model); empty: 0
+REPORT_TO=${REPORT_TO:-none}            # none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in runs/<name>/tensorboard/
+DRY_RUN=${DRY_RUN:-}                    # print the resolved settings, the derived numbers and a peak-memory estimate, then exit: no model on the device; empty: 0
+# END knobs
+
+source "$(dirname "$0")/scripts/common.sh"
+kit_launch dpo dpo "$@"
