@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
