@@ -145,7 +145,9 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
         say(f"tokenizer cache {folder} holds a symbolic link, not a cache this kit wrote; removed, building it again")
         cache_files.remove(folder)
     if folder.exists():
-        try:
+        try:  # its files as they were saved (kit-sha256.json), then loadable
+            if damage := cache_files.unsealed(folder):
+                raise ValueError(damage)
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
         except Exception as err:  # a cut or missing file (the library raises several kinds)
             say(f"tokenizer cache {folder} was damaged ({cache_files.short(err)}); rebuilding")
@@ -154,7 +156,7 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
         tok = _train_tokenizer(texts(), vocab_size, say, specials)
-        if not cache_files.save_folder(folder, tok.save_pretrained, temps):
+        if not cache_files.save_folder(folder, lambda tmp: (tok.save_pretrained(tmp), cache_files.seal(tmp)), temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)

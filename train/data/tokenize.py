@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -204,3 +205,26 @@ class Encoder:
         while pending:
             tag, result = pending.popleft()
             yield tag, result.get()
+
+
+class Progress:
+    """tqdm on stderr over the source bytes: MB/s, tokens/s and an ETA."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, unit_divisor=1 << 20,
+                        leave=False, disable=None, smoothing=0.1)  # fmt: skip
+        self.tokens, self.began = 0, time.perf_counter()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def update(self, n_bytes: int, n_tokens: int) -> None:
+        self.tokens += n_tokens
+        self.bar.update(min(n_bytes, max(self.bar.total - self.bar.n, 0)))
+        rate = self.tokens / max(time.perf_counter() - self.began, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
