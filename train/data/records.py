@@ -18,6 +18,7 @@ import codecs
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,6 +161,10 @@ def _arrow_files(path: Path) -> list[Path]:
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         names = sorted(p.name for p in path.glob("data-*.arrow")) or sorted(p.name for p in path.glob("*.arrow"))
+    counts = Counter(map(str, names))
+    twice = next((name for name, n in counts.items() if n > 1), None)
+    if twice is not None:  # each of its records would train once per listing, without a word
+        raise _fail(path, "", f"state.json lists {twice} {counts[twice]} times; list each data file once")
     for name in names:
         # Reads stay inside the folder: a listed "../x" or a link out is refused.
         file = path / str(name)

@@ -19,11 +19,14 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
 from train.core import units
+from train.core.errors import UsageError
 from train.data import records
 
 # Characters (text) or bytes (JSONL, Arrow) per unit: enough for encode_batch to be efficient
@@ -152,6 +155,40 @@ def _encode_unit(unit: tuple) -> np.ndarray:
     return encode_pieces(_WORKER["backend"], unit_pieces(unit), _WORKER["eos"], _WORKER["dtype"])
 
 
+# What a worker's death means for the user: the OOM killer is what ends a tokenizing worker on a
+# full machine, and Pool.apply_async's result would then be awaited forever (Pool replaces a dead
+# worker and loses its task); ProcessPoolExecutor says the pool broke instead.
+WORKER_DIED = ("TOKENIZE_WORKERS: a tokenizing worker process was killed (SIGKILL; on a full machine the "
+               "out-of-memory killer), so the data could not all be tokenized; run again with fewer "
+               "TOKENIZE_WORKERS (or a lower MAX_RECORD_MB)")
+
+
+def workers_pool(workers: int, context, initializer, initargs: tuple) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs)
+
+
+def in_order(pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int) -> Iterator[tuple]:
+    """(tag, fn(arg)) for each (tag, arg) of items, in order, at most `limit` in flight (memory
+    stays flat). A worker that dies fails the run in one line (WORKER_DIED), never a hang."""
+    pending: deque = deque()
+    try:
+        for tag, arg in items:
+            pending.append((tag, pool.submit(fn, arg)))
+            if len(pending) >= limit:
+                tag, result = pending.popleft()
+                yield tag, result.result()
+        while pending:
+            tag, result = pending.popleft()
+            yield tag, result.result()
+    except BrokenProcessPool:
+        raise UsageError(WORKER_DIED) from None
+
+
+def close_pool(pool: ProcessPoolExecutor) -> None:
+    """No new work; the running tasks end (a unit or chunk each: under a second), then the processes."""
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Encoder:
     """Encodes units in order, in `workers` processes (or in this one for small corpora or one
     worker). A context manager: the processes end with it, whatever happened."""
@@ -174,8 +211,7 @@ class Encoder:
                     out.write(self.args[0])
                 # spawn: lean workers (no copy of torch), and no fork of a process with threads.
                 context = multiprocessing.get_context("spawn")
-                initargs = (self.tokenizer_file, *self.args[1:])
-                self.pool = context.Pool(self.workers, initializer=_start_worker, initargs=initargs)
+                self.pool = workers_pool(self.workers, context, _start_worker, (self.tokenizer_file, *self.args[1:]))
             except BaseException:  # no pool (too many files, Ctrl+C while starting): no file left
                 Path(self.tokenizer_file).unlink(missing_ok=True)
                 raise
@@ -185,8 +221,7 @@ class Encoder:
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            close_pool(self.pool)
             Path(self.tokenizer_file).unlink(missing_ok=True)
 
     def map(self, items: Iterable[tuple[object, tuple]]) -> Iterator[tuple[object, np.ndarray]]:
@@ -195,16 +230,7 @@ class Encoder:
             for tag, unit in items:
                 yield tag, encode_pieces(self.backend, unit_pieces(unit), self.args[1], np.dtype(self.args[2]))
             return
-        pending: deque = deque()
-        limit = self.workers * IN_FLIGHT_PER_WORKER
-        for tag, unit in items:
-            pending.append((tag, self.pool.apply_async(_encode_unit, (unit,))))
-            if len(pending) >= limit:
-                tag, result = pending.popleft()
-                yield tag, result.get()
-        while pending:
-            tag, result = pending.popleft()
-            yield tag, result.get()
+        yield from in_order(self.pool, _encode_unit, items, self.workers * IN_FLIGHT_PER_WORKER)
 
 
 class Progress:

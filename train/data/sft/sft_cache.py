@@ -31,7 +31,6 @@ import os
 import signal
 import socket
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -42,7 +41,7 @@ import numpy as np
 from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data import cache_files, records
+from train.data import cache_files, records, tokenize
 from train.data.sft.sft_data import Rendering, Tally, encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
@@ -223,7 +222,7 @@ def _init_worker(tok, fmt: str, max_length: int, kind: str, rendering: Rendering
     _WORKER = (tok, fmt, max_length, kind, rendering)
     if pool_worker:
         # A forked worker inherits the parent's handlers (the cache build's SIGTERM -> Interrupted,
-        # the loop's "stop after this step"): with those, Pool.terminate()'s SIGTERM would not end
+        # the loop's "stop after this step"): with those, the SIGTERM that ends a broken pool would not end
         # it and the parent would wait forever. Ctrl+C is the parent's to handle; it ends the pool.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -289,16 +288,14 @@ def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # Set while the workers are forked (at the first chunk handed out), so they fork single-threaded.
     with _single_threaded_tokenizers():
-        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length, kind, rendering))
-    with pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        pool = tokenize.workers_pool(workers, context, _init_worker, (tok, fmt, max_length, kind, rendering))
+        try:
+            tagged = ((None, chunk) for chunk in chunks)
+            yield from (result for _, result in tokenize.in_order(pool, _encode_chunk, tagged, 2 * workers))
+        finally:
+            tokenize.close_pool(pool)
 
 
 def _progress(total: int | None):
