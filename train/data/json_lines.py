@@ -39,6 +39,23 @@ def record_limit(mb: float):
         yield
     finally:
         _limit.reset(token)
+def carried(items: Iterator) -> Iterator:
+    """items, each next() run in the context of this call: the tokenizers library pulls the texts
+    a BPE trains on from a thread of its own, where MAX_RECORD_MB (a context variable) would be
+    the default again (a 6 MB row under MAX_RECORD_MB=1 went into the BPE trainer, which spun on it)."""
+    context = contextvars.copy_context()
+
+    def run() -> Iterator:
+        while True:
+            try:
+                item = context.run(next, items)
+            except StopIteration:
+                return
+            yield item
+
+    return run()
+
+
 # An escaped UTF-16 surrogate pair ("\\ud83d\\ude00", one emoji), or a surrogate alone
 # ("\\ud800"), which decodes to a str that no UTF-8 encoder accepts. Pairs are common (JSON
 # written with ensure_ascii), so the scan keeps to C: a lone one is a match that is not 12 long.

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Sampler
 
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data import cache_files, records, token_shards, tokenize
+from train.data import cache_files, json_lines, records, token_shards, tokenize
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"  # only where a model config puts pad apart from end-of-text (special_layout)
@@ -155,7 +155,7 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
             if folder.exists():
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
-        tok = _train_tokenizer(texts(), vocab_size, say, specials)
+        tok = _train_tokenizer(json_lines.carried(texts()), vocab_size, say, specials)
         if not cache_files.save_folder(folder, lambda tmp: (tok.save_pretrained(tmp), cache_files.seal(tmp)), temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.

@@ -11,6 +11,7 @@ lets a cache be built in shards, resumed and mended shard by shard with the same
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -161,6 +162,21 @@ def _encode_unit(unit: tuple) -> np.ndarray:
 WORKER_DIED = ("TOKENIZE_WORKERS: a tokenizing worker process was killed (SIGKILL; on a full machine the "
                "out-of-memory killer), so the data could not all be tokenized; run again with fewer "
                "TOKENIZE_WORKERS (or a lower MAX_RECORD_MB)")
+
+
+@contextlib.contextmanager
+def single_threaded_tokenizers():
+    # Each worker is one core already; the Rust tokenizer's own threads would only contend (and
+    # after a fork it turns them off anyway, with a warning, unless this variable is set).
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def workers_pool(workers: int, context, initializer, initargs: tuple) -> ProcessPoolExecutor:

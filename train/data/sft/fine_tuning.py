@@ -147,6 +147,9 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     say(f"SFT data: {d.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
+    if meta.n_unfit:
+        say(f"warning: skipped {meta.n_unfit} record(s) that cannot fit this model at MAX_LENGTH={max_length} (not bad "
+            f"input: the rest train); the first: {meta.first_unfit}")
     if meta.n_truncated:
         sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start)"
                  if pairs else "")

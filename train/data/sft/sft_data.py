@@ -201,14 +201,59 @@ def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
     return [e.ids for e in encode(pieces, add_special_tokens=False)]
 
 
+# Tokens past what a cut keeps, at each end of a piece encoded by its ends: a token near where
+# the text was cut may differ from the whole piece's, and these are dropped.
+_EDGE = 64
+
+
+def _encode_bounded(tokenizer, pieces: list[str], max_length: int) -> list[list[int]]:
+    """_encode_pieces, with a piece too long for max_length encoded by its two ends only. Every cut
+    (templates.cut_conversation, fit_pair) keeps at most max_length tokens of one piece, from its
+    start or its end, so (max_length + _EDGE) tokens of each end give the same example; the whole
+    piece's tokens cost ~235 bytes each in the tokenizer (one 60 MB reasoning part: 6.5 GB, then
+    SIGABRT; 6.4 MB: 1.2 GB and 20 s). A piece is long from 16 characters a token on, its ends
+    then read 8 a token, more where that gives too few tokens."""
+    need = max_length + _EDGE
+    long = {i for i, piece in enumerate(pieces) if len(piece) > 16 * need}
+    ids = _encode_pieces(tokenizer, ["" if i in long else piece for i, piece in enumerate(pieces)])
+    for i in long:
+        ids[i] = _ends(tokenizer, pieces[i], need)
+    return ids
+
+
+def _ends(tokenizer, text: str, need: int) -> list[int]:
+    chars = 8 * need
+    while 2 * chars < len(text):
+        head, tail = _encode_pieces(tokenizer, [text[:chars], text[-chars:]])
+        if len(head) >= need + _EDGE and len(tail) >= need + _EDGE:
+            return list(head[:need]) + list(tail[-need:])
+        chars *= 4
+    return list(_encode_pieces(tokenizer, [text])[0])
+
+
 def _refuse(tally: Tally | None, index: int, reason: str) -> None:
     if tally is None:
         raise UsageError(f"DATA_PATH: a conversation {reason}")
     tally.refuse(index, reason)
 
 
-def _too_long(max_length: int) -> str:
-    return f"has a tools list and system turn that alone fill MAX_LENGTH={max_length} tokens (raise MAX_LENGTH)"
+def _unfit(tally: Tally | None, index: int, conversation, pinned: int | None, max_length: int) -> None:
+    """A conversation this model cannot take at MAX_LENGTH (its tools list or system turn alone
+    fills it): not bad input, so counted in tally.unfit (the cache build skips it, and refuses
+    only when most records are such); without a tally, one line. Names what takes the room."""
+    tools, turns = split_tools(conversation)
+    system = bool(turns) and turns[0]["role"] == "system"
+    if pinned is None:
+        reason = (f"is longer than MAX_LENGTH={max_length} tokens and has a tools list whose end the chat "
+                  "template does not mark, so it cannot be cut without losing the tools")
+    else:
+        what = ("its tools list and system turn take" if tools and system else
+                "its tools list alone takes" if tools else "its system turn alone takes")
+        reason = (f"cannot fit MAX_LENGTH={max_length} tokens: {what} {pinned} tokens, leaving no room for a "
+                  "reply (shorten it, or train a model with a longer context)")
+    if tally is None:
+        raise UsageError(f"DATA_PATH: a conversation {reason}")
+    tally.unfit.append((index, reason))
 
 
 def _prepare(tokenizer, r: Rendering) -> str:
@@ -234,7 +279,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
         rendered = [_segments(tokenizer, c, r, mode) for c in chunk]
-        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments]))
+        piece_ids = iter(_encode_bounded(tokenizer, [text for segments in rendered for text, _ in segments], max_length))
         for conversation, segments in zip(chunk, rendered, strict=True):
             input_ids: list[int] = []
             labels: list[int] = []
@@ -254,7 +299,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
                 known = None if tools and not pinned else pinned
                 kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker)
                 if kept is None:
-                    _refuse(tally, at, _too_long(max_length))
+                    _unfit(tally, at, conversation, known, max_length)
                     continue
                 n_truncated += 1
                 if tally is not None and tools and kept[0] != input_ids[:max_length]:  # the history was cut
@@ -272,7 +317,7 @@ def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tu
     return templates.raw_pairs(turns, tools)
 
 
-def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set) -> list[tuple[list, bool]]:
+def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, max_length: int) -> list[tuple[list, bool]]:
     """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
     per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
     raw = [mode == "none" or templates.is_document(c) for c in chunk]
@@ -280,7 +325,7 @@ def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set) -> list[tup
              for c, is_raw in zip(chunk, raw, strict=True)]  # fmt: skip
     pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items
               for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
-    piece_ids = iter(_encode_pieces(tokenizer, pieces))
+    piece_ids = iter(_encode_bounded(tokenizer, pieces, max_length))
     out = []
     for items, is_raw in zip(texts, raw, strict=True):
         pairs, context, pinned = [], [], 0
@@ -328,7 +373,7 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops), strict=True):
+        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops, max_length), strict=True):
             index, at = index + 1, index
             tools = split_tools(conversation)[0]
             sides = raw_wrap if raw else wrap
@@ -338,7 +383,8 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
             if not pairs:
                 _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
             elif None in fitted:
-                _refuse(tally, at, _too_long(max_length))
+                pinned = pairs[fitted.index(None)][1]
+                _unfit(tally, at, conversation, None if tools and not pinned else pinned, max_length)
             else:
                 for (source, _, _), (src, target, cut) in zip(pairs, fitted, strict=True):
                     examples.append({"input_ids": src, "labels": target})

@@ -289,10 +289,12 @@ def raw_pairs(turns, tools) -> list[tuple[str, str, str, bool]]:
 @dataclass
 class Tally:
     """What encoding did beside the examples: records whose history was cut with their tools list
-    kept, and the conversations refused ((index, reason): a skip-rules bad record)."""
+    kept, the conversations refused ((index, reason): a skip-rules bad record), and those that
+    cannot fit MAX_LENGTH (unfit: (index, reason); skipped and counted, not bad input)."""
 
     tools_kept: int = 0
     refused: list = field(default_factory=list)
+    unfit: list = field(default_factory=list)
 
     def refuse(self, index: int, reason: str) -> None:
         self.refused.append((index, reason))
