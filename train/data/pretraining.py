@@ -14,7 +14,7 @@ from torch.utils.data import Subset
 from train.core.errors import UsageError
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.core.units import cpu_cores
-from train.data import records, span_corruption
+from train.data import records, span_corruption, tokenize
 from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
 from train.data.json_lines import record_limit
@@ -33,6 +33,9 @@ def pretraining_data(d, *, max_length: int, seq2seq: bool, eval_batches: int, se
         key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")
         tok = data.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, cache_dir, say, d.text_field,
                                   d.tokenizer_sample_mb)
+        if d.data_path is not None:
+            first = (p for _, unit, _ in tokenize.iter_units(files, d.text_field) for p in tokenize.unit_pieces(unit))
+            data.language_note(tok, (p for p in first if p), say)
         tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     cores = cpu_cores()
     if d.num_workers > cores:

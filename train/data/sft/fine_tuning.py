@@ -9,6 +9,7 @@ train/data only, never the root config.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -34,7 +35,9 @@ from train.data.sft.packing import (
 from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
 from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
+from train.data.sft.sft_formats import converted, open_records
 from train.data.sft.templates import has_generation_markers, raw_template
+from train.data.text import language_note
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -44,6 +47,8 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
     compile_on (COMPILE=1) or a CUDA device pads batches to length buckets (a decision)."""
     template_decision(d, tok, kind, say, decide)
     with record_limit(d.max_record_mb):
+        if d.data_path is not None:
+            language_note(tok, first_texts(d), say)
         dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
     if fmt.partition(":")[0] == "text" and d.template is None and tok.chat_template is not None:
         tok.chat_template = None  # plain documents: final/ is a text model, and generate continues a prompt
@@ -96,6 +101,17 @@ def template_decision(d, tok, kind: str, say, decide) -> None:
     if mode == "tokenizer" and not has_generation_markers(tok.chat_template):
         say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
             "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")
+
+
+def first_texts(d, records_read: int = 256):
+    """The turns' texts of DATA_PATH's first records (for the tokenizer's note); nothing from a .json
+    list over 64 MB, which is read whole."""
+    sources = records.source_files(d.data_path)
+    if records.suffix_of(sources[0]) == ".json" and sources[0].stat().st_size > 64 << 20:
+        return iter(())
+    fmt, items = open_records(d.data_path, d.text_field)
+    good, _ = converted(itertools.islice(items, records_read), fmt)
+    return (turn["content"] for conversation in good for turn in conversation if turn.get("content"))
 
 
 def unit_of(pairs: bool) -> str:
