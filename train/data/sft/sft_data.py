@@ -207,12 +207,10 @@ _EDGE = 64
 
 
 def _encode_bounded(tokenizer, pieces: list[str], max_length: int) -> list[list[int]]:
-    """_encode_pieces, with a piece too long for max_length encoded by its two ends only. Every cut
-    (templates.cut_conversation, fit_pair) keeps at most max_length tokens of one piece, from its
-    start or its end, so (max_length + _EDGE) tokens of each end give the same example; the whole
-    piece's tokens cost ~235 bytes each in the tokenizer (one 60 MB reasoning part: 6.5 GB, then
-    SIGABRT; 6.4 MB: 1.2 GB and 20 s). A piece is long from 16 characters a token on, its ends
-    then read 8 a token, more where that gives too few tokens."""
+    """_encode_pieces, a piece too long for max_length encoded by its two ends: every cut keeps at
+    most max_length tokens of a piece, from its start or end, so (max_length + _EDGE) tokens of each
+    end give the same example. Whole, each token cost ~235 bytes in the tokenizer (a 60 MB reasoning
+    part: 6.5 GB, then SIGABRT). Long: over 16 characters a token; ends read at 8, more if too few."""
     need = max_length + _EDGE
     long = {i for i, piece in enumerate(pieces) if len(piece) > 16 * need}
     ids = _encode_pieces(tokenizer, ["" if i in long else piece for i, piece in enumerate(pieces)])
