@@ -128,9 +128,9 @@ def test_a_manifest_entry_outside_the_cache_is_never_written_or_read(remembered,
     assert (folder / name).resolve() == (outside / "x.bin").resolve()
     entry["file"] = name
     if remembered:  # the entry and its checked.json line agree with the file outside
-        entry.update(max=7, sum=7 * entry["tokens"])
+        entry.update(max=7, sha256=hashlib.sha256((outside / "x.bin").read_bytes()).hexdigest())
         st = (outside / "x.bin").stat()
-        line = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *(entry[k] for k in ("tokens", "max", "sum", "start", "end"))]
+        line = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *(entry[k] for k in ("tokens", "max", "sha256", "start", "end"))]
         (folder / "checked.json").write_text(json.dumps({name: line}))
     (folder / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(outside)

@@ -139,7 +139,7 @@ def test_reasoning_and_loss_weight_spans(tok):
 def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
     """A record with tools whose prompt fills MAX_LENGTH: the tools list and system turn stay, the
     history is cut at its end (keep_end) or start (keep_start), then the reply's start; causal and
-    encoder-decoder. A tools list that alone fills MAX_LENGTH: the record is refused."""
+    encoder-decoder. A tools list that alone fills MAX_LENGTH: the record cannot fit (counted, not trained)."""
     long_user, long_reply = " ".join(f"word{i}" for i in range(60)), " ".join(["Fine thanks."] * 40)
     conv = to_conversation({**TOOL_RECORD, "messages": [TOOL_RECORD["messages"][0],
                                                         {"role": "user", "content": long_user}, {"role": "assistant", "content": long_reply}]}, "messages")  # fmt: skip
@@ -170,7 +170,9 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
             assert tally.tools_kept == 2  # the pair too: its history cut, its tools list kept
     tally = Tally()
     assert encode_conversations([conv], tok, len(pinned), tally=tally)[0] == []
-    assert "tools list and system turn that alone fill MAX_LENGTH" in tally.refused[0][1]
+    assert tally.unfit[0][1] == (f"cannot fit MAX_LENGTH={len(pinned)} tokens: its tools list and system turn "
+                                 f"take {len(pinned)} tokens, leaving no room for a reply (shorten it, or train a "
+                                 "model with a longer context)")  # fmt: skip
 
 
 def test_plain_text_records_train_whole(tok, tmp_path):

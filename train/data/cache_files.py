@@ -159,6 +159,30 @@ def save_folder(folder: Path, save, temps: list[Path]) -> bool:
     return True
 
 
+SEAL = "kit-sha256.json"  # a trained tokenizer's files and their sha256, written with them
+
+
+def seal(folder: Path) -> None:
+    """Record the sha256 of each file of a folder about to be renamed into the cache (the trained
+    tokenizer), so a file edited later (two ids swapped in tokenizer.json) is noticed (unsealed)."""
+    sums = {p.name: files.sha256_of(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != SEAL}
+    files.write_json(folder / SEAL, sums, indent=None)
+
+
+def unsealed(folder: Path) -> str | None:
+    """What is wrong with a sealed folder (a file added, missing, or whose bytes changed), or
+    None. A tokenizer is a few MB: hashed on every load (~5 ms), nothing remembered."""
+    try:
+        sums = json.loads(files.read_text(folder / SEAL))
+        names = sorted(p.name for p in folder.iterdir() if p.name != SEAL)
+    except (OSError, ValueError, UsageError):
+        return f"{SEAL} is missing or unreadable (a cache of an older kit, or edited)"
+    if not isinstance(sums, dict) or sorted(sums) != names:
+        return f"its files are not the ones {SEAL} lists"
+    changed = [name for name in names if (folder / name).is_symlink() or files.sha256_of(folder / name) != sums[name]]
+    return f"{changed[0]} does not hold the bytes {SEAL} describes" if changed else None
+
+
 def remove_abandoned(parent: Path) -> None:
     """Temporary folders of builds whose process is gone (SIGKILL, a power cut): never renamed,
     never to be; a live build's folder is left alone."""

@@ -1,4 +1,5 @@
-"""JSON and JSONL records with a bound on what one record may cost, for train/data/records.py.
+"""JSON and JSONL records, and parquet / Arrow rows, with a bound on what one record may cost
+(train/data/records.py reads through here).
 
 A record is user data, and one line can be made to cost without limit: a .jsonl.gz of 3 MB that
 expands to one 3 GB line, nesting 200,000 deep, a 5,000-digit number, a lone surrogate
@@ -38,6 +39,23 @@ def record_limit(mb: float):
         yield
     finally:
         _limit.reset(token)
+def carried(items: Iterator) -> Iterator:
+    """items, each next() run in the context of this call: the tokenizers library pulls the texts
+    a BPE trains on from a thread of its own, where MAX_RECORD_MB (a context variable) would be
+    the default again (a 6 MB row under MAX_RECORD_MB=1 went into the BPE trainer, which spun on it)."""
+    context = contextvars.copy_context()
+
+    def run() -> Iterator:
+        while True:
+            try:
+                item = context.run(next, items)
+            except StopIteration:
+                return
+            yield item
+
+    return run()
+
+
 # An escaped UTF-16 surrogate pair ("\\ud83d\\ude00", one emoji), or a surrogate alone
 # ("\\ud800"), which decodes to a str that no UTF-8 encoder accepts. Pairs are common (JSON
 # written with ensure_ascii), so the scan keeps to C: a lone one is a match that is not 12 long.
@@ -70,35 +88,55 @@ def _open_lines(path: Path):
     return open(path, "rb")
 
 
-def _too_long(path: Path, line: int, limit: int) -> UsageError:
+def record_bytes() -> int:
+    """The bound on one record in bytes (MAX_RECORD_MB, as record_limit set it)."""
+    return _limit.get()
+
+
+def too_long(limit: int, found: str = "") -> str:
+    """Why a record over MAX_RECORD_MB is refused; found: its size where it is known (a row)."""
     mb = f"{limit / (1 << 20):g}"
-    return fail(path, f"line {line}", f"is longer than {mb} MB (decompressed): one record that large is "
-                f"a mistake or a decompression bomb; split it, or raise MAX_RECORD_MB={mb} if it is real")
+    what = f"is {found} decompressed, over MAX_RECORD_MB={mb}" if found else f"is longer than {mb} MB (decompressed)"
+    return (f"{what}: one record that large is a mistake or a decompression bomb; split it, or raise "
+            f"MAX_RECORD_MB={mb} if it is real")
 
 
-def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
+def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES, skip_long: bool = False) -> Iterator[tuple[int, bytes]]:
     """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
     .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel. A line
-    longer than MAX_RECORD_MB stops the read as soon as that much of it has been read."""
+    longer than MAX_RECORD_MB stops the read as soon as that much of it has been read; with
+    skip_long (SKIP_BAD_RECORDS) it is read past instead, never held, and given as (its number,
+    a BadLine) for the caller to count."""
     line, limit = 1, _limit.get()
     try:
         with _open_lines(path) as handle:
             parts: list[bytes] = []  # a line's start, not yet ended (joined once it ends)
-            held = 0
+            held, skipping = 0, False
             for block in iter(lambda: handle.read(block_bytes), b""):
-                cut = block.rfind(b"\n") + 1
-                if cut == 0:
-                    parts.append(block)
-                    held += len(block)
-                    if held > limit:
-                        raise _too_long(path, line, limit)
-                    continue
-                if held + block.find(b"\n") > limit:
-                    raise _too_long(path, line, limit)
-                whole = b"".join([*parts, block[:cut]]) if parts else block[:cut]
-                parts, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
-                yield line, whole
-                line += whole.count(b"\n")
+                while block:
+                    if skipping:  # the rest of a line over the bound: dropped as it is read
+                        end = block.find(b"\n")
+                        if end < 0:
+                            break
+                        block, skipping, line = block[end + 1 :], False, line + 1
+                        continue
+                    first = block.find(b"\n")
+                    if held + (len(block) if first < 0 else first) > limit:
+                        if not skip_long:
+                            raise fail(path, f"line {line}", too_long(limit))
+                        yield line, BadLine(too_long(limit))
+                        parts, held, skipping = [], 0, True
+                        continue
+                    if first < 0:
+                        parts.append(block)
+                        held += len(block)
+                        break
+                    cut = block.rfind(b"\n") + 1
+                    whole = b"".join([*parts, block[:cut]]) if parts else block[:cut]
+                    parts, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
+                    yield line, whole
+                    line += whole.count(b"\n")
+                    break
             if parts:
                 yield line, b"".join(parts)
     except (OSError, EOFError, zlib.error) as err:
@@ -172,3 +210,52 @@ def _error_line(text: str) -> int | None:
     except (ValueError, RecursionError):
         return None
     return None
+
+
+# --- parquet and Arrow rows: the same bound, and values Python cannot hold ----------------------
+
+
+def row_groups_bounded(path: Path, meta, columns: list[str] | None, first_row: int, limit: int) -> None:
+    """Refused from the file's metadata alone, before anything is decompressed: a row group whose
+    columns (those read) decompress to more than MAX_RECORD_MB per row holds at least one row over
+    it (a 50 KB zstd file of one 1.5 GB row reached 7 GB before a MemoryError)."""
+    for k in range(meta.num_row_groups):
+        group = meta.row_group(k)
+        size = sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
+                   if columns is None or group.column(j).path_in_schema.split(".")[0] in columns)  # fmt: skip
+        if group.num_rows and size > limit * group.num_rows:
+            where = f"row {first_row}" if group.num_rows == 1 else f"rows {first_row}-{first_row + group.num_rows - 1}"
+            found = f"{size / (1 << 20) / group.num_rows:,.1f} MB" + (" a row on average" if group.num_rows > 1 else "")
+            raise fail(path, where, too_long(limit, found))
+        first_row += group.num_rows
+
+
+def rows_bounded(path: Path, batch, first_row: int, limit: int) -> None:
+    """A row of the batch over MAX_RECORD_MB is refused before it becomes Python objects (a str
+    of it, its parse, its tokens: ~10x its size). Rows are measured only in a batch over the bound."""
+    if batch.nbytes <= limit:
+        return
+    for i in range(batch.num_rows):
+        if (size := batch.slice(i, 1).nbytes) > limit:
+            raise fail(path, f"row {first_row + i}", too_long(limit, f"{size / (1 << 20):,.1f} MB"))
+
+
+def out_of_range(path: Path, values, first_row: int, err: Exception) -> UsageError:
+    """The file, row and column of a value Python cannot hold ("date value out of range",
+    "days=2147483647; must have magnitude <= 999999999")."""
+    names = values.schema.names if hasattr(values, "schema") else [None]
+    for name, column in zip(names, values.columns if hasattr(values, "columns") else [values], strict=True):
+        if not converts(column):
+            row = next(i for i in range(len(column)) if not converts(column.slice(i, 1)))
+            named = f' column "{name}"' if name is not None else ""
+            return fail(path, f"row {first_row + row}{named}", f"holds a {column.type} value outside Python's range "
+                         f"({short(err)}); fix or drop the column, or store it as text")  # fmt: skip
+    return fail(path, "", f"cannot be read ({short(err)})")
+
+
+def converts(values) -> bool:
+    try:
+        values.to_pylist()
+    except (UnicodeDecodeError, OverflowError, ValueError):
+        return False
+    return True

@@ -18,6 +18,7 @@ import codecs
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,9 +29,14 @@ from train.data.json_lines import (  # noqa: F401 (jsonl_blocks, parse_jsonl_blo
     json_list,
     jsonl_blocks,
     parse_jsonl_block,
+    record_bytes,
+    row_groups_bounded,
+    rows_bounded,
     suffix_of,
 )
+from train.data.json_lines import converts as _converts
 from train.data.json_lines import fail as _fail
+from train.data.json_lines import out_of_range as _out_of_range
 from train.data.json_lines import short as _short
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -160,6 +166,10 @@ def _arrow_files(path: Path) -> list[Path]:
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         names = sorted(p.name for p in path.glob("data-*.arrow")) or sorted(p.name for p in path.glob("*.arrow"))
+    counts = Counter(map(str, names))
+    twice = next((name for name, n in counts.items() if n > 1), None)
+    if twice is not None:  # each of its records would train once per listing, without a word
+        raise _fail(path, "", f"state.json lists {twice} {counts[twice]} times; list each data file once")
     for name in names:
         # Reads stay inside the folder: a listed "../x" or a link out is refused.
         file = path / str(name)
@@ -205,6 +215,7 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    row, limit = 1, record_bytes()
     for file in _columnar_files(path):
         try:
             if suffix_of(file) == ".parquet":
@@ -213,9 +224,14 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
                 # same as for a 100 MB file, and faster).
                 reader = pq.ParquetFile(file, pre_buffer=False)
                 _check_columns(file, reader.schema_arrow.names, columns)
-                yield from reader.iter_batches(batch_size=batch_rows, columns=columns)
+                row_groups_bounded(file, reader.metadata, columns, row, limit)
+                batches = reader.iter_batches(batch_size=batch_rows, columns=columns)
             else:
-                yield from _arrow_batches(file, columns)
+                batches = _arrow_batches(file, columns)
+            for batch in batches:
+                rows_bounded(file, batch, row, limit)
+                row += batch.num_rows
+                yield batch
         except (pa.ArrowException, OSError, ValueError) as err:
             what = "parquet" if suffix_of(file) == ".parquet" else "Arrow"
             raise _fail(file, "", f"not a readable {what} file ({_short(err)})") from None
@@ -235,16 +251,10 @@ def as_python(path: Path, values, first_row: int = 1) -> list:
     try:
         return values.to_pylist()
     except UnicodeDecodeError:
-        row = next(i for i in range(len(values)) if not _decodes(values.slice(i, 1)))
+        row = next(i for i in range(len(values)) if not _converts(values.slice(i, 1)))
         raise _fail(path, f"row {first_row + row}", "holds a string that is not UTF-8; save the text as UTF-8") from None
-
-
-def _decodes(values) -> bool:
-    try:
-        values.to_pylist()
-    except UnicodeDecodeError:
-        return False
-    return True
+    except (OverflowError, ValueError) as err:  # a date, time or duration outside Python's range
+        raise _out_of_range(path, values, first_row, err) from None
 
 
 def text_column(path: Path, batch, field: str, first_row: int = 1) -> list[str | None]:
@@ -277,7 +287,10 @@ def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str
         if data is not None:
             yield from ((f"record {i}", record) for i, record in enumerate(data, 1))
             return
-    for first_line, block in jsonl_blocks(path):
+    for first_line, block in jsonl_blocks(path, skip_long=keep_bad_lines):
+        if isinstance(block, BadLine):  # a line over MAX_RECORD_MB, read past (SKIP_BAD_RECORDS)
+            yield f"line {first_line}", block
+            continue
         yield from parse_jsonl_block(path, first_line, block, keep_bad_lines)
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Sampler
 
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data import cache_files, records, token_shards, tokenize
+from train.data import cache_files, json_lines, records, token_shards, tokenize
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"  # only where a model config puts pad apart from end-of-text (special_layout)
@@ -118,8 +118,9 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
     parent = cache_files.cache_folder(folder.parent)
     # One process per machine trains it (torchrun): the others wait, then load the same files.
     with token_shards.locked(parent, "a tokenizer", say):
+        source = "the SFT data" if texts else "the corpus"
         texts = texts or (lambda: sample_pieces(files, text_field, sample_mb, say))
-        return _cached_or_trained(folder, texts, vocab_size, say, specials)
+        return _cached_or_trained(folder, texts, vocab_size, say, specials, source)
 
 
 def special_layout(pad_id: int | None, eos_id: int | None) -> tuple[str, ...] | None:
@@ -136,7 +137,7 @@ def special_layout(pad_id: int | None, eos_id: int | None) -> tuple[str, ...] | 
     return tuple(at.get(i, f"<|reserved_{i}|>") for i in range(max(at) + 1))
 
 
-def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tuple[str, ...]):
+def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tuple[str, ...], source: str):
     from transformers import PreTrainedTokenizerFast
 
     cache_files.drop_link(folder, say)
@@ -145,7 +146,9 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
         say(f"tokenizer cache {folder} holds a symbolic link, not a cache this kit wrote; removed, building it again")
         cache_files.remove(folder)
     if folder.exists():
-        try:
+        try:  # its files as they were saved (kit-sha256.json), then loadable
+            if damage := cache_files.unsealed(folder):
+                raise ValueError(damage)
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
         except Exception as err:  # a cut or missing file (the library raises several kinds)
             say(f"tokenizer cache {folder} was damaged ({cache_files.short(err)}); rebuilding")
@@ -153,19 +156,20 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
             if folder.exists():
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
-        tok = _train_tokenizer(texts(), vocab_size, say, specials)
-        if not cache_files.save_folder(folder, tok.save_pretrained, temps):
+        tok = _train_tokenizer(json_lines.carried(texts()), vocab_size, say, specials, source)
+        if not cache_files.save_folder(folder, lambda tmp: (tok.save_pretrained(tmp), cache_files.seal(tmp)), temps):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return tok
 
 
-def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say, specials: tuple[str, ...] = (EOS,)):
+def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say, specials: tuple[str, ...] = (EOS,),
+                     source: str = "the corpus"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    say(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on the corpus; cached for next time")
+    say(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {source}; cached for next time")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -179,6 +183,44 @@ def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say, specials: tupl
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
     tok.pad_token = PAD if PAD in specials else EOS
     return tok
+
+
+# The tokenizer's tokens per UTF-8 byte on the data's first text, against its rate on English and
+# Python (the standard library: the default BPE's own corpus): a tokenizer that has learned no merges
+# for the data's language falls back to bytes (Chinese on the default BPE: 3.0 tokens a character,
+# 1.0 a byte, 4x its rate on its own text), fitting a third of the text into MAX_LENGTH.
+FIT_SAMPLE_CHARS = 64 << 10
+FIT_RATIO = 2.5
+OWN_RATE_CAP = 0.35  # tokens per byte: a tokenizer made for other text than Python is held to what a BPE spends there
+
+
+def language_note(tok, texts, say, variable: str = "DATA_PATH") -> None:
+    """A note when the tokenizer spends far more tokens per byte on the data's first texts (about
+    64 kB) than on its own kind of text, pointing to VOCAB_SIZE (a BPE trained on the data) and
+    TOKENIZER_PATH. ~30 ms: two encodes of 64 kB."""
+    taken, sample = 0, []
+    for text in texts:
+        sample.append(text[: FIT_SAMPLE_CHARS - taken])
+        taken += len(sample[-1])
+        if taken >= FIT_SAMPLE_CHARS:
+            break
+    data = "\n".join(sample)
+    try:
+        own = "".join(Path(sysconfig.get_paths()["stdlib"], name).read_text(encoding="utf-8")
+                      for name in ("textwrap.py", "shlex.py"))[:FIT_SAMPLE_CHARS]  # fmt: skip
+    except (OSError, UnicodeDecodeError):  # a Python without its sources: no reference, no note
+        return
+    if len(data) < 200:
+        return
+    rate = [len(tok(t, add_special_tokens=False)["input_ids"]) / len(t.encode("utf-8")) for t in (data, own)]
+    rate[1] = min(rate[1], OWN_RATE_CAP)
+    if rate[0] > FIT_RATIO * rate[1]:
+        per_char = rate[0] * len(data.encode("utf-8")) / len(data)
+        say(f"note: the tokenizer spends {per_char:.2f} tokens per character on {variable}'s first records, "
+            f"{rate[0] / rate[1]:.1f}x its rate on English and code: it knows little of this language (bytes, not "
+            "words), so a third as much text fits MAX_LENGTH and long records are cut. Train a BPE on the data "
+            "(leave TOKENIZER_PATH empty; raise VOCAB_SIZE for a language of thousands of characters) or give one "
+            "that knows the language (TOKENIZER_PATH, or a MODEL_PATH made for it); see docs/data.md")
 
 
 # T5's sentinels, one per noise span of a span-corrupted window (train/data/span_corruption.py);

@@ -11,18 +11,23 @@ lets a cache be built in shards, resumed and mended shard by shard with the same
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
 import signal
 import tempfile
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
 from train.core import units
+from train.core.errors import UsageError
 from train.data import records
 
 # Characters (text) or bytes (JSONL, Arrow) per unit: enough for encode_batch to be efficient
@@ -151,6 +156,55 @@ def _encode_unit(unit: tuple) -> np.ndarray:
     return encode_pieces(_WORKER["backend"], unit_pieces(unit), _WORKER["eos"], _WORKER["dtype"])
 
 
+# What a worker's death means for the user: the OOM killer is what ends a tokenizing worker on a
+# full machine, and Pool.apply_async's result would then be awaited forever (Pool replaces a dead
+# worker and loses its task); ProcessPoolExecutor says the pool broke instead.
+WORKER_DIED = ("TOKENIZE_WORKERS: a tokenizing worker process was killed (SIGKILL; on a full machine the "
+               "out-of-memory killer), so the data could not all be tokenized; run again with fewer "
+               "TOKENIZE_WORKERS (or a lower MAX_RECORD_MB)")
+
+
+@contextlib.contextmanager
+def single_threaded_tokenizers():
+    # Each worker is one core already; the Rust tokenizer's own threads would only contend (and
+    # after a fork it turns them off anyway, with a warning, unless this variable is set).
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def workers_pool(workers: int, context, initializer, initargs: tuple) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs)
+
+
+def in_order(pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int) -> Iterator[tuple]:
+    """(tag, fn(arg)) for each (tag, arg) of items, in order, at most `limit` in flight (memory
+    stays flat). A worker that dies fails the run in one line (WORKER_DIED), never a hang."""
+    pending: deque = deque()
+    try:
+        for tag, arg in items:
+            pending.append((tag, pool.submit(fn, arg)))
+            if len(pending) >= limit:
+                tag, result = pending.popleft()
+                yield tag, result.result()
+        while pending:
+            tag, result = pending.popleft()
+            yield tag, result.result()
+    except BrokenProcessPool:
+        raise UsageError(WORKER_DIED) from None
+
+
+def close_pool(pool: ProcessPoolExecutor) -> None:
+    """No new work; the running tasks end (a unit or chunk each: under a second), then the processes."""
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Encoder:
     """Encodes units in order, in `workers` processes (or in this one for small corpora or one
     worker). A context manager: the processes end with it, whatever happened."""
@@ -173,8 +227,7 @@ class Encoder:
                     out.write(self.args[0])
                 # spawn: lean workers (no copy of torch), and no fork of a process with threads.
                 context = multiprocessing.get_context("spawn")
-                initargs = (self.tokenizer_file, *self.args[1:])
-                self.pool = context.Pool(self.workers, initializer=_start_worker, initargs=initargs)
+                self.pool = workers_pool(self.workers, context, _start_worker, (self.tokenizer_file, *self.args[1:]))
             except BaseException:  # no pool (too many files, Ctrl+C while starting): no file left
                 Path(self.tokenizer_file).unlink(missing_ok=True)
                 raise
@@ -184,8 +237,7 @@ class Encoder:
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            close_pool(self.pool)
             Path(self.tokenizer_file).unlink(missing_ok=True)
 
     def map(self, items: Iterable[tuple[object, tuple]]) -> Iterator[tuple[object, np.ndarray]]:
@@ -194,13 +246,27 @@ class Encoder:
             for tag, unit in items:
                 yield tag, encode_pieces(self.backend, unit_pieces(unit), self.args[1], np.dtype(self.args[2]))
             return
-        pending: deque = deque()
-        limit = self.workers * IN_FLIGHT_PER_WORKER
-        for tag, unit in items:
-            pending.append((tag, self.pool.apply_async(_encode_unit, (unit,))))
-            if len(pending) >= limit:
-                tag, result = pending.popleft()
-                yield tag, result.get()
-        while pending:
-            tag, result = pending.popleft()
-            yield tag, result.get()
+        yield from in_order(self.pool, _encode_unit, items, self.workers * IN_FLIGHT_PER_WORKER)
+
+
+class Progress:
+    """tqdm on stderr over the source bytes: MB/s, tokens/s and an ETA."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, unit_divisor=1 << 20,
+                        leave=False, disable=None, smoothing=0.1)  # fmt: skip
+        self.tokens, self.began = 0, time.perf_counter()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def update(self, n_bytes: int, n_tokens: int) -> None:
+        self.tokens += n_tokens
+        self.bar.update(min(n_bytes, max(self.bar.total - self.bar.n, 0)))
+        rate = self.tokens / max(time.perf_counter() - self.began, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()

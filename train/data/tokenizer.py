@@ -14,7 +14,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
-from train.data import records
+from train.data import records, tokenize
 from train.data import text as text_lib
 from train.data.json_lines import record_limit
 from train.data.sft.sft_data import ensure_special_tokens
@@ -31,8 +31,12 @@ def corpus_tokenizer(d, say):
     with record_limit(d.max_record_mb):
         files = text_lib.corpus_files(d.data_path)
         key = text_lib.corpus_fingerprint(files, d.text_field, Path(d.cache_dir) / "sums")
-        return text_lib.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, Path(d.cache_dir), say,
-                                       d.text_field, d.tokenizer_sample_mb)
+        tok = text_lib.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, Path(d.cache_dir), say,
+                                      d.text_field, d.tokenizer_sample_mb)
+        if d.data_path is not None:  # a tokenizer far costlier on this text than on its own: a note
+            first = (p for _, unit, _ in tokenize.iter_units(files, d.text_field) for p in tokenize.unit_pieces(unit))
+            text_lib.language_note(tok, (p for p in first if p), say)
+    return tok
 
 
 def folder_tokenizer(folder, variable: str, trust_remote_code: bool, bare: bool = False):

@@ -86,7 +86,8 @@ def encode_causal(pairs: Sequence[dict], tokenizer, max_length: int, rendering: 
     mode = rendering.mode(tokenizer)
     marker = TEMPLATE[mode].marker(tokenizer)
     # a side its chat template cannot render comes back None (counted here, by pair)
-    whole = sft_data.rendered_ids([c for pair in pairs for c in conversations(pair)], tokenizer, rendering, Tally())
+    whole = sft_data.rendered_ids([c for pair in pairs for c in conversations(pair)], tokenizer, rendering, Tally(),
+                                  max_length)
     examples, n_truncated, n_reply_cut = [], 0, 0
     for at, pair in enumerate(pairs):
         sides = next(whole), next(whole)

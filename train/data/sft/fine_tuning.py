@@ -9,6 +9,7 @@ train/data only, never the root config.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -34,8 +35,10 @@ from train.data.sft.packing import (
 from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
 from train.data.sft.sft_cache import sft_cache
 from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
+from train.data.sft.sft_formats import converted, open_records
 from train.data.sft.template_table import TEMPLATE
 from train.data.sft.templates import has_generation_markers
+from train.data.text import language_note
 
 
 def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
@@ -45,6 +48,8 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
     compile_on (COMPILE=1) or a CUDA device pads batches to length buckets (a decision)."""
     template_decision(d, tok, kind, say, decide)
     with record_limit(d.max_record_mb):
+        if d.data_path is not None:
+            language_note(tok, first_texts(d), say)
         dataset, fmt, skipped, truncated = load_dataset(d, tok, max_length, say, kind)
     if fmt.partition(":")[0] == "text" and d.template is None and tok.chat_template is not None:
         tok.chat_template = None  # plain documents: final/ is a text model, and generate continues a prompt
@@ -99,6 +104,17 @@ def template_decision(d, tok, kind: str, say, decide) -> None:
             "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")
 
 
+def first_texts(d, records_read: int = 256):
+    """The turns' texts of DATA_PATH's first records (for the tokenizer's note); nothing from a .json
+    list over 64 MB, which is read whole."""
+    sources = records.source_files(d.data_path)
+    if records.suffix_of(sources[0]) == ".json" and sources[0].stat().st_size > 64 << 20:
+        return iter(())
+    fmt, items = open_records(d.data_path, d.text_field)
+    good, _ = converted(itertools.islice(items, records_read), fmt)
+    return (turn["content"] for conversation in good for turn in conversation if turn.get("content"))
+
+
 def unit_of(pairs: bool) -> str:
     """What one example is, for the log."""
     return "source -> target pairs" if pairs else "conversations"
@@ -148,6 +164,9 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     say(f"SFT data: {d.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
+    if meta.n_unfit:
+        say(f"warning: skipped {meta.n_unfit} record(s) that cannot fit this model at MAX_LENGTH={max_length} (not bad "
+            f"input: the rest train); the first: {meta.first_unfit}")
     if meta.n_truncated:
         sides = (" on a side (a source keeps its end, the turns the reply answers; a target its start and eos)"
                  if pairs else "")

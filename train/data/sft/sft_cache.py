@@ -5,8 +5,8 @@ Once every record was read into RAM and tokenized again on every rank (100k alpa
   ids.bin      every conversation's token ids, back to back (uint16, or uint32 for big vocabularies)
   trained.bin  one byte per token: 1 where the loss counts (assistant content), 0 elsewhere
   lengths.bin  tokens per conversation (int32)
-  meta.json    the manifest, written last: counts, dtype, format, records skipped and truncated,
-               and each file's sha256 (taken as it is written)
+  meta.json    the manifest, written last: counts, dtype, format, records skipped, truncated and
+               unfit, and each file's sha256 (taken as it is written)
 and every later run with the same key maps them at once. The key covers what changes the ids: the data's
 bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE, LOSS_ON, TRUNCATION,
 REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example is a
@@ -14,11 +14,11 @@ REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decod
 the target, and source_lengths.bin (int32) says where the target starts. Only lengths are held in RAM.
 
 The build streams the records (sft_formats) in chunks to TOKENIZE_WORKERS processes, which render, tokenize
-and truncate; the main process writes the results in record order, the same whatever the number of workers. It is built in a temporary folder, fsynced, and renamed into
-place: a crash leaves no half cache, and a damaged one (a file cut short, a manifest missing) is noticed,
-said, and built again. A cache is trusted only for what it verifies: each file is checked against its sha256
-once (trained.bin zeroed or lengths.bin rewritten with its sum kept is damage), then remembered in
-checked.json by size, mtime, ctime and inode, so a warm start reads the files again only when they changed.
+and truncate; the main process writes the results in record order, whatever the number of workers, into a
+temporary folder, fsynced and renamed: a crash leaves no half cache, and a damaged one (a file cut short, a
+manifest missing) is noticed, said, and built again. Each file is checked against its sha256 once (trained.bin
+zeroed, lengths.bin rewritten with its sum kept), then remembered in checked.json by size, mtime, ctime and
+inode, so a warm start reads the files again only when they changed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import os
 import signal
 import socket
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -42,11 +41,11 @@ import numpy as np
 from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data import cache_files, records
+from train.data import cache_files, records, tokenize
 from train.data.sft.sft_data import Rendering, Tally, encode
 from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
 
-SFT_CACHE_VERSION = "5"  # 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos
+SFT_CACHE_VERSION = "6"  # 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos; 6: unfit
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 _FILES = ("ids.bin", "trained.bin", "lengths.bin")
 SOURCE_LENGTHS = "source_lengths.bin"  # seq2seq caches only
@@ -63,6 +62,8 @@ class Manifest:
     n_truncated: int
     first_error: str  # the first skipped record's place and reason ("" when none)
     n_tools_kept: int  # records with a tools list whose history was cut (the tools list kept)
+    n_unfit: int  # records that cannot fit MAX_LENGTH (a tools list or system turn filling it): skipped
+    first_unfit: str  # the first one's place and reason ("" when none)
     kind: str  # "causal" (conversations) or "seq2seq" ((source, target) pairs)
     sha256: dict  # file name -> the sha256 of its bytes
 
@@ -223,14 +224,15 @@ def _init_worker(tok, fmt: str, max_length: int, kind: str, rendering: Rendering
     _WORKER = (tok, fmt, max_length, kind, rendering)
     if pool_worker:
         # A forked worker inherits the parent's handlers (the cache build's SIGTERM -> Interrupted,
-        # the loop's "stop after this step"): with those, Pool.terminate()'s SIGTERM would not end
+        # the loop's "stop after this step"): with those, the SIGTERM that ends a broken pool would not end
         # it and the parent would wait forever. Ctrl+C is the parent's to handle; it ends the pool.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
-    """A chunk of (place, record) -> (ids, trained, lengths, source lengths or None, (truncated, tools kept), bad)."""
+    """A chunk of (place, record) -> (ids, trained, lengths, source lengths or None, (truncated, tools kept,
+    unfit), bad); unfit and bad: "place: reason" of each such record."""
     tok, fmt, max_length, kind, rendering = _WORKER
     conversations, places, bad = [], [], []
     for place, record in chunk:  # one at a time: a conversation encode refuses is named by its place
@@ -241,12 +243,13 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     tally = Tally()
     examples, n_cut = encode(conversations, tok, max_length, kind, rendering, tally)
     bad += [f"{places[i]}: {reason}" for i, reason in tally.refused]
+    counts = (n_cut, tally.tools_kept, [f"{places[i]}: {reason}" for i, reason in tally.unfit])
     # A conversation's length, or a pair's source length (its input_ids are the source).
     firsts = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
     if kind != "seq2seq":
         labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(firsts.sum()))
         ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels))
-        return ids, (labels != IGNORE_INDEX).astype(np.uint8), firsts, None, (n_cut, tally.tools_kept), bad
+        return ids, (labels != IGNORE_INDEX).astype(np.uint8), firsts, None, counts, bad
     sources = firsts
     targets = np.fromiter((len(e["labels"]) for e in examples), dtype=np.int32, count=len(examples))
     lengths = sources + targets
@@ -254,28 +257,13 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
                       count=int(lengths.sum()))
     flags = chain.from_iterable(chain([0] * len(e["input_ids"]), [1] * len(e["labels"])) for e in examples)
     trained = np.fromiter(flags, dtype=np.uint8, count=len(ids))
-    return ids, trained, lengths, sources, (n_cut, tally.tools_kept), bad
+    return ids, trained, lengths, sources, counts, bad
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
     items = iter(items)
     while chunk := list(islice(items, size)):
         yield chunk
-
-
-@contextlib.contextmanager
-def _single_threaded_tokenizers():
-    # Each worker is one core already; the Rust tokenizer's own threads would only contend (and
-    # after a fork it turns them off anyway, with a warning, unless this variable is set).
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int, kind: str = "causal",
@@ -289,16 +277,14 @@ def encoded_chunks(items: Iterator, tok, fmt: str, max_length: int, workers: int
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with _single_threaded_tokenizers():
-        pool = context.Pool(workers, _init_worker, (tok, fmt, max_length, kind, rendering))
-    with pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(encode, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    # Set while the workers are forked (at the first chunk handed out), so they fork single-threaded.
+    with tokenize.single_threaded_tokenizers():
+        pool = tokenize.workers_pool(workers, context, _init_worker, (tok, fmt, max_length, kind, rendering))
+        try:
+            tagged = ((None, chunk) for chunk in chunks)
+            yield from (result for _, result in tokenize.in_order(pool, encode, tagged, 2 * workers))
+        finally:
+            tokenize.close_pool(pool)
 
 
 def _progress(total: int | None):
@@ -312,16 +298,16 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
            total: int | None, kind: str, rendering: Rendering | None = None) -> Manifest:
     """Tokenize every record into tmp's files (fsynced); returns the manifest's content."""
     dtype = np.uint16 if len(tok) <= 65535 else np.uint32
-    n = n_tokens = n_skipped = n_truncated = n_tools_kept = 0
-    first_error = ""
+    n = n_tokens = n_skipped = n_truncated = n_tools_kept = n_unfit = 0
+    first_error = first_unfit = ""
     with contextlib.ExitStack() as stack:
         out = {name: cache_files.Hashed(stack.enter_context(open(tmp / name, "wb"))) for name in FILES_OF[kind]}
         bar = stack.enter_context(_progress(total))
         chunks = encoded_chunks(items, tok, fmt, max_length, workers, kind, rendering)
-        for ids, trained, lengths, sources, (truncated, tools_kept), bad in chunks:
+        for ids, trained, lengths, sources, (truncated, tools_kept, unfit), bad in chunks:
             if bad and not skip:
                 raise refuse_bad(bad[0])
-            first_error = first_error or (bad[0] if bad else "")
+            first_error, first_unfit = first_error or (bad or [""])[0], first_unfit or (unfit or [""])[0]
             out["ids.bin"].write(ids.astype(dtype).tobytes())
             out["trained.bin"].write(trained.tobytes())
             out["lengths.bin"].write(lengths.tobytes())
@@ -329,12 +315,14 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
                 out[SOURCE_LENGTHS].write(sources.tobytes())
             n, n_tokens = n + len(lengths), n_tokens + len(ids)
             n_skipped, n_truncated, n_tools_kept = n_skipped + len(bad), n_truncated + truncated, n_tools_kept + tools_kept
-            bar.update(len(lengths) + len(bad))
+            n_unfit += len(unfit)
+            bar.update(len(lengths) + len(bad) + len(unfit))
         for handle in out.values():
             handle.flush()
             os.fsync(handle.fileno())
     sums = {name: handle.digest.hexdigest() for name, handle in out.items()}
-    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, n_tools_kept, kind, sums)
+    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, n_skipped, n_truncated, first_error, n_tools_kept,
+                    n_unfit, first_unfit, kind, sums)
 
 
 def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers: int, skip: bool,
@@ -346,6 +334,9 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
         tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
         temps.append(tmp)
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind, rendering)
+        if meta.n_unfit > meta.n:  # a few records too long for this model are skipped; most, or all, stop the run
+            raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records cannot fit "
+                             f"this model at MAX_LENGTH={max_length}; the first: {meta.first_unfit}")
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)

@@ -174,14 +174,55 @@ def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
     return [e.ids for e in encode(pieces, add_special_tokens=False)]
 
 
+_EDGE = 64  # tokens past what a cut keeps at a cut end (may differ from the whole piece's): dropped
+
+
+def _encode_bounded(tokenizer, pieces: list[str], max_length: int) -> list[list[int]]:
+    """_encode_pieces, a piece too long for max_length encoded by its two ends: every cut keeps at
+    most max_length tokens of a piece, from its start or end, so (max_length + _EDGE) tokens of each
+    end give the same example. Whole, each token cost ~235 bytes in the tokenizer (a 60 MB reasoning
+    part: 6.5 GB, then SIGABRT). Long: over 16 characters a token; ends read at 8, more if too few."""
+    need = max_length + _EDGE
+    long = {i for i, piece in enumerate(pieces) if len(piece) > 16 * need}
+    ids = _encode_pieces(tokenizer, ["" if i in long else piece for i, piece in enumerate(pieces)])
+    for i in long:
+        ids[i] = _ends(tokenizer, pieces[i], need)
+    return ids
+
+
+def _ends(tokenizer, text: str, need: int) -> list[int]:
+    chars = 8 * need
+    while 2 * chars < len(text):
+        head, tail = _encode_pieces(tokenizer, [text[:chars], text[-chars:]])
+        if len(head) >= need + _EDGE and len(tail) >= need + _EDGE:
+            return list(head[:need]) + list(tail[-need:])
+        chars *= 4
+    return list(_encode_pieces(tokenizer, [text])[0])
+
+
 def _refuse(tally: Tally | None, index: int, reason: str) -> None:
     if tally is None:
         raise UsageError(f"DATA_PATH: a conversation {reason}")
     tally.refuse(index, reason)
 
 
-def _too_long(max_length: int) -> str:
-    return f"has a tools list and system turn that alone fill MAX_LENGTH={max_length} tokens (raise MAX_LENGTH)"
+def _unfit(tally: Tally | None, index: int, conversation, pinned: int | None, max_length: int) -> None:
+    """A conversation this model cannot take at MAX_LENGTH (its tools list or system turn alone
+    fills it): not bad input, so counted in tally.unfit (the cache build skips it, and refuses
+    only when most records are such); without a tally, one line. Names what takes the room."""
+    tools, turns = split_tools(conversation)
+    system = bool(turns) and turns[0]["role"] == "system"
+    if pinned is None:
+        reason = (f"is longer than MAX_LENGTH={max_length} tokens and has a tools list whose end the chat "
+                  "template does not mark, so it cannot be cut without losing the tools")
+    else:
+        what = ("its tools list and system turn take" if tools and system else
+                "its tools list alone takes" if tools else "its system turn alone takes")
+        reason = (f"cannot fit MAX_LENGTH={max_length} tokens: {what} {pinned} tokens, leaving no room for a "
+                  "reply (shorten it, or train a model with a longer context)")
+    if tally is None:
+        raise UsageError(f"DATA_PATH: a conversation {reason}")
+    tally.unfit.append((index, reason))
 
 
 def _prepare(tokenizer, r: Rendering) -> str:
@@ -192,15 +233,19 @@ def _prepare(tokenizer, r: Rendering) -> str:
 
 
 def rendered_ids(conversations: Sequence[Sequence[dict]], tokenizer, rendering: Rendering = DEFAULT,
-                 tally: Tally | None = None):
+                 tally: Tally | None = None, max_length: int | None = None):
     """Per conversation, whole (before any cut): (input_ids, labels, pinned), pinned the tokens of its
     leading tools list and system turns, which truncation keeps; None for one whose chat template
-    failed within its bound (a bad record, counted in `tally`). encode_conversations cuts them to
+    failed within its bound (a bad record, counted in `tally`); max_length: a piece longer than a cut
+    keeps is encoded by its ends. encode_conversations cuts them to
     MAX_LENGTH; preference pairs (train/data/pref) cut a pair's two sequences together."""
     mode = _prepare(tokenizer, rendering)
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         rendered = _rendered(tokenizer, conversations[lo : lo + _ENCODE_CHUNK], rendering, mode, tally, lo)
-        piece_ids = iter(_encode_pieces(tokenizer, [text for segments in rendered for text, _ in segments or ()]))
+        texts = [text for segments in rendered for text, _ in segments or ()]
+        # a piece longer than a cut can keep is encoded by its two ends only (_encode_bounded)
+        piece_ids = iter(_encode_pieces(tokenizer, texts) if max_length is None else
+                         _encode_bounded(tokenizer, texts, max_length))
         for segments in rendered:
             if segments is None:
                 yield None
@@ -229,7 +274,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
     mode = _prepare(tokenizer, r)
     marker = TEMPLATE[mode].marker(tokenizer)  # the "reply now" marker every cut keeps
     ends = set(stop_token_ids(tokenizer))  # and a cut reply its end-of-turn
-    whole = rendered_ids(conversations, tokenizer, r, tally)
+    whole = rendered_ids(conversations, tokenizer, r, tally, max_length)
     for at, (conversation, rendered) in enumerate(zip(conversations, whole, strict=True)):
         if rendered is None:  # its chat template failed within the bound: refused in _rendered
             continue
@@ -242,7 +287,7 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
             known = None if tools and not pinned else pinned
             kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker, ends)
             if kept is None:
-                _refuse(tally, at, _too_long(max_length))
+                _unfit(tally, at, conversation, known, max_length)
                 continue
             n_truncated += 1
             if tally is not None and tools and kept[0] != input_ids[:max_length]:  # the history was cut
@@ -260,7 +305,7 @@ def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tu
     return templates.raw_pairs(turns, tools)
 
 
-def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, tally: Tally | None = None,
+def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, max_length: int, tally: Tally | None = None,
               first: int = 0) -> list[tuple[list | None, bool]]:
     """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
     per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
@@ -269,7 +314,7 @@ def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, tally: Tall
              for k, (c, is_raw) in enumerate(zip(chunk, raw, strict=True))]  # fmt: skip
     pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items or ()
               for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
-    piece_ids = iter(_encode_pieces(tokenizer, pieces))
+    piece_ids = iter(_encode_bounded(tokenizer, pieces, max_length))
     out = []
     for items, is_raw in zip(texts, raw, strict=True):
         if items is None:  # refused in _rendered
@@ -320,7 +365,7 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops, tally, lo),
+        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops, max_length, tally, lo),
                                               strict=True):  # fmt: skip
             index, at = index + 1, index
             if pairs is None:  # refused in _rendered
@@ -333,7 +378,8 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
             if not pairs:
                 _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
             elif None in fitted:
-                _refuse(tally, at, _too_long(max_length))
+                pinned = pairs[fitted.index(None)][1]
+                _unfit(tally, at, conversation, None if tools and not pinned else pinned, max_length)
             else:
                 for (source, _, reply), (src, target, cut) in zip(pairs, fitted, strict=True):
                     examples.append({"input_ids": src, "labels": target})

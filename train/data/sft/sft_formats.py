@@ -190,6 +190,9 @@ def open_records(data_path: str | Path, text_field: str = TEXT_FIELD) -> tuple[s
             return fmt, itertools.chain(head, stream)
     if not head:
         raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
+    bad = next(((place, r) for place, r in head if isinstance(r, BadRecord)), None)
+    if bad is not None and all(isinstance(r, BadRecord) for _, r in head):  # a line over MAX_RECORD_MB ...
+        raise refuse_bad(f"{bad[0]}: {bad[1]}")
     first = next((r for _, r in head if isinstance(r, dict)), None)
     seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
     raise UsageError(f"DATA_PATH: {data_path}: unknown SFT format ({seen}); accepted: {accepted(text_field)}")

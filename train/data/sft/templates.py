@@ -258,11 +258,13 @@ def raw_pairs(turns, tools) -> list[tuple[str, str, str, bool]]:
 @dataclass
 class Tally:
     """What encoding did beside the examples: records whose history was cut with their tools list
-    kept, the conversations refused ((index, reason): a skip-rules bad record), and the
+    kept, the conversations refused ((index, reason): a skip-rules bad record), those that cannot
+    fit MAX_LENGTH (unfit: (index, reason); skipped and counted, not bad input), and the
     encoder-decoder pairs cut ((index, source cut?, target cut?), as preference pairs count them)."""
 
     tools_kept: int = 0
     refused: list = field(default_factory=list)
+    unfit: list = field(default_factory=list)
     cut: list = field(default_factory=list)
 
     def refuse(self, index: int, reason: str) -> None:

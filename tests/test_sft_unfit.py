@@ -1,0 +1,88 @@
+"""Records that cannot fit this model are not bad input (issue 37): LLaMA-Factory's
+glaive_toolcall_en_demo.json stopped the first-hour SFT run at `record 4: has a tools list and
+system turn that alone fill MAX_LENGTH=256 tokens (raise MAX_LENGTH)`, though glaive records have
+no system turn and 256 was already the model's context. Now such a record is skipped and counted
+with a warning naming the real cause; the run stops in one line only when most records cannot fit.
+The glaive-shaped file is made here (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bad_records import train_here
+
+from conftest import TINY_CONFIG, read_jsonl
+
+SMALL_TOOL = {"name": "get_time", "description": "Get the time in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+
+
+def big_tools(n: int = 30) -> list[dict]:
+    return [{"name": f"lookup_{i}", "description": f"Look up record {i} of the archive by its key and its year, "
+             "returning every field the archive keeps for it",
+             "parameters": {"type": "object", "properties": {f"key_{i}": {"type": "string", "description": "the key"},
+                                                             "year": {"type": "integer"}}}} for i in range(n)]  # fmt: skip
+
+
+def glaive(i: int, tools: list[dict]) -> dict:
+    """One record as glaive_toolcall_en_demo.json has it: ShareGPT turns, calls and results, tools as a JSON string."""
+    call = {"name": tools[0]["name"], "arguments": {"city": f"City {i}"}}
+    return {"conversations": [{"from": "human", "value": f"What time is it in City {i}?"},
+                              {"from": "function_call", "value": json.dumps(call)},
+                              {"from": "observation", "value": json.dumps({"time": f"{i % 12 + 1}:00"})},
+                              {"from": "gpt", "value": f"It is {i % 12 + 1} o'clock in City {i}."}],
+            "tools": json.dumps(tools)}  # fmt: skip
+
+
+@pytest.fixture
+def world(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_CONFIG, "n_positions": 256}))
+    flags = ["--model_config", str(config), "--vocab_size", "512", "--max_length", "256", "--batch_size", "2",
+             "--max_steps", "2", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"),
+             "--tokenize_workers", "1"]  # fmt: skip
+    return tmp_path, flags
+
+
+def test_a_glaive_file_with_one_record_too_long_for_the_model_trains(world, capsys):
+    tmp_path, flags = world
+    data = tmp_path / "glaive_toolcall_en_demo.json"
+    data.write_text(json.dumps([glaive(i, big_tools() if i == 4 else [SMALL_TOOL]) for i in range(1, 13)]))
+    result = train_here(capsys, "sft", *flags, "--data_path", str(data), "--run_name", "glaive")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = next(line for line in result.stdout.splitlines() if line.startswith("warning: skipped"))
+    assert warning.startswith(f"warning: skipped 1 record(s) that cannot fit this model at MAX_LENGTH=256 (not bad "
+                              f"input: the rest train); the first: {data} record 4: cannot fit MAX_LENGTH=256 tokens: "
+                              "its tools list alone takes ")  # fmt: skip
+    assert "system turn" not in warning and "raise MAX_LENGTH" not in warning
+    summary = json.loads((tmp_path / "runs" / "glaive" / "summary.json").read_text())
+    assert summary["n_conversations"] == 11 and read_jsonl(tmp_path / "runs" / "glaive" / "metrics.jsonl")
+
+
+def test_most_records_too_long_for_the_model_stop_the_run_in_one_line(world, capsys):
+    tmp_path, flags = world
+    data = tmp_path / "tools.jsonl"
+    rows = [glaive(i, big_tools() if i % 4 else [SMALL_TOOL]) for i in range(1, 13)]
+    rows[1]["system"] = "You are a helpful assistant with tools."  # LLaMA-Factory's system column
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = train_here(capsys, "sft", *flags, "--data_path", str(data), "--run_name", "most")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: DATA_PATH: {data}: 9 of 12 records cannot fit this model at MAX_LENGTH=256; "
+                               f"the first: {data} line 1: cannot fit MAX_LENGTH=256 tokens: its tools list alone takes ")
+    assert not (tmp_path / "runs" / "most").exists()
+    # the record with a system turn says so
+    from train.data.sft.sft_formats import load_conversations
+    from train.data.sft.templates import Tally
+    from train.data.text import load_tokenizer
+
+    conversations, _, _ = load_conversations(data)
+    (cache,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    tok = load_tokenizer(str(cache), [], "", 512, tmp_path / "cache", print)
+    from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
+
+    ensure_special_tokens(tok)
+    tally = Tally()
+    encode_conversations(conversations[1:2], tok, 256, tally=tally)
+    assert "cannot fit MAX_LENGTH=256 tokens: its tools list and system turn take " in tally.unfit[0][1]
