@@ -86,8 +86,11 @@ bench-data: $(STAMP)
 gpu-report: $(STAMP)
 	@bash scripts/gpu_report.sh
 
+# Two shards at once, one per core (tests/conftest.py --shard: a module's integration tests stay together).
 test: $(STAMP)
-	$(PY) -m pytest
+	@log=$$(mktemp); $(PY) -m pytest --shard 1/2 >"$$log" 2>&1 & one=$$!; \
+	$(PY) -m pytest --shard 2/2; two=$$?; \
+	wait $$one; first=$$?; cat "$$log"; rm -f "$$log"; exit $$((first || two))
 
 # The unit tests run single-threaded: two shards at once, one per core, halve the wait.
 test-fast: $(STAMP)

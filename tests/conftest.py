@@ -199,14 +199,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 class Shard:
-    """--shard K/N: every N-th of the tests left after -m, from the K-th."""
+    """--shard K/N: the K-th of N shards of the tests left after -m. Unit tests: every N-th from the
+    K-th. Integration tests go by module (a module's fixtures, a whole reference run, are made once),
+    the largest modules first, each to the shard with the fewest integration tests so far."""
 
     @pytest.hookimpl(trylast=True)  # after -m has deselected
     def pytest_collection_modifyitems(self, config, items):
         k, n = (int(x) for x in config.getoption("--shard").split("/"))
-        keep = items[k - 1 :: n]
-        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
-        items[:] = keep
+        units = [item for item in items if item.get_closest_marker("integration") is None]
+        modules: dict[str, list] = {}
+        for item in items:
+            if item.get_closest_marker("integration") is not None:
+                modules.setdefault(str(item.fspath), []).append(item)
+        load, mine = [0] * n, {id(item) for item in units[k - 1 :: n]}
+        for _, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            shard = load.index(min(load))
+            load[shard] += len(tests)
+            if shard == k - 1:
+                mine.update(id(item) for item in tests)
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in mine])
+        items[:] = [item for item in items if id(item) in mine]
 
 
 def pytest_configure(config):
