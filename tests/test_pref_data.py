@@ -69,7 +69,7 @@ def test_llamafactory_alpaca_record_of_their_readme(tmp_path):
     with_history = {**record, "system": "Be brief.", "history": [["Hi", "Hello!"]]}
     pairs, fmt = read(tmp_path, [record, with_history])
     assert fmt == "alpaca"
-    user = {"role": "user", "content": "human instruction (required)\n\nhuman input (optional)"}
+    user = {"role": "user", "content": "human instruction (required)\nhuman input (optional)"}
     assert pairs[0] == {"prompt": [user], "chosen": [{"role": "assistant", "content": "chosen answer (required)"}],
                         "rejected": [{"role": "assistant", "content": "rejected answer (required)"}]}  # fmt: skip
     assert pairs[1]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

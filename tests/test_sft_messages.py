@@ -29,7 +29,8 @@ def test_small_sft_run_says_what_it_changed(base_model, tmp_path, capfd):
     assert run_cli("sft", *argv) == 0
     out = "".join(capfd.readouterr())
     rows = len(tok)
-    assert f"resized embeddings {rows} -> {(rows + 7 + 63) // 64 * 64} for 7 chat-template token(s)" in out
+    assert (f"resized embeddings {rows} -> {(rows + 7 + 63) // 64 * 64} for 7 token(s) beyond its vocabulary "
+            "(TEMPLATE's chat tokens)") in out
     assert "mean_resizing" not in out and "multivariate" not in out and "Loading weights" not in out
     decisions = {d["setting"]: d for d in json.loads((tmp_path / "runs" / "s" / "config.json").read_text())["decisions"]}
     # the fine-tuned model generates with the KV cache too (SFT turns it off for training)

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -139,7 +140,11 @@ def _start_worker(tokenizer_file: str, eos_id: int, dtype: str) -> None:
     # One thread per process: the processes are the parallelism (set before the first encode).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the main process's to handle
-    backend = backend_of_json(Path(tokenizer_file).read_text(encoding="utf-8"))
+    try:
+        text = Path(tokenizer_file).read_text(encoding="utf-8")
+    except FileNotFoundError:  # the main process is stopping (Ctrl+C, SIGTERM) and removed it: end quietly
+        os._exit(1)
+    backend = backend_of_json(text)
     _WORKER.update(backend=backend, eos=eos_id, dtype=np.dtype(dtype))
 
 
@@ -180,7 +185,42 @@ def single_threaded_tokenizers():
 
 
 def workers_pool(workers: int, context, initializer, initargs: tuple) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs)
+    """The worker processes, started now: a first no-op task makes the pool fork them here, in the
+    main thread, with SIGINT and SIGTERM blocked, so a Ctrl+C or a stop that comes meanwhile waits
+    for the main process (it handles both once the workers are up) and no worker is hit inside its
+    initializer (it printed a traceback). Each initializer calls worker_signals first."""
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_signals_then(initializer), initargs=initargs)
+    if threading.current_thread() is not threading.main_thread():
+        return pool
+    try:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            pool.submit(int).result()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is raised here
+    except BaseException:  # the workers end before the caller removes what they read (the tokenizer file)
+        close_pool(pool)
+        raise
+    return pool
+
+
+class _signals_then:
+    """A worker's initializer, after worker_signals (picklable for a spawned worker too)."""
+
+    def __init__(self, initializer):
+        self.initializer = initializer
+
+    def __call__(self, *args):
+        worker_signals()
+        self.initializer(*args)
+
+
+def worker_signals() -> None:
+    """In a worker: Ctrl+C is the main process's to handle (ignored here), SIGTERM ends the worker
+    (a forked one inherited the parent's handlers and the mask the pool was started under)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def in_order(pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int) -> Iterator[tuple]:

@@ -200,7 +200,7 @@ def save_adapter(model, folder: Path, final: Path | None = None) -> None:
     adapter_model.safetensors, with the embedding rows where the kit resized the vocabulary. Then
     the base the adapter applies to is not MODEL_PATH (8192 rows against the adapter's 8256): the
     resized base is saved in folder/base and named in adapter_config.json, so peft's own
-    AutoPeftModelForCausalLM.from_pretrained(final/adapter) loads. final: where folder will be
+    auto-loader (AutoPeftModelForCausalLM on final/adapter) loads it. final: where folder will be
     once its parent is renamed into place (the path written there)."""
     import safetensors.torch
     from peft.utils import get_peft_model_state_dict
