@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import signal
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -185,42 +184,7 @@ def single_threaded_tokenizers():
 
 
 def workers_pool(workers: int, context, initializer, initargs: tuple) -> ProcessPoolExecutor:
-    """The worker processes, started now: a first no-op task makes the pool fork them here, in the
-    main thread, with SIGINT and SIGTERM blocked, so a Ctrl+C or a stop that comes meanwhile waits
-    for the main process (it handles both once the workers are up) and no worker is hit inside its
-    initializer (it printed a traceback). Each initializer calls worker_signals first."""
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_signals_then(initializer), initargs=initargs)
-    if threading.current_thread() is not threading.main_thread():
-        return pool
-    try:
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            pool.submit(int).result()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is raised here
-    except BaseException:  # the workers end before the caller removes what they read (the tokenizer file)
-        close_pool(pool)
-        raise
-    return pool
-
-
-class _signals_then:
-    """A worker's initializer, after worker_signals (picklable for a spawned worker too)."""
-
-    def __init__(self, initializer):
-        self.initializer = initializer
-
-    def __call__(self, *args):
-        worker_signals()
-        self.initializer(*args)
-
-
-def worker_signals() -> None:
-    """In a worker: Ctrl+C is the main process's to handle (ignored here), SIGTERM ends the worker
-    (a forked one inherited the parent's handlers and the mask the pool was started under)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs)
 
 
 def in_order(pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int) -> Iterator[tuple]:
