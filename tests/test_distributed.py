@@ -318,7 +318,8 @@ def test_bad_sharding_settings_name_the_variable(tiny_flags, capsys):
 
 def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_flags, tmp_path, capsys):
     """SHARDING=zero2 on one process writes shards/ checkpoints; RESUME=1 continues exactly;
-    resuming them without SHARDING is refused in one line, the run folder untouched."""
+    resuming them with SHARDING=none is refused in one line, the run folder untouched (a resume that
+    leaves SHARDING out keeps the run's own: train/run/guard/carry.py)."""
     import shutil
 
     import numpy as np
@@ -333,7 +334,7 @@ def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_
     meta = json.loads((runs / "again" / "checkpoints" / "step-00000002" / "meta.json").read_text())
     assert meta["sharding"] == "zero2" and "shards/.metadata" in meta["files"]
     before = (runs / "again" / "metrics.jsonl").read_text()
-    assert run_cli("pretrain", *argv[:-2], "--run_name", "again", "--resume", "1") == 2
+    assert run_cli("pretrain", *argv[:-2], "--sharding", "none", "--run_name", "again", "--resume", "1") == 2
     assert "saved by a SHARDING=zero2 run; resume it with SHARDING=zero2" in capsys.readouterr().err
     assert (runs / "again" / "metrics.jsonl").read_text() == before
     assert checkpoint.list_checkpoints(runs / "again" / "checkpoints")[0].name == "step-00000002"

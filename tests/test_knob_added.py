@@ -119,13 +119,13 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
     assert broken.stderr.startswith("error: config.py cannot be read: SyntaxError") and broken.stderr.count("\n") == 1
 
 
-DPO_LAUNCHER = """#!/usr/bin/env bash
-# Preference training, as a new mode's launcher arrives: no knob lines yet.
-# Usage: [VAR=value ...] ./train_dpo.sh [--any_flag value ...]
+NEW_LAUNCHER = """#!/usr/bin/env bash
+# A new mode's launcher as it arrives: no knob lines yet.
+# Usage: [VAR=value ...] ./train_grpo.sh [--any_flag value ...]
 set -euo pipefail
 
 source "$(dirname "$0")/scripts/common.sh"
-kit_launch dpo sft "$@"
+kit_launch grpo sft "$@"
 """
 
 
@@ -146,7 +146,8 @@ def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its
     assert written.returncode == 0, written.stderr
     after = digests(kit)
     changed = {name for name in after if after[name] != before.get(name)}
-    launchers = {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"}
+    launchers = {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh",
+                 "train_dpo.sh"}
     assert changed == {"docs/knobs.md"} | launchers
     assert all(os.access(kit / name, os.X_OK) for name in launchers)  # still executable
     assert generate(kit, "--check").stdout.strip() == "knob docs up to date"
@@ -168,30 +169,30 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     kit = kit_with_new_knobs(tmp_path)
     # what a new mode brings: its name among the modes and the markers, a field kept to it, a launcher
     cfg = (kit / "config.py").read_text()
-    cfg = cfg.replace('MODES = ("pretrain", "sft")', 'MODES = ("pretrain", "sft", "dpo")')
-    cfg = cfg.replace('dummy_sft: bool = knob(False, "sft")', 'dummy_sft: bool = knob(False, "dpo")')
+    cfg = cfg.replace('("pretrain", "sft", "dpo")', '("pretrain", "sft", "dpo", "grpo")')
+    cfg = cfg.replace('dummy_sft: bool = knob(False, "sft")', 'dummy_sft: bool = knob(False, "grpo")')
     (kit / "config.py").write_text(cfg)
     checks = kit / "train" / "core" / "checks.py"
-    checks.write_text(checks.read_text().replace("MARKS = {", 'MARKS = {\n    "dpo": "preference training only",', 1))
-    (kit / "train_dpo.sh").write_text(DPO_LAUNCHER)
-    (kit / "train_dpo.sh").chmod(0o755)
-    shown = generate(kit, "--launcher", "train_dpo.sh")
+    checks.write_text(checks.read_text().replace("MARKS = {", 'MARKS = {\n    "grpo": "group-relative training only",', 1))
+    (kit / "train_grpo.sh").write_text(NEW_LAUNCHER)
+    (kit / "train_grpo.sh").chmod(0o755)
+    shown = generate(kit, "--launcher", "train_grpo.sh")
     assert shown.returncode == 0, shown.stderr
     written = generate(kit, "--write")
-    assert written.returncode == 0 and "train_dpo.sh" in written.stdout, written.stderr
-    dpo = block_of(kit / "train_dpo.sh")
-    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_dpo.sh").read_text()
-    assert "DUMMY_SFT" in dpo and "DUMMY_KNOB" in dpo and "MODEL_SIZE" in dpo and "NPROC_PER_NODE" in dpo
-    assert "MODEL_PATH" not in dpo and "PACKING" not in dpo  # kept to SFT by their "sft" marker
+    assert written.returncode == 0 and "train_grpo.sh" in written.stdout, written.stderr
+    grpo = block_of(kit / "train_grpo.sh")
+    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_grpo.sh").read_text()
+    assert "DUMMY_SFT" in grpo and "DUMMY_KNOB" in grpo and "MODEL_SIZE" in grpo and "NPROC_PER_NODE" in grpo
+    assert "MODEL_PATH" not in grpo and "PACKING" not in grpo  # kept to SFT (and DPO) by their markers
     assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(kit / "run_single_gpu.sh")
-    text = (kit / "train_dpo.sh").read_text()
+    text = (kit / "train_grpo.sh").read_text()
     assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index("source ") and text.endswith('"$@"\n')
     doc = (kit / "docs" / "knobs.md").read_text()
-    assert "## dpo\n\nKept to `python -m train dpo` (launchers: `train_dpo.sh`). preference training only." in doc
+    assert "## grpo\n\nKept to `python -m train grpo` (launchers: `train_grpo.sh`). group-relative training only." in doc
     # the launcher passes its knobs as flags (scripts/common.sh reads the same fields)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    out = subprocess.run(["bash", str(kit / "train_dpo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
+    out = subprocess.run(["bash", str(kit / "train_grpo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
                          capture_output=True, text=True, timeout=120, cwd=kit)  # fmt: skip
     assert out.returncode == 0 and out.stderr == "", out.stderr
     argv = shlex.split(out.stdout)
-    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "dpo"] and "--dummy_sft" in argv
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "grpo"] and "--dummy_sft" in argv

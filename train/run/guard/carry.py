@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 import config
 from train.config.flags import training_parser
+from train.core.errors import UsageError
 from train.run.rundir.claim import plan_run_dir
 from train.run.rundir.report import asked_settings
 
@@ -35,9 +36,10 @@ def carry(cfg: config.TrainConfig, command: str, argv: list[str], say=print) -> 
     if not cfg.run.resume:
         return cfg
     r = cfg.run
-    run_path = plan_run_dir(
-        r.output_dir, r.run_name, r.launcher, r.overwrite, resume=True
-    )  # refusals: one line
+    try:
+        run_path = plan_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, resume=True)
+    except UsageError:  # said by the run itself, in its order (a folder in use before "no checkpoint")
+        return cfg
     saved = asked_settings(run_path)
     if not saved:
         return cfg
