@@ -159,6 +159,29 @@ def save_folder(folder: Path, save, temps: list[Path]) -> bool:
     return True
 
 
+def temp_folder(folder: Path, temps: list[Path]) -> Path:
+    """A fresh folder beside `folder` to write a cache into (named for this host and process: runs
+    on other machines sharing CACHE_DIR never collide), listed in `building`'s temps."""
+    tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
+    temps.append(tmp)
+    return tmp
+
+
+def publish(tmp: Path, folder: Path, meta: dict, temps: list[Path], finished) -> None:
+    """tmp, a cache written whole, becomes `folder`: meta.json last (a folder without it is an
+    unfinished one), fsynced, renamed. When another run finished the same cache first
+    (finished(folder) is true), tmp is removed and theirs is used."""
+    write_json(tmp / "meta.json", meta, temps)
+    files.sync_tree(tmp)
+    try:
+        os.rename(tmp, folder)
+        files.fsync(folder.parent)
+    except OSError:
+        if not finished(folder):
+            raise
+        remove(tmp)
+
+
 SEAL = "kit-sha256.json"  # a trained tokenizer's files and their sha256, written with them
 
 

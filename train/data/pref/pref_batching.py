@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from train.core.units import IGNORE_INDEX
 from train.data.sft.packing import FLASH, VARLEN, PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import PadCollator, padded_width
+from train.data.sft.sft_batching import PadCollator, Seq2SeqCollator
 
 
 class PairDataset(Dataset):
@@ -74,23 +74,9 @@ class PairCollator(PadCollator):
         return {**super().__call__(sequences(pairs)), "n_pairs": len(pairs)}
 
 
-class Seq2SeqPairCollator:
+class Seq2SeqPairCollator(Seq2SeqCollator):
     """P encoder-decoder pairs -> input_ids / attention_mask (P, S), labels (2P, T); see the module doc.
     widths as PadCollator's (length buckets, each side bucketed on its own)."""
-
-    widths: tuple[int, ...] | None = None
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
-        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
-
-    def _pad(self, rows: list, value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        width = padded_width(max(len(r) for r in rows), self.pad_to_multiple_of, self.widths)
-        out = torch.full((len(rows), width), value, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1
-        return out, mask
 
     def __call__(self, pairs: Sequence[dict]) -> dict:
         input_ids, attention_mask = self._pad([p["prompt_ids"] for p in pairs], self.pad_token_id)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -195,20 +194,11 @@ def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, ski
     renamed); another run that finished the same cache first wins, and its copy is used."""
     cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the preference data", "the preference cache", folder) as temps:
-        tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
-        temps.append(tmp)
+        tmp = cache_files.temp_folder(folder, temps)
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, kind, rendering)
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
-        cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
-        files.sync_tree(tmp)
-        try:
-            os.rename(tmp, folder)
-            files.fsync(folder.parent)
-        except OSError:
-            if open_cache(folder)[0] is None:
-                raise
-            cache_files.remove(tmp)
+        cache_files.publish(tmp, folder, meta.__dict__, temps, lambda f: open_cache(f)[0] is not None)
     pairs, damage = open_cache(folder, verify=False)  # hashed as it was written
     if pairs is None:
         raise OSError(f"the preference cache just written does not read back ({damage})")

@@ -14,12 +14,11 @@ position_ids and sequence_ids; every form carries n_pairs, n_real_tokens and n_p
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
+from train.data.holdout import held_out_tail
 from train.data.json_lines import record_limit
 from train.data.loader import Data
 from train.data.pref.pref_batching import (
@@ -137,14 +136,7 @@ def split_validation(d, eval_batches: int, dataset: PairDataset, tok, max_length
             val, _ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
         decide("validation", f"{len(val)} pairs", f"VAL_PATH={d.val_path}")
         return val
-    want = eval_batches * VAL_ROWS
-    n_val = val_windows(len(dataset), d.val_fraction, want)
+    n_val = held_out_tail(len(dataset), d.val_fraction, eval_batches, "pairs", decide)
     if n_val == 0:
         return None
-    asked = math.ceil(d.val_fraction * len(dataset))
-    if n_val > asked:  # a small set: a handful of pairs gives a noisy validation loss
-        decide("val_fraction", round(n_val / len(dataset), 4),
-               f"VAL_FRACTION={d.val_fraction:g} holds out {asked} of {len(dataset)} pairs; raised towards "
-               f"EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data")  # fmt: skip
-    decide("validation", f"{n_val} pairs", f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)")
     return PairDataset(dataset.examples[len(dataset) - n_val :], dataset.seq2seq)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from torch.utils.data import Dataset
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
 from train.data import records
-from train.data.holdout import MAX_AUTO_FRACTION, VAL_ROWS, val_windows
+from train.data.holdout import held_out_tail
 from train.data.json_lines import record_limit
 from train.data.loader import Data
 from train.data.sft.packing import (
@@ -220,21 +219,7 @@ def split_validation(d, eval_batches: int, dataset: SFTDataset, tok, max_length:
             val, *_ = load_dataset(dataclasses.replace(d, data_path=d.val_path), tok, max_length, say, kind)
         decide("validation", f"{len(val)} {unit_of(val.pairs)}", f"VAL_PATH={d.val_path}")
         return val
-    want = eval_batches * VAL_ROWS
-    n_val = val_windows(len(dataset), d.val_fraction, want)
+    n_val = held_out_tail(len(dataset), d.val_fraction, eval_batches, unit_of(dataset.pairs), decide)
     if n_val == 0:
         return None
-    asked = math.ceil(d.val_fraction * len(dataset))
-    if n_val > asked:  # a small set: a handful of conversations gives a noisy validation loss
-        decide(
-            "val_fraction",
-            round(n_val / len(dataset), 4),
-            f"VAL_FRACTION={d.val_fraction:g} holds out {asked} of {len(dataset)} {unit_of(dataset.pairs)}; raised "
-            f"towards EVAL_BATCHES x {VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data",
-        )
-    decide(
-        "validation",
-        f"{n_val} {unit_of(dataset.pairs)}",
-        f"the last {n_val / len(dataset):.1%} of the data (VAL_FRACTION)",
-    )
     return SFTDataset(dataset.examples[len(dataset) - n_val :], dataset.pairs)

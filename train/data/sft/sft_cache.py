@@ -29,7 +29,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -331,23 +330,14 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
     manifest last, fsynced, renamed."""
     cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
-        tmp = files.fresh_folder(folder.parent, f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-")
-        temps.append(tmp)
+        tmp = cache_files.temp_folder(folder, temps)
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind, rendering)
         if meta.n_unfit > meta.n:  # a few records too long for this model are skipped; most, or all, stop the run
             raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records cannot fit "
                              f"this model at MAX_LENGTH={max_length}; the first: {meta.first_unfit}")
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
-        cache_files.write_json(tmp / "meta.json", meta.__dict__, temps)
-        files.sync_tree(tmp)
-        try:
-            os.rename(tmp, folder)
-            files.fsync(folder.parent)
-        except OSError:
-            if open_cache(folder)[0] is None:  # not another run's finished copy of the same cache
-                raise
-            cache_files.remove(tmp)  # another run finished the same cache first: use theirs
+        cache_files.publish(tmp, folder, meta.__dict__, temps, lambda f: open_cache(f)[0] is not None)
     examples, damage = open_cache(folder, verify=False)  # hashed as it was written
     if examples is None:
         raise OSError(f"the SFT cache just written does not read back ({damage})")
