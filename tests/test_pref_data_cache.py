@@ -18,8 +18,9 @@ from train.core.errors import UsageError
 from train.data.loader import make_loader, make_val_loader
 from train.data.pref.pref_cache import preference_cache
 from train.data.pref.pref_encode import encode
-from train.data.pref.pref_formats import load_pairs
+from train.data.pref.pref_formats import builtin_pairs, load_pairs
 from train.data.pref.preference import preference_data
+from train.data.sft.sft_formats import builtin_conversations
 
 
 def pair_record(i: int) -> dict:
@@ -34,7 +35,7 @@ RECORDS = [pair_record(i) for i in range(30)]
 
 def cached(path, tok, cache, max_length=64, workers=1, skip=False, kind="causal"):  # noqa: F811
     lines: list[str] = []
-    pairs, done = preference_cache(str(path), tok, max_length, skip, cache, workers, lines.append, kind)
+    pairs, done = preference_cache(str(path), None, tok, max_length, skip, cache, workers, lines.append, kind)
     return pairs, done, lines
 
 
@@ -160,3 +161,22 @@ def test_front_door_val_path_and_one_line_refusals(tmp_path, tok):  # noqa: F811
         front_door(data_config(tmp_path, data_path, packing=True), tok, kind="seq2seq")
     with pytest.raises(UsageError, match="^DATA_PATH: preference training reads preference pairs"):
         front_door(DataConfig(cache_dir=str(tmp_path / "cache")), tok)
+
+
+def test_the_built_in_pairs_prefer_each_prompts_own_reply_and_are_cached(tmp_path, tok):  # noqa: F811
+    """DATA_PATH empty: SFT's built-in conversations, each prompt's own body chosen over another
+    function's; deterministic, never chosen == rejected, cached under the pairs themselves."""
+    conversations = builtin_conversations(60)
+    pairs = builtin_pairs(60)
+    assert pairs == builtin_pairs(60) and 50 <= len(pairs) <= 60
+    replies = {c[0]["content"]: c[1]["content"] for c in conversations}
+    for pair in pairs:
+        prompt = pair["prompt"][0]["content"]
+        assert pair["chosen"][0]["content"] == replies[prompt] != pair["rejected"][0]["content"]
+        assert pair["rejected"][0]["content"] in replies.values()
+    lines: list[str] = []
+    cached_pairs, done = preference_cache(None, pairs, tok, 64, False, tmp_path / "c", 1, lines.append)
+    assert done.startswith("preference cache: built") and len(cached_pairs) == len(pairs)
+    assert every(cached_pairs) == encode(pairs, tok, 64)[0]
+    again, done = preference_cache(None, pairs[:-1], tok, 64, False, tmp_path / "c", 1, lines.append)
+    assert done.startswith("preference cache: built") and len(again) == len(pairs) - 1  # keyed by the pairs

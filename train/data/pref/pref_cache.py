@@ -205,14 +205,16 @@ def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, ski
     return pairs
 
 
-def preference_cache(data_path: str, tok, max_length: int, skip_bad_records: bool, cache_dir: Path, workers: int,
-                     say, kind: str = "causal", rendering: Rendering | None = None) -> tuple[CachedPairs, str]:
-    """The preference cache for this data, tokenizer, rendering, MAX_LENGTH and model kind: opened when
-    there is one, else built. Returns (pairs, what was done, for the log)."""
+def preference_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
+                     cache_dir: Path, workers: int, say, kind: str = "causal",
+                     rendering: Rendering | None = None) -> tuple[CachedPairs, str]:
+    """The preference cache for this data (DATA_PATH, or the built-in pairs when it is None),
+    tokenizer, rendering, MAX_LENGTH and model kind: opened when there is one, else built. Returns
+    (pairs, what was done, for the log)."""
     start, rendering = time.perf_counter(), rendering or Rendering()
     root = cache_dir / "pref"
     cache_files.refuse_link(root, root / "sums")
-    data_key, total = sft_cache.data_fingerprint(data_path, None, root / "sums")
+    data_key, total = sft_cache.data_fingerprint(data_path, builtin, root / "sums")
     key = sft_cache.cache_key(f"pref-{PREF_CACHE_VERSION}\0{data_key}", tok, max_length, skip_bad_records, kind,
                               rendering)  # fmt: skip
     folder = root / key
@@ -225,13 +227,17 @@ def preference_cache(data_path: str, tok, max_length: int, skip_bad_records: boo
     if damage:
         say(f"preference cache {folder} was damaged ({damage}); rebuilding")
         cache_files.remove(folder)
-    fmt, items = open_pairs(data_path)
+    if data_path is None:
+        fmt, items = "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
+    else:
+        fmt, items = open_pairs(data_path)
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
         workers = max(1, min(workers, -(-total // sft_cache.CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""
     say(f"tokenizing {rows}preference records into {folder} on {workers} process(es) (once per data, tokenizer, "
         "template, MAX_LENGTH and model kind)")
-    pairs = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, data_path, kind, rendering)
+    pairs = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, data_path or "the built-in pairs",
+                  kind, rendering)
     took = time.perf_counter() - start
     rate = (len(pairs) + pairs.meta.n_skipped) / max(took, 1e-9)
     return pairs, f"preference cache: built {folder} in {took:.1f} s ({rate:,.0f} records/s)"

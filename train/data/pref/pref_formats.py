@@ -213,6 +213,24 @@ def _same_turns(a: list[dict], b: list[dict]) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
+BUILTIN_NAME = "built-in (a standard-library function's body preferred over another function's)"
+
+
+def builtin_pairs(limit: int | None = None) -> list[dict]:
+    """The set DATA_PATH left empty trains on: SFT's built-in conversations (a standard-library
+    function's signature and docstring -> its body), each with its own body chosen and the body of
+    another function of the set rejected (a fixed derangement: the conversation `shift` places on),
+    so a model learns to prefer the reply that answers its prompt. Deterministic and offline."""
+    conversations = sft_formats.builtin_conversations(limit)
+    n, shift = len(conversations), max(1, len(conversations) // 3)
+    pairs = []
+    for i, (user, reply) in enumerate(conversations):
+        other = conversations[(i + shift) % n][1]["content"] if n > 1 else ""
+        if other and other != reply["content"]:
+            pairs.append({"prompt": [user], "chosen": [reply], "rejected": [{"role": "assistant", "content": other}]})
+    return pairs
+
+
 def open_pairs(data_path: str | Path) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed; the format is the first
     matching record's. An empty source or an unknown format is one line naming DATA_PATH."""

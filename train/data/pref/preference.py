@@ -1,4 +1,4 @@
-"""Preference training's front door: DATA_PATH -> the preference cache (tokenized once) -> pairs
+"""Preference training's front door: DATA_PATH (or the built-in pairs) -> the preference cache (tokenized once) -> pairs
 (PairDataset) -> the held-out split (VAL_FRACTION or VAL_PATH) -> padded or packed batches of chosen
 and rejected rows, returned as Data for the one loader factory (train/data/loader.py), which batches
 them length-grouped or by TOKEN_BUDGET through SFT's samplers. Takes the data config, the tokenizer
@@ -29,7 +29,7 @@ from train.data.pref.pref_batching import (
     pack_pairs,
 )
 from train.data.pref.pref_cache import preference_cache
-from train.data.pref.pref_formats import accepted
+from train.data.pref.pref_formats import BUILTIN_NAME, builtin_pairs
 from train.data.sft.fine_tuning import packed_attention, template_decision, tokenize_workers
 from train.data.sft.sft_batching import bucket_lengths
 from train.data.sft.templates import Rendering
@@ -37,9 +37,6 @@ from train.data.sft.templates import Rendering
 
 def refuse_settings(d, kind: str) -> None:
     """What preference data cannot do, in one line each, before any work."""
-    if d.data_path is None:
-        raise UsageError(f"DATA_PATH: preference training reads preference pairs (there is no built-in set); "
-                         f"accepted: {accepted()}")
     if d.loss_on == "all":
         raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same on "
                          "both sides); leave LOSS_ON empty")
@@ -89,10 +86,12 @@ def preference_data(d, tok, *, kind: str, max_length: int, device, precision: st
 def load_dataset(d, tok, max_length: int, say, kind: str = "causal"):
     """DATA_PATH -> (PairDataset, the cache's manifest), through the preference cache; says the format
     and every count."""
-    pairs, done = preference_cache(d.data_path, tok, max_length, d.skip_bad_records, Path(d.cache_dir),
+    builtin = builtin_pairs() if d.data_path is None else None
+    pairs, done = preference_cache(d.data_path, builtin, tok, max_length, d.skip_bad_records, Path(d.cache_dir),
                                    tokenize_workers(d), say, kind, Rendering.of(d))
     meta = pairs.meta
-    say(f"preference data: {d.data_path}, format {meta.format}, {len(pairs)} pairs; {done}")
+    fmt = BUILTIN_NAME if builtin is not None else f"format {meta.format}"
+    say(f"preference data: {d.data_path or 'built-in'}, {fmt}, {len(pairs)} pairs; {done}")
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: "
             f"{meta.first_error}")
