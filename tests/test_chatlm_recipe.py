@@ -6,7 +6,7 @@ ChatLM's side is written here from its code (charent/ChatLM-mini-Chinese: model/
 torch + transformers, and the kit's side is the recipe's first command as the doc writes it, with
 only what a test must change (paths, size, precision, length) changed, each for a stated reason.
 Both start from one tiny T5 shaped as ChatLM builds its own (get_T5_config: T5Config() with the
-widths changed, vocab = len(tokenizer), decoder start = pad, eos 1) and one tokenizer with ChatLM's
+widths changed, here one layer each side; vocab = len(tokenizer), decoder start = pad, eos 1) and one tokenizer with ChatLM's
 special tokens ([PAD] 0, [EOS] 1 ...), and train on one prompt/response parquet in one order.
 
 What ChatLM's trainer does, and so what its side here does:
@@ -14,9 +14,11 @@ What ChatLM's trainer does, and so what its side here does:
   response (a character cut; these records are shorter, so nothing is cut); collate_fn tokenizes
   each side with padding=True (to the batch's longest), no truncation; the labels are the
   response ids with every pad (= decoder_start_token_id) set to -100.
-- loss: outputs.loss (T5's mean over the micro-batch's target tokens) / accumulation_steps, then
-  accelerator.backward, which divides by gradient_accumulation_steps AGAIN (accelerate 0.23, its
-  pinned version, as 1.x: `loss = loss / self.gradient_accumulation_steps` unless DeepSpeed).
+- loss: outputs.loss (T5's mean over the micro-batch's target tokens) / accumulation_steps: the
+  step's loss is the mean of its micro-batches' means (the recipe's LOSS_MEAN=micro_batches), then
+  accelerator.backward, which divides by gradient_accumulation_steps AGAIN (accelerate 0.23.0,
+  ChatLM's pin, and 1.15.0 alike: `loss = loss / self.gradient_accumulation_steps` unless DeepSpeed;
+  without accelerator.accumulate() every optimizer.step() it is given runs).
   Every accumulation_steps micro-steps: clip_grad_norm_(1.0), optimizer.step(),
   lr_scheduler.step(), zero_grad(). The double division makes the clipped gradient the step's
   true one / accumulation_steps: clipping it at 1.0 is clipping the true one at accumulation_steps,
@@ -27,11 +29,13 @@ What ChatLM's trainer does, and so what its side here does:
   decay_rate -0.8, beta1 None, weight_decay 0, and with relative_step the lr it is given is never
   read: each step is min(1e-2, 1 / sqrt(step)) x max(1e-3, the parameter's RMS). transformers'
   Adafactor(lr=None, relative_step=True, scale_parameter=True, warmup_init=False) has the same
-  defaults and the same update (both are fairseq's); it stands in for torch_optimizer here, which
-  is not a dependency of the kit. OneCycleLR(max_lr=div_factor x learn_rate, div_factor=50,
+  defaults and the same update (both are fairseq's; torch_optimizer 0.3.0 and transformers 5.23.0
+  gave the same weights bit for bit over these 20 steps, checked once outside the suite); it stands
+  in for torch_optimizer here, which is not a dependency of the kit. OneCycleLR(max_lr=div_factor x learn_rate, div_factor=50,
   cycle_momentum=False) runs as ChatLM's does: it writes the groups' lr, which neither reads.
 - dropout: T5Config()'s dropout_rate 0.1 is ChatLM's; both sides here run at 0, since two
-  programs never draw the same dropout masks. Precision fp32 on both (ChatLM's bf16 needs a GPU).
+  programs never draw the same dropout masks. Precision fp32 on both (ChatLM's bf16, the recipe's
+  PRECISION, rounds differently in two programs' op orders).
 - order: ChatLM shuffles with its own RNG (a DataLoader shuffle, or a numpy buffer shuffle),
   which no other program can replay; its side here reads the records in the kit's seeded order
   (torch.randperm under the seed the kit documents in train/data/text.py epoch_order), written
