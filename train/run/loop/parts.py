@@ -59,14 +59,17 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                source_target=b.family.source_target, objective=b.objective or token_objective(b),
+                source_target=b.family.source_target, objective=step_objective(b),
             ))  # fmt: skip
 
         return feed.step(attempt)
 
 
-def token_objective(b) -> TokenObjective:
-    """The step's token loss where the mode has no objective of its own (pretraining, SFT)."""
+def step_objective(b):
+    """The mode's own loss (preference training's), else the token loss of pretraining and SFT,
+    averaged as LOSS_MEAN says."""
+    if getattr(b, "objective", None) is not None:
+        return b.objective
     return TokenObjective(b.family.source_target, b.cfg.optim.loss_mean == "micro_batches")
 
 
