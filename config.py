@@ -194,11 +194,13 @@ class OptimConfig:
     """Weight decay on matrices (not on biases and norms)."""
     grad_clip: float = knob(1.0, least=0.0)
     """Clip the gradient norm to this before each step (0: no clipping)."""
+    loss_mean: str | None = knob(None, "sft", "compared", choices=("tokens", "micro_batches"))
+    """SFT: tokens (empty: the step's loss is the mean over all its target tokens, as one big batch's) | micro_batches
+    (the mean of its micro-batches' own token means, as ChatLM-mini-Chinese's loop takes it: docs/coming-from.md)."""
     max_steps: int | None = knob(None, "compared", least=1)
     """Stop after this many optimizer steps."""
     epochs: float | None = knob(None, "compared", above=0.0)
-    """Stop after this many passes over the data (fractions allowed). With no MAX_STEPS, EPOCHS or
-    MAX_SAMPLES: one epoch."""
+    """Stop after this many passes over the data (fractions allowed). No MAX_STEPS, EPOCHS or MAX_SAMPLES: one epoch."""
     max_samples: int | None = knob(None, "compared", least=1)
     """Stop after this many training sequences (the budget `make compare` holds fixed)."""
     dpo_loss: str | None = knob(None, "dpo", "compared", choices=DPO_LOSSES)
@@ -329,8 +331,7 @@ class RunConfig:
         if self.resume and self.overwrite:
             raise UsageError("RESUME=1 and OVERWRITE=1 are both set: choose one (RESUME continues the run, OVERWRITE replaces it)")
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise UsageError("REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs "
-                             "it); or set REPORT_TO=none")
+            raise UsageError("REPORT_TO=tensorboard: the tensorboard package is not installed (`make setup` installs it); or set REPORT_TO=none")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "system": SystemConfig, "run": RunConfig}
@@ -361,8 +362,7 @@ class TrainConfig:
     @classmethod
     def from_flat(cls, values: dict) -> TrainConfig:
         """Build from a flat {field: value} dict (values already typed)."""
-        unknown = set(values) - set(FIELD_SECTION)
-        if unknown:
+        if unknown := set(values) - set(FIELD_SECTION):
             raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         parts = {sec: {} for sec in SECTIONS}
         for name, value in values.items():

@@ -63,6 +63,7 @@ LR_SCHEDULE=${LR_SCHEDULE:-}            # cosine | linear | constant | onecycle;
 WARMUP_STEPS=${WARMUP_STEPS:-}          # optimizer steps of linear warm-up; below 1, a share of the run's steps (0.05: 5 %, rounded up, as TRL's warmup_steps); empty: 5 % of the run, at most 200
 WEIGHT_DECAY=${WEIGHT_DECAY:-}          # weight decay on matrices (not on biases and norms); empty: 0 (preset sft)
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this before each step (0: no clipping); empty: 1
+LOSS_MEAN=${LOSS_MEAN:-}                # tokens | micro_batches; empty: tokens (the step's loss is the mean over all its target tokens, as one big batch's)
 MAX_STEPS=${MAX_STEPS:-}                # stop after this many optimizer steps
 EPOCHS=${EPOCHS:-}                      # stop after this many passes over the data (fractions allowed)
 MAX_SAMPLES=${MAX_SAMPLES:-}            # stop after this many training sequences (the budget `make compare` holds fixed)

@@ -108,11 +108,18 @@ class TokenObjective:
     train/core/preference/loss.py PreferenceObjective."""
 
     source_target: bool
+    micro_batch_mean: bool = False
+    """LOSS_MEAN=micro_batches: each micro-batch's own token mean / the step's micro-batches (over
+    all ranks), as ChatLM-mini-Chinese's loop averages: a short micro-batch's tokens weigh more."""
 
     def counts(self, micro_batches) -> int:
+        if self.micro_batch_mean:
+            return len(micro_batches)
         return step_targets(micro_batches, shifted=not self.source_target)
 
     def loss(self, model, batch, device, precision, counts, world_size: int, accuracy: bool):
+        if self.micro_batch_mean:  # its own targets x the micro-batches: host ints, no device sync
+            counts *= count_targets(batch, shifted=not self.source_target)
         out = forward_loss(model, batch, device, precision, counts, world_size, accuracy,
                            source_target=self.source_target)  # fmt: skip
         return (out[0], {"mean_token_accuracy": out[1]}) if accuracy else (out, {})
