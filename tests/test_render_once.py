@@ -56,7 +56,8 @@ CONVERSATIONS = {
     "spaces": [{"role": "user", "content": " Hi "}, {"role": "assistant", "content": " Hello \n"}, *pairs(3)],
     "calls": [TOOLS, {"role": "system", "content": "Use tools."}, *pairs(1), {"role": "user", "content": "Paris?"},
               {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": '{"t": 21}'},
-              {"role": "assistant", "content": "It is 21.", "tool_calls": [CALL]}, *pairs(2)],
+              {"role": "assistant", "content": "It is 21.", "tool_calls": [CALL]}, {"role": "user", "content": "Again?"},
+              {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "content": "{}"}, *pairs(2)],
 }  # fmt: skip
 
 

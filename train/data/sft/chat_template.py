@@ -135,8 +135,8 @@ def reply_bounds(tokenizer, conversation, tools, full: str, turns: list[int], bu
     learned: dict = {}  # kind -> (markup before the content, inside the reply; markup after it)
     bounds: dict[int, tuple[int, int]] = {}
     for i in turns:
-        start, end = spans[i]
-        head, tail = learned.get(_kind(conversation[i]), (None, None))
+        start, end = spans.get(i, (-1, -1))  # a reply of calls alone (no content): by its prefixes
+        head, tail = learned.get(_kind(conversation[i]), (None, None)) if start >= 0 else (None, None)
         fits = head is not None and start >= len(head) and full.startswith(head, start - len(head)) \
             and full.startswith(tail, end)
         if fits and i != turns[-1]:
@@ -146,7 +146,7 @@ def reply_bounds(tokenizer, conversation, tools, full: str, turns: list[int], bu
         if fits and bounds[i] != (start - len(head), end + len(tail)):  # the markup changed by the end
             return {k: exact(k) for k in turns}
         before, through = bounds[i]
-        if head is None and before <= start <= end <= through:
+        if head is None and 0 <= before <= start <= end <= through:
             learned[_kind(conversation[i])] = (full[before:start], full[end:through])
     return bounds
 
