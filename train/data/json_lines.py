@@ -215,10 +215,13 @@ def _error_line(text: str) -> int | None:
 # --- parquet and Arrow rows: the same bound, and values Python cannot hold ----------------------
 
 
-def row_groups_bounded(path: Path, meta, columns: list[str] | None, first_row: int, limit: int) -> None:
+def row_groups_bounded(path: Path, meta, columns: list[str] | None, first_row: int, limit: int,
+                       skip: bool = False) -> dict[int, tuple[str, str]]:
     """Refused from the file's metadata alone, before anything is decompressed: a row group whose
     columns (those read) decompress to more than MAX_RECORD_MB per row holds at least one row over
-    it (a 50 KB zstd file of one 1.5 GB row reached 7 GB before a MemoryError)."""
+    it (a 50 KB zstd file of one 1.5 GB row reached 7 GB before a MemoryError). skip
+    (SKIP_BAD_RECORDS): such groups are returned instead, {index: (its rows, why)}, to be read past."""
+    over = {}
     for k in range(meta.num_row_groups):
         group = meta.row_group(k)
         size = sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
@@ -226,18 +229,26 @@ def row_groups_bounded(path: Path, meta, columns: list[str] | None, first_row: i
         if group.num_rows and size > limit * group.num_rows:
             where = f"row {first_row}" if group.num_rows == 1 else f"rows {first_row}-{first_row + group.num_rows - 1}"
             found = f"{size / (1 << 20) / group.num_rows:,.1f} MB" + (" a row on average" if group.num_rows > 1 else "")
-            raise fail(path, where, too_long(limit, found))
+            if not skip:
+                raise fail(path, where, too_long(limit, found))
+            over[k] = (where, too_long(limit, found))
         first_row += group.num_rows
+    return over
 
 
-def rows_bounded(path: Path, batch, first_row: int, limit: int) -> None:
+def rows_bounded(path: Path, batch, first_row: int, limit: int, skip: bool = False) -> dict[int, str]:
     """A row of the batch over MAX_RECORD_MB is refused before it becomes Python objects (a str
-    of it, its parse, its tokens: ~10x its size). Rows are measured only in a batch over the bound."""
+    of it, its parse, its tokens: ~10x its size). Rows are measured only in a batch over the bound.
+    skip (SKIP_BAD_RECORDS): such rows are returned instead, {index in the batch: why}."""
+    over = {}
     if batch.nbytes <= limit:
-        return
+        return over
     for i in range(batch.num_rows):
         if (size := batch.slice(i, 1).nbytes) > limit:
-            raise fail(path, f"row {first_row + i}", too_long(limit, f"{size / (1 << 20):,.1f} MB"))
+            if not skip:
+                raise fail(path, f"row {first_row + i}", too_long(limit, f"{size / (1 << 20):,.1f} MB"))
+            over[i] = too_long(limit, f"{size / (1 << 20):,.1f} MB")
+    return over
 
 
 def out_of_range(path: Path, values, first_row: int, err: Exception) -> UsageError:

@@ -17,7 +17,7 @@ from train.core.units import cpu_cores
 from train.data import records, span_corruption
 from train.data import text as data
 from train.data.holdout import VAL_ROWS, val_windows
-from train.data.json_lines import record_limit
+from train.data.json_lines import record_limit, suffix_of
 from train.data.loader import Data
 from train.data.sft.sft_batching import Seq2SeqCollator
 
@@ -30,6 +30,8 @@ def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: in
     cache_dir = Path(d.cache_dir)
     with record_limit(d.max_record_mb):
         files = data.corpus_files(d.data_path)
+        if d.data_path is not None:
+            note_plain_text(files, "DATA_PATH", d.text_field, decide)
         key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums")  # remembered: no second read
         tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     cores = cpu_cores()
@@ -60,6 +62,22 @@ def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: in
     )
 
 
+def note_plain_text(files: list[Path], variable: str, text_field: str, decide) -> None:
+    """One decision line when sources of no known kind (a .csv, a .tsv, a .log) are read as plain
+    text: every character of them is trained on, a CSV's commas, quotes and header line too, which
+    a user who meant one column would otherwise find out from the samples (issue: a larger CSV
+    trained silently)."""
+    other = [f for f in files if records.is_text_file(f) and suffix_of(f) not in records.TEXT_SUFFIXES]
+    if not other:
+        return
+    kinds = ", ".join(sorted({suffix_of(f) or "no suffix" for f in other}))
+    more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+    decide(f"{variable.lower()}_format", f"plain text ({kinds})",
+           f"{variable}: {other[0].name}{more} is not .txt/.md/.jsonl/.parquet/Arrow, so it is read as plain text and "
+           f"every character trained on: a CSV's commas, quotes and header line too; to train on one column, "
+           f"convert it to JSONL or parquet with a {text_field} field (TEXT_FIELD)")  # fmt: skip
+
+
 def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_length: int, say, decide,
                       window: int | None = None):
     """(train dataset, validation dataset or None) for packed pretraining windows of `window`
@@ -69,6 +87,7 @@ def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_l
     if d.val_path is not None:
         with records.reading("VAL_PATH"), record_limit(d.max_record_mb):
             files = data.corpus_files(d.val_path)
+            note_plain_text(files, "VAL_PATH", d.text_field, decide)
             key = data.corpus_fingerprint(files, d.text_field, cache_dir / "sums", "VAL_PATH")
             tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
         val = data.PackedDataset(tokens, window)

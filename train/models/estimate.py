@@ -29,7 +29,7 @@ from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.optim.optimizers import OPTIMIZERS
 from train.core.units import MIB
-from train.models import estimate_seq2seq
+from train.models import estimate_seq2seq, lora
 from train.models.family import family_of
 from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
 
@@ -267,15 +267,8 @@ def estimate_memory(
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
     backward_peak = weights + copies + state + held_grads + acts["peak"]
     step_peak = weights + gradients + state + step_temporaries
-    parts = {
-        "weights": weights,
-        "weight_copies": copies,
-        "gradients": gradients,
-        "optimizer": state,
-        "activations": acts["peak"],
-        "activations_per_layer": acts["per_layer"],
-        "loss_logits": acts["loss"],
-    }
+    parts = {"weights": weights, "weight_copies": copies, "gradients": gradients, "optimizer": state,
+             "activations": acts["peak"], "activations_per_layer": acts["per_layer"], "loss_logits": acts["loss"]}
     if seq2seq:
         parts.update(source_length=max_length, target_length=target)
     return {**parts, "peak": max(backward_peak, step_peak), "n_params": n_params}
@@ -343,35 +336,65 @@ def describe(estimate: dict) -> list[str]:
     return lines
 
 
+def lora_of_run(hf_cfg, cfg) -> tuple[Trainable, int] | None:
+    """(LoRA's adapters, layers adapted) for LORA_R, counted on the meta device (lora.adapter_count);
+    None without LORA_R, or for a config not built here (its own code: the run's build checks it)."""
+    if not cfg.model.lora_r:
+        return None
+    try:
+        model = _meta_model(hf_cfg)
+    except Exception:
+        return None
+    return lora.adapter_count(model, cfg.model.lora_r, cfg.model.lora_targets)
+
+
 def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str,
-                world_size: int = 1) -> int:
+                world_size: int = 1, adapters: Trainable | None = None) -> int:
     """The least device memory one training step of this model can take: one sequence per
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
-    gradients and optimizer state are split over the processes."""
+    gradients and optimizer state are split over the processes. adapters: LoRA's (lora_of_run),
+    the only parameters with gradients and optimizer state."""
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).source_target else None
+    trainable = adapters or _trainable_of_run(hf_cfg, n_params, cfg)
     est = estimate_memory(
-        hf_cfg, n_params, batch_size=1, max_length=max_length, precision=precision,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type, target_length=target,
-        **_optimizer_args(cfg, _trainable_of_run(hf_cfg, n_params, cfg)),
-    )
+        hf_cfg, n_params + (adapters.params if adapters else 0), batch_size=1, max_length=max_length,
+        precision=precision, gradient_checkpointing=cfg.model.gradient_checkpointing, device_type=device_type,
+        target_length=target, **_optimizer_args(cfg, trainable),
+    )  # fmt: skip
     shards = world_size if cfg.system.sharding != "none" else 1
     state = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
     return int(state + max(0, est["peak"] - est["weights"] - est["gradients"] - est["optimizer"]))
 
 
 def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_size: int, variable: str) -> int:
-    """Stop before anything is allocated when even the smallest step of this model cannot fit
-    the memory the run has (train/core/device.py memory_capacity). Returns the parameter count."""
+    """Stop before any allocation when even the smallest step cannot fit the memory the run has (memory_capacity),
+    LoRA's adapters with their gradients and state counted (a large LORA_R ran out of memory). Returns n_params."""
     n_params = count_params(hf_cfg)
     if cfg.system.offload_optimizer:  # the state lives in host memory: the device holds little
         return n_params
     capacity, what = memory_capacity(device, cfg.system.max_memory_mb)
-    need = least_bytes(hf_cfg, n_params, cfg, max_length, precision, device.type, world_size)
-    if capacity is not None and need > capacity:
-        gib = 2**30
+    adapters, layers = lora_of_run(hf_cfg, cfg) or (None, 0)
+    need = least_bytes(hf_cfg, n_params, cfg, max_length, precision, device.type, world_size, adapters)
+    if capacity is None or need <= capacity:
+        return n_params
+    optimizer, have, need = cfg.optim.optimizer, _size(capacity), _size(need)
+    if adapters is not None:
         raise UsageError(
-            f"{variable}: this model ({n_params / 1e9:,.2f}B parameters) cannot fit: training it needs at least "
-            f"{need / gib:,.1f} GiB (fp32 weights, gradients and {cfg.optim.optimizer} state, one sequence of {max_length} tokens), "
-            f"{what} has {capacity / gib:,.1f} GiB; choose a smaller model"
+            f"LORA_R={cfg.model.lora_r}: the adapters ({_count(adapters.params)} parameters: r x (in + out) on each "
+            f"of {layers} layers) with their gradients and {optimizer} state, beside the {_count(n_params)} frozen "
+            f"parameters of {variable}, need at least {need} (one sequence of {max_length} tokens); {what} has {have}; "
+            "lower LORA_R (8 to 64 is usual)"
         )
-    return n_params
+    raise UsageError(
+        f"{variable}: this model ({n_params / 1e9:,.2f}B parameters) cannot fit: training it needs at least "
+        f"{need} (fp32 weights, gradients and {optimizer} state, one sequence of {max_length} tokens), "
+        f"{what} has {have}; choose a smaller model"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"

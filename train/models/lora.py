@@ -20,7 +20,7 @@ import torch
 
 from train.core.errors import UsageError
 from train.models.family import family_of
-from train.models.freeze import trainable_of
+from train.models.freeze import Trainable, trainable_of
 
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
 DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples and LLaMA-Factory use 0.05 to 0.1)
@@ -84,21 +84,35 @@ def _named(model, name: str) -> list:
     return [m for n, m in model.named_modules() if n == name or n.endswith("." + name)]
 
 
-def check_rank(model, r: int, chosen) -> None:
-    """LORA_R above the rank of every adapted layer: adapters bigger than the layers they adapt
-    (LORA_R=100000 went on to an out-of-memory traceback). Low rank is the point: 8 to 64."""
+def _layers(model, chosen) -> list:
+    """The Linear / Conv1D layers LoRA adapts for targets `chosen` (parse_targets'), head excluded."""
     from transformers.pytorch_utils import Conv1D
 
     kinds = (torch.nn.Linear, Conv1D)
-    head = model.get_output_embeddings()
     if chosen == "all-linear":
-        layers = [m for m in model.modules() if isinstance(m, kinds) and m is not head]
-    else:
-        layers = [m for name in chosen for m in _named(model, name) if isinstance(m, kinds)]
-    ranks = [min(m.weight.shape) for m in layers]
+        head = model.get_output_embeddings()
+        return [m for m in model.modules() if isinstance(m, kinds) and m is not head]
+    return [m for name in chosen for m in _named(model, name) if isinstance(m, kinds)]
+
+
+def check_rank(model, r: int, chosen) -> None:
+    """LORA_R above the rank of every adapted layer: adapters bigger than the layers they adapt
+    (LORA_R=100000 went on to an out-of-memory traceback). Low rank is the point: 8 to 64."""
+    ranks = [min(m.weight.shape) for m in _layers(model, chosen)]
     if ranks and r > max(ranks):
         raise UsageError(f"LORA_R={r}: above the rank of every adapted layer (at most {max(ranks)} here), so each "
                          f"adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most {max(ranks)}")
+
+
+def adapter_count(model, r: int, targets: str | None) -> tuple[Trainable, int]:
+    """(what LoRA at rank r on LORA_TARGETS trains, how many layers it adapts), checked as wrap
+    checks them, counted on any model (the meta device's: nothing allocated): A is r x in and B
+    out x r, so r x (in + out) parameters per layer; Adafactor keeps rows + columns of each."""
+    chosen, _ = parse_targets(targets, model)
+    check_rank(model, r, chosen)
+    layers = _layers(model, chosen)
+    shapes = [sum(m.weight.shape) for m in layers]
+    return Trainable(sum(r * n for n in shapes), sum(2 * r + n for n in shapes)), len(layers)
 
 
 def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targets: str | None, decide,

@@ -17,8 +17,9 @@ the raw TEMPLATE=none rendering live in train/data/sft/templates.py):
 - the tokenizer's own chat template (tokenizer.chat_template set, e.g. a local instruct
   model, or a TEMPLATE file): rendered with apply_chat_template; an assistant turn's characters
   are found by rendering the conversation up to that turn with the generation prompt (where the
-  reply starts) and up to and including it (where it ends). Needs a template whose output for a
-  prefix of the conversation is a prefix of the output for the whole; the common ones are.
+  reply starts) and up to and including it (where it ends), in a bounded number of renders, not
+  two per turn (chat_template.py). Needs a template whose output for a prefix of the
+  conversation is a prefix of the output for the whole; the common ones are.
   Tools go in as apply_chat_template's tools argument; a template that would drop the tools,
   the calls or the reasoning a conversation has is refused in one line.
 - otherwise a built-in one, "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose

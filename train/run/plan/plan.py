@@ -235,7 +235,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     device, precision = device_and_precision(cfg, world, decide)
     choice = source.choose(cfg, device, say, decide)
     max_length = sequence_length(cfg, choice.context, MAX_LENGTH_CAP, decide)  # before any data work
-    if choice.path is None:  # a new model that cannot fit stops here, from its config alone
+    if choice.path is None or cfg.model.lora_r:  # a new model, or LoRA's adapters, that cannot fit: from the config
         estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)
     tok = source.tokenizer(cfg, choice, max_length, say, decide)
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
