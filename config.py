@@ -212,7 +212,7 @@ class OptimConfig:
     simpo_gamma: float | None = knob(None, "dpo", least=0.0)
     """DPO: SimPO's target reward margin. Empty: 0.5."""
     sft_weight: float | None = knob(None, "dpo", least=0.0)
-    """DPO: adds this x the chosen replies' token-mean NLL to the loss (TRL's rpo_alpha). Empty: 0."""
+    """DPO: adds this x the chosen replies' token-mean NLL to the loss (TRL 1.16: loss_type sigmoid + sft). Empty: 0."""
     effective_batch: int | None = knob(None, least=1)
     """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM
     (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes EFFECTIVE_BATCH /

@@ -23,7 +23,7 @@ from train.models.family import family_of
 from train.models.freeze import Trainable, trainable_of
 
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
-DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples and LLaMA-Factory use 0.05 to 0.1)
+DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples use 0.05 to 0.1; peft's and LLaMA-Factory's own default is 0)
 ADAPTER_FOLDER = "adapter"
 BASE_FOLDER = "base"  # in the adapter folder: the resized base it applies to (save_adapter)
 GPT2 = ("c_attn", "c_proj", "c_fc")  # Conv1D layers: weights stored (in, out), so fan_in_fan_out
