@@ -26,8 +26,8 @@ from train.core.preference.logps import Responses
 from train.data.pref.pref_batching import PackedPairCollator, PairCollator
 from train.data.sft.packing import SDPA, VARLEN
 
-KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "ipo": dict(beta=0.5),
-         "simpo": dict(beta=2.0, simpo_gamma=0.7)}  # fmt: skip
+KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "simpo": dict(beta=2.0, simpo_gamma=0.7)}
+FAMILIES = {"gpt2": gpt2, "llama": llama}
 
 
 def examples(n: int, seed: int) -> list[dict]:
@@ -44,9 +44,11 @@ def grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attention", [VARLEN, SDPA])
-@pytest.mark.parametrize("loss_name", list(KNOBS))
-@pytest.mark.parametrize("family", [gpt2, llama], ids=["gpt2", "llama"])
+CASES = [(family, loss, VARLEN) for family in ("gpt2", "llama") for loss in KNOBS] + [
+    ("gpt2", "sigmoid", SDPA), ("llama", "simpo", SDPA)]  # the masked form: a block-diagonal (rows, 1, T, T) mask
+
+
+@pytest.mark.parametrize("family, loss_name, attention", CASES)
 def test_packed_rows_equal_the_padded_pairs(family, loss_name, attention):
     pairs = examples(5, seed=3)
     rows = [[pairs[0], pairs[1]], [pairs[2]], [pairs[3], pairs[4]]]  # pack_pairs' rows: whole pairs
@@ -56,7 +58,7 @@ def test_packed_rows_equal_the_padded_pairs(family, loss_name, attention):
     host = Responses.of(packed, shifted=True)
     assert host.counts.tolist() == Responses.of(padded, shifted=True).counts.tolist()
 
-    policy, other = family(0), family(1)
+    policy, other = FAMILIES[family](0), FAMILIES[family](1)
     for model in (policy, other):
         use_attention(model, VARLEN if attention == VARLEN else SDPA)
     reference = build_reference("copy", other) if loss_name != "simpo" else None
