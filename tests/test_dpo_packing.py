@@ -98,6 +98,25 @@ def test_a_sequence_never_sees_another():
     torch.testing.assert_close(behind[[1, 3]], alone, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("attention", [VARLEN, SDPA])
+def test_no_host_sync_in_a_packed_micro_step(attention):
+    """The per-sequence sums read sequence_ids on the host (Responses.of) and add on the device: forward
+    and backward read nothing back (the counter plays the GPU on the CPU)."""
+    from train.core.measure.syncs import HostSyncs
+
+    pairs = examples(4, seed=7)
+    policy, other = gpt2(0), gpt2(1)
+    for model in (policy, other):
+        use_attention(model, attention)
+    reference = build_reference("copy", other)
+    batches = iter([PackedPairCollator(0, attention=attention)([pairs[:3], pairs[3:]])])
+    with HostSyncs("cpu") as syncs:
+        batch = next(syncs.host_batches(batches))
+        loss, _ = preference_loss(policy, batch, CPU, "fp32", reference=reference, sft_weight=0.2)
+        loss.backward()
+    assert syncs.count == 0, syncs.summary()
+
+
 # ---- whole runs --------------------------------------------------------------------------
 
 PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(12)]
