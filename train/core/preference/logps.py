@@ -2,6 +2,10 @@
 the (tokens x vocab) logits.
 
 A preference batch of P pairs is one batch of 2P rows, the chosen first: rows i and P+i are a pair.
+A packed batch (PACKING=1, causal) holds the same 2P sequences side by side in fewer rows, each token
+named by sequence_ids in that order; the model gets its position_ids and varlen indices, so every
+sequence is embedded and attended as if alone, and the per-token log-probs are summed per sequence
+by index_add over those ids, on the device, into the same (2P,) the padded batch gives.
 Only response tokens count (labels != -100, after the causal shift for a causal LM). Where they are
 is read from the labels on the host before the batch moves (`Responses.of`: no device sync), and
 only those positions go through the LM head, so the prompt and the padding never pay for the
@@ -26,6 +30,7 @@ sequence. So:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -33,7 +38,7 @@ import torch
 from train.core.attention import host_padding, register_no_sync_mask
 from train.core.loss import CHUNK_ELEMENTS, _compute_dtype, lm_hidden_and_head, shift_targets
 from train.core.model import unwrapped
-from train.core.step import chunkable
+from train.core.step import VARLEN_INTS, chunkable
 from train.core.units import IGNORE_INDEX
 
 
@@ -43,28 +48,34 @@ class Responses:
 
     index: torch.Tensor  # (M,) flat positions in the (rows x width) hidden states that predict a response token
     targets: torch.Tensor  # (M,) the token each of them predicts
-    rows: torch.Tensor  # (M,) the row each belongs to
+    rows: torch.Tensor  # (M,) the sequence (of the 2P) each belongs to: its row, or a packed row's sequence_ids
     counts: torch.Tensor  # (2P,) response tokens per row (the length normalisation's divisor)
     pairs: int  # P
     chosen_tokens: int  # response tokens of the P chosen rows (the SFT term's divisor)
-    padded: bool  # the 2D attention_mask has zeros (attention.host_padding: sdpa's mask without a read-back)
+    padded: bool | None  # the 2D mask has zeros (attention.host_padding: no read-back); None: a 4D mask
 
     @classmethod
     def of(cls, batch: dict, shifted: bool) -> Responses:
-        """From the batch as the loader gives it, labels (2P, T) on the CPU (then no device sync).
-        shifted: a causal LM's labels (position t predicts label t+1); False for an encoder-decoder's
-        targets."""
+        """From the batch as the loader gives it, labels on the CPU (then no device sync): (2P, T), or
+        a packed batch's rows with sequence_ids (the shape of labels: each token's sequence in the 2P
+        order, -1 on padding) and n_pairs. shifted: a causal LM's labels (position t predicts label
+        t+1); False for an encoder-decoder's targets."""
         labels, mask = batch["labels"], batch.get("attention_mask")
-        if labels.shape[0] % 2:
-            raise ValueError(f"a preference batch is 2P rows (P chosen, then P rejected); got {labels.shape[0]}")
         targets = shift_targets(labels) if shifted else labels
         valid = targets != IGNORE_INDEX
         index = valid.reshape(-1).nonzero().squeeze(1)
-        counts = valid.sum(1)
-        pairs = labels.shape[0] // 2
-        padded = mask is not None and not bool(mask.all())
-        return cls(index, targets.reshape(-1)[index], index // targets.shape[1], counts, pairs,
-                   int(counts[:pairs].sum()), padded)  # fmt: skip
+        sequence_ids = batch.get("sequence_ids")
+        if sequence_ids is not None:  # a target's sequence is its label's, shifted as the labels
+            pairs = int(batch["n_pairs"])
+            rows = (shift_targets(sequence_ids) if shifted else sequence_ids).reshape(-1)[index]
+            counts = torch.bincount(rows, minlength=2 * pairs)
+        elif labels.shape[0] % 2:
+            raise ValueError(f"a preference batch is 2P rows (P chosen, then P rejected); got {labels.shape[0]}")
+        else:
+            pairs, rows, counts = labels.shape[0] // 2, index // targets.shape[1], valid.sum(1)
+        # a prepared (rows, 1, T, T) mask (packed, masked attention) is used as it is: None
+        padded = None if mask is not None and mask.dim() != 2 else mask is not None and not bool(mask.all())
+        return cls(index, targets.reshape(-1)[index], rows, counts, pairs, int(counts[:pairs].sum()), padded)
 
     def to(self, device: torch.device) -> Responses:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)
@@ -72,10 +83,32 @@ class Responses:
         return replace(self, **moved)
 
 
+PACKED = ("position_ids", "varlen_index", "varlen_place", "cu_seq_lens_q", "cu_seq_lens_k")
+"""A packed batch's tensors for the model (train/data/sft/packing.py): positions restarting per
+sequence and the varlen kernel's indices, which keep every sequence apart in attention."""
+
+
 def device_inputs(batch: dict, device: torch.device) -> dict:
-    """The tensors the forward takes (input_ids, attention_mask, labels), moved; the host ints and the
-    precomputed reference's columns stay where they are."""
-    return {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "labels") if k in batch}
+    """The tensors the forward takes (input_ids, attention_mask, labels, a packed batch's PACKED),
+    moved, and flash-attention's varlen host ints; the other host ints, sequence_ids (read by
+    Responses.of) and the precomputed reference's columns stay where they are."""
+    moved = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "labels", *PACKED)
+             if k in batch}  # fmt: skip
+    return {**moved, **{k: batch[k] for k in VARLEN_INTS if k in batch}}
+
+
+def _model_inputs(model, inputs: dict, responses: Responses) -> dict:
+    """What the causal model's forward is given: inputs less the labels, plus forward_loss's all-ones
+    2D mask where a batch (a packed flat row) has none: it keeps transformers from asking the device
+    whether position_ids restart. Not for flash's cu_seq_lens row (a mask would merge its
+    sequences), nor a compiled model's unpacked batch (a traced mask costs sdpa its causal kernel)."""
+    feed = {k: v for k, v in inputs.items() if k != "labels"}
+    compiled = hasattr(model, "_orig_mod")
+    if responses.padded is False and not ({"attention_mask", "cu_seq_lens_q"} & feed.keys()) and (
+        not compiled or "varlen_index" in feed
+    ):
+        feed["attention_mask"] = torch.ones_like(feed["input_ids"])
+    return feed
 
 
 class _ChunkedLogps(torch.autograd.Function):
@@ -178,20 +211,21 @@ def _seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int
 
 def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int | None = None, *,
                    source_target: bool) -> torch.Tensor:  # fmt: skip
-    """(2P,) fp32: each row's summed log-prob of its response tokens, under the caller's autocast
-    and grad mode. inputs: the batch's tensors on the device (input_ids, attention_mask, labels);
-    responses: Responses.of(the host labels).to(device). A causal LM runs its base model once on the
-    2P rows and the head on the response tokens only (chunked, module doc). source_target: the
+    """(2P,) fp32: each sequence's summed log-prob of its response tokens, under the caller's autocast
+    and grad mode. inputs: device_inputs(the batch); responses: Responses.of(the host batch).to(device).
+    A causal LM runs its base model once on the 2P rows (or the packed rows holding them) and the head
+    on the response tokens only (chunked, module doc). source_target: the
     model's family's data shape (train/models Family.source_target): an encoder-decoder's pairs."""
     register_no_sync_mask()
-    mask = inputs.get("attention_mask")
-    with host_padding(responses.padded):
+    padding = host_padding(responses.padded) if responses.padded is not None else contextlib.nullcontext()
+    with padding:
         if source_target:
             per_token = _seq2seq_tokens(model, inputs, responses, chunk_tokens)
         elif chunkable(model):
-            hidden, weight = lm_hidden_and_head(model, input_ids=inputs["input_ids"], attention_mask=mask)
+            hidden, weight = lm_hidden_and_head(model, **_model_inputs(model, inputs, responses))
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, responses.index)
             per_token = token_logps(rows, weight, responses.targets, chunk_tokens)
         else:
-            per_token = _from_logits(model(input_ids=inputs["input_ids"], attention_mask=mask).logits, responses)
+            per_token = _from_logits(model(**_model_inputs(model, inputs, responses)).logits, responses)
+    # per sequence: a row's sum, or a packed row's sequences' (sequence_ids), by index_add on the device
     return per_token.new_zeros(responses.counts.shape[0]).index_add(0, responses.rows, per_token)

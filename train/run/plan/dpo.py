@@ -47,9 +47,6 @@ def refuse_preference(cfg: TrainConfig) -> None:
     if reference == "adapters" and not cfg.model.lora_r:
         raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set LORA_R "
                          "(or REFERENCE=copy / precomputed)")
-    if cfg.data.packing:  # the data front door packs pairs; the loss's per-sequence sums do not read them yet
-        raise UsageError("PACKING=1: preference training's loss does not read packed rows yet; leave PACKING empty "
-                         "(LENGTH_GROUPING=1 or TOKEN_BUDGET cut the padding instead)")
     if cfg.system.sharding != "none" and reference == "copy":
         raise UsageError(f"REFERENCE=copy with SHARDING={cfg.system.sharding}: a whole copy on every process defeats "
                          "the sharding; use REFERENCE=precomputed")
