@@ -2,7 +2,8 @@
 
 x = (pi_c - ref_c) - (pi_r - ref_r): the policy's log-prob margin of chosen over rejected, less the
 reference's. Each row of DPO_LOSS is TRL 1.16's formula (trl/trainer/dpo_trainer.py; cpo_trainer.py
-and orpo_trainer.py, now in trl/experimental), with TRL's metric names:
+and orpo_trainer.py, now in trl/experimental), with TRL's metric names, but for LABEL_SMOOTHING on
+sigmoid: conservative DPO, as earlier TRL releases and LLaMA-Factory take it (1.16's sigmoid ignores it):
   sigmoid  DPO: -(1 - ls) logsigmoid(b x) - ls logsigmoid(-b x)     (ls: LABEL_SMOOTHING)
   ipo      (x - 1 / (2 b))^2, on length-normalised log-probs (the mean per response token)
   hinge    relu(1 - b x)                                            (RSO)
@@ -12,7 +13,8 @@ and orpo_trainer.py, now in trl/experimental), with TRL's metric names:
            log odds(p) = log p - log(1 - p) (ORPOTrainer). The NLL is over the chosen response's
            tokens, as the kit's SFT loss and SFT_WEIGHT take it; TRL's ORPOTrainer takes a causal
            LM's over prompt and response (its encoder-decoder's over the response, as here)
-SFT_WEIGHT adds sft_weight x the chosen side's token-mean NLL (TRL's rpo_alpha) to any of them.
+SFT_WEIGHT adds sft_weight x the chosen side's token-mean NLL (TRL 1.16's loss_type ["sigmoid", "sft"] with
+loss_weights [1, w]; rpo_alpha before) to any of them.
 rewards/chosen is b (pi_c - ref_c) (b pi_c without a reference, as CPO and ORPO log it).
 
 Accumulation and ranks: a per-pair loss is averaged over every pair of the optimizer step, all its
