@@ -133,12 +133,13 @@ class Counts:
 
 
 def compile_model(model, batches, device: torch.device, precision: str, say, static_lengths: bool = False,
-                  source_target: bool = False):
+                  source_target: bool = False, objective=None):
     """(model to train with, batch stream, info for summary.json). Without COMPILE, the model
     and stream unchanged; with it, a trial step decides between compiled and eager. info's
     "compile" entry is filled in from dynamo's counters when summary.json is written
-    (finish_counts). static_lengths: mark_shapes's (bucketed batches of a causal model). pairs: the
-    family's batch shape (train/models Family.source_target), for the trial step."""
+    (finish_counts). static_lengths: mark_shapes's (bucketed batches of a causal model). source_target: the
+    family's batch shape (train/models Family.source_target), for the trial step. objective: the
+    step's (train_step's; None: the token loss): the trial compiles the calls training makes."""
     info = not_compiled()
     if not getattr(torch, "compile", None):
         info["compile_error"] = f"torch {torch.__version__} has no torch.compile"
@@ -166,14 +167,17 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
         return model, batches, info
     first = next(batches)
     batches = itertools.chain([first], batches)
-    from train.core.step import forward_loss
+    from train.core.step import TokenObjective
+
+    objective = objective or TokenObjective(source_target)
 
     devices = [device] if device.type == "cuda" else []
     guarded = GuardedModel(compiled, model, failed, static_lengths)
     guarded.strict = True  # the trial compiles what training will call: the same shape marks
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
-            forward_loss(guarded, first, device, precision, source_target=source_target).backward()
+            loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
+            loss.backward()
     except OOM:
         raise
     except Exception as err:

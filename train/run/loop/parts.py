@@ -93,7 +93,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
         static = getattr(b.collate, "widths", None) is not None and not getattr(b.collate, "attention", None) \
             and not b.family.source_target
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
-                                                                    static, b.family.source_target)
+                                                                    static, b.family.source_target, b.objective)
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), feed=feed,
