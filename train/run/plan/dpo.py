@@ -19,8 +19,8 @@ import torch
 from config import TrainConfig
 from train.config import knobs
 from train.core.errors import UsageError
-from train.core.units import MIB
 from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
+from train.core.units import MIB
 from train.data.loader import Data
 from train.data.pref.preference import preference_data
 from train.models.build import attention_fits
