@@ -4,10 +4,28 @@ the preference objective on pair batches, with tiny real models."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 from dataclasses import replace
 
-from conftest import ROOT
+import pytest
+import torch
+
+from conftest import ROOT, read_jsonl, run_cli
 from train.config import knob_docs
+from train.tools.find_batch import RESULT_FILE
+
+
+@contextlib.contextmanager
+def one_thread_here():
+    """One thread while timing (tiny_tools.one_thread's reason: two spin against each other here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_dpo_launcher_leaves_out_what_the_mode_refuses_and_says_its_own_model_path():
@@ -37,3 +55,42 @@ def test_the_marker_and_the_mode_parts_of_a_docstring():
     assert knob_docs.summary(path, "dpo") == "the chat model" and knob_docs.summary(path, "sft") == "the model"
     assert knob_docs.empty_means(path, None, "dpo") == "empty: the newest SFT run"
     assert knob_docs.empty_means(path, None, "sft") == "empty: a new one"
+
+
+PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(24)]
+
+
+@pytest.fixture
+def pairs_flags(base_model, tmp_path) -> list[str]:
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    return ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
+            "--cache_dir", str(tmp_path / "cache"), "--max_length", "64", "--num_workers", "0", "--max_steps", "2",
+            "--batch_size", "2", "--gradient_accumulation_steps", "4", "--max_memory_mb", "100000"]  # fmt: skip
+
+
+def test_find_batch_in_dpo_mode_times_the_preference_step_and_auto_batch_takes_its_answer(pairs_flags, tmp_path,
+                                                                                          capsys):
+    with one_thread_here():
+        assert run_cli("find-batch", "dpo", *pairs_flags) == 0
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "runs" / RESULT_FILE).read_text())
+    assert saved["unit"] == "pairs" and saved["objective"] == "preference loss sigmoid, reference copy"
+    assert saved["key"]["mode"] == "dpo" and saved["key"]["reference"] == "copy"
+    assert saved["batch_size"] * saved["gradient_accumulation_steps"] == 8
+    first = saved["trials"][0]
+    # The policy is its reference at the first step: DPO's loss is ln 2 (the token loss would be ~6).
+    assert first["batch_size"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert {t["batch_size"] for t in saved["trials"]} == {1, 2, 4, 8}
+    assert "pairs/s" in out and "effective batch 8 pairs kept" in out
+
+    argv = [*pairs_flags, "--auto_batch", "1", "--run_name", "auto", "--log_every", "1"]
+    assert run_cli("dpo", *argv) == 0
+    run = tmp_path / "runs" / "auto"
+    log = (run / "train.log").read_text()
+    size, accum = saved["batch_size"], saved["gradient_accumulation_steps"]
+    assert f"AUTO_BATCH=1: BATCH_SIZE={size} GRADIENT_ACCUM={accum}" in log and "saved by find-batch" in log
+    s = json.loads((run / "summary.json").read_text())
+    assert (s["batch_size"], s["gradient_accumulation_steps"], s["reference"]) == (size, accum, "copy")
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and "rewards/margins" in rows[0]
