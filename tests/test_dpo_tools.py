@@ -94,3 +94,39 @@ def test_find_batch_in_dpo_mode_times_the_preference_step_and_auto_batch_takes_i
     assert (s["batch_size"], s["gradient_accumulation_steps"], s["reference"]) == (size, accum, "copy")
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and "rewards/margins" in rows[0]
+
+
+def test_autotune_in_dpo_mode_starts_from_the_dpo_preset_and_times_the_preference_step(pairs_flags, tmp_path,
+                                                                                       capsys):
+    from train.config.flags import parse_training_args
+    from train.tools.autotune import ENV_FILE, tune
+
+    cfg = parse_training_args("dpo", [*pairs_flags, "--reference", "precomputed"])
+    with one_thread_here():
+        winner, preset, outcomes = tune(cfg, print, steps=1, skip=("precision", "workers", "compile"))
+    assert preset.candidate.label() == "8 x 1, 2 workers, fp32 (dpo preset)"  # the dpo preset's 8 pairs, of 8
+    assert all(o.loss == pytest.approx(math.log(2), abs=1e-5) for o in outcomes if o.status == "ok")
+    assert "effective batch 8 pairs" in capsys.readouterr().out
+    with one_thread_here():
+        assert run_cli("autotune", "dpo", *pairs_flags, "--steps", "1", "--skip", "precision,workers,compile") == 0
+    out = capsys.readouterr().out
+    env = (tmp_path / "runs" / ENV_FILE).read_text()
+    assert env.startswith("# python -m train autotune dpo,") and "pairs/s" in env.splitlines()[0]
+    assert "./train_dpo.sh" in out and "pairs/s" in out
+
+
+def test_the_doctor_profiles_a_dpo_run_and_offers_the_precomputed_reference_for_a_copy_that_crowds_memory(
+        pairs_flags, tmp_path, capsys):
+    # A budget the process alone fills (MAX_MEMORY_MB=64): memory-bound, and the run holds a frozen copy.
+    flags = [f for f in pairs_flags if f != "100000"]
+    flags[flags.index("--max_memory_mb") + 1:flags.index("--max_memory_mb") + 1] = ["64"]
+    assert run_cli("doctor", "dpo", *flags, "--steps", "2", "--reference", "copy") == 0
+    out = capsys.readouterr().out
+    assert "profiling 2 steps of your dpo config" in out and "pairs/s" in out
+    assert "try: REFERENCE=precomputed" in out
+    run = next((tmp_path / "runs").glob("doctor-before*"))
+    record = json.loads((run / "doctor.json").read_text())
+    assert record["before"]["mode"] == "dpo" and record["before"]["reference"] == "copy"
+    assert record["verdict"]["kind"] == "memory-bound" and record["verdict"]["changes"] == {"reference": "precomputed"}
+    row = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r][-1]  # one log line, at step 2
+    assert "rewards/accuracies" in row and 0 < row["loss"] < 1  # DPO's, near ln 2 (the token loss: about 6)
