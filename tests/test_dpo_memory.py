@@ -99,3 +99,70 @@ def test_a_dpo_run_on_a_tight_budget_precomputes_and_leaves_its_data_alone(base_
     assert "reference" not in given.summary
     summary = json.loads((tmp_path / "runs" / "tight" / "summary.json").read_text())
     assert summary["reference"] == "precomputed"
+
+
+# ---- measured: what each REFERENCE keeps in memory --------------------------------------------------
+
+
+def weighty_model(base_model, folder):
+    """A GPT-2 of about 19M parameters (6 layers, width 512, fp32: ~73 MB of weights) with the tiny
+    base model's tokenizer, saved as a MODEL_PATH: its weights dominate a short run's other memory."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
+    vocab = json.loads((base_model / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=64, vocab_size=vocab,
+                                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))  # fmt: skip
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def peak_rss_mb(runs: dict[str, list[str]], folder) -> dict[str, float]:
+    """{name: the peak resident set (ru_maxrss, KiB on Linux) of its own `python -m train` process},
+    the processes run side by side (one thread each): a process's peak is its own whatever runs beside."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for name, argv in runs.items():
+        log = open(folder / f"{name}.txt", "wb")  # noqa: SIM115 (closed below, once the process ends)
+        procs[name] = (subprocess.Popen([sys.executable, "-m", "train", *argv], cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT), log)  # fmt: skip
+    peaks = {}
+    for name, (proc, log) in procs.items():
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.close()
+        assert proc.returncode == 0, (folder / f"{name}.txt").read_text()[-3000:]
+        peaks[name] = usage.ru_maxrss / 1024
+    return peaks
+
+
+def test_precomputed_and_adapters_hold_about_one_set_of_weights_less_than_a_copy(base_model, tmp_path):
+    """Peak RSS of a 2-step dpo run (fp32, MAX_LENGTH 32, 2 pairs a step) of a ~25M-parameter GPT-2,
+    each REFERENCE in its own process: a copy keeps a second set of weights, precomputed and
+    adapters none. Full fine-tuning compares copy with precomputed; LoRA (its base frozen) compares
+    copy with adapters. The differences are measured against the weights' bytes (docs/dpo.md). Slow
+    for a unit test (integration, as conftest marks it): four whole runs side by side, 2 min at load 10
+    on 2 cores; their memory, not their time, is what it reads."""
+    weights = weighty_model(base_model, tmp_path / "model") / MIB
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS[:12]))
+    common = ["dpo", "--model_path", str(tmp_path / "model"), "--data_path", str(tmp_path / "pairs.jsonl"),
+              "--output_dir", str(tmp_path / "runs"), "--max_length", "32", "--batch_size", "2", "--max_steps", "2",
+              "--num_workers", "0", "--precision", "fp32", "--eval_batches", "1", "--save_every", "0"]  # fmt: skip
+    ways = {"copy": ["--reference", "copy"], "precomputed": ["--reference", "precomputed"],
+            "lora-copy": ["--reference", "copy", "--lora_r", "4"], "adapters": ["--reference", "adapters", "--lora_r", "4"]}
+    # each its own cache: two processes never write one preference cache at once
+    peaks = peak_rss_mb({name: [*common, *more, "--run_name", name, "--cache_dir", str(tmp_path / f"cache-{name}")]
+                         for name, more in ways.items()}, tmp_path)  # fmt: skip
+    saved = {"precomputed": peaks["copy"] - peaks["precomputed"], "adapters": peaks["lora-copy"] - peaks["adapters"]}
+    print(f"weights {weights:.0f} MB; peak RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in peaks.items())
+          + "; below the copy: " + ", ".join(f"{k} {v:.0f} MB ({v / weights:.0%} of the weights)" for k, v in saved.items()))
+    for way, mb in saved.items():
+        assert 0.4 * weights <= mb <= 1.6 * weights, (way, mb, weights, peaks)
