@@ -32,24 +32,24 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    model_size: str | None = knob(None, "auto", choices=MODEL_SIZES)
+    model_size: str | None = knob(None, "auto", "not_dpo", choices=MODEL_SIZES)
     """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
-    Empty: small on a GPU, else a nano demo. SFT: set, a new model is trained from scratch (no MODEL_PATH)."""
+    Empty: small on a GPU, else a nano demo. In SFT, set: a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
     """What MODEL_SIZE builds: gpt2, llama or t5. gpt2 and llama (RMSNorm, rotary, SwiGLU, grouped-query
     attention) are causal LMs; t5 is an encoder-decoder (span corruption on raw text). Sizes: the README."""
-    model_config: str | None = None
+    model_config: str | None = knob(None, "not_dpo")
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
     from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""
     gradient_checkpointing: bool = knob(False, "switch")
     """Recompute activations in the backward pass: about 30 % slower per step, far less activation memory. The
     guides' fix when VRAM is full at the batch size you want."""
     compile: bool = False
-    """torch.compile the model. Pays a one-off compile time (reported apart from throughput); worth it for
-    runs longer than a few minutes on a GPU."""
+    """torch.compile the model. A one-off compile time (reported apart), worth it in runs of minutes on a GPU."""
     model_path: str | None = knob(None, "sft", "dpo")
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
-    Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/."""
+    Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/. DPO: the
+    chat model to train (a folder, as for SFT). Empty: the newest completed SFT run's final/."""
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
@@ -90,7 +90,7 @@ class DataConfig:
     no conversation keys is a plain document, trained whole."""
     tokenizer_path: str | None = None
     """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
-    vocab_size: int = knob(8192, least=256)
+    vocab_size: int = knob(8192, "not_dpo", least=256)
     """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of 64 in the model,
     as nanoGPT pads 50257 to 50304, for faster matmuls)."""
     tokenizer_sample_mb: float = knob(100.0, above=0.0)

@@ -15,12 +15,10 @@ fi
 # Every knob of config.py that applies to `python -m train dpo`, as VARIABLE=${VARIABLE:-default}
 # (docs/knobs.md). Empty: the launcher's preset (dpo), else config.py's default.
 # ---- model ----
-MODEL_SIZE=${MODEL_SIZE:-}              # 8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K); empty: small on a GPU, else a nano demo
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2
-MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers causal-LM or encoder-decoder (T5, BART ...) config.json
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
 COMPILE=${COMPILE:-}                    # torch.compile the model; empty: 0
-MODEL_PATH=${MODEL_PATH:-}              # the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported); empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/
+MODEL_PATH=${MODEL_PATH:-}              # the chat model to train (a folder, as for SFT); empty: the newest completed SFT run's final/
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
 LORA_R=${LORA_R:-}                      # LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen; empty or 0: full fine-tuning
 LORA_ALPHA=${LORA_ALPHA:-}              # LoRA's scale is LORA_ALPHA / LORA_R; empty: 2 x LORA_R
@@ -34,7 +32,6 @@ FREEZE=${FREEZE:-}                      # parameters left untrained (no gradient
 DATA_PATH=${DATA_PATH:-}                # training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl, .jsonl.gz); empty: the built-in corpus (the standard-library sources of the running Python)
 TEXT_FIELD=${TEXT_FIELD:-}              # the field (JSON) or column (parquet, Arrow; only it is read) of the text; empty: text
 TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local AutoTokenizer folder; empty: a byte-level BPE trained on the corpus and cached
-VOCAB_SIZE=${VOCAB_SIZE:-}              # vocabulary of the BPE trained when no TOKENIZER_PATH is given; empty: 8192
 TOKENIZER_SAMPLE_MB=${TOKENIZER_SAMPLE_MB:-} # MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a sample spread through it; empty: 100
 MAX_RECORD_MB=${MAX_RECORD_MB:-}        # longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb; empty: 64
 TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes tokenizing the data into the token cache (pretraining) or the SFT cache; empty: every core (a corpus under 8 MB: none, in the training process)

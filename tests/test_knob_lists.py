@@ -96,8 +96,10 @@ def test_every_field_appears_in_the_docs_and_a_mode_only_knob_in_exactly_its_mod
     for launcher in LAUNCHERS:
         top = {line.split("=")[0] for line in knob_docs.launcher_block(launcher) if knob_docs.KNOB_LINE.match(line)}
         for name in user_fields:
-            modes = set(FIELDS[name].metadata.get("marks", ())) & mode_marks
-            assert (config.env_name(name) in top) == (not modes or launcher.mode in modes), (launcher.path.name, name)
+            marks = set(FIELDS[name].metadata.get("marks", ()))
+            modes, refused = marks & mode_marks, f"not_{launcher.mode}" in marks
+            assert (config.env_name(name) in top) == ((not modes or launcher.mode in modes) and not refused), (
+                launcher.path.name, name)
     sft_launchers = {lw.path.name for lw in LAUNCHERS if lw.mode == "sft"}
     assert {"train_sft_custom.sh", "quick_start_sft_fast.sh"} <= sft_launchers
 

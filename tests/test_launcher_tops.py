@@ -12,6 +12,7 @@ import pytest
 import config
 from conftest import ROOT
 from train.config import knob_docs, knobs
+from train.core.checks import MARKS
 
 LAUNCHERS = knob_docs.launchers()
 # Launcher variables that are no config field: the guides' precision switches and torchrun's count.
@@ -21,10 +22,11 @@ KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-[^}]*\}\s*(#\s*\S.*)?$")
 
 def expected(mode: str) -> set[str]:
     """The launcher variables of every config field a user sets in this mode: every field but the
-    command's own, less those a marker keeps to other modes."""
+    command's own, less those a marker keeps to other modes or keeps from this one ("not_dpo")."""
     other_modes = {m for m in config.MODES if m != mode}
     names = [n for n in config.FIELD_SECTION if n not in knobs.marked("command")]
     kept_elsewhere = {n for m in other_modes for n in knobs.marked(m)} - set(knobs.marked(mode))
+    kept_elsewhere |= set(knobs.marked(f"not_{mode}")) if f"not_{mode}" in MARKS else set()
     return {knobs.env_name(n) for n in names if n not in kept_elsewhere} | set(NOT_FIELDS)
 
 
@@ -64,5 +66,5 @@ def test_a_knob_missing_at_the_top_is_named():
     ungrouped = text.replace("# ---- ", "# ")  # lines outside the groups do not count
     assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
     assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
-    assert "MODEL_SIZE" in expected("sft")
+    assert "MODEL_SIZE" in expected("sft") and "MODEL_SIZE" not in expected("dpo")  # dpo trains MODEL_PATH's model
     assert {knobs.env_name(n) for n in knobs.marked("sft")} & expected("pretrain") == set()

@@ -5,6 +5,9 @@ with its docstring and markers; which launchers carry it follows from rules, not
 - a launcher is a root *.sh that calls `kit_launch MODE PRESET` (its mode and preset read from it);
 - a field carries a launcher variable unless it is marked "command" (set by the command itself);
 - a marker named after a mode (config.MODES: "sft" ...) keeps the field to that mode's launchers;
+  "not_<mode>" ("not_dpo") leaves it out of that mode's launchers (the mode refuses or ignores it);
+- a docstring sentence opening with a mode's name ("DPO: ...") starts what it says for that mode's
+  launchers (their comment and "empty: ..."); the others read the text before it;
 - a launcher's own defaults (`BATCH_SIZE=${BATCH_SIZE:-16}`) are read back from its block, so
   regenerating keeps them; comments, order and groups come from config.py.
 """
@@ -53,6 +56,7 @@ class Knob:
     section: str
     doc: str
     modes: frozenset  # the modes it is kept to (empty: every mode)
+    not_modes: frozenset  # the modes that refuse it (marker "not_<mode>")
     default: object
     choices: tuple
     switch: bool  # its variable takes the guides' switch form ("--flag" or 1/0)
@@ -73,8 +77,9 @@ def all_knobs() -> list[Knob]:
         for f in dataclasses.fields(klass):
             if has_mark(f, "command"):
                 continue
-            marks = frozenset(f.metadata.get("marks", ())) & modes
-            found.append(Knob(f.name, section, docs.get(f.name, ""), marks, knobs.default(f.name),
+            marks = frozenset(f.metadata.get("marks", ()))
+            refused = frozenset(m for m in modes if f"not_{m}" in marks)
+            found.append(Knob(f.name, section, docs.get(f.name, ""), marks & modes, refused, knobs.default(f.name),
                               tuple(f.metadata.get("choices", ())), has_mark(f, "switch")))
     return found
 
@@ -90,7 +95,20 @@ def launchers(kit: Path | None = None) -> list[Launcher]:
 
 
 def applies(knob: Knob, mode: str) -> bool:
-    return not knob.modes or mode in knob.modes
+    return (not knob.modes or mode in knob.modes) and mode not in knob.not_modes
+
+
+def mode_doc(doc: str, mode: str | None) -> str:
+    """The part of a docstring a mode's launcher reads: from its sentence opening "<MODE>: " up to
+    another mode's; a mode without one (or None) reads the part before the first such sentence."""
+    heads = tuple(f"{m.upper()}: " for m in config.MODES)
+    parts: list[list[str]] = [[]]
+    for sentence in _sentences(doc) if doc else []:
+        if sentence.startswith(heads) and parts[-1]:
+            parts.append([])
+        parts[-1].append(sentence)
+    own = next((p for p in parts if mode and p and p[0].startswith(f"{mode.upper()}: ")), parts[0])
+    return " ".join(own)
 
 
 def shown(value) -> str:
@@ -124,11 +142,13 @@ def _clip(text: str) -> str:
     return text[:cut] if cut else text
 
 
-def summary(knob: Knob) -> str:
-    """What it does, in a line: the docstring's first sentence (a mode's own prefix "SFT: " dropped)."""
-    first = _sentences(knob.doc)[0] if knob.doc else ""
-    for mode in knob.modes:
-        first = first.removeprefix(f"{mode.upper()}: ")
+def summary(knob: Knob, mode: str | None = None) -> str:
+    """What it does, in a line: the first sentence of `mode`'s part of the docstring (mode_doc; a
+    mode's own prefix "SFT: " dropped)."""
+    doc = mode_doc(knob.doc, mode)
+    first = _sentences(doc)[0] if doc else ""
+    for m in {*knob.modes, *([mode] if mode else [])}:
+        first = first.removeprefix(f"{m.upper()}: ")
     listed = " | ".join(knob.choices)
     if knob.choices and first.startswith(knob.choices[0]) and not first.startswith(listed):
         first = listed  # the choices, each explained: too long for a line, so their names
@@ -139,18 +159,19 @@ def summary(knob: Knob) -> str:
     return _clip(first.rstrip("."))
 
 
-def empty_means(knob: Knob, preset: str | None) -> str:
+def empty_means(knob: Knob, preset: str | None, mode: str | None = None) -> str:
     """What an empty variable gives ("empty: ..."): the preset's value, else config.py's default,
-    else what its docstring says ("Empty: ..." / "Empty or 0: ..." / "keep_end (empty: ...)")."""
+    else what `mode`'s part of its docstring says ("Empty: ..." / "Empty or 0: ..." / "keep_end (empty: ...)")."""
     values = config.PRESETS.get(preset, {}) if preset else {}
     if knob.name in values:
         return f"empty: {shown(values[knob.name])} (preset {preset})"
     if knob.default is not None:
         return f"empty: {shown(knob.default)}"
-    said = next((s for s in _sentences(knob.doc)[1:] if re.match(r"Empty\b[^:]*: ", s)), "")
+    doc = mode_doc(knob.doc, mode)
+    said = next((s for s in _sentences(doc)[1:] if re.match(r"Empty\b[^:]*: ", s)), "") if doc else ""
     if said:
         return "e" + said[1:].rstrip(".")
-    inline = re.search(r"(\w+) \(empty: ([^)]*)\)", knob.doc)
+    inline = re.search(r"(\w+) \(empty: ([^)]*)\)", doc)
     return f"empty: {inline.group(1)} ({inline.group(2)})" if inline else ""
 
 
@@ -210,8 +231,8 @@ def launcher_block(launcher: Launcher) -> list[str]:
             out.append(knob_line(variable, defaults.get(variable, ""), comment))
         variable = knobs.env_name(knob.name)
         default = defaults.get(variable, "")
-        comment = summary(knob)
-        if not default and (empty := empty_means(knob, launcher.preset)):
+        comment = summary(knob, launcher.mode)
+        if not default and (empty := empty_means(knob, launcher.preset, launcher.mode)):
             comment = f"{comment}; {empty}" if comment else empty
         out.append(knob_line(variable, default, comment))
     return [*out, SH_END]
@@ -291,7 +312,9 @@ def markdown() -> list[str]:
             for variable, accepted, comment in extra.get(knob.name, []):
                 flag = dict(s.split(":") for s in knobs.PRECISION_SWITCHES).get(variable, "(launcher only)")
                 rows.append((variable, flag, accepted, comment))
-            rows.append((knobs.env_name(knob.name), f"--{knob.name}", knob.name, knob.doc))
+            refused = " | ".join(f"`python -m train {m}`" for m in sorted(knob.not_modes))
+            doc = f"{knob.doc} Not for {refused}: left out of its launchers." if refused else knob.doc
+            rows.append((knobs.env_name(knob.name), f"--{knob.name}", knob.name, doc))
         if rows:
             out += [f"### {SECTION_TITLES.get(section, section)}", "", *_table(rows), ""]
     by_launcher = launchers()

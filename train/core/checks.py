@@ -18,6 +18,7 @@ MARKS = {
     "auto": 'empty, "auto" or "none" leave it to the run (the field defaults to None)',
     "sft": "SFT only (and preference training, which fine-tunes too): pretraining stops when it is set",
     "dpo": "preference training only: pretraining and SFT stop when it is set, as it would be ignored",
+    "not_dpo": "not for preference training (MODEL_PATH's model and tokenizer are trained): left out of its launchers",
     "compared": "a RESUME=1 says so when it changed since the checkpoint",
     "switch": 'its launcher variable takes the guides\' switch form ("--flag", or 1/0)',
     "command": "set by the command or the launcher script itself: no launcher variable",

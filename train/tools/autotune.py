@@ -13,6 +13,10 @@ it) are always the first trial, and the best alternative is re-measured side by 
 the end; the winner is the faster on the mean of its measurements. So the winner is at least as
 fast as the OPTIMIZED preset on this machine by construction: when nothing beats it, the preset
 wins. Trials that run out of memory or go over TARGET_VRAM are shown and never win.
+
+A mode (`autotune sft ...`, `autotune dpo ...`) starts from its launcher's preset (PRESET_OF) and times
+its own step: preference training's trials run the preference objective with the plan's reference, in
+pairs per second.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from train.core.errors import UsageError
 from train.core.units import cpu_cores
 from train.run.loop.oom import free_memory, is_oom
 from train.run.plan.adapt import PeakMeter, capacity_mb
-from train.tools.find_batch import divisors, wants_help
+from train.tools.find_batch import divisors, mode_of, wants_help
 
 TRIAL_STEPS = 2
 CONFIRM = 3  # side-by-side re-measurements of the leader against the preset
 DIMENSIONS = ("precision", "batch", "workers", "compile")
 ENV_FILE = "autotune.env"  # in OUTPUT_DIR: VAR=value lines this module writes (ints and fixed words only)
+LAUNCHER_OF = {"pretrain": "run_single_gpu_optimized.sh", "sft": "quick_start_sft_fast.sh", "dpo": "train_dpo.sh"}
+PRESET_OF = {"pretrain": "optimized", "sft": "sft", "dpo": "dpo"}  # the first trial's settings, by mode
 WRITTEN = ("batch_size", "gradient_accumulation_steps", "num_workers", "prefetch_factor", "pin_memory",
            "persistent_workers", "precision", "compile", "tf32")
 
@@ -50,11 +56,11 @@ class Candidate:
     num_workers: int
     precision: str
     compile: bool
-    preset: bool = False  # the OPTIMIZED preset: its other DataLoader and TF32 settings apply too
+    preset: str = ""  # the preset it is (PRESET_OF's): its other DataLoader and TF32 settings apply too
 
     def label(self) -> str:
         name = f"{self.batch_size} x {self.gradient_accumulation_steps}, {self.num_workers} workers, {self.precision}"
-        return name + (", compile" if self.compile else "") + (" (optimized preset)" if self.preset else "")
+        return name + (", compile" if self.compile else "") + (f" ({self.preset} preset)" if self.preset else "")
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Outcome:
     rates: list = field(default_factory=list)  # samples/s of each measurement
     data_wait_frac: float | None = None
     peak_mb: float | None = None
+    loss: float | None = None  # the warm-up step's: the objective that ran (ln 2 at a preference run's start)
 
     @property
     def samples_per_sec(self) -> float | None:
@@ -74,7 +81,7 @@ def trial_config(cfg, cand: Candidate):
     """The user's config with the candidate's settings (and the preset's, for the preset)."""
     new = copy.deepcopy(cfg)
     if cand.preset:
-        for name, value in knobs.preset("optimized").items():
+        for name, value in knobs.preset(cand.preset).items():
             knobs.set_value(new, name, value)
     new.optim.batch_size, new.optim.gradient_accumulation_steps = cand.batch_size, cand.gradient_accumulation_steps
     new.optim.effective_batch, new.optim.auto_batch, new.optim.lr_scaling = None, False, "none"
@@ -101,17 +108,19 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)
     meter.reset()
-    outcome, spent, waited, error = Outcome(cand), 0.0, 0.0, None
+    outcome, spent, waited, error, first = Outcome(cand), 0.0, 0.0, None, None
     try:
         step_model = torch.compile(b.model) if cand.compile else b.model
         for i in range(1 + steps):
             synchronize(device)
             start = time.perf_counter()
-            _, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    b.cfg.optim.grad_clip, device, b.precision, source_target=b.family.source_target)
+            loss, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
+                                    b.cfg.optim.grad_clip, device, b.precision, source_target=b.family.source_target,
+                                    objective=b.objective)
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation
                 spent, waited = spent + time.perf_counter() - start, waited + wait
+            first = loss.detach() if first is None else first
     except Exception as err:
         if not (is_oom(err) or cand.compile):  # compile may fail for want of a compiler: a result
             raise
@@ -126,21 +135,23 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
         return outcome
     outcome.rates.append(steps * effective / spent)
     outcome.data_wait_frac, outcome.peak_mb = min(1.0, waited / spent), peak
+    outcome.loss = float(first)  # read after the timed steps: no sync among them
     if limit is not None and peak is not None and peak > limit:
         outcome.status = "over target"
     return outcome
 
 
-def preset_candidate(effective: int, cores: int) -> Candidate:
-    p = knobs.preset("optimized")
+def preset_candidate(effective: int, cores: int, name: str = "optimized") -> Candidate:
+    p = knobs.preset(name)
     size = max(d for d in divisors(effective) if d <= p["batch_size"])
-    return Candidate(size, effective // size, min(p["num_workers"], cores), p.get("precision", knobs.default("precision")),
-                     p.get("compile", knobs.default("compile")), preset=True)
+    workers = min(p.get("num_workers", knobs.default("num_workers")), cores)
+    return Candidate(size, effective // size, workers, p.get("precision", knobs.default("precision")),
+                     p.get("compile", knobs.default("compile")), preset=name)
 
 
 def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> list[Candidate]:
     """The current best with one dimension changed (never the current best itself again)."""
-    base = replace(cur, preset=False)
+    base = replace(cur, preset="")
     if dim == "precision":
         found = [replace(base, precision=p) for p in ("fp32", "bf16", "fp16") if supports(device, p)]
     elif dim == "batch":
@@ -151,6 +162,11 @@ def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> 
     else:
         found = [replace(base, compile=not cur.compile)]
     return [c for c in found if c != base]
+
+
+def unit_of(cfg) -> str:
+    """What the rates count: preference training's micro-batch is pairs."""
+    return "pairs" if cfg.run.mode == "dpo" else "samples"
 
 
 def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome, Outcome, list[Outcome]]:
@@ -166,20 +182,21 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
         if cand not in seen:
             seen[cand] = measure(cfg, cand, steps, limit)
             o = seen[cand]
-            say(f"  {cand.label():<48} {o.samples_per_sec or 0:8.1f} samples/s  {o.status}")
+            say(f"  {cand.label():<48} {o.samples_per_sec or 0:8.1f} {unit_of(cfg)}/s  {o.status}")
         return seen[cand]
 
     def faster(a: Outcome, b: Outcome) -> Outcome:
         return a if (a.samples_per_sec or -1) > (b.samples_per_sec or -1) else b
 
-    say(f"autotune: effective batch {effective}, {steps} timed steps per trial, on {device_name(device)}")
-    preset = run(preset_candidate(effective, cores))
+    say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg)}, {steps} timed steps per trial, on "
+        f"{device_name(device)}")
+    preset = run(preset_candidate(effective, cores, PRESET_OF[cfg.run.mode]))
     o = cfg.optim
     if effective % o.batch_size == 0:  # the user's own settings, when they keep the effective batch
         precision, _ = resolve_precision(cfg.system.precision, device)
         mine = Candidate(o.batch_size, effective // o.batch_size, min(cfg.data.num_workers, cores), precision,
                          cfg.model.compile)
-        if mine != replace(preset.candidate, preset=False):
+        if mine != replace(preset.candidate, preset=""):
             run(mine)
     best = max(seen.values(), key=lambda x: x.samples_per_sec or -1)
     for dim in DIMENSIONS:
@@ -207,11 +224,11 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
     return best, preset, list(seen.values())
 
 
-def table(outcomes: list[Outcome], winner: Outcome, preset: Outcome, limit_note: str) -> list[str]:
-    """Ranked by mean samples/s; the winner is the top among those measured twice (or the preset)."""
+def table(outcomes: list[Outcome], winner: Outcome, preset: Outcome, limit_note: str, unit: str = "samples") -> list[str]:
+    """Ranked by mean samples (pairs) /s; the winner is the top among those measured twice (or the preset)."""
     ranked = sorted(outcomes, key=lambda x: (x is not winner, -(x.samples_per_sec or -1)))
     ref = preset.samples_per_sec
-    lines = [f"{'rank':>4}  {'micro x accum, workers, precision':<48} {'samples/s':>10} {'vs preset':>10} "
+    lines = [f"{'rank':>4}  {'micro x accum, workers, precision':<48} {unit + '/s':>10} {'vs preset':>10} "
              f"{'data wait':>9} {'peak MB':>8} {'runs':>4}  result"]
     for i, o in enumerate(ranked, 1):
         rate = o.samples_per_sec
@@ -235,8 +252,10 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
         if value is not None:
             pairs.append(f"{knobs.env_name(name)}={int(value) if isinstance(value, bool) else value}")
     ref = preset.samples_per_sec
-    head = (f"# python -m train autotune, {time.strftime('%Y-%m-%d %H:%M')}: {winner.samples_per_sec:.1f} samples/s"
-            + (f", {winner.samples_per_sec / ref:.2f}x the optimized preset ({ref:.1f})" if ref else ", the preset failed")
+    head = (f"# python -m train autotune {cfg.run.mode}, {time.strftime('%Y-%m-%d %H:%M')}: "
+            f"{winner.samples_per_sec:.1f} {unit_of(cfg)}/s"
+            + (f", {winner.samples_per_sec / ref:.2f}x the {preset.candidate.preset} preset ({ref:.1f})" if ref
+               else ", the preset failed")
             + f"; effective batch {full.effective_batch_size()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     files.atomic_write(path, "\n".join([head, *pairs]) + "\n")
@@ -259,12 +278,13 @@ def autotune_main(argv: list[str]) -> int:
     skip = tuple(s for s in mine.skip.split(",") if s)
     if not mine.steps.isdigit() or int(mine.steps) < 1 or set(skip) - set(DIMENSIONS):
         raise UsageError(f"autotune: --steps takes a whole number >= 1 and --skip some of {','.join(DIMENSIONS)}")
-    cfg = parse_training_args("pretrain", rest)
+    mode, rest = mode_of(rest)
+    cfg = parse_training_args(mode, rest)
     winner, preset, outcomes = tune(cfg, print, int(mine.steps), skip)
     note = f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never wins)"
-    print("\n".join(table(outcomes, winner, preset, note)))
+    print("\n".join(table(outcomes, winner, preset, note, unit_of(cfg))))
     path = Path(cfg.run.output_dir) / ENV_FILE
     pairs = write_env(path, cfg, winner, preset)
-    print(f"winner: {winner.candidate.label()}, {winner.samples_per_sec:.1f} samples/s")
-    print(f"written to {path}; use: {' '.join(pairs)} ./run_single_gpu_optimized.sh")
+    print(f"winner: {winner.candidate.label()}, {winner.samples_per_sec:.1f} {unit_of(cfg)}/s")
+    print(f"written to {path}; use: {' '.join(pairs)} ./{LAUNCHER_OF[cfg.run.mode]}")
     return 0

@@ -7,12 +7,15 @@ peak RSS on CPU, against MAX_MEMORY_MB where set), host RAM and swap. The verdic
 rule that applies, in the order a run fails or wastes the most:
 
   host-RAM pressure (RAM >= 90 % or swap >= 10 %, with workers or pinned memory): fewer workers
-  memory-bound (peak >= 90 % of the memory, or the run ran out): bf16/fp16, then gradient
-      checkpointing, then a shorter MAX_LENGTH
+  memory-bound (peak >= 90 % of the memory, or the run ran out): preference training's frozen
+      copy replaced by REFERENCE=precomputed (the same losses, one model), then bf16/fp16, then
+      gradient checkpointing, then a shorter MAX_LENGTH
   input-bound (data wait >= 20 % of step time): more workers, pinned memory, persistent workers
   compute-bound with memory to spare (peak < 70 %): a larger BATCH_SIZE, GRADIENT_ACCUM lowered
       to keep the effective batch
   compute-bound within the band: mixed precision if the run is fp32; otherwise nothing to change
+
+`doctor dpo ...` (or sft) profiles that mode's run: preference training's own step, its rates in pairs.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Reading:
     capacity_source: str
     ram_used_pct: float | None
     swap_used_pct: float | None
+    mode: str = "pretrain"
+    reference: str | None = None  # preference training's (summary.json's)
 
     @property
     def memory_frac(self) -> float | None:
@@ -90,7 +95,8 @@ def profile(cfg, steps: int, label: str) -> Reading:
     return Reading(str(run_path), summary["exit_reason"], summary["precision"], summary["max_length"],
                    summary["samples_per_sec"],
                    summary["data_wait_frac"], summary.get("avg_gpu_util"), peak, capacity, source,
-                   host.get("ram_used_pct"), host.get("swap_used_pct"))
+                   host.get("ram_used_pct"), host.get("swap_used_pct"), summary.get("mode", cfg.run.mode),
+                   summary.get("reference"))
 
 
 def _pct(x: float | None) -> str:
@@ -109,6 +115,9 @@ def diagnose(r: Reading, cfg) -> Verdict:
         return Verdict("host-RAM pressure", why, change)
     if r.exit_reason == "out_of_memory" or (frac is not None and frac >= MEMORY_BOUND):
         why = "ran out of memory" if r.exit_reason == "out_of_memory" else f"{memory}, over {MEMORY_BOUND:.0%}"
+        if r.reference == "copy":
+            return Verdict("memory-bound", why + ": a frozen copy of the model sits beside it; precomputed reference "
+                           "log-probs give the same losses with one model", {"reference": "precomputed"})
         if r.precision == "fp32" and supports(device, "bf16"):
             return Verdict("memory-bound", why + ": bf16 halves activation memory", {"precision": "bf16"})
         if r.precision == "fp32" and supports(device, "fp16"):
@@ -164,12 +173,16 @@ def with_changes(cfg, changes: dict):
     return new
 
 
+def unit_of(r: Reading) -> str:
+    return "pairs" if r.mode == "dpo" else "samples"
+
+
 def report(r: Reading) -> list[str]:
     rate = "n/a" if r.samples_per_sec is None else f"{r.samples_per_sec:.1f}"
     peak = "n/a" if r.peak_mb is None else f"{r.peak_mb:.0f} MB"
     cap = "n/a" if r.capacity_mb is None else f"{r.capacity_mb:.0f} MB ({r.capacity_source})"
     return [
-        f"  samples/s     {rate}",
+        f"  {unit_of(r) + '/s':<13} {rate}",
         f"  data wait     {_pct(r.data_wait_frac)} of step time",
         f"  GPU           {_pct_util(r)}",
         f"  memory        {peak} = {_pct(r.memory_frac)} of {cap}",
@@ -185,7 +198,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
     def rate(r):
         return "n/a" if r.samples_per_sec is None else f"{r.samples_per_sec:.1f}"
 
-    lines = [row("", "before", "after"), row("samples/s", rate(before), rate(after)),
+    lines = [row("", "before", "after"), row(f"{unit_of(before)}/s", rate(before), rate(after)),
              row("data wait", _pct(before.data_wait_frac), _pct(after.data_wait_frac)),
              row("memory", _pct(before.memory_frac), _pct(after.memory_frac)),
              row("GPU busy", _pct_util(before)[:12], _pct_util(after)[:12])]
@@ -198,14 +211,14 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
         return lines, f"memory did not drop ({_pct(before.memory_frac)} -> {_pct(after.memory_frac)}): try the next remedy"
     speedup = (after.samples_per_sec or 0) / before.samples_per_sec if before.samples_per_sec else None
     if speedup is not None and speedup >= FASTER:
-        return lines, f"{speedup:.2f}x samples/s: keep {fix}"
+        return lines, f"{speedup:.2f}x {unit_of(before)}/s: keep {fix}"
     return lines, f"not faster here ({'n/a' if speedup is None else f'{speedup:.2f}x'}): keep your settings"
 
 
 def doctor_main(argv: list[str]) -> int:
     """`python -m train doctor [--apply] [--steps N] [training flags]`."""
     from train.config.flags import parse_training_args
-    from train.tools.find_batch import wants_help
+    from train.tools.find_batch import mode_of, wants_help
 
     if wants_help("doctor", "profile a short run of your settings, say what limits it and what to change, and with "
                   "--apply try the change", argv, (
@@ -218,9 +231,10 @@ def doctor_main(argv: list[str]) -> int:
     mine, rest = parser.parse_known_args(argv)
     if not mine.steps.isdigit() or int(mine.steps) < 2:
         raise UsageError(f"doctor --steps: expected a whole number >= 2, got {mine.steps!r}")
-    cfg = parse_training_args("pretrain", rest)
+    mode, rest = mode_of(rest)
+    cfg = parse_training_args(mode, rest)
     steps = int(mine.steps)
-    print(f"doctor: profiling {steps} steps of your config")
+    print(f"doctor: profiling {steps} steps of your {mode} config")
     before = profile(cfg, steps, "before")
     verdict = diagnose(before, cfg)
     out = [f"doctor: {before.run}", *report(before), f"verdict: {verdict.kind}: {verdict.why}"]

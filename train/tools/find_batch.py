@@ -12,17 +12,24 @@ the fastest safe size wins (within TIE of the fastest, the smaller one: same spe
 
 Only divisors of the effective batch are tried, so GRADIENT_ACCUM = EFFECTIVE_BATCH / BATCH_SIZE
 keeps the effective batch exactly. Under torchrun, rank 0 searches and broadcasts the result.
+
+Preference training (`find-batch dpo ...`, or AUTO_BATCH=1 in a dpo run): the micro-batch counts
+pairs, each trial step is the run's own (the preference objective with the reference the plan chose:
+a frozen copy on the device, the precomputed log-probs the batches carry, or the adapters switched
+off), on the longest pairs of the data (a batch of them is the widest the run can meet).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from train.core.device import device_name, synchronize
@@ -43,6 +50,7 @@ class Trial:
     status: str  # fits | over target | out of memory | skipped
     peak_mb: float | None = None
     samples_per_sec: float | None = None
+    loss: float | None = None  # the first step's: the objective that ran (ln 2 at a preference run's start)
 
 
 @dataclass
@@ -58,6 +66,8 @@ class Result:
     peak_mb: float | None = None
     trials: list = field(default_factory=list)
     source: str = "searched"
+    unit: str = "samples"  # what a micro-batch counts: samples (sequences) or pairs (preference training)
+    objective: str = "token loss"
 
 
 def divisors(n: int) -> list[int]:
@@ -96,21 +106,41 @@ def _sampler(dataset, seed: int, seq2seq_lengths: tuple[int, int] | None = None,
     return sample
 
 
+def _longest_pairs(dataset, collate):
+    """Batches of the data's longest pairs (PairDataset.lengths, the samplers' cost), collated as the
+    run collates them (with the precomputed reference's log-probs where the plan made them)."""
+    order = np.argsort(-np.asarray(dataset.lengths), kind="stable")
+
+    def pairs(size: int) -> dict:
+        return collate([dataset[int(order[i % len(order)])] for i in range(size)])
+
+    return pairs
+
+
+def objective_of(b) -> str:
+    """What a trial step runs, in words (the Result's and the log's)."""
+    if b.objective is None:
+        return "token loss"
+    reference = b.cfg.model.reference
+    return f"preference loss {b.objective.loss_name}" + (f", reference {reference}" if reference else "")
+
+
 def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
     from train.core.step import train_step
 
     device, precision = b.device, b.precision
     meter.reset()
-    times, failed = [], False
+    times, failed, first = [], False, None
     try:
         for _ in range(1 + steps):
             batch = sample(size)
             synchronize(device)
             start = time.perf_counter()
-            train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device, precision,
-                       source_target=b.family.source_target)
+            loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device,
+                                  precision, source_target=b.family.source_target, objective=b.objective)
             synchronize(device)
             times.append(time.perf_counter() - start)
+            first = loss.detach() if first is None else first
     except Exception as err:  # anything but OOM is a real error
         if not is_oom(err):
             raise
@@ -120,7 +150,8 @@ def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, mete
         if hasattr(scaler, "_per_optimizer_states"):
             scaler._per_optimizer_states.clear()
         return Trial(size, "out of memory")
-    return Trial(size, "fits", meter.peak_mb(), size / statistics.median(times[1:]))
+    value = float(first)  # read once the timed steps are done: no sync among them
+    return Trial(size, "fits", meter.peak_mb(), size / statistics.median(times[1:]), value if math.isfinite(value) else None)
 
 
 def _predict(trials: list[Trial], size: int) -> float | None:
@@ -143,14 +174,17 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
     scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    lengths = run_lengths(b) if b.family.source_target else None
-    sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
+    if b.objective is not None:  # preference training: pairs, the run's collator
+        sample = _longest_pairs(b.dataset, b.collate)
+    else:
+        lengths = run_lengths(b) if b.family.source_target else None
+        sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU
     # the OOM killer, unlike a CUDA OOM, cannot be caught.
     ceiling = (limit + capacity) / 2
-    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {'samples/s':>10}  result")
+    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {unit_of(b) + '/s':>10}  result")
 
     def run(size: int) -> bool:
         predicted = _predict(trials, size)
@@ -191,6 +225,10 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     return (max(safe) if safe else 0), trials
 
 
+def unit_of(b) -> str:
+    return "pairs" if b.objective is not None else "samples"
+
+
 def choose(trials: list[Trial], largest_safe: int) -> Trial:
     """The fastest safe size; within TIE of it, the smallest (same speed, more headroom)."""
     safe = [t for t in trials if t.status == "fits" and t.batch_size <= largest_safe]
@@ -221,10 +259,11 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         if saved is not None:
             return Result(saved[0], saved[1], effective, saved[0], limit, capacity, source, source=why)
         say(f"find-batch: {why}; searching")
+    unit, objective = unit_of(b), objective_of(b)
     say(
-        f"find-batch: {b.model_size} model, MAX_LENGTH {b.max_length}, {b.precision} on {device_name(b.device)}; "
-        f"limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
-        f"effective batch {effective} kept"
+        f"find-batch: {b.model_size} model, MAX_LENGTH {b.max_length}, {b.precision} on {device_name(b.device)}, "
+        f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
+        f"effective batch {effective} {unit} kept"
     )
     largest, trials = search(b, per_rank, limit, capacity, say, steps)
     device, fixes = b.device, remedies(trial_cfg, b.max_length, b.precision, hint=False)
@@ -239,7 +278,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         )
     best = choose(trials, largest)
     result = Result(best.batch_size, per_rank // best.batch_size, effective, largest, limit, capacity, source,
-                    best.samples_per_sec, best.peak_mb, [asdict(t) for t in trials])
+                    best.samples_per_sec, best.peak_mb, [asdict(t) for t in trials], unit=unit, objective=objective)
     write(path, key, result)
     return result
 
@@ -293,16 +332,27 @@ def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -
     return True
 
 
+MODES = ("pretrain", "sft", "dpo")  # the training commands a tool's first word may name (train/cli.py's)
+
+
+def mode_of(argv: list[str]) -> tuple[str, list[str]]:
+    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), else pretrain."""
+    if argv and argv[0] in MODES:
+        return argv[0], argv[1:]
+    return "pretrain", argv
+
+
 def find_batch_main(argv: list[str]) -> int:
-    """`python -m train find-batch [training flags]`: search, print the variables, save them."""
+    """`python -m train find-batch [pretrain|sft|dpo] [training flags]`: search, print the variables, save them."""
     from train.config.flags import parse_training_args
 
     if wants_help("find-batch", "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective batch, "
-                  "and save it for AUTO_BATCH=1", argv):
+                  "and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)", argv):
         return 0
-    cfg = parse_training_args("pretrain", argv)
+    mode, argv = mode_of(argv)
+    cfg = parse_training_args(mode, argv)
     result = find_everywhere(cfg, print)
-    rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} samples/s"
+    rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} {result.unit}/s"
     print(
         f"largest safe micro-batch {result.largest_safe}; fastest {result.batch_size}{rate}, "
         f"peak {result.peak_mb:.0f} of {result.limit_mb:.0f} MB"

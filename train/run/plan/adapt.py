@@ -196,7 +196,8 @@ def adapt(
             d.pin_memory = False
     if d.num_workers > 0:
         rows = max_length if max_length is not None else dataset.max_length
-        batch_mb = o.batch_size * rows * 8 / MIB  # int64 token ids
+        sequences = 2 if cfg.run.mode == "dpo" else 1  # a pair is two rows (chosen, rejected)
+        batch_mb = o.batch_size * sequences * rows * 8 / MIB  # int64 token ids
         prefetch = d.prefetch_factor or 2
         while prefetch > 1 and d.num_workers * prefetch * batch_mb > PREFETCH_RAM_SHARE * avail:
             prefetch //= 2

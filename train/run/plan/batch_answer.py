@@ -26,6 +26,8 @@ def settings_key(b, effective: int, world_size: int) -> dict:
     model_cfg = json.dumps(b.model.config.to_dict(), sort_keys=True, default=str)
     return {
         "model": hashlib.sha256(model_cfg.encode()).hexdigest()[:16],
+        "mode": b.cfg.run.mode,  # dpo's micro-batch counts pairs, its step holds the reference
+        "reference": b.cfg.model.reference,
         "max_length": b.max_length,
         "precision": b.precision,
         "gradient_checkpointing": b.cfg.model.gradient_checkpointing,
@@ -64,7 +66,7 @@ def read_saved(path: Path, key: dict, per_rank: int) -> tuple[tuple[int, int] | 
     if not whole or size * accum != per_rank:
         return None, f"{path} holds no valid BATCH_SIZE x GRADIENT_ACCUM = {per_rank}"
     if saved.get("key") != key:
-        return None, "the model, length, precision, device or budget changed since the saved result"
+        return None, "the mode, model, length, precision, device or budget changed since the saved result"
     return (size, accum), f"saved by find-batch at {saved.get('written', '?')} in {path}"
 
 

@@ -9,6 +9,8 @@ with the reference model REFERENCE decides (train/run/plan/dpo_reference.py).
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -18,11 +20,12 @@ from config import TrainConfig
 from train.config import knobs
 from train.core.errors import UsageError
 from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
+from train.core.units import MIB
 from train.data.loader import Data
 from train.data.pref.preference import preference_data
 from train.models.build import attention_fits
 from train.run.plan import dpo_reference, sft_scratch
-from train.run.plan.plan import ModelChoice
+from train.run.plan.plan import MAX_LENGTH_CAP, ModelChoice
 from train.run.plan.sft import SFTSource, sft_steps
 
 DEFAULTS = {"dpo_loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "sft_weight": 0.0}
@@ -52,21 +55,55 @@ def refuse_preference(cfg: TrainConfig) -> None:
                          "the sharding; use REFERENCE=precomputed")
 
 
-def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide) -> str | None:
-    """REFERENCE as the run uses it (set in the plan's config): the asked one, or the kit's choice."""
+def copy_room(cfg: TrainConfig, model, device, precision: str, max_length: int) -> dict:
+    """The figures REFERENCE's choice weighs, in bytes: the frozen copy's weights (the estimate's own
+    count, fp32), the run's estimated peak without it (train/models/estimate.py at the planned
+    micro-batch), and what the device has for the run (capacity_mb: MAX_MEMORY_MB, free VRAM, or host
+    RAM; a dry run on CUDA reads the card's properties, making no CUDA context)."""
+    from train.core.device import memory_capacity
+    from train.core.model import count_params
+    from train.models.estimate import estimate_for_run
+    from train.models.freeze import trainable_of
+    from train.run.plan.adapt import capacity_mb
+
+    n_params = count_params(model)
+    without = copy.deepcopy(cfg)
+    without.model.reference = "precomputed"  # the run as it would be without the copy
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    est = estimate_for_run(model.config, n_params, without, max_length, precision, device.type, world,
+                           trainable_of(model))
+    if cfg.run.dry_run and device.type == "cuda":
+        cap, what = memory_capacity(device, cfg.system.max_memory_mb)
+    else:
+        cap_mb, what = capacity_mb(device, cfg.system.max_memory_mb)
+        cap = None if cap_mb is None else cap_mb * MIB
+    return {"copy": n_params * 4, "run": est["peak"], "capacity": cap, "what": what}
+
+
+def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: dict | None = None) -> str | None:
+    """REFERENCE as the run uses it (set in the plan's config): the asked one, or the kit's choice.
+    room: copy_room's figures; a copy that does not fit beside the run is never chosen."""
     loss = settings(cfg)["dpo_loss"]
     if not DPO_LOSS[loss].reference:
         return None
     if cfg.model.reference is not None:
         return cfg.model.reference
+    short = trained < pairs and cfg.system.sharding == "none"
+    left = None if room is None or room["capacity"] is None else room["capacity"] - room["run"]
     if cfg.model.lora_r:
         kind, why = "adapters", "LORA_R is set: the base model is the policy with its adapters off (no copy, no pass)"
-    elif trained >= pairs or cfg.system.sharding != "none":
+    elif short and left is not None and room["copy"] > left:
+        kind, why = "precomputed", (
+            f"a frozen copy's weights ({room['copy'] / MIB:,.1f} MB) do not fit beside the run (estimated peak "
+            f"{room['run'] / MIB:,.1f} MB of {room['capacity'] / MIB:,.1f} MB, {room['what']}: "
+            f"{max(0.0, left) / MIB:,.1f} MB left): one forward pass over the {pairs} pairs (cached) instead")
+    elif not short:
         kind, why = "precomputed", (f"the run reads {trained} pair(s) of {pairs}: one forward pass over them before "
                                     "training (cached) costs less than a frozen copy's memory and its forward every step")
     else:
+        fits = "" if left is None else f"; its {room['copy'] / MIB:,.1f} MB fit in the {left / MIB:,.1f} MB left"
         kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of weights on "
-                             "the device) costs less than a pass over them all")
+                             f"the device) costs less than a pass over them all{fits}")
     cfg.model.reference = kind
     decide("reference", kind, why)
     return kind
@@ -115,19 +152,22 @@ class DPOSource(SFTSource):
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
                   trained: int, say, decide):
-        """(the preference objective, the data): the reference REFERENCE decides, made now from the
-        policy as it starts (a copy, or the cached pass whose log-probs the batches then carry)."""
+        """(the preference objective, a new Data): the reference REFERENCE decides, made now from the
+        policy as it starts (a copy, or the cached pass whose log-probs the new Data's batches carry)."""
         s = settings(cfg)
         source_target = choice.family.source_target
-        kind = decide_reference(cfg, len(data.conversations), trained, decide)
+        room = None
+        if cfg.model.reference is None and DPO_LOSS[s["dpo_loss"]].reference and not cfg.model.lora_r:
+            max_length = cfg.data.max_length or min(choice.context, MAX_LENGTH_CAP)  # plan.sequence_length's
+            room = copy_room(cfg, model, device, precision, max_length)
+        kind = decide_reference(cfg, len(data.conversations), trained, decide, room)
         reference = None
         if kind is not None and not cfg.run.dry_run:
             if kind == "precomputed":
                 data = dpo_reference.with_precomputed(data, model, device, precision, source_target,
                                                       cfg.data.cache_dir, say)
             reference = build_reference(kind, model, source_target=source_target)
-        data.summary.update({**s, "reference": kind})
+        data = replace(data, summary={**data.summary, **s, "reference": kind})
         objective = PreferenceObjective(source_target, s["dpo_loss"], s["beta"], s["label_smoothing"],
                                         s["simpo_gamma"], s["sft_weight"], reference)
         return objective, data
-

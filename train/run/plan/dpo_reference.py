@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -118,18 +119,19 @@ def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str,
 
 
 def with_precomputed(data, model, device, precision: str, source_target: bool, cache_dir: Path, say):
-    """Data whose training and validation batches carry the reference log-probs (REFERENCE=precomputed)."""
+    """A new Data whose training and validation batches carry the reference log-probs
+    (REFERENCE=precomputed); `data` is left as it was (its datasets and collators are shared, unchanged)."""
     digest = weights_digest(model)
     pad = data.tokenizer.pad_token_id
     pairs = data.conversations
     train = precompute(model, pairs, pad, device, precision, source_target, cache_dir, digest, say)
     if isinstance(data.dataset, PackedRows):
-        data.dataset = PackedRows(train, data.dataset.rows)
+        dataset = PackedRows(train, data.dataset.rows)
     else:
-        data.dataset = PairDataset(train, pairs.seq2seq)
-    if data.val_dataset is not None:
-        val = precompute(model, data.val_dataset, pad, device, precision, source_target, cache_dir, digest, say)
-        data.val_dataset = PairDataset(val, data.val_dataset.seq2seq)
-        data.val_collate = WithReference(data.val_collate)
-    data.collate = WithReference(data.collate)
-    return data
+        dataset = PairDataset(train, pairs.seq2seq)
+    val_dataset, val_collate = data.val_dataset, data.val_collate
+    if val_dataset is not None:
+        val = precompute(model, val_dataset, pad, device, precision, source_target, cache_dir, digest, say)
+        val_dataset, val_collate = PairDataset(val, val_dataset.seq2seq), WithReference(val_collate)
+    return replace(data, dataset=dataset, val_dataset=val_dataset, collate=WithReference(data.collate),
+                   val_collate=val_collate, summary=dict(data.summary))
