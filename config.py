@@ -194,7 +194,7 @@ class OptimConfig:
     """Weight decay on matrices (not on biases and norms)."""
     grad_clip: float = knob(1.0, least=0.0)
     """Clip the gradient norm to this before each step (0: no clipping)."""
-    loss_mean: str | None = knob(None, "sft", "compared", choices=("tokens", "micro_batches"))
+    loss_mean: str | None = knob(None, "sft", "not_dpo", "compared", choices=("tokens", "micro_batches"))
     """SFT: tokens (empty: the step's loss is the mean over all its target tokens, as one big batch's) | micro_batches
     (the mean of its micro-batches' own token means, as ChatLM-mini-Chinese's loop takes it: docs/coming-from.md)."""
     max_steps: int | None = knob(None, "compared", least=1)

@@ -119,6 +119,7 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     ("dpo", ["--reference", "adapters"], "REFERENCE=adapters: the reference is the base model"),
     ("dpo", ["--dpo_loss", "simpo", "--reference", "copy"], "REFERENCE=copy: DPO_LOSS=simpo is reference-free"),
     ("dpo", ["--model_size", "nano"], "MODEL_SIZE: preference training fine-tunes a trained chat model"),
+    ("dpo", ["--loss_mean", "micro_batches"], "LOSS_MEAN=micro_batches: preference training's loss is the mean"),
     ("sft", ["--beta", "0.2"], "BETA (--beta) is a preference-training setting"),
     ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) is a preference-training setting"),
 ])  # fmt: skip

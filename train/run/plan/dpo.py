@@ -44,6 +44,9 @@ def refuse_preference(cfg: TrainConfig) -> None:
         which = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
         raise UsageError(f"{which}: preference training fine-tunes a trained chat model; set MODEL_PATH (or leave it "
                          "empty: the newest completed SFT run's final/)")
+    if cfg.optim.loss_mean is not None:
+        raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the step's "
+                         "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
     if reference is not None and not DPO_LOSS[loss].reference:
         raise UsageError(f"REFERENCE={reference}: DPO_LOSS={loss} is reference-free; leave REFERENCE empty")
