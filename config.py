@@ -66,7 +66,7 @@ class ModelConfig:
     transformers knows are loaded, as the code runs with your permissions."""
     reference: str | None = knob(None, "dpo", "auto", "compared", choices=REFERENCES)
     """DPO: copy (a frozen copy on the device) | precomputed (its log-probs made once, cached) | adapters (LoRA's
-    base, adapters off). Empty: the run decides (adapters with LORA_R, else precomputed; docs/dpo.md)."""
+    base, adapters off). Empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed."""
     freeze: str | None = knob(None, "compared")
     """Parameters left untrained (no gradients, no optimizer state): a comma list of embeddings | encoder | decoder |
     lm_head or name patterns ("transformer.h.0.*"). Tied weights freeze together. Empty: nothing frozen."""

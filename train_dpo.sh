@@ -25,7 +25,7 @@ LORA_ALPHA=${LORA_ALPHA:-}              # LoRA's scale is LORA_ALPHA / LORA_R; e
 LORA_DROPOUT=${LORA_DROPOUT:-}          # dropout on the LoRA adapters' input; empty: 0.05
 LORA_TARGETS=${LORA_TARGETS:-}          # layer names LoRA adapts (comma-separated, or all-linear); empty: the architecture's (docs/sft.md)
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # let MODEL_PATH run the Python code it ships (custom architectures)
-REFERENCE=${REFERENCE:-}                # copy | precomputed | adapters; empty: the run decides (adapters with LORA_R, else precomputed; docs/dpo.md)
+REFERENCE=${REFERENCE:-}                # copy | precomputed | adapters; empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----
