@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/trl-dpo-out")
     p.add_argument("--profile", help="write a torch.profiler table of steps 3-4 to this file")
     p.add_argument("--trl-defaults", action="store_true", help="keep TRL's bf16 and gradient checkpointing")
+    p.add_argument("--compact-head", action="store_true",
+                   help="diagnostic: score only the response positions in the LM head, as TRL does on CUDA/XPU")
     a = p.parse_args()
     import torch
 
@@ -43,6 +45,11 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
+
+    if a.compact_head:  # TRL compacts to labelled positions only where Triton runs; its tiles stay torch ops
+        import trl.trainer.utils
+
+        trl.trainer.utils._use_triton = lambda device: True
 
     tok = AutoTokenizer.from_pretrained(a.model)
     if tok.pad_token is None:

@@ -99,7 +99,7 @@ def kit_argv(work: Path, model: str, pairs: Path, a, i: int, main: str = KIT_MAI
             "--max_steps", str(a.steps), "--beta", "0.1", "--learning_rate", "1e-5", "--lr_schedule", "constant",
             "--warmup_steps", "0", "--template", "none", "--reference", "copy", "--num_workers", "0",
             "--val_fraction", "0", "--output_dir", str(work / "runs"), "--run_name", f"kit{i}",
-            "--cache_dir", str(work / "cache"), "--log_every", "1"]
+            "--cache_dir", str(work / "cache"), "--log_every", "1", "--overwrite", "1"]
 
 
 def kit_run(work: Path, model: str, pairs: Path, a, i: int) -> dict:
@@ -125,7 +125,8 @@ def kit_run(work: Path, model: str, pairs: Path, a, i: int) -> dict:
 
 def trl_run(trl_python: str, model: str, pairs: Path, a, work: Path) -> dict:
     argv = [trl_python, str(KIT / "bench" / "dpo_trl_side.py"), model, str(pairs), "--batch", str(a.batch),
-            "--max_length", str(a.max_length), "--steps", str(a.steps), "--out", str(work / "trl")]
+            "--max_length", str(a.max_length), "--steps", str(a.steps), "--out", str(work / "trl"),
+            *(["--compact-head"] if a.trl_compact_head else [])]
     done = subprocess.run(argv, env=env(), capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"TRL run failed:\n{done.stderr[-3000:]}")
@@ -167,6 +168,8 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of steps 3-4 of each side instead")
+    p.add_argument("--trl-compact-head", action="store_true",
+                   help="diagnostic: TRL's LM head on response positions only, as it runs on CUDA/XPU (not on a CPU)")
     p.add_argument("--work", help="a folder for the pairs, model and runs (default: a new temporary one)")
     a = p.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="dpo-vs-trl-"))
