@@ -17,6 +17,11 @@ wall clock and the process's CPU time (/proc/PID/stat for the kit, time.process_
 shared host the wall figures move with the other tenants' load, the CPU-time ones far less. Tokens are
 real ones (attention_mask), the prompt counted in both rows of its pair. Each side prints its
 torch.get_num_threads() (the kit's from an exit hook in the same process).
+
+--profile: torch.profiler tables of steps 3-4 of each side (TRL also with its own CPU defaults,
+bf16 and gradient checkpointing) instead of the timed pairs. --trl-compact-head: a diagnostic,
+TRL's LM head on the response positions only, as TRL runs it where Triton runs (CUDA, XPU); on a
+CPU TRL scores every position. Results: bench/RESULTS.md, "Preference training against TRL".
 """
 
 from __future__ import annotations
