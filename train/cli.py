@@ -61,16 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in TRAIN_COMMANDS:
-        from train.distributed import distributed
+        from train.distributed.world import from_env, quiet_errors  # no torch yet: a bad flag is said at once
 
         # RANK / LOCAL_RANK / WORLD_SIZE (torchrun, accelerate launch) are read here and only here.
-        world = distributed.from_env(os.environ)
-        with distributed.quiet_errors(world):
+        world = from_env(os.environ)
+        with quiet_errors(world):
             cfg = parse_training_args(command, rest)
-            from train.run.guard.carry import carry
+            if cfg.run.resume:
+                from train.run.guard.carry import carry
 
-            # RESUME=1: what this command does not set again is the run's own (train/run/guard/carry.py)
-            cfg = carry(cfg, command, rest, print if world.is_main else lambda line: None)
+                # RESUME=1: what this command does not set again is the run's own (train/run/guard/carry.py)
+                cfg = carry(cfg, command, rest, print if world.is_main else lambda line: None)
+        from train.distributed import distributed
         from train.run.pipeline import train
 
         return distributed.launch(partial(train, before=_ahead_of_the_run), cfg, world)
