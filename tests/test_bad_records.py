@@ -143,15 +143,16 @@ def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world):
     refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", rss_file=rss)
     assert time.perf_counter() - start < 60
     assert int(rss.read_text()) < 1_200_000  # kB: the interpreter and torch, plus at most ~2 x 64 MB
+    # in this process under MAX_RECORD_MB=4 (the same reader; a sixteenth of the bytes to inflate)
     tracemalloc.start()
-    with pytest.raises(UsageError, match="line 1 is longer than 64 MB"):
+    with json_lines.record_limit(4), pytest.raises(UsageError, match="line 1 is longer than 4 MB"):
         for _ in json_lines.jsonl_blocks(data):
             pass
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < 3 * json_lines.MAX_RECORD_BYTES  # the line so far and its last block, not 3 GB
-    with pytest.raises(UsageError, match="line 1: is longer than 64 MB"):  # SFT: a bad record (SKIP_BAD_RECORDS)
-        load_conversations(data)
+    assert peak < 3 * (4 << 20)  # the line so far and its last block, not 3 GB
+    with json_lines.record_limit(4), pytest.raises(UsageError, match="line 1: is longer than 4 MB"):
+        load_conversations(data)  # SFT: a bad record (SKIP_BAD_RECORDS)
 
 
 def test_a_symlink_loop_under_a_recursive_glob_ends(world):

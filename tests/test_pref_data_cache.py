@@ -159,8 +159,8 @@ def test_front_door_val_path_and_one_line_refusals(tmp_path, tok):  # noqa: F811
         front_door(data_config(tmp_path, data_path, loss_on="all"), tok)
     with pytest.raises(UsageError, match="^PACKING=1: an encoder-decoder"):
         front_door(data_config(tmp_path, data_path, packing=True), tok, kind="seq2seq")
-    with pytest.raises(UsageError, match="^DATA_PATH: preference training reads preference pairs"):
-        front_door(DataConfig(cache_dir=str(tmp_path / "cache")), tok)
+    with pytest.raises(UsageError, match="^LOSS_ON=all"):  # DATA_PATH empty is the built-in pairs, not an error
+        front_door(DataConfig(cache_dir=str(tmp_path / "cache"), loss_on="all"), tok)
 
 
 def test_the_built_in_pairs_prefer_each_prompts_own_reply_and_are_cached(tmp_path, tok):  # noqa: F811
