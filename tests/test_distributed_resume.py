@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, read_jsonl
 from train.run.checkpoint import checkpoint
 
-STEPS = 24
+STEPS = 12
 EFFECTIVE = 4 * 2 * 2  # BATCH_SIZE x GRADIENT_ACCUM x 2 processes
 TIMEOUT = 420
 
@@ -102,7 +102,7 @@ def stopped(env):
         "zero2": start(base, "zero2", SHARDING="zero2", MAX_STEPS="6"),
         "zero3": start(base, "zero3", SHARDING="zero3", OFFLOAD_OPTIMIZER="1", MAX_STEPS="6"),
     }
-    at = {"termed": random.randint(4, 10), "killed": random.randint(4, 10)}
+    at = {"termed": random.randint(4, 8), "killed": random.randint(4, 8)}
     pending, deadline = dict(at), time.monotonic() + TIMEOUT
     while pending and time.monotonic() < deadline:
         for name, step in list(pending.items()):

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 
-RENDER_SECONDS = 10.0  # one conversation's renders: real ones take milliseconds
+RENDER_SECONDS = 3.0  # one conversation's renders: real ones take milliseconds (2,000 turns: 0.2 s)
 RENDER_CHARS = 32 << 20  # characters one conversation's renders may write (far past any MAX_LENGTH)
 PER_INPUT_CHAR = 4  # ... or this many per character of the conversation, where that is more
 MAX_POWER_BITS = 1 << 16  # an integer power bigger than this many bits is not chat markup

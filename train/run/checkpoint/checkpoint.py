@@ -36,7 +36,6 @@ import torch
 from train.core import files
 from train.core.errors import UsageError
 from train.core.files import fsync
-from train.distributed import safe_load
 from train.models import lora
 from train.run.checkpoint.checkpoint_checks import (
     META,
@@ -274,6 +273,10 @@ class CheckpointManager:
         the run's settings (SHARDING, the model) do not fit it. A sharded checkpoint is checked
         here but its weights and optimizer state are read later, into the sharded model
         (RunGuard.start)."""
+        from train.distributed import (
+            safe_load,  # torch.distributed.checkpoint: a second to import, read on resume only
+        )
+
         try:
             meta = json.loads(files.read_text(path / META))
         except FileNotFoundError:

@@ -12,7 +12,6 @@ import torch
 
 from train.core import files
 from train.core.files import sha256_of
-from train.distributed import safe_load
 from train.models import DEFAULT_FAMILY, lora
 
 WEIGHTS, STATE, META, SHARDS = "model.safetensors", "state.pt", "meta.json", "shards"
@@ -143,6 +142,8 @@ def check_files(path: Path, meta: dict) -> None:
 def read_weights(model: torch.nn.Module, file: Path) -> dict:
     """Check every name and shape against the model first, so a checkpoint of another model is
     rejected (OtherModel) before any weight is overwritten; tied weights are stored once."""
+    from train.distributed import safe_load  # torch.distributed.checkpoint: imported on resume only
+
     try:
         tensors = safetensors.torch.load_file(file, device="cpu")
     except Exception as err:  # safetensors raises its own error type for a malformed file
