@@ -85,7 +85,8 @@ class PretrainingSource:
         size_vocab(choice.config, tok, decide)
         return new_model(choice.config, cfg.model.gradient_checkpointing, cfg.system.seed, cfg.run.dry_run, device)
 
-    def objective(self, cfg, choice, model, data: Data, device, precision: str, trained: int, say, decide):
+    def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
+                  say, decide):
         """(None: the step's token loss, the data as it is)."""
         return None, data
 

@@ -25,7 +25,7 @@ from train.data.loader import Data
 from train.data.pref.preference import preference_data
 from train.models.build import attention_fits
 from train.run.plan import dpo_reference, sft_scratch
-from train.run.plan.plan import MAX_LENGTH_CAP, ModelChoice
+from train.run.plan.plan import ModelChoice
 from train.run.plan.sft import SFTSource, sft_steps
 
 DEFAULTS = {"dpo_loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "sft_weight": 0.0}
@@ -154,14 +154,13 @@ class DPOSource(SFTSource):
         return total_steps, why
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
-                  trained: int, say, decide):
+                  max_length: int, trained: int, say, decide):
         """(the preference objective, a new Data): the reference REFERENCE decides, made now from the
         policy as it starts (a copy, or the cached pass whose log-probs the new Data's batches carry)."""
         s = settings(cfg)
         source_target = choice.family.source_target
         room = None
         if cfg.model.reference is None and DPO_LOSS[s["dpo_loss"]].reference and not cfg.model.lora_r:
-            max_length = cfg.data.max_length or min(choice.context, MAX_LENGTH_CAP)  # plan.sequence_length's
             room = copy_room(cfg, model, device, precision, max_length)
         kind = decide_reference(cfg, len(data.conversations), trained, decide, room)
         reference = None

@@ -262,7 +262,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     apply_generation_config(model, generation, decide, cfg.model.generation_config)
     # the mode's loss, and its reference model made from the policy as it starts (preference training)
     trained = total_steps * cfg.effective_batch_size(world.world_size)
-    objective, data = source.objective(cfg, choice, model, data, device, precision, trained, say, decide)
+    objective, data = source.objective(cfg, choice, model, data, device, precision, max_length, trained, say,
+                                       decide)
     val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
     parallel(cfg, world, decide)
     return Plan(

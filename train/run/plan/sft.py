@@ -24,7 +24,6 @@ from config import TrainConfig
 from train.config import knobs
 from train.core.attention import use_attention
 from train.core.errors import UsageError
-from train.core.step import TokenObjective
 from train.data import tokenizer
 from train.data.loader import Data
 from train.data.sft.fine_tuning import fine_tuning_data, unit_of
@@ -163,12 +162,10 @@ class SFTSource:
         model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
         return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
-    def objective(self, cfg, choice, model, data: Data, device, precision: str, trained: int, say, decide):
-        """(the step's token loss: None for its default, the mean over all target tokens; LOSS_MEAN=
-        micro_batches: the mean of the micro-batches' means; the data as it is). Preference training's is
-        dpo.py's."""
-        if cfg.optim.loss_mean == "micro_batches":
-            return TokenObjective(choice.family.source_target, micro_batch_mean=True), data
+    def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
+                  say, decide):
+        """(None: the step's token loss, LOSS_MEAN's averaging applied by the loop, train/run/loop/parts.py;
+        the data as it is); preference training's is dpo.py's."""
         return None, data
 
 
