@@ -37,7 +37,7 @@ from train.core.errors import UsageError
 from train.core.units import cpu_cores
 from train.run.loop.oom import free_memory, is_oom
 from train.run.plan.adapt import PeakMeter, capacity_mb
-from train.tools.find_batch import divisors, mode_of, wants_help
+from train.tools.find_batch import divisors, mode_of, unit_of, wants_help
 
 TRIAL_STEPS = 2
 CONFIRM = 3  # side-by-side re-measurements of the leader against the preset
@@ -164,11 +164,6 @@ def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> 
     return [c for c in found if c != base]
 
 
-def unit_of(cfg) -> str:
-    """What the rates count: preference training's micro-batch is pairs."""
-    return "pairs" if cfg.run.mode == "dpo" else "samples"
-
-
 def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome, Outcome, list[Outcome]]:
     """Returns (winner, preset, every outcome)."""
     device, _ = resolve_device(cfg.system.device)
@@ -182,13 +177,13 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
         if cand not in seen:
             seen[cand] = measure(cfg, cand, steps, limit)
             o = seen[cand]
-            say(f"  {cand.label():<48} {o.samples_per_sec or 0:8.1f} {unit_of(cfg)}/s  {o.status}")
+            say(f"  {cand.label():<48} {o.samples_per_sec or 0:8.1f} {unit_of(cfg.run.mode)}/s  {o.status}")
         return seen[cand]
 
     def faster(a: Outcome, b: Outcome) -> Outcome:
         return a if (a.samples_per_sec or -1) > (b.samples_per_sec or -1) else b
 
-    say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg)}, {steps} timed steps per trial, on "
+    say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg.run.mode)}, {steps} timed steps per trial, on "
         f"{device_name(device)}")
     preset = run(preset_candidate(effective, cores, PRESET_OF[cfg.run.mode]))
     o = cfg.optim
@@ -253,7 +248,7 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
             pairs.append(f"{knobs.env_name(name)}={int(value) if isinstance(value, bool) else value}")
     ref = preset.samples_per_sec
     head = (f"# python -m train autotune {cfg.run.mode}, {time.strftime('%Y-%m-%d %H:%M')}: "
-            f"{winner.samples_per_sec:.1f} {unit_of(cfg)}/s"
+            f"{winner.samples_per_sec:.1f} {unit_of(cfg.run.mode)}/s"
             + (f", {winner.samples_per_sec / ref:.2f}x the {preset.candidate.preset} preset ({ref:.1f})" if ref
                else ", the preset failed")
             + f"; effective batch {full.effective_batch_size()}")
@@ -282,9 +277,9 @@ def autotune_main(argv: list[str]) -> int:
     cfg = parse_training_args(mode, rest)
     winner, preset, outcomes = tune(cfg, print, int(mine.steps), skip)
     note = f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never wins)"
-    print("\n".join(table(outcomes, winner, preset, note, unit_of(cfg))))
+    print("\n".join(table(outcomes, winner, preset, note, unit_of(cfg.run.mode))))
     path = Path(cfg.run.output_dir) / ENV_FILE
     pairs = write_env(path, cfg, winner, preset)
-    print(f"winner: {winner.candidate.label()}, {winner.samples_per_sec:.1f} {unit_of(cfg)}/s")
+    print(f"winner: {winner.candidate.label()}, {winner.samples_per_sec:.1f} {unit_of(cfg.run.mode)}/s")
     print(f"written to {path}; use: {' '.join(pairs)} ./{LAUNCHER_OF[cfg.run.mode]}")
     return 0

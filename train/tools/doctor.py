@@ -35,6 +35,7 @@ from train.core.units import cpu_cores
 from train.observe import monitor
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.rundir.claim import plan_run_dir
+from train.tools.find_batch import unit_of
 
 DOCTOR_STEPS = 10
 MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound
@@ -173,16 +174,12 @@ def with_changes(cfg, changes: dict):
     return new
 
 
-def unit_of(r: Reading) -> str:
-    return "pairs" if r.mode == "dpo" else "samples"
-
-
 def report(r: Reading) -> list[str]:
     rate = "n/a" if r.samples_per_sec is None else f"{r.samples_per_sec:.1f}"
     peak = "n/a" if r.peak_mb is None else f"{r.peak_mb:.0f} MB"
     cap = "n/a" if r.capacity_mb is None else f"{r.capacity_mb:.0f} MB ({r.capacity_source})"
     return [
-        f"  {unit_of(r) + '/s':<13} {rate}",
+        f"  {unit_of(r.mode) + '/s':<13} {rate}",
         f"  data wait     {_pct(r.data_wait_frac)} of step time",
         f"  GPU           {_pct_util(r)}",
         f"  memory        {peak} = {_pct(r.memory_frac)} of {cap}",
@@ -198,7 +195,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
     def rate(r):
         return "n/a" if r.samples_per_sec is None else f"{r.samples_per_sec:.1f}"
 
-    lines = [row("", "before", "after"), row(f"{unit_of(before)}/s", rate(before), rate(after)),
+    lines = [row("", "before", "after"), row(f"{unit_of(before.mode)}/s", rate(before), rate(after)),
              row("data wait", _pct(before.data_wait_frac), _pct(after.data_wait_frac)),
              row("memory", _pct(before.memory_frac), _pct(after.memory_frac)),
              row("GPU busy", _pct_util(before)[:12], _pct_util(after)[:12])]
@@ -211,7 +208,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
         return lines, f"memory did not drop ({_pct(before.memory_frac)} -> {_pct(after.memory_frac)}): try the next remedy"
     speedup = (after.samples_per_sec or 0) / before.samples_per_sec if before.samples_per_sec else None
     if speedup is not None and speedup >= FASTER:
-        return lines, f"{speedup:.2f}x {unit_of(before)}/s: keep {fix}"
+        return lines, f"{speedup:.2f}x {unit_of(before.mode)}/s: keep {fix}"
     return lines, f"not faster here ({'n/a' if speedup is None else f'{speedup:.2f}x'}): keep your settings"
 
 

@@ -184,7 +184,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU
     # the OOM killer, unlike a CUDA OOM, cannot be caught.
     ceiling = (limit + capacity) / 2
-    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {unit_of(b) + '/s':>10}  result")
+    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {unit_of(b.cfg.run.mode) + '/s':>10}  result")
 
     def run(size: int) -> bool:
         predicted = _predict(trials, size)
@@ -225,8 +225,9 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     return (max(safe) if safe else 0), trials
 
 
-def unit_of(b) -> str:
-    return "pairs" if b.objective is not None else "samples"
+def unit_of(mode: str) -> str:
+    """What a micro-batch of `mode` counts: preference training's is pairs (the tools' rates)."""
+    return "pairs" if mode == "dpo" else "samples"
 
 
 def choose(trials: list[Trial], largest_safe: int) -> Trial:
@@ -259,7 +260,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         if saved is not None:
             return Result(saved[0], saved[1], effective, saved[0], limit, capacity, source, source=why)
         say(f"find-batch: {why}; searching")
-    unit, objective = unit_of(b), objective_of(b)
+    unit, objective = unit_of(b.cfg.run.mode), objective_of(b)
     say(
         f"find-batch: {b.model_size} model, MAX_LENGTH {b.max_length}, {b.precision} on {device_name(b.device)}, "
         f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
