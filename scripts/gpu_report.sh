@@ -11,13 +11,18 @@
 #   t5-pretrain       90 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
 #                           bf16 + compile, 20 steps (~70 s)
 #   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 20 steps, eager (~35 s)
+#   tokenize-scaling 120 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
+#                           against one core's encode rate, memory sampled (bench/tokenize_scaling.py;
+#                           the corpus is made in the background while the GPU parts run, ~90 s)
 #   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer),
 #                           20 steps (~60 s)
+#   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
+#                           REFERENCE=copy, batch 16, bf16, eager, 20 steps (~50 s)
 #   bench-baseline    90 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (~46 s)
-# about 450 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
-# the smaller of its limit and what is left of GPU_REPORT_BUDGET_S (540 s: one 10-minute device call
-# with room for start-up and the report), so the parts the targets need come first and
+# about 550 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
+# the smaller of its limit and what is left of GPU_REPORT_BUDGET_S (560 s: one 10-minute device call
+# with room for the report), so the parts the targets need come first and
 # bench-baseline, measured before, last. The five paths (pretrain-preset, sft-grouped, sft-packing1,
 # t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
 # the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py
@@ -30,13 +35,13 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 
 PY=$(kit_python)
-PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, one step of each profiled"
+PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, one step of each profiled; tokenizing 1 GB on every CPU core"
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md"
   exit 0
 fi
 
-BUDGET=${GPU_REPORT_BUDGET_S:-540}
+BUDGET=${GPU_REPORT_BUDGET_S:-560}
 [[ $BUDGET =~ ^[1-9][0-9]*$ ]] || kit_fail "GPU_REPORT_BUDGET_S: expected a whole number of seconds, got '$BUDGET'"
 OUT=${GPU_REPORT_DIR:-runs/gpu-report-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT" || kit_fail "GPU_REPORT_DIR: cannot create $OUT"
@@ -83,6 +88,11 @@ profiled() {
 # skip NAME WHY: a part that cannot run, named in the table
 skip() { printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
 
+# The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
+TOKENIZE_WORK="$OUT/tokenize"
+"$PY" bench/tokenize_scaling.py --prepare --work "$TOKENIZE_WORK" >"$OUT/tokenize-prepare.log" 2>&1 &
+prepare_pid=$!
+
 GPT2="env ENABLE_BF16=1 COMPILE=1"
 part find-batch 130 $GPT2 bash scripts/kit.sh find-batch optimized
 profiled pretrain-preset 100 $GPT2 bash scripts/kit.sh doctor optimized --steps 20
@@ -108,7 +118,16 @@ else
   skip t5-sft "no t5-pretrain final/ to start from"
 fi
 
+wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
+part tokenize-scaling 120 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
+rm -rf "$TOKENIZE_WORK"
+
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
+if [ -n "$base" ] && [ -d "$base" ]; then
+  profiled dpo 70 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh 16
+else
+  skip dpo "no doctor run to start from"
+fi
 part bench-baseline 90 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
 "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md

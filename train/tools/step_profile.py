@@ -2,7 +2,7 @@
 
     python -m train.tools.step_profile --json FILE [--step K] COMMAND [training flags]
 
-COMMAND is pretrain or sft (the launchers' commands; `SHOW_COMMAND=1 ./train_sft_custom.sh`
+COMMAND is pretrain, sft or dpo (the launchers' commands; `SHOW_COMMAND=1 ./train_sft_custom.sh`
 prints a launcher's flags) or doctor (its short run). The run is the real one, unchanged: torch's
 global optimizer-step hook marks the step boundaries, so no line of the loop knows it is watched.
 Step K (0-based; default 1, the second) is traced: its time from the end of optimizer step K-1
@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from train.core.errors import UsageError
 from train.core.files import write_json
 
-COMMANDS = ("pretrain", "sft", "doctor")
+COMMANDS = ("pretrain", "sft", "dpo", "doctor")
 MARK = "step_profile: profiled step"
 TOP = 8
 # kineto's activity types of work on the device (not its annotations, runtime calls or syncs)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.tools.step_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where the step's record goes")
     parser.add_argument("--step", default="1", help="the optimizer step to trace, 0-based (>= 1; default 1)")
-    parser.add_argument("command", help="pretrain, sft or doctor")
+    parser.add_argument("command", help="pretrain, sft, dpo or doctor")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the command's flags")
     args = parser.parse_args(argv)
     if args.command not in COMMANDS:
