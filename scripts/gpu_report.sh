@@ -57,6 +57,9 @@ echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 part() {
   local name=$1 limit=$2 left status start=$SECONDS
   shift 2
+  if [ -n "${GPU_REPORT_PARTS:-}" ] && [[ ",$GPU_REPORT_PARTS," != *",$name,"* ]]; then
+    return 0  # not asked for this time (GPU_REPORT_PARTS)
+  fi
   left=$((deadline - SECONDS))
   ((left < limit)) && limit=$left
   if ((limit < 10)); then

@@ -69,8 +69,18 @@ def timeline(prof) -> tuple[tuple[int, int] | None, list[tuple[str, int, int]]]:
     profiler's one clock (kineto puts the GPU's timestamps on the host's)."""
     events = prof.profiler.kineto_results.events()
     marks = [(e.start_ns(), e.end_ns()) for e in events if e.name() == MARK]
-    work = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.activity_type() in DEVICE_WORK]
+    work = [(e.name(), e.start_ns(), e.end_ns()) for e in events if _device_work(e)]
     return (marks[0] if marks else None), work
+
+
+def _device_work(event) -> bool:
+    """A kernel, copy or set on the device. torch before 2.13 has no activity_type (torch 2.11's
+    _KinetoEvent, seen on an H200): there, an event on the device that is not an annotation."""
+    if hasattr(event, "activity_type"):
+        return event.activity_type() in DEVICE_WORK
+    from torch.autograd import DeviceType
+
+    return event.device_type() != DeviceType.CPU and not event.is_user_annotation()
 
 
 def host_ops(prof) -> list[dict]:
