@@ -93,8 +93,11 @@ skip() { printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
 
 # The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
 TOKENIZE_WORK="$OUT/tokenize"
-"$PY" bench/tokenize_scaling.py --prepare --work "$TOKENIZE_WORK" >"$OUT/tokenize-prepare.log" 2>&1 &
-prepare_pid=$!
+prepare_pid=
+if [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",tokenize-scaling,"* ]]; then
+  "$PY" bench/tokenize_scaling.py --prepare --work "$TOKENIZE_WORK" >"$OUT/tokenize-prepare.log" 2>&1 &
+  prepare_pid=$!
+fi
 
 GPT2="env ENABLE_BF16=1 COMPILE=1"
 part find-batch 130 $GPT2 bash scripts/kit.sh find-batch optimized
@@ -121,7 +124,7 @@ else
   skip t5-sft "no t5-pretrain final/ to start from"
 fi
 
-wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
+[ -z "$prepare_pid" ] || wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
 part tokenize-scaling 120 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
 rm -rf "$TOKENIZE_WORK"
 
