@@ -68,3 +68,35 @@ def test_a_gpu_step_summarized_from_its_timeline():
     assert r["kernel_categories"][0]["share"] == 4 / 9
     assert [op["name"] for op in r["top_ops"]] == ["aten::mm", "aten::_fused_adamw_"]  # zero device time left out
     assert r["ranked_by"] == "self device time"
+
+
+class _Event:
+    """A kineto event as torch 2.11 gives it (seen on an H200): no activity_type."""
+
+    def __init__(self, device: str, annotation: bool = False):
+        import torch
+
+        self._device = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+        self._annotation = annotation
+
+    def device_type(self):
+        return self._device
+
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
+
+def test_device_work_is_found_on_torch_without_activity_type():
+    """torch 2.11 (the GPU machines' torch) has no KinetoEvent.activity_type: every profiled
+    part of the 2026-11-27 gpu-report failed on it. There, device work is an event on the
+    device that is not an annotation; here, where torch has activity_type, it is asked."""
+    import torch
+
+    from train.tools.step_profile import _device_work
+
+    assert _device_work(_Event("cuda")) and not _device_work(_Event("cpu"))
+    assert not _device_work(_Event("cuda", annotation=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8) @ torch.ones(8)
+    events = prof.profiler.kineto_results.events()
+    assert events and not any(_device_work(e) for e in events)  # this torch's own path: CPU ops only

@@ -53,6 +53,8 @@ class PretrainingSource:
     """Pretraining: a new model (MODEL_SIZE or MODEL_CONFIG), the corpus's tokenizer, and packed
     windows of a token cache. Each call returns what it made."""
 
+    shapes_vary = False  # every batch is (BATCH_SIZE, MAX_LENGTH), T5's spans too
+
     def refuse(self, cfg: TrainConfig) -> None:
         refuse_sft_settings(cfg)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train.core.device import resolve_device, resolve_precision, set_tf32
+from train.core.device import attention_kernels, resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
 from train.core.optim.optimizers import OPTIMIZERS
@@ -234,6 +234,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     decide = Decisions(say)
     device, precision = device_and_precision(cfg, world, decide)
     choice = source.choose(cfg, device, say, decide)
+    if (why := attention_kernels(device, source.shapes_vary)) is not None:
+        decide("attention_kernels", "flash / memory-efficient, cuDNN's off", why)
     max_length = sequence_length(cfg, choice.context, MAX_LENGTH_CAP, decide)  # before any data work
     if choice.path is None or cfg.model.lora_r:  # a new model, or LoRA's adapters, that cannot fit: from the config
         estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)

@@ -87,6 +87,8 @@ class SFTSource:
     new model of MODEL_CONFIG / MODEL_SIZE (sft_scratch.py), and conversations from DATA_PATH (or
     the built-in pairs), padded, grouped, budgeted or packed. Each call returns what it made."""
 
+    shapes_vary = True  # padded to each batch's longest; packed rows gather conversations x longest
+
     def refuse(self, cfg: TrainConfig) -> None:
         sft_scratch.refuse_both(cfg)
         refuse_dpo_settings(cfg)
