@@ -42,12 +42,16 @@ def test_failed_compile_trains_like_eager_and_says_so(tiny_flags, tmp_path, monk
 
 def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
     monkeypatch.setattr(compile_guard, "BACKEND", "eager")
-    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "3", "--val_fraction", "0", "--compile", "1"]
+    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "4", "--val_fraction", "0", "--compile", "1",
+            "--log_every", "2"]  # fmt: skip
     assert run_cli("pretrain", *argv, "--run_name", "c") == 0
     summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
     assert summary["compile"]["enabled"] is True and summary["compile_error"] is None and summary["compile_s"] > 0
     assert summary["compile"]["graph_breaks"] == 0 and summary["compile"]["recompiles"] == 0
-    assert len(losses(tmp_path / "runs" / "c")) == 3
+    # the probed step (eager, under the sync counter) takes the compiled step's inputs: no look at
+    # position_ids (find_packed_sequence_indices, traced away compiled) counted as two syncs a step
+    assert summary["host_syncs_per_step"] == 0, summary["host_syncs"]
+    assert len(losses(tmp_path / "runs" / "c")) == 2  # steps 2 and 4: step 3 is quiet, the one probed
 
 
 def test_a_later_compiled_failure_switches_to_eager_for_good():

@@ -6,6 +6,7 @@ the learning rate it is stepped with are train/core/optim's (build_optimizer, bu
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,23 @@ def chunkable(model) -> bool:
 
 
 VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longest, as host ints
+_FORCED_EAGER = contextvars.ContextVar("forced_eager", default=False)
+
+
+@contextlib.contextmanager
+def compiled_run_eager():
+    """A compiled model's step run eager (torch.compiler's force_eager stance: the host-sync
+    probe's step). forward_loss then hands it the 2D mask of ones an eager model gets, so that
+    transformers' look at position_ids, a host sync eager and traced away compiled, is skipped
+    as under compile: the probe counts the compiled step's syncs, not eager mode's (it counted
+    find_packed_sequence_indices twice per step of compiled pretraining, on an H200 and here).
+    sdpa runs is_causal either way (no_sync_mask: no mask for an unpadded batch)."""
+    with torch.compiler.set_stance("force_eager"):
+        token = _FORCED_EAGER.set(True)
+        try:
+            yield
+        finally:
+            _FORCED_EAGER.reset(token)
 
 
 def forward_loss(
@@ -70,7 +88,7 @@ def forward_loss(
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
              if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
-    compiled = hasattr(model, "_orig_mod")
+    compiled = hasattr(model, "_orig_mod") and not _FORCED_EAGER.get()
     if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and (
         not compiled or "varlen_index" in batch
     ):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.measure.syncs import HostSyncs
 from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
+from train.core.step import compiled_run_eager
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
@@ -176,8 +177,9 @@ class Meter:
             return
         # Eager for this one step under COMPILE=1: a dispatch mode inside compiled frames made
         # dynamo skip them for good (every later step eager, silently). force_eager leaves the
-        # compiled code and its caches as they are; the step's own syncs are the same eager.
-        with torch.compiler.set_stance("force_eager"), HostSyncs(self.device) as counter:
+        # compiled code and its caches as they are; the step's own syncs are the same eager, and
+        # compiled_run_eager leaves out the one look the compile traces away.
+        with compiled_run_eager(), HostSyncs(self.device) as counter:
             yield counter
         self.host_syncs = [f"{n} x {s}" for s, n in Counter(counter.syncs).items()]
         self.host_syncs_count = counter.count
