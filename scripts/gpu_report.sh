@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
 # `make gpu-report`: the GPU figures of bench/RESULTS.md in one go, with the kit's own commands,
 # every path of the kit measured and one step of each profiled. Parts, in order, with the most
-# seconds each may take (what they took on an H100 before, or an estimate where new):
-#   find-batch       130 s  GPT-2 small, T=1024, bf16 + compile: the answer AUTO_BATCH=1 takes (~90 s)
-#   pretrain-preset  100 s  doctor on the optimized preset (32 x 4), bf16 + compile, 20 steps: its
-#                           verdict, the pretraining row and whether find-batch's answer was faster (~60 s)
-#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 20 steps, eager:
-#                           a static graph per length bucket would be up to 8 compiles (~36 s)
-#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, ~55 s)
-#   t5-pretrain       90 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
-#                           bf16 + compile, 20 steps (~70 s)
-#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 20 steps, eager (~35 s)
-#   tokenize-scaling 120 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
-#                           against one core's encode rate, memory sampled (bench/tokenize_scaling.py;
-#                           the corpus is made in the background while the GPU parts run, ~90 s)
-#   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1 (find-batch's saved answer),
-#                           20 steps (~60 s)
+# seconds each may take (what each took on an H200 on 2026-11-27, or an estimate where new):
+#   pretrain-preset  120 s  doctor on the optimized preset (32 x 4), GPT-2 small, T=1024, bf16 +
+#                           compile, 30 steps: its verdict and the pretraining row; first, it also
+#                           builds the tokenizer and token cache (96 s)
+#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 30 steps, eager:
+#                           a static graph per length bucket would be up to 8 compiles (30 s)
+#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, 64 s)
+#   t5-pretrain      110 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
+#                           bf16 + compile, 30 steps (stopped at 71 s by the budget then)
+#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, eager (~35 s)
+#   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
+#                           against one core's encode rate and the machine's ceiling, memory sampled
+#                           (bench/tokenize_scaling.py; the corpus is made in the background while
+#                           the GPU parts run; 90 s)
+#   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1: find-batch's search in the run, its
+#                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
 #   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
-#                           REFERENCE=copy, batch 16, bf16, eager, 20 steps (~50 s)
-#   bench-baseline    90 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
-#                           ratio against pretrain-preset (~46 s)
-# about 550 s expected (find-batch, first, also builds the tokenizer and token cache). A part gets
-# the smaller of its limit and what is left of GPU_REPORT_BUDGET_S (560 s: one 10-minute device call
-# with room for the report), so the parts the issue's targets need come first and
-# bench-baseline, measured before, last. The five paths (pretrain-preset, sft-grouped, sft-packing1,
-# t5-pretrain, t5-sft) run under train/tools/step_profile.py, which traces optimizer step 1 (inside
-# the warm-up the throughput leaves out) into NAME.profile.json. Then train/tools/gpu_report.py
-# writes the "GPU table" section of bench/RESULTS.md (device, date, every row, the issue's targets
-# as met / missed by how much, the profiles). A part that fails or runs out of time is named in
-# the table and the others still run.
+#                           REFERENCE=copy, batch 16, bf16, eager, 30 steps (~50 s)
+#   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
+#                           ratio against pretrain-preset (30 s)
+# about 570 s expected. A part gets the smaller of its limit and what is left of
+# GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report), so the parts
+# the issue's targets need come first and bench-baseline, measured before, last.
+# GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed). The
+# paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo) run under
+# train/tools/step_profile.py, which traces optimizer step 2 (inside the warm-up the throughput
+# leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table"
+# section of bench/RESULTS.md (device, date, every row, the issue's targets as met / missed by
+# how much, the profiles). A part that fails or runs out of time is named in the table and the
+# others still run.
 # Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +49,9 @@ OUT=${GPU_REPORT_DIR:-runs/gpu-report-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT" || kit_fail "GPU_REPORT_DIR: cannot create $OUT"
 deadline=$((SECONDS + BUDGET))
 # Every part: GPT-2 small at T=1024 unless it says otherwise, runs and find-batch's result inside
-# $OUT, not runs/; 20 steps, so that step 1 (the profiled one) is inside the 2 warm-up steps.
-export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=20
+# $OUT, not runs/; 30 steps, so that step 2 (the profiled one) is inside the 3 warm-up steps the
+# throughput leaves out (step 1 was no steady step on an H200: 2,358 ms where steady ones took 278).
+export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=30
 export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
@@ -82,7 +85,7 @@ profiled() {
   shift 2
   local cmd=()
   if text=$(SHOW_COMMAND=1 "$@" 2>>"$OUT/$name.log") && eval "cmd=($text)" && [ "${cmd[2]:-}" = train ]; then
-    part "$name" "$limit" "$PY" -m train.tools.step_profile --json "$OUT/$name.profile.json" "${cmd[@]:3}"
+    part "$name" "$limit" "$PY" -m train.tools.step_profile --json "$OUT/$name.profile.json" --step 2 "${cmd[@]:3}"
   else
     printf '%s\t0\t%s\n' "$name" "failed (no launcher command; see $name.log)" >>"$OUT/parts.tsv"
   fi
@@ -100,8 +103,7 @@ if [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",tokenize-sca
 fi
 
 GPT2="env ENABLE_BF16=1 COMPILE=1"
-part find-batch 130 $GPT2 bash scripts/kit.sh find-batch optimized
-profiled pretrain-preset 100 $GPT2 bash scripts/kit.sh doctor optimized --steps 20
+profiled pretrain-preset 120 $GPT2 bash scripts/kit.sh doctor optimized --steps 30
 
 # SFT starts from the model the doctor run trained (MODEL_SIZE does not apply to SFT).
 doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
@@ -116,7 +118,7 @@ else
 fi
 
 T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
-profiled t5-pretrain 90 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
+profiled t5-pretrain 110 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
 if [ -d "$OUT/t5-pretrain/final" ]; then
   profiled t5-sft 60 env -u MODEL_SIZE MODEL_PATH="$OUT/t5-pretrain/final" MAX_LENGTH=512 ENABLE_BF16=1 \
     NUM_WORKERS=0 RUN_NAME=t5-sft ./train_sft_custom.sh 20
@@ -125,7 +127,7 @@ else
 fi
 
 [ -z "$prepare_pid" ] || wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
-part tokenize-scaling 120 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
+part tokenize-scaling 100 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
 rm -rf "$TOKENIZE_WORK"
 
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
@@ -134,6 +136,6 @@ if [ -n "$base" ] && [ -d "$base" ]; then
 else
   skip dpo "no doctor run to start from"
 fi
-part bench-baseline 90 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
+part bench-baseline 60 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
 "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md

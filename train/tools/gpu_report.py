@@ -118,14 +118,17 @@ def _tool_rows(fig: dict) -> list[str]:
     fb, doc = fig["find_batch"], fig["doctor"]
     # the doctor's run is the pretrain-preset path's (profiled) where the script ran it that way
     doctor = "doctor" if "doctor" in fig["parts"] or "pretrain-preset" not in fig["parts"] else "pretrain-preset"
+    # find-batch's search runs inside pretrain-auto (AUTO_BATCH=1) where it is no part of its own
+    search = "find-batch" if "find-batch" in fig["parts"] or "pretrain-auto" not in fig["parts"] else "pretrain-auto"
     if fb:
         label = f"find-batch ({fb.get('key', {}).get('precision', '?')})"
         rate = "" if fb.get("samples_per_sec") is None else f", {fb['samples_per_sec']:.1f} samples/s"
         lines.append(f"| {label} | BATCH_SIZE={fb['batch_size']} GRADIENT_ACCUM="
                      f"{fb['gradient_accumulation_steps']} (largest safe {fb['largest_safe']}{rate}, peak "
-                     f"{_fmt(fb.get('peak_mb'), ',.0f')} of {fb['limit_mb']:,.0f} MB) | {_took(fig, 'find-batch')} |")
+                     f"{_fmt(fb.get('peak_mb'), ',.0f')} of {fb['limit_mb']:,.0f} MB) | "
+                     f"{_took(fig, search)}{' (in that run)' if search != 'find-batch' else ''} |")
     else:
-        lines.append(f"| find-batch | no result | {_took(fig, 'find-batch')} |")
+        lines.append(f"| find-batch | no result | {_took(fig, search)} |")
     if doc:
         v = doc["verdict"]
         lines.append(f"| doctor ({doc['before']['precision']}) | {v['kind']}: {v['why']}; "
