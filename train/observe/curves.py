@@ -108,7 +108,10 @@ def _plot_curves(run_dir: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    # Fixed margins, not layout="constrained": that lays the figure out by drawing it once more,
+    # 0.44 s of a 0.24 s chart on the 2-core host, at the end of every run.
+    fig = Figure(figsize=(10, 4))
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.13, top=0.85, wspace=0.22)
     FigureCanvasAgg(fig)
     ax_loss, ax_sps = fig.subplots(1, 2)
     if loss_x:
