@@ -35,11 +35,14 @@ kit_knobs
 KIT_OTHER_VARIABLES=(
   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT SHOW_COMMAND RANK LOCAL_RANK WORLD_SIZE
   PRESET ROUNDS THREADS VS_PLAIN COMPARE_SAMPLES REPEAT PYTHON TORCH_INDEX_URL MODEL ARGS
-  KIT_NAMES_CHECKED KIT_NAME_WARNINGS GPU_REPORT_BUDGET_S GPU_REPORT_DIR KIT_MADE_BY
+  KIT_NAMES_CHECKED KIT_NAME_WARNINGS GPU_REPORT_BUDGET_S GPU_REPORT_DIR GPU_REPORT_PARTS KIT_MADE_BY KIT_PYTHON
 )
 
 kit_python() {
-  if [ -x "$KIT_DIR/.venv/bin/python" ]; then
+  if [ -n "${KIT_PYTHON:-}" ]; then
+    [ -x "$KIT_PYTHON" ] || kit_fail "KIT_PYTHON: '$KIT_PYTHON' is not an executable Python"
+    echo "$KIT_PYTHON"
+  elif [ -x "$KIT_DIR/.venv/bin/python" ]; then
     echo "$KIT_DIR/.venv/bin/python"
   elif python3 -c "import torch, transformers" >/dev/null 2>&1; then
     echo python3

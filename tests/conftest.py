@@ -114,12 +114,56 @@ def run_cli(*argv: str) -> int:
         sys.argv = old
 
 
-def launch(script: str, env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a launcher as a user would, with only the given variables added to a clean env."""
+CLEAN_ENV = ("PATH", "HOME", "LANG", "TMPDIR")  # what a launcher test's environment starts from
+_FORKSERVER: dict = {}
+
+
+def train_python() -> str:
+    """The interpreter for a test's own `python -m train` process: tests/forkserver.py's caller,
+    which runs it as a fork of a warm server (the imports paid once per pytest process) where the
+    environment allows, else becomes the real interpreter. Not for tests that read the run's
+    process tree or set its resource limits: the run is not the caller's child."""
+    import os
+    import stat
+
+    if os.environ.get("KIT_TEST_FORKSERVER") == "0":  # every run a fresh interpreter, as before
+        return sys.executable
+    if not _FORKSERVER:
+        import atexit
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
+        sock = str(folder / "s")
+        env = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
+        env["PYTHONPATH"] = str(ROOT)
+        log = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed with it)
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=ROOT,
+                                  env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        caller = folder / "python"
+        caller.write_text(f"#!/bin/sh\nexec {sys.executable} -S {ROOT / 'tests' / 'forkserver.py'} \"$@\"\n")
+        caller.chmod(caller.stat().st_mode | stat.S_IXUSR)
+        atexit.register(server.kill)
+        os.environ["KIT_FORKSERVER"], os.environ["KIT_REAL_PYTHON"] = sock, sys.executable
+        _FORKSERVER.update(python=str(caller), server=server)
+    return _FORKSERVER["python"]
+
+
+def launcher_env(env: dict) -> dict:
+    """A clean environment (CLEAN_ENV) with `env` added, for running a launcher as a user would.
+    Its `python -m train` runs through train_python() (KIT_PYTHON) unless SHOW_COMMAND asks for
+    the command itself or the test names its own KIT_PYTHON."""
     import os
 
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    base.update(env)
+    base = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
+    if "SHOW_COMMAND" not in env and "KIT_PYTHON" not in env and train_python() != sys.executable:
+        base["KIT_PYTHON"] = train_python()
+        base.update(KIT_FORKSERVER=os.environ["KIT_FORKSERVER"], KIT_REAL_PYTHON=os.environ["KIT_REAL_PYTHON"])
+    return {**base, **env}
+
+
+def launch(script: str, env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a launcher as a user would, with only the given variables added to a clean env."""
+    base = launcher_env(env)
     return subprocess.run(
         ["bash", str(ROOT / script), *args], env=base, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )

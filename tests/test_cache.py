@@ -8,13 +8,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_text, run_cli
+from conftest import ROOT, make_text, run_cli, train_python
 from train.core import files
 from train.core.errors import UsageError
 from train.data import cache_files
@@ -221,7 +220,7 @@ def default_sigint() -> None:
 def interrupt_when(argv: list[str], marker: str, sig: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train", "pretrain", *argv], cwd=ROOT, env=env, text=True,
+        [train_python(), "-m", "train", "pretrain", *argv], cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
     )  # fmt: skip
     seen = []

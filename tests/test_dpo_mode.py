@@ -10,14 +10,13 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, launch, read_jsonl, run_cli
+from conftest import ROOT, launch, read_jsonl, run_cli, train_python
 
 PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(40)]
 TRL_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -151,7 +150,7 @@ def test_sigkill_then_resume_repeats_the_losses(sft_runs):
     whole = train_rows(sft_runs / "runs" / "whole")
     killed = [a if a != "whole" else "killed" for a in argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "train", *killed], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([train_python(), "-m", "train", *killed], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     metrics, deadline = sft_runs / "runs" / "killed" / "metrics.jsonl", time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:

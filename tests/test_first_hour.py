@@ -8,12 +8,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_python
 from train.run.plan.sft_model import choose_pretrained, model_source
 
 TINY_T5 = {
@@ -83,7 +82,7 @@ def test_latest_moves_only_when_a_run_finishes(tiny_flags, tmp_path):
     first = pretrain(tiny_flags, "first")
     assert (runs / "latest").resolve() == first.resolve()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "train", "pretrain", *tiny_flags, "--batch_size", "4", "--num_workers", "0",
+    argv = [train_python(), "-m", "train", "pretrain", *tiny_flags, "--batch_size", "4", "--num_workers", "0",
             "--max_steps", "100000", "--run_name", "killed"]  # fmt: skip
     child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -9,11 +9,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_python
 
 DEEP = "[" * 100_000 + "]" * 100_000
 TOOLS_TEMPLATE = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -27,7 +26,7 @@ def one_error(capsys) -> str:
 
 def run(*argv: str, stdin: str = "", timeout: int = 120) -> subprocess.CompletedProcess:
     """A subprocess, for what could hang: a hang fails by the timeout instead."""
-    return subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([train_python(), "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True,
                           input=stdin, timeout=timeout)  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import torch
 from test_sft_data import make_tokenizer
 
 from conftest import ROOT, launch, read_jsonl, run_cli
+from conftest import launcher_env as clean_launcher_env
 
 GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 448}
 
@@ -77,8 +78,7 @@ def test_interrupted_run_is_never_latest(corpus, tiny_config, cache_dir, tmp_pat
 
 
 def start_launcher(env: dict, script: str = "run_single_gpu.sh") -> subprocess.Popen:
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    return subprocess.Popen(["bash", str(ROOT / script)], env={**base, **env}, cwd=ROOT, text=True,
+    return subprocess.Popen(["bash", str(ROOT / script)], env=clean_launcher_env(env), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
 

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from test_sft_data import make_tokenizer
 from tiny_tools import one_thread
 
-from conftest import ROOT, launch, read_jsonl, run_cli
+from conftest import ROOT, launch, read_jsonl, run_cli, train_python
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.models import lora
@@ -78,7 +77,7 @@ def runs(root):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     ref = flags(root, "gpt2", "--batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", str(STEPS),
                 "--save_every", "1", "--keep_checkpoints", "20")  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-m", "train", "sft", *ref, "--run_name", "killed"], cwd=ROOT, env=env,
+    child = subprocess.Popen([train_python(), "-m", "train", "sft", *ref, "--run_name", "killed"], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert run_cli("sft", *ref, "--run_name", "ref") == 0  # while the child imports
     metrics, deadline = root / "runs" / "killed" / "metrics.jsonl", time.monotonic() + 120

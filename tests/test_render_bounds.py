@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_python
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
@@ -70,7 +69,7 @@ def _sft(tmp_path, base_model, cache_dir, records: list[dict], template: str, *f
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     path = tmp_path / "t.jinja"
     path.write_text(template)
-    argv = [sys.executable, "-m", "train", "sft", "--model_path", str(base_model), "--data_path", str(data),
+    argv = [train_python(), "-m", "train", "sft", "--model_path", str(base_model), "--data_path", str(data),
             "--template", str(path), "--cache_dir", str(cache_dir), "--output_dir", str(tmp_path / "runs"),
             "--max_length", "64", "--max_steps", "1", "--batch_size", "1", *flags]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from tiny_tools import one_thread
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import ROOT, read_jsonl, run_cli, train_python
 from train.data.stream import BatchStream
 from train.data.text import EpochSampler
 from train.run.checkpoint import checkpoint
@@ -78,7 +77,7 @@ def assert_same_run(rows, reference, resumed_from):
 
 def start_child(flags, name, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    argv = [sys.executable, "-m", "train", "pretrain", *flags, *RUN, *extra, "--run_name", name]
+    argv = [train_python(), "-m", "train", "pretrain", *flags, *RUN, *extra, "--run_name", name]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
 

@@ -10,7 +10,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +17,7 @@ import pytest
 import transformers
 from tiny_tools import one_thread
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import ROOT, read_jsonl, run_cli, train_python
 from train.run.checkpoint.checkpoint import list_checkpoints
 from train.run.rundir import claim as claims_module
 from train.run.rundir import rundir
@@ -247,7 +246,7 @@ def test_output_dir_that_cannot_be_made_is_one_line(where, tiny_flags, tmp_path,
 
 def start_run(flags, name, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    argv = [sys.executable, "-m", "train", "pretrain", *flags, *FAST, *extra, "--run_name", name]
+    argv = [train_python(), "-m", "train", "pretrain", *flags, *FAST, *extra, "--run_name", name]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 from tiny_tools import one_thread
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import ROOT, read_jsonl, run_cli, train_python
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption as sc
 from train.data.sft.sft_batching import Seq2SeqCollator
@@ -65,7 +64,7 @@ def runs(base):
     runs, flags = base
     # The shared token cache and tokenizer first, so the children find them built.
     assert run_cli("pretrain", *flags, "--max_steps", "1", "--batch_size", "4", "--run_name", "warm") == 0
-    argv = [sys.executable, "-m", "train", "pretrain", *flags, *RUN, *ONE, "--run_name", "killed"]
+    argv = [train_python(), "-m", "train", "pretrain", *flags, *RUN, *ONE, "--run_name", "killed"]
     killed = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)  # fmt: skip
     config, data, cache = flags[1], flags[3], flags[7]

@@ -1,0 +1,277 @@
+"""A warm parent for the suite's `python -m train` processes (tests only).
+
+A test that runs the kit as a user does (a launcher, or `python -m train` in a process of its own)
+pays the imports first: torch, transformers and the kit take ~7 s of one core on the 2-core host,
+most of a short run. The server imports them once, then forks one child per run: the child takes
+the caller's stdin, stdout and stderr (passed over a Unix socket), environment, working folder
+and arguments, runs `python -m train ...` as the interpreter would, and the caller (`client`,
+which stands where the interpreter would: KIT_PYTHON for the launchers, TRAIN_PYTHON for the tests'
+own commands) exits with its status, or dies of its signal. Signals sent to the caller are passed
+on; a caller killed by SIGKILL takes its child with it.
+
+Only plain runs take this path: `-m train` with no interpreter flag but -u, and an environment
+whose import-time variables (Python's, torch's, Hugging Face's, threads', HOME, locale) are the
+server's own. Anything else, or no server, and the caller becomes the real interpreter (exec),
+so a test never depends on the server. Tests that read the run's process tree use the real
+interpreter.
+
+    python tests/forkserver.py serve SOCKET     the server (conftest starts one per pytest process)
+    python tests/forkserver.py [-u] -m train ...  the caller
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what an import may read once and keep: a run whose values differ runs in a fresh interpreter
+SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA",
+             "NCCL", "TOKENIZERS", "MPL", "XDG_", "LD_", "LC_", "TRITON", "SAFETENSORS", "ACCELERATE", "NVIDIA")  # fmt: skip
+SENSITIVE_NAMES = ("HOME", "LANG", "TMPDIR", "USE_TF", "USE_TORCH", "USE_FLAX")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def sensitive(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(SENSITIVE) or k in SENSITIVE_NAMES}
+
+
+def comparable(env: dict) -> dict:
+    """The import-time view of an environment: PYTHONUNBUFFERED is the caller's to choose, and a
+    PYTHONPATH of the kit's folder is what the server has on its path anyway."""
+    env = sensitive(env)
+    env.pop("PYTHONUNBUFFERED", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # whether .pyc files are written, not what is imported
+    env.pop("OMP_NUM_THREADS", None)  # the child sets torch's threads from it (child())
+    parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+# ---------------------------------------------------------------- server
+
+
+def serve(path: str) -> None:
+    sys.path.insert(0, ROOT)
+    parent = os.getppid()
+    before = comparable(dict(os.environ))  # as the caller's is: before any import sets its own
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from matplotlib import figure  # noqa: F401
+    from matplotlib.backends import backend_agg  # noqa: F401
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+    from transformers.models.t5 import modeling_t5  # noqa: F401
+
+    import train.__main__  # noqa: F401
+    import train.cli  # noqa: F401
+    import train.run.pipeline  # noqa: F401
+    import train.run.plan.build  # noqa: F401
+
+    sys.modules.pop("train.__main__", None)  # each child runs it as __main__ (runpy warns if it is there)
+
+    with open(path + ".env", "w") as out:
+        json.dump(before, out)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.replace(path + ".tmp", path)  # callers see the socket only once it is bound
+    listener.listen(64)
+    listener.settimeout(0.05)
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            conn = None
+        if conn is not None:
+            conn.settimeout(None)
+            try:
+                request, fds = receive(conn)
+            except (OSError, ValueError):
+                conn.close()
+                request = None
+            if request is not None:
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in children.values():
+                        other.close()
+                    child(conn, request, fds)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                try:
+                    conn.sendall(f"pid {pid}\n".encode())
+                except OSError:
+                    pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"exit {status}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+        if not msg:
+            raise ValueError("the caller went away")
+        data += msg
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(memoryview(payload).cast("i"))
+    return json.loads(data), fds
+
+
+def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become `python [-u] -m train ARGS` for the caller, then exit."""
+    import atexit
+    import io
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        unbuffered = request["unbuffered"]
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=os.isatty(1), write_through=unbuffered
+        )
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
+            write_through=unbuffered,
+        )  # fmt: skip
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # OpenMP read it when torch was loaded, in the server
+            import torch
+
+            torch.set_num_threads(int(threads))
+        for sig in FORWARDED:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+        def orphaned() -> None:  # the caller died (SIGKILL): so does the run, as its own process would
+            try:
+                conn.recv(1)
+            finally:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=orphaned, daemon=True).start()
+        sys.argv = ["-m", *request["argv"]]
+        try:
+            runpy.run_module("train", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as stop:
+            if stop.code is None:
+                code = 0
+            elif isinstance(stop.code, int):
+                code = stop.code
+            else:
+                print(stop.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+# ---------------------------------------------------------------- caller
+
+
+def real_python(args: list[str]) -> None:
+    python = os.environ.get("KIT_REAL_PYTHON") or sys.executable
+    os.execv(python, [python, *args])
+
+
+def call(args: list[str]) -> None:
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    rest = list(args)
+    while rest and rest[0] == "-u":
+        unbuffered = True
+        rest.pop(0)
+    path = os.environ.get("KIT_FORKSERVER", "")
+    if rest[:2] != ["-m", "train"] or not path or not os.path.exists(path):
+        real_python(args)
+    try:
+        with open(path + ".env") as f:
+            if json.load(f) != comparable(dict(os.environ)):
+                real_python(args)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+    except (OSError, ValueError):
+        real_python(args)
+    env = dict(os.environ)
+    env.pop("KIT_FORKSERVER", None)  # the run's own subprocesses are the real interpreter's
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    request = json.dumps({"argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered})
+    import array
+
+    conn.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    lines = conn.makefile("r")
+    first = lines.readline()
+    if not first.startswith("pid "):
+        real_python(args)  # nothing ran: the server went away before forking
+    pid = int(first.split()[1])
+    def forward(number, _frame) -> None:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    last = ""
+    while not last.startswith("exit "):
+        last = lines.readline()
+        if not last:  # the server died: the run's status is lost
+            sys.exit(1)
+    status = int(last.split()[1])
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2])
+    else:
+        call(sys.argv[1:])
