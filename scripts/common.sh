@@ -140,6 +140,10 @@ kit_launch() {
   local runner=() python
   kit_torchrun runner
   python=$(kit_python)
+  if [ ${#runner[@]} -gt 0 ] && [ -n "${KIT_PYTHON:-}" ]; then
+    # KIT_PYTHON runs the ranks too: torchrun starts it as their program (its own interpreter otherwise)
+    args=(--no-python "$python" -u "${args[@]}")
+  fi
   if [ "${SHOW_COMMAND:-0}" = 1 ]; then
     # The interpreter the run really uses (.venv's, by its path): a bare `python` outside the
     # activated .venv has no torch. Run it from the kit's folder, where `-m train` is found.

@@ -242,10 +242,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
+# Seconds each module took in a whole run of the suite on the 2-core host (make test, the two
+# shards side by side), for --shard to balance by; a module not listed weighs 3 s a test.
+# Refreshed from `pytest --durations=0` (setup + call + teardown summed per module).
+MODULE_SECONDS = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
+
+
 class Shard:
     """--shard K/N: the K-th of N shards of the tests left after -m. Unit tests: every N-th from the
     K-th. Integration tests go by module (a module's fixtures, a whole reference run, are made once),
-    the largest modules first, each to the shard with the fewest integration tests so far."""
+    the longest modules first (MODULE_SECONDS), each to the shard with the least time so far."""
 
     @pytest.hookimpl(trylast=True)  # after -m has deselected
     def pytest_collection_modifyitems(self, config, items):
@@ -256,9 +262,10 @@ class Shard:
             if item.get_closest_marker("integration") is not None:
                 modules.setdefault(str(item.fspath), []).append(item)
         load, mine = [0] * n, {id(item) for item in units[k - 1 :: n]}
-        for _, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        weight = {path: MODULE_SECONDS.get(Path(path).name, 3 * len(tests)) for path, tests in modules.items()}
+        for path, tests in sorted(modules.items(), key=lambda kv: (-weight[kv[0]], kv[0])):
             shard = load.index(min(load))
-            load[shard] += len(tests)
+            load[shard] += weight[path]
             if shard == k - 1:
                 mine.update(id(item) for item in tests)
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in mine])

@@ -35,8 +35,13 @@ SENSITIVE_NAMES = ("HOME", "LANG", "TMPDIR", "USE_TF", "USE_TORCH", "USE_FLAX")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+# torchrun's settings for its ranks, read by torch.distributed when a rank starts, not on import
+RANK_SETTINGS = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_")
+
+
 def sensitive(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(SENSITIVE) or k in SENSITIVE_NAMES}
+    return {k: v for k, v in env.items()
+            if (k.startswith(SENSITIVE) or k in SENSITIVE_NAMES) and not k.startswith(RANK_SETTINGS)}  # fmt: skip
 
 
 def comparable(env: dict) -> dict:
