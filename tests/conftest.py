@@ -245,7 +245,8 @@ def pytest_collection_modifyitems(config, items):
 # Seconds each module took in a whole run of the suite on the 2-core host (make test, the two
 # shards side by side), for --shard to balance by; a module not listed weighs 3 s a test.
 # Refreshed from `pytest --durations=0` (setup + call + teardown summed per module).
-MODULE_SECONDS = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
+_SECONDS = Path(__file__).parent / "module_seconds.json"
+MODULE_SECONDS = json.loads(_SECONDS.read_text()) if _SECONDS.is_file() else {}
 
 
 class Shard:
