@@ -242,9 +242,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
-# Seconds each module took in a whole run of the suite on the 2-core host (make test, the two
-# shards side by side), for --shard to balance by; a module not listed weighs 3 s a test.
-# Refreshed from `pytest --durations=0` (setup + call + teardown summed per module).
+# CPU seconds each module took in a whole run of the suite on the 2-core host (its own process,
+# its children and the fork server's children, summed over its tests), for --shard to balance
+# by: wall time under the other shard's load says more of that load than of the module. A
+# module not listed weighs 3 s a test.
 _SECONDS = Path(__file__).parent / "module_seconds.json"
 MODULE_SECONDS = json.loads(_SECONDS.read_text()) if _SECONDS.is_file() else {}
 

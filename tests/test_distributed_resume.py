@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, read_jsonl
+from conftest import ROOT, launcher_env, read_jsonl
 from train.run.checkpoint import checkpoint
 
 STEPS = 12
@@ -29,7 +29,7 @@ TIMEOUT = 420
 @pytest.fixture(scope="module")
 def env(corpus, tiny_config, cache_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp("ddp_resume") / "runs"
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    base = launcher_env({})  # the ranks through the tests' fork server (KIT_PYTHON): torchrun's children are its callers
     base.update(
         NPROC_PER_NODE="2", MODEL_CONFIG=str(tiny_config), DATA_PATH=str(corpus), VOCAB_SIZE="512",
         CACHE_DIR=str(cache_dir), OUTPUT_DIR=str(runs), MAX_LENGTH="64", BATCH_SIZE="4", GRADIENT_ACCUM="2",
