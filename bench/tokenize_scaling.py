@@ -95,22 +95,13 @@ def all_alone(corpus: Path, tokenizer: Path, units: int, work: Path) -> dict:
 
 
 def build(corpus: Path, tokenizer: Path, cache: Path) -> dict:
-    """Child process: the kit's whole token cache build on every core."""
-    import shutil
+    """Child process: the kit's whole token cache build on every core (bench/data_pretrain.py's)."""
+    import data_pretrain
 
-    from transformers import AutoTokenizer
+    from train.data import tokenize
 
-    from train.data import text, tokenize
-
-    shutil.rmtree(cache, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    files = text.corpus_files(str(corpus))
-    began = time.perf_counter()
-    tokens = text.token_cache(files, text.corpus_fingerprint(files), tok, cache, lambda line: None)
-    seconds = time.perf_counter() - began
-    shutil.rmtree(cache, ignore_errors=True)
-    return {"tokens": len(tokens), "seconds": seconds, "tokens_per_s": len(tokens) / seconds,
-            "workers": tokenize.all_cores(), "mb": corpus.stat().st_size / 1e6}  # fmt: skip
+    return {**data_pretrain.kit_build(corpus, tokenizer, cache), "workers": tokenize.all_cores(),
+            "mb": corpus.stat().st_size / 1e6}  # fmt: skip
 
 
 def child(kind: str, *args: str) -> dict:
