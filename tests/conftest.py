@@ -242,10 +242,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
-# CPU seconds each module took in a whole run of the suite on the 2-core host (its own process,
-# its children and the fork server's children, summed over its tests), for --shard to balance
-# by: wall time under the other shard's load says more of that load than of the module. A
-# module not listed weighs 3 s a test.
+# Seconds each module took in a whole run of the suite on the 2-core host, for --shard to balance
+# by: the larger of its wall time (under the other shard's load) and its CPU time (its own
+# process, its children and the fork server's children), summed over its tests. Balanced by CPU
+# alone, a fresh clone's shards took 786 and 614 s: waiting (for a signal's effect, a rank) costs
+# wall time too. A module not listed weighs 3 s a test.
 _SECONDS = Path(__file__).parent / "module_seconds.json"
 MODULE_SECONDS = json.loads(_SECONDS.read_text()) if _SECONDS.is_file() else {}
 
