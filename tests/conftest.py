@@ -130,6 +130,7 @@ def train_python() -> str:
         return sys.executable
     if not _FORKSERVER:
         import atexit
+        import shlex
         import tempfile
 
         folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
@@ -140,7 +141,8 @@ def train_python() -> str:
         server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=ROOT,
                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
         caller = folder / "python"
-        caller.write_text(f"#!/bin/sh\nexec {sys.executable} -S {ROOT / 'tests' / 'forkserver.py'} \"$@\"\n")
+        script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
+        caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")
         caller.chmod(caller.stat().st_mode | stat.S_IXUSR)
         atexit.register(server.kill)
         os.environ["KIT_FORKSERVER"], os.environ["KIT_REAL_PYTHON"] = sock, sys.executable
