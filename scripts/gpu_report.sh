@@ -55,14 +55,15 @@ export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=30
 export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
+# wanted NAME: the part runs this time (every part, or those GPU_REPORT_PARTS=a,b names)
+wanted() { [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",$1,"* ]]; }
+
 # part NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget;
 # NAME, seconds and status go to parts.tsv, the output to NAME.log.
 part() {
   local name=$1 limit=$2 left status start=$SECONDS
   shift 2
-  if [ -n "${GPU_REPORT_PARTS:-}" ] && [[ ",$GPU_REPORT_PARTS," != *",$name,"* ]]; then
-    return 0  # not asked for this time (GPU_REPORT_PARTS)
-  fi
+  wanted "$name" || return 0  # not asked for this time (GPU_REPORT_PARTS)
   left=$((deadline - SECONDS))
   ((left < limit)) && limit=$left
   if ((limit < 10)); then
@@ -97,7 +98,7 @@ skip() { printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
 # The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
 TOKENIZE_WORK="$OUT/tokenize"
 prepare_pid=
-if [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",tokenize-scaling,"* ]]; then
+if wanted tokenize-scaling; then
   "$PY" bench/tokenize_scaling.py --prepare --work "$TOKENIZE_WORK" >"$OUT/tokenize-prepare.log" 2>&1 &
   prepare_pid=$!
 fi
