@@ -4,13 +4,13 @@
 # seconds each may take (what each took on an H200 on 2026-11-27, or an estimate where new):
 #   pretrain-preset  120 s  doctor on the optimized preset (32 x 4), GPT-2 small, T=1024, bf16 +
 #                           compile, 30 steps: its verdict and the pretraining row; first, it also
-#                           builds the tokenizer and token cache (96 s)
+#                           builds the tokenizer and token cache (82 s)
 #   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 30 steps, eager:
-#                           a static graph per length bucket would be up to 8 compiles (30 s)
-#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, 64 s)
+#                           a static graph per length bucket would be up to 8 compiles (21 s)
+#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, 59 s)
 #   t5-pretrain      110 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
-#                           bf16 + compile, 30 steps (stopped at 71 s by the budget then)
-#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, eager (~35 s)
+#                           bf16 + compile, 30 steps (75 s)
+#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, eager (21 s)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
 #                           against one core's encode rate and the machine's ceiling, memory sampled
 #                           (bench/tokenize_scaling.py; the corpus is made in the background while
@@ -18,7 +18,7 @@
 #   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1: find-batch's search in the run, its
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
 #   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
-#                           REFERENCE=copy, batch 16, bf16, eager, 30 steps (~50 s)
+#                           REFERENCE=copy, batch 16, bf16, eager, 30 steps (25 s)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
 # about 570 s expected. A part gets the smaller of its limit and what is left of
@@ -84,6 +84,7 @@ part() {
 profiled() {
   local name=$1 limit=$2 text
   shift 2
+  wanted "$name" || return 0
   local cmd=()
   if text=$(SHOW_COMMAND=1 "$@" 2>>"$OUT/$name.log") && eval "cmd=($text)" && [ "${cmd[2]:-}" = train ]; then
     part "$name" "$limit" "$PY" -m train.tools.step_profile --json "$OUT/$name.profile.json" --step 2 "${cmd[@]:3}"
@@ -93,7 +94,7 @@ profiled() {
 }
 
 # skip NAME WHY: a part that cannot run, named in the table
-skip() { printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
+skip() { wanted "$1" || return 0; printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
 
 # The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
 TOKENIZE_WORK="$OUT/tokenize"

@@ -41,7 +41,13 @@ def test_failed_compile_trains_like_eager_and_says_so(tiny_flags, tmp_path, monk
 
 
 def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
-    monkeypatch.setattr(compile_guard, "BACKEND", "eager")
+    sdpa_calls = []
+
+    def recording_backend(gm, example_inputs):  # dynamo's eager backend, noting each sdpa call's arguments
+        sdpa_calls.extend(dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+        return gm.forward
+
+    monkeypatch.setattr(compile_guard, "BACKEND", recording_backend)
     argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "4", "--val_fraction", "0", "--compile", "1",
             "--log_every", "2"]  # fmt: skip
     assert run_cli("pretrain", *argv, "--run_name", "c") == 0
@@ -52,6 +58,9 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
     # position_ids (find_packed_sequence_indices, traced away compiled) counted as two syncs a step
     assert summary["host_syncs_per_step"] == 0, summary["host_syncs"]
     assert len(losses(tmp_path / "runs" / "c")) == 2  # steps 2 and 4: step 3 is quiet, the one probed
+    # pretraining's unpadded rows reach sdpa as is_causal with no mask: without the 2D mask of ones,
+    # transformers' traced look for packing in position_ids made a dense (T x T) mask every step
+    assert sdpa_calls and all(c.get("attn_mask") is None and c.get("is_causal") is True for c in sdpa_calls), sdpa_calls
 
 
 def test_a_later_compiled_failure_switches_to_eager_for_good():

@@ -122,8 +122,10 @@ def attention_kernels(device: torch.device, shapes_vary: bool) -> str | None:
     """Why cuDNN's attention is off for this run, or None where it is on (or no CUDA). torch 2.11
     tries cuDNN's attention first on Hopper (sm_90) and newer, and cuDNN builds an execution plan
     for every new shape: on an H200 (2026-11-27) SFT from GPT-2 small ran 13,367 (grouped) and
-    45,291 (packed) real tokens/s with the GPU busy 1 % and 23 % of a step, where pretraining's one
-    fixed shape ran 472,051. Runs whose batches change shape step to step (SFT, preference
+    45,291 (packed) real tokens/s with the GPU busy 1 % and 23 % of a step, and 38,907 and 210,154
+    with cuDNN's attention off. Pretraining's one fixed shape keeps it: there cuDNN's causal kernel
+    is the fastest (0.86 ms forward + backward against flash's 1.20 for GPT-2 small's layer at
+    32 x 1024; bench/sdpa_backends.py). Runs whose batches change shape step to step (SFT, preference
     training) take flash / memory-efficient attention instead; pretraining keeps cuDNN. A process-wide
     switch: set for every plan made in the process (find-batch's, then the run's)."""
     if device.type != "cuda":

@@ -6,7 +6,6 @@ the learning rate it is stepped with are train/core/optim's (build_optimizer, bu
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 from dataclasses import dataclass
 
@@ -47,23 +46,13 @@ def chunkable(model) -> bool:
 
 
 VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longest, as host ints
-_FORCED_EAGER = contextvars.ContextVar("forced_eager", default=False)
-
-
 @contextlib.contextmanager
 def compiled_run_eager():
     """A compiled model's step run eager (torch.compiler's force_eager stance: the host-sync
-    probe's step). forward_loss then hands it the 2D mask of ones an eager model gets, so that
-    transformers' look at position_ids, a host sync eager and traced away compiled, is skipped
-    as under compile: the probe counts the compiled step's syncs, not eager mode's (it counted
-    find_packed_sequence_indices twice per step of compiled pretraining, on an H200 and here).
-    sdpa runs is_causal either way (no_sync_mask: no mask for an unpadded batch)."""
+    probe's step). It gets the same inputs as the compiled step (forward_loss hands both the 2D
+    mask of ones), so the probe counts the compiled step's syncs."""
     with torch.compiler.set_stance("force_eager"):
-        token = _FORCED_EAGER.set(True)
-        try:
-            yield
-        finally:
-            _FORCED_EAGER.reset(token)
+        yield
 
 
 def forward_loss(
@@ -88,14 +77,12 @@ def forward_loss(
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
              if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
-    compiled = hasattr(model, "_orig_mod") and not _FORCED_EAGER.get()
-    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()) and (
-        not compiled or "varlen_index" in batch
-    ):
+    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()):
         # a 2D mask keeps transformers from asking the device whether position_ids restart (a
-        # packed row). Not for flash-attention's varlen row, which a mask would turn into one
-        # sequence; not for a compiled model, which traces that look away, and where a traced
-        # mask of ones would become a dense (T x T) mask and cost sdpa its causal kernel.
+        # packed row): eager a read-back; compiled, where that look cannot be answered while
+        # tracing, a dense (T x T) mask for every batch, and sdpa without its causal kernel (the
+        # mask then goes by host_padding: none for this unpadded batch). Not for flash-attention's
+        # varlen row, which a mask would turn into one sequence.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
         if source_target:  # source -> target: input_ids and attention_mask are the source, labels the target

@@ -20,6 +20,7 @@ PATHS = (
     ("sft-packing1", "GPT-2 SFT, PACKING=1"),
     ("t5-pretrain", "T5 small pretraining (span corruption)"),
     ("t5-sft", "T5 small SFT"),
+    ("dpo", "GPT-2 preference training (DPO, REFERENCE=copy)"),
 )
 GPT2_MFU, T5_MFU, T5_SFT_MFU = 0.45, 0.25, 0.15
 PACKED_OF_PRETRAIN = 0.90  # packed SFT tokens/s against pretraining's at the same length
@@ -167,7 +168,7 @@ def target_rows(found: dict) -> list[str]:
 
 def profile_rows(found: dict) -> list[str]:
     """Where one step's time went, per path (python -m train.tools.step_profile)."""
-    lines = ["", "One step of each path under torch.profiler (step 1, inside the warm-up the throughput "
+    lines = ["", "One step of each path under torch.profiler (step 2, inside the warm-up the throughput "
              "leaves out; a device sync at both ends):", "",
              "| path | step ms | GPU busy | kernel time by category | top ops by self device time (CPU time on a CPU) |",
              "|---|---|---|---|---|"]

@@ -100,13 +100,10 @@ def device_inputs(batch: dict, device: torch.device) -> dict:
 def _model_inputs(model, inputs: dict, responses: Responses) -> dict:
     """What the causal model's forward is given: inputs less the labels, plus forward_loss's all-ones
     2D mask where a batch (a packed flat row) has none: it keeps transformers from asking the device
-    whether position_ids restart. Not for flash's cu_seq_lens row (a mask would merge its
-    sequences), nor a compiled model's unpacked batch (a traced mask costs sdpa its causal kernel)."""
+    whether position_ids restart (compiled: a dense mask for every batch). Not for flash's
+    cu_seq_lens row (a mask would merge its sequences)."""
     feed = {k: v for k, v in inputs.items() if k != "labels"}
-    compiled = hasattr(model, "_orig_mod")
-    if responses.padded is False and not ({"attention_mask", "cu_seq_lens_q"} & feed.keys()) and (
-        not compiled or "varlen_index" in feed
-    ):
+    if responses.padded is False and not ({"attention_mask", "cu_seq_lens_q"} & feed.keys()):
         feed["attention_mask"] = torch.ones_like(feed["input_ids"])
     return feed
 
