@@ -140,6 +140,7 @@ def train_python() -> str:
         log = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed with it)
         server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=ROOT,
                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        (folder / "s.pid").write_text(str(server.pid))  # callers wait for its socket while it starts
         caller = folder / "python"
         script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
         caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")

@@ -15,7 +15,8 @@ server's own. Anything else, or no server, and the caller becomes the real inter
 so a test never depends on the server. Tests that read the run's process tree use the real
 interpreter.
 
-    python tests/forkserver.py serve SOCKET     the server (conftest starts one per pytest process)
+    python tests/forkserver.py serve SOCKET     the server (conftest starts one per pytest process and
+                                                writes its pid to SOCKET.pid: callers wait while it starts)
     python tests/forkserver.py [-u] -m train ...  the caller
 """
 
@@ -46,12 +47,15 @@ def sensitive(env: dict) -> dict:
 
 def comparable(env: dict) -> dict:
     """The import-time view of an environment: PYTHONUNBUFFERED is the caller's to choose, and a
-    PYTHONPATH of the kit's folder is what the server has on its path anyway."""
+    PYTHONPATH of the kit's folder is what the server has on its path anyway (or of a folder whose
+    train/ is a link to the server's: a kit copy that runs the same code)."""
     env = sensitive(env)
     env.pop("PYTHONUNBUFFERED", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # whether .pyc files are written, not what is imported
     env.pop("OMP_NUM_THREADS", None)  # the child sets torch's threads from it (child())
-    parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
+    own = os.path.realpath(os.path.join(ROOT, "train"))
+    parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.abspath(p) != ROOT and os.path.realpath(os.path.join(p, "train")) != own]  # fmt: skip
     if parts:
         env["PYTHONPATH"] = os.pathsep.join(parts)
     return env
@@ -219,6 +223,24 @@ def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
 # ---------------------------------------------------------------- caller
 
 
+def ready(path: str, wait_s: float = 60.0) -> bool:
+    """Whether the server listens at path, waiting while it starts (path.pid names it: its imports
+    take ~7 s, and a run that went its own way meanwhile would pay them again)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        try:
+            with open(path + ".pid") as f:
+                os.kill(int(f.read()), 0)  # still starting
+        except (OSError, ValueError):
+            return False  # none started, or it died
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def real_python(args: list[str]) -> None:
     python = os.environ.get("KIT_REAL_PYTHON") or sys.executable
     os.execv(python, [python, *args])
@@ -231,7 +253,7 @@ def call(args: list[str]) -> None:
         unbuffered = True
         rest.pop(0)
     path = os.environ.get("KIT_FORKSERVER", "")
-    if rest[:2] != ["-m", "train"] or not path or not os.path.exists(path):
+    if rest[:2] != ["-m", "train"] or not path or not ready(path):
         real_python(args)
     try:
         with open(path + ".env") as f:

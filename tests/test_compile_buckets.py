@@ -146,25 +146,3 @@ def test_packed_row_padded_to_max_length_changes_nothing():
 def test_varlen_indices_never_size_one():
     index, place = varlen_indices([3], total=6, multiple=8)
     assert index.shape == (2, 8) and place.tolist() == [0, 1, 2, 0, 0, 0]
-
-
-def test_a_compiled_unpadded_batch_reaches_sdpa_causal_without_a_mask():
-    """Through the kit's GuardedModel and forward_loss: the traced sdpa call has no mask and
-    is_causal (a traced all-ones mask would become a dense (T x T) one and lose the causal kernel)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from train.core.step import forward_loss
-    from train.run.compile.compile_guard import GuardedModel
-
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(n.kwargs for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
-        return gm
-
-    torch._dynamo.reset()
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=64))
-    guarded = GuardedModel(torch.compile(model, backend=backend), model, print)
-    forward_loss(guarded, {"input_ids": torch.randint(0, 100, (2, 16))}, torch.device("cpu"), "fp32", source_target=False).backward()
-    assert seen and all(k.get("attn_mask") is None and k.get("is_causal") for k in seen), seen
-    torch._dynamo.reset()

@@ -59,7 +59,9 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
     assert summary["host_syncs_per_step"] == 0, summary["host_syncs"]
     assert len(losses(tmp_path / "runs" / "c")) == 2  # steps 2 and 4: step 3 is quiet, the one probed
     # pretraining's unpadded rows reach sdpa as is_causal with no mask: without the 2D mask of ones,
-    # transformers' traced look for packing in position_ids made a dense (T x T) mask every step
+    # transformers' traced look for packing in position_ids made a dense (T x T) mask every step for
+    # the kit's models (use_cache=False; a model with a cache skips that look, so a bare GPT2Config
+    # would not show it)
     assert sdpa_calls and all(c.get("attn_mask") is None and c.get("is_causal") is True for c in sdpa_calls), sdpa_calls
 
 

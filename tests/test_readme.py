@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_CONFIG, make_text
+from conftest import ROOT, TINY_CONFIG, launcher_env, make_text, train_python
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
@@ -157,12 +157,16 @@ def test_the_parser_finds_an_unmarked_block_and_the_marker_cuts_the_run(tmp_path
 
 def kit_copy(dest: Path) -> Path:
     """The kit as a fresh clone has it, with a .venv that is this interpreter (make's stamp newer
-    than requirements.txt, so no make target installs anything)."""
-    skip = shutil.ignore_patterns(".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache", "compare")
+    than requirements.txt, so no make target installs anything). Its train/ is a link to this
+    checkout's, the same code, so that its `python -m train` runs can be forks of the tests' warm
+    server (train_python(); anything else is the interpreter itself)."""
+    skip = shutil.ignore_patterns(".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache",
+                                  "compare", "train")  # fmt: skip
     shutil.copytree(ROOT, dest, ignore=skip)
+    (dest / "train").symlink_to(ROOT / "train", target_is_directory=True)
     (dest / ".venv" / "bin").mkdir(parents=True)
     python = dest / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.write_text(f'#!/bin/sh\nexec "{train_python()}" "$@"\n')
     python.chmod(0o755)
     (dest / ".venv" / ".installed").touch()
     return dest
@@ -194,7 +198,8 @@ def ran(tmp_path_factory) -> dict:
         for i in range(24):
             prompt, answer = SFT_PAIRS[i % len(SFT_PAIRS)]
             f.write(json.dumps({"instruction": prompt, "input": "", "chosen": answer, "rejected": "No."}) + "\n")
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    # PATH, HOME, LANG, TMPDIR and where the fork server is; no KIT_PYTHON: the launchers take .venv/bin/python
+    env = {k: v for k, v in launcher_env({}).items() if k != "KIT_PYTHON"}
     (top / "tiny.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 64}))  # the run sets the vocabulary
     env.update(BASE, DATA_PATH=str(top / "corpus.txt"), SFT_DATA=str(top / "sft.jsonl"), PREF_DATA=str(top / "pairs.jsonl"), TINY_MODEL=str(top / "tiny.json"))
     results = {}

@@ -26,11 +26,13 @@ back per forward on a GPU. The kit's forward (core/step.py) therefore always han
 mask (ones where the batch had none) and says, under `host_padding`, whether the batch as the
 host built it has padding; `no_sync_mask` (registered for sdpa and varlen_sdpa) answers from
 that: no mask for an unpadded batch, the same dense mask transformers builds for a padded one.
-Under torch.compile the same holds: dynamo reads host_padding as a constant and guards on it (a
-batch that changes it recompiles once), and without the 2D mask transformers' look for packing,
-which cannot be answered while tracing, would hand sdpa a dense (T x T) mask for every batch (on an
-H200, 2026-11-27: GPT-2 small pretraining's attention took 106 ms of a 282 ms step). Outside the
-kit's forward (generation, any other caller) it is transformers' own mask unchanged.
+Under torch.compile the mask is traced, so the answer is taken from the host only for batches
+that came with no mask (pretraining's windows, packed rows): no mask, is_causal. Without the 2D
+mask transformers' look for packing, which cannot be answered while tracing, handed sdpa a dense
+(T x T) mask for every such batch (on an H200, 2026-11-27: GPT-2 small pretraining's attention
+took 106 ms of a 282 ms step, 43 ms without). Batches that carry a mask (SFT's, preference
+pairs) keep the traced mask, padded or not. Outside the kit's forward (generation, any other
+caller) it is transformers' own mask unchanged.
 """
 
 from __future__ import annotations
@@ -43,19 +45,31 @@ import torch.nn.functional as F
 
 VARLEN_SDPA = "varlen_sdpa"
 _PADDED: bool | None = None
-"""What host_padding says of the batch running forward: a plain global, which dynamo reads as a
-constant and guards (it cannot trace a ContextVar's get)."""
+_MASKLESS = False
+"""What host_padding says of the batch running forward, as plain globals: dynamo reads them as
+constants and guards them (it cannot trace a ContextVar's get), so a value that changes recompiles."""
 
 
 @contextlib.contextmanager
-def host_padding(padded: bool):
-    """Inside: the batch running forward has padding (True) or none (False), as its host tensors said."""
-    global _PADDED
-    before, _PADDED = _PADDED, padded
+def host_padding(padded: bool, maskless: bool = False):
+    """Inside: the batch running forward has padding (True) or none (False), as its host tensors
+    said. maskless: it came with no mask at all (pretraining's windows, a packed row), never padded."""
+    global _PADDED, _MASKLESS
+    before = _PADDED, _MASKLESS
+    _PADDED, _MASKLESS = padded, maskless
     try:
         yield
     finally:
-        _PADDED = before
+        _PADDED, _MASKLESS = before
+
+
+def _known_padding() -> bool | None:
+    """host_padding's answer. Eager: this batch's. Compiled: "unpadded" for a maskless batch, else
+    None (the traced mask): a run's batches are all maskless or all carry masks, so the guarded
+    value never changes, where padded / unpadded would recompile at every switch."""
+    if torch.compiler.is_compiling():
+        return False if _MASKLESS else None
+    return _PADDED
 
 
 def no_sync_mask(attention_mask=None, **kwargs):
@@ -64,7 +78,7 @@ def no_sync_mask(attention_mask=None, **kwargs):
     otherwise."""
     from transformers.masking_utils import sdpa_mask
 
-    known = _PADDED  # compiled too: dynamo reads it as a constant, guarded (a change recompiles)
+    known = _known_padding()
     if known is None:
         return sdpa_mask(attention_mask=attention_mask, **kwargs)
     padded = known and attention_mask is not None  # no mask given (a T5 decoder): nothing padded
@@ -140,7 +154,7 @@ def varlen_mask(attention_mask=None, **kwargs):
     """The mask for VARLEN_SDPA: none where the 2D mask is none (a packed row, whose restarting
     position_ids would otherwise make transformers build the (N x N) block mask; or an unpadded
     batch, which sdpa runs with is_causal), sdpa's own where padding must be masked."""
-    if attention_mask is None or _PADDED is False:  # a flat row
+    if attention_mask is None or _known_padding() is False:  # a flat row
         return None
     return no_sync_mask(attention_mask=attention_mask, **kwargs)
 

@@ -73,7 +73,7 @@ def forward_loss(
     # over host ints (n_real_tokens ...), which BatchCounter has already read. Without
     # max_length_q/k transformers rebuilds the varlen arguments from position_ids on the device,
     # reading them back in every layer.
-    padded = _host_padded(batch)
+    padded, maskless = _host_padded(batch), "attention_mask" not in batch
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
              if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
@@ -81,10 +81,10 @@ def forward_loss(
         # a 2D mask keeps transformers from asking the device whether position_ids restart (a
         # packed row): eager a read-back; compiled, where that look cannot be answered while
         # tracing, a dense (T x T) mask for every batch, and sdpa without its causal kernel (the
-        # mask then goes by host_padding: none for this unpadded batch). Not for flash-attention's
+        # mask then goes by host_padding: none for this maskless batch). Not for flash-attention's
         # varlen row, which a mask would turn into one sequence.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    with autocast(device, precision), host_padding(padded) if padded is not None else contextlib.nullcontext():
+    with autocast(device, precision), host_padding(padded, maskless) if padded is not None else contextlib.nullcontext():
         if source_target:  # source -> target: input_ids and attention_mask are the source, labels the target
             out = seq2seq_loss_sum(
                 model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels, correct=accuracy

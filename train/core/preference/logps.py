@@ -214,7 +214,8 @@ def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int 
     on the response tokens only (chunked, module doc). source_target: the
     model's family's data shape (train/models Family.source_target): an encoder-decoder's pairs."""
     register_no_sync_mask()
-    padding = host_padding(responses.padded) if responses.padded is not None else contextlib.nullcontext()
+    maskless = "attention_mask" not in inputs
+    padding = host_padding(responses.padded, maskless) if responses.padded is not None else contextlib.nullcontext()
     with padding:
         if source_target:
             per_token = _seq2seq_tokens(model, inputs, responses, chunk_tokens)
