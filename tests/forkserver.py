@@ -12,7 +12,8 @@ on; a caller killed by SIGKILL takes its child with it.
 Only plain runs take this path: `-m train` with no interpreter flag but -u, and an environment
 whose import-time variables (Python's, torch's, Hugging Face's, threads', HOME, locale) are the
 server's own. Anything else, or no server, and the caller becomes the real interpreter (exec),
-so a test never depends on the server. Tests that read the run's process tree use the real
+so a test never depends on the server. The caller's resource limits (RLIMIT_FSIZE ...) and an
+ignored SIGXFSZ become the child's. Tests that read the run's process tree use the real
 interpreter.
 
     python tests/forkserver.py serve SOCKET     the server (conftest starts one per pytest process and
@@ -61,6 +62,23 @@ def comparable(env: dict) -> dict:
     return env
 
 
+# what a caller may have set for its run (a test's preexec_fn): the child takes them as its own
+LIMITS = ("RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CPU")
+IGNORABLE = (signal.SIGXFSZ,)  # ignored by the caller, so by the run: a write past RLIMIT_FSIZE fails with EFBIG
+
+
+def limits() -> dict:
+    import resource
+
+    return {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS}
+
+
+def within(mine: dict, server: dict) -> bool:
+    """Whether a child of the server can take the caller's limits: none above the server's hard one."""
+    inf = -1  # resource.RLIM_INFINITY on Linux
+    return all(server[name][1] == inf or (mine[name][1] != inf and mine[name][1] <= server[name][1]) for name in LIMITS)
+
+
 # ---------------------------------------------------------------- server
 
 
@@ -84,7 +102,7 @@ def serve(path: str) -> None:
     sys.modules.pop("train.__main__", None)  # each child runs it as __main__ (runpy warns if it is there)
 
     with open(path + ".env", "w") as out:
-        json.dump(before, out)
+        json.dump({"env": before, "limits": limits()}, out)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.replace(path + ".tmp", path)  # callers see the socket only once it is bound
@@ -173,6 +191,12 @@ def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        import resource
+
+        for name, (soft, hard) in request["limits"].items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        for number in request["ignored"]:
+            signal.signal(number, signal.SIG_IGN)
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # OpenMP read it when torch was loaded, in the server
             import torch
@@ -257,17 +281,20 @@ def call(args: list[str]) -> None:
         real_python(args)
     try:
         with open(path + ".env") as f:
-            if json.load(f) != comparable(dict(os.environ)):
-                real_python(args)
+            server = json.load(f)
+        if server["env"] != comparable(dict(os.environ)) or not within(limits(), server["limits"]):
+            real_python(args)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError):
         real_python(args)
     env = dict(os.environ)
     env.pop("KIT_FORKSERVER", None)  # the run's own subprocesses are the real interpreter's
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
-    request = json.dumps({"argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered})
+    ignored = [int(n) for n in IGNORABLE if signal.getsignal(n) == signal.SIG_IGN]
+    request = json.dumps({"argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered,
+                          "limits": limits(), "ignored": ignored})  # fmt: skip
     import array
 
     conn.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])

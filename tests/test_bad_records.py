@@ -16,7 +16,7 @@ import tracemalloc
 import pytest
 from test_bad_input import snapshot
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, launcher_env, run_cli, train_python
 from train.core.errors import UsageError
 from train.data import json_lines, records, tokenize
 from train.data.sft.sft_formats import load_conversations
@@ -37,13 +37,16 @@ def world(tmp_path, tiny_config, cache_dir):
 
 
 def train(mode: str, *argv: str, timeout: int = 120, rss_file=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    code = "import runpy, sys; sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')"
-    if rss_file:  # the process's own peak RSS, written as it exits
+    """`python -m train MODE ...` in a process of its own (a fork of the tests' warm server); with
+    rss_file, a fresh interpreter that writes its own peak RSS there as it exits."""
+    env = launcher_env({})
+    command = [train_python(), "-m", "train"]
+    if rss_file:
         code = (f"import atexit, resource; atexit.register(lambda: open({str(rss_file)!r}, 'w').write("
-                "str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n") + code
-    return subprocess.run([sys.executable, "-c", code, mode, *argv], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+                "str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
+                "import runpy, sys; sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')")
+        command = [sys.executable, "-c", code]
+    return subprocess.run([*command, mode, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def train_here(capsys, mode: str, *argv: str) -> subprocess.CompletedProcess:

@@ -11,12 +11,10 @@ is checked against "What a run writes", and the model-size table against the mod
 from __future__ import annotations
 
 import json
-import os
 import re
 import resource
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -11,12 +11,11 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 from test_write_safety import copy_run, finished  # noqa: F401, F811 (finished: a fixture)
 
-from conftest import ROOT, make_text, run_cli
+from conftest import ROOT, launcher_env, make_text, run_cli, train_python
 
 
 def snapshot(folder):
@@ -36,8 +35,8 @@ def train(*argv: str, fsize: int | None = None) -> subprocess.CompletedProcess:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, env=env, preexec_fn=limit,
+    env = launcher_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # the limit and SIGXFSZ pass to a fork
+    return subprocess.run([train_python(), "-m", "train", *argv], cwd=ROOT, env=env, preexec_fn=limit,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
