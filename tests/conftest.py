@@ -118,27 +118,25 @@ CLEAN_ENV = ("PATH", "HOME", "LANG", "TMPDIR")  # what a launcher test's environ
 _FORKSERVER: dict = {}
 
 
-def train_python() -> str:
-    """The interpreter for a test's own `python -m train` process: tests/forkserver.py's caller,
-    which runs it as a fork of a warm server (the imports paid once per pytest process) where the
-    environment allows, else becomes the real interpreter. Not for tests that read the run's
-    process tree or set its resource limits: the run is not the caller's child."""
+def fork_server(root: Path = ROOT) -> dict:
+    """A warm server (tests/forkserver.py) for the kit at root, started once per pytest process:
+    {"python": its caller, "env": what a process needs to reach it}. A kit copy gets its own,
+    which imports the copy's code (config.py finds its runs/ beside itself)."""
     import os
     import stat
 
-    if os.environ.get("KIT_TEST_FORKSERVER") == "0":  # every run a fresh interpreter, as before
-        return sys.executable
-    if not _FORKSERVER:
+    key = str(root)
+    if key not in _FORKSERVER:
         import atexit
         import shlex
         import tempfile
 
         folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
         sock = str(folder / "s")
-        env = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
-        env["PYTHONPATH"] = str(ROOT)
+        reach = {"KIT_FORKSERVER": sock, "KIT_FORKSERVER_ROOT": key, "KIT_REAL_PYTHON": sys.executable}
+        env = {**{k: v for k, v in os.environ.items() if k in CLEAN_ENV}, "PYTHONPATH": key, **reach}
         log = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed with it)
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=ROOT,
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=root,
                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
         (folder / "s.pid").write_text(str(server.pid))  # callers wait for its socket while it starts
         caller = folder / "python"
@@ -146,9 +144,22 @@ def train_python() -> str:
         caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")
         caller.chmod(caller.stat().st_mode | stat.S_IXUSR)
         atexit.register(server.kill)
-        os.environ["KIT_FORKSERVER"], os.environ["KIT_REAL_PYTHON"] = sock, sys.executable
-        _FORKSERVER.update(python=str(caller), server=server)
-    return _FORKSERVER["python"]
+        _FORKSERVER[key] = {"python": str(caller), "env": reach}
+    return _FORKSERVER[key]
+
+
+def train_python() -> str:
+    """The interpreter for a test's own `python -m train` process: tests/forkserver.py's caller,
+    which runs it as a fork of a warm server (the imports paid once per pytest process) where the
+    environment allows, else becomes the real interpreter. Not for tests that read the run's
+    process tree: the run is not the caller's child."""
+    import os
+
+    if os.environ.get("KIT_TEST_FORKSERVER") == "0":  # every run a fresh interpreter, as before
+        return sys.executable
+    server = fork_server()
+    os.environ.update(server["env"])  # this process's children reach it
+    return server["python"]
 
 
 def launcher_env(env: dict) -> dict:
@@ -160,7 +171,7 @@ def launcher_env(env: dict) -> dict:
     base = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
     if "SHOW_COMMAND" not in env and "KIT_PYTHON" not in env and train_python() != sys.executable:
         base["KIT_PYTHON"] = train_python()
-        base.update(KIT_FORKSERVER=os.environ["KIT_FORKSERVER"], KIT_REAL_PYTHON=os.environ["KIT_REAL_PYTHON"])
+        base.update(fork_server()["env"])
     return {**base, **env}
 
 

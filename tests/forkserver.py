@@ -29,7 +29,8 @@ import signal
 import socket
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the kit the server imports: this checkout, or a copy of it (KIT_FORKSERVER_ROOT, conftest's fork_server)
+ROOT = os.environ.get("KIT_FORKSERVER_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what an import may read once and keep: a run whose values differ runs in a fresh interpreter
 SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA",
              "NCCL", "TOKENIZERS", "MPL", "XDG_", "LD_", "LC_", "TRITON", "SAFETENSORS", "ACCELERATE", "NVIDIA")  # fmt: skip
@@ -48,15 +49,12 @@ def sensitive(env: dict) -> dict:
 
 def comparable(env: dict) -> dict:
     """The import-time view of an environment: PYTHONUNBUFFERED is the caller's to choose, and a
-    PYTHONPATH of the kit's folder is what the server has on its path anyway (or of a folder whose
-    train/ is a link to the server's: a kit copy that runs the same code)."""
+    PYTHONPATH of the kit's folder is what the server has on its path anyway."""
     env = sensitive(env)
     env.pop("PYTHONUNBUFFERED", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # whether .pyc files are written, not what is imported
     env.pop("OMP_NUM_THREADS", None)  # the child sets torch's threads from it (child())
-    own = os.path.realpath(os.path.join(ROOT, "train"))
-    parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep)
-             if p and os.path.abspath(p) != ROOT and os.path.realpath(os.path.join(p, "train")) != own]  # fmt: skip
+    parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
     if parts:
         env["PYTHONPATH"] = os.pathsep.join(parts)
     return env

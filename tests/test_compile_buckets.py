@@ -146,3 +146,36 @@ def test_packed_row_padded_to_max_length_changes_nothing():
 def test_varlen_indices_never_size_one():
     index, place = varlen_indices([3], total=6, multiple=8)
     assert index.shape == (2, 8) and place.tolist() == [0, 1, 2, 0, 0, 0]
+
+
+def test_compiled_masks_pretraining_causal_and_sft_padding_without_recompiles():
+    """The kit's model (use_cache=False), compiled: a batch with no mask (pretraining's windows)
+    reaches sdpa with no mask and is_causal; batches that carry one (SFT) keep the traced mask, so
+    a padded and an unpadded batch of one width share a graph (a host answer would recompile)."""
+    calls, graphs = [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        calls.append([dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    assert model.config.use_cache is False  # with a cache transformers skips its look for packing
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(1, 500, (2, 16))
+    forward_loss(compiled, {"input_ids": ids}, torch.device("cpu"), "fp32", source_target=False).backward()
+    assert len(graphs) == 1 and calls[0] and all(c.get("attn_mask") is None and c.get("is_causal") is True
+                                                  for c in calls[0]), calls  # fmt: skip
+    torch._dynamo.reset()
+    graphs.clear()
+    calls.clear()
+    padded = torch.ones_like(ids)
+    padded[1, 12:] = 0
+    labels = ids.masked_fill(padded == 0, -100)  # the same targets: num_items_in_batch alone would recompile
+    for mask in (padded, torch.ones_like(ids), padded):
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        forward_loss(compiled, batch, torch.device("cpu"), "fp32", source_target=False).backward()
+    assert len(graphs) == 1, f"{len(graphs)} graphs for one width"
+    assert all(c.get("attn_mask") is not None for c in calls[0]), calls
+    torch._dynamo.reset()

@@ -11,17 +11,19 @@ is checked against "What a run writes", and the model-size table against the mod
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_CONFIG, launcher_env, make_text, train_python
+from conftest import CLEAN_ENV, ROOT, TINY_CONFIG, fork_server, make_text
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
@@ -155,16 +157,14 @@ def test_the_parser_finds_an_unmarked_block_and_the_marker_cuts_the_run(tmp_path
 
 def kit_copy(dest: Path) -> Path:
     """The kit as a fresh clone has it, with a .venv that is this interpreter (make's stamp newer
-    than requirements.txt, so no make target installs anything). Its train/ is a link to this
-    checkout's, the same code, so that its `python -m train` runs can be forks of the tests' warm
-    server (train_python(); anything else is the interpreter itself)."""
-    skip = shutil.ignore_patterns(".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache",
-                                  "compare", "train")  # fmt: skip
+    than requirements.txt, so no make target installs anything): its `python -m train` runs are
+    forks of a warm server of the copy's own (fork_server; anything else is the interpreter itself)."""
+    skip = shutil.ignore_patterns(".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache", "compare")
     shutil.copytree(ROOT, dest, ignore=skip)
-    (dest / "train").symlink_to(ROOT / "train", target_is_directory=True)
     (dest / ".venv" / "bin").mkdir(parents=True)
     python = dest / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{train_python()}" "$@"\n')
+    fork = os.environ.get("KIT_TEST_FORKSERVER") != "0"
+    python.write_text(f'#!/bin/sh\nexec "{fork_server(dest)["python"] if fork else sys.executable}" "$@"\n')
     python.chmod(0o755)
     (dest / ".venv" / ".installed").touch()
     return dest
@@ -196,8 +196,10 @@ def ran(tmp_path_factory) -> dict:
         for i in range(24):
             prompt, answer = SFT_PAIRS[i % len(SFT_PAIRS)]
             f.write(json.dumps({"instruction": prompt, "input": "", "chosen": answer, "rejected": "No."}) + "\n")
-    # PATH, HOME, LANG, TMPDIR and where the fork server is; no KIT_PYTHON: the launchers take .venv/bin/python
-    env = {k: v for k, v in launcher_env({}).items() if k != "KIT_PYTHON"}
+    # PATH, HOME, LANG, TMPDIR and where the copy's fork server is (the launchers take .venv/bin/python)
+    env = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
+    if os.environ.get("KIT_TEST_FORKSERVER") != "0":
+        env.update(fork_server(kit)["env"])
     (top / "tiny.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 64}))  # the run sets the vocabulary
     env.update(BASE, DATA_PATH=str(top / "corpus.txt"), SFT_DATA=str(top / "sft.jsonl"), PREF_DATA=str(top / "pairs.jsonl"), TINY_MODEL=str(top / "tiny.json"))
     results = {}

@@ -46,6 +46,8 @@ def chunkable(model) -> bool:
 
 
 VARLEN_INTS = ("max_length_q", "max_length_k")  # flash-attention varlen's longest, as host ints
+
+
 @contextlib.contextmanager
 def compiled_run_eager():
     """A compiled model's step run eager (torch.compiler's force_eager stance: the host-sync
