@@ -9,7 +9,8 @@ which stands where the interpreter would: KIT_PYTHON for the launchers, TRAIN_PY
 own commands) exits with its status, or dies of its signal. Signals sent to the caller are passed
 on; a caller killed by SIGKILL takes its child with it.
 
-Only plain runs take this path: `-m train` with no interpreter flag but -u, and an environment
+Only plain runs take this path: `-m train` (or `-m train.distributed.torchrun`, whose ranks are
+callers in their turn) with no interpreter flag but -u, and an environment
 whose import-time variables (Python's, torch's, Hugging Face's, threads', HOME, locale) are the
 server's own. Anything else, or no server, and the caller becomes the real interpreter (exec),
 so a test never depends on the server. The caller's resource limits (RLIMIT_FSIZE ...) and an
@@ -18,7 +19,7 @@ interpreter.
 
     python tests/forkserver.py serve SOCKET     the server (conftest starts one per pytest process and
                                                 writes its pid to SOCKET.pid: callers wait while it starts)
-    python tests/forkserver.py [-u] -m train ...  the caller
+    python tests/forkserver.py [-u] -m train ...  the caller (or -m train.distributed.torchrun ...)
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH",
 SENSITIVE_NAMES = ("HOME", "LANG", "TMPDIR", "USE_TF", "USE_TORCH", "USE_FLAX")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
+
+# what a caller may run as a fork: the kit, and torchrun as the launchers start it (its ranks are callers too)
+MODULES = ("train", "train.distributed.torchrun")
 
 # torchrun's settings for its ranks, read by torch.distributed when a rank starts, not on import
 RANK_SETTINGS = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_")
@@ -96,8 +100,11 @@ def serve(path: str) -> None:
     import train.cli  # noqa: F401
     import train.run.pipeline  # noqa: F401
     import train.run.plan.build  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+    import train.distributed.torchrun  # noqa: F401
 
-    sys.modules.pop("train.__main__", None)  # each child runs it as __main__ (runpy warns if it is there)
+    for name in ("train.__main__", "train.distributed.torchrun"):
+        sys.modules.pop(name, None)  # each child runs its module as __main__ (runpy warns if it is there)
 
     with open(path + ".env", "w") as out:
         json.dump({"env": before, "limits": limits()}, out)
@@ -165,7 +172,7 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """In the forked child: become `python [-u] -m train ARGS` for the caller, then exit."""
+    """In the forked child: become `python [-u] -m MODULE ARGS` for the caller, then exit."""
     import atexit
     import io
     import runpy
@@ -212,7 +219,7 @@ def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         threading.Thread(target=orphaned, daemon=True).start()
         sys.argv = ["-m", *request["argv"]]
         try:
-            runpy.run_module("train", run_name="__main__", alter_sys=True)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             if stop.code is None:
@@ -275,7 +282,7 @@ def call(args: list[str]) -> None:
         unbuffered = True
         rest.pop(0)
     path = os.environ.get("KIT_FORKSERVER", "")
-    if rest[:2] != ["-m", "train"] or not path or not ready(path):
+    if len(rest) < 2 or rest[0] != "-m" or rest[1] not in MODULES or not path or not ready(path):
         real_python(args)
     try:
         with open(path + ".env") as f:
@@ -287,11 +294,12 @@ def call(args: list[str]) -> None:
     except (OSError, ValueError, KeyError):
         real_python(args)
     env = dict(os.environ)
-    env.pop("KIT_FORKSERVER", None)  # the run's own subprocesses are the real interpreter's
+    if rest[1] == "train":
+        env.pop("KIT_FORKSERVER", None)  # the run's own subprocesses are the real interpreter's (torchrun's ranks not)
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
     ignored = [int(n) for n in IGNORABLE if signal.getsignal(n) == signal.SIG_IGN]
-    request = json.dumps({"argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered,
+    request = json.dumps({"module": rest[1], "argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered,
                           "limits": limits(), "ignored": ignored})  # fmt: skip
     import array
 

@@ -41,10 +41,12 @@ def env(corpus, tiny_config, cache_dir, tmp_path_factory):
 
 def start(base: dict, name: str, **extra) -> subprocess.Popen:
     # Its own session: a signal meant for this run never reaches pytest.
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         ["bash", str(ROOT / "run_single_gpu_optimized.sh")], env={**base, "RUN_NAME": name, **extra},
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    proc.run_name = name
+    return proc
 
 
 def finish(proc: subprocess.Popen) -> dict:
@@ -52,27 +54,29 @@ def finish(proc: subprocess.Popen) -> dict:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        for pid in workers(proc.pid):
+        for pid in workers(proc.run_name).values():
             os.kill(pid, signal.SIGKILL)
         pytest.fail(f"a 2-process run did not finish in {TIMEOUT} s (a hung collective?)")
     return {"rc": proc.returncode, "out": out, "err": err}
 
 
-def workers(torchrun_pid: int) -> dict[int, int]:
-    """rank -> pid of torchrun's worker processes (its children, each in its own session)."""
+def workers(run_name: str) -> dict[int, int]:
+    """rank -> pid of the run's rank processes: those whose environment names the run and a rank
+    (torchrun's children; with the tests' fork server, the callers that stand for the ranks, whose
+    runs die with them)."""
     found = {}
-    try:
-        children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
-    except OSError:
-        return found
-    for pid in map(int, children):
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
+            continue
+        if f"RUN_NAME={run_name}".encode() not in environ:
             continue
         for item in environ:
             if item.startswith(b"RANK="):
-                found[int(item[5:])] = pid
+                found[int(item[5:])] = int(entry.name)
     return found
 
 
@@ -114,7 +118,7 @@ def stopped(env):
                 if name == "termed":
                     os.kill(procs[name].pid, signal.SIGTERM)  # torchrun itself, as a scheduler does
                 else:
-                    os.kill(workers(procs[name].pid)[1], signal.SIGKILL)  # a rank dies
+                    os.kill(workers(name)[1], signal.SIGKILL)  # a rank dies
                 del pending[name]
         time.sleep(0.01)
     results = {name: finish(proc) for name, proc in procs.items()}
