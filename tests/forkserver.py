@@ -89,6 +89,7 @@ def serve(path: str) -> None:
     parent = os.getppid()
     before = comparable(dict(os.environ))  # as the caller's is: before any import sets its own
     import torch  # noqa: F401
+    import torch.distributed.run  # noqa: F401
     import transformers  # noqa: F401
     from matplotlib import figure  # noqa: F401
     from matplotlib.backends import backend_agg  # noqa: F401
@@ -98,10 +99,9 @@ def serve(path: str) -> None:
 
     import train.__main__  # noqa: F401
     import train.cli  # noqa: F401
+    import train.distributed.torchrun  # noqa: F401
     import train.run.pipeline  # noqa: F401
     import train.run.plan.build  # noqa: F401
-    import torch.distributed.run  # noqa: F401
-    import train.distributed.torchrun  # noqa: F401
 
     for name in ("train.__main__", "train.distributed.torchrun"):
         sys.modules.pop(name, None)  # each child runs its module as __main__ (runpy warns if it is there)
