@@ -148,6 +148,14 @@ def fork_server(root: Path = ROOT) -> dict:
     return _FORKSERVER[key]
 
 
+def forking() -> bool:
+    """Whether tests run the kit as forks of a warm server (KIT_TEST_FORKSERVER=0: every run a fresh
+    interpreter)."""
+    import os
+
+    return os.environ.get("KIT_TEST_FORKSERVER") != "0"
+
+
 def train_python() -> str:
     """The interpreter for a test's own `python -m train` process: tests/forkserver.py's caller,
     which runs it as a fork of a warm server (the imports paid once per pytest process) where the
@@ -155,7 +163,7 @@ def train_python() -> str:
     process tree: the run is not the caller's child."""
     import os
 
-    if os.environ.get("KIT_TEST_FORKSERVER") == "0":  # every run a fresh interpreter, as before
+    if not forking():
         return sys.executable
     server = fork_server()
     os.environ.update(server["env"])  # this process's children reach it
@@ -169,7 +177,7 @@ def launcher_env(env: dict) -> dict:
     import os
 
     base = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
-    if "SHOW_COMMAND" not in env and "KIT_PYTHON" not in env and train_python() != sys.executable:
+    if "SHOW_COMMAND" not in env and "KIT_PYTHON" not in env and forking():
         base["KIT_PYTHON"] = train_python()
         base.update(fork_server()["env"])
     return {**base, **env}

@@ -77,7 +77,8 @@ def limits() -> dict:
 
 def within(mine: dict, server: dict) -> bool:
     """Whether a child of the server can take the caller's limits: none above the server's hard one."""
-    inf = -1  # resource.RLIM_INFINITY on Linux
+    from resource import RLIM_INFINITY as inf
+
     return all(server[name][1] == inf or (mine[name][1] != inf and mine[name][1] <= server[name][1]) for name in LIMITS)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLEAN_ENV, ROOT, TINY_CONFIG, fork_server, make_text
+from conftest import CLEAN_ENV, ROOT, TINY_CONFIG, fork_server, forking, make_text
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (cpu-test|no-test):(.*)-->$")
@@ -163,8 +163,7 @@ def kit_copy(dest: Path) -> Path:
     shutil.copytree(ROOT, dest, ignore=skip)
     (dest / ".venv" / "bin").mkdir(parents=True)
     python = dest / ".venv" / "bin" / "python"
-    fork = os.environ.get("KIT_TEST_FORKSERVER") != "0"
-    python.write_text(f'#!/bin/sh\nexec "{fork_server(dest)["python"] if fork else sys.executable}" "$@"\n')
+    python.write_text(f'#!/bin/sh\nexec "{fork_server(dest)["python"] if forking() else sys.executable}" "$@"\n')
     python.chmod(0o755)
     (dest / ".venv" / ".installed").touch()
     return dest
@@ -198,7 +197,7 @@ def ran(tmp_path_factory) -> dict:
             f.write(json.dumps({"instruction": prompt, "input": "", "chosen": answer, "rejected": "No."}) + "\n")
     # PATH, HOME, LANG, TMPDIR and where the copy's fork server is (the launchers take .venv/bin/python)
     env = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
-    if os.environ.get("KIT_TEST_FORKSERVER") != "0":
+    if forking():
         env.update(fork_server(kit)["env"])
     (top / "tiny.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 64}))  # the run sets the vocabulary
     env.update(BASE, DATA_PATH=str(top / "corpus.txt"), SFT_DATA=str(top / "sft.jsonl"), PREF_DATA=str(top / "pairs.jsonl"), TINY_MODEL=str(top / "tiny.json"))

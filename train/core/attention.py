@@ -63,6 +63,17 @@ def host_padding(padded: bool, maskless: bool = False):
         _PADDED, _MASKLESS = before
 
 
+def add_mask_of_ones(inputs: dict) -> None:
+    """Give a batch that came with no mask (pretraining's windows, a packed row) the 2D mask of
+    ones, in place. It keeps transformers from asking the device whether position_ids restart (a
+    packed row): eager a read-back; compiled, where that look cannot be answered while tracing, a
+    dense (T x T) mask for every batch and sdpa without its causal kernel (no_sync_mask answers
+    from host_padding instead: no mask for it). Not for flash-attention's varlen row (cu_seq_lens),
+    which a mask would turn into one sequence."""
+    if not ({"attention_mask", "cu_seq_lens_q"} & inputs.keys()):
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+
+
 def _known_padding() -> bool | None:
     """host_padding's answer. Eager: this batch's. Compiled: "unpadded" for a maskless batch, else
     None (the traced mask): a run's batches are all maskless or all carry masks, so the guarded

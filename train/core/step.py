@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.core.attention import host_padding, register_no_sync_mask
+from train.core.attention import add_mask_of_ones, host_padding, register_no_sync_mask
 from train.core.device import autocast
 from train.core.loss import (
     chunked_cross_entropy,
@@ -79,13 +79,7 @@ def forward_loss(
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
              if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
-    if padded is not None and not ({"attention_mask", "cu_seq_lens_q"} & batch.keys()):
-        # a 2D mask keeps transformers from asking the device whether position_ids restart (a
-        # packed row): eager a read-back; compiled, where that look cannot be answered while
-        # tracing, a dense (T x T) mask for every batch, and sdpa without its causal kernel (the
-        # mask then goes by host_padding: none for this maskless batch). Not for flash-attention's
-        # varlen row, which a mask would turn into one sequence.
-        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    add_mask_of_ones(batch)
     with autocast(device, precision), host_padding(padded, maskless) if padded is not None else contextlib.nullcontext():
         if source_target:  # source -> target: input_ids and attention_mask are the source, labels the target
             out = seq2seq_loss_sum(

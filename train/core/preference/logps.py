@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from train.core.attention import host_padding, register_no_sync_mask
+from train.core.attention import add_mask_of_ones, host_padding, register_no_sync_mask
 from train.core.loss import CHUNK_ELEMENTS, _compute_dtype, lm_hidden_and_head, shift_targets
 from train.core.model import unwrapped
 from train.core.step import VARLEN_INTS, chunkable
@@ -97,14 +97,11 @@ def device_inputs(batch: dict, device: torch.device) -> dict:
     return {**moved, **{k: batch[k] for k in VARLEN_INTS if k in batch}}
 
 
-def _model_inputs(model, inputs: dict, responses: Responses) -> dict:
-    """What the causal model's forward is given: inputs less the labels, plus forward_loss's all-ones
-    2D mask where a batch (a packed flat row) has none: it keeps transformers from asking the device
-    whether position_ids restart (compiled: a dense mask for every batch). Not for flash's
-    cu_seq_lens row (a mask would merge its sequences)."""
+def _model_inputs(inputs: dict) -> dict:
+    """What the causal model's forward is given: inputs less the labels, with forward_loss's 2D
+    mask of ones where a batch (a packed flat row) has none (attention.add_mask_of_ones)."""
     feed = {k: v for k, v in inputs.items() if k != "labels"}
-    if responses.padded is False and not ({"attention_mask", "cu_seq_lens_q"} & feed.keys()):
-        feed["attention_mask"] = torch.ones_like(feed["input_ids"])
+    add_mask_of_ones(feed)
     return feed
 
 
@@ -220,10 +217,10 @@ def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int 
         if source_target:
             per_token = _seq2seq_tokens(model, inputs, responses, chunk_tokens)
         elif chunkable(model):
-            hidden, weight = lm_hidden_and_head(model, **_model_inputs(model, inputs, responses))
+            hidden, weight = lm_hidden_and_head(model, **_model_inputs(inputs))
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, responses.index)
             per_token = token_logps(rows, weight, responses.targets, chunk_tokens)
         else:
-            per_token = _from_logits(model(**_model_inputs(model, inputs, responses)).logits, responses)
+            per_token = _from_logits(model(**_model_inputs(inputs)).logits, responses)
     # per sequence: a row's sum, or a packed row's sequences' (sequence_ids), by index_add on the device
     return per_token.new_zeros(responses.counts.shape[0]).index_add(0, responses.rows, per_token)
