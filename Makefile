@@ -86,17 +86,18 @@ bench-data: $(STAMP)
 gpu-report: $(STAMP)
 	@bash scripts/gpu_report.sh
 
-# Two shards at once, one per core (tests/conftest.py --shard: a module's integration tests stay together).
+# Two shards at once, one per core, each taking the next module from a shared queue as it is free
+# (tests/conftest.py --shard --queue: a module's tests stay together).
 test: $(STAMP)
-	@log=$$(mktemp); $(PY) -m pytest --shard 1/2 >"$$log" 2>&1 & one=$$!; \
-	$(PY) -m pytest --shard 2/2; two=$$?; \
-	wait $$one; first=$$?; cat "$$log"; rm -f "$$log"; exit $$((first || two))
+	@log=$$(mktemp); q=$$(mktemp -d); $(PY) -m pytest --shard 1/2 --queue="$$q" >"$$log" 2>&1 & one=$$!; \
+	$(PY) -m pytest --shard 2/2 --queue="$$q"; two=$$?; \
+	wait $$one; first=$$?; cat "$$log"; rm -rf "$$log" "$$q"; exit $$((first || two))
 
 # The unit tests run single-threaded: two shards at once, one per core, halve the wait.
 test-fast: $(STAMP)
-	@log=$$(mktemp); $(PY) -m pytest -m "not integration" --shard 1/2 >"$$log" 2>&1 & one=$$!; \
-	$(PY) -m pytest -m "not integration" --shard 2/2; two=$$?; \
-	wait $$one; first=$$?; cat "$$log"; rm -f "$$log"; exit $$((first || two))
+	@log=$$(mktemp); q=$$(mktemp -d); $(PY) -m pytest -m "not integration" --shard 1/2 --queue="$$q" >"$$log" 2>&1 & \
+	one=$$!; $(PY) -m pytest -m "not integration" --shard 2/2 --queue="$$q"; two=$$?; \
+	wait $$one; first=$$?; cat "$$log"; rm -rf "$$log" "$$q"; exit $$((first || two))
 
 knobs: $(STAMP)
 	$(PY) -m train knobs --write

@@ -118,34 +118,44 @@ CLEAN_ENV = ("PATH", "HOME", "LANG", "TMPDIR")  # what a launcher test's environ
 _FORKSERVER: dict = {}
 
 
+def _reach(root: Path) -> dict:
+    """Where the server for the kit at root listens, once per pytest process: {"folder", "python":
+    its caller, "env": what a process needs to reach it}. Nothing is started here."""
+    import shlex
+    import stat
+    import tempfile
+
+    key = str(root)
+    if key not in _FORKSERVER:
+        folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
+        reach = {"KIT_FORKSERVER": str(folder / "s"), "KIT_FORKSERVER_ROOT": key, "KIT_REAL_PYTHON": sys.executable}
+        caller = folder / "python"
+        script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
+        caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")
+        caller.chmod(caller.stat().st_mode | stat.S_IXUSR)
+        _FORKSERVER[key] = {"folder": folder, "python": str(caller), "env": reach, "server": None}
+    return _FORKSERVER[key]
+
+
 def fork_server(root: Path = ROOT) -> dict:
     """A warm server (tests/forkserver.py) for the kit at root, started once per pytest process:
     {"python": its caller, "env": what a process needs to reach it}. A kit copy gets its own,
     which imports the copy's code (config.py finds its runs/ beside itself)."""
     import os
-    import stat
 
-    key = str(root)
-    if key not in _FORKSERVER:
+    server = _reach(root)
+    if server["server"] is None:
         import atexit
-        import shlex
-        import tempfile
 
-        folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
-        sock = str(folder / "s")
-        reach = {"KIT_FORKSERVER": sock, "KIT_FORKSERVER_ROOT": key, "KIT_REAL_PYTHON": sys.executable}
-        env = {**{k: v for k, v in os.environ.items() if k in CLEAN_ENV}, "PYTHONPATH": key, **reach}
+        folder, key = server["folder"], str(root)
+        env = {**{k: v for k, v in os.environ.items() if k in CLEAN_ENV}, "PYTHONPATH": key, **server["env"]}
         log = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed with it)
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", sock], cwd=root,
-                                  env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
-        (folder / "s.pid").write_text(str(server.pid))  # callers wait for its socket while it starts
-        caller = folder / "python"
-        script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
-        caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")
-        caller.chmod(caller.stat().st_mode | stat.S_IXUSR)
-        atexit.register(server.kill)
-        _FORKSERVER[key] = {"python": str(caller), "env": reach}
-    return _FORKSERVER[key]
+        server["server"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve",
+                                             server["env"]["KIT_FORKSERVER"]], cwd=root, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        (folder / "s.pid").write_text(str(server["server"].pid))  # callers wait for its socket while it starts
+        atexit.register(server["server"].kill)
+    return server
 
 
 def forking() -> bool:
@@ -161,13 +171,13 @@ def train_python() -> str:
     which runs it as a fork of a warm server (the imports paid once per pytest process) where the
     environment allows, else becomes the real interpreter. Not for tests that read the run's
     process tree: the run is not the caller's child."""
-    import os
+    return fork_server()["python"] if forking() else sys.executable
 
-    if not forking():
-        return sys.executable
-    server = fork_server()
-    os.environ.update(server["env"])  # this process's children reach it
-    return server["python"]
+
+if forking():  # this process's children reach the server, even with an environment copied before it started
+    import os as _os
+
+    _os.environ.update(_reach(ROOT)["env"])
 
 
 def launcher_env(env: dict) -> dict:
@@ -254,6 +264,8 @@ def is_integration(path: Path, test: str, fixtures: list[str]) -> bool:
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, help="K/N: run every N-th test from the K-th (make test-fast runs "
                      "two shards at once, one per core: the unit tests are single-threaded)")  # fmt: skip
+    parser.addoption("--queue", default=None, help="with --shard: a folder the N shards share; each takes the next "
+                     "module, the longest first, as it is free (no module's time guessed ahead)")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not integration" reads the marks
@@ -297,6 +309,61 @@ class Shard:
         items[:] = [item for item in items if id(item) in mine]
 
 
+class Queue:
+    """--shard K/N --queue DIR: every shard collects the same tests, the modules ordered longest
+    first (MODULE_SECONDS); each shard claims the next module not yet claimed (a file created in
+    DIR, O_EXCL) as it finishes its last, so the shards end within about one module's time of
+    each other however far the weights are from this machine's times."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+
+    def claim(self, index: int) -> bool:
+        import os
+
+        try:
+            os.close(os.open(self.folder / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    @pytest.hookimpl(trylast=True)  # after -m has deselected
+    def pytest_collection_modifyitems(self, config, items):
+        modules: dict[str, list] = {}
+        for item in items:
+            modules.setdefault(str(item.fspath), []).append(item)
+        order = sorted(modules, key=lambda path: (-MODULE_SECONDS.get(Path(path).name, 3 * len(modules[path])), path))
+        self.modules = [modules[path] for path in order]
+        items[:] = [item for path in order for item in modules[path]]
+
+    def pytest_report_header(self, config):
+        return f"shard {config.getoption('--shard')}: modules claimed from the queue {self.folder} as they start"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session):
+        if session.testsfailed and not session.config.option.continue_on_collection_errors:
+            raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+        if session.config.option.collectonly:
+            return True
+        claims = (tests for index, tests in enumerate(self.modules) if self.claim(index))
+        current = next(claims, None)
+        while current is not None:
+            following = None
+            for i, item in enumerate(current):
+                if i == len(current) - 1:  # the next module is claimed as this one ends (its fixtures' teardown)
+                    following = next(claims, None)
+                nextitem = current[i + 1] if i + 1 < len(current) else (following[0] if following else None)
+                item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+                if session.shouldfail:
+                    raise session.Failed(session.shouldfail)
+                if session.shouldstop:
+                    raise session.Interrupted(session.shouldstop)
+            current = following
+        return True
+
+
 def pytest_configure(config):
-    if config.getoption("--shard"):
+    if config.getoption("--shard") and config.getoption("--queue"):
+        config.pluginmanager.register(Queue(config.getoption("--queue")), "queue")
+    elif config.getoption("--shard"):
         config.pluginmanager.register(Shard(), "shard")

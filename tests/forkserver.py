@@ -58,10 +58,25 @@ def comparable(env: dict) -> dict:
     env.pop("PYTHONUNBUFFERED", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # whether .pyc files are written, not what is imported
     env.pop("OMP_NUM_THREADS", None)  # the child sets torch's threads from it (child())
+    if "TORCHINDUCTOR_CACHE_DIR" in env and env["TORCHINDUCTOR_CACHE_DIR"] == inductor_default():
+        del env["TORCHINDUCTOR_CACHE_DIR"]  # torch writes its default here once inductor is used in the caller's process
     parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
     if parts:
         env["PYTHONPATH"] = os.pathsep.join(parts)
     return env
+
+
+def inductor_default() -> str:
+    """torch._inductor's cache folder when TORCHINDUCTOR_CACHE_DIR is unset (cache_dir_utils)."""
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
 
 
 # what a caller may have set for its run (a test's preexec_fn): the child takes them as its own
@@ -289,6 +304,12 @@ def call(args: list[str]) -> None:
         with open(path + ".env") as f:
             server = json.load(f)
         if server["env"] != comparable(dict(os.environ)) or not within(limits(), server["limits"]):
+            mine = comparable(dict(os.environ))
+            with open("/tmp/fsdiff.log", "a") as f:
+                f.write(json.dumps({"argv": args[:4], "test": os.environ.get("PYTEST_CURRENT_TEST"),
+                    "only_server": {k: v for k, v in server["env"].items() if mine.get(k) != v},
+                    "only_caller": {k: v for k, v in mine.items() if server["env"].get(k) != v},
+                    "limits": within(limits(), server["limits"])}) + "\n")
             real_python(args)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)

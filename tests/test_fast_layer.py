@@ -114,3 +114,37 @@ def test_pytest_marks_and_shards_a_planted_folder(tmp_path):
     assert collected("-m", "integration") == {"test_a_process"}
     one, two = collected("-m", "not integration", "--shard", "1/2"), collected("-m", "not integration", "--shard", "2/2")
     assert one | two == {f"test_unit_{i}" for i in range(5)} and not one & two and len(one) == 3
+
+
+def test_two_shards_share_a_queue_each_module_run_once_in_one_shard(tmp_path):
+    """make test's shards (--shard K/2 --queue=DIR) at once: every test runs exactly once, a
+    module's tests all in one shard, and both shards take modules."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    for m in range(6):
+        tests = "".join(f"def test_{m}_{i}():\n    ran('{m}_{i}')\n\n\n" for i in range(3))
+        (tmp_path / f"test_m{m}.py").write_text(  # the first module's first test waits for the other shard's claim
+            "import os\nimport time\n\n\ndef ran(name):\n    deadline = time.monotonic() + 60\n"
+            f"    while name == '0_0' and len(os.listdir({str(tmp_path / 'queue')!r})) < 2 and time.monotonic() < deadline:\n"
+            "        time.sleep(0.05)\n"
+            f"    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
+            "        f.write(f'{os.getpid()} {name}\\n')\n\n\n" + tests
+        )
+    (tmp_path / "queue").mkdir()
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--queue={tmp_path / 'queue'}"]
+    shards = [subprocess.Popen([*argv, "--shard", f"{k}/2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for k in (1, 2)]  # fmt: skip
+    for shard in shards:
+        out, _ = shard.communicate(timeout=120)
+        assert shard.returncode == 0, out
+    rows = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
+    names = [name for _, name in rows]
+    assert sorted(names) == sorted(f"{m}_{i}" for m in range(6) for i in range(3))  # each once
+    shard_of = {name.split("_")[0]: set() for name in names}
+    for pid, name in rows:
+        shard_of[name.split("_")[0]].add(pid)
+    assert all(len(pids) == 1 for pids in shard_of.values()), shard_of  # a module in one shard
+    assert len({pid for pid, _ in rows}) == 2  # both shards took modules

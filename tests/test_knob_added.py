@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, fork_server, forking
 
 NEW_FIELDS = '''    dummy_knob: int = knob(3, "compared")
     """A knob the test adds: a whole number that a resume compares."""
@@ -101,6 +101,8 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
         "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "dummy", "MAX_LENGTH": "64", "BATCH_SIZE": "4",
         "MAX_STEPS": "2", "EVAL_BATCHES": "1", "DUMMY_KNOB": "7",
     }  # fmt: skip
+    if forking():  # the runs forks of a warm server that imported this copy (its config.py as edited above)
+        env.update(KIT_PYTHON=fork_server(kit)["python"], **fork_server(kit)["env"])
     first = launch(kit, "run_single_gpu.sh", env)
     assert first.returncode == 0, first.stderr[-2000:]
     saved = json.loads((tmp_path / "runs" / "dummy" / "config.json").read_text())

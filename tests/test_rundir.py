@@ -6,6 +6,7 @@ atomically and a folder in use is refused; an OUTPUT_DIR that cannot be made is 
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -17,7 +18,7 @@ import pytest
 import transformers
 from tiny_tools import one_thread
 
-from conftest import ROOT, read_jsonl, run_cli, train_python
+from conftest import ROOT, forking, read_jsonl, run_cli, train_python
 from train.run.checkpoint.checkpoint import list_checkpoints
 from train.run.rundir import claim as claims_module
 from train.run.rundir import rundir
@@ -268,10 +269,13 @@ def test_a_folder_in_use_is_refused_and_freed_when_its_run_dies(tiny_flags, tmp_
         for extra in (["--overwrite", "1"], ["--resume", "1"], []):
             assert run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "3", "--run_name", "busy", *extra) == 2
             line, _ = one_error(capsys)
+            holder = int(re.search(r"\(pid (\d+)\)", line)[1])  # the run's process: proc, or the fork server's child for it
             assert line == (
-                f"error: RUN_NAME=busy: {run} is in use by another run (pid {proc.pid}); "
+                f"error: RUN_NAME=busy: {run} is in use by another run (pid {holder}); "
                 "wait for it or pick another RUN_NAME"
             )
+            assert holder == proc.pid or forking()
+            os.kill(holder, 0)  # alive
         assert proc.poll() is None and (run / "config.json").read_bytes() == config  # not overwritten
         steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
         assert steps == list(range(1, len(steps) + 1))  # one run's rows, none mixed in

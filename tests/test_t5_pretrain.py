@@ -20,7 +20,7 @@ import pytest
 import torch
 from tiny_tools import one_thread
 
-from conftest import ROOT, read_jsonl, run_cli, train_python
+from conftest import ROOT, launcher_env, read_jsonl, run_cli, train_python
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption as sc
 from train.data.sft.sft_batching import Seq2SeqCollator
@@ -68,11 +68,11 @@ def runs(base):
     killed = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)  # fmt: skip
     config, data, cache = flags[1], flags[3], flags[7]
-    ddp_env = child_env(
-        NPROC_PER_NODE="2", MODEL_CONFIG=config, DATA_PATH=data, VOCAB_SIZE="512", CACHE_DIR=cache,
+    ddp_env = launcher_env(dict(  # torchrun and its ranks forks of the tests' server (KIT_PYTHON)
+        OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MODEL_CONFIG=config, DATA_PATH=data, VOCAB_SIZE="512", CACHE_DIR=cache,
         OUTPUT_DIR=str(runs), MAX_LENGTH="32", BATCH_SIZE="4", GRADIENT_ACCUM="1", NUM_WORKERS="0",
         MAX_STEPS=str(STEPS), SEED="7", LOG_EVERY="1", RUN_NAME="ddp",
-    )  # fmt: skip
+    ))  # fmt: skip
     ddp = subprocess.Popen(["bash", str(ROOT / "run_single_gpu_optimized.sh")], env=ddp_env, cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     at, metrics = random.randint(6, STEPS - 20), runs / "killed" / "metrics.jsonl"
