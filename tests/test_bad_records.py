@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from test_bad_input import snapshot
@@ -138,14 +139,36 @@ def bomb(path, gigabytes: float = 3.0):
     return path
 
 
-def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world):
+def peak_rise_kb(run) -> int | None:
+    """run() in this process, and how far its peak RSS rose above the RSS it started at (kB); None
+    where the kernel cannot reset this process's peak (/proc/self/clear_refs "5", Linux 4.0+)."""
+    def status_kb(field: str) -> int:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1])
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    start = status_kb("VmRSS")
+    run()
+    return status_kb("VmHWM") - start
+
+
+def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world, capsys):
     data = bomb(world["dir"] / "bomb.jsonl.gz")
     assert data.stat().st_size < 5 << 20
+    # a bad line first: the kit's imports made, in this process, before the peak is measured
+    refused(world, "pretrain", jsonl(world["dir"] / "warm.jsonl", GOOD, "{broken"), "line 2", here=capsys)
     start = time.perf_counter()
-    rss = world["dir"] / "rss"
-    refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", rss_file=rss)
+    rise = peak_rise_kb(lambda: refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", here=capsys))
+    print("peak RSS rise", rise, "kB")
+    if rise is not None:  # the run in this process: ~2 x 64 MB (the line so far, the block read), not 3 GB
+        assert rise < 300_000, rise
+    else:  # a fresh interpreter that writes its own peak: the interpreter and torch, plus at most ~2 x 64 MB
+        rss = world["dir"] / "rss"
+        refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", rss_file=rss)
+        assert int(rss.read_text()) < 1_200_000
     assert time.perf_counter() - start < 60
-    assert int(rss.read_text()) < 1_200_000  # kB: the interpreter and torch, plus at most ~2 x 64 MB
     # in this process under MAX_RECORD_MB=4 (the same reader; a sixteenth of the bytes to inflate)
     tracemalloc.start()
     with json_lines.record_limit(4), pytest.raises(UsageError, match="line 1 is longer than 4 MB"):
@@ -156,6 +179,24 @@ def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world):
     assert peak < 3 * (4 << 20)  # the line so far and its last block, not 3 GB
     with json_lines.record_limit(4), pytest.raises(UsageError, match="line 1: is longer than 4 MB"):
         load_conversations(data)  # SFT: a bad record (SKIP_BAD_RECORDS)
+
+
+def test_a_bad_record_before_the_format_is_known_stops_the_read_there():
+    from train.data.sft.sft_formats import detect_format, first_format
+    from train.data.sft.sft_turns import BadRecord
+
+    def stream():
+        yield "d.jsonl.gz line 1", BadRecord("is longer than 4 MB (decompressed)")
+        pytest.fail("read past the bad record: the rest of a 3 GB line decompressed for nothing")
+
+    with pytest.raises(UsageError, match=re.escape("d.jsonl.gz line 1: is longer than 4 MB (decompressed) "
+                                                   "(SKIP_BAD_RECORDS=1 skips")):  # fmt: skip
+        first_format(stream(), detect_format, skip_bad_records=False)
+    # SKIP_BAD_RECORDS=1: read on to the first good record; the rest stays in the stream
+    records = iter([("line 1", BadRecord("x")), ("line 2", {"text": "hi"}), ("line 3", {"text": "after"})])
+    fmt, head = first_format(records, detect_format, skip_bad_records=True)
+    assert (fmt, [place for place, _ in head], next(records)[0]) == (detect_format({"text": "hi"}), ["line 1", "line 2"],
+                                                                      "line 3")  # fmt: skip
 
 
 def test_a_symlink_loop_under_a_recursive_glob_ends(world):

@@ -11,7 +11,7 @@ import torch
 
 import config
 from train.core.units import MIB
-from train.run.plan.dpo import copy_room, decide_reference
+from train.run.plan.dpo import copy_room, decide_reference, tightest
 
 PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(24)]
 
@@ -56,6 +56,10 @@ def test_a_copy_that_does_not_fit_beside_the_run_is_not_chosen():
     kind, why = choose(cfg, copy_room(cfg, model, device, "fp32", 64))
     print(why)
     assert kind == "copy" and "a short run reads 8 of 40 pairs" in why and "MB fit in the" in why
+    # DDP: each rank measured its own device; the one with the least room decides for all.
+    rooms = [copy_room(dpo_cfg(max_memory_mb=mb), model, device, "fp32", 64) for mb in (roomy, tight, None)]
+    assert tightest(rooms) == rooms[1] and tightest([rooms[0], rooms[2]]) == rooms[0]
+    assert choose(dpo_cfg(), tightest(rooms))[0] == "precomputed"
 
 
 def test_the_earlier_reasons_hold_whatever_the_memory():

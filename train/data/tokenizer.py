@@ -60,7 +60,8 @@ def turns_tokenizer(d, declared: dict, variable: str, say, decide):
     if d.tokenizer_path is not None:
         return text_lib.load_tokenizer(d.tokenizer_path, [], "", d.vocab_size, cache, say)
     if d.data_path is not None:
-        open_records(d.data_path, d.text_field)  # an unknown format or empty data stops here, before the BPE trains
+        # an unknown format, empty data or a bad first record stops here, before the BPE trains
+        open_records(d.data_path, d.text_field, d.skip_bad_records)
     files = text_lib.builtin_corpus_files() if d.data_path is None else records.source_files(d.data_path)
     turns_key = TURNS_KEY if d.text_field == "text" else f"{TURNS_KEY}:{d.text_field}"  # which text it learns
     key = text_lib.corpus_fingerprint(files, turns_key, cache / "sums")

@@ -230,7 +230,7 @@ def preference_cache(data_path: str | None, builtin: list | None, tok, max_lengt
     if data_path is None:
         fmt, items = "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
     else:
-        fmt, items = open_pairs(data_path)
+        fmt, items = open_pairs(data_path, skip_bad_records)
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
         workers = max(1, min(workers, -(-total // sft_cache.CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""

@@ -231,15 +231,14 @@ def builtin_pairs(limit: int | None = None) -> list[dict]:
     return pairs
 
 
-def open_pairs(data_path: str | Path) -> tuple[str, Iterator[tuple[str, object]]]:
+def open_pairs(data_path: str | Path, skip_bad_records: bool = True) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed; the format is the first
-    matching record's. An empty source or an unknown format is one line naming DATA_PATH."""
+    matching record's (sft_formats.first_format). An empty source or an unknown format is one line
+    naming DATA_PATH."""
     stream = sft_formats.source_records(data_path)
-    head: list[tuple[str, object]] = []
-    for place, record in stream:
-        head.append((place, record))
-        if fmt := detect_format(record):
-            return fmt, itertools.chain(head, stream)
+    fmt, head = sft_formats.first_format(stream, detect_format, skip_bad_records)
+    if fmt:
+        return fmt, itertools.chain(head, stream)
     if not head:
         raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
     first = next((r for _, r in head if isinstance(r, dict)), None)
@@ -265,7 +264,7 @@ def converted(items, fmt: str) -> tuple[list[dict], list[str], list[str]]:
 def load_pairs(path: str | Path, skip_bad_records: bool = False) -> tuple[list[dict], str, int]:
     """DATA_PATH -> (pairs, format, records skipped), in memory: for small data and tests (a run
     reads through the preference cache, train/data/pref/pref_cache.py)."""
-    fmt, items = open_pairs(path)
+    fmt, items = open_pairs(path, skip_bad_records)
     pairs, _, bad = converted(items, fmt)
     if bad and not skip_bad_records:
         raise sft_formats.refuse_bad(bad[0])

@@ -368,7 +368,7 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
     if data_path is None:
         fmt, items = "messages", ((f"built-in pair {i}", {"messages": c}) for i, c in enumerate(builtin, 1))
     else:
-        fmt, items = open_records(data_path, text_field)
+        fmt, items = open_records(data_path, text_field, skip_bad_records)
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
         workers = max(1, min(workers, -(-total // CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""

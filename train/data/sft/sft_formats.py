@@ -21,6 +21,7 @@ import sysconfig
 import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from train.core.errors import UsageError
@@ -176,18 +177,33 @@ def source_records(data_path: str | Path) -> Iterator[tuple[str, object]]:
             yield place, BadRecord(str(record)) if isinstance(record, records.BadLine) else record
 
 
-def open_records(data_path: str | Path, text_field: str = TEXT_FIELD) -> tuple[str, Iterator[tuple[str, object]]]:
+def first_format(stream: Iterator[tuple[str, object]], detect, skip_bad_records: bool) -> tuple[str | None, list]:
+    """(the format detect finds in the first record it matches, or None; the records read up to it),
+    the rest left in stream. Without skip_bad_records a bad record met on the way stops here, as
+    it would later (a line over MAX_RECORD_MB in a .jsonl.gz is not read past: gigabytes to
+    decompress before the error)."""
+    head: list[tuple[str, object]] = []
+    for place, record in stream:
+        if isinstance(record, BadRecord) and not skip_bad_records:
+            raise refuse_bad(f"{place}: {record}")
+        head.append((place, record))
+        if fmt := detect(record):
+            return fmt, head
+    return None, head
+
+
+def open_records(data_path: str | Path, text_field: str = TEXT_FIELD,
+                 skip_bad_records: bool = True) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed.
 
     The format is the one of the first record that matches one; only the records before it
     (none, usually) are held while it is looked for. An empty source or an unknown format is
-    a UsageError naming DATA_PATH. text_field: TEXT_FIELD, which a plain-text record trains on."""
+    a UsageError naming DATA_PATH. text_field: TEXT_FIELD, which a plain-text record trains on;
+    skip_bad_records: first_format's."""
     stream = source_records(data_path)
-    head: list[tuple[str, object]] = []
-    for place, record in stream:
-        head.append((place, record))
-        if fmt := detect_format(record, text_field):
-            return fmt, itertools.chain(head, stream)
+    fmt, head = first_format(stream, partial(detect_format, text_field=text_field), skip_bad_records)
+    if fmt:
+        return fmt, itertools.chain(head, stream)
     if not head:
         raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
     bad = next(((place, r) for place, r in head if isinstance(r, BadRecord)), None)
@@ -229,7 +245,7 @@ def load_conversations(path: Path, skip_bad_records: bool = False,
     in that format. With skip_bad_records a bad record is counted instead of stopping the run,
     but an empty file, an unknown format, or a file with no good record still stops it.
     """
-    fmt, items = open_records(path, text_field)
+    fmt, items = open_records(path, text_field, skip_bad_records)
     conversations, bad = converted(items, fmt)
     if bad and not skip_bad_records:
         raise refuse_bad(bad[0])

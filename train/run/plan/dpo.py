@@ -23,6 +23,7 @@ from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
 from train.core.units import MIB
 from train.data.loader import Data
 from train.data.pref.preference import preference_data
+from train.distributed.distributed import gather
 from train.models.build import attention_fits
 from train.run.plan import dpo_reference, sft_scratch
 from train.run.plan.plan import ModelChoice
@@ -81,6 +82,16 @@ def copy_room(cfg: TrainConfig, model, device, precision: str, max_length: int) 
         cap_mb, what = capacity_mb(device, cfg.system.max_memory_mb)
         cap = None if cap_mb is None else cap_mb * MIB
     return {"copy": n_params * 4, "run": est["peak"], "capacity": cap, "what": what}
+
+
+def tightest(rooms: list[dict]) -> dict:
+    """Of copy_room's figures from every rank, those of the rank with the least room left: each rank
+    measures its own device (free memory differs by the moment it is read), and all ranks must choose
+    the same REFERENCE, one that fits on every device."""
+    def left(room: dict) -> float:
+        return float("inf") if room["capacity"] is None else room["capacity"] - room["run"]
+
+    return min(rooms, key=left)
 
 
 def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: dict | None = None) -> str | None:
@@ -161,7 +172,7 @@ class DPOSource(SFTSource):
         source_target = choice.family.source_target
         room = None
         if cfg.model.reference is None and DPO_LOSS[s["dpo_loss"]].reference and not cfg.model.lora_r:
-            room = copy_room(cfg, model, device, precision, max_length)
+            room = tightest(gather(copy_room(cfg, model, device, precision, max_length)))
         kind = decide_reference(cfg, len(data.conversations), trained, decide, room)
         reference = None
         if kind is not None and not cfg.run.dry_run:
