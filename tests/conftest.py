@@ -127,7 +127,11 @@ def _reach(root: Path) -> dict:
 
     key = str(root)
     if key not in _FORKSERVER:
+        import atexit
+        import shutil
+
         folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the server's kill (atexit runs last first)
         reach = {"KIT_FORKSERVER": str(folder / "s"), "KIT_FORKSERVER_ROOT": key, "KIT_REAL_PYTHON": sys.executable}
         caller = folder / "python"
         script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
