@@ -120,7 +120,8 @@ _FORKSERVER: dict = {}
 
 def _reach(root: Path) -> dict:
     """Where the server for the kit at root listens, once per pytest process: {"folder", "python":
-    its caller, "env": what a process needs to reach it}. Nothing is started here."""
+    its caller, "env": what a process needs to reach it, "server": its process once fork_server
+    started it, else None}. Nothing is started here; the folder goes when pytest exits."""
     import shlex
     import stat
     import tempfile
@@ -289,6 +290,11 @@ _SECONDS = Path(__file__).parent / "module_seconds.json"
 MODULE_SECONDS = json.loads(_SECONDS.read_text()) if _SECONDS.is_file() else {}
 
 
+def module_weight(path: str, tests: int) -> int:
+    """A module's seconds for the shards' order: MODULE_SECONDS's, or 3 s a test where it is not listed."""
+    return MODULE_SECONDS.get(Path(path).name, 3 * tests)
+
+
 class Shard:
     """--shard K/N: the K-th of N shards of the tests left after -m. Unit tests: every N-th from the
     K-th. Integration tests go by module (a module's fixtures, a whole reference run, are made once),
@@ -303,7 +309,7 @@ class Shard:
             if item.get_closest_marker("integration") is not None:
                 modules.setdefault(str(item.fspath), []).append(item)
         load, mine = [0] * n, {id(item) for item in units[k - 1 :: n]}
-        weight = {path: MODULE_SECONDS.get(Path(path).name, 3 * len(tests)) for path, tests in modules.items()}
+        weight = {path: module_weight(path, len(tests)) for path, tests in modules.items()}
         for path, tests in sorted(modules.items(), key=lambda kv: (-weight[kv[0]], kv[0])):
             shard = load.index(min(load))
             load[shard] += weight[path]
@@ -336,7 +342,7 @@ class Queue:
         modules: dict[str, list] = {}
         for item in items:
             modules.setdefault(str(item.fspath), []).append(item)
-        order = sorted(modules, key=lambda path: (-MODULE_SECONDS.get(Path(path).name, 3 * len(modules[path])), path))
+        order = sorted(modules, key=lambda path: (-module_weight(path, len(modules[path])), path))
         self.modules = [modules[path] for path in order]
         items[:] = [item for path in order for item in modules[path]]
 

@@ -181,7 +181,7 @@ def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world, capsys):
         load_conversations(data)  # SFT: a bad record (SKIP_BAD_RECORDS)
 
 
-def test_a_bad_record_before_the_format_is_known_stops_the_read_there():
+def test_a_bad_record_before_the_format_is_known_stops_the_read_there(tmp_path):
     from train.data.sft.sft_formats import detect_format, first_format
     from train.data.sft.sft_turns import BadRecord
 
@@ -192,6 +192,17 @@ def test_a_bad_record_before_the_format_is_known_stops_the_read_there():
     with pytest.raises(UsageError, match=re.escape("d.jsonl.gz line 1: is longer than 4 MB (decompressed) "
                                                    "(SKIP_BAD_RECORDS=1 skips")):  # fmt: skip
         first_format(stream(), detect_format, skip_bad_records=False)
+    # the SFT run's first read (the tokenizer's language note) stops there too
+    from types import SimpleNamespace
+
+    from train.data.sft.fine_tuning import first_texts
+
+    data = jsonl(tmp_path / "d.jsonl", GOOD_SFT, "{broken")  # line 2 bad, line 1 good: a format first
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(data.read_text().splitlines()[1:]) + "\n")  # the bad line first
+    with pytest.raises(UsageError, match=re.escape(f"{cut} line 1: ")):
+        first_texts(SimpleNamespace(data_path=str(cut), text_field="text", skip_bad_records=False))
+    assert list(first_texts(SimpleNamespace(data_path=str(cut), text_field="text", skip_bad_records=True)))
     # SKIP_BAD_RECORDS=1: read on to the first good record; the rest stays in the stream
     records = iter([("line 1", BadRecord("x")), ("line 2", {"text": "hi"}), ("line 3", {"text": "after"})])
     fmt, head = first_format(records, detect_format, skip_bad_records=True)

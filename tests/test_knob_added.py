@@ -102,7 +102,8 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
         "MAX_STEPS": "2", "EVAL_BATCHES": "1", "DUMMY_KNOB": "7",
     }  # fmt: skip
     if forking():  # the runs forks of a warm server that imported this copy (its config.py as edited above)
-        env.update(KIT_PYTHON=fork_server(kit)["python"], **fork_server(kit)["env"])
+        server = fork_server(kit)
+        env.update(KIT_PYTHON=server["python"], **server["env"])
     first = launch(kit, "run_single_gpu.sh", env)
     assert first.returncode == 0, first.stderr[-2000:]
     saved = json.loads((tmp_path / "runs" / "dummy" / "config.json").read_text())

@@ -105,11 +105,12 @@ def template_decision(d, tok, kind: str, say, decide) -> None:
 
 def first_texts(d, records_read: int = 256):
     """The turns' texts of DATA_PATH's first records (for the tokenizer's note); nothing from a .json
-    list over 64 MB, which is read whole."""
+    list over 64 MB, which is read whole. A bad record before the first good one stops here as the
+    SFT cache would next (SKIP_BAD_RECORDS=0), not read past for a note."""
     sources = records.source_files(d.data_path)
     if records.suffix_of(sources[0]) == ".json" and sources[0].stat().st_size > 64 << 20:
         return iter(())
-    fmt, items = open_records(d.data_path, d.text_field)
+    fmt, items = open_records(d.data_path, d.text_field, d.skip_bad_records)
     good, _ = converted(itertools.islice(items, records_read), fmt)
     return (turn["content"] for conversation in good for turn in conversation if turn.get("content"))
 
