@@ -21,10 +21,51 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
+def kit_main() -> int:
+    """TRL's DPOTrainer on bench/peers.py's export of the kit's plan."""
+    import peer_side
+
+    p = argparse.ArgumentParser(description="TRL's DPOTrainer on the kit's plan")
+    peer_side.add_args(p)
+    a = p.parse_args()
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    s, examples, model_dir = peer_side.load_kit(a.kit)
+    if s["dpo_loss"] not in TRL_LOSSES:
+        print(f"error: DPO_LOSS={s['dpo_loss']}: TRL's DPOTrainer has no such loss ({', '.join(TRL_LOSSES)})")
+        return 2
+
+    class KitIds(DPOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            return dataset  # already the kit's token ids: prompt_ids, chosen_ids, rejected_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = DPOConfig(**peer_side.training_kwargs(s, a.out, a.compile), max_length=s["max_length"], beta=s["beta"],
+                    loss_type=[s["dpo_loss"]], disable_dropout=True, precompute_ref_log_probs=False)
+    trainer = KitIds(model=model, args=cfg, train_dataset=Dataset.from_list(examples), processing_class=tok)
+    ran = {"batch_size": s["batch_size"], "max_length": s["max_length"], "bf16": cfg.bf16, "fp16": cfg.fp16,
+           "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
+           "reference": type(trainer.ref_model).__name__ + " (a frozen copy)", "beta": cfg.beta,
+           "loss_type": cfg.loss_type, "attn_implementation": model.config._attn_implementation,
+           "optim": getattr(cfg.optim, "value", cfg.optim)}
+    peer_side.run(trainer, s, "TRL DPOTrainer", ran, a)
+    return 0
+
+
+TRL_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
 def main() -> None:
+    if "--kit" in sys.argv:
+        sys.exit(kit_main())
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("pairs")
