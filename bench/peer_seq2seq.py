@@ -22,8 +22,13 @@ def main() -> None:
     a = p.parse_args()
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainer,
-                              Seq2SeqTrainingArguments)
+    from transformers import (
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+    )
 
     s, examples, model_dir = peer_side.load_kit(a.kit)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32)

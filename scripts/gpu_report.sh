@@ -5,31 +5,45 @@
 #   pretrain-preset  120 s  doctor on the optimized preset (32 x 4), GPT-2 small, T=1024, bf16 +
 #                           compile, 30 steps: its verdict and the pretraining row; first, it also
 #                           builds the tokenizer and token cache (82 s)
-#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 30 steps, eager:
-#                           a static graph per length bucket would be up to 8 compiles (21 s)
-#   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, 59 s)
+#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, the launcher's batch and
+#                           COMPILE (eager: 21 s with batch 16)
+#   trl-sft-padfree   90 s  TRL's SFTTrainer, padding_free=True, on sft-grouped's plan (estimated 45 s:
+#                           the plan exported, TRL imported, 30 steps, one profiled)
+#   sft-packing1      75 s  the same with PACKING=1 (compiled: 59 s; eager less)
+#   trl-sft-packed    90 s  TRL's SFTTrainer, packing=True (bfd, padding-free rows), sft-packing1's plan (45 s)
 #   t5-pretrain      110 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
 #                           bf16 + compile, 30 steps (75 s)
-#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, eager (21 s)
+#   t5-sft            60 s  SFT from t5-pretrain's final/, MAX_LENGTH 512, the launcher's batch (21 s at 20)
+#   seq2seq-t5-sft    75 s  transformers' Seq2SeqTrainer (ChatLM's SFT trainer) on t5-sft's plan (35 s)
+#   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
+#                           REFERENCE=copy, the launcher's batch, packing and COMPILE (25 s at 16 pairs)
+#   trl-dpo           90 s  TRL's DPOTrainer on dpo's plan (45 s)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
 #                           against one core's encode rate and the machine's ceiling, memory sampled
 #                           (bench/tokenize_scaling.py; the corpus is made in the background while
 #                           the GPU parts run; 90 s)
 #   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1: find-batch's search in the run, its
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
-#   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
-#                           REFERENCE=copy, batch 16, bf16, eager, 30 steps (25 s)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
-# about 570 s expected. A part gets the smaller of its limit and what is left of
-# GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report), so the parts
-# the issue's targets need come first and bench-baseline, measured before, last.
-# GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed). The
+# about 640 s expected in all: more than one call's budget. A part gets the smaller of its limit and
+# what is left of GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report),
+# so the parts the issue's targets need come first and bench-baseline, measured before, last.
+# GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed);
+# GPU_REPORT_PARTS=peers names the peers and the kit parts they are measured against (about 445 s).
+# The kit's parts run the launchers' defaults (batch, COMPILE, DPO's packing) except where the peer
+# needs the same setting: bf16 (ENABLE_BF16=1; the peers' bf16 too), the DataLoader in the
+# training process (NUM_WORKERS=0, the trainers' default), DPO's REFERENCE=copy (TRL's frozen copy).
+# A peer part (bench/peers.py) exports its kit part's plan (model, token ids, MAX_LENGTH) with that
+# run's batch and precision, and runs the peer on it; the peers come from .whl/ (bash
+# bench/peer_wheels.sh here, then carry .whl to the GPU machine), installed once into
+# GPU_REPORT_PEER_SITE (/tmp/site) where python3 has no trl. The
 # paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo) run under
 # train/tools/step_profile.py, which traces optimizer step 2 (inside the warm-up the throughput
 # leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table"
 # section of bench/RESULTS.md (device, date, every row, the issue's targets as met / missed by
-# how much, the profiles). A part that fails or runs out of time is named in the table and the
+# how much, the profiles, the peers and the kit / peer ratios) and bench/gpu_table.json (the same
+# figures for a program). A part that fails or runs out of time is named in the table and the
 # others still run.
 # Outputs: runs/gpu-report-<date>/ (a log per part). Without a CUDA GPU it says so in one line and exits 0.
 set -uo pipefail
@@ -37,7 +51,7 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 
 PY=$(kit_python)
-PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, one step of each profiled; tokenizing 1 GB on every CPU core"
+PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, one step of each profiled, TRL's SFT and DPO trainers and transformers' Seq2SeqTrainer on the same plans; tokenizing 1 GB on every CPU core"
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md"
   exit 0
@@ -55,6 +69,8 @@ export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=30
 export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
 
+PEERS=pretrain-preset,sft-grouped,trl-sft-padfree,sft-packing1,trl-sft-packed,t5-pretrain,t5-sft,seq2seq-t5-sft,dpo,trl-dpo
+[[ ",${GPU_REPORT_PARTS:-}," == *",peers,"* ]] && GPU_REPORT_PARTS="$GPU_REPORT_PARTS,$PEERS"
 # wanted NAME: the part runs this time (every part, or those GPU_REPORT_PARTS=a,b names)
 wanted() { [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",$1,"* ]]; }
 
@@ -96,6 +112,42 @@ profiled() {
 # skip NAME WHY: a part that cannot run, named in the table
 skip() { wanted "$1" || return 0; printf '%s\t0\t%s\n' "$1" "skipped ($2)" >>"$OUT/parts.tsv"; }
 
+# peer_env: the environment the peers run in (empty where python3 has trl, datasets); the carried
+# wheels installed once into GPU_REPORT_PEER_SITE otherwise. Fails where neither is there.
+PEER_SITE=${GPU_REPORT_PEER_SITE:-/tmp/site}
+peer_env() {
+  if [ -z "${peer_pythonpath+set}" ]; then
+    if "$PY" -c 'import trl, datasets' 2>/dev/null; then
+      peer_pythonpath=
+    elif compgen -G ".whl/*.whl" >/dev/null && "$PY" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$PEER_SITE" .whl/*.whl >>"$OUT/peer-wheels.log" 2>&1; then
+      peer_pythonpath=$PEER_SITE${PYTHONPATH:+:$PYTHONPATH}
+    else
+      peer_pythonpath=none
+    fi
+  fi
+  [ "$peer_pythonpath" != none ]
+}
+
+# peer NAME LIMIT KIT_PART LAUNCHER...: bench/peers.py's NAME on the plan of the launcher's command,
+# with the batch and precision of the kit's run KIT_PART; its figures in NAME.json, step 2 profiled.
+peer() {
+  local name=$1 limit=$2 kit=$3 text
+  shift 3
+  wanted "$name" || return 0
+  [ -f "$OUT/$kit/summary.json" ] || { skip "$name" "no $kit run to measure against"; return 0; }
+  peer_env || { skip "$name" "no trl here and no .whl/ wheels: bash bench/peer_wheels.sh, carry .whl"; return 0; }
+  local cmd=()
+  if text=$(SHOW_COMMAND=1 "$@" 2>>"$OUT/$name.log") && eval "cmd=($text)" && [ "${cmd[2]:-}" = train ]; then
+    part "$name" "$limit" env ${peer_pythonpath:+PYTHONPATH=$peer_pythonpath} "$PY" bench/peers.py "$name" \
+      --work "$OUT/$name.plan" --run "$OUT/$kit" --json "$OUT/$name.json" --profile "$OUT/$name.profile.json" \
+      -- "${cmd[@]:3}"
+    rm -rf "$OUT/$name.plan"  # the model's copy (0.5 GB for GPT-2 small) and the token ids
+  else
+    printf '%s\t0\t%s\n' "$name" "failed (no launcher command; see $name.log)" >>"$OUT/parts.tsv"
+  fi
+}
+
 # The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
 TOKENIZE_WORK="$OUT/tokenize"
 prepare_pid=
@@ -112,20 +164,30 @@ doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
 base=${doctor_json:+$(dirname "$doctor_json")/final}
 SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=1 NUM_WORKERS=0"
 if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled sft-grouped 60 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh 16
-  profiled sft-packing1 75 $SFT PACKING=1 COMPILE=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh 16
+  profiled sft-grouped 60 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
+  peer trl-sft-padfree 90 sft-grouped $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
+  profiled sft-packing1 75 $SFT PACKING=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh
+  peer trl-sft-packed 90 sft-packing1 $SFT PACKING=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh
 else
-  skip sft-grouped "no doctor run to start from"
-  skip sft-packing1 "no doctor run to start from"
+  for name in sft-grouped trl-sft-padfree sft-packing1 trl-sft-packed; do skip $name "no doctor run to start from"; done
 fi
 
 T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
 profiled t5-pretrain 110 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
+T5_SFT="env -u MODEL_SIZE MODEL_PATH=$OUT/t5-pretrain/final MAX_LENGTH=512 ENABLE_BF16=1 NUM_WORKERS=0 RUN_NAME=t5-sft"
 if [ -d "$OUT/t5-pretrain/final" ]; then
-  profiled t5-sft 60 env -u MODEL_SIZE MODEL_PATH="$OUT/t5-pretrain/final" MAX_LENGTH=512 ENABLE_BF16=1 \
-    NUM_WORKERS=0 RUN_NAME=t5-sft ./train_sft_custom.sh 20
+  profiled t5-sft 60 $T5_SFT ./train_sft_custom.sh
+  peer seq2seq-t5-sft 75 t5-sft $T5_SFT ./train_sft_custom.sh
 else
   skip t5-sft "no t5-pretrain final/ to start from"
+  skip seq2seq-t5-sft "no t5-pretrain final/ to start from"
+fi
+if [ -n "$base" ] && [ -d "$base" ]; then
+  profiled dpo 70 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh
+  peer trl-dpo 90 dpo $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh
+else
+  skip dpo "no doctor run to start from"
+  skip trl-dpo "no doctor run to start from"
 fi
 
 [ -z "$prepare_pid" ] || wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
@@ -133,11 +195,6 @@ part tokenize-scaling 100 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK
 rm -rf "$TOKENIZE_WORK"
 
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
-if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled dpo 70 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh 16
-else
-  skip dpo "no doctor run to start from"
-fi
 part bench-baseline 60 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
-"$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md
+"$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md --table bench/gpu_table.json

@@ -74,7 +74,7 @@ def test_table_written_then_replaced_in_a_copy_of_results(tmp_path, capsys):
     assert "| 0 | 16 | bf16 | 41.0% | 100.00 | 9,000 | 160 | 1.2345 | 40 s |" in table
     assert "| 1 | 16 | bf16 | 97.0% | 101.00 | 18,000 | 160 | 1.2345 | 41 s |" in table
     assert "not a setting of this checkout" not in table
-    assert capsys.readouterr().out.endswith(f"gpu-report: wrote the GPU table of {results}\n")
+    assert capsys.readouterr().out.endswith(f"gpu-report: wrote the GPU table of {results} and {tmp_path / 'gpu_table.json'}\n")
 
     _session(tmp_path / "b", sft_loss=9.8765, packing_key=False)  # a second session replaces the first
     assert main(["--out", str(tmp_path / "b"), *args]) == 0
@@ -187,3 +187,88 @@ def test_paths_rows_targets_and_profiles(tmp_path):
            "aten::mm 80.0 ms |" in t
     section = t[t.index("One step of each path"):]
     assert "T5 small SFT" not in section and "T5 small pretraining" not in section
+
+
+def _peer(trainer, tps, busy=None, peak=None):
+    """NAME.json as bench/peer_side.py writes it on a GPU."""
+    return {"trainer": trainer, "versions": {"torch": "2.11.0", "transformers": "5.17.0", "trl": "1.16.0"},
+            "device": "NVIDIA H200", "settings": {"packing": "bfd", "padding_free": True, "batch_size": 16,
+                                                  "max_length": 1024, "bf16": True, "gradient_checkpointing": False,
+                                                  "torch_compile": False, "attn_implementation": "sdpa"},
+            "steps": 30, "steady_state_steps": 27, "tokens_per_sec": tps, "samples_per_sec": 10.0,
+            "step_time_ms": 80.0, "padding_efficiency": 1.0, "peak_vram_mb": peak, "vram_total_mb": 143771.0,
+            "final_loss": 2.0}
+
+
+def test_peers_ratios_and_the_json_table(tmp_path):
+    out = tmp_path / "s"
+    _paths_session(out)
+    # the kit's DPO and T5 SFT rows, a device total for the memory share
+    for name, summary in (("dpo", _summary(tokens_per_sec=400000.0, mfu=0.2, peak_vram_mb=100000.0,
+                                           vram_total_mb=143771.0)),
+                          ("t5-sft", _summary(max_length=512, tokens_per_sec=40000.0, mfu=0.02, vram_total_mb=143771.0,
+                                              peak_vram_mb=9000.0, estimate_peak_mb=8500.0))):
+        (out / name).mkdir()
+        (out / name / "summary.json").write_text(json.dumps(summary))
+    (out / "trl-sft-packed.json").write_text(json.dumps(_peer("TRL SFTTrainer", 200000.0, peak=30000.0)))
+    (out / "trl-sft-packed.profile.json").write_text(json.dumps(_profile(0.6, [("attention", 0.5)])))
+    (out / "trl-dpo.json").write_text(json.dumps(_peer("TRL DPOTrainer", 350000.0, peak=60000.0)))
+    with (out / "parts.tsv").open("a") as f:
+        f.write("trl-sft-padfree\t44\tfailed (exit 1)\ntrl-sft-packed\t47\tok\nt5-sft\t20\tok\ndpo\t25\tok\n"
+                "trl-dpo\t41\tok\nseq2seq-t5-sft\t0\tskipped (no trl here and no .whl/ wheels)\n")
+    results, table = tmp_path / "R.md", tmp_path / "t.json"
+    results.write_text("# R\n")
+    assert main(["--out", str(out), "--results", str(results), "--table", str(table), "--device", "H200",
+                 "--date", "x"]) == 0
+    t = results.read_text()
+    # the peers' rows, named by their trainer, beside the kit's figures; MFU by the kit's FLOPs per token
+    assert ("| TRL SFTTrainer (trl-sft-packed): GPT-2 SFT, packed rows | sft-packing1 | bf16, packing bfd, batch 16, "
+            "T=1024, checkpointing 0, compile 0, sdpa | 200,000 | 12.6% | 30,000 MB (21%) | 60% of 240 ms | 460,000 "
+            "| 2.30x | 47 s |") in t
+    assert ("| TRL SFTTrainer (trl-sft-padfree): GPT-2 SFT, one conversation per example | sft-grouped | | | | | | | | "
+            "44 s, failed (exit 1) (see trl-sft-padfree.log) |") in t
+    assert "Peer versions: torch 2.11.0, transformers 5.17.0, trl 1.16.0." in t
+    # the ratios and the new targets
+    assert "| GPT-2 SFT, packed rows: the kit / TRL SFTTrainer real tokens/s >= 1.3x | 2.30x (460,000 / 200,000) | met |" in t
+    assert ("| GPT-2 DPO: the kit / TRL DPOTrainer real tokens/s >= 1.3x | 1.14x (400,000 / 350,000) | missed by "
+            "0.16x |") in t
+    assert "| T5 small SFT: the kit / transformers Seq2SeqTrainer real tokens/s >= 1.3x | n/a | not measured |" in t
+    assert "| DPO real tokens/s >= 0.8 x packed SFT's (460,000) | 400,000 | met |" in t
+    assert ("| GPT-2 preference training (DPO, REFERENCE=copy): peak memory >= 60% of the device or GPU busy >= 90% "
+            "| memory 70%, GPU busy n/a | met |") in t
+    assert ("| GPT-2 SFT, LENGTH_GROUPING=1: peak memory >= 60% of the device or GPU busy >= 90% | memory n/a, GPU "
+            "busy 41% | missed |") in t
+
+    j = json.loads(table.read_text())
+    assert (j["device"], j["date"], j["out"]) == ("H200", "x", str(out))
+    parts = {p["name"]: p for p in j["parts"]}
+    assert list(parts)[:3] == ["find-batch", "pretrain-preset", "sft-grouped"]  # parts.tsv's order
+    preset = parts["pretrain-preset"]
+    assert (preset["kind"], preset["tokens_per_sec"], preset["mfu"], preset["gpu_busy"]) == ("kit", 500000.0, 0.31, 0.93)
+    assert (preset["peak_memory_mb"], preset["estimate_mb"], preset["memory_share"]) == (28000.0, 27000.0, None)
+    assert [(g["target"], g["goal"], g["met"]) for g in preset["targets"]] == [
+        ("GPT-2 small pretraining (preset) MFU >= 45%", 0.45, False),
+        ("GPT-2 small pretraining, optimized preset: peak memory >= 60% of the device or GPU busy >= 90%",
+         {"memory_share": 0.6, "gpu_busy": 0.9}, True)]
+    assert preset["met"] is False and parts["pretrain-auto"]["met"] is True
+    assert parts["dpo"]["memory_share"] == pytest.approx(100000 / 143771) and parts["dpo"]["met"] is True
+    t5 = parts["t5-sft"]
+    assert [g["met"] for g in t5["targets"]] == [False, True, False]  # MFU, estimate within 10 % (-6 %), fill
+    peer = parts["trl-sft-packed"]
+    assert (peer["kind"], peer["trainer"], peer["against"], peer["gpu_busy"]) == ("peer", "TRL SFTTrainer",
+                                                                                 "sft-packing1", 0.6)
+    assert peer["mfu"] == pytest.approx(0.29 * 200000 / 460000) and peer["memory_share"] == pytest.approx(30000 / 143771)
+    assert peer["targets"] == [] and peer["met"] is None and peer["settings"]["packing"] == "bfd"
+    assert parts["seq2seq-t5-sft"] == {"name": "seq2seq-t5-sft", "status": "skipped (no trl here and no .whl/ wheels)",
+                                       "seconds": 0, "kind": "peer", "trainer": "transformers Seq2SeqTrainer", "against": "t5-sft",
+                                       "settings": None, "versions": None, "tokens_per_sec": None, "mfu": None,
+                                       "gpu_busy": None, "peak_memory_mb": None, "memory_share": None,
+                                       "estimate_mb": None, "padding_efficiency": None, "targets": [], "met": None}
+    assert parts["bench-baseline"]["tokens_per_sec"] == 54543.0 and parts["bench-baseline"]["targets"] == []
+    ratios = {r["name"]: r for r in j["ratios"]}
+    assert ratios["sft-packing1 / trl-sft-packed"] | {"ratio": None} == {
+        "name": "sft-packing1 / trl-sft-packed", "kit": "sft-packing1", "peer": "trl-sft-packed",
+        "trainer": "TRL SFTTrainer", "ratio": None, "target": 1.3, "met": True}
+    assert ratios["sft-packing1 / trl-sft-packed"]["ratio"] == pytest.approx(2.3)
+    assert ratios["dpo / trl-dpo"]["met"] is False and ratios["t5-sft / seq2seq-t5-sft"]["met"] is None
+    assert ratios["sft-grouped / trl-sft-padfree"]["met"] is None

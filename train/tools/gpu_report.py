@@ -4,10 +4,13 @@ scripts/gpu_report.sh runs the kit's own commands (bench, find-batch, doctor, th
 paths, each profiled for one step) into one folder; this reads what they wrote there (bench
 --json files, .auto_batch.json, doctor.json, every run's summary.json, NAME.profile.json, the
 parts' logs, parts.tsv with each part's seconds and status) and writes the "## GPU table"
-section of RESULTS.md, replacing the previous one, naming the device and date. The per-path
-rows, the issue's targets and the profiles are train/tools/gpu_paths.py's.
+section of RESULTS.md, replacing the previous one, naming the device and date, and the same
+figures as a machine-readable table (--table, bench/gpu_table.json: every part's tokens/s, MFU,
+GPU busy share, peak memory and its share of the device, the estimate, its targets and whether
+each was met; the peers' rows named by their trainer; the kit / peer ratios). The per-path rows,
+the peers, the issue's targets and the profiles are train/tools/gpu_paths.py's.
 
-    python -m train.tools.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md]
+    python -m train.tools.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md] [--table F]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def collect(out: Path) -> dict:
         "doctor": _json(doctor) if doctor else None,
         "sft": {p: _json(out / f"sft-{p}" / "summary.json") for p in SFT_RUNS},
         "paths": gpu_paths.collect_paths(out, doctor),
+        "peers": gpu_paths.collect_peers(out),
         "out": str(out),
     }
 
@@ -108,7 +112,8 @@ def section(fig: dict, device: str, date: str) -> str:
     lines += _sft_rows(fig)
     found = fig["paths"]
     lines += gpu_paths.path_rows(found, lambda part: _took(fig, part))
-    lines += gpu_paths.target_rows(found)
+    lines += gpu_paths.peer_rows(found, fig["peers"], lambda part: _took(fig, part))
+    lines += gpu_paths.target_rows(found, fig["peers"])
     lines += gpu_paths.profile_rows(found)
     return "\n".join(lines) + "\n"
 
@@ -161,6 +166,36 @@ def _sft_rows(fig: dict) -> list[str]:
     return lines
 
 
+def table(fig: dict, device: str, date: str) -> dict:
+    """bench/gpu_table.json: every part the session ran (parts.tsv's order), its figures and targets
+    (met: true / false, null where not measured; a part's met: every target of it met), and the
+    kit / peer ratios."""
+    found, peers = fig["paths"], fig["peers"]
+    goals = gpu_paths.goals(found, peers)
+    paths = {part for part, _ in gpu_paths.PATHS}
+    parts = []
+    for name, p in fig["parts"].items():
+        row = {"name": name, "status": p["status"], "seconds": p["seconds"]}
+        if name in paths or name in peers:
+            row |= gpu_paths.part_figures(name, found, peers)
+        elif name == "bench-baseline" and fig["bench_baseline"]:
+            k = fig["bench_baseline"]["kit"]
+            row |= {"kind": "kit", "tokens_per_sec": k["tokens_per_sec"], "mfu": k["mfu"]}
+        mine = [g for g in goals if g["part"] == name and "peer" not in g]
+        verdicts = [g["met"] for g in mine if g["met"] is not None]
+        row |= {"targets": [_plain(g) for g in mine], "met": all(verdicts) if verdicts else None}
+        parts.append(row)
+    ratios = [{"name": f"{g['part']} / {g['peer']}", "kit": g["part"], "peer": g["peer"],
+               "trainer": g["trainer"], "ratio": g["value"],
+               "target": g["goal"], "met": g["met"]} for g in goals if "peer" in g]
+    return {"device": device, "date": date, "written_by": "make gpu-report (scripts/gpu_report.sh)",
+            "out": fig["out"], "parts": parts, "ratios": ratios}
+
+
+def _plain(goal: dict) -> dict:
+    return {k: goal[k] for k in ("target", "value", "goal", "unit", "met", "measured")}
+
+
 def replace_section(text: str, new: str) -> str:
     """text with its "## GPU table" section (up to the next "## " heading) replaced by new,
     or new appended where there is none; every other line is kept as it was."""
@@ -185,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.tools.gpu_report", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the folder scripts/gpu_report.sh wrote")
     parser.add_argument("--results", default="bench/RESULTS.md")
+    parser.add_argument("--table", default=None, help="the JSON table (default: gpu_table.json beside --results)")
     parser.add_argument("--device", default=None, help="device name for the heading (default: torch's)")
     parser.add_argument("--date", default=None, help="date for the heading (default: today)")
     args = parser.parse_args(argv)
@@ -194,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = results.read_text() if results.is_file() else "# Benchmark results\n"
     fig = collect(out)
-    new = section(fig, args.device or device_label(), args.date or time.strftime("%Y-%m-%d"))
+    device, date = args.device or device_label(), args.date or time.strftime("%Y-%m-%d")
+    new = section(fig, device, date)
     files.atomic_write(results, replace_section(text, new))
+    json_table = Path(args.table) if args.table else results.with_name("gpu_table.json")
+    files.write_json(json_table, table(fig, device, date))
     print(new, end="")
-    print(f"gpu-report: wrote the GPU table of {results}")
+    print(f"gpu-report: wrote the GPU table of {results} and {json_table}")
     return 0
 
 
