@@ -57,17 +57,17 @@ def export(command: str, flags: list[str], work: Path, run: Path | None, steps: 
     plan.model.save_pretrained(work / "model")
     plan.tokenizer.save_pretrained(work / "model")
     fields = ("prompt_ids", "chosen_ids", "rejected_ids") if command == "dpo" else ("input_ids", "labels")
+    examples = getattr(plan.dataset, "examples", plan.dataset)  # PACKING=1: the conversations its rows hold
     with (work / "examples.jsonl").open("w") as f:
-        for i in range(len(plan.dataset)):
-            example = plan.dataset[i]
-            f.write(json.dumps({k: [int(t) for t in example[k]] for k in fields}) + "\n")
+        for i in range(len(examples)):
+            f.write(json.dumps({k: [int(t) for t in examples[i][k]] for k in fields}) + "\n")
     o, objective = plan.cfg.optim, plan.objective
     settings = {
         "command": command, "max_length": plan.max_length, "precision": plan.precision,
         "batch_size": o.batch_size, "gradient_accumulation_steps": o.gradient_accumulation_steps,
         "learning_rate": o.learning_rate, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
         "optimizer": o.optimizer, "log_every": plan.cfg.run.log_every, "seed": plan.cfg.system.seed,
-        "gradient_checkpointing": plan.cfg.model.gradient_checkpointing, "n_examples": len(plan.dataset),
+        "gradient_checkpointing": plan.cfg.model.gradient_checkpointing, "n_examples": len(examples),
         "encoder_decoder": bool(getattr(plan.model.config, "is_encoder_decoder", False)),
         "beta": getattr(objective, "beta", None), "dpo_loss": getattr(objective, "loss_name", None),
         "steps": steps, "skip": steady_start(steps),

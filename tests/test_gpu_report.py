@@ -272,3 +272,67 @@ def test_peers_ratios_and_the_json_table(tmp_path):
     assert ratios["sft-packing1 / trl-sft-packed"]["ratio"] == pytest.approx(2.3)
     assert ratios["dpo / trl-dpo"]["met"] is False and ratios["t5-sft / seq2seq-t5-sft"]["met"] is None
     assert ratios["sft-grouped / trl-sft-padfree"]["met"] is None
+
+
+def _bench_module(name: str):
+    """A bench/ script as a module (bench/ is no package: its scripts run as files)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_export_is_the_kits_plan(base_model, cache_dir, tmp_path):
+    """bench/peers.py hands a peer the kit's training conversations (held-out ones left out, PACKING=1's
+    too), the resized model and tokenizer, and the kit run's batch and precision."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.config.flags import parse_training_args
+    from train.run.plan.build import build
+
+    peers = _bench_module("peers")
+    flags = ["--model_path", str(base_model), "--max_length", "64", "--cache_dir", str(cache_dir), "--output_dir",
+             str(tmp_path / "runs"), "--batch_size", "4", "--num_workers", "0"]
+    plain = peers.export("sft", flags, tmp_path / "plain", None, 30, print)
+    run = tmp_path / "kit-run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"batch_size": 12, "gradient_accumulation_steps": 2,
+                                                  "precision": "bf16"}))
+    packed = peers.export("sft", [*flags, "--packing", "1"], tmp_path / "packed", run, 30, print)
+    kit = build(parse_training_args("sft", [*flags, "--dry_run", "1"]), lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "plain" / "examples.jsonl").read_text().splitlines()]
+    assert len(rows) == len(kit.dataset) == plain["n_examples"] and 0 < len(rows) < 3000  # the held-out tail left out
+    assert rows[0] == {"input_ids": list(kit.dataset[0]["input_ids"]), "labels": list(kit.dataset[0]["labels"])}
+    assert -100 in rows[0]["labels"] and len(rows[0]["labels"]) == len(rows[0]["input_ids"]) <= 64
+    assert (tmp_path / "packed" / "examples.jsonl").read_text() == (tmp_path / "plain" / "examples.jsonl").read_text()
+    assert (plain["batch_size"], plain["gradient_accumulation_steps"], plain["precision"]) == (4, 1, "fp32")
+    assert (packed["batch_size"], packed["gradient_accumulation_steps"], packed["precision"]) == (12, 2, "bf16")
+    assert (plain["max_length"], plain["steps"], plain["skip"], plain["encoder_decoder"]) == (64, 30, 3, False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain" / "model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "plain" / "model")
+    base = AutoTokenizer.from_pretrained(base_model)
+    assert model.get_input_embeddings().weight.shape[0] >= len(tok) > len(base)  # the template's chat tokens added
+    assert max(max(r["input_ids"]) for r in rows) < len(tok) and tok.chat_template == kit.tokenizer.chat_template
+    # the wrong kit command for the peer, or a kit part that left no summary: one line, exit 2
+    assert peers.main(["trl-dpo", "--work", str(tmp_path / "w"), "--", "sft", *flags]) == 2
+    assert peers.main(["trl-sft-packed", "--work", str(tmp_path / "w"), "--run", str(tmp_path), "--", "sft"]) == 2
+    assert not (tmp_path / "w").exists()
+
+
+def test_peer_token_counts_are_the_kits_units():
+    """Real tokens as the kit's meter counts them: attention_mask, every position of a padding-free
+    row, an encoder-decoder's labels that are not -100 added; samples are conversations or pairs."""
+    side = _bench_module("peer_side")
+    padfree = {"input_ids": torch.ones(1, 10, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 3, 7, 10])}
+    assert side.count_tokens(padfree, False) == (3, 10, 10)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    pairs = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "attention_mask": mask, "completion_mask": mask}
+    assert side.count_tokens(pairs, False) == (2, 10, 16)
+    t5 = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask[:2],
+          "labels": torch.tensor([[5, 6, -100], [7, -100, -100]])}
+    assert side.count_tokens(t5, True) == (2, 5 + 3, 8 + 6)
+    counting = side.Counting(lambda examples: {"input_ids": torch.ones(len(examples), 2, dtype=torch.long)}, False)
+    counting([{}, {}, {}])
+    assert counting.counts == [(3, 6, 6)]
