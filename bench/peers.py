@@ -48,13 +48,14 @@ def export(command: str, flags: list[str], work: Path, run: Path | None, steps: 
     """The dry-run plan of `python -m train COMMAND FLAGS` -> WORK/model, examples.jsonl, settings.json
     (with the peer's optimizer steps and the first ones its figures leave out, as the kit's meter)."""
     from train.config.flags import parse_training_args
+    from train.core.model import unwrapped
     from train.run.loop.meter import steady_start
     from train.run.plan.build import build
 
     cfg = parse_training_args(command, [*flags, "--dry_run", "1"])
     plan = build(cfg, say)
     work.mkdir(parents=True, exist_ok=True)
-    plan.model.save_pretrained(work / "model")
+    unwrapped(plan.model).save_pretrained(work / "model")
     plan.tokenizer.save_pretrained(work / "model")
     fields = ("prompt_ids", "chosen_ids", "rejected_ids") if command == "dpo" else ("input_ids", "labels")
     examples = getattr(plan.dataset, "examples", plan.dataset)  # PACKING=1: the conversations its rows hold

@@ -53,7 +53,7 @@ source scripts/common.sh
 PY=$(kit_python)
 PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, one step of each profiled, TRL's SFT and DPO trainers and transformers' Seq2SeqTrainer on the same plans; tokenizing 1 GB on every CPU core"
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md"
+  echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md and bench/gpu_table.json"
   exit 0
 fi
 
