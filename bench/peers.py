@@ -44,6 +44,15 @@ PEERS = {
 }
 
 
+def examples_of(dataset):
+    """The plan's training examples one by one: a packed dataset's rows give the examples they hold
+    (PackedRows keeps them as .examples; a row read as a list is its examples)."""
+    items = getattr(dataset, "examples", dataset)
+    for i in range(len(items)):
+        item = items[i]
+        yield from (item if isinstance(item, list) else [item])
+
+
 def export(command: str, flags: list[str], work: Path, run: Path | None, steps: int, say) -> dict:
     """The dry-run plan of `python -m train COMMAND FLAGS` -> WORK/model, examples.jsonl, settings.json
     (with the peer's optimizer steps and the first ones its figures leave out, as the kit's meter)."""
@@ -58,17 +67,18 @@ def export(command: str, flags: list[str], work: Path, run: Path | None, steps: 
     unwrapped(plan.model).save_pretrained(work / "model")
     plan.tokenizer.save_pretrained(work / "model")
     fields = ("prompt_ids", "chosen_ids", "rejected_ids") if command == "dpo" else ("input_ids", "labels")
-    examples = getattr(plan.dataset, "examples", plan.dataset)  # PACKING=1: the conversations its rows hold
+    n = 0
     with (work / "examples.jsonl").open("w") as f:
-        for i in range(len(examples)):
-            f.write(json.dumps({k: [int(t) for t in examples[i][k]] for k in fields}) + "\n")
+        for example in examples_of(plan.dataset):
+            f.write(json.dumps({k: [int(t) for t in example[k]] for k in fields}) + "\n")
+            n += 1
     o, objective = plan.cfg.optim, plan.objective
     settings = {
         "command": command, "max_length": plan.max_length, "precision": plan.precision,
         "batch_size": o.batch_size, "gradient_accumulation_steps": o.gradient_accumulation_steps,
         "learning_rate": o.learning_rate, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
         "optimizer": o.optimizer, "log_every": plan.cfg.run.log_every, "seed": plan.cfg.system.seed,
-        "gradient_checkpointing": plan.cfg.model.gradient_checkpointing, "n_examples": len(examples),
+        "gradient_checkpointing": plan.cfg.model.gradient_checkpointing, "n_examples": n,
         "encoder_decoder": bool(getattr(plan.model.config, "is_encoder_decoder", False)),
         "beta": getattr(objective, "beta", None), "dpo_loss": getattr(objective, "loss_name", None),
         "steps": steps, "skip": steady_start(steps),

@@ -140,8 +140,8 @@ peer() {
   local cmd=()
   if text=$(SHOW_COMMAND=1 "$@" 2>>"$OUT/$name.log") && eval "cmd=($text)" && [ "${cmd[2]:-}" = train ]; then
     part "$name" "$limit" env ${peer_pythonpath:+PYTHONPATH=$peer_pythonpath} "$PY" bench/peers.py "$name" \
-      --work "$OUT/$name.plan" --run "$OUT/$kit" --json "$OUT/$name.json" --profile "$OUT/$name.profile.json" \
-      -- "${cmd[@]:3}"
+      --work "$OUT/$name.plan" --run "$OUT/$kit" --steps "$MAX_STEPS" --json "$OUT/$name.json" \
+      --profile "$OUT/$name.profile.json" -- "${cmd[@]:3}"
     rm -rf "$OUT/$name.plan"  # the model's copy (0.5 GB for GPT-2 small) and the token ids
   else
     printf '%s\t0\t%s\n' "$name" "failed (no launcher command; see $name.log)" >>"$OUT/parts.tsv"

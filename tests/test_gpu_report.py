@@ -1,4 +1,5 @@
-"""make gpu-report: one line and exit 0 without a GPU; the GPU table section written and replaced."""
+"""make gpu-report: one line and exit 0 without a GPU; the GPU table section written and replaced,
+the peers' rows and the kit / peer ratios, bench/gpu_table.json; the peers' export of the kit's plan."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_without_cuda_one_line_and_exit_0():
     lines = proc.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-report: no CUDA GPU here; on one it runs bench")
     assert "find-batch" in lines[0] and "PACKING=0 vs 1" in lines[0] and proc.stderr == ""
+    assert "TRL's SFT and DPO trainers" in lines[0] and lines[0].endswith("bench/gpu_table.json")
     assert (ROOT / "bench" / "RESULTS.md").read_text() == before
 
 
