@@ -11,7 +11,7 @@ from __future__ import annotations
 from train.core.errors import UsageError
 from train.core.model import count_params
 from train.core.units import MIB
-from train.models.estimate import describe, estimate_for_run
+from train.models.estimate import estimate_for_run
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
 from train.run.plan.adapt import over_memory
@@ -119,3 +119,24 @@ def dry_run(cfg, say) -> int:
         f"dry run: no model on the device, no run folder; the token cache in {cfg.data.cache_dir} was reused or built"
     )
     return 0
+
+
+def describe(estimate: dict) -> list[str]:
+    """The estimate as console lines, in MiB."""
+
+    def mb(key):
+        return f"{estimate[key] / MIB:,.0f} MB"
+
+    lines = [] if "source_length" not in estimate else [
+        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} tokens"
+    ]
+    lines += [
+        f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
+        f"gradients {mb('gradients')}, optimizer state {mb('optimizer')}"
+        + (f", cuBLAS workspaces {mb('workspace')}" if estimate.get("workspace") else ""),
+        f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
+        f"{mb('activations_per_layer')} per layer)",
+        f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
+        "allocator's cache come on top)",
+    ]
+    return lines

@@ -1,0 +1,161 @@
+"""The micro-batch that fills the GPU by itself: with neither BATCH_SIZE nor TOKEN_BUDGET set by the
+user, an SFT, DPO or T5 run on CUDA takes the largest micro-batch whose estimated peak
+(train/models/estimate.py, at the longest rows the data gives) is at most TARGET_VRAM of the memory
+the run can use (adapt.capacity_mb: free VRAM plus what this process holds, or MAX_MEMORY_MB), and
+the gradient accumulation that keeps the effective batch, as close as whole numbers allow. Both are
+decisions with their numbers, in the plan. AUTO_BATCH=1 (find-batch) measures instead of estimating;
+an out-of-memory error still halves the micro-batch (train/run/loop/oom.py), the safety net.
+
+"Set by the user": a flag on the command line, except the value a launcher passes as its own
+default (`BATCH_SIZE=${BATCH_SIZE:-16}`): a variable the user set reaches the run in its
+environment (the launchers export a micro-batch given as their first argument), the launcher's
+default does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from train.core.units import MIB
+from train.distributed.distributed import gather
+from train.models.estimate_terms import PackedGrid, packed_grid_of
+
+
+@dataclass(frozen=True)
+class Fill:
+    """The command line's word to the plan (batch_set_by_user is False): fill the device, where it is a GPU."""
+
+
+FILL_MODES = ("sft", "dpo")  # and pretraining of an encoder-decoder (T5): applies()
+SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to say what memory would allow
+
+
+def applies(mode: str, source_target: bool) -> bool:
+    return mode in FILL_MODES or (mode == "pretrain" and source_target)
+
+
+def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, str]) -> bool:
+    """Whether BATCH_SIZE (or TOKEN_BUDGET, AUTO_BATCH) is the user's: the module doc's rule."""
+    from train.config.flags import training_parser
+    from train.run.rundir.report import launcher_defaults
+
+    if cfg.optim.auto_batch or cfg.data.token_budget is not None:
+        return True
+    if training_parser(command).parse_args(argv).batch_size is None:  # the preset's or config.py's
+        return False
+    if "BATCH_SIZE" in environ:
+        return True
+    launcher = (cfg.run.launcher or "").rsplit("-", 1)[-1]  # KIT_MADE_BY's prefix (make compare) aside
+    default = launcher_defaults(launcher).get("BATCH_SIZE") if launcher else None
+    return default is None or not default.isdigit() or int(default) != cfg.optim.batch_size
+
+
+def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool) -> dict:
+    """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
+    max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
+    the mode's bound."""
+    dataset = getattr(dataset, "dataset", dataset)
+    grid = packed_grid_of(dataset)
+    if grid is not None:
+        return {"max_length": max_length, "packed": grid}
+    lengths = getattr(dataset, "lengths", None)
+    if mode != "sft" or lengths is None or not len(lengths):
+        return {"max_length": max_length}
+
+    def padded(n: int) -> int:
+        from train.data.sft.sft_batching import padded_width
+
+        width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
+        return min(max_length, width)
+
+    sources = getattr(dataset, "source_lengths", None)
+    if source_target and sources is not None:
+        return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
+    return {"max_length": padded(max(lengths))}
+
+
+def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, device: torch.device, world: int,
+                source_target: bool, decide, capacity: tuple[float | None, str] | None = None) -> bool:
+    """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
+    decide them with their reasons; False where the memory the run can use is unknown. capacity:
+    (MB, where the number comes from), default adapt.capacity_mb's."""
+    from train.core.model import count_params
+    from train.models.estimate import estimate_for_run
+    from train.models.freeze import trainable_of
+    from train.run.plan.adapt import capacity_mb
+
+    o = cfg.optim
+    cap_mb, what = capacity if capacity is not None else capacity_mb(device, cfg.system.max_memory_mb)
+    if cap_mb is None:
+        return False
+    target = cfg.system.target_vram * cap_mb * MIB
+    effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
+    per_rank = max(1, math.ceil(effective / world))
+    shape = row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
+    n_params, trainable = count_params(model), trainable_of(model)
+    sized = copy.deepcopy(cfg)
+    if cfg.run.mode == "dpo" and cfg.model.reference is None and not cfg.model.lora_r:
+        sized.model.reference = "copy"  # REFERENCE is chosen later, from the room left: leave room for a copy
+
+    def peak(batch: int) -> float:
+        sized.optim.batch_size, sized.optim.gradient_accumulation_steps = batch, 1 if batch >= per_rank else 2
+        return estimate_for_run(model.config, n_params, sized, shape["max_length"], precision, device.type, world,
+                                trainable, target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
+
+    allowed = _largest(peak, target, max(per_rank, len(dataset)))
+    allowed = min(gather(allowed))  # every rank the same micro-batch: the one the tightest device allows
+    rows = len(getattr(dataset, "dataset", dataset)) // world or 1
+    batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
+    o.batch_size, o.gradient_accumulation_steps = batch, accum
+    at = peak(batch) / MIB
+    lengths = (f"source {shape['max_length']} / target {shape['target_length']} tokens" if "target_length" in shape
+               else f"rows of {shape['max_length']} tokens")
+    if isinstance(shape.get("packed"), PackedGrid):
+        g = shape["packed"]
+        lengths += f", packed: {g.per_row:.1f} conversations a row, the longest {g.longest}"
+    why = (f"BATCH_SIZE not set: estimated peak {at:,.0f} MB at {batch} ({lengths}) = {at / cap_mb:.0%} of "
+           f"{cap_mb:,.0f} MB ({what}); TARGET_VRAM={cfg.system.target_vram:g} allows "
+           + (f"{allowed}" if allowed > 0 else "none (even 1 is over it; out-of-memory recovery is the net)"))
+    if allowed > per_rank:
+        why += f", more than the effective batch {effective} needs"
+    if allowed > rows and rows < per_rank:
+        why += f"; the data gives only {rows} rows per process an epoch"
+    decide("batch_size", batch, why)
+    decide("gradient_accumulation_steps", accum, f"effective batch {effective} kept" + note)
+    return True
+
+
+def _largest(peak, target: float, upper: int) -> int:
+    """The largest micro-batch in 1..upper (up to SEARCH_LIMIT) whose peak is at most target; 0 if none.
+    The estimate grows with the batch: doubling, then bisection."""
+    if peak(1) > target:
+        return 0
+    lo, hi = 1, 2
+    while hi <= min(upper, SEARCH_LIMIT) and peak(hi) <= target:
+        lo, hi = hi, hi * 2
+    hi = min(hi, min(upper, SEARCH_LIMIT) + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= target else (lo, mid)
+    return lo
+
+
+def _split(most: int, per_rank: int, asked_effective: int | None, world: int) -> tuple[int, int, str]:
+    """(micro-batch <= most, accumulation, a note): the effective batch per_rank x world kept exactly
+    where EFFECTIVE_BATCH asks it (a divisor), else as close as whole numbers allow, the difference said."""
+    if asked_effective is not None:
+        batch = max(b for b in range(1, most + 1) if per_rank % b == 0)
+        return batch, per_rank // batch, f" (EFFECTIVE_BATCH={asked_effective})"
+    accum = math.ceil(per_rank / most)
+    candidates = {max(1, per_rank // accum), min(most, math.ceil(per_rank / accum))}
+    batch = min(candidates, key=lambda b: (abs(b * accum - per_rank), -b))
+    got = batch * accum * world
+    diff = got - per_rank * world
+    return batch, accum, "" if diff == 0 else f" as close as whole numbers allow: {batch} x {accum}" + (
+        f" x {world} processes" if world > 1 else "") + f" = {got} ({diff:+d})"
