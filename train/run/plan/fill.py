@@ -24,6 +24,7 @@ import torch
 
 from train.core.units import MIB
 from train.distributed.distributed import gather
+from train.models import estimate_seq2seq
 from train.models.estimate_terms import PackedGrid, packed_grid_of
 
 
@@ -66,6 +67,8 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
     if mode != "sft" or lengths is None or not len(lengths):
+        if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
+            return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
         return {"max_length": max_length}
 
     def padded(n: int) -> int:
@@ -80,23 +83,15 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
     return {"max_length": padded(max(lengths))}
 
 
-def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, device: torch.device, world: int,
-                source_target: bool, decide, capacity: tuple[float | None, str] | None = None) -> bool:
-    """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
-    decide them with their reasons; False where the memory the run can use is unknown. capacity:
-    (MB, where the number comes from), default adapt.capacity_mb's."""
+def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str, device_type: str, world: int,
+                  source_target: bool, target: float, per_rank: int):
+    """(the largest micro-batch whose estimated peak is at most `target` bytes, 0 if none; the peak at a
+    micro-batch; the rows it is estimated at). Searched up to the data's rows or per_rank, whichever is
+    more, with accumulation (held gradients) counted below per_rank."""
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
-    from train.run.plan.adapt import capacity_mb
 
-    o = cfg.optim
-    cap_mb, what = capacity if capacity is not None else capacity_mb(device, cfg.system.max_memory_mb)
-    if cap_mb is None:
-        return False
-    target = cfg.system.target_vram * cap_mb * MIB
-    effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
-    per_rank = max(1, math.ceil(effective / world))
     shape = row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
     n_params, trainable = count_params(model), trainable_of(model)
     sized = copy.deepcopy(cfg)
@@ -105,10 +100,27 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
 
     def peak(batch: int) -> float:
         sized.optim.batch_size, sized.optim.gradient_accumulation_steps = batch, 1 if batch >= per_rank else 2
-        return estimate_for_run(model.config, n_params, sized, shape["max_length"], precision, device.type, world,
+        return estimate_for_run(model.config, n_params, sized, shape["max_length"], precision, device_type, world,
                                 trainable, target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
 
-    allowed = _largest(peak, target, max(per_rank, len(dataset)))
+    return _largest(peak, target, max(per_rank, len(dataset))), peak, shape
+
+
+def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, device: torch.device, world: int,
+                source_target: bool, decide, capacity: tuple[float | None, str] | None = None) -> bool:
+    """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
+    decide them with their reasons; False where the memory the run can use is unknown. capacity:
+    (MB, where the number comes from), default adapt.capacity_mb's."""
+    from train.run.plan.adapt import capacity_mb
+
+    o = cfg.optim
+    cap_mb, what = capacity if capacity is not None else capacity_mb(device, cfg.system.max_memory_mb)
+    if cap_mb is None:
+        return False
+    effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
+    per_rank = max(1, math.ceil(effective / world))
+    allowed, peak, shape = estimated_fit(cfg, model, dataset, collate, max_length, precision, device.type, world,
+                                         source_target, cfg.system.target_vram * cap_mb * MIB, per_rank)
     allowed = min(gather(allowed))  # every rank the same micro-batch: the one the tightest device allows
     rows = len(getattr(dataset, "dataset", dataset)) // world or 1
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
@@ -127,7 +139,7 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
     if allowed > rows and rows < per_rank:
         why += f"; the data gives only {rows} rows per process an epoch"
     decide("batch_size", batch, why)
-    decide("gradient_accumulation_steps", accum, f"effective batch {effective} kept" + note)
+    decide("gradient_accumulation_steps", accum, f"effective batch {effective}: " + note)
     return True
 
 
@@ -151,11 +163,12 @@ def _split(most: int, per_rank: int, asked_effective: int | None, world: int) ->
     where EFFECTIVE_BATCH asks it (a divisor), else as close as whole numbers allow, the difference said."""
     if asked_effective is not None:
         batch = max(b for b in range(1, most + 1) if per_rank % b == 0)
-        return batch, per_rank // batch, f" (EFFECTIVE_BATCH={asked_effective})"
+        return batch, per_rank // batch, f"kept exactly (EFFECTIVE_BATCH={asked_effective}, a multiple of {batch})"
     accum = math.ceil(per_rank / most)
     candidates = {max(1, per_rank // accum), min(most, math.ceil(per_rank / accum))}
     batch = min(candidates, key=lambda b: (abs(b * accum - per_rank), -b))
-    got = batch * accum * world
+    got, processes = batch * accum * world, f" x {world} processes" if world > 1 else ""
     diff = got - per_rank * world
-    return batch, accum, "" if diff == 0 else f" as close as whole numbers allow: {batch} x {accum}" + (
-        f" x {world} processes" if world > 1 else "") + f" = {got} ({diff:+d})"
+    if diff == 0:
+        return batch, accum, f"kept, {batch} x {accum}{processes}"
+    return batch, accum, f"{batch} x {accum}{processes} = {got} ({diff:+d}), as close as whole numbers allow"
