@@ -1,5 +1,5 @@
-"""The peak-memory estimate of every path against the live bytes of a real CPU step (LiveBytes:
-every tensor an op makes, forward, backward and optimizer, freed when its storage is): T5
+"""The peak-memory estimate of every path against the allocated bytes at the peak of a real CPU step
+(live_bytes.allocated_peak: the allocator's own events, forward, backward and optimizer): T5
 pretraining's span lengths, T5 SFT's padded pairs, packed SFT's varlen grid, Llama, and preference
 pairs (chosen and rejected rows, a frozen reference copy), each at two sizes, each within 10 %. The
 estimate is asked as the plan asks it: estimate_for_run at the rows the data gives (fill.row_shape)."""
@@ -12,7 +12,7 @@ import torch
 
 import config
 from train.core.attention import VARLEN_SDPA, use_attention
-from train.core.measure.live_bytes import LiveBytes, held_by
+from train.core.measure.live_bytes import allocated_peak, held_by
 from train.core.model import count_params
 from train.core.optim.optimizers import build_optimizer
 from train.core.seq2seq import span_lengths
@@ -40,7 +40,7 @@ def _one_thread():
 
 def measured_peak(model, batches: list[dict], precision: str, source_target: bool = False, objective=None,
                   accum: int = 1) -> int:
-    """Live bytes at the peak of the second of two real train_steps (the first makes AdamW's state)."""
+    """Bytes allocated at the peak of the second of two real train_steps (the first makes AdamW's state)."""
     cfg = config.resolve(None, {"learning_rate": 1e-3})
     optimizer, _ = build_optimizer(cfg.optim, model, CPU)
     scaler = build_scaler(precision, model, CPU)
@@ -50,9 +50,7 @@ def measured_peak(model, batches: list[dict], precision: str, source_target: boo
                    objective=objective)
 
     step()
-    with LiveBytes(held_by(model, optimizer)) as live:
-        step()
-    return live.peak
+    return allocated_peak(step, held_by(model, optimizer))
 
 
 def estimated(model, mode: str, batch_size: int, precision: str, dataset=None, collate=None, max_length: int = 0,

@@ -86,7 +86,7 @@ def _per_score(s: dict, half: bool, kind: str, device_type: str = "cpu") -> floa
     if kind == "math" and device_type == "cuda":
         return cuda_math_per_score(s["dropout"] > 0)
     if kind == "math":  # T5's fp32 position-bias mask promotes CPU autocast's scores to fp32: softmax,
-        # dropout mask and dropped probabilities 4 bytes each, and the value matmul's bf16 cast (LiveBytes)
+        # dropout mask and dropped probabilities 4 bytes each, and the value matmul's bf16 cast (read on CPU)
         return (14 if s["bias_mask"] else 10) if half else 12
     return (2 if half else 4) if s["bias_mask"] else 0  # the saved position-bias mask
 

@@ -58,13 +58,14 @@ def reference_forward_bytes(hidden: int, width: int, vocab: int, tokens: int, ha
                             chunk_elements: int) -> float:
     """REFERENCE=copy: the frozen copy's forward (no grad) runs after the policy's, every policy
     activation still alive, so its own temporaries stack on them: the widest moment of a block's
-    feed-forward (read on CPU with LiveBytes: GPT-2's Python tanh-GELU holds its input, 0.5x and two
+    feed-forward (read on CPU: GPT-2's Python tanh-GELU holds its input, 0.5x and two
     of its steps at once, 16 bytes per MLP element in fp32, 8 under autocast; a fused activation half
     that, a gated one its gate, up, activation and product), a few residual-width tensors, and one
-    chunk of the head's logits with their log-softmax."""
+    chunk of the head's logits (4 bytes an element, 2 under autocast: read on CPU from the allocator's
+    events, live_bytes.allocated_peak)."""
     per = {"python_gelu": (16, 8), "fused": (8, 4), "gated": (16, 8)}[mlp][half]
     residual = 6 if half else 12
-    head = (4 if half else 8) * min(tokens * vocab, chunk_elements)
+    head = (2 if half else 4) * min(tokens * vocab, chunk_elements)
     return tokens * (per * width + residual * hidden) + head
 
 

@@ -1,6 +1,10 @@
-"""The peak of live tensor bytes over a stretch of real work, counted without a GPU: what
+"""The peak of allocated bytes over a stretch of real work, counted without a GPU: what
 torch.cuda.max_memory_allocated reports on one, for checking the memory estimate
 (train/models/estimate.py) against a real CPU step.
+
+`allocated_peak` reads the allocator itself (torch.profiler's memory events: every allocation and free
+of the CPU allocator in time order, temporaries inside a kernel included, as logsumexp's (c, V) buffers
+in the chunked loss): the figure the estimate is held to.
 
 `LiveBytes` is a TorchDispatchMode: every aten op's outputs (forward, backward and the
 optimizer's) add their storages' bytes once, and each storage's bytes come off when it is
@@ -8,8 +12,9 @@ freed (a weakref finalizer on the storage). The tensors alive when it starts (pa
 gradients, optimizer state, given as `held`) are its baseline. Unlike torch's MemTracker it
 follows gradient accumulation (several forwards of one module in one step) and names the ops
 that hold the most bytes at the peak (`at_peak`), which is how an estimate's missing term is
-found. What it cannot see: a kernel's own scratch (cuDNN / flash workspaces) and the caching
-allocator's rounding; CUDA's memory has those on top (the estimate models them apart).
+found. What it cannot see: the temporaries an op makes inside its own kernel (allocated_peak
+sees those), and on a GPU a library's scratch (cuBLAS workspaces) and the caching allocator's
+rounding (the estimate models the workspaces apart, train/models/estimate_terms.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,22 @@ def held_by(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def allocated_peak(work, held=()) -> int:
+    """Peak bytes allocated while work() runs, from the allocator's own events (torch.profiler with
+    profile_memory), above the storages of `held` (held_by: alive before it starts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return sum(storages(held).values()) + peak
 
 
 class LiveBytes(TorchDispatchMode):
