@@ -140,3 +140,20 @@ def test_the_command_line_asks_the_plan_to_fill_only_without_a_users_batch(tiny_
     assert _ahead_of_the_run(cfg, print, None, fill=False) is None
     assert fill.applies("sft", False) and fill.applies("dpo", False) and fill.applies("pretrain", True)
     assert not fill.applies("pretrain", False)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
+
+
+def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_rank(monkeypatch):
+    """Each rank plans in turn (distributed.main_first), where no collective may run: every rank reads the
+    card's whole memory, so identical cards give identical micro-batches, and the effective batch counts
+    every process."""
+    from train.core import device as device_lib
+
+    monkeypatch.setattr(device_lib, "memory_capacity", lambda device, cap: (24 * 1000**3, "this GPU (a fake)"))
+    cfg = config.resolve("sft", {"mode": "sft", "batch_size": 16, "gradient_accumulation_steps": 16})
+    said = []
+    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, False,
+                            lambda setting, value, why: said.append(why))
+    batch, accum = cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps
+    # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)
+    assert (batch, accum) == (11, 24) and abs(batch * accum * 2 - 512) < 2 * accum
+    assert "this GPU (a fake), the same on every rank" in said[0] and " x 2 processes" in said[1]

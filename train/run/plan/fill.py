@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from train.core.units import MIB
-from train.distributed.distributed import gather
 from train.models import estimate_seq2seq
 from train.models.estimate_terms import PackedGrid, packed_grid_of
 
@@ -111,17 +110,14 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
     """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
     decide them with their reasons; False where the memory the run can use is unknown. capacity:
     (MB, where the number comes from), default adapt.capacity_mb's."""
-    from train.run.plan.adapt import capacity_mb
-
     o = cfg.optim
-    cap_mb, what = capacity if capacity is not None else capacity_mb(device, cfg.system.max_memory_mb)
+    cap_mb, what = capacity if capacity is not None else _capacity(device, cfg.system.max_memory_mb, world)
     if cap_mb is None:
         return False
     effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
     per_rank = max(1, math.ceil(effective / world))
     allowed, peak, shape = estimated_fit(cfg, model, dataset, collate, max_length, precision, device.type, world,
                                          source_target, cfg.system.target_vram * cap_mb * MIB, per_rank)
-    allowed = min(gather(allowed))  # every rank the same micro-batch: the one the tightest device allows
     rows = len(getattr(dataset, "dataset", dataset)) // world or 1
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
     o.batch_size, o.gradient_accumulation_steps = batch, accum
@@ -141,6 +137,19 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
     decide("batch_size", batch, why)
     decide("gradient_accumulation_steps", accum, f"effective batch {effective}: " + note)
     return True
+
+
+def _capacity(device: torch.device, max_memory_mb: int | None, world: int) -> tuple[float | None, str]:
+    """adapt.capacity_mb's free memory with one process. With several, every rank must take the same
+    micro-batch, and the plan is made on each rank in turn (distributed.main_first), where a collective
+    would meet another rank's: the card's whole memory (or MAX_MEMORY_MB), the same on every rank."""
+    from train.core.device import memory_capacity
+    from train.run.plan.adapt import capacity_mb
+
+    if world == 1:
+        return capacity_mb(device, max_memory_mb)
+    cap, what = memory_capacity(device, max_memory_mb)
+    return (None if cap is None else cap / MIB), f"{what}, the same on every rank"
 
 
 def _largest(peak, target: float, upper: int) -> int:
