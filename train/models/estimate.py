@@ -16,8 +16,8 @@ model) the gradient of the hidden states and of the LM head's weight, kept from 
 pass, plus one chunk's logits and their gradient while it runs; with one micro-step per optimizer step the gradients are allocated only as the
 activations are freed, so they count at the peak only with accumulation.
 
-Checked without a GPU against torch's MemTracker under FakeTensorMode (CPU kernels, fp32):
-see tests/test_estimate.py and bench/estimate_memory.py.
+Checked without a GPU against the allocator's peak of real CPU steps of every path (tests/test_estimate_paths.py,
+bench/estimate_memory.py); what only a GPU adds is estimate_terms.py's, each term with its assumption.
 """
 
 from __future__ import annotations

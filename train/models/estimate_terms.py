@@ -39,7 +39,9 @@ def packed_grid_of(dataset) -> PackedGrid | None:
     rows, examples = getattr(dataset, "rows", None), getattr(dataset, "examples", None)
     if rows is None or examples is None or not len(rows) or "input_ids" not in examples[rows[0][0]]:
         return None  # not conversations (preference pairs' packed rows: the mode's bound)
-    longest = max((len(e["input_ids"]) for e in examples), default=1)
+    lengths = getattr(examples, "lengths", None)  # the SFT cache's, read without touching each example
+    longest = int(max(lengths)) if lengths is not None and len(lengths) else max(
+        (len(e["input_ids"]) for e in examples), default=1)
     return PackedGrid(per_row=sum(len(r) for r in rows) / len(rows), longest=max(1, longest))
 
 

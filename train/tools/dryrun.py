@@ -15,6 +15,7 @@ from train.models.estimate import estimate_for_run
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
 from train.run.plan.adapt import over_memory
+from train.run.plan.fill import row_shape
 from train.run.rundir.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
@@ -97,8 +98,10 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    est = estimate_for_run(b.model.config, n["n_params"], cfg, b.max_length, b.precision, b.device.type,
-                           trainable=trainable_of(b.model))
+    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)  # the data's rows
+    est = estimate_for_run(b.model.config, n["n_params"], cfg, shape["max_length"], b.precision, b.device.type,
+                           trainable=trainable_of(b.model), target_length=shape.get("target_length"),
+                           packed=shape.get("packed"))
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)

@@ -110,12 +110,16 @@ def over_memory(b) -> str | None:
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
+    from train.run.plan.fill import row_shape
 
     cfg = b.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
-    est = estimate_for_run(b.model.config, count_params(b.model), cfg, b.max_length, b.precision, b.device.type,
-                           b.world.world_size, trainable_of(b.model))
+    # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
+    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)
+    est = estimate_for_run(b.model.config, count_params(b.model), cfg, shape["max_length"], b.precision, b.device.type,
+                           b.world.world_size, trainable_of(b.model), target_length=shape.get("target_length"),
+                           packed=shape.get("packed"))
     if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
         from train.core.device import memory_capacity
 
