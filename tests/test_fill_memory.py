@@ -157,3 +157,31 @@ def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_ra
     # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)
     assert (batch, accum) == (11, 24) and abs(batch * accum * 2 - 512) < 2 * accum
     assert "this GPU (a fake), the same on every rank" in said[0] and " x 2 processes" in said[1]
+
+
+def test_through_the_launchers_a_first_argument_or_a_variable_is_the_users(tmp_path):
+    """The real launchers and the real rule: KIT_PYTHON stands in for the run and says what
+    batch_set_by_user makes of the command line and environment the launcher hands it."""
+    import os
+    import sys
+
+    from conftest import ROOT, launch
+
+    judge = tmp_path / "judge"
+    judge.write_text(
+        "#!/bin/sh\nexec " + sys.executable + " -c '\nimport os, sys\nsys.path.insert(0, sys.argv[1])\n"
+        "from train.config.flags import parse_training_args\nfrom train.run.plan.fill import batch_set_by_user\n"
+        "mode = sys.argv[4]; argv = sys.argv[5:]\n"
+        "print(\"USER\" if batch_set_by_user(mode, argv, parse_training_args(mode, argv), os.environ) else \"DEFAULT\")\n"
+        "' " + str(ROOT) + " \"$@\"\n")
+    os.chmod(judge, 0o755)
+
+    def said(script: str, *args: str, **env: str) -> str:
+        result = launch(script, {"KIT_PYTHON": str(judge), **env}, *args, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip().splitlines()[-1]
+
+    assert said("train_sft_custom.sh") == "DEFAULT"  # its own BATCH_SIZE=${BATCH_SIZE:-16}: the plan fills
+    assert said("train_sft_custom.sh", "16") == "USER"  # 16 given as the argument: never changed
+    assert said("train_sft_custom.sh", BATCH_SIZE="16") == "USER"
+    assert said("train_dpo.sh") == "DEFAULT" and said("train_dpo.sh", "8") == "USER"
