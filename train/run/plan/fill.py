@@ -49,7 +49,7 @@ def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, 
         return True
     if training_parser(command).parse_args(argv).batch_size is None:  # the preset's or config.py's
         return False
-    if "BATCH_SIZE" in environ:
+    if environ.get("BATCH_SIZE"):  # set and not empty (BATCH_SIZE= ./launcher.sh is the launcher's default)
         return True
     launcher = (cfg.run.launcher or "").rsplit("-", 1)[-1]  # KIT_MADE_BY's prefix (make compare) aside
     default = launcher_defaults(launcher).get("BATCH_SIZE") if launcher else None
