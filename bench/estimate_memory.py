@@ -35,7 +35,7 @@ from train.data.sft.sft_batching import Seq2SeqCollator  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
 from train.models.estimate import estimate_for_run  # noqa: E402
-from train.run.plan.fill import row_shape  # noqa: E402
+from train.run.plan.adapt import row_shape  # noqa: E402
 
 VOCAB = 2048
 GPU_TERMS = {

@@ -2,7 +2,7 @@
 (live_bytes.allocated_peak: the allocator's own events, forward, backward and optimizer): T5
 pretraining's span lengths, T5 SFT's padded pairs, packed SFT's varlen grid, Llama, and preference
 pairs (chosen and rejected rows, a frozen reference copy), each at two sizes, each within 10 %. The
-estimate is asked as the plan asks it: estimate_for_run at the rows the data gives (fill.row_shape)."""
+estimate is asked as the plan asks it: estimate_for_run at the rows the data gives (adapt.row_shape)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from train.data.sft.sft_batching import Seq2SeqCollator
 from train.distributed.parallel import build_scaler
 from train.models.build import build_config, build_model
 from train.models.estimate import estimate_for_run
-from train.run.plan.fill import row_shape
+from train.run.plan.adapt import row_shape
 
 VOCAB = 512
 CPU = torch.device("cpu")

@@ -14,8 +14,7 @@ from train.core.units import MIB
 from train.models.estimate import estimate_for_run
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
-from train.run.plan.adapt import over_memory
-from train.run.plan.fill import row_shape
+from train.run.plan.adapt import over_memory, row_shape
 from train.run.rundir.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM

@@ -19,12 +19,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from train.core.units import MIB
-from train.models import estimate_seq2seq
-from train.models.estimate_terms import PackedGrid, packed_grid_of
+from train.models.estimate_terms import PackedGrid
+from train.run.plan import adapt
 
 
 @dataclass(frozen=True)
@@ -56,32 +55,6 @@ def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, 
     return default is None or not default.isdigit() or int(default) != cfg.optim.batch_size
 
 
-def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool) -> dict:
-    """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
-    max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
-    the mode's bound."""
-    dataset = getattr(dataset, "dataset", dataset)
-    grid = packed_grid_of(dataset)
-    if grid is not None:
-        return {"max_length": max_length, "packed": grid}
-    lengths = getattr(dataset, "lengths", None)
-    if mode != "sft" or lengths is None or not len(lengths):
-        if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
-            return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
-        return {"max_length": max_length}
-
-    def padded(n: int) -> int:
-        from train.data.sft.sft_batching import padded_width
-
-        width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
-        return min(max_length, width)
-
-    sources = getattr(dataset, "source_lengths", None)
-    if source_target and sources is not None:
-        return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
-    return {"max_length": padded(max(lengths))}
-
-
 def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str, device_type: str, world: int,
                   source_target: bool, target: float, per_rank: int):
     """(the largest micro-batch whose estimated peak is at most `target` bytes, 0 if none; the peak at a
@@ -91,7 +64,7 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
 
-    shape = row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
+    shape = adapt.row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
     n_params, trainable = count_params(model), trainable_of(model)
     sized = copy.deepcopy(cfg)
     if cfg.run.mode == "dpo" and cfg.model.reference is None and not cfg.model.lora_r:
@@ -144,10 +117,9 @@ def _capacity(device: torch.device, max_memory_mb: int | None, world: int) -> tu
     micro-batch, and the plan is made on each rank in turn (distributed.main_first), where a collective
     would meet another rank's: the card's whole memory (or MAX_MEMORY_MB), the same on every rank."""
     from train.core.device import memory_capacity
-    from train.run.plan.adapt import capacity_mb
 
     if world == 1:
-        return capacity_mb(device, max_memory_mb)
+        return adapt.capacity_mb(device, max_memory_mb)
     cap, what = memory_capacity(device, max_memory_mb)
     return (None if cap is None else cap / MIB), f"{what}, the same on every rank"
 
