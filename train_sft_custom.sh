@@ -7,7 +7,7 @@
 set -euo pipefail
 
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # the first argument is the micro-batch unless it is a flag
-  BATCH_SIZE=$1
+  export BATCH_SIZE=$1  # the user's: the run tells it from the launcher's default by the environment (train/run/plan/fill.py)
   shift
 fi
 # BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)

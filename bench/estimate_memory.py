@@ -1,14 +1,13 @@
-"""Peak-memory estimate (train/models/estimate.py) against a measured peak, through the kit's own
-optimizer and train_step.
+"""Peak-memory estimate (train/models/estimate.py, asked as a run asks it: estimate_for_run at the rows
+the data gives, train/run/plan/fill.py row_shape) against the measured peak of real training steps of
+every path, at two sizes each, through the kit's own optimizer, collators and train_step.
 
-On a GPU: torch.cuda.max_memory_allocated over three optimizer steps of random tokens.
-Without one (or with --fake): torch's MemTracker under FakeTensorMode, which counts every
-tensor the same step creates without allocating it; CPU kernels, so attention with dropout
-takes sdpa's math path there (the estimate is told the device) and autocast follows the CPU
-op lists, which differ from CUDA's: trust the fp32 rows most.
+Measured: on CPU, the allocator's own events at the peak of the second step (live_bytes.allocated_peak:
+every allocation, forward, backward and optimizer, temporaries inside kernels included); on a GPU, torch.cuda.max_memory_allocated over the same two
+steps. The last column names the terms the estimate adds on a GPU only, which a CPU row cannot check.
 
-    .venv/bin/python bench/estimate_memory.py --sizes small medium --batch_sizes 4 8 --precision bf16
-Prints one row per setting: estimate, measured, and the estimate's error.
+    .venv/bin/python bench/estimate_memory.py                 # every path, fp32 and bf16, on this device
+    .venv/bin/python bench/estimate_memory.py --paths t5-pretrain sft-packed --precision bf16
 """
 
 from __future__ import annotations
@@ -19,95 +18,172 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import config  # noqa: E402
-from train.core.model import padded_vocab
+from train.core.attention import VARLEN_SDPA, use_attention  # noqa: E402
+from train.core.measure.live_bytes import allocated_peak, held_by  # noqa: E402
+from train.core.model import count_params  # noqa: E402
 from train.core.optim.optimizers import build_optimizer  # noqa: E402
+from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
-from train.core.units import MIB  # noqa: E402
+from train.core.units import IGNORE_INDEX, MIB  # noqa: E402
+from train.data.sft.fine_tuning import SFTDataset  # noqa: E402
+from train.data.sft.packing import PackedCollator, PackedRows, pack  # noqa: E402
+from train.data.sft.sft_batching import Seq2SeqCollator  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
-from train.models.estimate import count_params, estimate_memory  # noqa: E402
+from train.models.estimate import estimate_for_run  # noqa: E402
+from train.run.plan.adapt import row_shape  # noqa: E402
+
+VOCAB = 2048
+GPU_TERMS = {
+    "gpt2-pretrain": "cuBLAS workspaces",
+    "llama-pretrain": "cuBLAS workspaces",
+    "t5-pretrain": "cuBLAS workspaces; biased attention on sdpa's math path, fp32 upcast (9 B/score)",
+    "t5-sft": "cuBLAS workspaces; biased attention on sdpa's math path, fp32 upcast (9 B/score)",
+    "sft-packed": "cuBLAS workspaces",
+    "dpo-pairs": "cuBLAS workspaces",
+}
 
 
-def measure(hf_cfg, batch_size, max_length, precision, ckpt, accum, device, fake) -> float:
-    """Peak bytes over three optimizer steps of the kit's train_step."""
-    cfg = config.resolve(None, {"batch_size": batch_size, "gradient_accumulation_steps": accum})
+def gpt2(width: int, dropout: float = 0.1):
+    hf = build_config("nano", None, VOCAB, 0)
+    hf.n_layer, hf.n_embd, hf.n_head, hf.n_positions = 2, width, width // 64, 1024
+    hf.resid_pdrop = hf.embd_pdrop = hf.attn_pdrop = dropout
+    return build_model(hf, False, 0)
 
-    def steps(model, tracker=None):
-        optimizer, _ = build_optimizer(cfg.optim, model, device)
-        scaler = build_scaler(precision, model, device)
-        ids = torch.randint(0, hf_cfg.vocab_size, (batch_size, max_length), device=device)
-        batches = iter([{"input_ids": ids}] * (3 * accum))
-        for _ in range(3):
-            train_step(model, optimizer, scaler, batches, accum, 1.0, device, precision, source_target=False)
-            if tracker is not None:
-                tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
 
-    if not fake:
-        model = build_model(hf_cfg, ckpt, 0).to(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        steps(model)
+def t5(width: int):
+    hf = build_config("nano", None, VOCAB, 0, "t5")
+    hf.d_model, hf.num_layers, hf.num_decoder_layers, hf.num_heads, hf.d_kv, hf.d_ff = width, 2, 2, width // 64, 64, 4 * width
+    return build_model(hf, False, 0)
+
+
+def llama(width: int):
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=int(2.75 * width), num_hidden_layers=2,
+                     num_attention_heads=width // 64, num_key_value_heads=max(1, width // 128),
+                     max_position_embeddings=1024, tie_word_embeddings=True)
+    return build_model(hf, False, 0)
+
+
+def ids(*shape) -> torch.Tensor:
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(0))
+
+
+def conversations(n: int, longest: int, pairs: bool = False) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        k = longest if i == 0 else int(rng.integers(8, longest))
+        row = rng.integers(1, VOCAB, k).tolist()
+        if pairs:
+            out.append({"input_ids": row, "labels": rng.integers(1, VOCAB, max(4, k // 2)).tolist()})
+        else:
+            out.append({"input_ids": row, "labels": [IGNORE_INDEX] * (k // 3) + row[k // 3:]})
+    return out
+
+
+def path(name: str, size: int) -> dict:
+    """The model, micro-batches and the settings the estimate is asked with, for one path at size 0 or 1."""
+    if name in ("gpt2-pretrain", "llama-pretrain"):
+        batch, length = ((8, 256), (8, 512))[size]
+        model = (gpt2 if name == "gpt2-pretrain" else llama)((128, 256)[size])
+        return {"model": model, "batches": [{"input_ids": ids(batch, length)}], "mode": "pretrain", "batch": batch,
+                "max_length": length}
+    if name == "t5-pretrain":
+        batch, length = ((8, 256), (8, 512))[size]
+        return {"model": t5((128, 256)[size]), "mode": "pretrain", "batch": batch, "max_length": length,
+                "batches": [{"input_ids": ids(batch, length), "labels": ids(batch, span_lengths(length)[1])}]}
+    if name == "t5-sft":
+        rows, longest = ((8, 128), (8, 256))[size]
+        examples = conversations(rows, longest, pairs=True)
+        collate = Seq2SeqCollator(0)
+        return {"model": t5((128, 256)[size]), "mode": "sft", "batch": rows, "max_length": 512,
+                "batches": [collate(examples)], "dataset": SFTDataset(examples, pairs=True), "collate": collate}
+    if name == "sft-packed":
+        n, length = ((32, 256), (64, 512))[size]
+        examples = conversations(n, length * 3 // 4)
+        dataset = PackedRows(examples, pack([len(e["input_ids"]) for e in examples], length).rows)
+        model = gpt2((128, 256)[size])
+        use_attention(model, VARLEN_SDPA)
+        collate = PackedCollator(0, attention=VARLEN_SDPA)
+        return {"model": model, "mode": "sft", "batch": len(dataset), "max_length": length, "packing": True,
+                "batches": [collate([dataset[i] for i in range(len(dataset))])], "dataset": dataset, "collate": collate}
+    if name == "dpo-pairs":
+        from train.data.pref.pref_batching import PairCollator
+
+        pairs, length = ((4, 128), (4, 256))[size]
+        rng = np.random.default_rng(0)
+        data = []
+        for _ in range(pairs):
+            chosen, rejected = (rng.integers(1, VOCAB, length * 3 // 4).tolist() for _ in range(2))
+            data.append({"prompt_ids": rng.integers(1, VOCAB, length // 4).tolist(), "chosen_ids": chosen,
+                         "chosen_labels": chosen, "rejected_ids": rejected, "rejected_labels": rejected})
+        return {"model": gpt2((128, 256)[size]), "mode": "dpo", "batch": pairs, "max_length": length,
+                "reference": "copy", "batches": [PairCollator(0)(data)]}
+    raise ValueError(name)
+
+
+def measure(p: dict, precision: str, device: torch.device) -> float:
+    """Peak bytes of the second of two train_steps (the first makes AdamW's state)."""
+    model, objective = p["model"].to(device), None
+    if p["mode"] == "dpo":  # DPO's sigmoid loss against a frozen copy (REFERENCE=copy) of the policy
+        from train.core.preference.loss import PreferenceObjective
+        from train.core.preference.reference import build_reference
+
+        objective = PreferenceObjective(False, "sigmoid", reference=build_reference("copy", model, source_target=False))
+    cfg = config.resolve(None, {"learning_rate": 1e-4})
+    optimizer, _ = build_optimizer(cfg.optim, model, device)
+    scaler = build_scaler(precision, model, device)
+    source_target = model.config.is_encoder_decoder
+
+    def step():
+        train_step(model, optimizer, scaler, iter(p["batches"]), 1, 1.0, device, precision,
+                   source_target=source_target, objective=objective)
+
+    step()
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        del model
-        torch.cuda.empty_cache()
-        return peak
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return allocated_peak(step, held_by(model, optimizer)) + (4 * count_params(model) if objective is not None else 0)
 
-    with FakeTensorMode():
-        model = build_model(hf_cfg, ckpt, 0)
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            steps(model, tracker)
-        return tracker.get_tracker_snapshot("peak")[device]["Total"]
+
+def estimate(p: dict, precision: str, device: torch.device) -> float:
+    model = p["model"]
+    settings = {k: p[k] for k in ("packing", "reference") if k in p}
+    cfg = config.resolve(None, {"mode": p["mode"], "batch_size": p["batch"], **settings})
+    shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], model.config.is_encoder_decoder)
+    return estimate_for_run(model.config, count_params(model), cfg, shape["max_length"], precision, device.type,
+                            target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["small", "medium"])
-    parser.add_argument("--batch_sizes", nargs="+", type=int, default=[4, 8])
-    parser.add_argument("--max_length", type=int, default=1024)
+    parser.add_argument("--paths", nargs="+", default=list(GPU_TERMS), choices=list(GPU_TERMS))
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--gradient_checkpointing", nargs="+", type=int, default=[0])
-    parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument(
-        "--vocab", type=int, default=50257, help="tokenizer size (padded to 64, as the kit does)"
-    )
-    parser.add_argument("--dropout", type=float, default=None, help="override the config's dropout")
-    parser.add_argument("--fake", action="store_true", help="MemTracker on CPU even when a GPU is present")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     args = parser.parse_args()
-    fake = args.fake or not torch.cuda.is_available()
-    device = torch.device("cpu" if fake else "cuda")
-    where = "MemTracker/FakeTensorMode on CPU" if fake else torch.cuda.get_device_name(device)
-    print(f"measured on: {where}; torch {torch.__version__}; max_length {args.max_length}")
-    print("| model | batch | precision | grad ckpt | estimate MB | measured MB | error |")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(1)  # steadier on a shared CPU; the bytes do not depend on it
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, the allocator's events (torch.profiler)"
+    print(f"measured on: {where}; torch {torch.__version__}")
+    print("| path | size | precision | estimate MB | measured MB | error | GPU-only terms the estimate adds |")
     print("|---|---|---|---|---|---|---|")
-    for size in args.sizes:
-        hf_cfg = build_config(size, None, padded_vocab(args.vocab), 0)
-        if args.dropout is not None:
-            hf_cfg.resid_pdrop = hf_cfg.embd_pdrop = hf_cfg.attn_pdrop = args.dropout
-        hf_cfg._attn_implementation = "sdpa"
-        n_params = count_params(hf_cfg)
-        for precision in args.precision:
-            for ckpt in args.gradient_checkpointing:
-                for batch in args.batch_sizes:
-                    est = estimate_memory(
-                        hf_cfg, n_params, batch_size=batch, max_length=args.max_length, precision=precision,
-                        gradient_checkpointing=bool(ckpt), gradient_accumulation_steps=args.accum,
-                        device_type=device.type,
-                    )["peak"]  # fmt: skip
-                    peak = measure(
-                        hf_cfg, batch, args.max_length, precision, bool(ckpt), args.accum, device, fake
-                    )
-                    print(
-                        f"| {size} | {batch} | {precision} | {ckpt} | {est / MIB:,.0f} | {peak / MIB:,.0f} "
-                        f"| {(est - peak) / peak:+.1%} |",
-                        flush=True,
-                    )
+    for name in args.paths:
+        for size in args.sizes:
+            for precision in args.precision:
+                p = path(name, size)
+                shape = f"{p['batch']} x {p['max_length']}" + (", width 256" if size else ", width 128")
+                est, peak = estimate(p, precision, device), measure(p, precision, device)
+                print(f"| {name} | {shape} | {precision} | {est / MIB:,.1f} | {peak / MIB:,.1f} | "
+                      f"{(est - peak) / peak:+.1%} | {GPU_TERMS[name]} |", flush=True)
     return 0
 
 

@@ -40,9 +40,10 @@ commands:
 .venv/bin/python -m train ... (or after `source .venv/bin/activate`): a bare python has no torch."""
 
 
-def _ahead_of_the_run(cfg, say, world) -> int | None:
+def _ahead_of_the_run(cfg, say, world, fill: bool = False):
     """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch chooses
-    BATCH_SIZE x GRADIENT_ACCUM for the plan (a plan.Chosen), then the run goes on."""
+    BATCH_SIZE x GRADIENT_ACCUM for the plan (a plan.Chosen), then the run goes on; fill (no
+    BATCH_SIZE of the user's): a fill.Fill, the plan's word to fill a GPU by the estimate."""
     if cfg.run.dry_run:
         from train.tools.dryrun import dry_run
 
@@ -51,6 +52,10 @@ def _ahead_of_the_run(cfg, say, world) -> int | None:
         from train.tools.find_batch import auto_batch
 
         return auto_batch(cfg, say, world)
+    if fill:
+        from train.run.plan.fill import Fill
+
+        return Fill()
     return None
 
 
@@ -74,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = carry(cfg, command, rest, print if world.is_main else lambda line: None)
         from train.distributed import distributed
         from train.run.pipeline import train
+        from train.run.plan.fill import batch_set_by_user
 
-        return distributed.launch(partial(train, before=_ahead_of_the_run), cfg, world)
+        ahead = partial(_ahead_of_the_run, fill=not batch_set_by_user(command, rest, cfg, os.environ))
+        return distributed.launch(partial(train, before=ahead), cfg, world)
     if command == "compare":
         from train.observe.compare import compare_main
 

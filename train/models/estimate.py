@@ -16,8 +16,8 @@ model) the gradient of the hidden states and of the LM head's weight, kept from 
 pass, plus one chunk's logits and their gradient while it runs; with one micro-step per optimizer step the gradients are allocated only as the
 activations are freed, so they count at the peak only with accumulation.
 
-Checked without a GPU against torch's MemTracker under FakeTensorMode (CPU kernels, fp32):
-see tests/test_estimate.py and bench/estimate_memory.py.
+Checked without a GPU against the allocator's peak of real CPU steps of every path (tests/test_estimate_paths.py,
+bench/estimate_memory.py); what only a GPU adds is estimate_terms.py's, each term with its assumption.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.optim.optimizers import OPTIMIZERS
-from train.core.units import MIB
-from train.models import estimate_seq2seq, lora
+from train.models import estimate_seq2seq, estimate_terms, lora
+from train.models.estimate_terms import PackedGrid
 from train.models.family import family_of
 from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
 
@@ -186,8 +186,10 @@ def activation_bytes(
     gradient_checkpointing: bool,
     kind: str = "fused",
     chunked_loss: bool = False,
+    packed: PackedGrid | None = None,
 ) -> dict:
-    """Activation bytes at the peak of a micro-step, with its parts."""
+    """Activation bytes at the peak of a micro-step, with its parts. packed: PACKING=1's rows, whose
+    attention runs on the grid of their conversations (estimate_terms.PackedGrid)."""
     s = shapes(hf_cfg)
     tokens = batch_size * max_length
     half = precision in HALF
@@ -195,6 +197,9 @@ def activation_bytes(
     layer = layer_bytes_per_token(hf_cfg, precision) * tokens + attention_scores_bytes(
         hf_cfg, batch_size, max_length, precision, kind
     )
+    if packed is not None:
+        per_score = attention_scores_bytes(hf_cfg, 1, 1, precision, kind) / s["heads"]
+        layer += estimate_terms.packed_extra(packed, batch_size, max_length, h, s["heads"], half, per_score)
     # Final norm: its fp32 input and the (cast) input of the LM head; embedding dropout mask.
     final = (4 * h + (2 if half else 4) * h + (h if s["dropout"] > 0 else 0)) * tokens
     if chunked_loss:  # grad of hidden (fp32) and of the head (fp32), one chunk's logits + gradient
@@ -229,13 +234,15 @@ def estimate_memory(
     optimizer: str = "adamw",
     trainable_params: int | None = None,
     factored_state: int | None = None,
+    packed: PackedGrid | None = None,
 ) -> dict:
     """Bytes of each part and of the peak (the larger of the backward-start peak and the
     optimizer-step peak: weights + gradients + optimizer state). An encoder-decoder: max_length is
     the source length, target_length the target's (default: max_length). trainable_params: the
     parameters with gradients and optimizer state (default n_params; FREEZE or adapters fewer),
     factored_state their Adafactor state elements. Activations are counted as for a model that
-    trains whole (a frozen encoder saves fewer: an upper bound)."""
+    trains whole (a frozen encoder saves fewer: an upper bound). packed: PACKING=1's grid. On CUDA
+    the cuBLAS workspaces come on top (estimate_terms)."""
     seq2seq = family_of(hf_cfg).source_target
     s = estimate_seq2seq.shapes(hf_cfg) if seq2seq else shapes(hf_cfg)
     layers = s["enc_layers"] + s["dec_layers"] if seq2seq else s["layers"]
@@ -262,28 +269,31 @@ def estimate_memory(
     else:
         acts = activation_bytes(
             hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type),
-            chunked_loss,
+            chunked_loss, packed,
         )
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
     backward_peak = weights + copies + state + held_grads + acts["peak"]
     step_peak = weights + gradients + state + step_temporaries
+    workspace = estimate_terms.CUBLAS_WORKSPACE_BYTES if device_type == "cuda" else 0
     parts = {"weights": weights, "weight_copies": copies, "gradients": gradients, "optimizer": state,
-             "activations": acts["peak"], "activations_per_layer": acts["per_layer"], "loss_logits": acts["loss"]}
+             "activations": acts["peak"], "activations_per_layer": acts["per_layer"], "loss_logits": acts["loss"],
+             "workspace": workspace}
     if seq2seq:
         parts.update(source_length=max_length, target_length=target)
-    return {**parts, "peak": max(backward_peak, step_peak), "n_params": n_params}
+    return {**parts, "peak": max(backward_peak, step_peak) + workspace, "n_params": n_params}
 
 
 def estimate_for_run(
     hf_cfg, n_params: int, cfg, max_length: int, precision: str, device_type: str, world_size: int = 1,
-    trainable: Trainable | None = None,
+    trainable: Trainable | None = None, *, target_length: int | None = None, packed: PackedGrid | None = None,
 ) -> dict:
     """estimate_memory with a run's settings. The chunked loss runs on a bare causal model: not
     under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable).
     An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths).
-    trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE."""
+    trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE. max_length
+    (and target_length): the longest rows the data gives (default: the mode's bound); packed: PACKING=1's grid."""
     seq2seq = family_of(hf_cfg).source_target
-    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
+    target = estimate_seq2seq.lengths(cfg.run.mode, max_length, target_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
     preference = cfg.run.mode == "dpo"  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
     est = estimate_memory(
@@ -297,10 +307,19 @@ def estimate_for_run(
         device_type=device_type,
         chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile and not seq2seq,
         target_length=target,
+        packed=packed,
         **_optimizer_args(cfg, trainable),
     )
     if preference and cfg.model.reference == "copy":  # a frozen fp32 copy of the weights beside the policy
         est["reference"] = n_params * 4
+        if not seq2seq:  # its forward after the policy's, whose activations are all alive then
+            s = shapes(hf_cfg)
+            mlp = "gated" if s["gated"] else "fused" if s["act"] in FUSED_GELU else "python_gelu"
+            forward = estimate_terms.reference_forward_bytes(s["hidden"], s["width"], s["vocab"], 2 * cfg.optim.batch_size * max_length,
+                                              precision in HALF, mlp, CHUNK_ELEMENTS)
+            moment = est["peak"] - est["loss_logits"] + forward if not cfg.model.gradient_checkpointing else 0
+            est["reference_forward"] = forward
+            est["peak"] = max(est["peak"], moment)
         est["peak"] += est["reference"]
     return est
 
@@ -314,26 +333,6 @@ def _trainable_of_run(hf_cfg, n_params: int, cfg) -> Trainable:
 def _optimizer_args(cfg, trainable: Trainable) -> dict:
     return {"optimizer": cfg.optim.optimizer, "trainable_params": trainable.params,
             "factored_state": trainable.factored}
-
-
-def describe(estimate: dict) -> list[str]:
-    """The estimate as console lines, in MiB."""
-
-    def mb(key):
-        return f"{estimate[key] / MIB:,.0f} MB"
-
-    lines = [] if "source_length" not in estimate else [
-        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} tokens"
-    ]
-    lines += [
-        f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
-        f"gradients {mb('gradients')}, optimizer state {mb('optimizer')}",
-        f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
-        f"{mb('activations_per_layer')} per layer)",
-        f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
-        "allocator's cache come on top)",
-    ]
-    return lines
 
 
 def lora_of_run(hf_cfg, cfg) -> tuple[Trainable, int] | None:

@@ -28,6 +28,7 @@ allocated by then (_checkpointed_backward; read with MemTracker on CPU, the same
 from __future__ import annotations
 
 from train.core.seq2seq import span_lengths
+from train.models.estimate_terms import cuda_math_per_score, t5_takes_math_on_cuda
 
 HALF = ("fp16", "bf16")
 
@@ -70,16 +71,23 @@ def shapes(hf_cfg) -> dict:
 
 
 def attention_kind(hf_cfg, device_type: str) -> str:
-    """'fused' (sdpa's kernels: GPUs; CPU without dropout) or 'math' (eager attention; CPU
-    sdpa with dropout, which materialises the scores)."""
+    """'fused' (sdpa's kernels: CPU without dropout) or 'math' (eager attention; CPU sdpa with
+    dropout, which materialises the scores; CUDA's sdpa with T5's trained position bias:
+    estimate_terms.t5_takes_math_on_cuda)."""
+    s = shapes(hf_cfg)
     if getattr(hf_cfg, "_attn_implementation", "sdpa") == "eager":
         return "math"
-    return "math" if device_type == "cpu" and shapes(hf_cfg)["dropout"] > 0 else "fused"
+    if device_type == "cuda":
+        return "math" if t5_takes_math_on_cuda(s) else "fused"
+    return "math" if s["dropout"] > 0 else "fused"
 
 
-def _per_score(s: dict, half: bool, kind: str) -> float:
-    if kind == "math":
-        return 10 if half else 12
+def _per_score(s: dict, half: bool, kind: str, device_type: str = "cpu") -> float:
+    if kind == "math" and device_type == "cuda":
+        return cuda_math_per_score(s["dropout"] > 0)
+    if kind == "math":  # T5's fp32 position-bias mask promotes CPU autocast's scores to fp32: softmax,
+        # dropout mask and dropped probabilities 4 bytes each, and the value matmul's bf16 cast (read on CPU)
+        return (14 if s["bias_mask"] else 10) if half else 12
     return (2 if half else 4) if s["bias_mask"] else 0  # the saved position-bias mask
 
 
@@ -192,7 +200,7 @@ def activation_bytes(
     h, heads, vocab = s["hidden"], s["heads"], s["vocab"]
     src, tgt = batch_size * source, batch_size * target
     part = _token_parts(s, half, device_type)
-    score = _per_score(s, half, kind)
+    score = _per_score(s, half, kind, device_type)
     enc_layer = part["encoder"] * src + score * batch_size * heads * source**2
     dec_layer = (
         part["decoder"] * tgt + part["cross_kv"] * src + score * batch_size * heads * (target**2 + target * source)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from train.core.errors import UsageError
 from train.core.model import count_params
 from train.core.units import MIB
-from train.models.estimate import describe, estimate_for_run
+from train.models.estimate import estimate_for_run
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
-from train.run.plan.adapt import over_memory
+from train.run.plan.adapt import over_memory, row_shape
 from train.run.rundir.report import config_lines
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
@@ -97,8 +97,10 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    est = estimate_for_run(b.model.config, n["n_params"], cfg, b.max_length, b.precision, b.device.type,
-                           trainable=trainable_of(b.model))
+    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)  # the data's rows
+    est = estimate_for_run(b.model.config, n["n_params"], cfg, shape["max_length"], b.precision, b.device.type,
+                           trainable=trainable_of(b.model), target_length=shape.get("target_length"),
+                           packed=shape.get("packed"))
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)
@@ -119,3 +121,24 @@ def dry_run(cfg, say) -> int:
         f"dry run: no model on the device, no run folder; the token cache in {cfg.data.cache_dir} was reused or built"
     )
     return 0
+
+
+def describe(estimate: dict) -> list[str]:
+    """The estimate as console lines, in MiB."""
+
+    def mb(key):
+        return f"{estimate[key] / MIB:,.0f} MB"
+
+    lines = [] if "source_length" not in estimate else [
+        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} tokens"
+    ]
+    lines += [
+        f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
+        f"gradients {mb('gradients')}, optimizer state {mb('optimizer')}"
+        + (f", cuBLAS workspaces {mb('workspace')}" if estimate.get("workspace") else ""),
+        f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
+        f"{mb('activations_per_layer')} per layer)",
+        f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
+        "allocator's cache come on top)",
+    ]
+    return lines

@@ -34,10 +34,12 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
+from train.core.units import MIB
 from train.distributed.distributed import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401 (RESULT_FILE, read_saved: the tests' names)
+from train.run.plan.fill import estimated_fit
 from train.run.plan.plan import Chosen
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
@@ -266,7 +268,12 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
         f"effective batch {effective} {unit} kept"
     )
+    # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes (train/run/plan/fill.py)
+    estimated, _, _ = estimated_fit(b.cfg, b.model, b.dataset, b.collate, b.max_length, b.precision, b.device.type,
+                                    world, b.family.source_target, limit * MIB, per_rank)
     largest, trials = search(b, per_rank, limit, capacity, say, steps)
+    say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the memory "
+        "estimate's, which a run without BATCH_SIZE fills a GPU to)")
     device, fixes = b.device, remedies(trial_cfg, b.max_length, b.precision, hint=False)
     del b
     free_memory(device)

@@ -1,5 +1,6 @@
-"""Memory-adaptive settings at start, the memory meter find-batch / doctor / autotune share, and
-the learning-rate rule for a changed effective batch.
+"""Memory-adaptive settings at start, the memory meter find-batch / doctor / autotune share, the rows
+the memory estimate is asked at (row_shape: what the data gives), and the learning-rate rule for a
+changed effective batch.
 
 The guides' low-memory trainer, done openly: every setting chosen here is logged through
 build's decide() with the numbers behind it, and the effective batch never changes silently.
@@ -18,6 +19,8 @@ import torch
 
 from train.core.errors import UsageError
 from train.core.units import MIB
+from train.models import estimate_seq2seq
+from train.models.estimate_terms import packed_grid_of
 from train.observe import monitor
 
 # A DataLoader worker is a forked copy of the process; the token memmap is shared pages, but
@@ -110,12 +113,14 @@ def over_memory(b) -> str | None:
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
-
     cfg = b.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
-    est = estimate_for_run(b.model.config, count_params(b.model), cfg, b.max_length, b.precision, b.device.type,
-                           b.world.world_size, trainable_of(b.model))
+    # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
+    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)
+    est = estimate_for_run(b.model.config, count_params(b.model), cfg, shape["max_length"], b.precision, b.device.type,
+                           b.world.world_size, trainable_of(b.model), target_length=shape.get("target_length"),
+                           packed=shape.get("packed"))
     if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
         from train.core.device import memory_capacity
 
@@ -133,6 +138,32 @@ def over_memory(b) -> str | None:
         f"warned, not refused (the fit check refuses only where one sequence of {b.max_length} tokens cannot fit): "
         f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set ENABLE_GRAD_CKPT=1"
     )
+
+
+def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool) -> dict:
+    """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
+    max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
+    the mode's bound."""
+    dataset = getattr(dataset, "dataset", dataset)
+    grid = packed_grid_of(dataset)
+    if grid is not None:
+        return {"max_length": max_length, "packed": grid}
+    lengths = getattr(dataset, "lengths", None)
+    if mode != "sft" or lengths is None or not len(lengths):
+        if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
+            return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
+        return {"max_length": max_length}
+
+    def padded(n: int) -> int:
+        from train.data.sft.sft_batching import padded_width
+
+        width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
+        return min(max_length, width)
+
+    sources = getattr(dataset, "source_lengths", None)
+    if source_target and sources is not None:
+        return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
+    return {"max_length": padded(max(lengths))}
 
 
 # ---- the learning-rate rule ----

@@ -34,7 +34,7 @@ from train.distributed.parallel import describe
 from train.models import estimate
 from train.models.family import Family
 from train.models.freeze import apply_freeze, trainable_of
-from train.run.plan import adapt
+from train.run.plan import adapt, fill
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
 # With no GPU and no MODEL_SIZE: 8 optimizer steps of the launcher's 32, no accumulation, so that
@@ -223,11 +223,11 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
-def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | None = None) -> Plan:
+def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fill.Fill | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
     where the model, tokenizer, data and loss (objective) come from, each a pure call; every other
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of
-    planning (AUTO_BATCH=1)."""
+    planning (AUTO_BATCH=1), or fill.Fill: no micro-batch of the user's, so a GPU run fills the device."""
     cfg = copy.deepcopy(asked)
     source.refuse(cfg)
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
@@ -243,8 +243,11 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | Non
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
     # The model before the memory-adaptive settings: what they see free is what the run will have.
     model = source.model(cfg, choice, tok, data, device, decide)
-    if chosen is not None:
+    if isinstance(chosen, Chosen):
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
+    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.source_target):
+        fill.fill_memory(cfg, model, data.dataset, data.collate, max_length, precision, device, world.world_size,
+                         choice.family.source_target, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     if choice.demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
