@@ -44,8 +44,13 @@ class ModelConfig:
     gradient_checkpointing: bool = knob(False, "switch")
     """Recompute activations in the backward pass: about 30 % slower per step, far less activation memory. The
     guides' fix when VRAM is full at the batch size you want."""
-    compile: bool = False
-    """torch.compile the model. A one-off compile time (reported apart), worth it in runs of minutes on a GPU."""
+    compile: bool | None = knob(None, "auto", "compared")
+    """torch.compile the model over a few shapes (SFT and DPO pad to length buckets): fewer, fused kernels, a
+    one-off compile time reported apart. Empty: on with a GPU (a small model's eager step waits on its kernel
+    launches), off on a CPU (compiling takes longer than a short run there gains)."""
+    compile_mode: str | None = knob(None, "auto", choices=("default", "reduce-overhead", "max-autotune"))
+    """COMPILE's torch.compile mode: reduce-overhead replays each length bucket's step as CUDA graphs (no
+    launch per kernel). Empty: reduce-overhead on one GPU where a micro-batch's math takes under 20 ms, else default."""
     model_path: str | None = knob(None, "sft", "dpo")
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
     Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/. DPO: the
