@@ -180,10 +180,14 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
     devices = [device] if device.type == "cuda" else []
     guarded = GuardedModel(compiled, model, failed, bucketed)
     guarded.strict = True  # the trial compiles what training will call: the same shape marks
+    # CUDA graphs: the first call runs as cudagraph trees' warm-up, the second records; both are tried
+    trials = 2 if mode == cuda_graphs.GRAPHS and device.type == "cuda" else 1
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
-            loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
-            loss.backward()
+            for _ in range(trials):
+                model.zero_grad(set_to_none=True)
+                loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
+                loss.backward()
     except OOM:
         raise
     except Exception as err:

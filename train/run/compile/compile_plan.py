@@ -46,13 +46,10 @@ def decide_compile(cfg, device: torch.device, decide) -> None:
         decide("compile", cfg.model.compile, why)
 
 
-def step_math_ms(cfg, model, family, max_length: int, device: torch.device, precision: str) -> float | None:
-    """Milliseconds the largest micro-batch's forward and backward take at the device's peak
-    (6N + attention FLOPs per token, rows x MAX_LENGTH tokens, or TOKEN_BUDGET); None when
-    the peak is unknown (a CPU, a GPU missing from core/measure/mfu.py's table)."""
-    if device.type != "cuda":
-        return None
-    peak = peak_flops(torch.cuda.get_device_name(device), precision, tf32=cfg.system.tf32)
+def step_math_ms(cfg, model, family, max_length: int, peak: float | None) -> float | None:
+    """Milliseconds the largest micro-batch's forward and backward take at `peak` FLOP/s (6N +
+    attention FLOPs per token, BATCH_SIZE x MAX_LENGTH tokens, or TOKEN_BUDGET); None when the
+    peak is unknown (a CPU, a GPU missing from core/measure/mfu.py's table)."""
     if not peak:
         return None
     tokens = cfg.data.token_budget or cfg.optim.batch_size * max_length
@@ -88,6 +85,7 @@ def decide_mode(cfg, model, family, max_length: int, device: torch.device, preci
     """COMPILE_MODE empty -> reduce-overhead or default, once the model and micro-batch are known."""
     if cfg.model.compile_mode is not None or not cfg.model.compile:
         return
-    math_ms = step_math_ms(cfg, model, family, max_length, device, precision)
+    peak = peak_flops(torch.cuda.get_device_name(device), precision, cfg.system.tf32) if device.type == "cuda" else None
+    math_ms = step_math_ms(cfg, model, family, max_length, peak)
     cfg.model.compile_mode, why = choose_mode(True, device, world_size, cfg.system.sharding, cfg.data.packing, math_ms)
     decide("compile_mode", cfg.model.compile_mode, why)

@@ -11,10 +11,10 @@ import torch
 from train.core.optim.optimizers import build_optimizer
 from train.core.step import TokenObjective, train_step
 from train.data.loader import make_loader
+from train.data.sft.packing import FLASH, VARLEN
 from train.data.stream import BatchStream
 from train.distributed import parallel
 from train.distributed.distributed import step_total
-from train.data.sft.packing import FLASH, VARLEN
 from train.run.compile import compile_guard, cuda_graphs
 from train.run.guard.signals import QuietWorkers
 from train.run.loop import oom as oom_lib
