@@ -286,9 +286,6 @@ def estimate_for_run(
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
     preference = cfg.run.mode == "dpo"  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
-    compiled = cfg.model.compile  # empty: on a CUDA device without SHARDING (train/run/compile/compile_plan.py)
-    if compiled is None:
-        compiled = device_type == "cuda" and cfg.system.sharding == "none"
     est = estimate_memory(
         hf_cfg,
         n_params,
@@ -298,7 +295,7 @@ def estimate_for_run(
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
         device_type=device_type,
-        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not compiled and not seq2seq,
+        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile and not seq2seq,
         target_length=target,
         **_optimizer_args(cfg, trainable),
     )
