@@ -5,20 +5,21 @@
 #   pretrain-preset  120 s  doctor on the optimized preset (32 x 4), GPT-2 small, T=1024, bf16 +
 #                           compile, 30 steps: its verdict and the pretraining row; first, it also
 #                           builds the tokenizer and token cache (82 s)
-#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 30 steps, eager:
-#                           a static graph per length bucket would be up to 8 compiles (21 s)
+#   sft-grouped       90 s  SFT from that run's final/, LENGTH_GROUPING=1, batch 16, 30 steps, the default
+#                           compile (one graph over the length buckets) and CUDA graphs (21 s eager)
 #   sft-packing1      75 s  the same with PACKING=1 and compile (one graph for every packed row, 59 s)
 #   t5-pretrain      110 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
 #                           bf16 + compile, 30 steps (75 s)
-#   t5-sft            60 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, eager (21 s)
+#   t5-sft            90 s  SFT from t5-pretrain's final/, batch 20, MAX_LENGTH 512, 30 steps, the default
+#                           compile and CUDA graphs (21 s eager)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
 #                           against one core's encode rate and the machine's ceiling, memory sampled
 #                           (bench/tokenize_scaling.py; the corpus is made in the background while
 #                           the GPU parts run; 90 s)
 #   pretrain-auto     80 s  the optimized preset with AUTO_BATCH=1: find-batch's search in the run, its
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
-#   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
-#                           REFERENCE=copy, batch 16, bf16, eager, 30 steps (25 s)
+#   dpo              100 s  preference training from the doctor run's final/ on the built-in pairs,
+#                           REFERENCE=copy, batch 16, bf16, default compile and CUDA graphs, 30 steps (25 s eager)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
 # about 570 s expected. A part gets the smaller of its limit and what is left of
@@ -112,7 +113,7 @@ doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
 base=${doctor_json:+$(dirname "$doctor_json")/final}
 SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=1 NUM_WORKERS=0"
 if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled sft-grouped 60 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh 16
+  profiled sft-grouped 90 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh 16
   profiled sft-packing1 75 $SFT PACKING=1 COMPILE=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh 16
 else
   skip sft-grouped "no doctor run to start from"
@@ -122,7 +123,7 @@ fi
 T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
 profiled t5-pretrain 110 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
 if [ -d "$OUT/t5-pretrain/final" ]; then
-  profiled t5-sft 60 env -u MODEL_SIZE MODEL_PATH="$OUT/t5-pretrain/final" MAX_LENGTH=512 ENABLE_BF16=1 \
+  profiled t5-sft 90 env -u MODEL_SIZE MODEL_PATH="$OUT/t5-pretrain/final" MAX_LENGTH=512 ENABLE_BF16=1 \
     NUM_WORKERS=0 RUN_NAME=t5-sft ./train_sft_custom.sh 20
 else
   skip t5-sft "no t5-pretrain final/ to start from"
@@ -134,7 +135,7 @@ rm -rf "$TOKENIZE_WORK"
 
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
 if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled dpo 70 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh 16
+  profiled dpo 100 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh 16
 else
   skip dpo "no doctor run to start from"
 fi

@@ -45,7 +45,7 @@ def mark_shapes(kwargs: dict, bucketed: bool) -> dict:
     """Tell dynamo which sizes vary, before its first trace. bucketed (batches padded to the length
     buckets, SFT and DPO): every length dim (and the rows, which TOKEN_BUDGET varies) dynamic from
     the first call, so one graph serves every bucket: one compile, not one per bucket (up to 8,
-    21 s of an H200's 30-step SFT run), and CUDA graphs (COMPILE_MODE=reduce-overhead) record one
+    each a whole inductor compile), and CUDA graphs (COMPILE_MODE=reduce-overhead) record one
     replay per bucket under it. A packed row's conversations x longest (varlen_index) vary with
     every batch: dynamic too. The loss's divisor num_items_in_batch, a host int that changes with
     every SFT batch, goes in as a 0-dim tensor made by a fill on the batch's device (no copy from
