@@ -139,6 +139,6 @@ if [ -n "$base" ] && [ -d "$base" ]; then
 else
   skip dpo "no doctor run to start from"
 fi
-part bench-baseline 60 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
+part bench-baseline 60 env PRESET=baseline COMPILE=0 VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
 "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md

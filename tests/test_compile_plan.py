@@ -2,7 +2,8 @@
 on a CPU (a real CPU run says so in config.json), a value the user sets wins; empty COMPILE_MODE
 is reduce-overhead (CUDA graphs) for the GPU table's launch-bound paths (SFT, DPO, T5 on an H200)
 and default where a micro-batch's math hides the launches, several processes, packed rows or an
-unknown peak."""
+unknown peak. CUDA graphs' gradients, kept out of the graphs' pool, train as the usual ones do
+(the graphs themselves need a GPU: scripts/gpu_report.sh measures them)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from config import resolve
-from conftest import run_cli
+from config import OptimConfig, resolve
+from conftest import run_cli, tiny_model
 from train.core.measure.mfu import peak_flops
+from train.core.optim.optimizers import build_optimizer
+from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_config
 from train.run.compile import compile_guard
 from train.run.compile.compile_plan import LAUNCH_BOUND_MS, choose_mode, compile_default, step_math_ms
+from train.run.compile.cuda_graphs import keep_grads
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 H200 = peak_flops("NVIDIA H200", "bf16")
@@ -79,3 +83,26 @@ def test_a_cpu_run_leaves_compile_off_and_compile_1_wins(tiny_flags, tmp_path, m
     made = decisions(run)
     assert "compile" not in made and made["compile_mode"]["value"] == "default", made.get("compile_mode")
     assert json.loads((run / "summary.json").read_text())["compile"]["mode"] == "default"
+
+
+def test_kept_gradients_train_as_set_to_none_does():
+    """COMPILE_MODE=reduce-overhead's gradients (cuda_graphs.keep_grads): made once and zeroed in place,
+    so backward adds into them and never keeps a replay's own buffer; the steps are the same as with
+    .grad set to None (train_step with accumulation 2), and each .grad keeps its storage."""
+    x = torch.randint(1, 500, (2, 16))
+    params = []
+    for kept in (False, True):
+        model = tiny_model()
+        opt, _ = build_optimizer(OptimConfig(learning_rate=1e-3), model, CPU)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        if kept:
+            keep_grads(model, opt)
+            storage = [p.grad.data_ptr() for p in model.parameters()]
+        for _ in range(3):
+            train_step(model, opt, scaler, iter([{"input_ids": x}] * 2), 2, 1.0, CPU, "fp32", source_target=False)
+        if kept:
+            assert [p.grad.data_ptr() for p in model.parameters()] == storage
+            assert all(not p.grad.any() for p in model.parameters())  # zeroed after the step, in place
+        params.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*params, strict=True):
+        torch.testing.assert_close(b, a)
