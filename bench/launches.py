@@ -11,7 +11,9 @@ inductor generated (its C++ kernels, named in the trace with cpp.enable_kernel_p
 each is at least one kernel launch, and each is host time between kernels when the kernels are
 short. matmuls: the counted aten mm / addmm / bmm / baddbmm (inductor leaves matmuls to the
 library, so they stay launches when compiled). CUDA graphs (COMPILE_MODE=reduce-overhead) need a
-GPU: there the compiled count becomes one replay per micro-batch's forward and backward.
+GPU: there (`--modes eager,compiled,graphs` on a CUDA machine) the table adds the host's launch
+calls of the step (cudaLaunchKernel, cudaGraphLaunch, async copies and sets in the trace), where a
+graph's replay is one call.
 
     .venv/bin/python bench/launches.py                       # every path, eager and compiled
     .venv/bin/python bench/launches.py --paths sft,dpo --modes eager
@@ -31,6 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path("/work/shared/data/tinyshakespeare.txt")
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 256}
@@ -39,7 +43,11 @@ T5 = {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_deco
 STEP = 4  # the traced optimizer step (0-based): after the compile trial, step 0 and the sync probe's step 2
 COMMON = ["--max_steps", "6", "--log_every", "100", "--val_fraction", "0", "--save_every", "0", "--num_workers", "1",
           "--max_length", "64", "--batch_size", "4", "--seed", "1"]  # fmt: skip
-MODES = {"eager": ["--compile", "0"], "compiled": ["--compile", "1"]}
+MODES = {"eager": ["--compile", "0"], "compiled": ["--compile", "1", "--compile_mode", "default"],
+         "graphs": ["--compile", "1", "--compile_mode", "reduce-overhead"]}  # graphs: CUDA only
+# on a GPU: the host's launch calls themselves (a CUDA graph's replay is one cudaGraphLaunch)
+RUNTIME_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                    "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 # aten ops that change no data: views, metadata, allocation (no kernel on a GPU)
 NO_WORK = {
     "as_strided", "view", "_unsafe_view", "_reshape_alias", "reshape", "t", "transpose", "permute", "expand",
@@ -63,8 +71,9 @@ def does_work(name: str) -> bool:
 
 def count(events) -> dict:
     """(launches, matmuls) of a profiler trace: working ops not called from inside a working op."""
-    launches = matmuls = 0
+    launches = matmuls = runtime = 0
     for e in events:
+        runtime += e.name in RUNTIME_LAUNCHES
         if not does_work(e.name):
             continue
         parent = e.cpu_parent
@@ -73,13 +82,11 @@ def count(events) -> dict:
         if parent is None:
             launches += 1
             matmuls += e.name.split("::", 1)[-1] in MATMULS
-    return {"launches": launches, "matmuls": matmuls}
+    return {"launches": launches, "matmuls": matmuls, "cuda_launch_calls": runtime if torch.cuda.is_available() else None}
 
 
 def one(argv: list[str]) -> int:
     """In a child process: the run, its step traced; prints the counts as JSON."""
-    import torch
-
     torch.set_num_threads(1)
     torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's kernels named in the trace
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -160,8 +167,9 @@ def main() -> int:
     work = Path(args.work)
     table = paths(work, prepare(work))
     rows = []
-    print("| path | mode | launches / step | matmuls | graphs | recompiles | graph breaks | host syncs / step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| path | mode | launches / step | matmuls | CUDA launch calls | graphs | recompiles | graph breaks | "
+          "host syncs / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.paths.split(","):
         for mode in args.modes.split(","):
             run_args = [*table[name], *COMMON, *MODES[mode], "--output_dir", str(work / "runs"),
@@ -169,7 +177,9 @@ def main() -> int:
             r = {"path": name, "mode": mode, **child(run_args)}
             c = r["compile"]
             rows.append(r)
-            print(f"| {name} | {mode} | {r['launches']} | {r['matmuls']} | {c['graphs'] if c['enabled'] else '-'} | "
+            calls = "-" if r["cuda_launch_calls"] is None else r["cuda_launch_calls"]
+            print(f"| {name} | {mode} | {r['launches']} | {r['matmuls']} | {calls} | "
+                  f"{c['graphs'] if c['enabled'] else '-'} | "
                   f"{c['recompiles'] if c['enabled'] else '-'} | {c['graph_breaks'] if c['enabled'] else '-'} | "
                   f"{r['host_syncs_per_step']} |", flush=True)
     if args.json:
