@@ -69,8 +69,8 @@ def test_plain_sft_is_one_graph_over_every_bucket_and_eval_adds_nothing(base_mod
 
     monkeypatch.setattr(PadCollator, "__call__", recorded)
     s = compiled_run(tmp_path, monkeypatch, "sft", "--model_path", str(base_model), "--data_path", data,
-                     "--max_length", "64", "--batch_size", "2", "--max_steps", "60", "--length_grouping", "0",
-                     "--eval_every", "20", "--val_fraction", "0.1", backend="aot_eager")
+                     "--max_length", "64", "--batch_size", "2", "--max_steps", "40", "--length_grouping", "0",
+                     "--eval_every", "15", "--val_fraction", "0.1", backend="aot_eager")
     print("compile", s["compile"])
     assert s["compile"] == ONE_GRAPH and s["eval_passes"] >= 3, s["compile"]
     log = (tmp_path / "runs" / "c" / "train.log").read_text()

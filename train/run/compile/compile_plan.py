@@ -33,8 +33,8 @@ def compile_default(device: torch.device, sharding: str) -> tuple[bool, str]:
         return False, (f"{device.type}: no kernel launches to save, and inductor's build takes longer than a short "
                        "run here gains (COMPILE=1 to compile anyway)")
     if sharding != "none":
-        return False, (f"SHARDING={sharding}: FSDP2's hooks around each block break one whole-model graph "
-                       "(COMPILE=1 to try)")
+        return False, (f"SHARDING={sharding}: the kit compiles the whole model, where FSDP2 wants each block "
+                       "compiled on its own, as torchtitan does (COMPILE=1 to try)")
     return True, ("a GPU: fused kernels, fewer launches (a small model's eager step leaves the GPU waiting on the "
                   "host); shapes bounded by the length buckets; COMPILE=0 for eager")
 
