@@ -44,8 +44,10 @@ class ModelConfig:
     gradient_checkpointing: bool = knob(False, "switch")
     """Recompute activations in the backward pass: about 30 % slower per step, far less activation memory. The
     guides' fix when VRAM is full at the batch size you want."""
-    compile: bool = False
-    """torch.compile the model. A one-off compile time (reported apart), worth it in runs of minutes on a GPU."""
+    compile: bool | None = knob(None, "auto", "compared")
+    """torch.compile the model (fused kernels; compile time reported apart). Empty: on with a GPU, off on a CPU."""
+    compile_mode: str | None = knob(None, "auto", choices=("default", "reduce-overhead", "max-autotune"))
+    """COMPILE's mode; reduce-overhead: CUDA graphs. Empty: that on one GPU where a step is launch-bound, else default."""
     model_path: str | None = knob(None, "sft", "dpo")
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
     Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/. DPO: the
@@ -236,10 +238,8 @@ class OptimConfig:
         if (self.label_smoothing or 0) >= 0.5:
             raise bad_value("label_smoothing", "a number from 0 to 0.5", self.label_smoothing)
         if self.effective_batch is not None and not self.auto_batch and self.effective_batch % self.batch_size:
-            raise UsageError(
-                f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
-                "the effective batch must be BATCH_SIZE x GRADIENT_ACCUM (or set AUTO_BATCH=1)"
-            )
+            raise UsageError(f"EFFECTIVE_BATCH={self.effective_batch} is not a multiple of BATCH_SIZE={self.batch_size}: "
+                             "the effective batch must be BATCH_SIZE x GRADIENT_ACCUM (or set AUTO_BATCH=1)")
 
 
 @dataclass(kw_only=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Baseline launcher: the guides' "before" settings (batch 8, no accumulation, fp32, 0 workers).
+# Baseline launcher: the guides' "before" settings (batch 8, no accumulation, fp32, 0 workers, eager).
 # Usage: [VAR=value ...] ./run_single_gpu.sh [--any_flag value ...]
 #   e.g. MODEL_SIZE=nano MAX_STEPS=20 ./run_single_gpu.sh
 set -euo pipefail
@@ -12,7 +12,8 @@ MODEL_SIZE=${MODEL_SIZE:-}              # 8K vocab: nano 5.3M (tests, CPU), tiny
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2
 MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers causal-LM or encoder-decoder (T5, BART ...) config.json
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
-COMPILE=${COMPILE:-}                    # torch.compile the model; empty: 0
+COMPILE=${COMPILE:-0}                   # torch.compile the model (fused kernels; compile time reported apart)
+COMPILE_MODE=${COMPILE_MODE:-}          # COMPILE's mode; reduce-overhead: CUDA graphs; empty: that on one GPU where a step is launch-bound, else default
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 

@@ -17,7 +17,8 @@ fi
 # ---- model ----
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
-COMPILE=${COMPILE:-}                    # torch.compile the model; empty: 0
+COMPILE=${COMPILE:-}                    # torch.compile the model (fused kernels; compile time reported apart); empty: on with a GPU, off on a CPU
+COMPILE_MODE=${COMPILE_MODE:-}          # COMPILE's mode; reduce-overhead: CUDA graphs; empty: that on one GPU where a step is launch-bound, else default
 MODEL_PATH=${MODEL_PATH:-}              # the chat model to train (a folder, as for SFT); empty: the newest completed SFT run's final/
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
 LORA_R=${LORA_R:-}                      # LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen; empty or 0: full fine-tuning

@@ -5,18 +5,20 @@
 #   pretrain-preset  120 s  doctor on the optimized preset (32 x 4), GPT-2 small, T=1024, bf16 +
 #                           compile, 30 steps: its verdict and the pretraining row; first, it also
 #                           builds the tokenizer and token cache (82 s)
-#   sft-grouped       60 s  SFT from that run's final/, LENGTH_GROUPING=1, the launcher's batch and
-#                           COMPILE (eager: 21 s with batch 16)
+#   sft-grouped       90 s  SFT from that run's final/, LENGTH_GROUPING=1, the launcher's batch, the
+#                           default compile (one graph over the length buckets) and CUDA graphs (21 s eager)
 #   trl-sft-padfree   90 s  TRL's SFTTrainer, padding_free=True, on sft-grouped's plan (estimated 45 s:
 #                           the plan exported, TRL imported, 30 steps, one profiled)
 #   sft-packing1      75 s  the same with PACKING=1 (compiled: 59 s; eager less)
 #   trl-sft-packed    90 s  TRL's SFTTrainer, packing=True (bfd, padding-free rows), sft-packing1's plan (45 s)
 #   t5-pretrain      110 s  MODEL_FAMILY=t5 MODEL_SIZE=small, MAX_LENGTH 512, optimized preset 32 x 4,
 #                           bf16 + compile, 30 steps (75 s)
-#   t5-sft            60 s  SFT from t5-pretrain's final/, MAX_LENGTH 512, the launcher's batch (21 s at 20)
+#   t5-sft            90 s  SFT from t5-pretrain's final/, MAX_LENGTH 512, the launcher's batch, the
+#                           default compile and CUDA graphs (21 s eager at 20)
 #   seq2seq-t5-sft    75 s  transformers' Seq2SeqTrainer (ChatLM's SFT trainer) on t5-sft's plan (35 s)
-#   dpo               70 s  preference training from the doctor run's final/ on the built-in pairs,
-#                           REFERENCE=copy, the launcher's batch, packing and COMPILE (25 s at 16 pairs)
+#   dpo              100 s  preference training from the doctor run's final/ on the built-in pairs,
+#                           REFERENCE=copy, the launcher's batch and packing, default compile and CUDA
+#                           graphs (25 s eager at 16 pairs)
 #   trl-dpo           90 s  TRL's DPOTrainer on dpo's plan (45 s)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
 #                           against one core's encode rate and the machine's ceiling, memory sampled
@@ -164,7 +166,7 @@ doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
 base=${doctor_json:+$(dirname "$doctor_json")/final}
 SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=1 NUM_WORKERS=0"
 if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled sft-grouped 60 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
+  profiled sft-grouped 90 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
   peer trl-sft-padfree 90 sft-grouped $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
   profiled sft-packing1 75 $SFT PACKING=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh
   peer trl-sft-packed 90 sft-packing1 $SFT PACKING=1 RUN_NAME=sft-packing1 ./train_sft_custom.sh
@@ -176,14 +178,14 @@ T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
 profiled t5-pretrain 110 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
 T5_SFT="env -u MODEL_SIZE MODEL_PATH=$OUT/t5-pretrain/final MAX_LENGTH=512 ENABLE_BF16=1 NUM_WORKERS=0 RUN_NAME=t5-sft"
 if [ -d "$OUT/t5-pretrain/final" ]; then
-  profiled t5-sft 60 $T5_SFT ./train_sft_custom.sh
+  profiled t5-sft 90 $T5_SFT ./train_sft_custom.sh
   peer seq2seq-t5-sft 75 t5-sft $T5_SFT ./train_sft_custom.sh
 else
   skip t5-sft "no t5-pretrain final/ to start from"
   skip seq2seq-t5-sft "no t5-pretrain final/ to start from"
 fi
 if [ -n "$base" ] && [ -d "$base" ]; then
-  profiled dpo 70 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh
+  profiled dpo 100 $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh
   peer trl-dpo 90 dpo $SFT REFERENCE=copy RUN_NAME=dpo ./train_dpo.sh
 else
   skip dpo "no doctor run to start from"
@@ -195,6 +197,6 @@ part tokenize-scaling 100 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK
 rm -rf "$TOKENIZE_WORK"
 
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
-part bench-baseline 60 env PRESET=baseline VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
+part bench-baseline 60 env PRESET=baseline COMPILE=0 VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
 "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md --table bench/gpu_table.json

@@ -138,7 +138,8 @@ def _paths_session(out):
         "sft-packing1": _summary(batch_size=16, gradient_accumulation_steps=1, tokens_per_sec=460000.0, mfu=0.29,
                                  packing=True, compile={"enabled": True, "graph_breaks": 0, "recompiles": 2, "graphs": 3}),
         "t5-pretrain": _summary(max_length=512, tokens_per_sec=247426.0, mfu=0.039, peak_vram_mb=9053.0,
-                                estimate_peak_mb=6099.0),
+                                estimate_peak_mb=6099.0, compile={"enabled": True, "graph_breaks": 0, "recompiles": 0,
+                                                                  "graphs": 1, "cuda_graphs": 2, "cudagraph_skips": 0}),
     }
     for name, summary in runs.items():
         (out / name).mkdir()
@@ -168,6 +169,7 @@ def test_paths_rows_targets_and_profiles(tmp_path):
     assert "| GPT-2 SFT, LENGTH_GROUPING=1 | bf16, 16 x 1, T=1024 | 300,000 | 19.0% | 28,000 MB, estimated " \
            "27,000 (-4%) | n/a | off | 97% | 41% of 240 ms | 36 s |" in t
     assert "| 3 graphs, 2 recompiles, 0 breaks |" in t
+    assert "| 1 graphs, 0 recompiles, 0 breaks, 2 CUDA graphs (0 left uncaptured) |" in t  # COMPILE_MODE=reduce-overhead
     assert "| T5 small SFT | | | | | | | | | 60 s, stopped after 60 s (see t5-sft.log) |" in t
     assert 'the run said: "find-batch measured BATCH_SIZE=64 GRADIENT_ACCUM=2 at 230.5 samples/s' in t
     assert 'the run said: "AUTO_BATCH=1: BATCH_SIZE=64 GRADIENT_ACCUM=2 (was 32 x 4; kept)"' in t

@@ -35,6 +35,7 @@ from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
+from train.run.compile.compile_plan import compile_default
 from train.run.loop.oom import free_memory, is_oom
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.tools.find_batch import divisors, mode_of, unit_of, wants_help
@@ -146,7 +147,7 @@ def preset_candidate(effective: int, cores: int, name: str = "optimized") -> Can
     size = max(d for d in divisors(effective) if d <= p["batch_size"])
     workers = min(p.get("num_workers", knobs.default("num_workers")), cores)
     return Candidate(size, effective // size, workers, p.get("precision", knobs.default("precision")),
-                     p.get("compile", knobs.default("compile")), preset=name)
+                     bool(p.get("compile", knobs.default("compile"))), preset=name)
 
 
 def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> list[Candidate]:
@@ -189,8 +190,11 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
     o = cfg.optim
     if effective % o.batch_size == 0:  # the user's own settings, when they keep the effective batch
         precision, _ = resolve_precision(cfg.system.precision, device)
+        compiled = cfg.model.compile  # empty: the run's own default (train/run/compile/compile_plan.py)
+        if compiled is None:
+            compiled = compile_default(device, cfg.system.sharding)[0]
         mine = Candidate(o.batch_size, effective // o.batch_size, min(cfg.data.num_workers, cores), precision,
-                         cfg.model.compile)
+                         compiled)
         if mine != replace(preset.candidate, preset=""):
             run(mine)
     best = max(seen.values(), key=lambda x: x.samples_per_sec or -1)

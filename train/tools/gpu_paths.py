@@ -88,8 +88,10 @@ def _compile(s: dict) -> str:
         return "n/a"
     if not c.get("enabled"):
         return "off" + (f" ({s['compile_error']})" if s.get("compile_error") else "")
+    graphed = "" if c.get("cuda_graphs") is None else \
+        f", {c['cuda_graphs']} CUDA graphs ({_fmt(c.get('cudagraph_skips'), 'd')} left uncaptured)"
     return f"{_fmt(c.get('graphs'), 'd')} graphs, {_fmt(c.get('recompiles'), 'd')} recompiles, " \
-           f"{_fmt(c.get('graph_breaks'), 'd')} breaks"
+           f"{_fmt(c.get('graph_breaks'), 'd')} breaks" + graphed
 
 
 def _busy(p: dict | None) -> str:

@@ -20,7 +20,7 @@ from torch.utils.data import Sampler
 from train.core.units import IGNORE_INDEX
 from train.data.text import epoch_order
 
-BUCKETS = 8  # a static graph per width: few compiles, each within dynamo's recompile limit
+BUCKETS = 8  # a CUDA graph recorded per width (COMPILE_MODE=reduce-overhead): few recordings, few pools
 BUCKET_RATIO = 1.5  # each width at most 1.5x the one below: a row pads to at most 1.5x itself
 
 
@@ -353,20 +353,20 @@ class BudgetSampler(_Dealt, TokenBudgetBatchSampler):
 
 def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, seq2seq: bool,
                    decide) -> None:
-    """Pad SFT batches to a fixed set of widths where repeated shapes pay: COMPILE=1 (a graph
-    per shape, at most one per bucket) or CUDA (the caching allocator reuses blocks of the
-    same sizes). Eager on a CPU gains nothing from repeated shapes: there each batch keeps its
-    own width, since every pad token is work thrown away; so do validation batches on a CPU
-    (evaluation runs the eager model)."""
+    """Pad SFT and DPO batches to a fixed set of widths where repeated shapes pay: COMPILE (one
+    graph whose lengths are dynamic, and under CUDA graphs one recording per bucket) or CUDA (the
+    caching allocator reuses blocks of the same sizes). Eager on a CPU gains nothing from
+    repeated shapes: there each batch keeps its own width, since every pad token is work thrown
+    away; so do validation batches on a CPU (evaluation runs the eager model)."""
     if not (compile_on or device.type == "cuda"):
         return
     widths = length_buckets(max_length)
     for c in (collate, val_collate if device.type == "cuda" else None):
         if c is not None:
             c.widths = widths
-    why = "COMPILE=1: a graph per padded shape" if compile_on else f"{device.type}: the allocator reuses equal sizes"
-    how = ("each side bucketed, the lengths left to dynamo's dynamic shapes (a static graph per source x target "
-           "pair would be dozens)" if seq2seq else "a static graph per bucket, at most one compile each")
+    why = ("COMPILE: one graph with dynamic lengths serves them all, a CUDA graph (COMPILE_MODE=reduce-overhead) "
+           "is recorded per bucket" if compile_on else f"{device.type}: the allocator reuses equal sizes")
+    sides = "; each side (source, target) bucketed on its own" if seq2seq else ""
     decide("length_buckets", ",".join(map(str, widths)),
-           f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below "
-           f"(a static graph each, within dynamo's recompile limit, raised to 16 for them); {how}; a packed row pads to rows x MAX_LENGTH")
+           f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below"
+           f"{sides}; a packed row pads to rows x MAX_LENGTH")

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from train.run.compile import cuda_graphs
+
 BACKEND = "inductor"  # torch.compile's default; tests swap in a cheaper or a failing one
 # Running out of memory is not a compile failure: eager would run out too. (torch.OutOfMemoryError
 # is recent; older torch has only the CUDA one.)
@@ -39,22 +41,23 @@ def short_reason(err: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def mark_shapes(kwargs: dict, static_lengths: bool) -> dict:
-    """Tell dynamo which sizes to compile for. static_lengths (a causal model's bucketed batches):
-    the length dim static, one graph per bucket, each with kernels specialized to its size,
-    rather than dynamo's own switch to one dynamic graph at the second length. A packed row's
-    conversations x longest (varlen_index) vary with every batch: dynamic from the first call,
-    so the one graph serves them all (a graph per bucket pair would be dozens). The loss's
-    divisor num_items_in_batch, a host int that changes with every SFT batch, goes in as a
-    0-dim tensor made by a fill on the batch's device (no copy from the host, no sync): as an
-    int dynamo would guard on its value and recompile at the second one."""
+def mark_shapes(kwargs: dict, bucketed: bool) -> dict:
+    """Tell dynamo which sizes vary, before its first trace. bucketed (batches padded to the length
+    buckets, SFT and DPO): every length dim (and the rows, which TOKEN_BUDGET varies) dynamic from
+    the first call, so one graph serves every bucket: one compile, not one per bucket (up to 8,
+    each a whole inductor compile), and CUDA graphs (COMPILE_MODE=reduce-overhead) record one
+    replay per bucket under it. A packed row's conversations x longest (varlen_index) vary with
+    every batch: dynamic too. The loss's divisor num_items_in_batch, a host int that changes with
+    every SFT batch, goes in as a 0-dim tensor made by a fill on the batch's device (no copy from
+    the host, no sync): as an int dynamo would guard on its value and recompile at the second one."""
     items, ids = kwargs.get("num_items_in_batch"), kwargs.get("input_ids")
     if isinstance(items, int) and torch.is_tensor(ids):
         kwargs["num_items_in_batch"] = torch.full((), items, dtype=torch.long, device=ids.device)
-    if static_lengths:
+    if bucketed:
         for value in kwargs.values():
-            if torch.is_tensor(value) and value.dim() == 2:
-                torch._dynamo.mark_static(value, 1)
+            if torch.is_tensor(value) and value.dim() >= 2:
+                for dim in range(value.dim()):
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
     index = kwargs.get("varlen_index")
     if index is not None:
         torch._dynamo.maybe_mark_dynamic(index, 0)
@@ -69,15 +72,15 @@ class GuardedModel:
 
     strict = False
 
-    def __init__(self, compiled, eager, on_failure, static_lengths: bool = False):
+    def __init__(self, compiled, eager, on_failure, bucketed: bool = False):
         self.compiled, self.eager, self.on_failure = compiled, eager, on_failure
-        self.static_lengths = static_lengths
+        self.bucketed = bucketed
 
     def __call__(self, *args, **kwargs):
         if self.compiled is None:
             return self.eager(*args, **kwargs)
         try:
-            return self.compiled(*args, **mark_shapes(kwargs, self.static_lengths))
+            return self.compiled(*args, **mark_shapes(kwargs, self.bucketed))
         except OOM:
             raise
         except Exception as err:
@@ -102,57 +105,59 @@ class GuardedModel:
 
 def not_compiled() -> dict:
     """summary.json's compile entries of a run without COMPILE (or before it is tried)."""
-    return {"compile": {"enabled": False, "graph_breaks": None, "recompiles": None, "graphs": None},
+    return {"compile": {"enabled": False, "mode": None, "graph_breaks": None, "recompiles": None, "graphs": None,
+                        "cuda_graphs": None, "cudagraph_skips": None},
             "compile_error": None, "compile_s": None}
 
 
-def _counted() -> tuple[int, int]:
-    """(graph breaks, graphs) in dynamo's own counters, process-wide."""
+def _counted() -> tuple[int, int, int]:
+    """(graph breaks, graphs, CUDA graphs inductor skipped) in torch's own counters, process-wide."""
     from torch._dynamo.utils import counters
 
-    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], cuda_graphs.skips()
 
 
 class Counts:
     """Dynamo's graph breaks and graphs since the trial began, read at summary time: the trial's
-    graphs are the first compile, every graph after them a recompile (a new shape, a new guard).
-    Evaluation runs the eager model (train/run/loop/evaluate.py) and adds none."""
+    graphs are the first compile, every graph after them a recompile (a new shape dynamo was not
+    told of, a new guard). Under CUDA graphs, the recordings on the device (one per bucket, its
+    forward and backward apart) and the graphs inductor left uncaptured. Evaluation runs the
+    eager model (train/run/loop/evaluate.py) and adds none."""
 
-    def __init__(self):
-        self.breaks, self.graphs = _counted()
+    def __init__(self, device: torch.device, mode: str):
+        self.device, self.mode = device, mode
+        self.breaks, self.graphs, self.skips = _counted()
         self.first = None
 
     def trial_done(self) -> None:
         self.first = _counted()[1] - self.graphs
 
     def __call__(self) -> dict:
-        breaks, graphs = _counted()
+        breaks, graphs, skips = _counted()
         graphs -= self.graphs
+        graphed = self.mode == cuda_graphs.GRAPHS and self.device.type == "cuda"
         return {"graph_breaks": breaks - self.breaks, "graphs": graphs,
-                "recompiles": max(0, graphs - (self.first or graphs))}
+                "recompiles": max(0, graphs - (self.first or graphs)),
+                "cuda_graphs": cuda_graphs.recorded(self.device) if graphed else None,
+                "cudagraph_skips": skips - self.skips if graphed else None}
 
 
-def compile_model(model, batches, device: torch.device, precision: str, say, static_lengths: bool = False,
-                  source_target: bool = False, objective=None):
+def compile_model(model, batches, device: torch.device, precision: str, say, bucketed: bool = False,
+                  source_target: bool = False, objective=None, mode: str = "default"):
     """(model to train with, batch stream, info for summary.json). Without COMPILE, the model
     and stream unchanged; with it, a trial step decides between compiled and eager. info's
     "compile" entry is filled in from dynamo's counters when summary.json is written
-    (finish_counts). static_lengths: mark_shapes's (bucketed batches of a causal model). source_target: the
+    (finish_counts). bucketed: mark_shapes's (batches padded to the length buckets). source_target: the
     family's batch shape (train/models Family.source_target), for the trial step. objective: the
-    step's (train_step's; None: the token loss): the trial compiles the calls training makes."""
+    step's (train_step's; None: the token loss): the trial compiles the calls training makes.
+    mode: COMPILE_MODE (reduce-overhead: CUDA graphs; inductor's alone, other backends ignore it)."""
     info = not_compiled()
     if not getattr(torch, "compile", None):
         info["compile_error"] = f"torch {torch.__version__} has no torch.compile"
         say(f"warning: COMPILE=1 but {info['compile_error']}; training without it (eager)")
         return model, batches, info
     _reset_dynamo()  # a fresh cache: an earlier model compiled in this process must not count
-    if static_lengths:  # past the limit dynamo runs new shapes eager, silently; a bucket's graph
-        # may be made once more when the rows change (TOKEN_BUDGET, an out-of-memory halving)
-        from train.data.sft.sft_batching import BUCKETS
-
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * BUCKETS)
-    counts = info["counts"] = Counts()
+    counts = info["counts"] = Counts(device, mode)
 
     def failed(err: BaseException) -> None:
         info["compile"]["enabled"], info["compile_error"] = False, short_reason(err)
@@ -161,7 +166,8 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
 
     start = time.perf_counter()
     try:
-        compiled = torch.compile(model, backend=BACKEND)
+        options = {"mode": mode} if BACKEND == "inductor" and mode != "default" else {}
+        compiled = torch.compile(model, backend=BACKEND, **options)
     except Exception as err:  # e.g. a Python version this torch's dynamo does not support
         failed(err)
         return model, batches, info
@@ -172,12 +178,16 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
     objective = objective or TokenObjective(source_target)
 
     devices = [device] if device.type == "cuda" else []
-    guarded = GuardedModel(compiled, model, failed, static_lengths)
+    guarded = GuardedModel(compiled, model, failed, bucketed)
     guarded.strict = True  # the trial compiles what training will call: the same shape marks
+    # CUDA graphs: the first call runs as cudagraph trees' warm-up, the second records; both are tried
+    trials = 2 if mode == cuda_graphs.GRAPHS and device.type == "cuda" else 1
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
-            loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
-            loss.backward()
+            for _ in range(trials):
+                model.zero_grad(set_to_none=True)
+                loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
+                loss.backward()
     except OOM:
         raise
     except Exception as err:
@@ -187,10 +197,10 @@ def compile_model(model, batches, device: torch.device, precision: str, say, sta
         model.zero_grad(set_to_none=True)  # the trial's gradients never reach a step
         guarded.strict = False
     counts.trial_done()
-    info["compile"]["enabled"], info["compile_s"] = True, time.perf_counter() - start
-    say(
-        f"torch.compile ({BACKEND}): first step compiled in {info['compile_s']:.1f}s (kept out of throughput)"
-    )
+    info["compile"]["enabled"], info["compile"]["mode"] = True, mode
+    info["compile_s"] = time.perf_counter() - start
+    say(f"torch.compile ({BACKEND}, mode {mode}): first step compiled in {info['compile_s']:.1f}s (kept out of "
+        "throughput)")
     return guarded, batches, info
 
 

@@ -11,10 +11,11 @@ import torch
 from train.core.optim.optimizers import build_optimizer
 from train.core.step import TokenObjective, train_step
 from train.data.loader import make_loader
+from train.data.sft.packing import FLASH, VARLEN
 from train.data.stream import BatchStream
 from train.distributed import parallel
 from train.distributed.distributed import step_total
-from train.run.compile import compile_guard
+from train.run.compile import compile_guard, cuda_graphs
 from train.run.guard.signals import QuietWorkers
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import Evaluator
@@ -98,11 +99,16 @@ def prepare(b, run_dir, say, guard) -> Parts:
     batches = feed.batches()
     step_model, compiled = train_model, compile_guard.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
-        # bucketed batches of a causal model compile a static graph per bucket (compile_guard.mark_shapes)
-        static = getattr(b.collate, "widths", None) is not None and not getattr(b.collate, "attention", None) \
-            and not b.family.source_target
+        # batches padded to the length buckets: one graph with dynamic lengths (compile_guard.mark_shapes); a
+        # flat packed row has one length already
+        bucketed = getattr(b.collate, "widths", None) is not None \
+            and getattr(b.collate, "attention", None) not in (FLASH, VARLEN)
+        mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
-                                                                    static, b.family.source_target, b.objective)
+                                                                    bucketed, b.family.source_target, b.objective,
+                                                                    mode)
+        if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
+            cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer
     return Parts(
         b=b, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), feed=feed,
