@@ -14,6 +14,7 @@ MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers causal-LM or encoder-de
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
 COMPILE=${COMPILE:-}                    # torch.compile the model; empty: 0
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
+DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama attention_dropout, t5 dropout_rate); empty: 0 (preset baseline)
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----
