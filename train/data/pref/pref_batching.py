@@ -120,14 +120,17 @@ class PackedPairCollator(PackedCollator):
         return {**batch, "sequence_ids": ids, "n_pairs": n_pairs}
 
 
-FLAT_MULTIPLE = 64  # a micro-batch's flat row where shapes should repeat (CUDA, COMPILE=1): at most 63 pad tokens
+# A micro-batch's flat row where the kit sets widths (CUDA, COMPILE=1): a multiple of 8 for the tensor cores, at most
+# 7 pad tokens. Not whole rows of MAX_LENGTH: 8 short pairs would fill a fifth of one (compiled, the row's length
+# is dynamic from its second value: one graph, as a packed row's varlen_index already is).
+FLAT_MULTIPLE = 8
 
 
 class MicroPackedPairCollator(PackedPairCollator):
     """P pairs (a padded run's micro-batch, not PACKING=1's rows) -> PackedPairCollator's batch of their 2P
     sequences in pair order: one flat row where the attention is varlen (its length rounded up to
-    FLAT_MULTIPLE where the kit sets widths: on CUDA or under COMPILE=1, instead of whole rows of MAX_LENGTH,
-    which would pad a few short pairs to a full row), else a row per pair (a block mask per row)."""
+    FLAT_MULTIPLE where the kit sets widths: on CUDA or under COMPILE=1), else a row per pair (a block
+    mask per row)."""
 
     def __call__(self, pairs: Sequence[dict]) -> dict:
         rows = [list(pairs)] if self.attention in (FLASH, VARLEN) else [[p] for p in pairs]
