@@ -284,3 +284,12 @@ def test_a_default_run_packs_each_micro_batch_and_gives_the_padded_losses(base_m
             np.testing.assert_allclose([r[name] for r in got], [r[name] for r in expected if "loss" in r],
                                        rtol=0, atol=1e-5, err_msg=f"{reference} {name}")  # fmt: skip
     assert len({round(r["loss"], 6) for r in expected if "loss" in r}) == 3  # three different steps
+
+
+@pytest.mark.parametrize("more", [["--token_budget", "200"], ["--length_grouping", "1", "--batch_size", "4"]])
+def test_the_default_packing_takes_the_other_samplers(base_model, pairs_root, more):
+    """TOKEN_BUDGET and LENGTH_GROUPING choose the pairs of a micro-batch; PACKING empty still lays them out
+    without padding."""
+    run = dpo(pairs_root, base_model, "micro-" + more[0].strip("-"), "--reference", "copy", *more)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["packing"] == "micro-batch" and summary["padding_efficiency"] == 1.0 and summary["steps"] == 3

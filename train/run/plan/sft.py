@@ -191,7 +191,8 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str
             "batch_size",
             f"~{rows_per_micro:.1f}",
             f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch"
-            f"{' (rows x (longest source + longest target))' if dataset.pairs else ''}; BATCH_SIZE unused",
+            f"{' (rows x (longest source + longest target))' if getattr(dataset, 'pairs', False) else ''}; "
+            "BATCH_SIZE unused",  # a DPO PairDataset has no .pairs: its lengths are the pairs' padded cost
         )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
