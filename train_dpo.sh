@@ -27,6 +27,7 @@ LORA_DROPOUT=${LORA_DROPOUT:-}          # dropout on the LoRA adapters' input; e
 LORA_TARGETS=${LORA_TARGETS:-}          # layer names LoRA adapts (comma-separated, or all-linear); empty: the architecture's (docs/sft.md)
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # let MODEL_PATH run the Python code it ships (custom architectures)
 REFERENCE=${REFERENCE:-}                # copy | precomputed | adapters; empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed
+DROPOUT=${DROPOUT:-}                    # every dropout of the model; empty: 0 (preset dpo)
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----
@@ -44,6 +45,7 @@ PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-} # keep worker processes alive between
 CACHE_DIR=${CACHE_DIR:-}                # where trained tokenizers and token caches live, keyed by data content and tokenizer; empty: .cache
 LENGTH_GROUPING=${LENGTH_GROUPING:-0}   # batch samples of similar length together (the guides' "dynamic batch size by sequence length")
 TOKEN_BUDGET=${TOKEN_BUDGET:-}          # build each micro-batch by tokens instead of samples: as many samples as fit in this many padded tokens (rows x longest)
+PACKING=${PACKING:-}                    # 1 packs all pairs into rows of 2 x MAX_LENGTH (BATCH_SIZE counts rows); 0 pads; empty: each micro-batch's pairs in one unpadded row
 SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # skip records that cannot be used (bad JSON, no response, wrong shape) and print how many
 TEMPLATE=${TEMPLATE:-}                  # builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file; empty: the tokenizer's own chat template where it has one, else builtin
 TRUNCATION=${TRUNCATION:-}              # keep_end | keep_start; empty: keep_end (a long source keeps its end)

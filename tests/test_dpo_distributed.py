@@ -73,22 +73,24 @@ def test_two_processes_equal_one(base_model, root):
     assert rows(runs / "one")[-1]["loss"] < rows(runs / "one")[0]["loss"]  # it trains
 
 
-def test_a_compiled_run_trains_one_graph_without_syncs_or_recompiles(base_model, root, monkeypatch):
+@pytest.mark.parametrize("packing", ["", "0"])
+def test_a_compiled_run_trains_one_graph_without_syncs_or_recompiles(base_model, root, monkeypatch, packing):
     """COMPILE=1 (dynamo's eager backend: its graphs, guards and recompiles without the code
     generator, minutes on these cores): the wrapped model's own forward and head give the losses of
-    the eager chunked path; summary.json's host_syncs_per_step is 0."""
+    the eager chunked path; summary.json's host_syncs_per_step is 0. PACKING empty (each micro-batch
+    one flat row, dynamic from its second length) and PACKING=0 (padded to the length buckets)."""
     monkeypatch.setattr(compile_guard, "BACKEND", "eager")
     argv = ["dpo", "--model_path", str(base_model), "--data_path", str(root / "pairs.jsonl"), "--output_dir",
             str(root / "runs"), "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "2",
             "--gradient_accumulation_steps", "2", "--max_steps", "4", "--log_every", "100", "--num_workers", "0",
-            "--val_fraction", "0", "--learning_rate", "1e-3", "--reference", "copy"]  # fmt: skip
-    assert run_cli(*argv, "--compile", "1", "--run_name", "compiled") == 0
-    assert run_cli(*argv, "--run_name", "eager") == 0
-    summary = json.loads((root / "runs" / "compiled" / "summary.json").read_text())
+            "--val_fraction", "0", "--learning_rate", "1e-3", "--reference", "copy", "--packing", packing]  # fmt: skip
+    assert run_cli(*argv, "--compile", "1", "--run_name", f"compiled{packing}") == 0
+    assert run_cli(*argv, "--run_name", f"eager{packing}") == 0
+    summary = json.loads((root / "runs" / f"compiled{packing}" / "summary.json").read_text())
     c = summary["compile"]
     assert c["enabled"] is True, summary["compile_error"]
     assert (c["graph_breaks"], c["recompiles"], c["graphs"]) == (0, 0, 1), c
     assert summary["host_syncs_per_step"] == 0, summary["host_syncs"]
-    eager = json.loads((root / "runs" / "eager" / "summary.json").read_text())
+    eager = json.loads((root / "runs" / f"eager{packing}" / "summary.json").read_text())
     assert summary["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-5)
     assert summary["final_rewards/accuracies"] == pytest.approx(eager["final_rewards/accuracies"], abs=1e-5)

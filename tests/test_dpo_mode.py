@@ -114,9 +114,12 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
 @pytest.mark.parametrize("mode, argv, message", [
     ("dpo", ["--beta", "-1"], "BETA (--beta): expected a number > 0.0"),
     ("dpo", ["--dpo_loss", "kto"], "DPO_LOSS (--dpo_loss): expected sigmoid | ipo | hinge | simpo | orpo"),
-    ("dpo", ["--label_smoothing", "0.5"], "LABEL_SMOOTHING (--label_smoothing): expected a number from 0 to 0.5"),
+    ("dpo", ["--label_smoothing", "0.5"], "LABEL_SMOOTHING (--label_smoothing): expected a number from 0 to below 0.5"),
     ("dpo", ["--reference", "adapters"], "REFERENCE=adapters: the reference is the base model"),
     ("dpo", ["--dpo_loss", "simpo", "--reference", "copy"], "REFERENCE=copy: DPO_LOSS=simpo is reference-free"),
+    ("dpo", ["--dpo_loss", "ipo", "--label_smoothing", "0.1"], "LABEL_SMOOTHING=0.1: DPO_LOSS=ipo ignores it"),
+    ("dpo", ["--simpo_gamma", "0.3"], "SIMPO_GAMMA=0.3: DPO_LOSS=sigmoid ignores it (it reads BETA, LABEL_SMOOTHING)"),
+    ("dpo", ["--dpo_loss", "orpo", "--simpo_gamma", "0"], "SIMPO_GAMMA=0: DPO_LOSS=orpo ignores it"),
     ("dpo", ["--model_size", "nano"], "MODEL_SIZE: preference training fine-tunes a trained chat model"),
     ("dpo", ["--loss_mean", "micro_batches"], "LOSS_MEAN=micro_batches: preference training's loss is the mean"),
     ("sft", ["--beta", "0.2"], "BETA (--beta) is a preference-training setting"),

@@ -6,7 +6,13 @@ every gradient) on tiny GPT-2 and Llama models, and a whole `python -m train dpo
 gives the losses of one without, step by step, when each step reads the same pairs: PACKING's batch
 unit is a packed row, so BATCH_SIZE rows hold a varying number of pairs; with BATCH_SIZE = the rows
 of the data set (and BATCH_SIZE = the pairs unpacked) every step reads every pair. A T5's pairs are
-not packed (nor are SFT's): one line, exit 2."""
+not packed (nor are SFT's): one line, exit 2.
+
+PACKING empty (the default) packs each micro-batch instead (MicroPackedPairCollator): BATCH_SIZE pairs, drawn
+as the padded run draws them, in one unpadded row; so a default run gives the losses of PACKING=0 at
+any BATCH_SIZE, step by step, and its padding efficiency is 1 on a CPU, >= 0.9 in the CUDA form (the row
+rounded up to 8 tokens) on short pairs and on LLaMA-Factory-shaped ones (prompts 20-600, replies
+10-400 tokens), where padding keeps about half."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from test_dpo_mode import t5_root  # noqa: F401 (the tiny T5 and its pairs)
 from conftest import read_jsonl, run_cli
 from train.core.attention import use_attention
 from train.core.preference.logps import Responses
-from train.data.pref.pref_batching import PackedPairCollator, PairCollator
+from train.data.pref.pref_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
 from train.data.sft.packing import SDPA, VARLEN
 
 KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "simpo": dict(beta=2.0, simpo_gamma=0.7)}
@@ -46,6 +52,82 @@ def grads(model) -> dict:
 
 CASES = [(family, loss, VARLEN) for family in ("gpt2", "llama") for loss in KNOBS] + [
     ("gpt2", "sigmoid", SDPA), ("llama", "simpo", SDPA)]  # the masked form: a block-diagonal (rows, 1, T, T) mask
+
+
+def losses_and_grads(family: str, loss_name: str, attention: str, batches: list[dict]) -> list[tuple]:
+    """(loss, metrics, gradients) of each batch, each on a fresh copy of one policy (and one reference)."""
+    policy, other = FAMILIES[family](0), FAMILIES[family](1)
+    for model in (policy, other):
+        use_attention(model, VARLEN if attention == VARLEN else SDPA)
+    reference = build_reference("copy", other) if loss_name != "simpo" else None
+    results = []
+    for batch in batches:
+        model = copy.deepcopy(policy)
+        loss, metrics = preference_loss(model, batch, CPU, "fp32", reference=reference, chunk_tokens=4,
+                                        loss=loss_name, **KNOBS[loss_name])  # fmt: skip
+        loss.backward()
+        results.append((loss.item(), metrics, grads(model)))
+    return results
+
+
+def assert_same(results: list[tuple]) -> None:
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, abs=TOL)
+    assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) >= 6
+    for name in metrics_a:
+        assert metrics_b[name].item() == pytest.approx(metrics_a[name].item(), abs=TOL), name
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=TOL, rtol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("family, loss_name, attention", CASES)
+def test_a_packed_micro_batch_equals_the_padded_one(family, loss_name, attention):
+    """PACKING empty: the micro-batch's pairs in their own order, one flat row (varlen) or a row per pair
+    (the masked form); with widths (CUDA, COMPILE=1) the flat row pads to a multiple of 8, unread."""
+    pairs = examples(5, seed=4)
+    packed = MicroPackedPairCollator(0, attention=attention)
+    if attention == VARLEN:
+        packed.widths = (16, 64)
+    batch = packed(pairs)
+    real = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
+    assert batch["n_pairs"] == 5 and batch["n_real_tokens"] == real
+    if attention == VARLEN:
+        assert batch["labels"].shape == (1, batch["n_padded_tokens"]) and batch["n_padded_tokens"] == -(-real // 8) * 8
+    else:
+        assert batch["labels"].shape[0] == 5  # a row per pair
+    assert_same(losses_and_grads(family, loss_name, attention, [PairCollator(0)(pairs), batch]))
+
+
+def lf_shaped(n: int, seed: int) -> list[dict]:
+    """Pairs shaped as LLaMA-Factory's dpo_en_demo: prompts of 20-600 tokens, replies of 10-400."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        prompt, chosen, rejected = rng.integers(20, 601), rng.integers(10, 401), rng.integers(10, 401)
+        out.append({"prompt_ids": [5] * prompt, "chosen_ids": [6] * chosen, "rejected_ids": [7] * rejected,
+                    "chosen_labels": [6] * chosen, "rejected_labels": [7] * rejected})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("shape", ["short", "llama-factory"])
+def test_micro_batch_packing_keeps_the_padding_out(shape):
+    """Padding efficiency over every micro-batch of 8 (real tokens / tokens run): padded, packed on a CPU,
+    packed in the CUDA form."""
+    pairs = examples(400, seed=5) if shape == "short" else lf_shaped(400, seed=5)
+    order = np.random.default_rng(0).permutation(len(pairs))
+    batches = [[pairs[i] for i in order[k : k + 8]] for k in range(0, len(pairs), 8)]
+    cuda = MicroPackedPairCollator(0, attention=VARLEN, pad_to_multiple_of=8)
+    cuda.widths = (64, 128)
+
+    def efficiency(collate) -> float:
+        counts = [collate(b) for b in batches]
+        return sum(c["n_real_tokens"] for c in counts) / sum(c["n_padded_tokens"] for c in counts)
+
+    padded = efficiency(PairCollator(0))
+    assert padded < 0.8
+    assert efficiency(MicroPackedPairCollator(0, attention=VARLEN)) == 1.0
+    assert efficiency(cuda) >= 0.9 > padded + 0.2
 
 
 @pytest.mark.parametrize("family, loss_name, attention", CASES)
@@ -145,7 +227,8 @@ def test_a_packed_run_gives_the_losses_of_an_unpacked_one(base_model, pairs_root
     out = capsys.readouterr().out
     rows = int(out.split("packing = ")[1].split(" rows")[0])
     assert rows < len(PAIRS)  # pairs share rows
-    runs = {"padded": dpo(pairs_root, base_model, "padded", "--reference", "copy", "--batch_size", str(len(PAIRS)))}
+    runs = {"padded": dpo(pairs_root, base_model, "padded", "--packing", "0", "--reference", "copy", "--batch_size",
+                          str(len(PAIRS)))}  # fmt: skip
     for reference in ("copy", "precomputed"):
         runs[reference] = dpo(pairs_root, base_model, f"packed-{reference}", "--packing", "1", "--reference",
                               reference, "--batch_size", str(rows))  # fmt: skip
@@ -173,3 +256,40 @@ def test_t5_pairs_are_not_packed(t5_root, capsys):  # noqa: F811
     assert len(err) == 1 and "PACKING=1" in err[0] and "encoder-decoder" in err[0] and "not built" in err[0], err
     assert not (t5_root / "runs" / "packed").exists()
 
+
+
+def test_a_default_run_packs_each_micro_batch_and_gives_the_padded_losses(base_model, pairs_root, capsys):
+    """PACKING empty against PACKING=0 at BATCH_SIZE 4 (3 steps of different pairs): the same losses and
+    metrics step by step, the decision said with its reason, no pad token read."""
+    runs = {"padded": dpo(pairs_root, base_model, "micro-padded", "--packing", "0", "--reference", "copy",
+                          "--batch_size", "4")}  # fmt: skip
+    assert "packing = micro-batch" not in capsys.readouterr().out
+    for reference in ("copy", "precomputed"):
+        runs[reference] = dpo(pairs_root, base_model, f"micro-{reference}", "--reference", reference,
+                              "--batch_size", "4")  # fmt: skip
+        out = capsys.readouterr().out
+        assert "packing = micro-batch  (PACKING empty: each micro-batch's BATCH_SIZE pairs" in out
+        assert f"attention = {VARLEN}" in out
+    padded = json.loads((runs["padded"] / "summary.json").read_text())
+    assert padded["packing"] is False and padded["padding_efficiency"] < 0.85
+    expected = read_jsonl(runs["padded"] / "metrics.jsonl")
+    names = [k for k in expected[0] if k == "loss" or k.startswith(("rewards/", "logps/"))]
+    for reference in ("copy", "precomputed"):
+        summary = json.loads((runs[reference] / "summary.json").read_text())
+        assert summary["packing"] == "micro-batch" and summary["attention"] == VARLEN
+        assert summary["padding_efficiency"] == 1.0 and summary["samples"] == summary["steps"] * 4 == 12
+        got = [r for r in read_jsonl(runs[reference] / "metrics.jsonl") if "loss" in r]
+        assert [r["step"] for r in got] == [1, 2, 3]
+        for name in names:
+            np.testing.assert_allclose([r[name] for r in got], [r[name] for r in expected if "loss" in r],
+                                       rtol=0, atol=1e-5, err_msg=f"{reference} {name}")  # fmt: skip
+    assert len({round(r["loss"], 6) for r in expected if "loss" in r}) == 3  # three different steps
+
+
+@pytest.mark.parametrize("more", [["--token_budget", "200"], ["--length_grouping", "1", "--batch_size", "4"]])
+def test_the_default_packing_takes_the_other_samplers(base_model, pairs_root, more):
+    """TOKEN_BUDGET and LENGTH_GROUPING choose the pairs of a micro-batch; PACKING empty still lays them out
+    without padding."""
+    run = dpo(pairs_root, base_model, "micro-" + more[0].strip("-"), "--reference", "copy", *more)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["packing"] == "micro-batch" and summary["padding_efficiency"] == 1.0 and summary["steps"] == 3

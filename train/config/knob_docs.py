@@ -273,7 +273,8 @@ def takes(name: str) -> str:
     elif kind in ("int", "float"):
         number = "a whole number" if kind == "int" else "a number"
         bound = f" > {shown(above)}" if above is not None else f" >= {shown(least)}" if least is not None else ""
-        said = number + bound
+        below = f.metadata.get("below")
+        said = number + bound + (f" and < {shown(below)}" if below is not None else "")
     else:
         said = "text"
     return said + (", `auto`" if has_mark(f, "auto") else "")

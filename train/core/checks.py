@@ -25,16 +25,17 @@ MARKS = {
 }
 
 
-def knob(default=None, *marks: str, least=None, above=None, choices: tuple = ()):
+def knob(default=None, *marks: str, least=None, above=None, below=None, choices: tuple = ()):
     """A config field with markers (MARKS) and its range: `warmup_steps: int | None = knob(None, "auto",
     "compared", least=0)`. least / above: the smallest value allowed / the bound it must exceed, checked by
-    check_fields (int or float by the field's type; None allowed where the type allows it). choices: the
+    check_fields (int or float by the field's type; None allowed where the type allows it); below: the bound
+    a float must stay under (DROPOUT < 1). choices: the
     accepted values of a text field (`choices=PRECISIONS`)."""
     unknown = set(marks) - set(MARKS)
     if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
         raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
     return dataclasses.field(default=default, metadata={"marks": frozenset(marks), "least": least, "above": above,
-                                                                  "choices": tuple(choices)})
+                                                        "below": below, "choices": tuple(choices)})
 
 
 def check_fields(obj) -> None:
@@ -50,7 +51,8 @@ def check_fields(obj) -> None:
         if str(f.type).startswith("int"):
             check_int(obj, f.name, least, optional)
         else:
-            check_float(obj, f.name, above if above is not None else least, optional, strict=above is not None)
+            check_float(obj, f.name, above if above is not None else least, optional, strict=above is not None,
+                        below=f.metadata.get("below"))
 
 
 def has_mark(field: dataclasses.Field, mark: str) -> bool:
@@ -84,11 +86,14 @@ def check_int(obj, name: str, minimum: int, optional: bool = False, maximum: int
         raise bad_value(name, f"a whole number from {minimum} to {maximum}{why}", value)
 
 
-def check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False) -> None:
+def check_float(obj, name: str, minimum: float, optional: bool = False, strict: bool = False,
+                below: float | None = None) -> None:
     value = getattr(obj, name)
     if value is None and optional:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if below is not None and not (ok and minimum <= value < below):
+        raise bad_value(name, f"a number from {minimum:g} to below {below:g}", value)
     if not ok or value < minimum or (strict and value == minimum):
         raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
 

@@ -15,6 +15,10 @@ from types import MappingProxyType
 
 from train.core.model import unwrapped
 
+# Dropout settings of other types' configs (Qwen, Mistral: attention_dropout; BART: dropout, activation_dropout).
+GENERIC_DROPOUT = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "dropout_rate", "dropout",
+                   "activation_dropout", "hidden_dropout")
+
 
 @dataclass(frozen=True)
 class Family:
@@ -39,6 +43,11 @@ class Family:
     """The context length when the config has no position table (T5's relative positions)."""
     objective: str = "causal_lm"
     """Pretraining's objective on raw text: causal_lm (next token) or span_corruption (T5)."""
+    dropout: tuple[str, ...] = GENERIC_DROPOUT
+    """The config's dropout settings DROPOUT sets (a loaded model of another type: those of these it has)."""
+    dropout_modules: tuple[str, ...] = ("attention_dropout", "dropout", "activation_dropout")
+    """Module attributes that hold a dropout as a plain float read at forward (Llama's attention, T5's), set
+    with the config on a model already built; torch.nn.Dropout layers are set wherever they are."""
 
     @property
     def kind(self) -> str:
@@ -99,3 +108,37 @@ def family_of(model_or_config) -> Family | None:
         return SEQ2SEQ
     kind = kind_of_type(model_type, bool(getattr(cfg, "is_decoder", False)))
     return KINDS[kind] if kind else None
+
+
+def dropout_of(model_or_config) -> float | None:
+    """The largest dropout setting of a model's config (None where its family names none it has)."""
+    cfg = getattr(unwrapped(model_or_config), "config", model_or_config)
+    family = family_of(cfg)
+    values = [getattr(cfg, n) for n in (family.dropout if family else ()) if isinstance(getattr(cfg, n, None), float)]
+    return max(values) if values else None
+
+
+def set_dropout(model_or_config, p: float) -> int:
+    """DROPOUT: every dropout setting of the family in the config (saved with final/), and on a built model
+    every torch.nn.Dropout and the float attributes its layers read at forward (modules made from the config
+    before it changed keep their own copy). Returns how many of those it changed (0 for a config)."""
+    import torch
+
+    model = unwrapped(model_or_config)
+    cfg = getattr(model, "config", model_or_config)
+    family = family_of(cfg)
+    for name in family.dropout if family else ():
+        if isinstance(getattr(cfg, name, None), (int, float)) and not isinstance(getattr(cfg, name), bool):
+            setattr(cfg, name, float(p))
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p != p
+            module.p = float(p)
+        for name in family.dropout_modules if family else ():
+            if isinstance(getattr(module, name, None), float):
+                changed += getattr(module, name) != p
+                setattr(module, name, float(p))
+    return changed

@@ -23,4 +23,4 @@ def make_config(shape, vocab_size: int, eos_id: int):
 
 
 GPT2 = Family("gpt2", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
-              make_config=make_config)
+              make_config=make_config, dropout=("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout_modules=())

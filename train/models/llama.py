@@ -31,4 +31,4 @@ def make_config(shape, vocab_size: int, eos_id: int):
 
 
 LLAMA = Family("llama", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
-               make_config=make_config)
+               make_config=make_config, dropout=("attention_dropout",), dropout_modules=("attention_dropout",))

@@ -26,4 +26,5 @@ def make_config(shape, vocab_size: int, eos_id: int):
 
 
 T5 = Family("t5", source_target=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", sizes=SIZES,
-            make_config=make_config, context=CONTEXT, objective="span_corruption")
+            make_config=make_config, context=CONTEXT, objective="span_corruption", dropout=("dropout_rate",),
+            dropout_modules=("dropout",))

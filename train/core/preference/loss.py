@@ -78,19 +78,22 @@ def _orpo(c, r, rc, rr, k: Knobs):
 class PreferenceLoss:
     """One row of DPO_LOSS: per_pair(c, r, ref_c, ref_r, knobs) -> (losses (P,), extra per-pair
     metrics); the log-probs it takes, per response token (normalised) or summed; whether it needs a
-    reference model's; whether the chosen NLL is part of it (weight 1, SFT_WEIGHT on top)."""
+    reference model's; whether the chosen NLL is part of it (weight 1, SFT_WEIGHT on top); the Knobs its
+    formula reads (a knob set that it does not read is refused, as it would be ignored)."""
 
     per_pair: Callable
     normalised: bool
     reference: bool
     nll: bool = False
+    reads: frozenset = frozenset({"beta"})
 
 
 DPO_LOSS = {
-    "sigmoid": PreferenceLoss(_sigmoid, normalised=False, reference=True),
+    "sigmoid": PreferenceLoss(_sigmoid, normalised=False, reference=True, reads=frozenset({"beta", "label_smoothing"})),
     "ipo": PreferenceLoss(_ipo, normalised=True, reference=True),
     "hinge": PreferenceLoss(_hinge, normalised=False, reference=True),
-    "simpo": PreferenceLoss(_simpo, normalised=True, reference=False),
+    "simpo": PreferenceLoss(_simpo, normalised=True, reference=False,
+                            reads=frozenset({"beta", "label_smoothing", "simpo_gamma"})),
     "orpo": PreferenceLoss(_orpo, normalised=True, reference=False, nll=True),
 }
 

@@ -11,6 +11,9 @@
   row of up to 2 x MAX_LENGTH tokens) through SFT's PackedCollator, so position_ids restart at every
   sequence and attention never crosses one (varlen: no (T x T) mask); sequence_ids (the shape of
   labels) names each token's sequence in the 2P order above, -1 on padding, for the per-sequence sums.
+- MicroPackedPairCollator (causal, DPO's default): a micro-batch of P pairs, as the padded run's sampler
+  draws them, in one unpadded row (varlen) or a row per pair (a masked model): the padded batch's
+  pairs without its padding, so the same seed gives the same steps and losses (to float rounding).
 
 PairDataset gives the SFT samplers (length grouping, TOKEN_BUDGET) lengths whose cost model is the
 padded batch: rows x (prompt + longer reply) for a causal pair, one source plus two targets for a
@@ -115,3 +118,25 @@ class PackedPairCollator(PackedCollator):
             if not flat:
                 line, at = line + 1, 0
         return {**batch, "sequence_ids": ids, "n_pairs": n_pairs}
+
+
+# A micro-batch's flat row where the kit sets widths (CUDA, COMPILE=1): a multiple of 8 for the tensor cores, at most
+# 7 pad tokens. Not whole rows of MAX_LENGTH: 8 short pairs would fill a fifth of one (compiled, the row's length
+# is dynamic from its second value: one graph, as a packed row's varlen_index already is).
+FLAT_MULTIPLE = 8
+
+
+class MicroPackedPairCollator(PackedPairCollator):
+    """P pairs (a padded run's micro-batch, not PACKING=1's rows) -> PackedPairCollator's batch of their 2P
+    sequences in pair order: one flat row where the attention is varlen (its length rounded up to
+    FLAT_MULTIPLE where the kit sets widths: on CUDA or under COMPILE=1), else a row per pair (a block
+    mask per row)."""
+
+    def __call__(self, pairs: Sequence[dict]) -> dict:
+        rows = [list(pairs)] if self.attention in (FLASH, VARLEN) else [[p] for p in pairs]
+        return super().__call__(rows)
+
+    def flat_total(self, real: int, rows: int) -> int:
+        if self.widths and self.attention == VARLEN:
+            return -(-real // FLAT_MULTIPLE) * FLAT_MULTIPLE
+        return real

@@ -22,6 +22,7 @@ from train.data.holdout import held_out_tail
 from train.data.json_lines import record_limit
 from train.data.loader import Data
 from train.data.pref.pref_batching import (
+    MicroPackedPairCollator,
     PackedPairCollator,
     PairCollator,
     PairDataset,
@@ -31,6 +32,7 @@ from train.data.pref.pref_batching import (
 from train.data.pref.pref_cache import preference_cache
 from train.data.pref.pref_formats import BUILTIN_NAME, builtin_pairs
 from train.data.sft.fine_tuning import packed_attention, template_decision, tokenize_workers
+from train.data.sft.packing import FLASH, VARLEN
 from train.data.sft.sft_batching import bucket_lengths
 from train.data.sft.templates import Rendering
 
@@ -48,7 +50,7 @@ def refuse_settings(d, kind: str) -> None:
 def preference_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
                     set_attention, say, decide, compile_on: bool = False) -> Data:
     """The encoded pairs of data config `d`, the held-out ones, and their collators. PACKING=1 packs
-    them into rows (and lowers LENGTH_GROUPING in `d`); compile_on (COMPILE=1) or a CUDA device pads
+    them into rows (and lowers LENGTH_GROUPING in `d`), empty packs each micro-batch (micro_pack); compile_on (COMPILE=1) or a CUDA device pads
     batches to length buckets (a decision)."""
     refuse_settings(d, kind)
     template_decision(d, tok, kind, say, decide)
@@ -64,6 +66,8 @@ def preference_data(d, tok, *, kind: str, max_length: int, device, precision: st
     if d.packing:
         train_set, collate, packed = pack_preference(d, dataset, set_attention, tok, device, precision, max_length,
                                                      decide)
+    elif d.packing is None:
+        collate, packed = micro_pack(dataset, set_attention, tok, device, precision, decide, collate)
     val_collate = collator(tok.pad_token_id, pad_to_multiple_of=multiple)
     bucket_lengths(compile_on, device, 2 * max_length if d.packing else max_length, collate, val_collate,
                    dataset.seq2seq, decide)
@@ -77,7 +81,7 @@ def preference_data(d, tok, *, kind: str, max_length: int, device, precision: st
         "n_skipped": meta.n_skipped,
         "length_grouping": d.length_grouping,
         "token_budget": d.token_budget,
-        "packing": d.packing,
+        "packing": bool(d.packing),
     }
     return Data(tokenizer=tok, dataset=train_set, val_dataset=val_dataset, collate=collate, val_collate=val_collate,
                 summary={**summary, **packed}, conversations=dataset)
@@ -124,6 +128,27 @@ def pack_preference(d, dataset: PairDataset, set_attention, tok, device, precisi
     collate = PackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
     return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,
                            "attention": attention.kind}  # fmt: skip
+
+
+def micro_pack(dataset: PairDataset, set_attention, tok, device, precision: str, decide, padded):
+    """PACKING empty: a causal model's micro-batches of pairs each in one unpadded row (the padded run's
+    sampler, BATCH_SIZE pairs, the same pairs per step: its losses); an encoder-decoder's stay `padded`.
+    Returns (collator, summary entries)."""
+    if dataset.seq2seq:
+        decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once per "
+               "pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
+        return padded, {}
+    attention = packed_attention(device, precision, set_attention)
+    flat = attention.kind in (FLASH, VARLEN)
+    decide("packing", "micro-batch",
+           f"PACKING empty: each micro-batch's BATCH_SIZE pairs (as the padded run draws them) "
+           f"{'laid end to end in one row' if flat else 'one pair per row'} instead of 2 x BATCH_SIZE rows padded "
+           "to the longest: the same pairs per step, so the same losses, without the pad tokens (padding "
+           "efficiency in summary.json); PACKING=0 pads, PACKING=1 packs all pairs into rows of 2 x MAX_LENGTH")
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = MicroPackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    return collate, {"packing": "micro-batch", "attention": attention.kind}
 
 
 def split_validation(d, eval_batches: int, dataset: PairDataset, tok, max_length: int, say, decide,

@@ -75,7 +75,7 @@ def fine_tuning_data(d, tok, *, kind: str, max_length: int, device, precision: s
         "n_skipped": skipped,
         "length_grouping": d.length_grouping,
         "token_budget": d.token_budget,
-        "packing": d.packing,
+        "packing": bool(d.packing),  # empty (None) is 0 in SFT
     }
     val_collate = collator(tok.pad_token_id, pad_to_multiple_of=multiple)
     bucket_lengths(compile_on, device, max_length, collate, val_collate, dataset.pairs, decide)

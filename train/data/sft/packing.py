@@ -200,6 +200,11 @@ class PackedCollator:
             "n_conversations": n_conversations,
         }
 
+    def flat_total(self, real: int, rows: int) -> int:
+        """The flat row's padded length: rows x the last width where shapes must repeat (varlen_sdpa; flash's
+        own varlen keeps its exact row), else the real tokens."""
+        return max(real, rows * self.widths[-1]) if self.widths and self.attention == VARLEN else real
+
     def _flat(self, rows) -> dict:
         # numpy over whole conversations, not Python per token: 6 ms -> under 1 ms for 16 rows of
         # 512 tokens (bench/RESULTS.md, host overhead), host time a GPU would idle through
@@ -212,9 +217,8 @@ class PackedCollator:
         labels[begins] = IGNORE_INDEX  # a conversation's first token is no target of the one before
         positions = np.arange(real) - np.repeat(begins, lengths)
         starts = [*begins.tolist(), real]
-        total = real
-        if self.widths and self.attention == VARLEN:  # flash's own varlen keeps its exact row
-            total = max(real, len(rows) * self.widths[-1])
+        total = self.flat_total(real, len(rows))
+        if total > real:
             ids = np.concatenate([ids, np.full(total - real, self.pad_token_id, dtype=np.int64)])
             labels = np.concatenate([labels, np.full(total - real, IGNORE_INDEX, dtype=np.int64)])
             positions = np.concatenate([positions, np.zeros(total - real, dtype=np.int64)])

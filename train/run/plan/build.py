@@ -62,7 +62,8 @@ class PretrainingSource:
         """The model's shape first (vocab set once the tokenizer is known), so a MAX_LENGTH longer
         than its context stops before any data work."""
         model_size, demo = choose_model_size(cfg, device, say, decide)
-        config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family)
+        config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family,
+                              cfg.model.dropout)
         family = family_of(config)
         if cfg.model.model_config is not None and family.source_target:
             decide("model_kind", "seq2seq", f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")

@@ -25,6 +25,7 @@ from train.data.loader import Data
 from train.data.pref.preference import preference_data
 from train.distributed.distributed import gather
 from train.models.build import attention_fits
+from train.models.family import dropout_of, set_dropout
 from train.run.plan import dpo_reference, sft_scratch
 from train.run.plan.plan import ModelChoice
 from train.run.plan.sft import SFTSource, sft_steps
@@ -49,6 +50,11 @@ def refuse_preference(cfg: TrainConfig) -> None:
         raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the step's "
                          "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
+    for name in ("beta", "label_smoothing", "simpo_gamma"):  # a setting the loss never reads would be ignored
+        if (value := knobs.value(cfg, name)) is not None and name not in DPO_LOSS[loss].reads:
+            reads = ", ".join(knobs.env_name(n) for n in sorted(DPO_LOSS[loss].reads))
+            raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads {reads}); leave "
+                             f"{knobs.env_name(name)} empty")
     if reference is not None and not DPO_LOSS[loss].reference:
         raise UsageError(f"REFERENCE={reference}: DPO_LOSS={loss} is reference-free; leave REFERENCE empty")
     if reference == "adapters" and not cfg.model.lora_r:
@@ -132,16 +138,26 @@ class DPOSource(SFTSource):
         refuse_preference(cfg)
 
     def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
-        """SFT's model (MODEL_PATH, LoRA), its dropout off: the policy and its reference (in eval mode)
-        then score a pair alike, so the first step's loss is ln 2 (TRL's disable_dropout, on by default)."""
+        """SFT's model (MODEL_PATH, LoRA). DROPOUT empty or 0: every dropout off, LoRA's too, so the policy
+        and its reference (in eval mode) score a pair alike and the first step's loss is ln 2 (TRL's
+        disable_dropout, on by default); the settings read at forward (Llama's attention_dropout, T5's) as
+        well as the torch.nn.Dropout layers. DROPOUT above 0: SFT's model took it (LoRA's is LORA_DROPOUT)."""
         model = super().model(cfg, choice, tok, data, device, decide)
-        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        for m in dropouts:
-            m.p = 0.0
-        if dropouts:
-            decide("dropout", 0.0, f"{len(dropouts)} dropout layers off, as TRL's DPO does: policy and reference score "
-                   "a pair alike (the first step's loss is ln 2)")
+        if cfg.model.dropout:  # set by loaded_dropout, before LoRA
+            return model
+        asked = "DROPOUT empty" if cfg.model.dropout is None else "DROPOUT=0"
+        if changed := set_dropout(model, 0.0):
+            decide("dropout", 0.0, f"{asked}: {changed} dropout settings off (MODEL_PATH's own: "
+                   f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a pair "
+                   "alike (the first step's loss is ln 2)")
         return model
+
+    def loaded_dropout(self, cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
+        """DROPOUT above 0 as SFT takes it; 0 or empty: model() turns every dropout off, LoRA's too."""
+        if cfg.model.dropout:
+            super().loaded_dropout(cfg, model, choice, decide)
+            decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with dropout, the "
+                   "reference scores without it, so the first step's loss is not ln 2 (TRL: disable_dropout=False)")
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:

@@ -32,6 +32,7 @@ from train.data.sft.sft_batching import BudgetSampler
 from train.data.sft.sft_data import stop_token_ids
 from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
+from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
 from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
@@ -158,11 +159,19 @@ class SFTSource:
         else:
             model = load.load_pretrained(choice.path, m.trust_remote_code, choice.family)
             load.fit_tokenizer(model, tok, stop_token_ids(tok), decide)
+            self.loaded_dropout(cfg, model, choice, decide)  # before LoRA's adapters, whose dropout is LORA_DROPOUT
         if data.summary.get("attention") in (FLASH, VARLEN):
             use_attention(model, data.summary["attention"])
         load.ready(model, m.gradient_checkpointing)
         model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
         return model if cfg.run.dry_run and choice.path is None else model.to(device)
+
+    def loaded_dropout(self, cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
+        """DROPOUT, where set, in every dropout setting of MODEL_PATH's model; empty: the model's own."""
+        if cfg.model.dropout is not None:
+            set_dropout(model, cfg.model.dropout)
+            decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g} in every dropout setting of "
+                   f"MODEL_PATH's model (its own: {dropout_of(choice.config)})")
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
                   say, decide):
@@ -182,7 +191,8 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str
             "batch_size",
             f"~{rows_per_micro:.1f}",
             f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch"
-            f"{' (rows x (longest source + longest target))' if dataset.pairs else ''}; BATCH_SIZE unused",
+            f"{' (rows x (longest source + longest target))' if getattr(dataset, 'pairs', False) else ''}; "
+            "BATCH_SIZE unused",  # a DPO PairDataset has no .pairs: its lengths are the pairs' padded cost
         )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")

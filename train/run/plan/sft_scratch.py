@@ -49,7 +49,7 @@ def choose_new(cfg: TrainConfig, say, decide) -> ModelChoice:
         note_family_ignored(cfg, say, "MODEL_CONFIG's model_type decides the model")
     else:
         size, variable = m.model_size, f"MODEL_SIZE={m.model_size}"
-    config = build_config(size, m.model_config, cfg.data.vocab_size, 0, m.model_family)
+    config = build_config(size, m.model_config, cfg.data.vocab_size, 0, m.model_family, m.dropout)
     family = family_of(config)
     what = "an encoder-decoder: source -> target" if family.source_target else "a causal LM: conversations"
     decide("model", f"new {config.model_type}", f"{variable}: random init (SEED={cfg.system.seed}), {what}; no MODEL_PATH")

@@ -22,6 +22,7 @@ from train.core.model import count_params
 from train.core.units import MIB
 from train.distributed import distributed
 from train.models.estimate import estimate_for_run
+from train.models.family import dropout_of
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
 from train.observe import monitor as monitor_lib
@@ -53,8 +54,10 @@ def start_line(b, run_path, total_steps: int) -> str:
         rows = b.summary_extra["batch_size"]
         batch = f"~{rows:.1f} (TOKEN_BUDGET={cfg.data.token_budget})"
         shown = f"~{rows * cfg.optim.gradient_accumulation_steps * world.world_size:.0f}"
+    dropout = dropout_of(b.model)  # DROPOUT as the model holds it: the kit's 0, a loaded model's own, or set
+    shown_dropout = "" if dropout is None else f", dropout {dropout:g}"
     return (
-        f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params)  precision {b.precision}  "
+        f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision {b.precision}  "
         f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
         f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
     )
@@ -84,6 +87,7 @@ def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
             "world_size": world.world_size,
             "n_params": count_params(b.model),
             "n_trainable_params": trainable_of(b.model).params,
+            "dropout": dropout_of(b.model),
             "model_config": b.model.config.to_dict(),
         },
         "decisions": [*b.decisions, *replanned],
