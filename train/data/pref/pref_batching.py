@@ -122,7 +122,7 @@ class PackedPairCollator(PackedCollator):
 
 # A micro-batch's flat row where the kit sets widths (CUDA, COMPILE=1): a multiple of 8 for the tensor cores, at most
 # 7 pad tokens. Not whole rows of MAX_LENGTH: 8 short pairs would fill a fifth of one (compiled, the row's length
-# is dynamic from its second value: one graph, as a packed row's varlen_index already is).
+# is dynamic from the first call, as the length buckets' are: one graph, see length_varies).
 FLAT_MULTIPLE = 8
 
 
@@ -131,6 +131,8 @@ class MicroPackedPairCollator(PackedPairCollator):
     sequences in pair order: one flat row where the attention is varlen (its length rounded up to
     FLAT_MULTIPLE where the kit sets widths: on CUDA or under COMPILE=1), else a row per pair (a block
     mask per row)."""
+
+    length_varies = True  # every micro-batch's row has its own length: compiled, marked dynamic from the first call
 
     def __call__(self, pairs: Sequence[dict]) -> dict:
         rows = [list(pairs)] if self.attention in (FLASH, VARLEN) else [[p] for p in pairs]

@@ -58,10 +58,12 @@ def mark_shapes(kwargs: dict, bucketed: bool) -> dict:
             if torch.is_tensor(value) and value.dim() >= 2:
                 for dim in range(value.dim()):
                     torch._dynamo.maybe_mark_dynamic(value, dim)
-    index = kwargs.get("varlen_index")
+    index, place = kwargs.get("varlen_index"), kwargs.get("varlen_place")
     if index is not None:
         torch._dynamo.maybe_mark_dynamic(index, 0)
         torch._dynamo.maybe_mark_dynamic(index, 1)
+    if place is not None and bucketed:  # DPO's flat row per micro-batch: its token count varies too
+        torch._dynamo.maybe_mark_dynamic(place, 0)
     return kwargs
 
 

@@ -99,10 +99,10 @@ def prepare(b, run_dir, say, guard) -> Parts:
     batches = feed.batches()
     step_model, compiled = train_model, compile_guard.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
-        # batches padded to the length buckets: one graph with dynamic lengths (compile_guard.mark_shapes); a
-        # flat packed row has one length already
-        bucketed = getattr(b.collate, "widths", None) is not None \
-            and getattr(b.collate, "attention", None) not in (FLASH, VARLEN)
+        # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
+        # (compile_guard.mark_shapes); SFT's packed rows have one length already
+        bucketed = getattr(b.collate, "length_varies", False) or (getattr(b.collate, "widths", None) is not None
+                                                                 and getattr(b.collate, "attention", None) not in (FLASH, VARLEN))
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
                                                                     bucketed, b.family.source_target, b.objective,
