@@ -123,6 +123,27 @@ def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: d
     return kind
 
 
+def dropout_off(model) -> tuple[int, int]:
+    """Every dropout of the model at 0, in place: (dropout layers, float rates) that were on. The
+    layers are nn.Dropout's; the rates are the floats attention modules copy from the config and hand
+    to their kernel (T5Attention.dropout = dropout_rate, Llama's and Qwen's attention_dropout, BART's
+    dropout and layerdrop): no module to switch off, so TRL's nn.Dropout-only switch leaves them on
+    (a T5 with dropout_rate 0.1 started DPO at 0.6872, not ln 2). The config keeps its rates: final/
+    saves the model as it was given."""
+    layers = rates = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            layers += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in vars(module).items():
+            drop = "dropout" in name or "pdrop" in name or "layerdrop" in name
+            if drop and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                rates += 1
+    return layers, rates
+
+
 class DPOSource(SFTSource):
     """Preference training: SFT's model and tokenizer (MODEL_PATH or the newest SFT run's final/, LoRA),
     pairs from DATA_PATH, and the preference loss as the step's objective. Each call returns what it made."""
@@ -132,15 +153,14 @@ class DPOSource(SFTSource):
         refuse_preference(cfg)
 
     def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
-        """SFT's model (MODEL_PATH, LoRA), its dropout off: the policy and its reference (in eval mode)
+        """SFT's model (MODEL_PATH, LoRA), every dropout off: the policy and its reference (in eval mode)
         then score a pair alike, so the first step's loss is ln 2 (TRL's disable_dropout, on by default)."""
         model = super().model(cfg, choice, tok, data, device, decide)
-        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        for m in dropouts:
-            m.p = 0.0
-        if dropouts:
-            decide("dropout", 0.0, f"{len(dropouts)} dropout layers off, as TRL's DPO does: policy and reference score "
-                   "a pair alike (the first step's loss is ln 2)")
+        layers, rates = dropout_off(model)
+        if layers or rates:
+            said = [f"{n} {what}" for n, what in ((layers, "dropout layers"), (rates, "attention dropout rates")) if n]
+            decide("dropout", 0.0, f"{' and '.join(said)} off, as TRL's DPO does: policy and reference score a pair "
+                   "alike (the first step's loss is ln 2)")
         return model
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
