@@ -39,6 +39,10 @@ class Family:
     """The context length when the config has no position table (T5's relative positions)."""
     objective: str = "causal_lm"
     """Pretraining's objective on raw text: causal_lm (next token) or span_corruption (T5)."""
+    attention: Callable | None = None
+    """model -> None: the kit's attention installed on every model of the family it builds or loads
+    (T5's: the position bias folded with the mask once per forward, train/models/t5_attention.py);
+    None: sdpa as transformers runs it. Nothing of it is saved with the model."""
 
     @property
     def kind(self) -> str:
