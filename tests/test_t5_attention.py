@@ -128,9 +128,11 @@ def test_the_masks_are_made_once_per_forward_whatever_the_layers():
     batch = sft_batch()
     two, four = masks_made(tiny_t5(2), batch), masks_made(tiny_t5(4), batch)
     # once per forward: the source's and the cross-attention's padding masks (bitwise_and: sdpa's
-    # boolean ones; full_like: made additive); the encoder's bias + its padding (add), the decoder's
-    # bias with the causal pattern (masked_fill), the zeros T5 makes for the cross-attention's bias
-    want = Counter({"aten.bitwise_and": 2, "aten.full_like": 2, "aten.add": 1, "aten.masked_fill": 1, "aten.zeros": 1})
+    # boolean ones; full_like: the cross-attention's made additive); the encoder's bias with its
+    # padding (where), the decoder's with the causal pattern (masked_fill), the zeros T5 makes for
+    # the cross-attention's bias
+    want = Counter({"aten.bitwise_and": 2, "aten.full_like": 1, "aten.where": 1, "aten.masked_fill": 1,
+                    "aten.zeros": 1})
     assert two == four == want, (two, four)
     before = masks_made(eager_twin(tiny_t5(4), "sdpa"), batch)  # transformers' sdpa: masks in every layer
     assert before["aten.where"] >= 3 * 4, before

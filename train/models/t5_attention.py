@@ -37,12 +37,14 @@ ALIGN = 8
 
 def additive_mask(*args, **kwargs):
     """T5_SDPA's masks: sdpa's (through the kit's no_sync_mask, which reads no mask back to ask about
-    padding) made additive once per stack, 0 where attended and the dtype's lowest where not, in the
-    dtype the attention runs in: no layer converts a boolean mask again (sdpa would, in each call)."""
+    padding); the decoder's (the cross-attention's padding) made additive once per forward, 0 where
+    attended and the dtype's lowest where not, in the dtype the attention runs in, so that no layer
+    converts a boolean mask again (sdpa would, in each call). The encoder's stays boolean (a quarter
+    of the bytes): only the fold reads it."""
     from train.core.attention import no_sync_mask
 
     mask = no_sync_mask(*args, **kwargs)
-    if mask is None or mask.dtype != torch.bool:
+    if mask is None or mask.dtype != torch.bool or not getattr(kwargs.get("config"), "is_decoder", False):
         return mask
     kind = mask.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else kwargs.get("dtype", torch.float32)
