@@ -11,15 +11,18 @@ Here a forward pre-hook on each stack's first self-attention (the one that owns 
 computes the bias itself and folds the mask in, once: where the batch has no padding (pretraining's
 windows) the bias alone, (1, H, T, T), broadcast over the batch by sdpa; with padding, the (B, H, T, T)
 float mask made once; in the decoder the causal pattern too. T5 hands that on to every later layer
-as position_bias, and t5_sdpa_attention passes it to scaled_dot_product_attention as attn_mask with
-scale 1.0 (T5 does not scale by 1/sqrt(d)). Cross-attention ignores the zeros and takes the padding
-mask as it came (None without padding: sdpa's flash kernel on a GPU). Under autocast the folded
-mask is cast to the compute dtype once, not by autocast in each layer. Gradients reach the bias
-table through the one mask: sdpa's gradient of attn_mask from each layer adds up in it.
+as position_bias (the same hook on those only marks the call, FOLDED), and t5_sdpa_attention passes
+it to scaled_dot_product_attention as attn_mask with scale 1.0 (T5 does not scale by 1/sqrt(d)).
+Cross-attention ignores T5's zeros and takes the padding mask alone, made additive once per forward
+(additive_mask; None without padding: sdpa's flash kernel on a GPU). Under autocast the folded mask
+is cast to the compute dtype once, not by autocast in each layer. Gradients reach the bias table
+through the one mask: sdpa's gradient of attn_mask from each layer adds up in it.
 
-Generation (a cache in use), a model switched to another implementation, or T5 attention from a
-caller that is not the kit: transformers' own sdpa path, unchanged. Nothing of this is saved:
-final/ holds weights and a config, and loads and generates with plain transformers.
+With ENABLE_GRAD_CKPT and a padded batch the self-attentions keep transformers' per-layer mask: the
+checkpointed blocks keep their inputs, and a folded (B, H, T, T) one would stay the whole backward
+pass (measured: a higher peak). Generation with a cache, or a model switched to another
+implementation: transformers' own path, unchanged. Nothing of this is saved: final/ holds weights
+and a config, and loads and generates with plain transformers (its sdpa).
 """
 
 from __future__ import annotations
