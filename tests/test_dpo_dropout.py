@@ -55,7 +55,7 @@ def test_t5_with_dropout_rate_starts_dpo_at_ln2(tmp_path, capsys):
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     # 2 encoder blocks x 2 + 2 decoder blocks x 3 residual dropouts + the feed-forward's inner one in each
     # block (4) + one per stack (2) = 16 layers; the attention rate of each self- and cross-attention: 6
-    assert "16 dropout layers and 6 attention dropout rates off" in out
+    assert "16 dropout layers and 6 dropout rates held as numbers (attention's) off" in out
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(tmp_path / "runs" / "t5" / "final").dropout_rate == 0.1

@@ -92,7 +92,8 @@ def context_length(cfg) -> int:
 
 def build_model(cfg, gradient_checkpointing: bool, seed: int, meta: bool = False):
     """A freshly initialised model from the config, sdpa attention (flash/memory-efficient
-    kernels where the device has them; the family's own where it has one); meta: shapes and parameter count only (a dry run)."""
+    kernels where the device has them; the family's own where it has one, Family.attention); meta:
+    shapes and parameter count only (a dry run)."""
     torch.manual_seed(seed)
     family: Family = family_of(cfg)
     auto = family.auto_class()
