@@ -1,6 +1,6 @@
 """Attention without dense masks: packed conversations through varlen_sdpa equal each
 conversation run alone and no (T x T) mask is made; T5's relative position bias runs through
-scaled_dot_product_attention (transformers' sdpa path, the kit's default) and equals eager T5."""
+scaled_dot_product_attention (the kit's T5_SDPA, train/models/t5_attention.py) and equals eager T5."""
 
 from __future__ import annotations
 
@@ -203,7 +203,8 @@ def _t5_batch():
 
 def test_kit_t5_runs_sdpa_and_equals_eager_t5():
     sdpa = _tiny_t5()
-    assert sdpa.config._attn_implementation == "sdpa"  # what build_model gives T5 in transformers 5.2x
+    # what build_model gives T5: sdpa with the bias folded once per forward (tests/test_t5_attention.py)
+    assert sdpa.config._attn_implementation == "t5_sdpa"
     eager = _tiny_t5()
     eager.set_attn_implementation("eager")
     source, mask, labels = _t5_batch()

@@ -99,7 +99,8 @@ def context_length(cfg) -> int:
 
 def build_model(cfg, gradient_checkpointing: bool, seed: int, meta: bool = False):
     """A freshly initialised model from the config, sdpa attention (flash/memory-efficient
-    kernels where the device has them); meta: shapes and parameter count only (a dry run)."""
+    kernels where the device has them; the family's own where it has one, Family.attention); meta:
+    shapes and parameter count only (a dry run)."""
     torch.manual_seed(seed)
     family: Family = family_of(cfg)
     auto = family.auto_class()
@@ -108,6 +109,8 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int, meta: bool = False
             model = auto.from_config(cfg, attn_implementation="sdpa", trust_remote_code=False)
         except ValueError:
             model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
+    if family.attention is not None:
+        family.attention(model)
     if not family.source_target and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:

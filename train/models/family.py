@@ -48,6 +48,10 @@ class Family:
     dropout_modules: tuple[str, ...] = ("attention_dropout", "dropout", "activation_dropout")
     """Module attributes that hold a dropout as a plain float read at forward (Llama's attention, T5's), set
     with the config on a model already built; torch.nn.Dropout layers are set wherever they are."""
+    attention: Callable | None = None
+    """model -> None: the kit's attention installed on every model of the family it builds or loads
+    (T5's: the position bias folded with the mask once per forward, train/models/t5_attention.py);
+    None: sdpa as transformers runs it. Nothing of it is saved with the model."""
 
     @property
     def kind(self) -> str:

@@ -99,6 +99,9 @@ def load_pretrained(path: Path, trust_remote_code: bool, family: Family | None =
         what = "an encoder-decoder (seq2seq)" if family.source_target else "a causal-LM"
         raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {first_line(err)}") from None
     state_dict.refuse_non_finite(model.state_dict(), f"MODEL_PATH={path}")  # NaN in, NaN out: refused here
+    own = family_of(model)
+    if own is not None and own.attention is not None:
+        own.attention(model)
     return model
 
 

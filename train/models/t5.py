@@ -25,6 +25,14 @@ def make_config(shape, vocab_size: int, eos_id: int):
                     use_cache=False, n_positions=CONTEXT, **shape)
 
 
+def attention(model) -> None:
+    """T5_SDPA on the model (train/models/t5_attention.py), imported on use: the launchers read the
+    registry without torch."""
+    from train.models.t5_attention import install
+
+    install(model)
+
+
 T5 = Family("t5", source_target=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", sizes=SIZES,
             make_config=make_config, context=CONTEXT, objective="span_corruption", dropout=("dropout_rate",),
-            dropout_modules=("dropout",))
+            dropout_modules=("dropout",), attention=attention)
