@@ -193,7 +193,8 @@ def block_span(lines: list[str]) -> tuple[int, int] | None:
     if not knob_lines:
         return None
     first = knob_lines[0]
-    while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith("#!"):
+    while first > 0 and (lines[first - 1].startswith(("#", "KIT_GIVEN=")) and not lines[first - 1].startswith("#!")
+                         or not lines[first - 1] and first > 1 and lines[first - 2].startswith("KIT_GIVEN=")):
         first -= 1
     return first, knob_lines[-1] + 1
 
