@@ -175,24 +175,24 @@ def test_a_micro_batch_given_on_resume_is_taken(dpo_root):
 
 def test_an_interrupted_runs_final_loss_is_its_last_steps(tiny_flags, tmp_path):
     runs = tmp_path / "runs"
-    steps = ["--max_steps", "400", "--batch_size", "2", "--max_length", "32", "--val_fraction", "0"]
+    steps = ["--max_steps", "70", "--batch_size", "2", "--max_length", "32", "--val_fraction", "0"]
     assert run_cli("pretrain", *tiny_flags, *steps, "--run_name", "whole") == 0  # LOG_EVERY=1: every step's loss
     every = dict(losses(runs / "whole"))
-    flags = [a if a != "1" or tiny_flags[i - 1] != "--log_every" else "50" for i, a in enumerate(tiny_flags)]
-    flags += ["--save_every", "53"]
+    flags = [a if a != "1" or tiny_flags[i - 1] != "--log_every" else "25" for i, a in enumerate(tiny_flags)]
+    flags += ["--save_every", "28"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([train_python(), "-m", "train", "pretrain", *flags, *steps, "--run_name", "cut"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     log = runs / "cut" / "train.log"
-    # after step 53's checkpoint: between the log lines of steps 50 and 100
-    signal_when(proc, lambda: log.exists() and "saved checkpoint step-00000053" in log.read_text(), signal.SIGTERM)
+    # after step 28's checkpoint: between the log lines of steps 25 and 50
+    signal_when(proc, lambda: log.exists() and "saved checkpoint step-00000028" in log.read_text(), signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     summary = json.loads((runs / "cut" / "summary.json").read_text())
     step = summary["steps"]
     print(f"SIGTERM seen at step {step} (last logged: {losses(runs / 'cut')[-1][0]})")
-    assert summary["exit_reason"] == "interrupted" and 53 <= step < 100  # the last logged step: 50
+    assert summary["exit_reason"] == "interrupted" and 28 <= step < 50  # the last logged step: 25
     assert summary["final_loss"] == pytest.approx(every[step], abs=1e-5)
     done = next(line for line in out.splitlines() if line.startswith("done: "))
     assert done.startswith(f"done: {step} steps, final loss {every[step]:.4f}")
