@@ -18,7 +18,7 @@ help:
 	@echo "make find-batch  fastest micro-batch that fits TARGET_VRAM (0.8), same effective batch"
 	@echo "make doctor    short profiled run and what to change (ARGS=--apply tries the fix)"
 	@echo "make autotune  timed trials; writes the winner to runs/autotune.env"
-	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES (GPU: 4096, CPU: 1024); REPEAT=N"
+	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES (GPU: 4096, CPU: 1024); REPEAT=N; RESUME=1 continues one"
 	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh on the same conversations (GPU: 4096, CPU: 256), in tokens/s"
 	@echo "make compare-dpo  DPO with one pair per step vs ./train_dpo.sh on the same pairs (DATA_PATH; CPU: 128 pairs)"
 	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"

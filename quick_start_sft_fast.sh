@@ -9,6 +9,8 @@ set -euo pipefail
 # BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)
 # Every knob of config.py that applies to `python -m train sft`, as VARIABLE=${VARIABLE:-default}
 # (docs/knobs.md). Empty: the launcher's preset (sft), else config.py's default.
+KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest
+
 # ---- model ----
 MODEL_SIZE=${MODEL_SIZE:-}              # 8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K); empty: small on a GPU, else a nano demo
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2

@@ -14,6 +14,8 @@ fi
 # BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)
 # Every knob of config.py that applies to `python -m train dpo`, as VARIABLE=${VARIABLE:-default}
 # (docs/knobs.md). Empty: the launcher's preset (dpo), else config.py's default.
+KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest
+
 # ---- model ----
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama or t5; empty: gpt2
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0

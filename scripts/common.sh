@@ -123,14 +123,22 @@ kit_launch() {
   local mode=$1 preset=$2 pair var flag value
   shift 2
   local args=(-m train "$mode" --preset "$preset" --launcher "${KIT_MADE_BY:+$KIT_MADE_BY-}$(basename "$0" .sh)")
+  # RESUME=1 continues a run with its own settings (train/run/guard/carry.py): only the variables the
+  # user set (KIT_GIVEN, recorded by the launcher's knob block before its defaults) are passed, so a
+  # launcher's `BATCH_SIZE=${BATCH_SIZE:-8}` does not replace the run's micro-batch. Without a knob
+  # block (scripts/kit.sh) every variable set is the user's.
+  local resuming=0
+  case "${RESUME:-}" in 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) [ -z "${KIT_GIVEN+x}" ] || resuming=1 ;; esac
   for pair in "${KIT_VALUE_KNOBS[@]}"; do
     var=${pair%%:*} flag=${pair#*:}
     value=${!var:-}
+    if [ "$resuming" = 1 ] && [[ $KIT_GIVEN != *" $var "* ]]; then value=""; fi
     if [ -n "$value" ]; then args+=("$flag" "$value"); fi
   done
   for pair in "${KIT_SWITCH_KNOBS[@]}"; do
     var=${pair%%:*} flag=${pair#*:}
     value=${!var:-}
+    if [ "$resuming" = 1 ] && [[ $KIT_GIVEN != *" $var "* ]]; then value=""; fi
     case "${value,,}" in
       "" | 0 | false | no | off) ;;
       1 | true | yes | on | "$flag") args+=("$flag") ;;

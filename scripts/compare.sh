@@ -14,6 +14,9 @@
 #   Optimized side only (the baseline keeps the guides' "before"): BATCH_SIZE, GRADIENT_ACCUM,
 #   NUM_WORKERS, PREFETCH_FACTOR, PIN_MEMORY, PERSISTENT_WORKERS, PRECISION, ENABLE_FP16, ENABLE_BF16,
 #   ENABLE_GRAD_CKPT, TF32, COMPILE. E.g. PRECISION=auto make compare
+#   RESUME=1         continue an interrupted comparison (make compare RESUME=1, with the same COMPARE_SAMPLES
+#                    and variables): each side with a checkpoint is resumed (a finished one is left as it
+#                    is), a side not started yet (or stopped before its first checkpoint) is run again
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -104,8 +107,13 @@ for ((i = 1; i <= REPEAT; i++)); do
       name=$B_NAME$suffix cmd=("${B_CMD[@]}") side_env=()
       b_runs+=("$OUTPUT_DIR/$name")
     fi
-    echo "== compare ($MODE) run $n/$((2 * REPEAT)): ${cmd[*]#"$KIT_DIR/"} -> $OUTPUT_DIR/$name ($COMPARE_SAMPLES samples)"
-    env "${side_env[@]}" MAX_SAMPLES="$COMPARE_SAMPLES" RUN_NAME="$name" OVERWRITE=1 "${cmd[@]}"
+    # RESUME=1: a side with a checkpoint continues (its own settings, train/run/guard/carry.py); else a new run
+    how=(RESUME= OVERWRITE=1) said=""
+    if [[ ${RESUME:-} =~ ^(1|[Tt]rue|[Yy]es|[Oo]n)$ ]] && compgen -G "$OUTPUT_DIR/$name/checkpoints/step-*" >/dev/null; then
+      how=(RESUME=1 OVERWRITE=) said=", resumed"
+    fi
+    echo "== compare ($MODE) run $n/$((2 * REPEAT)): ${cmd[*]#"$KIT_DIR/"} -> $OUTPUT_DIR/$name ($COMPARE_SAMPLES samples$said)"
+    env "${side_env[@]}" MAX_SAMPLES="$COMPARE_SAMPLES" RUN_NAME="$name" "${how[@]}" "${cmd[@]}"
   done
 done
 

@@ -233,7 +233,7 @@ def test_the_run_folders_hold_what_the_readme_says(ran):
     closing = (pretrain / "train.log").read_text().splitlines()[-1]
     assert closing.startswith("outputs: ") and "tensorboard/" in closing, closing
     config = json.loads((pretrain / "config.json").read_text())
-    assert list(config) == ["config", "asked", "resolved", "decisions", "versions"]
+    assert list(config) == ["config", "asked", "asked_sha256", "resolved", "decisions", "versions"]
     rows = [json.loads(line) for line in (pretrain / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss" in r for r in rows) and any("loss" in r for r in rows)
     fields = {k for r in rows for k in r}

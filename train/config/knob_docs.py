@@ -193,7 +193,8 @@ def block_span(lines: list[str]) -> tuple[int, int] | None:
     if not knob_lines:
         return None
     first = knob_lines[0]
-    while first > 0 and lines[first - 1].startswith("#") and not lines[first - 1].startswith("#!"):
+    while first > 0 and (lines[first - 1].startswith(("#", "KIT_GIVEN=")) and not lines[first - 1].startswith("#!")
+                         or not lines[first - 1] and first > 1 and lines[first - 2].startswith("KIT_GIVEN=")):
         first -= 1
     return first, knob_lines[-1] + 1
 
@@ -211,6 +212,13 @@ def knob_line(variable: str, default: str, comment: str) -> str:
     return f"{code:<39} # {comment}" if comment else code
 
 
+# The variables set (not empty) before the defaults below, the user's own: with RESUME=1 the launcher
+# passes only these, so a default of the launcher's never overrides the resumed run's own setting
+# (scripts/common.sh kit_launch; train/run/guard/carry.py).
+GIVEN_LINE = ('''KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"'''
+              "  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest")
+
+
 def launcher_block(launcher: Launcher) -> list[str]:
     """The launcher's generated block, BEGIN and END lines included."""
     defaults = launcher_defaults(launcher.path.read_text().splitlines())
@@ -219,7 +227,8 @@ def launcher_block(launcher: Launcher) -> list[str]:
         extra[before].append((variable, comment))
     out = [SH_BEGIN,
            f"# Every knob of config.py that applies to `python -m train {launcher.mode}`, as VARIABLE=${{VARIABLE:-default}}",
-           f"# (docs/knobs.md). Empty: the launcher's preset ({launcher.preset}), else config.py's default."]  # fmt: skip
+           f"# (docs/knobs.md). Empty: the launcher's preset ({launcher.preset}), else config.py's default.",
+           GIVEN_LINE]  # fmt: skip
     section = None
     for knob in all_knobs():
         if not applies(knob, launcher.mode):

@@ -71,7 +71,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
         optimizer = build_optimizer(cfg.optim, b.model, b.device)[0]
         return [g["params"] for g in optimizer.param_groups]
 
-    guard = RunGuard(b, run_path, say, param_groups)
+    guard = RunGuard(b, run_path, say, param_groups, asked)
     if guard.complete:
         return 0
     mirror = partial(reporter, cfg.run.report_to)  # REPORT_TO

@@ -44,8 +44,10 @@ def tokenizer_digest(tok) -> str | None:
 
 
 class Checkpointer:
-    def __init__(self, b, folder: Path, say):
-        self.b, self.cfg, self.say = b, b.cfg, say
+    def __init__(self, b, folder: Path, say, asked: dict | None = None):
+        """asked: the settings the session's command gave (config.json's "asked", nested by section),
+        sealed into each checkpoint: RESUME=1 takes them from here, never from an edited config.json."""
+        self.b, self.cfg, self.say, self.asked = b, b.cfg, say, asked
         # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
         # every rank writes its own shards (train/run/checkpoint/checkpoint.py).
         self.sharding = self.cfg.system.sharding
@@ -133,6 +135,7 @@ class Checkpointer:
             "schedule": s["schedule"].state_dict(),
             "settings": self.settings(s["feed"]),
             "counters": s["health"].state_dict(),
+            **({"asked": self.asked} if self.asked is not None else {}),
         }
         sharded = self.sharding != "none"  # then the optimizer's state is in the shards
         state = {"optimizer": {} if sharded else s["optimizer"].state_dict(), "scaler": s["scaler"].state_dict(), **rng}

@@ -12,6 +12,7 @@ repeats the uninterrupted one step for step.
 from __future__ import annotations
 
 import signal
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -29,14 +30,14 @@ from train.run.rundir.outputs import check_saveable
 class RunGuard:
     """Checkpoints, resume, signals and non-finite losses for one run (see the module doc)."""
 
-    def __init__(self, b, run_path: Path, say, param_groups):
+    def __init__(self, b, run_path: Path, say, param_groups, asked=None):
         """Fresh run: the plan's schedule. RESUME=1: the newest valid checkpoint (weights go
         into b.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
-        run folder touched."""
+        run folder touched. asked: the command's settings (TrainConfig), sealed into each checkpoint."""
         self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
         check_saveable(b)  # what final/ needs, before a step is trained and the run folder touched
         self.effective = self.cfg.effective_batch_size(b.world.world_size)
-        self.checkpoints = Checkpointer(b, self.run_path / "checkpoints", say)
+        self.checkpoints = Checkpointer(b, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding
         self.signals = StopSignals(announce=b.world.is_main)
         self.stop_signal: int | None = None

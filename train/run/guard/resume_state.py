@@ -158,7 +158,18 @@ def _compare_settings(b, state: ResumeState, saved: dict, now: dict, effective: 
         say("changed since the checkpoint: " + ", ".join(changed))
     schedule = state.schedule
     if any(saved.get(k) != now[k] for k in BUDGET):
-        schedule = replace(schedule, budget_samples=b.total_steps * effective)
+        budget = b.total_steps * effective
+        steps = now["max_steps"]
+        if steps is not None and steps != saved.get("max_steps") and b.total_steps == steps:
+            # MAX_STEPS given again counts steps: the run ends at that step, whatever batch it had
+            if steps < state.first_step:
+                raise UsageError(
+                    f"RESUME=1: MAX_STEPS={steps} is below the step the checkpoint is at ({state.first_step}): "
+                    f"set MAX_STEPS above {state.first_step}, or leave it out to finish the run's own "
+                    f"{saved.get('max_steps') or 'length'}"
+                )
+            budget = state.base_samples + (steps - state.first_step) * effective
+        schedule = replace(schedule, budget_samples=budget)
         say(f"the run's length changed: the schedule now ends at {schedule.budget_samples:,} samples")
     if saved.get("warmup_steps") != now["warmup_steps"]:
         schedule = replace(schedule, warmup_samples=b.warmup_steps * effective)

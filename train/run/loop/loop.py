@@ -18,7 +18,7 @@ def run_loop(b, run_dir, say, guard) -> dict:
     parts = prepare(b, run_dir, say, guard)
     meter = Meter(b, run_dir, say, guard, parts.batches)
     batches, log_every = meter.batches, b.cfg.run.log_every
-    exit_reason, done = "completed", guard.first_step
+    exit_reason, done, loss_t = "completed", guard.first_step, None
     # the LR curve in samples and the run's counters: the same curve step for step after a resume
     schedule, progress = guard.schedule, guard.progress
     meter.start()
@@ -56,6 +56,7 @@ def run_loop(b, run_dir, say, guard) -> dict:
     finally:
         guard.close()
         meter.stop()
+    meter.last_loss(done, loss_t)  # a stop between log lines: the final loss is the last step's
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
     exit_reason = guard.finish(done, exit_reason, counted=meter.counted)  # non-finite weights: their own stop

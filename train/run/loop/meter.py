@@ -101,7 +101,8 @@ class Meter:
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
-        self.loss: float | None = None  # the last logged loss
+        self.loss: float | None = None  # the last logged loss (after the loop: the last step's, see last_loss)
+        self.loss_step: int | None = None  # the step self.loss is of
         self.last_metrics: dict = {}  # and the last logged metrics (token accuracy, or TRL's rewards/...)
         self.first_step_s = None
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
@@ -195,7 +196,7 @@ class Meter:
         stacked = torch.stack([loss_t.float(), *(v.float() for v in named.values())])
         means, wait_s = distributed.mean_across(self.world, stacked, wait_s)
         loss, *values, grad_norm = torch.cat([means, norm_t.float().reshape(1)]).tolist()
-        self.loss, self.last_metrics = loss, dict(zip(named, values, strict=True))
+        self.loss, self.loss_step, self.last_metrics = loss, step, dict(zip(named, values, strict=True))
         now = time.perf_counter()
         span = now - self.interval_t0
         samples, tokens = self.totals(self.seen)
@@ -236,6 +237,15 @@ class Meter:
             self.say(line)
         else:
             self.run_dir.log(line)
+
+    def last_loss(self, step: int, loss_t) -> None:
+        """After the loop: a run that stopped between log lines (Ctrl+C, SIGTERM) reports the loss of
+        the last step it ran, not of the last logged one (summary.json's final_loss, the "done:" line).
+        One read, all ranks' mean as a log line's; every rank calls it (a collective)."""
+        if loss_t is None or step == self.loss_step:
+            return
+        mean, _ = distributed.mean_across(self.world, loss_t.detach().float().reshape(1), 0.0)
+        self.loss, self.loss_step = float(mean[0]), step
 
     def exclude(self, seconds: float) -> None:
         """A validation pass took `seconds`: throughput counts training only."""

@@ -7,11 +7,17 @@ The precomputed log-probs live in CACHE_DIR/pref_reference/<key>/, the key cover
 the reference model's weights (a digest of every tensor), the pairs (the preference cache's folder,
 itself keyed by data, tokenizer, template, MAX_LENGTH and model kind, and the range of pairs), the
 precision and the micro-batch of the pass. A second run of the same model on the same data reads them.
+The folder is sealed as the other caches of CACHE_DIR are (train/data/cache_files.py: written whole
+into a temporary folder, meta.json last with each file's sha256, renamed): meta.json also records
+what the key was made of, so a folder copied from another model's or other pairs' key is not
+taken, and the numbers are checked finite once, with their sha256. A damaged, foreign or non-finite
+cache is said in one line naming it, removed and made again; nothing unchecked is trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,13 +25,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.core.files import writing
+from train.core import files
+from train.core.errors import UsageError
 from train.core.preference import reference_over
+from train.data import cache_files
 from train.data.pref.pref_batching import PairCollator, PairDataset, Seq2SeqPairCollator
 from train.data.sft.packing import PackedRows
 
 PRECOMPUTED = ("ref_chosen_logps", "ref_rejected_logps")
 PASS_BATCH = 8  # pairs per forward of the pass (fixed: the cached numbers do not depend on BATCH_SIZE)
+VERSION = "2"  # 2: sealed (meta.json: each file's sha256 and the key's parts); 1: bare .npy files
+FILES = ("chosen.bin", "rejected.bin")  # float32, one per pair, in the pairs' order
 
 
 class RefExamples:
@@ -92,27 +102,90 @@ def _pairs_key(dataset: PairDataset) -> str:
     return hashlib.sha256(repr([sorted(e.items()) for e in examples]).encode()).hexdigest()
 
 
+def _open(folder: Path, identity: dict, n: int):
+    """((chosen, rejected), None) for a sound cache of these pairs and this reference; (None, what is
+    wrong) for a damaged or foreign one; (None, None) for none."""
+    if not folder.exists():
+        return None, None
+    try:
+        meta = json.loads(files.read_text(folder / "meta.json"))
+        made_for, sums = meta["identity"], meta["sha256"]
+        sizes = {name: (folder / name).stat().st_size for name in FILES}
+    except FileNotFoundError as err:
+        return None, f"{Path(err.filename).name} is missing"
+    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
+        return None, f"meta.json cannot be read: {cache_files.short(err)}"
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot read the reference log-probs {folder}: {err.strerror or err}") from None
+    if made_for != identity:
+        differ = sorted(k for k in identity if not isinstance(made_for, dict) or made_for.get(k) != identity[k])
+        return None, f"it was made for another {' and '.join(differ) or 'key'} than this run's (a copied folder?)"
+    for name, size in sizes.items():
+        if size != 4 * n:
+            return None, f"{name} holds {size:,} bytes, {n} pairs need {4 * n:,}"
+
+    def finite(name: str) -> str | None:  # read once, with the sha256: remembered after
+        bad = int(np.count_nonzero(~np.isfinite(np.fromfile(folder / name, dtype=np.float32))))
+        return f"{name} holds {bad} non-finite log-prob(s)" if bad else None
+
+    damage = cache_files.verify_sums(folder, sums, FILES, finite)
+    if damage:
+        return None, damage
+    return tuple(np.fromfile(folder / name, dtype=np.float32) for name in FILES), None
+
+
+def _identity(digest: str, dataset: PairDataset, precision: str) -> dict:
+    """What the cached numbers depend on: the key is its digest, meta.json holds it whole."""
+    return {"version": VERSION, "reference model": digest, "pairs": _pairs_key(dataset).replace("\0", " "),
+            "precision": precision, "pass batch": PASS_BATCH}
+
+
+def _build(folder: Path, identity: dict, chosen: np.ndarray, rejected: np.ndarray) -> None:
+    """The cache written whole (cache_files: a temporary folder, meta.json last with the sha256 of
+    each file, fsynced, renamed); another process that finished it first wins."""
+    cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
+    with cache_files.building("computing the reference log-probs", "the reference log-probs", folder) as temps:
+        tmp = cache_files.temp_folder(folder, temps)
+        sums = {}
+        for name, values in zip(FILES, (chosen, rejected), strict=True):
+            with open(tmp / name, "wb") as handle:
+                out = cache_files.Hashed(handle)
+                out.write(np.ascontiguousarray(values, dtype=np.float32).tobytes())
+            sums[name] = out.digest.hexdigest()
+        cache_files.publish(tmp, folder, {"identity": identity, "sha256": sums, "pairs": len(chosen)}, temps,
+                            lambda f: _open(f, identity, len(chosen))[0] is not None)  # fmt: skip
+
+
 def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str, source_target: bool,
                cache_dir: Path, digest: str, say) -> RefExamples:
-    """The pairs with their reference log-probs: read from the cache, or one pass of `model` (the
-    reference: the policy before its first step), then written there."""
-    key = hashlib.sha256(f"{digest}\0{_pairs_key(dataset)}\0{precision}\0{PASS_BATCH}".encode()).hexdigest()[:32]
-    folder = Path(cache_dir) / "pref_reference" / key
-    files = [folder / f"{side}.npy" for side in ("chosen", "rejected")]
-    if all(f.is_file() for f in files):
-        chosen, rejected = (np.load(f, allow_pickle=False) for f in files)
-        if len(chosen) == len(rejected) == len(dataset):
-            say(f"reference log-probs: reused {folder}")
-            return RefExamples(dataset.examples, chosen, rejected)
+    """The pairs with their reference log-probs: read from the cache when it is sound (module doc), or
+    one pass of `model` (the reference: the policy before its first step), then sealed there."""
+    identity = _identity(digest, dataset, precision)
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    root = Path(cache_dir) / "pref_reference"
+    cache_files.refuse_link(root)
+    folder = root / key
+    cache_files.drop_link(folder, say)
+    for name in [folder / "meta.json", *(folder / f for f in FILES)] if folder.is_dir() else []:
+        cache_files.drop_link(name, say)
+    found, damage = _open(folder, identity, len(dataset))
+    if found is not None:
+        say(f"reference log-probs: reused {folder}")
+        return RefExamples(dataset.examples, *found)
+    if damage:
+        say(f"reference log-probs cache {folder} was damaged ({damage}); removed, computing it again")
+        cache_files.remove(folder)
     start = time.perf_counter()
     collate = (Seq2SeqPairCollator if dataset.seq2seq else PairCollator)(pad_id)
     batches = (collate([dataset[i] for i in range(lo, min(lo + PASS_BATCH, len(dataset)))])
                for lo in range(0, len(dataset), PASS_BATCH))  # fmt: skip
     chosen, rejected = reference_over(model, batches, device, precision, source_target=source_target)
-    folder.mkdir(parents=True, exist_ok=True)
-    for path, values in zip(files, (chosen, rejected), strict=True):
-        with writing(path) as out:  # a fresh name, fsynced, renamed: a killed pass leaves no half file
-            np.save(out, values)
+    bad = np.flatnonzero(~(np.isfinite(chosen) & np.isfinite(rejected)))
+    if len(bad):
+        raise UsageError(f"REFERENCE=precomputed: the reference model (MODEL_PATH's, before training) gives "
+                         f"non-finite log-probs for {len(bad)} of {len(dataset)} pairs (the first: pair {bad[0]}) "
+                         f"at PRECISION={precision}; nothing was cached (try PRECISION=fp32, or check MODEL_PATH)")
+    _build(folder, identity, chosen, rejected)
     say(f"reference log-probs: {len(dataset)} pairs in {time.perf_counter() - start:.1f} s, cached in {folder} "
         "(reused by a run of the same model, data and precision)")
     return RefExamples(dataset.examples, chosen, rejected)

@@ -3,6 +3,7 @@ closing lines. Built from what the other parts measured; nothing here changes th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -74,7 +75,7 @@ def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
     replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
-        **({"asked": asdict(asked)} if asked is not None else {}),
+        **({"asked": asdict(asked), "asked_sha256": asked_seal(asdict(asked))} if asked is not None else {}),
         "resolved": {
             "device": str(b.device),
             "precision": b.precision,
@@ -94,14 +95,14 @@ def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
 
-def asked_settings(run_path: Path) -> dict | None:
-    """The flat settings the run's command asked for (config.json's "asked"), or None (a run from
-    before they were saved, or a folder whose config.json is unreadable or a link)."""
-    try:
-        record = json.loads(files.read_text(run_path / "config.json"))
-    except (OSError, ValueError, files.LinkRefused):
-        return None
-    asked = record.get("asked") if isinstance(record, dict) else None
+def asked_seal(asked) -> str:
+    """sha256 of config.json's "asked" block as the kit writes it: RESUME=1 refuses a config.json whose
+    settings were edited since (train/run/guard/carry.py)."""
+    return hashlib.sha256(json.dumps(files.json_safe(asked), sort_keys=True).encode()).hexdigest()
+
+
+def flat_asked(asked) -> dict | None:
+    """config.json's (or a checkpoint's) "asked" block as one flat {field: value}, or None."""
     if not isinstance(asked, dict):
         return None
     flat = {}
@@ -109,6 +110,16 @@ def asked_settings(run_path: Path) -> dict | None:
         if isinstance(section, dict):
             flat.update({k: v for k, v in section.items() if k in FIELD_SECTION})
     return flat
+
+
+def asked_settings(run_path: Path) -> dict | None:
+    """The flat settings the run's command asked for (config.json's "asked"), or None (a run from
+    before they were saved, or a folder whose config.json is unreadable or a link)."""
+    try:
+        record = json.loads(files.read_text(run_path / "config.json"))
+    except (OSError, ValueError, files.LinkRefused):
+        return None
+    return flat_asked(record.get("asked") if isinstance(record, dict) else None)
 
 
 def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
@@ -174,6 +185,9 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
 KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are
 LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast",
                     "train_dpo")
+# make's target of each side of scripts/compare.sh (its runs' launcher is compare-<script>)
+COMPARE_TARGETS = {"run_single_gpu": "compare", "run_single_gpu_optimized": "compare", "train_sft_custom": "compare-sft",
+                   "quick_start_sft_fast": "compare-sft", "train_dpo": "compare-dpo"}  # fmt: skip
 
 
 def launcher_defaults(launcher: str) -> dict[str, str]:
@@ -212,7 +226,15 @@ def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = N
     (train_sft_custom.sh with its micro-batch argument, which would otherwise fall back to 16) with
     the settings its defaults would change; every other setting comes from the run."""
     run_name = Path(run_path).name
-    if launcher in LAUNCHER_SCRIPTS:
+    target = COMPARE_TARGETS.get((launcher or "").removeprefix("compare-")) if (launcher or "").startswith("compare-") else None
+    if target:  # scripts/compare.sh's sides: the comparison resumes as a whole, by make's own variables
+        asked = asked_settings(Path(run_path)) or {}
+        again = [f"COMPARE_SAMPLES={asked['max_samples']}"] if asked.get("max_samples") else []
+        if target == "compare-dpo" and asked.get("data_path"):
+            again.append(f"DATA_PATH={shlex.quote(str(asked['data_path']))}")
+        repeat = " and REPEAT" if re.search(r"-r\d+$", run_name) else ""
+        how = f"make {' '.join([target, 'RESUME=1', *again])} (with the other variables{repeat} you gave it)"
+    elif launcher in LAUNCHER_SCRIPTS:
         batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo") and batch_size else ""
         again = "".join(f" {item}" for item in set_again(Path(run_path), launcher))
         how = f"RESUME=1 RUN_NAME={run_name}{again} ./{launcher}.sh{batch} (its other settings are kept)"
