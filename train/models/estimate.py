@@ -29,7 +29,7 @@ from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.optim.optimizers import OPTIMIZERS
 from train.core.units import MIB
-from train.models import estimate_seq2seq, lora
+from train.models import checks, estimate_seq2seq, lora
 from train.models.family import family_of
 from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
 
@@ -369,7 +369,7 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
 def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_size: int, variable: str) -> int:
     """Stop before any allocation when even the smallest step cannot fit the memory the run has (memory_capacity),
     LoRA's adapters with their gradients and state counted (a large LORA_R ran out of memory). Returns n_params."""
-    n_params = count_params(hf_cfg)
+    n_params = checks.refuse_unbuilt(hf_cfg, variable)
     if cfg.system.offload_optimizer:  # the state lives in host memory: the device holds little
         return n_params
     capacity, what = memory_capacity(device, cfg.system.max_memory_mb)
