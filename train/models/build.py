@@ -14,7 +14,7 @@ from train.core.errors import UsageError
 from train.core.model import enable_checkpointing
 from train.core.remote_code import refuse_custom_code
 from train.models import FAMILIES
-from train.models.checks import check_ids, check_shape, load_json, refuse_other_kinds, refuse_unknown_type
+from train.models.checks import check_raw, check_shape, load_json, refuse_other_kinds, refuse_unknown_type
 from train.models.family import Family, family_of
 
 
@@ -32,7 +32,7 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
         raw = load_json(config_file_of(model_config).read_text())
         model_type = raw.pop("model_type")
         refuse_unknown_type(model_type, f"MODEL_CONFIG={model_config}")
-        check_ids(raw, f"MODEL_CONFIG={model_config}")  # within its own vocabulary, before the tokenizer's
+        check_raw(raw, f"MODEL_CONFIG={model_config}")  # ids within its own vocabulary, before the tokenizer's
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
     except UsageError:

@@ -137,6 +137,16 @@ def check_layers(cfg, variable: str) -> None:
     check_rope(cfg, variable)
 
 
+def check_raw(raw: dict, variable: str) -> None:
+    """A config file's values checked before transformers reads them: its special ids in its own
+    vocabulary, and the rope settings transformers only warns about as it reads them (that warning
+    came before the one line)."""
+    from types import SimpleNamespace
+
+    check_ids(raw, variable)
+    check_rope(SimpleNamespace(**{k: raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}), variable)
+
+
 SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 

@@ -98,6 +98,7 @@ def read_config(file: Path, variable: str):
         raw.pop(key, None)  # the folder's own classes are never imported: the plain model_type's
     model_type = raw.pop("model_type", None)
     checks.refuse_unknown_type(model_type, f"{variable}: {file.name}")
+    checks.check_raw(raw, f"{variable}: {file.name}")
     from transformers import AutoConfig
 
     try:
@@ -106,7 +107,6 @@ def read_config(file: Path, variable: str):
         raise UsageError(f"{variable}: {file} is not a {model_type} config ({str(err).splitlines()[0]})") from None
     checks.refuse_other_kinds(cfg, f"{variable}: {file.name}")
     checks.check_shape(cfg, f"{variable}: {file.name}")
-    checks.check_ids(cfg.to_dict(), f"{variable}: {file.name}")
     return cfg
 
 
