@@ -187,24 +187,4 @@ def check_rope(cfg, variable: str) -> None:
                                  f"({'10000 is usual' if name == 'rope_theta' else '1 leaves positions as they are'})")
 
 
-def refuse_unbuilt(hf_cfg, variable: str, capacity: tuple[int | None, str] | None = None) -> int:
-    """The parameters of the model hf_cfg describes, counted on the meta device before anything is
-    built: the one check every model passes first (a new one, MODEL_PATH's, an import's; the
-    training fit, estimate.refuse_unfit, starts here). One line where transformers cannot build it
-    (a GPT-2 of width 1e9: a tensor past what torch can size) or, capacity (bytes, what) given,
-    where its float32 weights alone exceed it (a config asking for 2 TB was an allocation
-    failure, or the kernel's out-of-memory kill)."""
-    from train.models.estimate import count_params  # estimate's refuse_unfit calls this one
-
-    try:
-        n = count_params(hf_cfg)
-    except UsageError:
-        raise
-    except Exception as err:  # RuntimeError (storage size overflow), KeyError, AssertionError ...
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        raise UsageError(f"{variable}: transformers cannot build this model ({type(err).__name__}: {why})") from None
-    have, what = capacity or (None, "")
-    if have is not None and n * 4 > have:
-        raise UsageError(f"{variable}: this model ({n / 1e9:,.2f}B parameters) cannot be built here: its float32 "
-                         f"weights alone take {n * 4 / 2**30:,.1f} GiB, {what} has {have / 2**30:,.1f} GiB")
-    return n
+#END

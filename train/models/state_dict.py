@@ -21,6 +21,7 @@ from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.remote_code import names_code
 from train.models import build, checks
+from train.models.meta import refuse_unbuilt
 
 # transformers' own weight names: a folder with one of these loads with from_pretrained.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -216,7 +217,7 @@ def load_bare(found: SimpleNamespace, variable: str, say=print):
     answer)."""
     cfg = read_config(found.config, variable)
     # Built in float32 in host memory whatever the device: a config asking for more is one line here.
-    checks.refuse_unbuilt(cfg, f"{variable}: {found.config.name}", memory_capacity(torch.device("cpu")))
+    refuse_unbuilt(cfg, f"{variable}: {found.config.name}", memory_capacity(torch.device("cpu")))
     tensors = read_weights(found.weights, variable)
     cfg.use_cache = False
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stays as it was: every weight is replaced
