@@ -217,3 +217,17 @@ def test_float8_weights_are_checked_for_nan_and_imported_as_bfloat16(base_model,
     exact = load_file(src / "weights.safetensors")
     assert all(torch.equal(v.to(torch.float32), exact[k].to(torch.float32)) for k, v in model.state_dict().items()
                if k in exact)
+
+
+def test_a_pad_id_of_the_files_vocabulary_past_the_tokenizers_is_dropped_not_a_traceback(tmp_path):
+    """A hub config's pad id (31999 of 32000) with the kit's 512-token tokenizer: torch's Embedding
+    asserted on it as a padding index; pretraining pads nothing and SFT sets the tokenizer's pad."""
+    from train.models.build import build_config, build_model
+
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 1, "vocab_size": 32000, "pad_token_id": 31999}))
+    cfg = build_config("nano", str(path), 512, 0)
+    assert cfg.vocab_size == 512 and cfg.pad_token_id is None
+    build_model(cfg, gradient_checkpointing=False, seed=0)
+    path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 1, "vocab_size": 32000, "pad_token_id": -1}))
+    assert build_config("nano", str(path), 512, 0).pad_token_id == -1  # torch's padding index counts from the end

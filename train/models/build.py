@@ -42,7 +42,7 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
     refuse_other_kinds(cfg, f"MODEL_CONFIG={model_config}")
     set_special_tokens(cfg, eos_id, None)
-    if not family_of(cfg).source_target and (cfg.pad_token_id or 0) >= vocab_size:
+    if not family_of(cfg).source_target and not -vocab_size <= (cfg.pad_token_id or 0) < vocab_size:
         # Past the tokenizer's vocabulary, torch's Embedding refuses it as a padding index: pretraining
         # pads nothing, and SFT sets the tokenizer's pad (size_vocab says so).
         cfg.pad_token_id = None

@@ -152,14 +152,16 @@ SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_
 
 def check_ids(values: dict, variable: str) -> None:
     """A config's special token ids within its own vocabulary (values: the config as a dict):
-    pad_token_id 99999999 was an AssertionError from torch's Embedding while building."""
+    pad_token_id 99999999 was an AssertionError from torch's Embedding while building. Negative
+    ids count from the end, as torch's padding index does (early LLaMA folders have pad -1)."""
     vocab = values.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     for name in SPECIAL:
         ids = values.get(name)
         for i in ids if isinstance(ids, list) else [ids]:
             if i is None:
                 continue
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (isinstance(vocab, int) and i >= vocab):
+            if isinstance(i, bool) or not isinstance(i, int) or (vocab is not None and not -vocab <= i < vocab):
                 raise UsageError(f"{variable}: {name} {i!r} is not one of the model's {vocab} token ids "
                                  "(a whole number from 0 to vocab_size - 1)")  # fmt: skip
 
