@@ -204,3 +204,4 @@ def test_t5_dpo_runs_its_encoder_once_and_starts_at_ln2(t5_root):
     assert AutoModelForSeq2SeqLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "t5"
     resolved = next(line for line in (run / "train.log").read_text().splitlines() if line.startswith("  model: "))
     assert " MODEL_FAMILY=t5 " in resolved, resolved  # the folder's family, not MODEL_FAMILY's default gpt2
+    assert json.loads((run / "config.json").read_text())["resolved"]["model_family"] == "t5"

@@ -91,6 +91,7 @@ def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
             "device": str(b.device),
             "precision": b.precision,
             "model_size": b.model_size,
+            "model_family": resolved_fields(b).get("model_family"),  # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
             "max_length": b.max_length,
             "total_steps": total,
             "warmup_steps": warmup,
