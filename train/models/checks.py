@@ -117,9 +117,9 @@ ACTIVATIONS = ("activation_function", "hidden_act", "hidden_activation")
 
 def check_layers(cfg, variable: str) -> None:
     """What transformers looks up only while building the model (a KeyError for an unknown
-    activation or rope_type), or builds and trains without a word (rope_theta 0: non-finite from the first step; a negative
-    rope factor: trains and ships); and a mixture of experts, whose router loss the kit's
-    chunked loss (on the bare model) leaves out."""
+    activation or rope_type), or builds and trains without a word (rope_theta 0: non-finite from
+    the first step; a negative rope factor: trains and ships final/); and a mixture of experts,
+    whose router loss the kit's chunked loss (on the bare model) leaves out."""
     experts = max((n for name in EXPERTS if isinstance(n := getattr(cfg, name, None), int)), default=0)
     if experts > 1 or hasattr(cfg, "output_router_logits"):
         raise UsageError(
@@ -187,6 +187,3 @@ def check_rope(cfg, variable: str) -> None:
                 what = f"{layer}{name}" if name == "rope_theta" else f"the rope_scaling {layer}{name}"
                 raise UsageError(f"{variable}: {what} is {value!r}; it must be a number above 0 "
                                  f"({'10000 is usual' if name == 'rope_theta' else '1 leaves positions as they are'})")
-
-
-#END
