@@ -147,7 +147,10 @@ def check_raw(raw: dict, variable: str) -> None:
     check_rope(SimpleNamespace(**{k: raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}), variable)
 
 
-SPECIAL = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+# The ids the model itself indexes with: the pad row of the embeddings (Llama's padding_idx), an
+# encoder-decoder's first decoder input. bos and eos are not among them: GPT2Config's default 50256
+# beside a 448-token vocabulary trains (the kit's generate() settings carry the tokenizer's eos).
+SPECIAL = ("pad_token_id", "decoder_start_token_id")
 
 
 def check_ids(values: dict, variable: str) -> None:
