@@ -316,3 +316,19 @@ def test_max_record_mb_sets_the_bound(world, capsys):
         with pytest.raises(UsageError, match="line 2 is longer than 1 MB"):
             list(json_lines.jsonl_blocks(data))
     assert sum(block.count(b"\n") for _, block in json_lines.jsonl_blocks(data)) == 21  # default 64 MB: read whole
+
+
+@pytest.mark.parametrize("indent", [2, None], ids=["pretty", "one_line"])
+@pytest.mark.parametrize("skip", ["0", "1"])
+def test_a_json_list_saved_as_jsonl_is_said_to_be_one(world, base_model, capsys, indent, skip):
+    """Round 5: "line 1: not valid JSON (SKIP_BAD_RECORDS=1 skips such records)", and with the knob set the
+    same line and hint again; the one-line list was "unknown SFT format (no JSON objects)"."""
+    data = world["dir"] / "chat.jsonl"
+    data.write_text(json.dumps(GOOD_SFT, indent=indent))
+    result = refused(world, "sft", data, extra=["--model_path", str(base_model), "--skip_bad_records", skip], here=capsys)
+    assert result.stderr.strip() == (f"error: DATA_PATH: {data} is a JSON list ('[' on line 1), not JSON lines (one "
+                                     "record per line): name it .json, or write one record per line")
+    if indent and skip == "0":  # pretraining's reader, too
+        text = world["dir"] / "text.jsonl"
+        text.write_text(json.dumps(GOOD, indent=indent))
+        refused(world, "pretrain", text, "is a JSON list ('[' on line 1)", here=capsys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -108,7 +109,9 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     assert run_cli(*dpo_argv(sft_runs, "auto", "--max_steps", "1", "--dry_run", "1")) == 0
     assert "reference = copy  (a short run reads 4 of" in capsys.readouterr().out
     assert run_cli(*dpo_argv(sft_runs, "auto", "--epochs", "1", "--max_steps", "", "--dry_run", "1")) == 0
-    assert "reference = precomputed  (the run reads" in capsys.readouterr().out
+    said = re.search(r"reference = precomputed  \(the run reads (\d+) pairs, every one of the (\d+) at least once: one "
+                     r"forward pass over the \2 before training \(cached\)", capsys.readouterr().out)
+    assert said and int(said[1]) >= int(said[2])  # was "the run reads 120 pair(s) of 108: one forward pass over them"
 
 
 @pytest.mark.parametrize("mode, argv, message", [
@@ -202,3 +205,6 @@ def test_t5_dpo_runs_its_encoder_once_and_starts_at_ln2(t5_root):
     from transformers import AutoModelForSeq2SeqLM
 
     assert AutoModelForSeq2SeqLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "t5"
+    resolved = next(line for line in (run / "train.log").read_text().splitlines() if line.startswith("  model: "))
+    assert " MODEL_FAMILY=t5 " in resolved, resolved  # the folder's family, not MODEL_FAMILY's default gpt2
+    assert json.loads((run / "config.json").read_text())["resolved"]["model_family"] == "t5"

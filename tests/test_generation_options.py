@@ -142,6 +142,10 @@ def test_generation_config_is_saved_and_followed(chatlm_run, capsys):
     ({"use_cache": False}, "use_cache"),
     ([4], "JSON object"),
     ({"eos_token_id": 99999}, "eos_token_id 99999 is outside the model's"),  # checked once the model is built
+    ({"max_length": -5}, "max_length in"),  # was accepted and shipped in final/generation_config.json
+    ({"max_new_tokens": 10**12}, "max_new_tokens in"),
+    ({"max_new_tokens": 1e12}, "max_new_tokens in"),
+    ({"max_new_tokens": 100}, "max_new_tokens 100 in"),  # past the tiny model's 64 positions: checked once it is built
 ])  # fmt: skip
 def test_bad_generation_config_is_one_line(tiny_flags, tmp_path, capsys, settings, named):
     path = tmp_path / "gen.json"

@@ -262,8 +262,9 @@ def test_settings_final_cannot_save_are_refused_before_training(tmp_path, corpus
 
 
 def test_a_config_that_trains_nan_ends_non_finite(tmp_path, corpus, cache_dir, capsys):
-    """rope_theta -1: every loss NaN from the first step, fewer steps than NAN_PATIENCE."""
-    assert run_cli("pretrain", *llama_run(tmp_path, corpus, cache_dir, "rope", rope_theta=-1)) == 1
+    """rms_norm_eps -1 (the square root of a negative mean in every norm; rope_theta -1 did this before
+    it was refused in one line): every loss NaN from the first step, fewer steps than NAN_PATIENCE."""
+    assert run_cli("pretrain", *llama_run(tmp_path, corpus, cache_dir, "rope", rms_norm_eps=-1.0)) == 1
     run = tmp_path / "runs" / "rope"
     assert summary_of(run)["exit_reason"] == "non_finite_weights" and not (run / "final").exists()
     assert not (tmp_path / "runs" / "latest").exists()

@@ -69,8 +69,9 @@ def test_most_records_too_long_for_the_model_stop_the_run_in_one_line(world, cap
     result = train_here(capsys, "sft", *flags, "--data_path", str(data), "--run_name", "most")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert lines[0].startswith(f"error: DATA_PATH: {data}: 9 of 12 records cannot fit this model at MAX_LENGTH=256; "
-                               f"the first: {data} line 1: cannot fit MAX_LENGTH=256 tokens: its tools list alone takes ")
+    assert lines[0].startswith(f"error: DATA_PATH: {data}: 9 of 12 records cannot fit this model at MAX_LENGTH=256 "
+                               "(SKIP_BAD_RECORDS=1 trains on the 3 that fit); the first: "
+                               f"{data} line 1: cannot fit MAX_LENGTH=256 tokens: its tools list alone takes ")
     assert not (tmp_path / "runs" / "most").exists()
     # the record with a system turn says so
     from train.data.sft.sft_formats import load_conversations
@@ -86,3 +87,35 @@ def test_most_records_too_long_for_the_model_stop_the_run_in_one_line(world, cap
     tally = Tally()
     encode_conversations(conversations[1:2], tok, 256, tally=tally)
     assert "cannot fit MAX_LENGTH=256 tokens: its tools list and system turn take " in tally.unfit[0][1]
+
+
+def reasoning_tools(i: int, tools: list[dict]) -> dict:
+    """A reasoning + tool-call record in the messages format: think, call, read the result, answer."""
+    call = {"name": tools[0]["name"], "arguments": {"city": f"City {i}"}}
+    return {"tools": tools, "messages": [
+        {"role": "user", "content": f"What time is it in City {i}?"},
+        {"role": "assistant", "reasoning_content": f"The user asks the time in City {i}; the tool tells it.",
+         "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": json.dumps({"time": f"{i % 12 + 1}:00"})},
+        {"role": "assistant", "content": f"It is {i % 12 + 1} o'clock in City {i}."}]}  # fmt: skip
+
+
+def test_skip_bad_records_trains_on_what_fits_when_most_records_cannot(world, capsys):
+    """Round 5: an explicit SKIP_BAD_RECORDS=1 was overruled: 50 reasoning + tool-call records, 40 of
+    whose tools lists alone fill the context, stopped with "40 of 50 records cannot fit" (exit 2).
+    The user asked for the skip: the 10 that fit train, and the run says loudly how many did not."""
+    tmp_path, flags = world
+    data = tmp_path / "reasoning_tools.jsonl"
+    rows = [reasoning_tools(i, [SMALL_TOOL] if i % 5 == 0 else big_tools()) for i in range(50)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refused = train_here(capsys, "sft", *flags, "--data_path", str(data), "--run_name", "no_skip")
+    assert refused.returncode == 2 and "40 of 50 records cannot fit this model at MAX_LENGTH=256 (SKIP_BAD_RECORDS=1 " \
+        "trains on the 10 that fit)" in refused.stderr, refused.stderr[-2000:]
+    result = train_here(capsys, "sft", *flags, "--data_path", str(data), "--skip_bad_records", "1", "--run_name", "skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = next(line for line in result.stdout.splitlines() if "cannot fit this model" in line)
+    assert warning.startswith("warning: SKIP_BAD_RECORDS=1: skipped 40 of 50 records (80%) that cannot fit this model "
+                              "at MAX_LENGTH=256; only the 10 that fit train"), warning
+    summary = json.loads((tmp_path / "runs" / "skip" / "summary.json").read_text())
+    assert summary["n_conversations"] == 10 and summary["exit_reason"] == "completed"
+    assert not (tmp_path / "runs" / "no_skip").exists()

@@ -25,9 +25,14 @@ VARIABLE = "GENERATION_CONFIG (--generation_config)"
 # sequences multiply the batch generate() runs: a million asks for gigabytes before the first
 # token, so they have a ceiling too (MAX_BEAMS; beam search past a few dozen finds nothing new).
 MAX_BEAMS = 256
+# Lengths in tokens: past a million, a length is a typo (1e12 was accepted and shipped in
+# final/generation_config.json); apply_generation_config also holds them to the model's context.
+MAX_TOKENS = 1 << 20
 RANGES = {
-    "max_new_tokens": (int, 1, "a whole number >= 1"),
-    "min_new_tokens": (int, 0, "a whole number >= 0"),
+    "max_new_tokens": (int, 1, f"a whole number from 1 to {MAX_TOKENS:,}"),
+    "min_new_tokens": (int, 0, f"a whole number from 0 to {MAX_TOKENS:,}"),
+    "max_length": (int, 1, f"a whole number from 1 to {MAX_TOKENS:,}"),
+    "min_length": (int, 0, f"a whole number from 0 to {MAX_TOKENS:,}"),
     "num_beams": (int, 1, f"a whole number from 1 to {MAX_BEAMS}"),
     "num_return_sequences": (int, 1, f"a whole number from 1 to {MAX_BEAMS}"),
     "no_repeat_ngram_size": (int, 0, "a whole number >= 0 (0: off)"),
@@ -37,6 +42,9 @@ RANGES = {
     "top_p": (float, 0.0, "a number > 0 and at most 1"),
 }
 
+CEILINGS = {"num_beams": MAX_BEAMS, "num_return_sequences": MAX_BEAMS, **{
+    key: MAX_TOKENS for key in ("max_new_tokens", "min_new_tokens", "max_length", "min_length")}}
+
 
 def value_problem(key: str, value) -> str | None:
     """What is wrong with one generate() setting (the accepted values), or None."""
@@ -45,7 +53,7 @@ def value_problem(key: str, value) -> str | None:
     kind, bound, accepted = RANGES[key]
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
-        ok = ok and (value <= MAX_BEAMS or key not in ("num_beams", "num_return_sequences"))
+        ok = ok and value <= CEILINGS.get(key, value)
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ok = ok and value > bound and (key != "top_p" or value <= 1)
@@ -183,6 +191,14 @@ def apply_generation_config(model, settings: dict, decide, path: str | None) -> 
     problem = settings_problem(settings, rows)  # generate() would index past the vocabulary
     if problem:
         raise UsageError(f"{VARIABLE}: {path}: {problem[0]} {problem[1]}")
+    # A position table ends there: GPT-2 indexes past it (an IndexError mid-generate), a rotary model
+    # reads positions it never trained on. T5's relative positions have no such end.
+    name = next((n for n in ("n_positions", "max_position_embeddings") if getattr(model.config, n, None)), None)
+    context = getattr(model.config, name) if name else None
+    for key in ("max_length", "max_new_tokens", "min_length", "min_new_tokens"):
+        if context and isinstance(settings.get(key), int) and settings[key] > context:
+            raise UsageError(f"{VARIABLE}: {key} {settings[key]:,} in {path} is past the model's context of "
+                             f"{context:,} tokens ({name}); generate() cannot go past it")
     model.generation_config.update(**settings)
     model.generation_config._from_model_config = False  # its own settings now, not config.json's copies
     decide("generation_config", dict(settings), f"GENERATION_CONFIG={path}, saved in final/generation_config.json")

@@ -28,7 +28,7 @@ def names_code(path: str | Path) -> str | None:
     for file in files:
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
             continue  # absent or unreadable: the load itself names what is wrong with it
         if isinstance(raw, dict) and raw.get("auto_map"):
             return file.name

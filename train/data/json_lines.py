@@ -165,6 +165,7 @@ def loads(raw: str) -> object:
 
 def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines: bool = False):
     """(where, record) for each non-blank line of a block from jsonl_blocks."""
+    opening = first_line == 1  # the file's first record is looked at for a JSON list
     for number, raw in enumerate(block.split(b"\n"), first_line):
         if not raw.strip():
             continue
@@ -174,11 +175,26 @@ def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines:
         except UnicodeDecodeError as err:
             raise fail(path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
         try:
-            yield where, loads(text)
+            value = loads(text)
         except ValueError as err:
+            if opening:
+                refuse_list(path, text, number, None)
             if not keep_bad_lines:
                 raise fail(path, where, str(err)) from None
-            yield where, BadLine(str(err))
+            value = BadLine(str(err))
+        if opening and not isinstance(value, BadLine):
+            refuse_list(path, text, number, value)
+        opening = False
+        yield where, value
+
+
+def refuse_list(path: Path, text: str, number: int, value) -> None:
+    """A JSONL file whose first line opens a JSON list (a .json list saved as .jsonl): said as
+    what it is, whatever SKIP_BAD_RECORDS says, not as "line 1: not valid JSON" (with a hint to
+    skip it that only repeated the same line)."""
+    if text.lstrip().startswith("[") and (value is None or isinstance(value, list)):
+        raise fail(path, "", f"is a JSON list ('[' on line {number}), not JSON lines (one record per line): "
+                   "name it .json, or write one record per line")  # fmt: skip
 
 
 def json_list(path: Path) -> list | None:

@@ -6,7 +6,6 @@ from scratch both build here; nothing is downloaded."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from train.core.errors import UsageError
 from train.core.model import enable_checkpointing
 from train.core.remote_code import refuse_custom_code
 from train.models import FAMILIES
-from train.models.checks import check_shape, refuse_other_kinds, refuse_unknown_type
+from train.models.checks import check_raw, check_shape, load_json, refuse_other_kinds, refuse_unknown_type
 from train.models.family import Family, family_of, set_dropout
 
 
@@ -35,9 +34,10 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
     # No TRUST_REMOTE_CODE for a new model: a config naming its own classes is refused.
     refuse_custom_code(path, "MODEL_CONFIG")
     try:
-        raw = json.loads(config_file_of(model_config).read_text())
+        raw = load_json(config_file_of(model_config).read_text())
         model_type = raw.pop("model_type")
         refuse_unknown_type(model_type, f"MODEL_CONFIG={model_config}")
+        check_raw(raw, f"MODEL_CONFIG={model_config}")  # ids within its own vocabulary, before the tokenizer's
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
     except UsageError:
@@ -47,6 +47,10 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
     refuse_other_kinds(cfg, f"MODEL_CONFIG={model_config}")
     set_special_tokens(cfg, eos_id, None)
+    if not family_of(cfg).source_target and not -vocab_size <= (cfg.pad_token_id or 0) < vocab_size:
+        # Past the tokenizer's vocabulary, torch's Embedding refuses it as a padding index: pretraining
+        # pads nothing, and SFT sets the tokenizer's pad (size_vocab says so).
+        cfg.pad_token_id = None
     check_shape(cfg, f"MODEL_CONFIG={model_config}")
     cfg.use_cache = False
     if dropout is not None:
@@ -70,7 +74,7 @@ def declared_ids(model_config: str | None) -> dict:
     if model_config is None:
         return {}
     try:
-        raw = json.loads(config_file_of(model_config).read_text())
+        raw = load_json(config_file_of(model_config).read_text())
     except (OSError, ValueError):
         return {}
     ids = {k: raw.get(k) for k in SPECIAL_IDS if isinstance(raw, dict)}

@@ -22,13 +22,12 @@ bench/estimate_memory.py); what only a GPU adds is estimate_terms.py's, each ter
 
 from __future__ import annotations
 
-import copy
-
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.optim.optimizers import OPTIMIZERS
 from train.models import estimate_seq2seq, estimate_terms, lora
+from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
 from train.models.estimate_terms import PackedGrid
 from train.models.family import family_of
 from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
@@ -38,34 +37,8 @@ FUSED_GELU = ("gelu", "gelu_pytorch_tanh", "gelu_fast", "relu", "quick_gelu")
 GATED = ("silu", "swish", "gelu_pytorch_tanh_gated", "geglu")
 
 
-def count_params(hf_cfg) -> int:
-    """Unique parameters of the model a config describes, built on the meta device (shapes
-    only: nothing is allocated), so every architecture transformers knows is counted exactly.
-    Every block has the same shape, so a deep model is counted from its one- and two-block
-    versions: 100,000 layers take milliseconds instead of minutes of building modules."""
-    layers = hf_cfg.num_hidden_layers
-    if layers > 2 and not family_of(hf_cfg).source_target:  # an encoder-decoder has two stacks: counted whole
-        try:
-            one, two = (_meta_count(_with_layers(hf_cfg, n)) for n in (1, 2))
-            return one + (layers - 1) * (two - one)
-        except Exception:  # a config that cannot be cut to fewer layers: counted whole
-            pass
-    return _meta_count(hf_cfg)
-
-
-def _meta_model(hf_cfg):
-    import torch
-
-    with torch.device("meta"):  # AutoModelForSeq2SeqLM for an encoder-decoder
-        return family_of(hf_cfg).auto_class().from_config(hf_cfg, trust_remote_code=False)
-
-
-def _meta_count(hf_cfg) -> int:
-    return sum(p.numel() for p in _meta_model(hf_cfg).parameters())
-
-
 def _meta_trainable(hf_cfg, freeze: str | None) -> Trainable:
-    model = _meta_model(hf_cfg)
+    model = meta_model(hf_cfg)
     apply_freeze(model, freeze)  # a FREEZE that names nothing stops here, before any data work
     return trainable_of(model)
 
@@ -78,7 +51,7 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
     parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
     if layers > 2 and not family_of(hf_cfg).source_target and parts_only:
         try:
-            one, two = (_meta_trainable(_with_layers(hf_cfg, n), freeze) for n in (1, 2))
+            one, two = (_meta_trainable(with_layers(hf_cfg, n), freeze) for n in (1, 2))
             return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
                 (one.params, one.factored), (two.params, two.factored), strict=True)))
         except UsageError:
@@ -93,14 +66,6 @@ def optimizer_bytes(optimizer: str, trainable_params: int, factored_state: int |
     (Trainable.factored); without it, one per parameter (an upper bound). Each optimizer's own
     count is its OPTIMIZERS entry's (train/core/optim/optimizers.py)."""
     return OPTIMIZERS[optimizer].state_bytes(trainable_params, factored_state)
-
-
-def _with_layers(hf_cfg, n: int):
-    cut = copy.deepcopy(hf_cfg)
-    cut.num_hidden_layers = n
-    if isinstance(getattr(cut, "layer_types", None), list):  # one entry per layer (sliding/full ...)
-        cut.layer_types = cut.layer_types[:n]
-    return cut
 
 
 def shapes(hf_cfg) -> dict:
@@ -341,7 +306,7 @@ def lora_of_run(hf_cfg, cfg) -> tuple[Trainable, int] | None:
     if not cfg.model.lora_r:
         return None
     try:
-        model = _meta_model(hf_cfg)
+        model = meta_model(hf_cfg)
     except Exception:
         return None
     return lora.adapter_count(model, cfg.model.lora_r, cfg.model.lora_targets)
@@ -368,7 +333,7 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
 def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_size: int, variable: str) -> int:
     """Stop before any allocation when even the smallest step cannot fit the memory the run has (memory_capacity),
     LoRA's adapters with their gradients and state counted (a large LORA_R ran out of memory). Returns n_params."""
-    n_params = count_params(hf_cfg)
+    n_params = refuse_unbuilt(hf_cfg, variable)
     if cfg.system.offload_optimizer:  # the state lives in host memory: the device holds little
         return n_params
     capacity, what = memory_capacity(device, cfg.system.max_memory_mb)

@@ -15,7 +15,7 @@ from train.core.errors import UsageError
 from train.core.model import enable_checkpointing, quiet_saving
 from train.core.remote_code import refuse_custom_code
 from train.models import state_dict
-from train.models.checks import refuse_other_kinds, refuse_unknown_type
+from train.models.checks import check_raw, check_shape, refuse_other_kinds, refuse_unknown_type
 from train.models.family import KINDS, Family, family_of, kind_of_type
 
 
@@ -69,9 +69,18 @@ def read_config(path: Path, trust_remote_code: bool):
     allow = "TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain folder)"
     refuse_custom_code(path, "MODEL_PATH", trust_remote_code, allow=allow)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        raw = state_dict.raw_config(Path(path) / "config.json")
+    except (OSError, ValueError):
+        raw = None  # from_pretrained says what is wrong with it
+    if isinstance(raw, dict) and not (trust_remote_code and raw.get("auto_map")):
+        check_raw(raw, f"MODEL_PATH={path}")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:
         raise UsageError(f"MODEL_PATH={path}: no model config could be read: {first_line(err)}") from None
+    if not (trust_remote_code and getattr(config, "auto_map", None)):  # a trusted folder's own classes decide
+        check_shape(config, f"MODEL_PATH={path}")  # what would fail in the build, or train NaN (MoE, rope ...)
+    return config
 
 
 def load_pretrained(path: Path, trust_remote_code: bool, family: Family | None = None):

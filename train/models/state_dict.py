@@ -12,15 +12,16 @@ one UsageError line naming what is missing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.remote_code import names_code
 from train.models import build, checks
+from train.models.checks import refuse_unbuilt
 
 # transformers' own weight names: a folder with one of these loads with from_pretrained.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -80,7 +81,7 @@ def bare_checkpoint(path: Path, variable: str, plain: bool = False) -> SimpleNam
 def raw_config(file: Path) -> dict:
     """A config file as a dict; ChatLM's model_config.json is a T5Config dict, and an old one may
     lack model_type. Raises OSError / ValueError for an unreadable or non-object file."""
-    raw = json.loads(file.read_text(encoding="utf-8"))
+    raw = checks.load_json(file.read_text(encoding="utf-8"))
     if not isinstance(raw, dict):
         raise ValueError("not a JSON object")
     if file.name == "model_config.json" and "model_type" not in raw and "d_model" in raw:
@@ -98,6 +99,7 @@ def read_config(file: Path, variable: str):
         raw.pop(key, None)  # the folder's own classes are never imported: the plain model_type's
     model_type = raw.pop("model_type", None)
     checks.refuse_unknown_type(model_type, f"{variable}: {file.name}")
+    checks.check_raw(raw, f"{variable}: {file.name}")
     from transformers import AutoConfig
 
     try:
@@ -191,16 +193,31 @@ def refuse_non_finite(tensors: dict, where: str) -> None:
     """One line naming the first tensor holding NaN or inf: weights that can only train NaN
     (every loss non-finite from the first step) and be saved as such."""
     for key, value in tensors.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            bad = int((~torch.isfinite(value)).sum())
+        if value.is_floating_point() and (bad := non_finite(value)):
             raise UsageError(f"{where}: {key} holds {bad:,} non-finite value(s) (NaN or inf); "
                              "these weights cannot be trained or used")  # fmt: skip
+
+
+NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # dtypes torch.isfinite takes
+CHUNK = 1 << 24  # elements upcast at a time: 64 MB of float32
+
+
+def non_finite(value: torch.Tensor) -> int:
+    """NaN and inf values in a floating tensor. torch.isfinite has no float8 kernel (a float8
+    checkpoint was a NotImplementedError here): those are upcast a chunk at a time, never whole
+    (float32 is 4x a float8 tensor's size)."""
+    if value.dtype in NATIVE:
+        return 0 if bool(torch.isfinite(value).all()) else int((~torch.isfinite(value)).sum())
+    flat = value.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + CHUNK].float())).sum()) for i in range(0, flat.numel(), CHUNK))
 
 
 def load_bare(found: SimpleNamespace, variable: str, say=print):
     """(model in float32, the weights' own floating dtype) of a bare checkpoint (bare_checkpoint's
     answer)."""
     cfg = read_config(found.config, variable)
+    # Built in float32 in host memory whatever the device: a config asking for more is one line here.
+    refuse_unbuilt(cfg, f"{variable}: {found.config.name}", memory_capacity(torch.device("cpu")))
     tensors = read_weights(found.weights, variable)
     cfg.use_cache = False
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stays as it was: every weight is replaced

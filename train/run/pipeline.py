@@ -83,7 +83,7 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     mirror = getattr(run_dir, "mirror", NoLog())
     say.attach(run_dir)
     say("resolved config:")
-    for line in report.config_lines(cfg):
+    for line in report.config_lines(cfg, b):
         say(line)
     say(report.start_line(b, run_path, guard.total_steps))
     faster = batch_answer.faster_answer(b, world.world_size)  # the kit's own measurement, offered

@@ -76,7 +76,7 @@ def dry_run(cfg, say) -> int:
     b = build(cfg, say)
     cfg = b.cfg  # as decided
     say("resolved config:")
-    for line in config_lines(cfg):
+    for line in config_lines(cfg, b):
         say(line)
     n = derived_numbers(b)
     o = cfg.optim

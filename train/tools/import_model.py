@@ -14,13 +14,15 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from train.config.flags import ArgParser
 from train.core import files
 from train.core import model as model_lib
 from train.core.errors import UsageError
 from train.core.model import quiet_saving
 from train.core.remote_code import refuse_custom_code
-from train.models.state_dict import bare_checkpoint, load_bare
+from train.models.state_dict import NATIVE, bare_checkpoint, load_bare
 from train.tools.generate import TOKENIZER_FILES  # what AutoTokenizer reads a tokenizer from
 
 
@@ -125,6 +127,10 @@ def import_main(argv: list[str], say=print) -> int:
     tok = load_tokenizer(found.weights.parent, args.tokenizer_path)
     model, dtype = load_bare(found, "SRC", say)
     check_pair(model, tok, say)
+    if dtype not in NATIVE:  # float8: from_pretrained cannot load a float8 folder (no float8 default dtype)
+        say(f"note: the {str(dtype).removeprefix('torch.')} weights are written as bfloat16, which holds every one "
+            "of their values exactly and which from_pretrained loads")
+        dtype = torch.bfloat16
     model.to(dtype)  # the weights as they were saved: fp16 stays half the size
     model.config.use_cache = model.generation_config.use_cache = True  # plain generate() at full speed
     write_folder(model, tok, dest)

@@ -164,7 +164,12 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
     say(f"SFT data: {d.data_path or 'built-in'}, format {fmt}, {len(examples)} {unit}{how}; {done}")
     if meta.n_skipped:
         say(f"skipped {meta.n_skipped} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {meta.first_error}")
-    if meta.n_unfit:
+    if meta.n_unfit > len(examples):  # only under SKIP_BAD_RECORDS=1 (sft_cache refuses it otherwise): said loudly
+        total = meta.n_unfit + len(examples)
+        say(f"warning: SKIP_BAD_RECORDS=1: skipped {meta.n_unfit} of {total} records ({meta.n_unfit / total:.0%}) that "
+            f"cannot fit this model at MAX_LENGTH={max_length}; only the {len(examples)} that fit train (a longer "
+            f"MAX_LENGTH, a model of a longer context, or shorter records keep them); the first: {meta.first_unfit}")
+    elif meta.n_unfit:
         say(f"warning: skipped {meta.n_unfit} record(s) that cannot fit this model at MAX_LENGTH={max_length} (not bad "
             f"input: the rest train); the first: {meta.first_unfit}")
     if meta.n_truncated:

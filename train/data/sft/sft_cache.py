@@ -332,9 +332,12 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
     with cache_files.building("tokenizing the SFT data", "the SFT cache", folder) as temps:
         tmp = cache_files.temp_folder(folder, temps)
         meta = _write(tmp, items, tok, fmt, max_length, workers, skip, total, kind, rendering)
-        if meta.n_unfit > meta.n:  # a few records too long for this model are skipped; most, or all, stop the run
+        # A few records too long for this model are skipped; most, or all, stop the run, unless
+        # SKIP_BAD_RECORDS=1 asked for the skip: then what fits trains (load_dataset says how much did not).
+        if meta.n_unfit > meta.n and (not skip or meta.n == 0):
+            hint = "" if skip else f" (SKIP_BAD_RECORDS=1 trains on the {meta.n} that fit)" if meta.n else ""
             raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records cannot fit "
-                             f"this model at MAX_LENGTH={max_length}; the first: {meta.first_unfit}")
+                             f"this model at MAX_LENGTH={max_length}{hint}; the first: {meta.first_unfit}")
         if meta.n == 0:
             raise all_bad(data_name, meta.n_skipped, meta.first_error)
         cache_files.publish(tmp, folder, meta.__dict__, temps, lambda f: open_cache(f)[0] is not None)

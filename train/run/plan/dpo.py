@@ -117,9 +117,13 @@ def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: d
             f"a frozen copy's weights ({room['copy'] / MIB:,.1f} MB) do not fit beside the run (estimated peak "
             f"{room['run'] / MIB:,.1f} MB of {room['capacity'] / MIB:,.1f} MB, {room['what']}: "
             f"{max(0.0, left) / MIB:,.1f} MB left): one forward pass over the {pairs} pairs (cached) instead")
-    elif not short:
-        kind, why = "precomputed", (f"the run reads {trained} pair(s) of {pairs}: one forward pass over them before "
-                                    "training (cached) costs less than a frozen copy's memory and its forward every step")
+    elif trained >= pairs:
+        kind, why = "precomputed", (f"the run reads {trained} pairs, every one of the {pairs} at least once: one forward "
+                                    f"pass over the {pairs} before training (cached) costs less than a frozen copy's "
+                                    "memory and its forward every step")
+    elif not short:  # SHARDING: a whole copy on every process defeats it
+        kind, why = "precomputed", (f"SHARDING={cfg.system.sharding}: a frozen copy would be whole on every process; one "
+                                    f"forward pass over the {pairs} pairs before training (cached) instead")
     else:
         fits = "" if left is None else f"; its {room['copy'] / MIB:,.1f} MB fit in the {left / MIB:,.1f} MB left"
         kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of weights on "

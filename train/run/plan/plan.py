@@ -239,7 +239,10 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fil
     if (why := attention_kernels(device, source.shapes_vary)) is not None:
         decide("attention_kernels", "flash / memory-efficient, cuDNN's off", why)
     max_length = sequence_length(cfg, choice.context, MAX_LENGTH_CAP, decide)  # before any data work
-    if choice.path is None or cfg.model.lora_r:  # a new model, or LoRA's adapters, that cannot fit: from the config
+    # Every model that cannot fit, from its config alone, before anything is loaded or built (MODEL_PATH's
+    # too: a config asking for 2 TB was the kernel's out-of-memory kill); not a trusted folder's own classes,
+    # which only its own code can build.
+    if not (choice.path is not None and getattr(choice.config, "auto_map", None) and cfg.model.trust_remote_code):
         estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)
     tok = source.tokenizer(cfg, choice, max_length, say, decide)
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)

@@ -19,7 +19,7 @@ from train.core import files
 from train.core.device import device_name
 from train.core.errors import UsageError
 from train.core.measure.mfu import mfu_report
-from train.core.model import count_params
+from train.core.model import count_params, unwrapped
 from train.core.units import MIB
 from train.distributed import distributed
 from train.models.estimate import estimate_for_run
@@ -30,19 +30,34 @@ from train.observe import monitor as monitor_lib
 from train.run.compile.compile_guard import finish_counts
 
 
-def config_lines(cfg: TrainConfig) -> list[str]:
-    """The resolved config, one line per section, as launcher variables."""
+def config_lines(cfg: TrainConfig, b=None) -> list[str]:
+    """The resolved config, one line per section, as launcher variables; b (the plan): what it
+    decided where the field says otherwise (resolved_fields)."""
+    shown = resolved_fields(b) if b is not None else {}
     lines = []
     for section, klass in SECTIONS.items():
         part = getattr(cfg, section)
         items = []
         for f in fields(klass):
-            value = getattr(part, f.name)
+            value = shown.get(f.name, getattr(part, f.name))
             if isinstance(value, bool):
                 value = int(value)
             items.append(f"{env_name(f.name)}={'' if value is None else value}")
         lines.append(f"  {section}: " + " ".join(items))
     return lines
+
+
+def resolved_fields(b) -> dict:
+    """Fields whose value in the config is not the run's: MODEL_SIZE left empty (the plan's size,
+    or a loaded model's label), MODEL_FAMILY where the model is not MODEL_SIZE's (MODEL_CONFIG's or
+    MODEL_PATH's own type: a T5 folder showed MODEL_FAMILY=gpt2), VAL_FRACTION beside VAL_PATH."""
+    shown = {"model_size": b.model_size}
+    model_type = getattr(getattr(unwrapped(b.model), "config", None), "model_type", None)
+    if isinstance(model_type, str):
+        shown["model_family"] = model_type
+    if b.cfg.data.val_path is not None:
+        shown["val_fraction"] = "(unused:VAL_PATH)"
+    return shown
 
 
 def start_line(b, run_path, total_steps: int) -> str:
@@ -80,6 +95,7 @@ def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
             "device": str(b.device),
             "precision": b.precision,
             "model_size": b.model_size,
+            "model_family": resolved_fields(b).get("model_family"),  # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
             "max_length": b.max_length,
             "total_steps": total,
             "warmup_steps": warmup,
