@@ -75,8 +75,9 @@ def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_ba
         # what it allows is the largest micro-batch whose estimate is within 80 % of the memory
         shape = {"target_length": 114} if seq2seq else {}
         length = 512 if seq2seq else 1024
-        assert peak(cfg, model, allowed, 2, length, **shape) <= 0.8 * capacity * MIB
-        assert peak(cfg, model, allowed + 1, 2, length, **shape) > 0.8 * capacity * MIB
+        # accumulation (held gradients) counted below the effective batch only, as the fill counts it
+        assert peak(cfg, model, allowed, 1 if allowed >= 256 else 2, length, **shape) <= 0.8 * capacity * MIB
+        assert peak(cfg, model, allowed + 1, 1 if allowed + 1 >= 256 else 2, length, **shape) > 0.8 * capacity * MIB
     assert 3 <= got[80] / got[24] <= 5, got  # 80 / 24 = 3.3, more where weights and state are a fixed cost
 
 
@@ -155,7 +156,7 @@ def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_ra
                             lambda setting, value, why: said.append(why))
     batch, accum = cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps
     # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)
-    assert (batch, accum) == (11, 24) and abs(batch * accum * 2 - 512) < 2 * accum
+    assert (batch, accum) == (12, 22) and abs(batch * accum * 2 - 512) < 2 * accum  # 11 x 24 with dropout 0.1
     assert "this GPU (a fake), the same on every rank" in said[0] and " x 2 processes" in said[1]
 
 

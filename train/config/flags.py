@@ -109,7 +109,7 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
     parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
-    sft_only, dpo_only = set(marked("sft")), set(marked("dpo"))
+    sft_only, dpo_only = set(marked("sft")), set(marked("dpo")) - set(marked("sft"))  # sft and dpo: both commands
     for name in config.FIELD_SECTION:
         if name == "mode":  # the command itself
             continue
