@@ -7,7 +7,9 @@ the caller's stdin, stdout and stderr (passed over a Unix socket), environment, 
 and arguments, runs `python -m train ...` as the interpreter would, and the caller (`client`,
 which stands where the interpreter would: KIT_PYTHON for the launchers, TRAIN_PYTHON for the tests'
 own commands) exits with its status, or dies of its signal. Signals sent to the caller are passed
-on; a caller killed by SIGKILL takes its child with it.
+on; a caller killed by SIGKILL takes its child with it, and the server's end (its pytest process
+gone, a SIGTERM) takes all of its children. The run is the server's child, not the caller's, so the
+caller adds the run's CPU seconds to the file KIT_CPU_LOG names (tests/suite_control.py's CpuSpent).
 
 Only plain runs take this path: `-m train` (or `-m train.distributed.torchrun`, whose ranks are
 callers in their turn) with no interpreter flag but -u, and an environment
