@@ -106,7 +106,7 @@ def cpu_now() -> float:
 
 
 class CpuSpent:
-    """`with CpuSpent() as cpu: ...; cpu.seconds()`: CPU seconds spent since the start by this process,
+    """`with CpuSpent() as cpu: ...; cpu.spent`: CPU seconds spent since the start by this process,
     its children and the fork server's runs started for them (tests/forkserver.py's caller adds each
     run's CPU to KIT_CPU_LOG: the run is the server's child, not the test's)."""
 
@@ -121,8 +121,9 @@ class CpuSpent:
 
     def seconds(self) -> float:
         with open(self.log) as f:
-            forked = sum(float(x) for x in f.read().split())
-        return cpu_now() - self.before + forked
+            runs = [float(x) for x in f.read().split()]
+        self.forked_runs = len(runs)  # how many fork-server runs reported theirs
+        return cpu_now() - self.before + sum(runs)
 
     def __exit__(self, *exc):
         self.spent = self.seconds()

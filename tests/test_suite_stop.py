@@ -144,3 +144,18 @@ def test_ctrl_c_and_sigterm_stop_every_process_of_make_test(tmp_path, how):
     left = [pid for pid, started in pids.items() if started is not None and start_time(pid) == started]
     assert left == [], f"still running after make ended: {left}\n{out}"
     assert marked(mark, kit) == []
+
+
+def test_cpu_spent_counts_a_run_forked_by_the_fork_server(tiny_flags):
+    """A test's CPU bound (CpuSpent) covers a `python -m train` run that the fork server forked: the
+    run is the server's child, so its CPU reaches the test only through the caller's report."""
+    from suite_control import CpuSpent
+
+    from conftest import forking, train_python
+
+    argv = [train_python(), "-m", "train", "pretrain", "--dry_run", *tiny_flags]
+    with CpuSpent() as cpu:
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert cpu.spent > 0.05
+    assert cpu.forked_runs == (1 if forking() else 0)
