@@ -25,7 +25,7 @@ help:
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: find-batch, doctor, AUTO_BATCH, SFT grouped/packed, T5, DPO, the peers (TRL, Seq2SeqTrainer), bench, one step of each profiled; writes bench/RESULTS.md's GPU table and bench/gpu_table.json"
-	@echo "make test      run the test suite (CPU only; two processes, one per core; 8 to 9 minutes on 2 cores)"
+	@echo "make test      run the test suite (CPU only; pytest-xdist, a worker per core; 46 min on 2 cores at load 7-20)"
 	@echo "make test-fast the unit tests only: no test that starts a process or a whole run (tests/conftest.py)"
 	@echo "make knobs     rewrite docs/knobs.md's tables and the launchers' knob lines from config.py"
 	@echo "make lint      ruff check"
@@ -86,18 +86,18 @@ bench-data: $(STAMP)
 gpu-report: $(STAMP)
 	@bash scripts/gpu_report.sh
 
-# Two shards at once, one per core, each taking the next module from a shared queue as it is free
-# (tests/conftest.py --shard --queue: a module's tests stay together).
+# pytest-xdist's workers, one per core (TEST_WORKERS): a module's tests stay on one worker (loadfile),
+# the longest modules first (tests/conftest.py's order, kept by --no-loadscope-reorder); each worker's
+# progress shows as it goes. Ctrl-C or a SIGTERM to make stops every process of the suite (the
+# controller's handler, tests/suite_control.py). TESTS: files or node ids instead of the whole suite.
+TEST_WORKERS ?= 2
+TEST_ARGS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TESTS)
 test: $(STAMP)
-	@log=$$(mktemp); q=$$(mktemp -d); $(PY) -m pytest --shard 1/2 --queue="$$q" >"$$log" 2>&1 & one=$$!; \
-	$(PY) -m pytest --shard 2/2 --queue="$$q"; two=$$?; \
-	wait $$one; first=$$?; cat "$$log"; rm -rf "$$log" "$$q"; exit $$((first || two))
+	@exec $(PY) -m pytest $(TEST_ARGS)
 
-# The unit tests run single-threaded: two shards at once, one per core, halve the wait.
+# The unit tests (no test that starts a process or a whole run), single-threaded each: two workers.
 test-fast: $(STAMP)
-	@log=$$(mktemp); q=$$(mktemp -d); $(PY) -m pytest -m "not integration" --shard 1/2 --queue="$$q" >"$$log" 2>&1 & \
-	one=$$!; $(PY) -m pytest -m "not integration" --shard 2/2 --queue="$$q"; two=$$?; \
-	wait $$one; first=$$?; cat "$$log"; rm -rf "$$log" "$$q"; exit $$((first || two))
+	@exec $(PY) -m pytest -m "not integration" $(TEST_ARGS)
 
 knobs: $(STAMP)
 	$(PY) -m train knobs --write

@@ -1,4 +1,4 @@
-# Shared by the four launchers (sourced, not run): maps the launcher variables to the CLI
+# Shared by the five launchers (sourced, not run): maps the launcher variables to the CLI
 # flags of `python -m train`, one name per knob (the README's table), and starts the run.
 # SHOW_COMMAND=1 prints the command instead of running it. NPROC_PER_NODE > 1 (or NNODES > 1)
 # starts the run through torchrun (see kit_torchrun), one process per GPU.

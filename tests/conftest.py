@@ -266,13 +266,6 @@ def is_integration(path: Path, test: str, fixtures: list[str]) -> bool:
     )
 
 
-def pytest_addoption(parser):
-    parser.addoption("--shard", default=None, help="K/N: run every N-th test from the K-th (make test-fast runs "
-                     "two shards at once, one per core: the unit tests are single-threaded)")  # fmt: skip
-    parser.addoption("--queue", default=None, help="with --shard: a folder the N shards share; each takes the next "
-                     "module, the longest first, as it is free (no module's time guessed ahead)")  # fmt: skip
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m "not integration" reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -281,61 +274,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
-# Seconds each module took in a whole run of the suite on the 2-core host, for --shard to balance
-# by: the larger of its wall time (under the other shard's load) and its CPU time (its own
-# process, its children and the fork server's children), summed over its tests. Balanced by CPU
-# alone, a fresh clone's shards took 786 and 614 s: waiting (for a signal's effect, a rank) costs
-# wall time too. A module not listed weighs 3 s a test.
+# Seconds each module took in a whole run of the suite on the 2-core host, for the workers' order: the
+# larger of its wall time (under the other worker's load) and its CPU time (its own process, its
+# children and the fork server's children), summed over its tests. A module not listed weighs 3 s a test.
 _SECONDS = Path(__file__).parent / "module_seconds.json"
 MODULE_SECONDS = json.loads(_SECONDS.read_text()) if _SECONDS.is_file() else {}
 
 
 def module_weight(path: str, tests: int) -> int:
-    """A module's seconds for the shards' order: MODULE_SECONDS's, or 3 s a test where it is not listed."""
+    """A module's seconds for the workers' order: MODULE_SECONDS's, or 3 s a test where it is not listed."""
     return MODULE_SECONDS.get(Path(path).name, 3 * tests)
 
 
-class Shard:
-    """--shard K/N: the K-th of N shards of the tests left after -m. Unit tests: every N-th from the
-    K-th. Integration tests go by module (a module's fixtures, a whole reference run, are made once),
-    the longest modules first (MODULE_SECONDS), each to the shard with the least time so far."""
-
-    @pytest.hookimpl(trylast=True)  # after -m has deselected
-    def pytest_collection_modifyitems(self, config, items):
-        k, n = (int(x) for x in config.getoption("--shard").split("/"))
-        units = [item for item in items if item.get_closest_marker("integration") is None]
-        modules: dict[str, list] = {}
-        for item in items:
-            if item.get_closest_marker("integration") is not None:
-                modules.setdefault(str(item.fspath), []).append(item)
-        load, mine = [0] * n, {id(item) for item in units[k - 1 :: n]}
-        weight = {path: module_weight(path, len(tests)) for path, tests in modules.items()}
-        for path, tests in sorted(modules.items(), key=lambda kv: (-weight[kv[0]], kv[0])):
-            shard = load.index(min(load))
-            load[shard] += weight[path]
-            if shard == k - 1:
-                mine.update(id(item) for item in tests)
-        config.hook.pytest_deselected(items=[item for item in items if id(item) not in mine])
-        items[:] = [item for item in items if id(item) in mine]
+# ---- make test: pytest-xdist's workers, the longest modules first ---------------------------------
+# `make test` runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`: xdist keeps a module's tests
+# on one worker (its module fixtures, a whole reference run, made once) and hands each worker the
+# next module as it frees, in the order the workers collected them: this hook's, longest first, so
+# the last module to start is a short one and the two workers end close together.
 
 
-class Queue:
-    """--shard K/N --queue DIR: every shard collects the same tests, the modules ordered longest
-    first (MODULE_SECONDS); each shard claims the next module not yet claimed (a file created in
-    DIR, O_EXCL) as it finishes its last, so the shards end within about one module's time of
-    each other however far the weights are from this machine's times."""
-
-    def __init__(self, folder: str):
-        self.folder = Path(folder)
-
-    def claim(self, index: int) -> bool:
-        import os
-
-        try:
-            os.close(os.open(self.folder / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        return True
+class LongestFirst:
+    """In each xdist worker: the modules in the order of their MODULE_SECONDS, longest first."""
 
     @pytest.hookimpl(trylast=True)  # after -m has deselected
     def pytest_collection_modifyitems(self, config, items):
@@ -343,37 +302,18 @@ class Queue:
         for item in items:
             modules.setdefault(str(item.fspath), []).append(item)
         order = sorted(modules, key=lambda path: (-module_weight(path, len(modules[path])), path))
-        self.modules = [modules[path] for path in order]
         items[:] = [item for path in order for item in modules[path]]
-
-    def pytest_report_header(self, config):
-        return f"shard {config.getoption('--shard')}: modules claimed from the queue {self.folder} as they start"
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtestloop(self, session):
-        if session.testsfailed and not session.config.option.continue_on_collection_errors:
-            raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
-        if session.config.option.collectonly:
-            return True
-        claims = (tests for index, tests in enumerate(self.modules) if self.claim(index))
-        current = next(claims, None)
-        while current is not None:
-            following = None
-            for i, item in enumerate(current):
-                if i == len(current) - 1:  # the next module is claimed as this one ends (its fixtures' teardown)
-                    following = next(claims, None)
-                nextitem = current[i + 1] if i + 1 < len(current) else (following[0] if following else None)
-                item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-                if session.shouldfail:
-                    raise session.Failed(session.shouldfail)
-                if session.shouldstop:
-                    raise session.Interrupted(session.shouldstop)
-            current = following
-        return True
 
 
 def pytest_configure(config):
-    if config.getoption("--shard") and config.getoption("--queue"):
-        config.pluginmanager.register(Queue(config.getoption("--queue")), "queue")
-    elif config.getoption("--shard"):
-        config.pluginmanager.register(Shard(), "shard")
+    """An xdist worker orders its modules longest first (a plain pytest run keeps the files' order). In
+    the xdist controller (it runs no test), Ctrl-C and SIGTERM stop every process of the suite
+    (tests/suite_control.py); in a plain pytest run, SIGTERM does."""
+    import threading
+
+    import suite_control
+
+    if hasattr(config, "workerinput"):
+        config.pluginmanager.register(LongestFirst(), "longest-first")
+    elif threading.current_thread() is threading.main_thread():
+        suite_control.install(controller=bool(getattr(config.option, "numprocesses", None)))

@@ -7,7 +7,9 @@ the caller's stdin, stdout and stderr (passed over a Unix socket), environment, 
 and arguments, runs `python -m train ...` as the interpreter would, and the caller (`client`,
 which stands where the interpreter would: KIT_PYTHON for the launchers, TRAIN_PYTHON for the tests'
 own commands) exits with its status, or dies of its signal. Signals sent to the caller are passed
-on; a caller killed by SIGKILL takes its child with it.
+on; a caller killed by SIGKILL takes its child with it, and the server's end (its pytest process
+gone, a SIGTERM) takes all of its children. The run is the server's child, not the caller's, so the
+caller adds the run's CPU seconds to the file KIT_CPU_LOG names (tests/suite_control.py's CpuSpent).
 
 Only plain runs take this path: `-m train` (or `-m train.distributed.torchrun`, whose ranks are
 callers in their turn) with no interpreter flag but -u, and an environment
@@ -130,6 +132,25 @@ def serve(path: str) -> None:
     listener.listen(64)
     listener.settimeout(0.05)
     children: dict[int, socket.socket] = {}
+
+    def stop(number, _frame) -> None:  # SIGTERM, SIGHUP: through the finally below, not a silent death
+        raise SystemExit(128 + number)
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, stop)  # (each run puts FORWARDED back to the defaults: child())
+    try:
+        loop(listener, children, parent)
+    finally:  # whatever ends the server (its pytest gone, a signal), its runs end with it
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def loop(listener: socket.socket, children: dict, parent: int) -> None:
+    """Accept callers and fork their runs while the pytest process that started the server lives;
+    each run's exit status and CPU seconds go back to its caller."""
     while os.getppid() == parent:
         try:
             conn, _ = listener.accept()
@@ -158,20 +179,18 @@ def serve(path: str) -> None:
                     pass
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
-                try:
-                    conn.sendall(f"exit {status}\n".encode())
+                try:  # the run's CPU: its own and its reaped children's (tokenizer workers ...)
+                    conn.sendall(f"exit {status} {usage.ru_utime + usage.ru_stime:.3f}\n".encode())
                 except OSError:
                     pass
                 conn.close()
-    for pid in children:
-        os.kill(pid, signal.SIGKILL)
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -339,6 +358,10 @@ def call(args: list[str]) -> None:
         if not last:  # the server died: the run's status is lost
             sys.exit(1)
     status = int(last.split()[1])
+    log = os.environ.get("KIT_CPU_LOG")  # a test measuring CPU (suite_control.CpuSpent): the run is not our child
+    if log and len(last.split()) > 2:
+        with open(log, "a") as f:
+            f.write(last.split()[2] + "\n")
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         signal.signal(number, signal.SIG_DFL)

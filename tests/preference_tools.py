@@ -113,7 +113,8 @@ def plain_sums(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plain_loss(name: str, pol, ref, counts, beta=0.5, label_smoothing=0.0, simpo_gamma=0.5, sft_weight=0.0):
-    """The papers' formulas (TRL's forms) on plain tensors -> (loss, metrics)."""
+    """The papers' formulas (TRL's forms) on plain tensors -> (loss, metrics as TRL 1.16 logs them:
+    DPOTrainer's sigmoid, hinge and ipo sum logps over the reply, CPO's simpo and ORPO take the mean)."""
     p, ls, gamma = len(pol) // 2, label_smoothing, simpo_gamma
     normalise = name in ("ipo", "simpo", "orpo")
     lp = pol / counts if normalise else pol
@@ -134,6 +135,9 @@ def plain_loss(name: str, pol, ref, counts, beta=0.5, label_smoothing=0.0, simpo
         losses = -beta * F.logsigmoid(odds_c - odds_r)
     nll = -pol[:p].sum() / counts[:p].sum()
     loss = losses.mean() + (sft_weight + (name == "orpo")) * nll
+    if name == "ipo":  # DPOTrainer's IPO logs the summed log-probs (its normalisation is the loss's alone)
+        ref0 = ref if ref is not None else torch.zeros_like(pol)
+        pc, pr, rc, rr = pol[:p], pol[p:], ref0[:p], ref0[p:]
     wc, wr = beta * (pc - rc), beta * (pr - rr)
     metrics = {"rewards/chosen": wc.mean(), "rewards/rejected": wr.mean(), "rewards/margins": (wc - wr).mean(),
                "rewards/accuracies": (wc > wr).float().mean(), "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}  # fmt: skip

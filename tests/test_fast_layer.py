@@ -4,6 +4,13 @@ marked "integration"; `make test-fast` runs the rest (`pytest -m "not integratio
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 from conftest import ROOT, TESTS, is_integration
 
 PLANTED = '''
@@ -94,14 +101,15 @@ def test_the_kits_own_tests_are_split_by_it():
     assert "test-fast" in (ROOT / "Makefile").read_text() and '-m "not integration"' in (ROOT / "Makefile").read_text()
 
 
-def test_pytest_marks_and_shards_a_planted_folder(tmp_path):
-    """The hook as pytest runs it: -m picks the marked tests, and the two shards of make test-fast
-    split the unit tests between them, each test in exactly one."""
-    import shutil
-    import subprocess
-    import sys
+def planted_suite(tmp_path: Path) -> None:
+    """A folder pytest runs as the kit's suite: the kit's conftest (and its suite_control), nothing else."""
+    for name in ("conftest.py", "suite_control.py"):
+        shutil.copy(TESTS / name, tmp_path / name)
 
-    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+
+def test_pytest_marks_a_planted_folder(tmp_path):
+    """The hook as pytest runs it: -m picks the marked tests."""
+    planted_suite(tmp_path)
     units = "".join(f"def test_unit_{i}():\n    assert True\n\n\n" for i in range(5))
     (tmp_path / "test_planted.py").write_text(f"import subprocess\n\n\n{units}def test_a_process():\n    subprocess.run(['true'])\n")
 
@@ -112,39 +120,45 @@ def test_pytest_marks_and_shards_a_planted_folder(tmp_path):
         return {line.split("::")[1] for line in out.stdout.splitlines() if "::" in line}
 
     assert collected("-m", "integration") == {"test_a_process"}
-    one, two = collected("-m", "not integration", "--shard", "1/2"), collected("-m", "not integration", "--shard", "2/2")
-    assert one | two == {f"test_unit_{i}" for i in range(5)} and not one & two and len(one) == 3
+    assert collected("-m", "not integration") == {f"test_unit_{i}" for i in range(5)}
 
 
-def test_two_shards_share_a_queue_each_module_run_once_in_one_shard(tmp_path):
-    """make test's shards (--shard K/2 --queue=DIR) at once: every test runs exactly once, a
-    module's tests all in one shard, and both shards take modules."""
-    import shutil
-    import subprocess
-    import sys
-
-    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+def test_make_tests_workers_run_each_module_once_on_one_worker_longest_first(tmp_path):
+    """make test's pytest-xdist line (the Makefile's TEST_ARGS): every test runs exactly once, a module's
+    tests all on one worker, both workers take modules; with one worker the modules run in
+    module_seconds.json's order, longest first, not the files' order."""
+    planted_suite(tmp_path)
+    seconds = {f"test_m{m}.py": 10 * m for m in range(6)}  # test_m5 the longest
+    (tmp_path / "module_seconds.json").write_text(json.dumps(seconds))
     for m in range(6):
         tests = "".join(f"def test_{m}_{i}():\n    ran('{m}_{i}')\n\n\n" for i in range(3))
-        (tmp_path / f"test_m{m}.py").write_text(  # the first module's first test waits for the other shard's claim
+        (tmp_path / f"test_m{m}.py").write_text(  # the first module's first test waits for the other worker's start
             "import os\nimport time\n\n\ndef ran(name):\n    deadline = time.monotonic() + 60\n"
-            f"    while name == '0_0' and len(os.listdir({str(tmp_path / 'queue')!r})) < 2 and time.monotonic() < deadline:\n"
+            f"    log = {str(tmp_path / 'ran.txt')!r}\n"
+            "    while name == '5_0' and os.environ.get('PYTEST_XDIST_WORKER_COUNT') == '2' and time.monotonic() < deadline:\n"
+            "        if os.path.exists(log) and any(line.split()[0] != str(os.getpid()) for line in open(log)):\n"
+            "            break\n"
             "        time.sleep(0.05)\n"
-            f"    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
+            "    with open(log, 'a') as f:\n"
             "        f.write(f'{os.getpid()} {name}\\n')\n\n\n" + tests
         )
-    (tmp_path / "queue").mkdir()
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--queue={tmp_path / 'queue'}"]
-    shards = [subprocess.Popen([*argv, "--shard", f"{k}/2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True) for k in (1, 2)]  # fmt: skip
-    for shard in shards:
-        out, _ = shard.communicate(timeout=120)
-        assert shard.returncode == 0, out
-    rows = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
+    args = re.search(r"^TEST_ARGS = (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    args = args.replace("$(TEST_WORKERS)", "{n}").replace("$(TESTS)", "").split()
+
+    def run(workers: int) -> list[list[str]]:
+        (tmp_path / "ran.txt").unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[a.format(n=workers) for a in args]]
+        out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
+
+    rows = run(2)
     names = [name for _, name in rows]
     assert sorted(names) == sorted(f"{m}_{i}" for m in range(6) for i in range(3))  # each once
-    shard_of = {name.split("_")[0]: set() for name in names}
+    worker_of: dict[str, set] = {}
     for pid, name in rows:
-        shard_of[name.split("_")[0]].add(pid)
-    assert all(len(pids) == 1 for pids in shard_of.values()), shard_of  # a module in one shard
-    assert len({pid for pid, _ in rows}) == 2  # both shards took modules
+        worker_of.setdefault(name.split("_")[0], set()).add(pid)
+    assert all(len(pids) == 1 for pids in worker_of.values()), worker_of  # a module on one worker
+    assert len({pid for pid, _ in rows}) == 2  # both workers took modules
+    order = [name.split("_")[0] for _, name in run(1)]
+    assert list(dict.fromkeys(order)) == ["5", "4", "3", "2", "1", "0"]

@@ -96,7 +96,7 @@ def no_amd(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def _wait_for(condition, timeout=2.0):
+def _wait_for(condition, timeout=60.0):  # a hang guard: the sampler's first reading takes milliseconds
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -136,11 +136,16 @@ def test_summary_numbers():
 
 
 def test_stop_is_quick_and_thread_ends():
-    mon = GpuMonitor(0, interval_s=30, nvml=FakeNvml()).start()
+    """stop() wakes the sampler instead of waiting out its interval: an hour here, so a stop that
+    waited it out would still be waiting when the hang guard gives up (no wall-time bound asserted)."""
+    mon = GpuMonitor(0, interval_s=3600, nvml=FakeNvml()).start()
     _wait_for(lambda: mon.latest is not None)
-    started = time.monotonic()
-    summary = mon.stop()
-    assert time.monotonic() - started < 1.0
+    done: list = []
+    stopper = threading.Thread(target=lambda: done.append(mon.stop()), daemon=True)
+    stopper.start()
+    stopper.join(timeout=120)
+    assert done, "stop() waited for the sampling interval"
+    summary = done[0]
     assert not any(t.name == "gpu-monitor" and t.is_alive() for t in threading.enumerate())
     assert summary["samples"] >= 1 and summary["avg_gpu_util"] == 80.0
 

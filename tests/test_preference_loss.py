@@ -17,6 +17,7 @@ from preference_tools import (
     CPU,
     FAMILIES,
     TOL,
+    VOCAB,
     build_reference,
     collate,
     gpt2,
@@ -336,3 +337,32 @@ def test_t5_precomputed_equals_a_copy():
         b, mb = preference_loss(policy, stored, CPU, "fp32", loss="ipo", reference=build_reference("precomputed", policy))
         assert a.item() == pytest.approx(b.item(), abs=TOL)
         assert_same(ma, mb)
+
+
+def test_ipo_logs_dpo_trainers_sums_and_simpo_the_means():
+    """TRL 1.16's DPOTrainer normalises IPO's log-ratios by the reply lengths inside the loss only:
+    logps/* and rewards/* stay sums over the reply's tokens (CPOTrainer's simpo logs the means). Replies
+    of 7 chosen tokens against 1 rejected keep sums and means far apart, so a mix-up cannot pass."""
+    g = torch.Generator().manual_seed(3)
+    pairs = [(torch.randint(2, VOCAB, (3,), generator=g), torch.randint(2, VOCAB, (7,), generator=g),
+              torch.randint(2, VOCAB, (1,), generator=g)) for _ in range(8)]  # fmt: skip
+    policy, other = gpt2(0), gpt2(1)
+    batch = collate(pairs, False)
+    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=build_reference("copy", other), loss="ipo",
+                                    beta=0.5)  # fmt: skip
+    with torch.no_grad():
+        pol, counts = plain_sums(policy, batch)
+        ref = plain_sums(other, batch)[0]
+    c, r, rc, rr = pol[:8], pol[8:], ref[:8], ref[8:]
+    ipo = (((c - rc) / counts[:8] - (r - rr) / counts[8:] - 1 / (2 * 0.5)) ** 2).mean()  # dpo_trainer.py's ipo branch
+    assert loss.item() == pytest.approx(ipo.item(), abs=TOL)
+    wc, wr = 0.5 * (c - rc), 0.5 * (r - rr)
+    expected = {"logps/chosen": c.mean(), "logps/rejected": r.mean(), "rewards/chosen": wc.mean(),
+                "rewards/rejected": wr.mean(), "rewards/margins": (wc - wr).mean(),
+                "rewards/accuracies": (wc > wr).float().mean()}  # fmt: skip
+    assert_same({k: metrics[k] for k in expected}, expected)
+    assert abs(metrics["logps/chosen"].item() - (c / 7).mean().item()) > 1.0  # sums, not the per-token means
+
+    _, simpo = preference_loss(policy, batch, CPU, "fp32", loss="simpo", beta=0.5)
+    assert simpo["logps/chosen"].item() == pytest.approx((c / 7).mean().item(), abs=TOL)
+    assert simpo["rewards/chosen"].item() == pytest.approx(0.5 * (c / 7).mean().item(), abs=TOL)

@@ -50,13 +50,11 @@ def kill_a_worker_of(mode: str, argv: list[str], tmp_path: Path) -> subprocess.C
                 os.kill(killed, signal.SIGKILL)
             time.sleep(0.01)
         assert killed is not None, "no worker appeared"
-        started = time.monotonic()
-        out, err = proc.communicate(timeout=60)  # before: never returned
+        out, err = proc.communicate(timeout=120)  # before: never returned (a hang guard, not a speed bound)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert time.monotonic() - started < 30
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

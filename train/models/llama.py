@@ -1,7 +1,8 @@
-"""The llama family (MODEL_FAMILY=llama): transformers' LlamaForCausalLM, the shape today's small
-models use (MiniMind, nanochat, SmolLM): RMSNorm, rotary positions, a SwiGLU feed-forward
-(intermediate ~8/3 of the width, a multiple of 64) and grouped-query attention (half as many key/value
-heads as query heads), no biases, embeddings tied as MiniMind's and SmolLM's small models do. At an 8K
+"""The llama family (MODEL_FAMILY=llama): transformers' LlamaForCausalLM, the shape of MiniMind2 and
+SmolLM2 (MiniMind's current model adds q/k norms: Qwen3's block, not built here): RMSNorm, rotary
+positions, a SwiGLU feed-forward (intermediate ~8/3 of the width, a multiple of 64) and grouped-query
+attention (half as many key/value heads as query heads), no biases, embeddings tied as MiniMind2's and
+SmolLM2's small models do. At an 8K
 vocab: nano 5.0M, tiny 27.8M, small 81.8M, medium 291.6M (about 335M at a 50K vocab)."""
 
 from __future__ import annotations

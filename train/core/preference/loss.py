@@ -2,8 +2,9 @@
 
 x = (pi_c - ref_c) - (pi_r - ref_r): the policy's log-prob margin of chosen over rejected, less the
 reference's. Each row of DPO_LOSS is TRL 1.16's formula (trl/trainer/dpo_trainer.py; cpo_trainer.py
-and orpo_trainer.py, now in trl/experimental), with TRL's metric names, but for LABEL_SMOOTHING on
-sigmoid: conservative DPO, as earlier TRL releases and LLaMA-Factory take it (1.16's sigmoid ignores it):
+and orpo_trainer.py, now in trl/experimental), with TRL's metric names in TRL's meanings, but for
+LABEL_SMOOTHING on sigmoid: conservative DPO, as earlier TRL releases and LLaMA-Factory take it (1.16's
+sigmoid ignores it), and ORPO's NLL (below):
   sigmoid  DPO: -(1 - ls) logsigmoid(b x) - ls logsigmoid(-b x)     (ls: LABEL_SMOOTHING)
   ipo      (x - 1 / (2 b))^2, on length-normalised log-probs (the mean per response token)
   hinge    relu(1 - b x)                                            (RSO)
@@ -15,7 +16,10 @@ sigmoid: conservative DPO, as earlier TRL releases and LLaMA-Factory take it (1.
            LM's over prompt and response (its encoder-decoder's over the response, as here)
 SFT_WEIGHT adds sft_weight x the chosen side's token-mean NLL (TRL 1.16's loss_type ["sigmoid", "sft"] with
 loss_weights [1, w]; rpo_alpha before) to any of them.
-rewards/chosen is b (pi_c - ref_c) (b pi_c without a reference, as CPO and ORPO log it).
+rewards/chosen is b (pi_c - ref_c) (b pi_c without a reference, as CPO and ORPO log it). logps/* and
+rewards/* are summed over the response's tokens for sigmoid, hinge and ipo, as DPOTrainer logs them
+(its IPO normalises by the response lengths inside the loss only), and per-token means for simpo and
+orpo, as CPOTrainer and ORPOTrainer log them.
 
 Accumulation and ranks: a per-pair loss is averaged over every pair of the optimizer step, all its
 micro-batches and all ranks, and the NLL over every chosen response token, as one big batch would
@@ -74,18 +78,26 @@ def _orpo(c, r, rc, rr, k: Knobs):
     return -k.beta * ratio, {"log_odds_ratio": ratio, "log_odds_chosen": log_odds}
 
 
+def _sides(logps: torch.Tensor, ref: torch.Tensor, p: int) -> tuple[torch.Tensor, ...]:
+    """(chosen, rejected, reference chosen, reference rejected): the rows 0..P-1 and P..2P-1."""
+    return logps[:p], logps[p:], ref[:p], ref[p:]
+
+
 @dataclass(frozen=True)
 class PreferenceLoss:
     """One row of DPO_LOSS: per_pair(c, r, ref_c, ref_r, knobs) -> (losses (P,), extra per-pair
     metrics); the log-probs it takes, per response token (normalised) or summed; whether it needs a
     reference model's; whether the chosen NLL is part of it (weight 1, SFT_WEIGHT on top); the Knobs its
-    formula reads (a knob set that it does not read is refused, as it would be ignored)."""
+    formula reads (a knob set that it does not read is refused, as it would be ignored); whether TRL's
+    trainer for it logs logps/* and rewards/* as per-token means (CPOTrainer, ORPOTrainer) or as sums
+    (DPOTrainer, IPO included), so that each name means what it means in TRL."""
 
     per_pair: Callable
     normalised: bool
     reference: bool
     nll: bool = False
     reads: frozenset = frozenset({"beta"})
+    logs_means: bool = False
 
 
 DPO_LOSS = {
@@ -93,8 +105,8 @@ DPO_LOSS = {
     "ipo": PreferenceLoss(_ipo, normalised=True, reference=True),
     "hinge": PreferenceLoss(_hinge, normalised=False, reference=True),
     "simpo": PreferenceLoss(_simpo, normalised=True, reference=False,
-                            reads=frozenset({"beta", "label_smoothing", "simpo_gamma"})),
-    "orpo": PreferenceLoss(_orpo, normalised=True, reference=False, nll=True),
+                            reads=frozenset({"beta", "label_smoothing", "simpo_gamma"}), logs_means=True),
+    "orpo": PreferenceLoss(_orpo, normalised=True, reference=False, nll=True, logs_means=True),
 }
 
 
@@ -147,11 +159,11 @@ def preference_loss(
         ref = reference(model, batch, inputs, responses) if row.reference else None
     p = host.pairs
     counts = responses.counts.clamp(min=1).float()  # a row with no response token: 0, not 0 / 0
-    logps = sums / counts if row.normalised else sums
-    ref = None if ref is None else (ref / counts if row.normalised else ref)
-    c, r = logps[:p], logps[p:]
-    rc, rr = (ref[:p], ref[p:]) if ref is not None else (torch.zeros_like(c), torch.zeros_like(r))
+    ref = torch.zeros_like(sums) if ref is None else ref
+    c, r, rc, rr = _sides(sums / counts if row.normalised else sums, ref / counts if row.normalised else ref, p)
     losses, extra = row.per_pair(c, r, rc, rr, knobs)
+    if row.logs_means != row.normalised:  # IPO: DPOTrainer logs the sums its loss normalised
+        c, r, rc, rr = _sides(sums / counts if row.logs_means else sums, ref / counts if row.logs_means else ref, p)
 
     def share(total: torch.Tensor, divisor: int = pairs) -> torch.Tensor:
         return total / max(1, divisor) * world_size

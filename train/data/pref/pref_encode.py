@@ -46,7 +46,7 @@ def _refuse(tally: Tally | None, index: int, reason: str) -> None:
 
 def _too_long(max_length: int) -> str:
     return (f"has a prompt that alone fills MAX_LENGTH={max_length} tokens (its tools list, system turn and "
-            "reply marker, which truncation keeps; raise MAX_LENGTH)")
+            "reply marker, which truncation keeps; raise MAX_LENGTH if the model's context allows)")
 
 
 def _first_trained(labels: list[int]) -> int:

@@ -48,14 +48,15 @@ def refuse_settings(d, kind: str) -> None:
 
 
 def preference_data(d, tok, *, kind: str, max_length: int, device, precision: str, eval_batches: int,
-                    set_attention, say, decide, compile_on: bool = False) -> Data:
+                    set_attention, say, decide, compile_on: bool = False, context: int | None = None) -> Data:
     """The encoded pairs of data config `d`, the held-out ones, and their collators. PACKING=1 packs
-    them into rows (and lowers LENGTH_GROUPING in `d`), empty packs each micro-batch (micro_pack); compile_on (COMPILE=1) or a CUDA device pads
-    batches to length buckets (a decision)."""
+    them into rows (and lowers LENGTH_GROUPING in `d`), empty packs each micro-batch (micro_pack); compile_on
+    (COMPILE=1) or a CUDA device pads batches to length buckets (a decision). context: the model's, so that
+    no advice asks past it."""
     refuse_settings(d, kind)
     template_decision(d, tok, kind, say, decide)
     with record_limit(d.max_record_mb):
-        dataset, meta = load_dataset(d, tok, max_length, say, kind)
+        dataset, meta = load_dataset(d, tok, max_length, say, kind, context)
     n_loaded = len(dataset)
     val_dataset = split_validation(d, eval_batches, dataset, tok, max_length, say, decide, kind)
     if val_dataset is not None and d.val_path is None:
@@ -87,7 +88,7 @@ def preference_data(d, tok, *, kind: str, max_length: int, device, precision: st
                 summary={**summary, **packed}, conversations=dataset)
 
 
-def load_dataset(d, tok, max_length: int, say, kind: str = "causal"):
+def load_dataset(d, tok, max_length: int, say, kind: str = "causal", context: int | None = None):
     """DATA_PATH -> (PairDataset, the cache's manifest), through the preference cache; says the format
     and every count."""
     builtin = builtin_pairs() if d.data_path is None else None
@@ -104,10 +105,19 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal"):
             f"prompt gave way first, cut once for both replies (TRUNCATION={Rendering.of(d).truncation})")
     if meta.n_reply_cut:
         say(f"warning: {meta.n_reply_cut} of {len(pairs)} pairs lost the end of a reply (the reply alone is longer "
-            f"than what MAX_LENGTH={max_length} leaves after the prompt); raise MAX_LENGTH to score whole replies")
+            f"than what MAX_LENGTH={max_length} leaves after the prompt); {longer(max_length, context)}")
     if meta.n_tools_kept:
         say(f"{meta.n_tools_kept} of them have a tools list: it was kept with the system turn, and the history cut")
     return PairDataset(pairs, kind == "seq2seq"), meta
+
+
+def longer(max_length: int, context: int | None) -> str:
+    """What scores whole replies: a MAX_LENGTH up to the model's context, never past it."""
+    if context is not None and max_length >= context:
+        return (f"MAX_LENGTH={max_length} is already the model's context, so only shorter pairs (or a model with a "
+                "longer context) score whole replies")
+    up_to = f" (up to the model's context, {context})" if context is not None else " (up to the model's context)"
+    return f"raise MAX_LENGTH{up_to} to score whole replies"
 
 
 def pack_preference(d, dataset: PairDataset, set_attention, tok, device, precision: str, max_length: int, decide):

@@ -169,7 +169,7 @@ class DPOSource(SFTSource):
         data = preference_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
                                precision=precision, eval_batches=cfg.run.eval_batches,
                                set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
-                               compile_on=cfg.model.compile)
+                               compile_on=cfg.model.compile, context=choice.context)
         data.summary = {"model_path": str(choice.path), **data.summary}
         return data
 

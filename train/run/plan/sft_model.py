@@ -6,6 +6,7 @@ the newest completed SFT run's final/ (STAGES). Loading it is train/models/load.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ FEW_STEPS = 50  # fewer optimizer steps: the model still emits noise, and so wil
 SFT_LAUNCHERS = ("train_sft_custom", "quick_start_sft_fast", "train")
 # A mode's default model: the mode of the run it continues, the launchers that make such runs, how to make one.
 STAGES = {"sft": ("pretrain", PRETRAIN_LAUNCHERS, MAKE_A_MODEL),
-          "dpo": ("sft", SFT_LAUNCHERS, "MODEL_PATH=runs/<pretraining run>/final DATA_PATH=chat.jsonl ./train_sft_custom.sh")}
+          "dpo": ("sft", SFT_LAUNCHERS, f"MAX_STEPS={FEW_STEPS} ./train_sft_custom.sh")}
 
 
 def _json_of(path: Path) -> dict | None:
@@ -54,7 +55,31 @@ def pretrained_run(run: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHE
         return None
     family = (_json_of(run / "final" / "config.json") or {}).get("model_type")  # what was built, not asked
     return SimpleNamespace(final=run / "final", steps=steps, family=family if isinstance(family, str) else "?",
-                           time=(run / "summary.json").stat().st_mtime)
+                           time=(run / "summary.json").stat().st_mtime, config=config)
+
+
+def longer_sft(chosen: SimpleNamespace, output_dir: Path) -> str:
+    """The command that makes a short SFT run again, FEW_STEPS long, as printed runnable: its launcher, its
+    DATA_PATH, and its MODEL_PATH unless that is SFT's default anyway (the newest pretraining run); a
+    MODEL_PATH through runs/latest (the first hour's) is taken as that run, since latest has moved on."""
+    cfg = chosen.config.get("config", {})
+    model_path = (cfg.get("model") or {}).get("model_path")
+    data_path = (cfg.get("data") or {}).get("data_path")
+    launcher = (cfg.get("run") or {}).get("launcher")
+    default = choose_pretrained(output_dir)
+    if isinstance(model_path, str) and ("latest" in Path(model_path).parts or not Path(model_path).is_dir()):
+        model_path = None  # moved on, or gone: the newest pretraining run stands for it
+    if model_path is not None and default is not None and Path(model_path).resolve() == default.final.resolve():
+        model_path = None
+    if model_path is None and default is None:
+        return MAKE_A_MODEL + " first, then " + STAGES["dpo"][2]
+    settings = [f"MODEL_PATH={shlex.quote(str(model_path))}"] if model_path else []
+    settings += [f"DATA_PATH={shlex.quote(str(data_path))}"] if isinstance(data_path, str) else []
+    if launcher == "train":
+        flags = [f"--{k.split('=')[0].lower()} {k.split('=', 1)[1]}" for k in settings]
+        return " ".join([".venv/bin/python -m train sft", *flags, f"--max_steps {FEW_STEPS}"])
+    script = launcher if launcher in SFT_LAUNCHERS else "train_sft_custom"
+    return " ".join([*settings, f"MAX_STEPS={FEW_STEPS}", f"./{script}.sh"])
 
 
 def _causal(model_type: str) -> bool:
@@ -97,8 +122,9 @@ def model_source(cfg: TrainConfig, decide, say=print) -> str:
         why += f"; note: a {chosen.family} model, as no completed causal-LM pretraining run is there"
     decide("model_path", str(chosen.final), why)
     if chosen.steps < FEW_STEPS:
+        again = longer_sft(chosen, Path(cfg.run.output_dir)) if mode == "sft" else make
         say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under {FEW_STEPS}): "
-            f"fine-tuning it teaches little; train it longer (`{make}`) or set MODEL_PATH")
+            f"fine-tuning it teaches little; train it longer (`{again}`) or set MODEL_PATH")
     return str(chosen.final)
 
 
