@@ -48,6 +48,9 @@ class Family:
     dropout_modules: tuple[str, ...] = ("attention_dropout", "dropout", "activation_dropout")
     """Module attributes that hold a dropout as a plain float read at forward (Llama's attention, T5's), set
     with the config on a model already built; torch.nn.Dropout layers are set wherever they are."""
+    qk_norm: bool = False
+    """An RMSNorm on each head's queries and keys before the rotation (Qwen3): the memory estimate counts
+    what it saves (train/models/estimate.py)."""
     attention: Callable | None = None
     """model -> None: the kit's attention installed on every model of the family it builds or loads
     (T5's: the position bias folded with the mask once per forward, train/models/t5_attention.py);
