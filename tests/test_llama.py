@@ -19,9 +19,9 @@ from conftest import read_jsonl, run_cli
 from train.core.optim.optimizers import build_optimizer
 from train.core.step import train_step
 from train.models import FAMILIES
-from train.models.build import build_config, build_model
+from train.models.build import build_model
 from train.models.estimate import count_params, estimate_memory
-from train.models.family import family_of
+from train.models.family import family_of, set_dropout
 
 CPU = torch.device("cpu")
 # The families of llama's block, and the transformers class each builds.
@@ -37,9 +37,9 @@ def _one_thread():
 
 
 def tiny_llama(vocab: int = 512, seed: int = 0, family: str = "llama"):
-    cfg = build_config("nano", None, vocab, 0, family)
-    for key, value in TINY.items():
-        setattr(cfg, key, value)
+    # The family's own make_config at TINY's shape: Qwen3's layer_types has one entry per layer from the start.
+    cfg = FAMILIES[family].make_config(TINY, vocab, 0)
+    set_dropout(cfg, 0.0)  # as build_config does for MODEL_SIZE
     return cfg, build_model(cfg, False, seed)
 
 
