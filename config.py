@@ -36,8 +36,8 @@ class ModelConfig:
     """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
     Empty: small on a GPU, else a nano demo. In SFT, set: a new model is trained from scratch (no MODEL_PATH)."""
     model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
-    """What MODEL_SIZE builds: gpt2, llama or t5. gpt2 and llama (RMSNorm, rotary, SwiGLU, grouped-query
-    attention) are causal LMs; t5 is an encoder-decoder (span corruption on raw text). Sizes: the README."""
+    """What MODEL_SIZE builds: gpt2, llama, qwen3 or t5. gpt2, llama (RMSNorm, rotary, SwiGLU, grouped-query attention)
+    and qwen3 (llama's with q/k norms) are causal LMs; t5 an encoder-decoder (span corruption). Sizes: the README."""
     model_config: str | None = knob(None, "not_dpo")
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
     from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""

@@ -1,6 +1,6 @@
 """The peak-memory estimate of every path against the allocated bytes at the peak of a real CPU step
 (live_bytes.allocated_peak: the allocator's own events, forward, backward and optimizer): T5
-pretraining's span lengths, T5 SFT's padded pairs, packed SFT's varlen grid, Llama, and preference
+pretraining's span lengths, T5 SFT's padded pairs, packed SFT's varlen grid, Llama and Qwen3, and preference
 pairs (chosen and rejected rows, a frozen reference copy), each at two sizes, each within 10 %. The
 estimate is asked as the plan asks it: estimate_for_run at the rows the data gives (adapt.row_shape)."""
 
@@ -140,12 +140,14 @@ def test_packed_sft(n, max_length, longest, precision):
     within_10_percent(est, peak)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: llama's block with q/k norms
 @pytest.mark.parametrize(("batch", "length", "precision"), [(8, 128, "fp32"), (4, 256, "bf16")])
-def test_llama(batch, length, precision):
-    from transformers import LlamaConfig
+def test_llama(batch, length, precision, family):
+    import transformers
 
-    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
+    config_class = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
+    hf = config_class(vocab_size=VOCAB, hidden_size=128, intermediate_size=352, num_hidden_layers=2, head_dim=64,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
     model = build_model(hf, False, 0)
     ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
     peak = measured_peak(model, [{"input_ids": ids}] * 2, precision)

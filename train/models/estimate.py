@@ -129,7 +129,14 @@ def layer_bytes_per_token(hf_cfg, precision: str) -> float:
     # width; gate, its activation, up and the product. Under autocast the norms stay fp32 and the
     # rest is half: 30h + 4kv + 8f bytes (measured, tests/test_llama.py).
     kv = s["kv"]
-    return (30 * h + 4 * kv + 8 * f if half else 32 * h + 8 * kv + 16 * f) + masks
+    layer = (30 * h + 4 * kv + 8 * f if half else 32 * h + 8 * kv + 16 * f) + masks
+    family = family_of(hf_cfg)
+    if family is not None and family.qk_norm:
+        # Qwen3's q/k norms keep their fp32 input and normalised copy (under autocast the copy is cast to half):
+        # 8 bytes an element of q and k, 6 under autocast (measured, tests/test_estimate_paths.py).
+        q = s["heads"] * (getattr(hf_cfg, "head_dim", None) or h // s["heads"])
+        layer += (6 if half else 8) * (q + kv)
+    return layer
 
 
 def attention_scores_bytes(hf_cfg, batch_size: int, max_length: int, precision: str, kind: str) -> float:

@@ -1,6 +1,6 @@
 """The registry of model families: one Family entry per architecture the kit builds new
-(FAMILIES: gpt2, t5, llama; MODEL_FAMILY picks one), and a generic entry per kind for a loaded
-model of another type (Qwen, Mistral, BART, mT5 ...: KINDS). Everything that differs between
+(FAMILIES: gpt2, t5, llama, qwen3; MODEL_FAMILY picks one), and a generic entry per kind for a loaded
+model of another type (Qwen2, Mistral, BART, mT5 ...: KINDS). Everything that differs between
 families is a field here, so the rest of the kit reads `plan.family.<field>` instead of asking
 what the model is: a new family is one entry (a file beside this one and a line in FAMILIES).
 
@@ -48,6 +48,9 @@ class Family:
     dropout_modules: tuple[str, ...] = ("attention_dropout", "dropout", "activation_dropout")
     """Module attributes that hold a dropout as a plain float read at forward (Llama's attention, T5's), set
     with the config on a model already built; torch.nn.Dropout layers are set wherever they are."""
+    qk_norm: bool = False
+    """An RMSNorm on each head's queries and keys before the rotation (Qwen3): the memory estimate counts
+    what it saves (train/models/estimate.py)."""
     attention: Callable | None = None
     """model -> None: the kit's attention installed on every model of the family it builds or loads
     (T5's: the position bias folded with the mask once per forward, train/models/t5_attention.py);
@@ -99,7 +102,7 @@ def family_of_type(model_type) -> Family | None:
 
 
 def family_of(model_or_config) -> Family | None:
-    """The Family of a model (wrapped or not) or of its config: its named entry (gpt2, t5, llama),
+    """The Family of a model (wrapped or not) or of its config: its named entry (gpt2, t5, llama, qwen3),
     else the generic entry of its kind; None for a type that is neither a causal LM nor an
     encoder-decoder."""
     from train.models import FAMILIES
