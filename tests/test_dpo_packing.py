@@ -151,14 +151,7 @@ def test_packed_rows_equal_the_padded_pairs(family, loss_name, attention):
                                         loss=loss_name, **KNOBS[loss_name])  # fmt: skip
         loss.backward()
         results.append((loss.item(), metrics, grads(model)))
-    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results
-    assert loss_b == pytest.approx(loss_a, abs=TOL)
-    assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) >= 6
-    for name in metrics_a:
-        assert metrics_b[name].item() == pytest.approx(metrics_a[name].item(), abs=TOL), name
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for name in grads_a:
-        torch.testing.assert_close(grads_b[name], grads_a[name], atol=TOL, rtol=TOL, msg=name)
+    assert_same(results)
 
 
 def test_a_sequence_never_sees_another():

@@ -277,6 +277,22 @@ def verify_sums(folder: Path, sums, names, check=None) -> str | None:
     return None
 
 
+def read_manifest(folder: Path, what: str, parse, names) -> tuple[tuple | None, str | None]:
+    """A cache folder's meta.json as parse(raw) makes it (raising ValueError, KeyError or TypeError where
+    it is not sound) and the size of each file names(meta) lists: ((meta, sizes), None); (None, what is
+    wrong) for a damaged folder (meta.json unreadable, a file missing), which the caller rebuilds; an
+    unreadable folder stops the run in one line naming `what` (the SFT cache, ...)."""
+    try:
+        meta = parse(json.loads(files.read_text(folder / "meta.json")))
+        return (meta, {name: (folder / name).stat().st_size for name in names(meta)}), None
+    except FileNotFoundError as err:
+        return None, f"{Path(err.filename).name} is missing"
+    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
+        return None, f"meta.json cannot be read: {short(err)}"
+    except OSError as err:
+        raise UsageError(f"CACHE_DIR: cannot read {what} {folder}: {err.strerror or err}") from None
+
+
 def short(err: BaseException) -> str:
     """An exception as a few words for a one-line note."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -20,7 +20,6 @@ and built again; a link at one of its names is never followed.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from train.core import files
-from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files
 from train.data.pref.pref_encode import SIDES, encode
@@ -111,23 +108,22 @@ class CachedPairs:
         return {**self.__dict__, "_ids": None, "_trained": None, "_offsets": None}
 
 
+def _manifest(raw: dict) -> Manifest:
+    meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
+    if np.dtype(meta.dtype) not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
+    return meta
+
+
 def open_cache(folder: Path, verify: bool = True, vocab: int | None = None):
     """(pairs, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None) for none."""
     if not folder.exists():
         return None, None
-    try:
-        raw = json.loads(files.read_text(folder / "meta.json"))
-        meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
-        dtype = np.dtype(meta.dtype)
-        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-            raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
-        sizes = {name: (folder / name).stat().st_size for name in FILES}
-    except FileNotFoundError as err:
-        return None, f"{Path(err.filename).name} is missing"
-    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
-        return None, f"meta.json cannot be read: {cache_files.short(err)}"
-    except OSError as err:
-        raise UsageError(f"CACHE_DIR: cannot read the preference cache {folder}: {err.strerror or err}") from None
+    read, why = cache_files.read_manifest(folder, "the preference cache", _manifest, lambda meta: FILES)
+    if read is None:
+        return None, why
+    meta, sizes = read
+    dtype = np.dtype(meta.dtype)
     expected = {"ids.bin": meta.n_tokens * dtype.itemsize, "trained.bin": meta.n_tokens, "lengths.bin": meta.n * 12}
     for name, size in expected.items():
         if sizes[name] != size:

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from train.core import files
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records, tokenize
@@ -172,25 +171,24 @@ def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, kind:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
+def _manifest(raw: dict) -> Manifest:
+    meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
+    if np.dtype(meta.dtype) not in (np.dtype(np.uint16), np.dtype(np.uint32)):  # unsigned: no id below 0
+        raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
+    return meta
+
+
 def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> tuple[CachedExamples | None, str | None]:
     """(examples, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
     when there is none. verify: check the files' sha256, and ids.bin's ids against vocab, once
     (see the module doc): a meta.json rewritten to match poisoned files still meets the latter."""
     if not folder.exists():
         return None, None
-    try:
-        raw = json.loads(files.read_text(folder / "meta.json"))
-        meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
-        dtype = np.dtype(meta.dtype)
-        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):  # unsigned: no id below 0
-            raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
-        sizes = {name: (folder / name).stat().st_size for name in FILES_OF[meta.kind]}
-    except FileNotFoundError as err:
-        return None, f"{Path(err.filename).name} is missing"
-    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
-        return None, f"meta.json cannot be read: {cache_files.short(err)}"
-    except OSError as err:
-        raise UsageError(f"CACHE_DIR: cannot read the SFT cache {folder}: {err.strerror or err}") from None
+    read, why = cache_files.read_manifest(folder, "the SFT cache", _manifest, lambda meta: FILES_OF[meta.kind])
+    if read is None:
+        return None, why
+    meta, sizes = read
+    dtype = np.dtype(meta.dtype)
     expected = {"ids.bin": meta.n_tokens * dtype.itemsize, "trained.bin": meta.n_tokens, "lengths.bin": meta.n * 4}
     if meta.kind == "seq2seq":
         expected[SOURCE_LENGTHS] = meta.n * 4

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.core import files
 from train.core.errors import UsageError
 from train.core.preference import reference_over
 from train.data import cache_files
@@ -107,16 +106,11 @@ def _open(folder: Path, identity: dict, n: int):
     wrong) for a damaged or foreign one; (None, None) for none."""
     if not folder.exists():
         return None, None
-    try:
-        meta = json.loads(files.read_text(folder / "meta.json"))
-        made_for, sums = meta["identity"], meta["sha256"]
-        sizes = {name: (folder / name).stat().st_size for name in FILES}
-    except FileNotFoundError as err:
-        return None, f"{Path(err.filename).name} is missing"
-    except (ValueError, KeyError, TypeError, RecursionError, UsageError) as err:
-        return None, f"meta.json cannot be read: {cache_files.short(err)}"
-    except OSError as err:
-        raise UsageError(f"CACHE_DIR: cannot read the reference log-probs {folder}: {err.strerror or err}") from None
+    read, why = cache_files.read_manifest(folder, "the reference log-probs", lambda raw: (raw["identity"], raw["sha256"]),
+                                          lambda meta: FILES)
+    if read is None:
+        return None, why
+    (made_for, sums), sizes = read
     if made_for != identity:
         differ = sorted(k for k in identity if not isinstance(made_for, dict) or made_for.get(k) != identity[k])
         return None, f"it was made for another {' and '.join(differ) or 'key'} than this run's (a copied folder?)"
