@@ -24,18 +24,23 @@ TRL_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "reward
              "logps/rejected")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def sft_runs(base_model, tmp_path_factory) -> Path:
-    """OUTPUT_DIR holding a completed SFT run of the tiny pretrained GPT-2 (DPO's default MODEL_PATH)."""
-    root = tmp_path_factory.mktemp("dpo")
+def sft_and_pairs(base_model: Path, root: Path, output_dir: str, n: int) -> Path:
+    """root with a completed SFT run (root/output_dir/sft) of the tiny pretrained GPT-2 on n conversations
+    (DPO's default MODEL_PATH) and root/pairs.jsonl."""
     data = root / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(24)))
-    argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / "runs"),
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(n)))
+    argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / output_dir),
             "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "2",
             "--run_name", "sft", "--num_workers", "0"]  # fmt: skip
     assert run_cli("sft", *argv) == 0
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     return root
+
+
+@pytest.fixture(scope="module")
+def sft_runs(base_model, tmp_path_factory) -> Path:
+    """OUTPUT_DIR holding a completed SFT run of the tiny pretrained GPT-2 (DPO's default MODEL_PATH)."""
+    return sft_and_pairs(base_model, tmp_path_factory.mktemp("dpo"), "runs", 24)
 
 
 def dpo_argv(root: Path, name: str, *more: str) -> list[str]:

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_dpo_mode import sft_and_pairs
 
 from conftest import ROOT, launcher_env, read_jsonl, run_cli, train_python
-
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(40)]
 
 
 def losses(run: Path) -> list[tuple[int, float]]:
@@ -101,15 +100,7 @@ def test_config_json_as_the_kit_wrote_it_or_gone_resumes(finished, capsys):
 @pytest.fixture(scope="module")
 def dpo_root(base_model, tmp_path_factory) -> Path:
     """A tiny SFT run (the DPO model) and preference pairs."""
-    root = tmp_path_factory.mktemp("resume-trust")
-    data = root / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(16)))
-    argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / "sft"),
-            "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "2",
-            "--run_name", "sft", "--num_workers", "0"]  # fmt: skip
-    assert run_cli("sft", *argv) == 0
-    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    return root
+    return sft_and_pairs(base_model, tmp_path_factory.mktemp("resume-trust"), "sft", 16)
 
 
 def dpo_env(root: Path, **more: str) -> dict:
