@@ -25,7 +25,7 @@ help:
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: find-batch, doctor, AUTO_BATCH, SFT grouped/packed, T5, DPO, the peers (TRL, Seq2SeqTrainer), bench, one step of each profiled; writes bench/RESULTS.md's GPU table and bench/gpu_table.json"
-	@echo "make test      run the test suite (CPU only; pytest-xdist, a worker per core; 5 1/2 minutes on 2 quiet cores)"
+	@echo "make test      run the test suite (CPU only; two pytest-xdist workers, TEST_WORKERS=N for more; 5 1/2 minutes on 2 quiet cores)"
 	@echo "make test-fast the unit tests only: no test that starts a process or a whole run (tests/conftest.py)"
 	@echo "make knobs     rewrite docs/knobs.md's tables and the launchers' knob lines from config.py"
 	@echo "make lint      ruff check"
@@ -86,7 +86,7 @@ bench-data: $(STAMP)
 gpu-report: $(STAMP)
 	@bash scripts/gpu_report.sh
 
-# pytest-xdist's workers, one per core (TEST_WORKERS): a module's tests stay on one worker (loadfile),
+# pytest-xdist's workers, two by default (TEST_WORKERS=N: one per core): a module's tests stay on one worker (loadfile),
 # the longest modules first (tests/conftest.py's order, kept by --no-loadscope-reorder); each worker's
 # progress shows as it goes. Ctrl-C or a SIGTERM to make stops every process of the suite (the
 # controller's handler, tests/suite_control.py). TESTS: files or node ids instead of the whole suite.

@@ -70,7 +70,7 @@ class ModelConfig:
     """DPO: copy (a frozen copy on the device) | precomputed (its log-probs made once, cached) | adapters (LoRA's
     base, adapters off). Empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed."""
     dropout: float | None = knob(None, "auto", "compared", least=0.0, below=1.0)
-    """Every dropout of the model (gpt2 resid/embd/attn_pdrop, llama attention_dropout, t5 dropout_rate). Empty: 0 for
+    """Every dropout of the model (gpt2 resid/embd/attn_pdrop, llama/qwen3 attention_dropout, t5 dropout_rate). Empty: 0 for
     MODEL_SIZE (nanoGPT's; +11 % tokens/s on an H200), else MODEL_CONFIG's or MODEL_PATH's own (SFT keeps what it
     was trained with). DPO: every dropout of the model. Empty: 0, LoRA's too (TRL's disable_dropout)."""
     freeze: str | None = knob(None, "compared")
@@ -374,7 +374,7 @@ FIELD_SECTION = {f.name: sec for sec, klass in SECTIONS.items() for f in fields(
 
 # Named presets: the guides' numbers. Mixed precision stays opt-in (ENABLE_FP16 / ENABLE_BF16 / PRECISION=auto).
 PRESETS: dict[str, dict] = {
-    "baseline": dict(batch_size=8, gradient_accumulation_steps=1, precision="fp32", num_workers=0, dropout=0.0),
+    "baseline": dict(batch_size=8, gradient_accumulation_steps=1, precision="fp32", num_workers=0, dropout=0.0, compile=False),
     "optimized": dict(batch_size=32, gradient_accumulation_steps=4, num_workers=4, prefetch_factor=4,
                       pin_memory=True, persistent_workers=True, tf32=True, dropout=0.0),
     # Fine-tuning: a lower peak LR than pretraining (6e-4) and no weight decay, as SFT recipes use. 1e-4 suits the

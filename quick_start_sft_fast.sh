@@ -25,7 +25,7 @@ LORA_ALPHA=${LORA_ALPHA:-}              # LoRA's scale is LORA_ALPHA / LORA_R; e
 LORA_DROPOUT=${LORA_DROPOUT:-}          # dropout on the LoRA adapters' input; empty: 0.05
 LORA_TARGETS=${LORA_TARGETS:-}          # layer names LoRA adapts (comma-separated, or all-linear); empty: the architecture's (docs/sft.md)
 TRUST_REMOTE_CODE=${TRUST_REMOTE_CODE:-0} # let MODEL_PATH run the Python code it ships (custom architectures)
-DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama attention_dropout, t5 dropout_rate); empty: 0 for MODEL_SIZE (nanoGPT's; +11 % tokens/s on an H200), else MODEL_CONFIG's or MODEL_PATH's own (SFT keeps what it was trained with)
+DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama/qwen3 attention_dropout, t5 dropout_rate); empty: 0 for MODEL_SIZE (nanoGPT's; +11 % tokens/s on an H200), else MODEL_CONFIG's or MODEL_PATH's own (SFT keeps what it was trained with)
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----

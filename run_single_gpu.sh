@@ -14,10 +14,10 @@ MODEL_SIZE=${MODEL_SIZE:-}              # 8K vocab: nano 5.3M (tests, CPU), tiny
 MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama, qwen3 or t5; empty: gpt2
 MODEL_CONFIG=${MODEL_CONFIG:-}          # a transformers causal-LM or encoder-decoder (T5, BART ...) config.json
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
-COMPILE=${COMPILE:-0}                   # torch.compile the model (fused kernels; compile time reported apart)
+COMPILE=${COMPILE:-}                    # torch.compile the model (fused kernels; compile time reported apart); empty: 0 (preset baseline)
 COMPILE_MODE=${COMPILE_MODE:-}          # COMPILE's mode; reduce-overhead: CUDA graphs; empty: that on one GPU where a step is launch-bound, else default
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
-DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama attention_dropout, t5 dropout_rate); empty: 0 (preset baseline)
+DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama/qwen3 attention_dropout, t5 dropout_rate); empty: 0 (preset baseline)
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----

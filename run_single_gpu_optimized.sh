@@ -18,7 +18,7 @@ ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): rec
 COMPILE=${COMPILE:-}                    # torch.compile the model (fused kernels; compile time reported apart); empty: on with a GPU, off on a CPU
 COMPILE_MODE=${COMPILE_MODE:-}          # COMPILE's mode; reduce-overhead: CUDA graphs; empty: that on one GPU where a step is launch-bound, else default
 GENERATION_CONFIG=${GENERATION_CONFIG:-} # a JSON file of generate() settings
-DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama attention_dropout, t5 dropout_rate); empty: 0 (preset optimized)
+DROPOUT=${DROPOUT:-}                    # every dropout of the model (gpt2 resid/embd/attn_pdrop, llama/qwen3 attention_dropout, t5 dropout_rate); empty: 0 (preset optimized)
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----

@@ -109,7 +109,9 @@ for ((i = 1; i <= REPEAT; i++)); do
     fi
     # RESUME=1: a side with a checkpoint continues (its own settings, train/run/guard/carry.py); else a new run
     how=(RESUME= OVERWRITE=1) said=""
-    if [[ ${RESUME:-} =~ ^(1|[Tt]rue|[Yy]es|[Oo]n)$ ]] && compgen -G "$OUTPUT_DIR/$name/checkpoints/step-*" >/dev/null; then
+    resume=${RESUME:-}
+    if [[ ${resume,,} =~ ^(1|true|yes|on)$ ]] \
+      && compgen -G "$OUTPUT_DIR/$name/checkpoints/step-[0-9][0-9][0-9][0-9][0-9][0-9][0-9][0-9]" >/dev/null; then
       how=(RESUME=1 OVERWRITE=) said=", resumed"
     fi
     echo "== compare ($MODE) run $n/$((2 * REPEAT)): ${cmd[*]#"$KIT_DIR/"} -> $OUTPUT_DIR/$name ($COMPARE_SAMPLES samples$said)"

@@ -18,6 +18,7 @@ from train.models.family import dropout_of, set_dropout
 from train.models.load import load_pretrained
 
 FIELDS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",),
+          "qwen3": ("attention_dropout",),
           "t5": ("dropout_rate",)}  # fmt: skip
 
 
@@ -26,6 +27,8 @@ def tiny(family: str, dropout: float | None):
     for name, value in (("n_layer", 1), ("num_hidden_layers", 1), ("num_layers", 1), ("num_decoder_layers", 1)):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
+    if getattr(cfg, "layer_types", None):  # Qwen3's: one entry per layer
+        cfg.layer_types = cfg.layer_types[:1]
     return cfg
 
 
@@ -48,7 +51,7 @@ def module_values(model, family: str) -> set[float]:
     return values
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "t5"])
 def test_a_new_model_carries_dropout_in_every_setting(family):
     assert FAMILIES[family].dropout == FIELDS[family]
     cfg = tiny(family, 0.25)
@@ -62,7 +65,7 @@ def test_a_new_model_carries_dropout_in_every_setting(family):
     assert train_equals_eval(build_model(empty, gradient_checkpointing=False, seed=0))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "t5"])
 def test_a_loaded_model_takes_dropout_where_set(family, tmp_path):
     build_model(tiny(family, 0.1), gradient_checkpointing=False, seed=0).save_pretrained(tmp_path)
     model = load_pretrained(tmp_path, False, FAMILIES[family])

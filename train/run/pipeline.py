@@ -23,6 +23,7 @@ from train.run.guard.resume import RunGuard
 from train.run.loop.loop import run_loop
 from train.run.plan import batch_answer
 from train.run.plan.build import build
+from train.run.plan.fill import Fill
 from train.run.plan.plan import Chosen
 from train.run.rundir import report
 from train.run.rundir.claim import claim_run_dir
@@ -44,7 +45,7 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
         return ahead if isinstance(ahead, int) else _train(cfg, say, world, ahead)
 
 
-def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None = None) -> int:
+def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | Fill | None = None) -> int:
     r = cfg.run
     claims = []
 
@@ -61,7 +62,7 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | None
             claims[0].release()
 
 
-def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | None) -> int:
+def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | Fill | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
     b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
     asked, cfg = cfg, b.cfg  # as decided (the asked config is left as it was: config.json keeps both)

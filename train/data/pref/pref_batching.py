@@ -132,7 +132,10 @@ class MicroPackedPairCollator(PackedPairCollator):
     FLAT_MULTIPLE where the kit sets widths: on CUDA or under COMPILE=1), else a row per pair (a block
     mask per row)."""
 
-    length_varies = True  # every micro-batch's row has its own length: compiled, marked dynamic from the first call
+    @property
+    def length_varies(self) -> bool:
+        """Every micro-batch's row has its own length: compiled, marked dynamic from the first call."""
+        return True
 
     def __call__(self, pairs: Sequence[dict]) -> dict:
         rows = [list(pairs)] if self.attention in (FLASH, VARLEN) else [[p] for p in pairs]

@@ -164,6 +164,12 @@ class PackedCollator:
 
     widths: tuple[int, ...] | None = None
 
+    @property
+    def length_varies(self) -> bool:
+        """A masked batch padded to the length buckets varies in width; a flat row (flash, varlen) is
+        rows x MAX_LENGTH, one shape (compiled: marked dynamic only where it varies)."""
+        return self.widths is not None and self.attention not in (FLASH, VARLEN)
+
     def __init__(self, pad_token_id: int, attention: str = SDPA, pad_to_multiple_of: int = 1,
                  mask_dtype: torch.dtype = torch.float32):
         if attention not in (SDPA, EAGER, FLASH, VARLEN):

@@ -57,6 +57,11 @@ class PadCollator:
 
     widths: tuple[int, ...] | None = None
 
+    @property
+    def length_varies(self) -> bool:
+        """Padded to the length buckets: each batch's width is one of several (compiled: marked dynamic)."""
+        return self.widths is not None
+
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -88,6 +93,11 @@ class Seq2SeqCollator:
     PadCollator's, each side bucketed on its own."""
 
     widths: tuple[int, ...] | None = None
+
+    @property
+    def length_varies(self) -> bool:
+        """Padded to the length buckets: each batch's width is one of several (compiled: marked dynamic)."""
+        return self.widths is not None
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id

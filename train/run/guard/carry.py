@@ -79,7 +79,8 @@ def run_settings(run_path: Path, say) -> dict | None:
     which = f" ({', '.join(config.env_name(k) for k in differ)} differ from checkpoint {checkpoint}'s)" if differ else ""
     raise UsageError(
         f"RESUME=1: {run_path / 'config.json'} was edited after the run wrote it{which}; a run resumes with the "
-        "settings it started with: put config.json back, set a changed setting on the command line, or start a new run"
+        "settings it started with: put config.json back, remove it (the checkpoint's copy of the settings is then "
+        "used), or start a new run"
     )
 
 

@@ -11,7 +11,6 @@ import torch
 from train.core.optim.optimizers import build_optimizer
 from train.core.step import TokenObjective, train_step
 from train.data.loader import make_loader
-from train.data.sft.packing import FLASH, VARLEN
 from train.data.stream import BatchStream
 from train.distributed import parallel
 from train.distributed.distributed import step_total
@@ -101,8 +100,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
         # (compile_guard.mark_shapes); SFT's packed rows have one length already
-        bucketed = getattr(b.collate, "length_varies", False) or (getattr(b.collate, "widths", None) is not None
-                                                                 and getattr(b.collate, "attention", None) not in (FLASH, VARLEN))
+        bucketed = getattr(b.collate, "length_varies", False)  # the collator knows (pretraining's has none)
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
                                                                     bucketed, b.family.source_target, b.objective,

@@ -163,7 +163,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
     sources = getattr(dataset, "source_lengths", None)
     if source_target and sources is not None:
         return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
-    return {"max_length": padded(max(lengths))}
+    return {"max_length": padded(np.max(lengths))}  # an array: numpy's max, not a Python loop over it
 
 
 # ---- the learning-rate rule ----

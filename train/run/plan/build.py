@@ -18,6 +18,7 @@ from train.models.build import build_config, context_length, new_model, size_voc
 from train.models.family import family_of
 from train.run.plan.adapt import over_memory
 from train.run.plan.dpo import DPOSource
+from train.run.plan.fill import Fill
 from train.run.plan.plan import Chosen, ModelChoice, Plan, make_plan, note_family_ignored, shortest_limit
 from train.run.plan.sft import SFTSource, refuse_sft_settings
 
@@ -37,7 +38,7 @@ def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[i
     return steps, f"{source}; one epoch is {per_epoch} steps of {effective} sequences"
 
 
-def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | None = None) -> Plan:
+def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | Fill | None = None) -> Plan:
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
