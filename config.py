@@ -1,7 +1,7 @@
-"""Configuration: one dataclass per concern, named presets, and the flag/variable names. Precedence: dataclass
-default < preset (BASELINE / OPTIMIZED) < launcher variable / CLI flag. Users edit the defaults and presets here.
-Every field has one name at every layer: the launcher variable is in ENV_NAMES (upper case of the field unless
-listed), the CLI flag is --<field>; its markers (knob(default, "auto", "sft", "dpo", "compared", ...)) list it."""
+"""Configuration: one dataclass per concern, named presets, the flag/variable names. Precedence: dataclass
+default < the mode's own (MODE_DEFAULTS) < preset < launcher variable / CLI flag; users edit them here. One
+name per field at every layer: launcher variable (ENV_NAMES, else upper case), flag --<field>. Its markers
+(knob(default, "auto", "compared", ...)) list it; knob(modes=...): the modes that read it (else EVERY)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 # One name per knob: the launcher variable (ENV_NAMES, env_name), the markers and the checks: train/core/checks.py
-from train.core.checks import ENV_NAMES, bad_value, check_fields, env_name, exists_or_matches, knob  # noqa: F401
+from train.core.checks import ENV_NAMES, bad_value, check_fields, check_path, env_name, knob  # noqa: F401
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
 from train.core.optim import optimizers, schedules
@@ -24,6 +24,7 @@ MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry 
 PRECISIONS, LR_SCALINGS = ("fp32", "fp16", "bf16", "auto"), ("none", "linear", "sqrt")
 OPTIMIZERS, LR_SCHEDULES = tuple(optimizers.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
 MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
+EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
 DPO_LOSSES, REFERENCES = ("sigmoid", "ipo", "hinge", "simpo", "orpo"), ("copy", "precomputed", "adapters")
 LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
 MODEL_CONFIG_NAMES = ("config.json", "model_config.json")  # ChatLM's bare checkpoints: model_config.json
@@ -32,13 +33,13 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    model_size: str | None = knob(None, "auto", "not_dpo", choices=MODEL_SIZES)
+    model_size: str | None = knob(None, "auto", modes=FROM_SCRATCH, choices=MODEL_SIZES)
     """8K vocab: nano 5.3M (tests, CPU), tiny 30M, small 92M, medium 312M (GPT-2 small/medium: 124M/355M at 50K).
     Empty: small on a GPU, else a nano demo. In SFT, set: a new model is trained from scratch (no MODEL_PATH)."""
-    model_family: str = knob("gpt2", choices=MODEL_FAMILIES)
+    model_family: str = knob("gpt2", modes=FROM_SCRATCH, choices=MODEL_FAMILIES)
     """What MODEL_SIZE builds: gpt2, llama, qwen3 or t5. gpt2, llama (RMSNorm, rotary, SwiGLU, grouped-query attention)
     and qwen3 (llama's with q/k norms) are causal LMs; t5 an encoder-decoder (span corruption). Sizes: the README."""
-    model_config: str | None = knob(None, "not_dpo")
+    model_config: str | None = knob(None, modes=FROM_SCRATCH)
     """A transformers causal-LM or encoder-decoder (T5, BART ...) config.json (or a folder holding one) to train
     from scratch instead of a preset (SFT too: on source -> target pairs), e.g. Llama- or ChatLM's T5-style."""
     gradient_checkpointing: bool = knob(False, "switch")
@@ -48,25 +49,25 @@ class ModelConfig:
     """torch.compile the model (fused kernels; compile time reported apart). Empty: on with a GPU, off on a CPU."""
     compile_mode: str | None = knob(None, "auto", choices=("default", "reduce-overhead", "max-autotune"))
     """COMPILE's mode; reduce-overhead: CUDA graphs. Empty: that on one GPU where a step is launch-bound, else default."""
-    model_path: str | None = knob(None, "sft", "dpo")
+    model_path: str | None = knob(None, modes=FINE_TUNING)
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
     Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/. DPO: the
     chat model to train (a folder, as for SFT). Empty: the newest completed SFT run's final/."""
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
-    lora_r: int | None = knob(None, "sft", "dpo", "compared", least=0)
+    lora_r: int | None = knob(None, "compared", modes=FINE_TUNING, least=0)
     """SFT: LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen. Empty or 0: full fine-tuning."""
-    lora_alpha: float | None = knob(None, "sft", "dpo", "compared", above=0.0)
+    lora_alpha: float | None = knob(None, "compared", modes=FINE_TUNING, above=0.0)
     """SFT: LoRA's scale is LORA_ALPHA / LORA_R. Empty: 2 x LORA_R."""
-    lora_dropout: float | None = knob(None, "sft", "dpo", "compared", least=0.0)
+    lora_dropout: float | None = knob(None, "compared", modes=FINE_TUNING, least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
-    lora_targets: str | None = knob(None, "sft", "dpo", "compared")
+    lora_targets: str | None = knob(None, "compared", modes=FINE_TUNING)
     """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/sft.md)."""
-    trust_remote_code: bool = knob(False, "sft", "dpo")
+    trust_remote_code: bool = knob(False, modes=FINE_TUNING)
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
-    reference: str | None = knob(None, "dpo", "auto", "compared", choices=REFERENCES)
+    reference: str | None = knob(None, "auto", "compared", modes={"dpo"}, choices=REFERENCES)
     """DPO: copy (a frozen copy on the device) | precomputed (its log-probs made once, cached) | adapters (LoRA's
     base, adapters off). Empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed."""
     dropout: float | None = knob(None, "auto", "compared", least=0.0, below=1.0)
@@ -79,37 +80,39 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self)
-        if self.model_path is not None and not any((Path(self.model_path) / n).is_file() for n in MODEL_CONFIG_NAMES):
-            raise UsageError(f"MODEL_PATH (--model_path): not a model folder (no config.json): {self.model_path}")
-        if self.model_config is not None and not Path(self.model_config).exists():
-            raise UsageError(f"MODEL_CONFIG (--model_config): no such file: {self.model_config}")
+        check_path(self, "model_path", "not a model folder (no config.json)",
+                   lambda path: any((Path(path) / n).is_file() for n in MODEL_CONFIG_NAMES))
+        check_path(self, "model_config", "no such file", lambda path: Path(path).exists())
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: str | None = None
     """Training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl,
-    .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing them;
-    streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running Python)."""
-    text_field: str = "text"
+    .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing
+    them; streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running
+    Python). DPO: records of a prompt, a chosen and a rejected reply (docs/dpo.md). Empty: built-in pairs."""
+    text_field: str = knob("text", modes=FROM_SCRATCH)
     """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
     no conversation keys is a plain document, trained whole."""
     tokenizer_path: str | None = None
-    """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached."""
-    vocab_size: int = knob(8192, "not_dpo", least=256)
+    """A local AutoTokenizer folder. Empty: a byte-level BPE trained on the corpus and cached. DPO: a local
+    AutoTokenizer folder for MODEL_PATH's model. Empty: MODEL_PATH's own."""
+    vocab_size: int = knob(8192, modes=FROM_SCRATCH, least=256)
     """Vocabulary of the BPE trained when no TOKENIZER_PATH is given (padded to a multiple of 64 in the model,
     as nanoGPT pads 50257 to 50304, for faster matmuls)."""
-    tokenizer_sample_mb: float = knob(100.0, above=0.0)
+    tokenizer_sample_mb: float = knob(100.0, modes=FROM_SCRATCH, above=0.0)
     """MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a sample spread
     through it; ~100 MB finds an 8-50k vocabulary's merges, more costs minutes."""
     max_record_mb: float = knob(64.0, above=0.0)
     """Longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb."""
     tokenize_workers: int | None = None
-    """Processes tokenizing the data into the token cache (pretraining) or the SFT cache. Empty: every core (a
+    """Processes tokenizing the data into its cache (tokens, SFT conversations, pairs). Empty: every core (a
     corpus under 8 MB: none, in the training process). More than the CPU cores is refused: each extra process
     only adds its start-up (32 on 2 cores spawned 33 processes)."""
     max_length: int | None = knob(None, "auto", least=2)
-    """Tokens per training sequence; sequences are packed to exactly this length. Empty: the model's context length."""
+    """Tokens per training sequence; sequences are packed to exactly this length. Empty: the model's context
+    length. DPO: the prompt with either reply (a long pair loses prompt tokens). Empty: model context."""
     num_workers: int = knob(0, "compared", least=0)
     """DataLoader worker processes. 0 loads batches in the training process (the guides' 'before'); 4 overlaps loading."""
     prefetch_factor: int | None = knob(None, least=1)
@@ -120,35 +123,35 @@ class DataConfig:
     """Keep worker processes alive between epochs instead of restarting them."""
     cache_dir: str = str(KIT_DIR / ".cache")
     """Where trained tokenizers and token caches live, keyed by data content and tokenizer."""
-    length_grouping: bool = knob(False, "sft", "dpo")
+    length_grouping: bool = knob(False, modes=FINE_TUNING)
     """SFT: batch samples of similar length together (the guides' "dynamic batch size by sequence length"):
     batches are padded to their longest sample, so less compute goes to pad tokens. The order stays random
     from batch to batch."""
-    token_budget: int | None = knob(None, "sft", "dpo", least=1)
+    token_budget: int | None = knob(None, modes=FINE_TUNING, least=1)
     """SFT: build each micro-batch by tokens instead of samples: as many samples as fit in this many padded
     tokens (rows x longest), so short samples come many to a batch and memory per step stays flat. Replaces
     BATCH_SIZE as the batch size; groups by length by itself."""
-    packing: bool | None = knob(None, "auto", "sft", "dpo")
+    packing: bool | None = knob(None, "auto", modes=FINE_TUNING)
     """SFT: pack several conversations into each row of MAX_LENGTH tokens (best-fit decreasing) instead of one
     padded row each: a few percent of padding instead of half; positions restart, attention never crosses one
     (varlen kernels, or a block mask). BATCH_SIZE counts rows. Empty: 0. DPO: 1 packs all pairs into rows of
     2 x MAX_LENGTH (BATCH_SIZE counts rows); 0 pads. Empty: each micro-batch's pairs in one unpadded row."""
-    skip_bad_records: bool = knob(False, "sft", "dpo")
+    skip_bad_records: bool = knob(False, modes=FINE_TUNING)
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how many, instead
     of stopping at the first. An empty file or an unknown format still stops."""
-    template: str | None = knob(None, "sft", "dpo")
+    template: str | None = knob(None, modes=FINE_TUNING)
     """SFT: builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file. Empty: the
     tokenizer's own chat template where it has one, else builtin."""
-    loss_on: str | None = knob(None, "sft", choices=LOSS_ONS)
+    loss_on: str | None = knob(None, modes={"sft"}, choices=LOSS_ONS)
     """SFT: assistant (empty: the replies only) | all (every token of the rendered sequence, pad excluded)."""
-    truncation: str | None = knob(None, "sft", "dpo", choices=TRUNCATIONS)
+    truncation: str | None = knob(None, modes=FINE_TUNING, choices=TRUNCATIONS)
     """SFT: keep_end (empty: a long source keeps its end) | keep_start (its start, as ChatLM); tools kept."""
-    reasoning: str | None = knob(None, "sft", "dpo", choices=REASONINGS)
+    reasoning: str | None = knob(None, modes=FINE_TUNING, choices=REASONINGS)
     """SFT: keep (empty: an assistant turn's reasoning_content is rendered and trained) | drop."""
     val_fraction: float = knob(0.01, least=0.0)
     """Share of the data held out for validation (the last part of the token stream, never trained on); raised
     to fill EVAL_BATCHES x 8 sequences where the data allows (at most 10 %), the same whatever BATCH_SIZE, so
-    runs that differ in it hold out the same data. 0: no validation."""
+    runs that differ in it hold out the same data. 0: no validation. DPO: share of the pairs held out."""
     val_path: str | None = None
     """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer;
     used instead of VAL_FRACTION."""
@@ -162,22 +165,20 @@ class DataConfig:
             raise UsageError("PACKING=1 (--packing) and TOKEN_BUDGET (--token_budget) both size the batches: choose one")
         if self.num_workers == 0:  # torch rejects a prefetch factor and persistent workers without workers
             self.prefetch_factor, self.persistent_workers = None, False
-        if self.data_path is not None and not exists_or_matches(self.data_path):
-            raise UsageError(f"DATA_PATH (--data_path): no such file or folder: {self.data_path}")
+        check_path(self, "data_path")
         if self.val_fraction >= 0.5:
             raise bad_value("val_fraction", "a number from 0 to 0.5 (a small held-out share)", self.val_fraction)
-        if self.val_path is not None and not exists_or_matches(self.val_path):
-            raise UsageError(f"VAL_PATH (--val_path): no such file or folder: {self.val_path}")
+        check_path(self, "val_path")
         if self.template not in (None, "builtin", "tokenizer", "none") and not Path(self.template).is_file():
             raise bad_value("template", "builtin | tokenizer | none | a Jinja file (no such file)", self.template)
-        if self.tokenizer_path is not None and not Path(self.tokenizer_path).is_dir():
-            raise UsageError(f"TOKENIZER_PATH (--tokenizer_path): not a tokenizer folder: {self.tokenizer_path}")
+        check_path(self, "tokenizer_path", "not a tokenizer folder", lambda path: Path(path).is_dir())
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
     batch_size: int = knob(8, "compared", least=1)
-    """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn."""
+    """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn. DPO: pairs per
+    micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows."""
     gradient_accumulation_steps: int = knob(1, "compared", least=1)
     """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs;
     raise it to keep the effective batch when BATCH_SIZE must shrink."""
@@ -198,7 +199,7 @@ class OptimConfig:
     """Weight decay on matrices (not on biases and norms)."""
     grad_clip: float = knob(1.0, least=0.0)
     """Clip the gradient norm to this before each step (0: no clipping)."""
-    loss_mean: str | None = knob(None, "sft", "not_dpo", "compared", choices=("tokens", "micro_batches"))
+    loss_mean: str | None = knob(None, "compared", modes={"sft"}, choices=("tokens", "micro_batches"))
     """SFT: tokens (empty: the step's loss is the mean over all its target tokens, as one big batch's) | micro_batches
     (the mean of its micro-batches' own token means, as ChatLM-mini-Chinese's loop takes it: docs/coming-from.md)."""
     max_steps: int | None = knob(None, "compared", least=1)
@@ -206,17 +207,17 @@ class OptimConfig:
     epochs: float | None = knob(None, "compared", above=0.0)
     """Stop after this many passes over the data (fractions allowed). No MAX_STEPS, EPOCHS or MAX_SAMPLES: one epoch."""
     max_samples: int | None = knob(None, "compared", least=1)
-    """Stop after this many training sequences (the budget `make compare` holds fixed)."""
-    dpo_loss: str | None = knob(None, "dpo", "compared", choices=DPO_LOSSES)
-    """DPO: sigmoid (empty: DPO) | ipo | hinge (against the reference) | simpo | orpo (reference-free)."""
-    beta: float | None = knob(None, "dpo", "compared", above=0.0)
-    """DPO: how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale). Empty: 0.1."""
-    label_smoothing: float | None = knob(None, "dpo", least=0.0, below=0.5)
-    """DPO: the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5. Empty: 0."""
-    simpo_gamma: float | None = knob(None, "dpo", least=0.0)
-    """DPO: SimPO's target reward margin. Empty: 0.5."""
-    sft_weight: float | None = knob(None, "dpo", least=0.0)
-    """DPO: adds this x the chosen replies' token-mean NLL to the loss (TRL 1.16: loss_type sigmoid + sft). Empty: 0."""
+    """Stop after this many training sequences (DPO: pairs; the budget `make compare` holds fixed)."""
+    dpo_loss: str | None = knob(None, "compared", modes={"dpo"}, choices=DPO_LOSSES)
+    """DPO: sigmoid (DPO) | ipo | hinge (against the reference) | simpo | orpo (reference-free)."""
+    beta: float | None = knob(None, "compared", modes={"dpo"}, above=0.0)
+    """DPO: how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale)."""
+    label_smoothing: float | None = knob(None, modes={"dpo"}, least=0.0, below=0.5)
+    """DPO: the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5."""
+    simpo_gamma: float | None = knob(None, modes={"dpo"}, least=0.0)
+    """DPO: SimPO's target reward margin (TRL's CPOConfig simpo_gamma)."""
+    sft_weight: float | None = knob(None, modes={"dpo"}, least=0.0)
+    """DPO: adds this x the chosen replies' token-mean NLL to the loss (TRL 1.16: loss_type sigmoid + sft)."""
     effective_batch: int | None = knob(None, least=1)
     """Sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM
     (find-batch, autotune, AUTO_BATCH, OOM recovery). Set: GRADIENT_ACCUM becomes EFFECTIVE_BATCH /
@@ -364,10 +365,8 @@ class TrainConfig:
         """Build from a flat {field: value} dict (values already typed)."""
         if unknown := set(values) - set(FIELD_SECTION):
             raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-        parts = {sec: {} for sec in SECTIONS}
-        for name, value in values.items():
-            parts[FIELD_SECTION[name]][name] = value
-        return cls(**{sec: SECTIONS[sec](**kw) for sec, kw in parts.items()})
+        return cls(**{sec: klass(**{n: v for n, v in values.items() if FIELD_SECTION[n] == sec})
+                      for sec, klass in SECTIONS.items()})
 
 
 FIELD_SECTION = {f.name: sec for sec, klass in SECTIONS.items() for f in fields(klass)}
@@ -384,15 +383,16 @@ PRESETS: dict[str, dict] = {
     # Preference training: TRL's DPO learning rate is 1e-6 for billion-parameter models; 5e-6 moves the kit's small ones
     "dpo": dict(batch_size=8, learning_rate=5e-6, weight_decay=0.0, num_workers=2, pin_memory=True, tf32=True, dropout=0.0),
 }
+MODE_DEFAULTS = {"dpo": dict(dpo_loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
+                             sft_weight=0.0)}  # TRL's
 
 
 def resolve(preset: str | None, overrides: dict) -> TrainConfig:
-    """Dataclass defaults < preset < explicit overrides (typed values)."""
-    values: dict = {}
-    if preset is not None:
-        if preset not in PRESETS:
-            raise UsageError(f"PRESET (--preset): expected {' | '.join(PRESETS)}, got {preset!r}")
-        values.update(PRESETS[preset])
+    """Dataclass defaults < the mode's own (MODE_DEFAULTS: TRL's values of the knobs only that mode reads)
+    < preset < explicit overrides (typed values)."""
+    if preset is not None and preset not in PRESETS:
+        raise UsageError(f"PRESET (--preset): expected {' | '.join(PRESETS)}, got {preset!r}")
+    values: dict = {**MODE_DEFAULTS.get(overrides.get("mode", RunConfig.mode), {}), **PRESETS.get(preset, {})}
     # LR_SCALING's reference: the effective batch the preset (or the defaults) were tuned with.
     base = {"batch_size": OptimConfig.batch_size, "gradient_accumulation_steps": OptimConfig.gradient_accumulation_steps, **values}
     values["lr_reference_batch"] = base["batch_size"] * base["gradient_accumulation_steps"]

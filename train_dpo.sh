@@ -17,7 +17,6 @@ fi
 KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest
 
 # ---- model ----
-MODEL_FAMILY=${MODEL_FAMILY:-}          # what MODEL_SIZE builds: gpt2, llama, qwen3 or t5; empty: gpt2
 ENABLE_GRAD_CKPT=${ENABLE_GRAD_CKPT:-}  # "--gradient_checkpointing" (or 1): recompute activations in the backward pass: about 30 % slower per step; empty: 0
 COMPILE=${COMPILE:-}                    # torch.compile the model (fused kernels; compile time reported apart); empty: on with a GPU, off on a CPU
 COMPILE_MODE=${COMPILE_MODE:-}          # COMPILE's mode; reduce-overhead: CUDA graphs; empty: that on one GPU where a step is launch-bound, else default
@@ -33,13 +32,11 @@ DROPOUT=${DROPOUT:-}                    # every dropout of the model; empty: 0 (
 FREEZE=${FREEZE:-}                      # parameters left untrained (no gradients, no optimizer state); empty: nothing frozen
 
 # ---- data, tokenizer, data loading ----
-DATA_PATH=${DATA_PATH:-}                # training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl, .jsonl.gz); empty: the built-in corpus (the standard-library sources of the running Python)
-TEXT_FIELD=${TEXT_FIELD:-}              # the field (JSON) or column (parquet, Arrow; only it is read) of the text; empty: text
-TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local AutoTokenizer folder; empty: a byte-level BPE trained on the corpus and cached
-TOKENIZER_SAMPLE_MB=${TOKENIZER_SAMPLE_MB:-} # MB of text the BPE (no TOKENIZER_PATH) trains on: the whole corpus when smaller, else a sample spread through it; empty: 100
+DATA_PATH=${DATA_PATH:-}                # records of a prompt, a chosen and a rejected reply (docs/dpo.md); empty: built-in pairs
+TOKENIZER_PATH=${TOKENIZER_PATH:-}      # a local AutoTokenizer folder for MODEL_PATH's model; empty: MODEL_PATH's own
 MAX_RECORD_MB=${MAX_RECORD_MB:-}        # longest JSONL record (a line, decompressed) read; past it a mistake or a decompression bomb; empty: 64
-TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes tokenizing the data into the token cache (pretraining) or the SFT cache; empty: every core (a corpus under 8 MB: none, in the training process)
-MAX_LENGTH=${MAX_LENGTH:-}              # tokens per training sequence; sequences are packed to exactly this length; empty: the model's context length
+TOKENIZE_WORKERS=${TOKENIZE_WORKERS:-}  # processes tokenizing the data into its cache (tokens, SFT conversations, pairs); empty: every core (a corpus under 8 MB: none, in the training process)
+MAX_LENGTH=${MAX_LENGTH:-}              # the prompt with either reply (a long pair loses prompt tokens); empty: model context
 NUM_WORKERS=${NUM_WORKERS:-}            # DataLoader worker processes; empty: 2 (preset dpo)
 PREFETCH_FACTOR=${PREFETCH_FACTOR:-}    # batches each worker loads ahead (only with NUM_WORKERS > 0; torch's default is 2)
 PIN_MEMORY=${PIN_MEMORY:-}              # page-locked host buffers so host-to-GPU copies run asynchronously (no effect on CPU); empty: 1 (preset dpo)
@@ -52,11 +49,11 @@ SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-0} # skip records that cannot be used (bad 
 TEMPLATE=${TEMPLATE:-}                  # builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file; empty: the tokenizer's own chat template where it has one, else builtin
 TRUNCATION=${TRUNCATION:-}              # keep_end | keep_start; empty: keep_end (a long source keeps its end)
 REASONING=${REASONING:-}                # keep | drop; empty: keep (an assistant turn's reasoning_content is rendered and trained)
-VAL_FRACTION=${VAL_FRACTION:-}          # share of the data held out for validation (the last part of the token stream, never trained on); empty: 0.01
+VAL_FRACTION=${VAL_FRACTION:-}          # share of the pairs held out; empty: 0.01
 VAL_PATH=${VAL_PATH:-}                  # a separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer
 
 # ---- batch, learning rate, how long ----
-BATCH_SIZE=${BATCH_SIZE:-8}             # micro-batch per GPU: sequences in one forward/backward
+BATCH_SIZE=${BATCH_SIZE:-8}             # pairs per micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows
 GRADIENT_ACCUM=${GRADIENT_ACCUM:-1}     # micro-batches summed before each optimizer step
 LEARNING_RATE=${LEARNING_RATE:-}        # peak learning rate, reached after the warm-up, then following LR_SCHEDULE; empty: 5e-6 (preset dpo)
 MIN_LR_RATIO=${MIN_LR_RATIO:-}          # the cosine and linear schedules end at LEARNING_RATE x this; empty: 0.1
@@ -67,11 +64,11 @@ WEIGHT_DECAY=${WEIGHT_DECAY:-}          # weight decay on matrices (not on biase
 GRAD_CLIP=${GRAD_CLIP:-}                # clip the gradient norm to this before each step (0: no clipping); empty: 1
 MAX_STEPS=${MAX_STEPS:-}                # stop after this many optimizer steps
 EPOCHS=${EPOCHS:-}                      # stop after this many passes over the data (fractions allowed)
-MAX_SAMPLES=${MAX_SAMPLES:-}            # stop after this many training sequences (the budget `make compare` holds fixed)
-DPO_LOSS=${DPO_LOSS:-}                  # sigmoid | ipo | hinge | simpo | orpo; empty: sigmoid (DPO)
+MAX_SAMPLES=${MAX_SAMPLES:-}            # stop after this many training sequences (DPO: pairs; the budget `make compare` holds fixed)
+DPO_LOSS=${DPO_LOSS:-}                  # sigmoid | ipo | hinge | simpo | orpo; empty: sigmoid
 BETA=${BETA:-}                          # how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale); empty: 0.1
 LABEL_SMOOTHING=${LABEL_SMOOTHING:-}    # the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5; empty: 0
-SIMPO_GAMMA=${SIMPO_GAMMA:-}            # SimPO's target reward margin; empty: 0.5
+SIMPO_GAMMA=${SIMPO_GAMMA:-}            # SimPO's target reward margin (TRL's CPOConfig simpo_gamma); empty: 0.5
 SFT_WEIGHT=${SFT_WEIGHT:-}              # adds this x the chosen replies' token-mean NLL to the loss (TRL 1.16: loss_type sigmoid + sft); empty: 0
 EFFECTIVE_BATCH=${EFFECTIVE_BATCH:-}    # sequences per optimizer step to keep fixed while BATCH_SIZE is traded against GRADIENT_ACCUM; empty: BATCH_SIZE x GRADIENT_ACCUM
 AUTO_BATCH=${AUTO_BATCH:-}              # 1: before training, find the fastest micro-batch that fits TARGET_VRAM; empty: 0

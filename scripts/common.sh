@@ -13,7 +13,8 @@ kit_fail() {
 # kit_knobs: KIT_VALUE_KNOBS (variable:--flag for every knob that takes a value; empty means "not
 # set": the preset or the dataclass default applies) and KIT_SWITCH_KNOBS (the guides' switch
 # form: the flag itself, or 1/0, or empty), both read from config.py's fields and their markers,
-# so a knob added there is a variable here too. One Python start (-I -S: no site-packages,
+# so a knob added there is a variable here too; KIT_MODE_KNOBS (variable:mode,mode for a knob some
+# mode does not read: its knob(modes=...)) and KIT_MODE_NAMES (mode=its name, for the refusal). One Python start (-I -S: no site-packages,
 # about 0.1 s), with the interpreter the run itself will use where the kit has one.
 kit_knobs() {
   local py=python3 out
@@ -26,7 +27,8 @@ try:
 except Exception as err:
     sys.exit(f"error: config.py cannot be read: {type(err).__name__}: {err}")
 print_launcher_lists()' "$KIT_DIR") || exit 2
-  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS; } <<<"$out" || kit_fail "config.py: no knob lists read"
+  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS && read -ra KIT_MODE_KNOBS && IFS='|' read -ra KIT_MODE_NAMES; } \
+    <<<"$out" || kit_fail "config.py: no knob lists read"
 }
 kit_knobs
 
@@ -118,6 +120,36 @@ PY
   export KIT_NAME_WARNINGS="$warnings"
 }
 
+# kit_unread MODE VARIABLE: true when MODE is a training mode that does not read VARIABLE's knob.
+kit_unread() {
+  local entry
+  for entry in "${KIT_MODE_KNOBS[@]}"; do
+    if [ "${entry%%:*}" = "$2" ]; then
+      [[ ",${entry#*:}," != *",$1,"* ]] && [[ " ${KIT_MODE_NAMES[*]} " == *" $1="* ]]
+      return
+    fi
+  done
+  return 1
+}
+
+# kit_refuse_unread MODE VARIABLE: a variable its mode does not read, set by the user: one line, exit 2
+# (python -m train refuses the flag too; here the line names the launcher). One the launcher's own
+# default set (after KIT_GIVEN was taken) is no user's: it is left out instead.
+kit_refuse_unread() {
+  local mode=$1 var=$2 entry name readers=() list
+  [ -n "${KIT_GIVEN+x}" ] && [[ $KIT_GIVEN != *" $var "* ]] && return 1
+  for entry in "${KIT_MODE_KNOBS[@]}"; do
+    [ "${entry%%:*}" = "$var" ] && list=",${entry#*:},"
+  done
+  for entry in "${KIT_MODE_NAMES[@]}"; do
+    [ "${entry%%=*}" = "$mode" ] && name=${entry#*=}
+    [[ $list == *",${entry%%=*},"* ]] && readers+=("${entry#*=}")
+  done
+  list=$(printf '%s, ' "${readers[@]:0:${#readers[@]}-1}")
+  list=${list%, }
+  kit_fail "$var does not apply to $name ($(basename "$0")): it is read by ${list:+$list and }${readers[-1]} only; leave it empty"
+}
+
 # kit_launch MODE PRESET [extra flags...]: build the flag list from the variables and run.
 kit_launch() {
   local mode=$1 preset=$2 pair var flag value
@@ -133,12 +165,14 @@ kit_launch() {
     var=${pair%%:*} flag=${pair#*:}
     value=${!var:-}
     if [ "$resuming" = 1 ] && [[ $KIT_GIVEN != *" $var "* ]]; then value=""; fi
+    if [ -n "$value" ] && kit_unread "$mode" "$var"; then kit_refuse_unread "$mode" "$var" || value=""; fi
     if [ -n "$value" ]; then args+=("$flag" "$value"); fi
   done
   for pair in "${KIT_SWITCH_KNOBS[@]}"; do
     var=${pair%%:*} flag=${pair#*:}
     value=${!var:-}
     if [ "$resuming" = 1 ] && [[ $KIT_GIVEN != *" $var "* ]]; then value=""; fi
+    if [ -n "$value" ] && kit_unread "$mode" "$var"; then kit_refuse_unread "$mode" "$var" || value=""; fi
     case "${value,,}" in
       "" | 0 | false | no | off) ;;
       1 | true | yes | on | "$flag") args+=("$flag") ;;

@@ -9,7 +9,7 @@ import inspect
 from dataclasses import fields
 
 import config
-from train.config.knobs import marked
+from train.config.knobs import applies, marked, refusal
 from train.core.errors import UsageError
 
 
@@ -97,11 +97,12 @@ DESCRIPTIONS = {
 
 
 def training_parser(command: str) -> argparse.ArgumentParser:
-    """The flags of a training command. Pretraining and the tools built on it (find-batch, doctor,
-    autotune, bench) hide the SFT-only flags and the sft preset from --help; an SFT flag given
-    there is still read, so the run refuses it in one line naming it."""
+    """The flags of a training command. A mode's --help hides the flags of the knobs it does not read
+    (knob(modes=...)), and pretraining's tools (find-batch, doctor, autotune, bench) pretraining's; such
+    a flag given is still read, so parse_training_args refuses it in one line naming it."""
     docs = field_docs()
-    sft, dpo = command in ("sft", "dpo"), command == "dpo"  # preference training fine-tunes as SFT does
+    mode = command if command in config.MODES else "pretrain"
+    sft, dpo = command in ("sft", "dpo"), command == "dpo"  # the presets a command offers
     description = DESCRIPTIONS.get(command, "It takes pretraining's flags, below.") + FLAGS_NOTE
     parser = ArgParser(prog=f"python -m train {command}", description=description)
     presets = sorted(p for p in config.PRESETS if (p != "sft" or sft) and (p != "dpo" or dpo))
@@ -109,13 +110,12 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
     parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
-    sft_only, dpo_only = set(marked("sft")), set(marked("dpo")) - set(marked("sft"))  # sft and dpo: both commands
     for name in config.FIELD_SECTION:
         if name == "mode":  # the command itself
             continue
         kind = field_type(name)
         help_text = f"[{config.env_name(name)}] {docs.get(name, '')}".replace("%", "%%")
-        if (name in sft_only and not sft) or (name in dpo_only and not dpo):
+        if not applies(name, mode):
             help_text = argparse.SUPPRESS
         if kind is bool:
             # `--pin_memory` alone means on; `--pin_memory 0` turns a preset's setting off.
@@ -126,8 +126,12 @@ def training_parser(command: str) -> argparse.ArgumentParser:
 
 
 def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
-    """Flags -> validated TrainConfig (precedence: default < preset < flag)."""
+    """Flags -> validated TrainConfig (precedence: default < the mode's own < preset < flag). A flag of a
+    knob the command's mode does not read (knob(modes=...)) is refused, as it would be ignored."""
     args = training_parser(command).parse_args(argv)
+    for name in config.FIELD_SECTION:  # given at all: a launcher passes only what is set, never empty
+        if command in config.MODES and (getattr(args, name, None) or "").strip() and not applies(name, command):
+            raise UsageError(refusal(name, command))
     overrides = {"mode": command}
     for name in config.FIELD_SECTION:
         text = getattr(args, name, None)

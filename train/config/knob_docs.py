@@ -4,8 +4,8 @@ with its docstring and markers; which launchers carry it follows from rules, not
 
 - a launcher is a root *.sh that calls `kit_launch MODE PRESET` (its mode and preset read from it);
 - a field carries a launcher variable unless it is marked "command" (set by the command itself);
-- a marker named after a mode (config.MODES: "sft" ...) keeps the field to that mode's launchers;
-  "not_<mode>" ("not_dpo") leaves it out of that mode's launchers (the mode refuses or ignores it);
+- a field's knob(modes=...) (config.py's groups EVERY, FINE_TUNING ..., or a set) names the modes that
+  read it: the launchers of those modes carry it, the others leave it out (their mode refuses it);
 - a docstring sentence opening with a mode's name ("DPO: ...") starts what it says for that mode's
   launchers (their comment and "empty: ..."); the others read the text before it;
 - a launcher's own defaults (`BATCH_SIZE=${BATCH_SIZE:-16}`) are read back from its block, so
@@ -23,7 +23,7 @@ import config
 from train.config import knobs
 from train.config.flags import field_docs
 from train.core import files
-from train.core.checks import MARKS, has_mark
+from train.core.checks import has_mark
 from train.core.errors import UsageError
 
 MD_BEGIN = "<!-- BEGIN knobs: generated from config.py by `make knobs`; edit the field docstrings there -->"
@@ -55,9 +55,8 @@ class Knob:
     name: str  # the field
     section: str
     doc: str
-    modes: frozenset  # the modes it is kept to (empty: every mode)
-    not_modes: frozenset  # the modes that refuse it (marker "not_<mode>")
-    default: object
+    modes: frozenset  # the modes that read it (knobs.modes): the others refuse it
+    default: object  # the dataclass default (a mode's own: knobs.default(name, mode))
     choices: tuple
     switch: bool  # its variable takes the guides' switch form ("--flag" or 1/0)
 
@@ -71,15 +70,12 @@ class Launcher:
 
 def all_knobs() -> list[Knob]:
     """Every field a user sets (not "command"), in config.py's order."""
-    docs, modes = field_docs(), set(config.MODES)
-    found = []
+    docs, found = field_docs(), []
     for section, klass in config.SECTIONS.items():
         for f in dataclasses.fields(klass):
             if has_mark(f, "command"):
                 continue
-            marks = frozenset(f.metadata.get("marks", ()))
-            refused = frozenset(m for m in modes if f"not_{m}" in marks)
-            found.append(Knob(f.name, section, docs.get(f.name, ""), marks & modes, refused, knobs.default(f.name),
+            found.append(Knob(f.name, section, docs.get(f.name, ""), knobs.modes(f.name), knobs.default(f.name),
                               tuple(f.metadata.get("choices", ())), has_mark(f, "switch")))
     return found
 
@@ -95,7 +91,7 @@ def launchers(kit: Path | None = None) -> list[Launcher]:
 
 
 def applies(knob: Knob, mode: str) -> bool:
-    return (not knob.modes or mode in knob.modes) and mode not in knob.not_modes
+    return mode in knob.modes
 
 
 def mode_doc(doc: str, mode: str | None) -> str:
@@ -165,8 +161,9 @@ def empty_means(knob: Knob, preset: str | None, mode: str | None = None) -> str:
     values = config.PRESETS.get(preset, {}) if preset else {}
     if knob.name in values:
         return f"empty: {shown(values[knob.name])} (preset {preset})"
-    if knob.default is not None:
-        return f"empty: {shown(knob.default)}"
+    value = knobs.default(knob.name, mode) if mode else knob.default
+    if value is not None:
+        return f"empty: {shown(value)}"
     doc = mode_doc(knob.doc, mode)
     said = next((s for s in _sentences(doc)[1:] if re.match(r"Empty\b[^:]*: ", s)), "") if doc else ""
     if said:
@@ -257,9 +254,6 @@ def rewritten(lines: list[str], block: list[str]) -> list[str]:
 
 # ---- docs/knobs.md ----------------------------------------------------------------------------
 
-MODE_TITLES = {"pretrain": "Pretraining", "sft": "SFT (fine-tuning)"}  # headings others link to
-
-
 def _cell(text: str) -> str:
     text = text.replace("|", "\\|")
     return re.sub(r"<(?=[A-Za-z/])", "&lt;", text)  # runs/<name>/ is text, not an HTML tag
@@ -289,51 +283,54 @@ def takes(name: str) -> str:
     return said + (", `auto`" if has_mark(f, "auto") else "")
 
 
-def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
+def _table(rows: list[tuple[str, str, str, str]], mode: str | None = None) -> list[str]:
     """rows of (variable, flag, field (or, for a launcher-only variable, what it takes), what it
-    does) -> a Markdown table, with a column for each preset that sets one of its knobs."""
+    does) -> a Markdown table, with a column for each preset that sets one of its knobs; the defaults
+    are `mode`'s own where it has them (config.MODE_DEFAULTS)."""
     presets = [p for p in config.PRESETS if any(name in config.PRESETS[p] for _, _, name, _ in rows)]
     out = [_row(["launcher variable", "flag", "takes", "default", *presets, "what it does"]),
            _row(["---"] * (len(presets) + 5))]  # fmt: skip
     for variable, flag, name, doc in rows:
         field = name in config.FIELD_SECTION
         values = [f"`{shown(config.PRESETS[p][name])}`" if name in config.PRESETS[p] else "" for p in presets]
-        default = shown(knobs.default(name)) if field else ""
+        default = shown(knobs.default(name, mode)) if field else ""
         accepted = takes(name) if field else name
         out.append(_row([variable, flag, accepted, f"`{default}`" if default else "", *values, _cell(doc)]))
     return out
 
 
 def markdown() -> list[str]:
-    """docs/knobs.md's generated part: one table per config section for the knobs of every mode,
-    then one per group of modes for the knobs kept to them. BEGIN and END lines included."""
-    every = [k for k in all_knobs() if not k.modes]
-    kept = {}
+    """docs/knobs.md's generated part: one table per config section for the knobs every mode reads,
+    then one per set of modes (knob(modes=...)) for the knobs only those read. BEGIN and END lines included."""
+    all_modes = frozenset(config.MODES)
+    kept: dict[frozenset, list[Knob]] = {}
     for knob in all_knobs():
-        if knob.modes:
-            kept.setdefault(knob.modes, []).append(knob)
+        kept.setdefault(knob.modes, []).append(knob)
+    every = kept.pop(all_modes, [])
     extra = {before: [] for _, before, _, _ in LAUNCHER_ONLY}
     for variable, before, accepted, comment in LAUNCHER_ONLY:
         extra[before].append((variable, accepted, comment))
-    out = [MD_BEGIN, "", "## Every mode", ""]
+    commands = " | ".join(config.MODES)
+    out = [MD_BEGIN, "", "## Every mode", "", f"Read by every mode (`python -m train {commands}`): every launcher carries them.", ""]
     for section in config.SECTIONS:
         rows = []
         for knob in (k for k in every if k.section == section):
             for variable, accepted, comment in extra.get(knob.name, []):
                 flag = dict(s.split(":") for s in knobs.PRECISION_SWITCHES).get(variable, "(launcher only)")
                 rows.append((variable, flag, accepted, comment))
-            refused = " | ".join(f"`python -m train {m}`" for m in sorted(knob.not_modes))
-            doc = f"{knob.doc} Not for {refused}: left out of its launchers." if refused else knob.doc
-            rows.append((knobs.env_name(knob.name), f"--{knob.name}", knob.name, doc))
+            rows.append((knobs.env_name(knob.name), f"--{knob.name}", knob.name, knob.doc))
         if rows:
             out += [f"### {SECTION_TITLES.get(section, section)}", "", *_table(rows), ""]
     by_launcher = launchers()
     for modes, group in kept.items():
-        names = " and ".join(MODE_TITLES.get(m, m) for m in sorted(modes))
+        named = [m for m in config.MODES if m in modes]
+        title = " and ".join(knobs.mode_name(m) for m in named)
         scripts = ", ".join(f"`{lw.path.name}`" for lw in by_launcher if lw.mode in modes) or "none yet"
-        marks = " ".join(MARKS[m] + "." for m in sorted(modes) if m in MARKS)
-        out += [f"## {names}", "", f"Kept to `python -m train {' | '.join(sorted(modes))}` (launchers: {scripts}). {marks}".rstrip(), ""]
-        out += [*_table([(knobs.env_name(k.name), f"--{k.name}", k.name, k.doc) for k in group]), ""]
+        out += [f"## {title[0].upper()}{title[1:]}", "",
+                f"Read by `python -m train {' | '.join(named)}` only (launchers: {scripts}); the other modes refuse "
+                "them when set (one line naming the variable, exit 2), and their launchers leave them out.", ""]
+        rows = [(knobs.env_name(k.name), f"--{k.name}", k.name, k.doc) for k in group]
+        out += [*_table(rows, named[0] if len(named) == 1 else None), ""]
     return [*out, MD_END]
 
 

@@ -12,30 +12,31 @@ from pathlib import Path
 from train.core.errors import UsageError
 
 # A field's markers: the lists kept beside config.py (the launchers' variables, the flags that
-# take "auto", the SFT-only refusals, the settings a resume compares) are derived from them
-# (train/config/knobs.py), so a new knob is one field with its doc.
+# take "auto", the settings a resume compares) are derived from them (train/config/knobs.py), so a
+# new knob is one field with its doc. Which modes read it is not a marker but knob(modes=...).
 MARKS = {
     "auto": 'empty, "auto" or "none" leave it to the run (the field defaults to None)',
-    "sft": "SFT only (and preference training, which fine-tunes too): pretraining stops when it is set",
-    "dpo": "preference training only: pretraining and SFT stop when it is set, as it would be ignored",
-    "not_dpo": "not for preference training (MODEL_PATH's model and tokenizer are trained): left out of its launchers",
     "compared": "a RESUME=1 says so when it changed since the checkpoint",
     "switch": 'its launcher variable takes the guides\' switch form ("--flag", or 1/0)',
     "command": "set by the command or the launcher script itself: no launcher variable",
 }
 
 
-def knob(default=None, *marks: str, least=None, above=None, below=None, choices: tuple = ()):
+def knob(default=None, *marks: str, modes=None, least=None, above=None, below=None, choices: tuple = ()):
     """A config field with markers (MARKS) and its range: `warmup_steps: int | None = knob(None, "auto",
-    "compared", least=0)`. least / above: the smallest value allowed / the bound it must exceed, checked by
-    check_fields (int or float by the field's type; None allowed where the type allows it); below: the bound
-    a float must stay under (DROPOUT < 1). choices: the
-    accepted values of a text field (`choices=PRECISIONS`)."""
+    "compared", least=0)`. modes: the modes that read it (config.py's groups, or a set of names); None:
+    config.EVERY (train/config/knobs.py modes() reads it). least / above: the smallest value allowed / the
+    bound it must exceed, checked by check_fields (int or float by the field's type; None allowed where
+    the type allows it); below: the bound a float must stay under (DROPOUT < 1). choices: the accepted
+    values of a text field (`choices=PRECISIONS`)."""
     unknown = set(marks) - set(MARKS)
     if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
         raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
+    if modes is not None and (isinstance(modes, str) or not modes or not all(isinstance(m, str) for m in modes)):
+        raise ValueError(f"knob modes: expected a set of mode names (modes={{'sft', 'dpo'}}), got {modes!r}")
     return dataclasses.field(default=default, metadata={"marks": frozenset(marks), "least": least, "above": above,
-                                                        "below": below, "choices": tuple(choices)})
+                                                        "below": below, "choices": tuple(choices),
+                                                        "modes": None if modes is None else frozenset(modes)})
 
 
 def check_fields(obj) -> None:
@@ -96,6 +97,13 @@ def check_float(obj, name: str, minimum: float, optional: bool = False, strict: 
         raise bad_value(name, f"a number from {minimum:g} to below {below:g}", value)
     if not ok or value < minimum or (strict and value == minimum):
         raise bad_value(name, f"a number {'>' if strict else '>='} {minimum}", value)
+
+
+def check_path(obj, name: str, what: str = "no such file or folder", test=None) -> None:
+    """A path field that is set must pass `test` (default: exists_or_matches), else one line naming it."""
+    value = getattr(obj, name)
+    if value is not None and not (test or exists_or_matches)(value):
+        raise UsageError(f"{env_name(name)} (--{name}): {what}: {value}")
 
 
 def exists_or_matches(path: str) -> bool:

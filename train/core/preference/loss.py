@@ -42,11 +42,12 @@ from train.core.preference.logps import Responses, device_inputs, sequence_logps
 
 @dataclass(frozen=True)
 class Knobs:
-    """The per-pair formulas' settings (BETA, LABEL_SMOOTHING, SIMPO_GAMMA)."""
+    """The per-pair formulas' settings (BETA, LABEL_SMOOTHING, SIMPO_GAMMA), always given: their defaults
+    are config.py's (MODE_DEFAULTS), handed down by the plan."""
 
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5  # TRL's CPOConfig default
+    beta: float
+    label_smoothing: float
+    simpo_gamma: float
 
 
 def _smoothed(z: torch.Tensor, ls: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from train.run.plan.adapt import over_memory
 from train.run.plan.dpo import DPOSource
 from train.run.plan.fill import Fill
 from train.run.plan.plan import Chosen, ModelChoice, Plan, make_plan, note_family_ignored, shortest_limit
-from train.run.plan.sft import SFTSource, refuse_sft_settings
+from train.run.plan.sft import SFTSource
 
 
 def plan_steps(cfg: TrainConfig, n_samples: int, world_size: int = 1) -> tuple[int, str]:
@@ -57,7 +57,7 @@ class PretrainingSource:
     shapes_vary = False  # every batch is (BATCH_SIZE, MAX_LENGTH), T5's spans too
 
     def refuse(self, cfg: TrainConfig) -> None:
-        refuse_sft_settings(cfg)
+        """Nothing of pretraining's own: a knob it does not read is refused by make_plan (knobs.refuse_unread)."""
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
         """The model's shape first (vocab set once the tokenizer is known), so a MAX_LENGTH longer

@@ -16,7 +16,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from config import TrainConfig
+from config import MODE_DEFAULTS, TrainConfig
 from train.config import knobs
 from train.core.errors import UsageError
 from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
@@ -30,8 +30,9 @@ from train.run.plan import dpo_reference, sft_scratch
 from train.run.plan.plan import ModelChoice
 from train.run.plan.sft import SFTSource, sft_steps
 
-DEFAULTS = {"dpo_loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "sft_weight": 0.0}
-"""The DPO knobs' values when empty (config.py's docstrings say the same)."""
+DEFAULTS = MODE_DEFAULTS["dpo"]
+"""The DPO knobs' values when empty: config.py's (config.resolve sets them; a config made without it, or an
+older run's, may still hold None)."""
 
 
 def settings(cfg: TrainConfig) -> dict:
@@ -51,7 +52,7 @@ def refuse_preference(cfg: TrainConfig) -> None:
                          "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
     for name in ("beta", "label_smoothing", "simpo_gamma"):  # a setting the loss never reads would be ignored
-        if (value := knobs.value(cfg, name)) is not None and name not in DPO_LOSS[loss].reads:
+        if (value := knobs.value(cfg, name)) not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:
             reads = ", ".join(knobs.env_name(n) for n in sorted(DPO_LOSS[loss].reads))
             raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads {reads}); leave "
                              f"{knobs.env_name(name)} empty")

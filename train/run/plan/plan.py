@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig
+from train.config import knobs
 from train.core.device import attention_kernels, resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
@@ -127,8 +128,6 @@ class Decisions:
 def note_family_ignored(cfg: TrainConfig, say, why: str) -> None:
     """MODEL_FAMILY set where something else decides the model (MODEL_CONFIG, a loaded MODEL_PATH):
     said, not refused (the launchers pass the default through)."""
-    from train.config import knobs
-
     if cfg.model.model_family != knobs.default("model_family"):
         say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: {why}")
 
@@ -230,6 +229,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fil
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of
     planning (AUTO_BATCH=1), or fill.Fill: no micro-batch of the user's, so a GPU run fills the device."""
     cfg = copy.deepcopy(asked)
+    knobs.refuse_unread(cfg)  # a knob its mode does not read (knob(modes=...)), set: one line, before any work
     source.refuse(cfg)
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
     decide = Decisions(say)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from config import TrainConfig
-from train.config import knobs
 from train.core.attention import use_attention
 from train.core.errors import UsageError
 from train.data import tokenizer
@@ -36,27 +35,6 @@ from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
 from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
-
-SFT_ONLY = knobs.marked("sft")  # config.py's fields marked "sft"
-DPO_ONLY = tuple(n for n in knobs.marked("dpo") if n not in SFT_ONLY)  # preference training's own
-
-
-def refuse_sft_settings(cfg: TrainConfig) -> None:
-    """Pretraining: an SFT-only knob that is set would be ignored, so say so and stop."""
-    for name in SFT_ONLY:
-        if knobs.value(cfg, name) not in (None, False):
-            raise UsageError(
-                f"{knobs.env_name(name)} (--{name}) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh"
-            )
-    refuse_dpo_settings(cfg)
-
-
-def refuse_dpo_settings(cfg: TrainConfig) -> None:
-    """Pretraining and SFT: a preference-training knob that is set would be ignored: one line, stop."""
-    for name in DPO_ONLY:
-        if knobs.value(cfg, name) is not None:
-            raise UsageError(f"{knobs.env_name(name)} (--{name}) is a preference-training setting; use "
-                             "`python -m train dpo` or ./train_dpo.sh")
 
 
 def plan_sft_steps(
@@ -92,7 +70,6 @@ class SFTSource:
 
     def refuse(self, cfg: TrainConfig) -> None:
         sft_scratch.refuse_both(cfg)
-        refuse_dpo_settings(cfg)
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
         """A new model's config, or MODEL_PATH's (read, not loaded: its weights come after the data)."""
