@@ -14,8 +14,9 @@ kit_fail() {
 # set": the preset or the dataclass default applies) and KIT_SWITCH_KNOBS (the guides' switch
 # form: the flag itself, or 1/0, or empty), both read from config.py's fields and their markers,
 # so a knob added there is a variable here too; KIT_MODE_KNOBS (variable:mode,mode for a knob some
-# mode does not read: its knob(modes=...)) and KIT_MODE_NAMES (mode=its name, for the refusal). One Python start (-I -S: no site-packages,
-# about 0.1 s), with the interpreter the run itself will use where the kit has one.
+# mode does not read: its knob(modes=...)) and KIT_MODE_NAMES (mode=its name, for the refusal).
+# One Python start (-I -S: no site-packages, about 0.1 s), with the interpreter the run itself will
+# use where the kit has one.
 kit_knobs() {
   local py=python3 out
   if [ -x "$KIT_DIR/.venv/bin/python" ]; then py="$KIT_DIR/.venv/bin/python"; fi
@@ -27,8 +28,8 @@ try:
 except Exception as err:
     sys.exit(f"error: config.py cannot be read: {type(err).__name__}: {err}")
 print_launcher_lists()' "$KIT_DIR") || exit 2
-  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS && read -ra KIT_MODE_KNOBS && IFS='|' read -ra KIT_MODE_NAMES; } \
-    <<<"$out" || kit_fail "config.py: no knob lists read"
+  { read -ra KIT_VALUE_KNOBS && read -ra KIT_SWITCH_KNOBS && read -ra KIT_MODE_KNOBS \
+    && IFS='|' read -ra KIT_MODE_NAMES; } <<<"$out" || kit_fail "config.py: no knob lists read"
 }
 kit_knobs
 
@@ -147,7 +148,8 @@ kit_refuse_unread() {
   done
   list=$(printf '%s, ' "${readers[@]:0:${#readers[@]}-1}")
   list=${list%, }
-  kit_fail "$var does not apply to $name ($(basename "$0")): it is read by ${list:+$list and }${readers[-1]} only; leave it empty"
+  kit_fail "$var does not apply to $name ($(basename "$0")): it is read by" \
+    "${list:+$list and }${readers[-1]} only; leave it empty"
 }
 
 # kit_launch MODE PRESET [extra flags...]: build the flag list from the variables and run.

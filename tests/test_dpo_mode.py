@@ -128,10 +128,12 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     ("dpo", ["--dpo_loss", "ipo", "--label_smoothing", "0.1"], "LABEL_SMOOTHING=0.1: DPO_LOSS=ipo ignores it"),
     ("dpo", ["--simpo_gamma", "0.3"], "SIMPO_GAMMA=0.3: DPO_LOSS=sigmoid ignores it (it reads BETA, LABEL_SMOOTHING)"),
     ("dpo", ["--dpo_loss", "orpo", "--simpo_gamma", "0"], "SIMPO_GAMMA=0: DPO_LOSS=orpo ignores it"),
-    ("dpo", ["--model_size", "nano"], "MODEL_SIZE: preference training fine-tunes a trained chat model"),
-    ("dpo", ["--loss_mean", "micro_batches"], "LOSS_MEAN=micro_batches: preference training's loss is the mean"),
-    ("sft", ["--beta", "0.2"], "BETA (--beta) is a preference-training setting"),
-    ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) is a preference-training setting"),
+    ("dpo", ["--model_size", "nano"], "MODEL_SIZE (--model_size) does not apply to preference training"),
+    ("dpo", ["--loss_mean", "tokens"], "LOSS_MEAN (--loss_mean) does not apply to preference training"),
+    ("dpo", ["--text_field", "body"], "TEXT_FIELD (--text_field) does not apply to preference training"),
+    ("sft", ["--beta", "0.2"], "BETA (--beta) does not apply to SFT (`python -m train sft`): it is read by "
+                               "preference training only"),
+    ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) does not apply to pretraining"),
 ])  # fmt: skip
 def test_a_bad_dpo_knob_is_one_line_exit_2(sft_runs, capsys, mode, argv, message):
     base = dpo_argv(sft_runs, "bad")[1:] if mode == "dpo" else ["--output_dir", str(sft_runs / "runs"),

@@ -31,7 +31,10 @@ def one_thread_here():
 def test_the_dpo_launcher_leaves_out_what_the_mode_refuses_and_says_its_own_model_path():
     dpo = next(lw for lw in knob_docs.launchers() if lw.path.name == "train_dpo.sh")
     block = {line.split("=")[0]: line for line in knob_docs.launcher_block(dpo) if knob_docs.KNOB_LINE.match(line)}
-    assert not {"MODEL_SIZE", "MODEL_CONFIG", "VOCAB_SIZE"} & set(block)
+    new_model = {"MODEL_SIZE", "MODEL_CONFIG", "VOCAB_SIZE", "MODEL_FAMILY", "TEXT_FIELD",
+                 "TOKENIZER_SAMPLE_MB"}
+    assert not new_model & set(block) and "PACKING" in block
+    assert "pairs per micro-batch" in block["BATCH_SIZE"] and "built-in pairs" in block["DATA_PATH"]
     assert "the newest completed SFT run's final/" in block["MODEL_PATH"] and "pretraining" not in block["MODEL_PATH"]
     sft = next(lw for lw in knob_docs.launchers() if lw.path.name == "train_sft_custom.sh")
     sft_block = "\n".join(knob_docs.launcher_block(sft))
@@ -39,19 +42,20 @@ def test_the_dpo_launcher_leaves_out_what_the_mode_refuses_and_says_its_own_mode
     assert "else the newest pretraining run's final/" in sft_block and "completed SFT run" not in sft_block
     assert "\n".join(knob_docs.launcher_block(dpo)) in (ROOT / "train_dpo.sh").read_text()  # regenerated
     doc = "\n".join(knob_docs.markdown())
-    row = next(line for line in doc.splitlines() if line.startswith("| MODEL_SIZE |"))
-    assert "Not for `python -m train dpo`: left out of its launchers." in row
+    group = doc.split("## Pretraining and SFT\n")[1].split("\n## ")[0]  # what DPO does not read
+    assert "Read by `python -m train pretrain | sft` only" in group and "| MODEL_SIZE |" in group
 
 
 def test_the_marker_and_the_mode_parts_of_a_docstring():
     knob = next(k for k in knob_docs.all_knobs() if k.name == "model_size")
-    assert knob.not_modes == {"dpo"} and not knob_docs.applies(knob, "dpo") and knob_docs.applies(knob, "sft")
-    assert knob_docs.applies(replace(knob, not_modes=frozenset()), "dpo")
+    assert knob.modes == {"pretrain", "sft"} and knob_docs.applies(knob, "sft")
+    assert not knob_docs.applies(knob, "dpo")
+    assert knob_docs.applies(replace(knob, modes=frozenset({"dpo"})), "dpo")
     doc = "SFT: the model. Empty: a new one. DPO: the chat model. Empty: the newest SFT run."
     assert knob_docs.mode_doc(doc, "dpo") == "DPO: the chat model. Empty: the newest SFT run."
     assert knob_docs.mode_doc(doc, "sft") == knob_docs.mode_doc(doc, "pretrain") == "SFT: the model. Empty: a new one."
-    path = replace(knob, name="model_path", doc=doc, modes=frozenset({"sft", "dpo"}), not_modes=frozenset(), default=None,
-                   choices=())  # fmt: skip
+    path = replace(knob, name="model_path", doc=doc, modes=frozenset({"sft", "dpo"}), default=None,
+                   choices=())
     assert knob_docs.summary(path, "dpo") == "the chat model" and knob_docs.summary(path, "sft") == "the model"
     assert knob_docs.empty_means(path, None, "dpo") == "empty: the newest SFT run"
     assert knob_docs.empty_means(path, None, "sft") == "empty: a new one"

@@ -1,9 +1,10 @@
 """A new knob is one field with its doc in config.py, then `make knobs`: in a copy of the kit whose
 config.py alone gains two fields, the launchers pass them, the flags parse and document them, the
 run saves them in config.json, RESUME=1 names the one marked "compared" when it changed, and
-pretraining refuses the one marked "sft", with no other file of the copy edited; the generator then
-writes their rows in docs/knobs.md and their lines at the top of the launchers of their modes, and
-a new mode's launcher gets its block by the same rules."""
+pretraining refuses the one only SFT reads (knob(modes={"sft"})), with no other file of the copy edited;
+the generator then writes their rows in docs/knobs.md and their lines at the top of the launchers of
+their modes, and a new mode is its name added to the knobs it reads: its launcher gets its block by
+the same rules."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from conftest import ROOT, fork_server, forking
 
 NEW_FIELDS = '''    dummy_knob: int = knob(3, "compared")
     """A knob the test adds: a whole number that a resume compares."""
-    dummy_sft: bool = knob(False, "sft")
+    dummy_sft: bool = knob(False, modes={"sft"})
     """A knob the test adds: SFT only."""
 
 '''
@@ -65,23 +66,29 @@ def test_one_field_in_config_py_is_a_knob_everywhere(tmp_path, corpus, tiny_conf
     original = {name: hashlib.sha256((ROOT / name).read_bytes()).hexdigest() for name in before if (ROOT / name).is_file()}
     assert {name for name in before if before[name] != original.get(name)} == {"config.py"}
 
-    # the launchers: a variable of the kit (no misspelling warning), passed as its flag
-    shown = launch(kit, "run_single_gpu.sh", {"DUMMY_KNOB": "7", "DUMMY_SFT": "1", "SHOW_COMMAND": "1"})
+    # the launchers: a variable of the kit (no misspelling warning), its flag where its mode reads it
+    shown = launch(kit, "run_single_gpu.sh", {"DUMMY_KNOB": "7", "SHOW_COMMAND": "1"})
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+    assert shlex.split(shown.stdout)[shlex.split(shown.stdout).index("--dummy_knob") + 1] == "7"
+    shown = launch(kit, "train_sft_custom.sh", {"DUMMY_KNOB": "7", "DUMMY_SFT": "1", "SHOW_COMMAND": "1"})
     assert shown.returncode == 0 and shown.stderr == "", shown.stderr
     argv = shlex.split(shown.stdout)
     assert argv[argv.index("--dummy_knob") + 1] == "7" and argv[argv.index("--dummy_sft") + 1] == "1"
+    refused = launch(kit, "run_single_gpu.sh", {"DUMMY_SFT": "1", "SHOW_COMMAND": "1"})
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr == (
+        "error: DUMMY_SFT does not apply to pretraining (run_single_gpu.sh): it is read by SFT only; "
+        "leave it empty\n")
 
     # the flags: typed, documented, a bad value named by its variable, the SFT-only one refused
     probe = """
 import sys
 from train.config.flags import parse_training_args, training_parser
 from train.core.errors import UsageError
-from train.run.plan.sft import refuse_sft_settings
 print(parse_training_args("pretrain", ["--dummy_knob", "5"]).data.dummy_knob + 1)
 print("[DUMMY_KNOB] A knob the test adds" in training_parser("pretrain").format_help())
 for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
     try:
-        refuse_sft_settings(parse_training_args("pretrain", argv))
+        parse_training_args("pretrain", argv)
     except UsageError as err:
         print(err)
 """
@@ -92,7 +99,8 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
         "6",
         "True",
         "DUMMY_KNOB (--dummy_knob): expected a whole number, got 'abc'",
-        "DUMMY_SFT (--dummy_sft) is an SFT setting; use `python -m train sft` or ./train_sft_custom.sh",
+        "DUMMY_SFT (--dummy_sft) does not apply to pretraining (`python -m train pretrain`): it is read "
+        "by SFT only; leave it empty",
     ]
 
     # a real run saves it; RESUME=1 says it changed
@@ -156,7 +164,7 @@ def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its
     assert generate(kit, "--check").stdout.strip() == "knob docs up to date"
 
     doc = (kit / "docs" / "knobs.md").read_text()
-    every, sft = doc.split("\n## Every mode\n")[1].split("\n## SFT (fine-tuning)\n")
+    every, sft = doc.split("\n## Every mode\n")[1].split("\n## SFT\n")
     assert "| DUMMY_KNOB | --dummy_knob | a whole number |" in every and "A knob the test adds: a whole number" in every
     assert "| DUMMY_SFT | --dummy_sft |" in sft.split("<!-- END knobs")[0] and "DUMMY_SFT" not in every
     for name in launchers:
@@ -170,13 +178,17 @@ def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its
 
 def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     kit = kit_with_new_knobs(tmp_path)
-    # what a new mode brings: its name among the modes and the markers, a field kept to it, a launcher
+    # what a new mode brings: its name among the modes and in the knobs it reads (here the group of every
+    # mode's and a field of its own), and a launcher; no other file
     cfg = (kit / "config.py").read_text()
-    cfg = cfg.replace('("pretrain", "sft", "dpo")', '("pretrain", "sft", "dpo", "grpo")')
-    cfg = cfg.replace('dummy_sft: bool = knob(False, "sft")', 'dummy_sft: bool = knob(False, "grpo")')
+    for old, new in (('("pretrain", "sft", "dpo"), ("none"', '("pretrain", "sft", "dpo", "grpo"), ("none"'),
+                     ('EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo"}',
+                      'EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}'),
+                     ('knob(False, modes={"sft"})', 'knob(False, modes={"grpo"})')):
+        assert cfg.count(old) == 1, old
+        cfg = cfg.replace(old, new)
+    assert cfg.count('"grpo"') == 3
     (kit / "config.py").write_text(cfg)
-    checks = kit / "train" / "core" / "checks.py"
-    checks.write_text(checks.read_text().replace("MARKS = {", 'MARKS = {\n    "grpo": "group-relative training only",', 1))
     (kit / "train_grpo.sh").write_text(NEW_LAUNCHER)
     (kit / "train_grpo.sh").chmod(0o755)
     shown = generate(kit, "--launcher", "train_grpo.sh")
@@ -185,13 +197,13 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     assert written.returncode == 0 and "train_grpo.sh" in written.stdout, written.stderr
     grpo = block_of(kit / "train_grpo.sh")
     assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_grpo.sh").read_text()
-    assert "DUMMY_SFT" in grpo and "DUMMY_KNOB" in grpo and "MODEL_SIZE" in grpo and "NPROC_PER_NODE" in grpo
-    assert "MODEL_PATH" not in grpo and "PACKING" not in grpo  # kept to SFT (and DPO) by their markers
+    assert "DUMMY_SFT" in grpo and "DUMMY_KNOB" in grpo and "SEED" in grpo and "NPROC_PER_NODE" in grpo
+    assert not {"MODEL_SIZE", "MODEL_PATH", "PACKING", "BETA"} & set(grpo)  # their modes do not name it
     assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(kit / "run_single_gpu.sh")
     text = (kit / "train_grpo.sh").read_text()
     assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index("source ") and text.endswith('"$@"\n')
     doc = (kit / "docs" / "knobs.md").read_text()
-    assert "## grpo\n\nKept to `python -m train grpo` (launchers: `train_grpo.sh`). group-relative training only." in doc
+    assert "\n\nRead by `python -m train grpo` only (launchers: `train_grpo.sh`); the other modes" in doc
     # the launcher passes its knobs as flags (scripts/common.sh reads the same fields)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
     out = subprocess.run(["bash", str(kit / "train_grpo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
@@ -199,3 +211,8 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     assert out.returncode == 0 and out.stderr == "", out.stderr
     argv = shlex.split(out.stdout)
     assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "grpo"] and "--dummy_sft" in argv
+    refused = subprocess.run(["bash", str(kit / "train_grpo.sh")], cwd=kit, capture_output=True, text=True,
+                             env={**env, "SHOW_COMMAND": "1", "BETA": "0.2"}, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        "error: BETA does not apply to `python -m train grpo` (train_grpo.sh): it is read by preference "
+        "training only")

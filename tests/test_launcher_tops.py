@@ -12,7 +12,6 @@ import pytest
 import config
 from conftest import ROOT
 from train.config import knob_docs, knobs
-from train.core.checks import MARKS
 
 LAUNCHERS = knob_docs.launchers()
 # Launcher variables that are no config field: the guides' precision switches and torchrun's count.
@@ -22,12 +21,9 @@ KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-[^}]*\}\s*(#\s*\S.*)?$")
 
 def expected(mode: str) -> set[str]:
     """The launcher variables of every config field a user sets in this mode: every field but the
-    command's own, less those a marker keeps to other modes or keeps from this one ("not_dpo")."""
-    other_modes = {m for m in config.MODES if m != mode}
+    command's own whose knob(modes=...) names this mode."""
     names = [n for n in config.FIELD_SECTION if n not in knobs.marked("command")]
-    kept_elsewhere = {n for m in other_modes for n in knobs.marked(m)} - set(knobs.marked(mode))
-    kept_elsewhere |= set(knobs.marked(f"not_{mode}")) if f"not_{mode}" in MARKS else set()
-    return {knobs.env_name(n) for n in names if n not in kept_elsewhere} | set(NOT_FIELDS)
+    return {knobs.env_name(n) for n in names if mode in knobs.modes(n)} | set(NOT_FIELDS)
 
 
 def top(text: str) -> dict[str, str]:
@@ -67,4 +63,6 @@ def test_a_knob_missing_at_the_top_is_named():
     assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
     assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
     assert "MODEL_SIZE" in expected("sft") and "MODEL_SIZE" not in expected("dpo")  # dpo trains MODEL_PATH's model
-    assert {knobs.env_name(n) for n in knobs.marked("sft")} & expected("pretrain") == set()
+    assert {knobs.env_name(n) for n in config.FIELD_SECTION if "pretrain" not in knobs.modes(n)} & expected(
+        "pretrain") == set()
+    assert {"TEXT_FIELD", "TOKENIZER_SAMPLE_MB", "MODEL_FAMILY"} & expected("dpo") == set()

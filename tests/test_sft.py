@@ -193,7 +193,7 @@ def test_bad_input_is_one_line_exit_2(case, sft_flags, tmp_path, capsys):
         argv = argv[2:]
         expect = ["MODEL_PATH is empty", "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"]
     command = "pretrain" if case == "pretrain_knob" else "sft"
-    expect = expect or ["MODEL_PATH (--model_path) is an SFT setting"]
+    expect = expect or ["MODEL_PATH (--model_path) does not apply to pretraining"]
     assert run_cli(command, *argv, "--max_steps", "1") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(e in err for e in expect), err

@@ -43,7 +43,7 @@ def test_help_says_what_each_command_does_and_only_its_flags(capsys):
     assert "--apply" in own and "--steps N" in own and "--packing" not in doctor
     assert "--skip LIST" in help_of(capsys, "autotune").split("autotune's own flags:")[1]
     assert run_cli("pretrain", "--packing", "1") == 2  # hidden, still refused in one line
-    assert "PACKING (--packing) is an SFT setting" in capsys.readouterr().err
+    assert "PACKING (--packing) does not apply to pretraining" in capsys.readouterr().err
 
 
 def test_a_decision_confirmed_later_prints_once():

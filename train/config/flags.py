@@ -130,7 +130,8 @@ def parse_training_args(command: str, argv: list[str]) -> config.TrainConfig:
     knob the command's mode does not read (knob(modes=...)) is refused, as it would be ignored."""
     args = training_parser(command).parse_args(argv)
     for name in config.FIELD_SECTION:  # given at all: a launcher passes only what is set, never empty
-        if command in config.MODES and (getattr(args, name, None) or "").strip() and not applies(name, command):
+        given = (getattr(args, name, None) or "").strip()
+        if given and command in config.MODES and not applies(name, command):
             raise UsageError(refusal(name, command))
     overrides = {"mode": command}
     for name in config.FIELD_SECTION:

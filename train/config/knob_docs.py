@@ -75,8 +75,9 @@ def all_knobs() -> list[Knob]:
         for f in dataclasses.fields(klass):
             if has_mark(f, "command"):
                 continue
-            found.append(Knob(f.name, section, docs.get(f.name, ""), knobs.modes(f.name), knobs.default(f.name),
-                              tuple(f.metadata.get("choices", ())), has_mark(f, "switch")))
+            found.append(Knob(f.name, section, docs.get(f.name, ""), knobs.modes(f.name),
+                              knobs.default(f.name), tuple(f.metadata.get("choices", ())),
+                              has_mark(f, "switch")))
     return found
 
 
@@ -301,7 +302,8 @@ def _table(rows: list[tuple[str, str, str, str]], mode: str | None = None) -> li
 
 def markdown() -> list[str]:
     """docs/knobs.md's generated part: one table per config section for the knobs every mode reads,
-    then one per set of modes (knob(modes=...)) for the knobs only those read. BEGIN and END lines included."""
+    then one per set of modes (knob(modes=...)) for the knobs only those read. BEGIN and END lines
+    included."""
     all_modes = frozenset(config.MODES)
     kept: dict[frozenset, list[Knob]] = {}
     for knob in all_knobs():
@@ -311,7 +313,8 @@ def markdown() -> list[str]:
     for variable, before, accepted, comment in LAUNCHER_ONLY:
         extra[before].append((variable, accepted, comment))
     commands = " | ".join(config.MODES)
-    out = [MD_BEGIN, "", "## Every mode", "", f"Read by every mode (`python -m train {commands}`): every launcher carries them.", ""]
+    out = [MD_BEGIN, "", "## Every mode", "",
+           f"Read by every mode (`python -m train {commands}`): every launcher carries them.", ""]
     for section in config.SECTIONS:
         rows = []
         for knob in (k for k in every if k.section == section):
@@ -327,8 +330,9 @@ def markdown() -> list[str]:
         title = " and ".join(knobs.mode_name(m) for m in named)
         scripts = ", ".join(f"`{lw.path.name}`" for lw in by_launcher if lw.mode in modes) or "none yet"
         out += [f"## {title[0].upper()}{title[1:]}", "",
-                f"Read by `python -m train {' | '.join(named)}` only (launchers: {scripts}); the other modes refuse "
-                "them when set (one line naming the variable, exit 2), and their launchers leave them out.", ""]
+                f"Read by `python -m train {' | '.join(named)}` only (launchers: {scripts}); the other modes "
+                "refuse them when set (one line naming the variable, exit 2), and their launchers leave them "
+                "out.", ""]
         rows = [(knobs.env_name(k.name), f"--{k.name}", k.name, k.doc) for k in group]
         out += [*_table(rows, named[0] if len(named) == 1 else None), ""]
     return [*out, MD_END]

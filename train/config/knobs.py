@@ -62,8 +62,8 @@ def readers(name: str) -> str:
 def refusal(name: str, mode: str) -> str:
     """The line that stops a run of `mode` that does not read knob `name`, set (scripts/common.sh says the
     same of a launcher's variable, the launcher in place of the command)."""
-    return (f"{env_name(name)} (--{name}) does not apply to {mode_name(mode)} (`python -m train {mode}`): it is "
-            f"read by {readers(name)} only; leave it empty")
+    return (f"{env_name(name)} (--{name}) does not apply to {mode_name(mode)} (`python -m train {mode}`): "
+            f"it is read by {readers(name)} only; leave it empty")
 
 
 def refuse_unread(cfg) -> None:

@@ -32,7 +32,8 @@ def knob(default=None, *marks: str, modes=None, least=None, above=None, below=No
     unknown = set(marks) - set(MARKS)
     if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
         raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
-    if modes is not None and (isinstance(modes, str) or not modes or not all(isinstance(m, str) for m in modes)):
+    if modes is not None and (isinstance(modes, str) or not modes
+                              or not all(isinstance(m, str) for m in modes)):
         raise ValueError(f"knob modes: expected a set of mode names (modes={{'sft', 'dpo'}}), got {modes!r}")
     return dataclasses.field(default=default, metadata={"marks": frozenset(marks), "least": least, "above": above,
                                                         "below": below, "choices": tuple(choices),

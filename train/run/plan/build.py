@@ -57,7 +57,7 @@ class PretrainingSource:
     shapes_vary = False  # every batch is (BATCH_SIZE, MAX_LENGTH), T5's spans too
 
     def refuse(self, cfg: TrainConfig) -> None:
-        """Nothing of pretraining's own: a knob it does not read is refused by make_plan (knobs.refuse_unread)."""
+        """Nothing of pretraining's own: make_plan refuses a knob it does not read (knobs.refuse_unread)."""
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
         """The model's shape first (vocab set once the tokenizer is known), so a MAX_LENGTH longer

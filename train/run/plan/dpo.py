@@ -52,7 +52,8 @@ def refuse_preference(cfg: TrainConfig) -> None:
                          "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
     for name in ("beta", "label_smoothing", "simpo_gamma"):  # a setting the loss never reads would be ignored
-        if (value := knobs.value(cfg, name)) not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:
+        value = knobs.value(cfg, name)
+        if value not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:
             reads = ", ".join(knobs.env_name(n) for n in sorted(DPO_LOSS[loss].reads))
             raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads {reads}); leave "
                              f"{knobs.env_name(name)} empty")

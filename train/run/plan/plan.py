@@ -229,7 +229,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fil
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of
     planning (AUTO_BATCH=1), or fill.Fill: no micro-batch of the user's, so a GPU run fills the device."""
     cfg = copy.deepcopy(asked)
-    knobs.refuse_unread(cfg)  # a knob its mode does not read (knob(modes=...)), set: one line, before any work
+    knobs.refuse_unread(cfg)  # a knob its mode does not read (knob(modes=...)), set: one line, no work
     source.refuse(cfg)
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
     decide = Decisions(say)
