@@ -43,6 +43,18 @@ def applies(name: str, mode: str) -> bool:
     return mode in modes(name)
 
 
+def _check_modes() -> None:
+    """A mode misspelled in config.py's knob(modes=...) would leave the knob out of that mode without a
+    word: stop at import instead (the launchers say it in one line: scripts/common.sh kit_knobs)."""
+    for name in config.FIELD_SECTION:
+        if unknown := modes(name) - set(config.MODES):
+            raise ValueError(f"config.py: {name}'s knob(modes=...) names {sorted(unknown)}, not a mode of MODES "
+                             f"({' | '.join(config.MODES)})")
+
+
+_check_modes()
+
+
 def user_knobs() -> tuple[str, ...]:
     """Every field a user sets (launcher variable and flag): all but those marked "command"."""
     command = marked("command")
