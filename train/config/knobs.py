@@ -48,8 +48,8 @@ def _check_modes() -> None:
     word: stop at import instead (the launchers say it in one line: scripts/common.sh kit_knobs)."""
     for name in config.FIELD_SECTION:
         if unknown := modes(name) - set(config.MODES):
-            raise ValueError(f"config.py: {name}'s knob(modes=...) names {sorted(unknown)}, not a mode of MODES "
-                             f"({' | '.join(config.MODES)})")
+            raise ValueError(f"config.py: {name}'s knob(modes=...) names {sorted(unknown)}, not a mode of "
+                             f"MODES ({' | '.join(config.MODES)})")
 
 
 _check_modes()
