@@ -9,6 +9,7 @@ rules that pick a knob's launchers are checked against the fields, not against a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import shlex
 import subprocess
@@ -217,6 +218,14 @@ def test_a_modes_own_defaults_are_config_py_s_real_values():
     assert knobs.value(config.resolve("dpo", {"mode": "dpo", "beta": 0.3}), "beta") == 0.3  # a flag wins
     assert set(config.MODE_DEFAULTS) <= set(config.MODES)
     assert all(knobs.modes(n) == {m} for m, own in config.MODE_DEFAULTS.items() for n in own)
+    # the preference library's own keyword defaults (train/core is below config.py and cannot read it) agree
+    from train.core.preference.loss import PreferenceObjective, preference_loss
+
+    library = {**{k: v.default for k, v in inspect.signature(preference_loss).parameters.items()},
+               "dpo_loss": inspect.signature(preference_loss).parameters["loss"].default}
+    fields = {f.name: f.default for f in dataclasses.fields(PreferenceObjective)}
+    for name, value in config.MODE_DEFAULTS["dpo"].items():
+        assert library[name] == value and fields["loss_name" if name == "dpo_loss" else name] == value, name
     for launcher in LAUNCHERS:  # its preset sets only knobs its mode reads (else every run is refused)
         preset = config.PRESETS[launcher.preset]
         assert all(knobs.applies(n, launcher.mode) for n in preset), launcher.path.name

@@ -31,7 +31,8 @@ def knob(default=None, *marks: str, modes=None, least=None, above=None, below=No
     values of a text field (`choices=PRECISIONS`)."""
     unknown = set(marks) - set(MARKS)
     if unknown:  # a typo in config.py would otherwise drop the field from a list without a word
-        raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)}")
+        raise ValueError(f"unknown knob marker(s) {sorted(unknown)}: expected {' | '.join(MARKS)} (the modes "
+                         "that read it: modes={...})")
     if modes is not None and (isinstance(modes, str) or not modes
                               or not all(isinstance(m, str) for m in modes)):
         raise ValueError(f"knob modes: expected a set of mode names (modes={{'sft', 'dpo'}}), got {modes!r}")
