@@ -34,6 +34,7 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
+from train.core.modes import mode_of as mode_row
 from train.core.units import MIB
 from train.distributed.distributed import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
@@ -120,11 +121,9 @@ def _longest_pairs(dataset, collate):
 
 
 def objective_of(b) -> str:
-    """What a trial step runs, in words (the Result's and the log's)."""
-    if b.objective is None:
-        return "token loss"
+    """What a trial step runs, in words (the Result's and the log's): the objective's, and its reference model."""
     reference = b.cfg.model.reference
-    return f"preference loss {b.objective.loss_name}" + (f", reference {reference}" if reference else "")
+    return b.objective.describe() + (f", reference {reference}" if reference else "")
 
 
 def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
@@ -176,7 +175,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
     scaler = build_scaler(b.precision, b.model, b.device)
     step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    if b.objective is not None:  # preference training: pairs, the run's collator
+    if b.objective.trial_on_longest:  # e.g. preference pairs, through the run's collator
         sample = _longest_pairs(b.dataset, b.collate)
     else:
         lengths = run_lengths(b) if b.family.source_target else None
@@ -228,8 +227,8 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
 
 
 def unit_of(mode: str) -> str:
-    """What a micro-batch of `mode` counts: preference training's is pairs (the tools' rates)."""
-    return "pairs" if mode == "dpo" else "samples"
+    """What a micro-batch of `mode` counts (the tools' rates): its objective's unit (samples, pairs)."""
+    return mode_row(mode).unit
 
 
 def choose(trials: list[Trial], largest_safe: int) -> Trial:

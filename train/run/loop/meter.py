@@ -20,7 +20,8 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.measure.syncs import HostSyncs
 from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
-from train.core.step import compiled_run_eager
+from train.core.objective import Objective
+from train.core.step import TokenObjective, compiled_run_eager
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
@@ -45,11 +46,12 @@ class BatchCounter:
     and the collator's ints: no device sync). Packed pretraining batches are all real tokens.
     An encoder-decoder's tokens are source + target (what tokens_per_sec counts for T5): real
     ones are the source's attention_mask and the labels that are not -100, padded ones both
-    tensors' sizes (seq2seq_tokens)."""
+    tensors' sizes (seq2seq_tokens). A batch's samples are the objective's to count (rows, packed
+    conversations, pairs); default the token loss's."""
 
-    def __init__(self, batches, seq2seq: bool = False):
+    def __init__(self, batches, seq2seq: bool = False, objective: Objective | None = None):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
-        self.seq2seq = seq2seq
+        self.seq2seq, self.objective = seq2seq, objective or TokenObjective(seq2seq)
 
     def __iter__(self):
         return self
@@ -57,8 +59,7 @@ class BatchCounter:
     def __next__(self) -> dict:
         batch = next(self.batches)
         ids = batch["input_ids"]
-        # packed rows hold several conversations; a preference batch's samples are its pairs
-        self.rows += int(batch.get("n_pairs", batch.get("n_conversations", ids.shape[0])))
+        self.rows += self.objective.samples(batch)
         if self.seq2seq:
             real, padded = seq2seq_tokens(batch)
         else:
@@ -96,14 +97,15 @@ class Meter:
         self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
         self.device, self.world = b.device, b.world
         self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target)  # rows, real/padded tokens
+        self.objective = b.objective  # the mode's: what a batch's samples are, the log line's fields
+        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target, b.objective)
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
         self.loss: float | None = None  # the last logged loss (after the loop: the last step's, see last_loss)
         self.loss_step: int | None = None  # the step self.loss is of
-        self.last_metrics: dict = {}  # and the last logged metrics (token accuracy, or TRL's rewards/...)
+        self.last_metrics: dict = {}  # and the last logged metrics (the objective's: token accuracy ...)
         self.first_step_s = None
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
@@ -189,10 +191,10 @@ class Meter:
         """One metrics row and console line: the one host sync of the interval (loss, grad norm
         and mean_token_accuracy read together). The accuracy share of each rank adds up to the
         token mean over all ranks' targets, as the loss does: averaged across ranks with it.
-        accuracy_t: the step's token accuracy, or the objective's metrics by name (preference
+        accuracy_t: train_step's fourth value, the objective's metrics (the token accuracy; preference
         training: TRL's rewards/... and logps/..., each the step's mean over pairs, the same way)."""
         wait_s, compute_s = self.timer.take_interval()
-        named = accuracy_t if isinstance(accuracy_t, dict) else {"mean_token_accuracy": accuracy_t}
+        named = self.objective.named(accuracy_t)
         stacked = torch.stack([loss_t.float(), *(v.float() for v in named.values())])
         means, wait_s = distributed.mean_across(self.world, stacked, wait_s)
         loss, *values, grad_norm = torch.cat([means, norm_t.float().reshape(1)]).tolist()
@@ -225,11 +227,8 @@ class Meter:
         total, wait = self.guard.total_steps, row["data_wait_frac"] or 0
         train_s = now - self.t0 - self.excluded
         eta = train_s / (step - self.first) * (total - step)
-        pairs = "rewards/accuracies" in row  # preference training: the reward accuracy and margin
-        shown = (f"acc {row['rewards/accuracies']:.3f} margin {row['rewards/margins']:.3f}" if pairs
-                 else f"acc {row['mean_token_accuracy']:.3f}")  # fmt: skip
         line = (
-            f"step {step}/{total} loss {row['loss']:.4f} {shown} lr {row['lr']:.2e} "
+            f"step {step}/{total} loss {row['loss']:.4f} {self.objective.shown(row)} lr {row['lr']:.2e} "
             f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
             f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
         )

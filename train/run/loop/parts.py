@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from train.core.optim.optimizers import build_optimizer
-from train.core.step import TokenObjective, train_step
+from train.core.step import train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
@@ -59,19 +59,10 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                source_target=b.family.source_target, objective=step_objective(b),
+                source_target=b.family.source_target, objective=b.objective,
             ))  # fmt: skip
 
         return feed.step(attempt)
-
-
-def step_objective(b):
-    """The plan's objective (preference training's), else the token loss averaged as LOSS_MEAN says:
-    over the step's target tokens, or (micro_batches) the mean of its micro-batches' means. Validation
-    and find-batch keep the plan's (None: the token-weighted loss)."""
-    if b.objective is not None:
-        return b.objective
-    return TokenObjective(b.family.source_target, micro_batch_mean=b.cfg.optim.loss_mean == "micro_batches")
 
 
 def prepare(b, run_dir, say, guard) -> Parts:

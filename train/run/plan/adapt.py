@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from train.core.errors import UsageError
+from train.core.modes import mode_of
 from train.core.units import MIB
 from train.models import estimate_seq2seq
 from train.models.estimate_terms import packed_grid_of
@@ -149,7 +150,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
     if grid is not None:
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
-    if mode != "sft" or lengths is None or not len(lengths):
+    if not mode_of(mode).row_lengths or lengths is None or not len(lengths):
         if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
             return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
         return {"max_length": max_length}
@@ -227,7 +228,7 @@ def adapt(
             d.pin_memory = False
     if d.num_workers > 0:
         rows = max_length if max_length is not None else dataset.max_length
-        sequences = 2 if cfg.run.mode == "dpo" else 1  # a pair is two rows (chosen, rejected)
+        sequences = mode_of(cfg.run.mode).rows_per_sample  # a pair is two rows (chosen, rejected)
         batch_mb = o.batch_size * sequences * rows * 8 / MIB  # int64 token ids
         prefetch = d.prefetch_factor or 2
         while prefetch > 1 and d.num_workers * prefetch * batch_mb > PREFETCH_RAM_SHARE * avail:

@@ -27,8 +27,10 @@ from config import TrainConfig
 from train.core.device import attention_kernels, resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
+from train.core.objective import Objective
 from train.core.optim.optimizers import OPTIMIZERS
 from train.core.optim.schedules import warmup_of
+from train.core.step import TokenObjective
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.models import estimate
@@ -71,9 +73,10 @@ class Plan:
     val_dataset: torch.utils.data.Dataset | None = None
     val_collate: Callable | None = None
     """SFT: the collator for validation batches (padding); None: default stacking."""
-    objective: object = None
-    """The mode's loss for train_step (train/core/step.py): None, the token loss of pretraining and SFT;
-    preference training's PreferenceObjective (train/core/preference), with its reference model."""
+    objective: Objective | None = None
+    """The mode's objective (train/core/objective.py): its loss for train_step, its samples, log fields and
+    validation. The token loss of pretraining and SFT (token_objective), preference training's
+    PreferenceObjective (train/core/preference) with its reference model; made by the plan's source."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,13 @@ def note_family_ignored(cfg: TrainConfig, say, why: str) -> None:
 
     if cfg.model.model_family != knobs.default("model_family"):
         say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: {why}")
+
+
+def token_objective(cfg: TrainConfig, choice: ModelChoice) -> TokenObjective:
+    """The token loss of pretraining and SFT, averaged as LOSS_MEAN says: over the step's target tokens,
+    or (micro_batches) the mean of its micro-batches' means. Validation and find-batch's single
+    micro-batch weigh by tokens either way (TokenObjective.evaluate; one micro-batch: the same mean)."""
+    return TokenObjective(choice.family.source_target, micro_batch_mean=cfg.optim.loss_mean == "micro_batches")
 
 
 def seed_everything(seed: int) -> None:

@@ -34,7 +34,7 @@ from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
-from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
+from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit, token_objective
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
 
 SFT_ONLY = knobs.marked("sft")  # config.py's fields marked "sft"
@@ -175,9 +175,9 @@ class SFTSource:
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
                   say, decide):
-        """(None: the step's token loss, LOSS_MEAN's averaging applied by the loop, train/run/loop/parts.py;
-        the data as it is); preference training's is dpo.py's."""
-        return None, data
+        """(the token loss averaged as LOSS_MEAN says, plan.token_objective; the data as it is); preference
+        training's is dpo.py's."""
+        return token_objective(cfg, choice), data
 
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:

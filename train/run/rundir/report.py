@@ -186,7 +186,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         **mfu_report(measured["tokens_per_sec"], fpt, device_name(device) if device.type == "cuda" else None,
                      b.precision, tf32=cfg.system.tf32),
         "final_loss": meter.loss,
-        **{f"final_{name}": value for name, value in meter.last_metrics.items() if name.startswith("rewards/")},
+        **{f"final_{name}": value for name, value in b.objective.kept(meter.last_metrics).items()},
         **parts.evaluator.summary(),
         **finish_counts(parts.compiled),
         "exit_reason": exit_reason,
