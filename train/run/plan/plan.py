@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from train.core.objective import Objective
 from train.core.optim.optimizers import OPTIMIZERS
 from train.core.optim.schedules import warmup_of
 from train.core.step import TokenObjective
+from train.data.loader import Data
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.models import estimate
@@ -108,6 +110,39 @@ class Chosen:
     batch_size: int
     gradient_accumulation_steps: int
     reason: str
+
+
+class Source(Protocol):
+    """Where a mode's model, tokenizer, data and objective come from: what make_plan asks, each a pure
+    call that returns what it made (nothing kept on the source). Pretraining's (build.PretrainingSource),
+    SFT's (sft.SFTSource) and preference training's (dpo.DPOSource, composed of sft.py's functions)."""
+
+    shapes_vary: bool
+    """Whether batch shapes vary (padded to each batch's longest): attention_kernels' choice."""
+
+    def refuse(self, cfg: TrainConfig) -> None:
+        """A setting this mode would ignore or cannot do: one line (UsageError), before any work."""
+
+    def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+        """The model's family and shape, from settings and config files alone."""
+
+    def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+        """The run's tokenizer."""
+
+    def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device: torch.device, precision: str,
+             max_length: int, say, decide) -> Data:
+        """The training and held-out data and how to batch them."""
+
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device: torch.device,
+              decide) -> torch.nn.Module:
+        """The model on its device, before the memory-adaptive settings."""
+
+    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+        """(optimizer steps, why)."""
+
+    def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device: torch.device,
+                  precision: str, max_length: int, trained: int, say, decide) -> tuple[Objective, Data]:
+        """(the mode's objective, the data its batches come from: the same, or one whose batches carry more)."""
 
 
 class Decisions:
@@ -234,7 +269,7 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
-def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fill.Fill | None = None) -> Plan:
+def make_plan(asked: TrainConfig, say, world: Dist, source: Source, chosen: Chosen | fill.Fill | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
     where the model, tokenizer, data and loss (objective) come from, each a pure call; every other
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of
