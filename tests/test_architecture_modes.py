@@ -7,7 +7,7 @@ objectives (train/core/objective.py's implementations: train/core/step.py, train
 the data doors that make the batches (train/data/), none sniffs a mode's batch or metric keys to tell
 the mode (`"n_pairs" in batch`, `batch.get("n_pairs")`, `"rewards/accuracies" in row`,
 `name.startswith("rewards/")`): each asks the objective (train/core/objective.py) or the mode's row
-(train/core/modes.py)."""
+(MODES, in the same module)."""
 
 from __future__ import annotations
 

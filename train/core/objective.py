@@ -4,7 +4,7 @@ Objective is what train_step (train/core/step.py), the loop's meter and validati
 the tools ask of a mode's loss; none of them asks which mode it serves. TokenObjective (pretraining and
 SFT, core/step.py) and PreferenceObjective (DPO and its kin, core/preference/loss.py) implement it; a
 new mode's objective (GRPO's: sampled completions, rewards, a clipped policy-gradient loss) implements
-the same methods and adds one row to train/core/modes.py, and the loop runs it unchanged.
+the same methods and adds one row to MODES (below), and the loop runs it unchanged.
 
 What the parts ask, each in one place:
 - the step: counts (the step's divisors, host ints), loss (a micro-batch's share and its metrics as
@@ -14,12 +14,20 @@ What the parts ask, each in one place:
 - validation: evaluate (a batch's weight, mean loss and metric means), perplexity, eval_shown;
 - summary.json: kept (the logged metrics it keeps as final_<name>);
 - the tools: describe (a trial step's loss in words), unit and rows_per_sample (class values, read
-  before an objective exists through modes.py), trial_on_longest (find-batch's trial batches).
+  before an objective exists through MODES), trial_on_longest (find-batch's trial batches).
+
+MODES: what a mode means to the parts that run before its objective exists (the plan's memory estimate,
+fill and adapt, find-batch's and autotune's words) or without one (compare reads a run's summary.json):
+one row per mode, its objective's class among its fields. The shared parts look a mode up (mode_of)
+and read the row's facts; none of them compares a mode's name. A new mode is a new row. The class is
+named, imported where its facts are read: compare reads summary.json without torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -78,3 +86,50 @@ def perplexity(loss: float | None) -> float | None:
     if loss is None or not math.isfinite(loss):
         return None
     return math.exp(loss) if loss < 700 else math.inf
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One mode's row: its objective's class, and what differs between modes that share one."""
+
+    objective: str
+    """The step's objective class (Objective, above), as module:Class: rows_per_sample, unit."""
+    throughput: str = "samples_per_sec"
+    """compare's headline figure: tokens_per_sec where samples vary in length (SFT's conversations: a
+    side of single conversations and one of grouped batches count samples very differently)."""
+    span_targets: bool = False
+    """An encoder-decoder's targets are span corruption's (raw text), not a MAX_LENGTH bound."""
+    fills_causal: bool = True
+    """No BATCH_SIZE of the user's: a causal model's micro-batch fills the GPU too (an encoder-decoder's
+    always does). Pretraining's packed windows keep the preset: compute-bound (find-batch measures)."""
+    row_lengths: bool = False
+    """The dataset's lengths are its rows' (the estimate reads the longest padded row); else the mode's
+    bound (a pair's lengths are the samplers' cost, not a row)."""
+    reference: bool = False
+    """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a copy)."""
+
+    @property
+    def objective_class(self) -> type:
+        module, name = self.objective.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def rows_per_sample(self) -> int:
+        return self.objective_class.rows_per_sample
+
+    @property
+    def unit(self) -> str:
+        return self.objective_class.unit
+
+
+TOKEN, PREFERENCE = "train.core.step:TokenObjective", "train.core.preference.loss:PreferenceObjective"
+MODES = {
+    "pretrain": Mode(TOKEN, span_targets=True, fills_causal=False),
+    "sft": Mode(TOKEN, throughput="tokens_per_sec", row_lengths=True),
+    "dpo": Mode(PREFERENCE, reference=True),
+}
+
+
+def mode_of(name: str) -> Mode:
+    """A mode's row (config.py's mode names: pretrain, sft, dpo)."""
+    return MODES[name]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
-from train.core.modes import mode_of
+from train.core.objective import mode_of
 from train.core.optim.optimizers import OPTIMIZERS
 from train.models import estimate_seq2seq, estimate_terms, lora
 from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)

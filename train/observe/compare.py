@@ -20,7 +20,7 @@ from pathlib import Path
 
 from train.core import files
 from train.core.errors import UsageError
-from train.core.modes import MODES
+from train.core.objective import MODES
 from train.observe.curves import as_number, plot_comparison, read_metrics
 
 # Numbers summarised per group (median over the repeats).

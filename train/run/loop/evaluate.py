@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Subset
@@ -22,6 +23,9 @@ from train.data.holdout import VAL_ROWS
 from train.data.loader import make_val_loader
 from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 
 def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool):
@@ -74,21 +78,21 @@ class Evaluator:
     """Runs the passes a run is due (every EVAL_EVERY steps and at the end), writes the rows,
     keeps the best loss and, with KEEP_BEST=1, the best model in best/."""
 
-    def __init__(self, b, run_dir, say, collate_fn=None, micro_batch=None):
+    def __init__(self, plan: Plan, run_dir, say, collate_fn=None, micro_batch=None):
         """micro_batch: () -> the training micro-batch now (the OOM guard's; default the plan's)."""
-        self.b, self.run_dir, self.say = b, run_dir, say
-        self.micro_batch = micro_batch or (lambda: b.cfg.optim.batch_size)
-        run = b.cfg.run
+        self.plan, self.run_dir, self.say = plan, run_dir, say
+        self.micro_batch = micro_batch or (lambda: plan.cfg.optim.batch_size)
+        run = plan.cfg.run
         self.every, self.keep_best = run.eval_every, run.keep_best
-        dataset = getattr(b, "val_dataset", None)
+        dataset = getattr(plan, "val_dataset", None)
         # EVAL_BATCHES x 8 sequences a pass, in rows of 8 as the held-out set is sized: the same
         # sequences whatever BATCH_SIZE (compare-sft's batch 1 read 20 where batch 16 read 160).
         self.sequences = 0 if dataset is None else min(len(dataset), run.eval_batches * VAL_ROWS)
         if dataset is not None and self.sequences < len(dataset):
             dataset = Subset(dataset, range(self.sequences))
         self.dataset, self.collate_fn = dataset, collate_fn
-        batch_size = b.cfg.optim.batch_size
-        self.loader = None if dataset is None else make_val_loader(dataset, batch_size, b.device, collate_fn)
+        batch_size = plan.cfg.optim.batch_size
+        self.loader = None if dataset is None else make_val_loader(dataset, batch_size, plan.device, collate_fn)
         self.batches = -(-self.sequences // batch_size)  # the last one partial
         self.last, self.last_metrics = None, {}
         self.best, self.best_step = best_so_far(Path(run_dir.path) / "metrics.jsonl")  # a fresh run: none
@@ -102,11 +106,11 @@ class Evaluator:
         start = time.perf_counter()
         batch_size = self.micro_batch()
         if self.loader.batch_size != batch_size:  # the micro-batch shrank after an out-of-memory
-            self.loader = make_val_loader(self.dataset, batch_size, self.b.device, self.collate_fn)
+            self.loader = make_val_loader(self.dataset, batch_size, self.plan.device, self.collate_fn)
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
-        objective = self.b.objective
-        loss, metrics = validation_pass(self.b.model, self.loader, self.batches, self.b.device, self.b.precision,
+        objective = self.plan.objective
+        loss, metrics = validation_pass(self.plan.model, self.loader, self.batches, self.plan.device, self.plan.precision,
                                         objective)
         self.passes += 1
         self.last, self.last_metrics = loss, metrics
@@ -121,19 +125,19 @@ class Evaluator:
         if self.keep_best:
             from train.run.guard.health import weights_finite
 
-            improved = improved and weights_finite(self.b.model)  # a finite loss can hide a NaN weight
+            improved = improved and weights_finite(self.plan.model)  # a finite loss can hide a NaN weight
             # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
             # worked): ranks whose losses differ in the last bit must still agree it is due.
-            improved = bool(distributed.max_across(self.b.world, [int(improved)])[0])
+            improved = bool(distributed.max_across(self.plan.world, [int(improved)])[0])
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
                 from train.run.rundir.rundir import save_model
 
-                state = parallel.full_state_dict(self.b.model)  # sharded: a gather every rank joins
+                state = parallel.full_state_dict(self.plan.model)  # sharded: a gather every rank joins
                 # One writer (the other ranks hold the same weights); a failed save stops every rank.
                 distributed.on_main(
-                    self.b.world, lambda: save_model(self.b, self.run_dir.path / "best", step, state)
+                    self.plan.world, lambda: save_model(self.plan, self.run_dir.path / "best", step, state)
                 )
                 line += " (best so far; saved to best/)"
         self.say(line)
@@ -145,7 +149,7 @@ class Evaluator:
         return {
             "final_val_loss": self.last,
             "final_val_ppl": perplexity(self.last),
-            **{f"final_val_{name}": value for name, value in self.b.objective.kept(self.last_metrics).items()},
+            **{f"final_val_{name}": value for name, value in self.plan.objective.kept(self.last_metrics).items()},
             "best_val_loss": self.best,
             "best_val_step": self.best_step,
             "val_sequences": None if self.loader is None else len(self.loader.dataset),
@@ -154,14 +158,14 @@ class Evaluator:
         }
 
 
-def val_stop(b, evaluator: Evaluator, guard, steps_done: int, say) -> str | None:
+def val_stop(plan: Plan, evaluator: Evaluator, guard, steps_done: int, say) -> str | None:
     """A non-finite validation loss means non-finite weights, whatever the training loss said:
     the same stop as NAN_PATIENCE non-finite training losses (no final/ of those weights)."""
-    if b.cfg.run.nan_patience == 0:
+    if plan.cfg.run.nan_patience == 0:
         return None
     loss = evaluator.last
     bad = loss is not None and not math.isfinite(loss)
-    if not distributed.max_across(b.world, [int(bad)])[0]:  # every rank stops at the same step
+    if not distributed.max_across(plan.world, [int(bad)])[0]:  # every rank stops at the same step
         return None
     from train.run.checkpoint.checkpoint import list_checkpoints
 

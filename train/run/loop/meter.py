@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,9 @@ from train.core.step import TokenObjective, compiled_run_eager
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 NO_COUNTS = (0, 0, 0)
 
@@ -93,12 +97,12 @@ def seq2seq_tokens(batch: dict) -> tuple[int, int]:
 class Meter:
     """Counts, times and logs one session of a run (see the module doc)."""
 
-    def __init__(self, b, run_dir, say, guard, batches):
-        self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
-        self.device, self.world = b.device, b.world
-        self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.objective = b.objective  # the mode's: what a batch's samples are, the log line's fields
-        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target, b.objective)
+    def __init__(self, plan: Plan, run_dir, say, guard, batches):
+        self.plan, self.run_dir, self.say, self.guard = plan, run_dir, say, guard
+        self.device, self.world = plan.device, plan.world
+        self.timer = StepTimer(plan.device)  # data wait vs compute; CUDA events, read only at log points
+        self.objective = plan.objective  # the mode's: what a batch's samples are, the log line's fields
+        self.batches = BatchCounter(self.timer.wrap(batches), plan.family.source_target, plan.objective)
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)
@@ -127,7 +131,7 @@ class Meter:
             self.timer.start_steady()
         # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
         self.bar = tqdm(
-            total=self.guard.total_steps, initial=self.first, desc=self.b.cfg.run.mode, unit="step",
+            total=self.guard.total_steps, initial=self.first, desc=self.plan.cfg.run.mode, unit="step",
             dynamic_ncols=True, disable=None if self.world.is_main else True,
         )
 
@@ -137,7 +141,7 @@ class Meter:
         before = self.guard.counted_before
         if before is not None:
             return before[0] + counts[0], before[1] + counts[1]
-        per_row = counts[1] / counts[0] if counts[0] else self.b.max_length
+        per_row = counts[1] / counts[0] if counts[0] else self.plan.max_length
         return self.base + counts[0], round(self.base * per_row) + counts[1]
 
     def step_end(self, done: int, counts_due: bool) -> None:
@@ -173,7 +177,7 @@ class Meter:
         validation or save due; the first step builds the optimizer state once), else None. Its
         ops pay a Python call each (tens of ms once), so it is a warm-up step where the run has
         two or more (steady_start: from 20 steps), outside the throughput figures."""
-        save_every = self.b.cfg.run.save_every
+        save_every = self.plan.cfg.run.save_every
         quiet = quiet and not (save_every > 0 and done % save_every == 0)
         if self.host_syncs is not None or not quiet or done - self.first < 2:
             yield None

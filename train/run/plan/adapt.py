@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from train.core.errors import UsageError
-from train.core.modes import mode_of
+from train.core.objective import mode_of
 from train.core.units import MIB
 from train.models import estimate_seq2seq
 from train.models.estimate_terms import packed_grid_of
@@ -107,36 +107,36 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
     return cap, why
 
 
-def over_memory(b) -> str | None:
+def over_memory(plan) -> str | None:
     """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
     is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
     (exit 2) only where even one sequence cannot fit: train/models/estimate.py refuse_unfit, earlier."""
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
-    cfg = b.cfg
+    cfg = plan.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
     # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
-    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)
-    est = estimate_for_run(b.model.config, count_params(b.model), cfg, shape["max_length"], b.precision, b.device.type,
-                           b.world.world_size, trainable_of(b.model), target_length=shape.get("target_length"),
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.source_target)
+    est = estimate_for_run(plan.model.config, count_params(plan.model), cfg, shape["max_length"], plan.precision, plan.device.type,
+                           plan.world.world_size, trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
-    if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
+    if cfg.run.dry_run and plan.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
         from train.core.device import memory_capacity
 
-        cap_bytes, what = memory_capacity(b.device, cfg.system.max_memory_mb)
+        cap_bytes, what = memory_capacity(plan.device, cfg.system.max_memory_mb)
         cap = None if cap_bytes is None else cap_bytes / MIB
     else:
-        cap, what = capacity_mb(b.device, cfg.system.max_memory_mb)
+        cap, what = capacity_mb(plan.device, cfg.system.max_memory_mb)
     peak = est["peak"] / MIB
     if cap is None or peak <= cap:
         return None
-    then = ("out-of-memory retries at a smaller micro-batch" if b.device.type == "cuda"
+    then = ("out-of-memory retries at a smaller micro-batch" if plan.device.type == "cuda"
             else "swapping or the system killing the run")
     return (
         f"warning: the memory estimate is {peak:,.0f} MB, over the {cap:,.0f} MB this run can use ({what}); "
-        f"warned, not refused (the fit check refuses only where one sequence of {b.max_length} tokens cannot fit): "
+        f"warned, not refused (the fit check refuses only where one sequence of {plan.max_length} tokens cannot fit): "
         f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set ENABLE_GRAD_CKPT=1"
     )
 

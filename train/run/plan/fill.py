@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.core.modes import mode_of
+from train.core.objective import mode_of
 from train.core.units import MIB
 from train.models.estimate_terms import PackedGrid
 from train.run.plan import adapt
@@ -37,7 +37,7 @@ SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to s
 
 def applies(mode: str, source_target: bool) -> bool:
     """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset
-    (train/core/modes.py fills_causal)."""
+    (train/core/objective.py fills_causal)."""
     return mode_of(mode).fills_causal or source_target
 
 
