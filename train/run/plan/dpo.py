@@ -1,8 +1,8 @@
 """`python -m train dpo`: where a preference-training run's model, data and loss come from (DPOSource).
 
 The plan is make_plan's, as for pretraining and SFT, and the step, loop, checkpoints and run folder are
-shared. The model and its tokenizer are SFT's (SFTSource's calls: MODEL_PATH, default the newest
-completed SFT run's final/; LoRA), the data is train/data/pref's front door (pairs of chosen and
+shared. The model and its tokenizer are SFT's (sft.py's functions, composed: MODEL_PATH, default the
+newest completed SFT run's final/; LoRA), the data is train/data/pref's front door (pairs of chosen and
 rejected replies), and the loss is train/core/preference's, handed to the step as the plan's objective
 with the reference model REFERENCE decides (train/run/plan/dpo_reference.py).
 """

@@ -2,9 +2,10 @@
 sequence length, the effective batch and learning rate, the memory-adaptive settings, step count,
 warm-up, and every automatic choice with the reason for it. One function makes it for every mode
 (make_plan), in one order: the model's family and shape (config only) -> MAX_LENGTH -> the fit
-check -> the tokenizer -> the data -> the model -> the memory-adaptive settings and the steps. A mode (pretraining in build.py, SFT in sft.py)
-supplies each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a
-Data, a model): nothing is kept on the source. The plan is frozen: what changes at run time (an
+check -> the tokenizer -> the data -> the model -> the memory-adaptive settings and the steps. A mode's
+source (Source: pretraining's in build.py, SFT's in sft.py, preference training's in dpo.py) supplies
+each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a Data, a model, the
+objective): nothing is kept on the source. The plan is frozen: what changes at run time (an
 out-of-memory's smaller micro-batch, a resume's position) belongs to the object that owns it.
 
 Nothing here writes to runs/, so bad input stops before any run folder is touched.
