@@ -93,7 +93,7 @@ def cuda_form(folder: Path, out: Path, data: Path | None, packing: bool | None, 
     import torch
 
     import config
-    from train.data.pref.preference import preference_data
+    from train.data.preference import preference_data
     from train.data.tokenizer import chat_tokens, folder_tokenizer
 
     tok = folder_tokenizer(folder, "MODEL_PATH", False)  # as the run makes it (SFTSource.tokenizer)

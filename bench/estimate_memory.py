@@ -29,9 +29,9 @@ from train.core.optim.optimizers import build_optimizer  # noqa: E402
 from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX, MIB  # noqa: E402
-from train.data.sft.fine_tuning import SFTDataset  # noqa: E402
-from train.data.sft.packing import PackedCollator, PackedRows, pack  # noqa: E402
-from train.data.sft.sft_batching import Seq2SeqCollator  # noqa: E402
+from train.data.chat.batching import Seq2SeqCollator  # noqa: E402
+from train.data.chat.packing import PackedCollator, PackedRows, pack  # noqa: E402
+from train.data.sft import SFTDataset  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
 from train.models.estimate import estimate_for_run  # noqa: E402
@@ -114,7 +114,7 @@ def path(name: str, size: int) -> dict:
         return {"model": model, "mode": "sft", "batch": len(dataset), "max_length": length, "packing": True,
                 "batches": [collate([dataset[i] for i in range(len(dataset))])], "dataset": dataset, "collate": collate}
     if name == "dpo-pairs":
-        from train.data.pref.pref_batching import PairCollator
+        from train.data.chat.pair_batching import PairCollator
 
         pairs, length = ((4, 128), (4, 256))[size]
         rng = np.random.default_rng(0)

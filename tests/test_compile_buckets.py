@@ -21,8 +21,8 @@ from test_t5_sft import t5_folder  # noqa: F401 (the tiny T5 SFT starts from)
 from conftest import run_cli, tiny_model
 from train.core.attention import use_attention, varlen_indices
 from train.core.step import forward_loss
-from train.data.sft.packing import VARLEN, PackedCollator
-from train.data.sft.sft_batching import PadCollator, length_buckets
+from train.data.chat.batching import PadCollator, length_buckets
+from train.data.chat.packing import VARLEN, PackedCollator
 from train.run.compile import compile_guard
 
 # Lengths from a few tokens to past MAX_LENGTH=64 (truncated): many widths without buckets.

@@ -29,8 +29,8 @@ from test_dpo_mode import t5_root  # noqa: F401 (the tiny T5 and its pairs)
 from conftest import read_jsonl, run_cli
 from train.core.attention import use_attention
 from train.core.preference.logps import Responses
-from train.data.pref.pref_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
-from train.data.sft.packing import SDPA, VARLEN
+from train.data.chat.packing import SDPA, VARLEN
+from train.data.chat.pair_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
 
 KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "simpo": dict(beta=2.0, simpo_gamma=0.7)}
 FAMILIES = {"gpt2": gpt2, "llama": llama}

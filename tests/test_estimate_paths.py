@@ -18,9 +18,9 @@ from train.core.optim.optimizers import build_optimizer
 from train.core.seq2seq import span_lengths
 from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
-from train.data.sft.fine_tuning import SFTDataset
-from train.data.sft.packing import PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.chat.batching import Seq2SeqCollator
+from train.data.chat.packing import PackedCollator, PackedRows, pack
+from train.data.sft import SFTDataset
 from train.distributed.parallel import build_scaler
 from train.models.build import build_config, build_model
 from train.models.estimate import estimate_for_run
@@ -160,7 +160,7 @@ def test_preference_pairs(pairs, length, precision):
     """DPO: BATCH_SIZE pairs are 2 x BATCH_SIZE rows in one forward, a frozen fp32 copy beside the policy."""
     from train.core.preference.loss import PreferenceObjective
     from train.core.preference.reference import build_reference
-    from train.data.pref.pref_batching import PairCollator
+    from train.data.chat.pair_batching import PairCollator
 
     model = tiny_gpt2()
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ import torch
 
 import config
 from train.core.units import MIB
-from train.data.sft.fine_tuning import SFTDataset
+from train.data.sft import SFTDataset
 from train.models.build import build_config
 from train.models.estimate import estimate_for_run
 from train.run.plan import adapt, fill

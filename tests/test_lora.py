@@ -102,7 +102,7 @@ def kit_and_peft(folder: Path):
     lora_B made non-zero (at init B = 0 and the adapter adds nothing)."""
     from peft import PeftModel
 
-    from train.data.sft.sft_data import stop_token_ids
+    from train.data.chat.encode import stop_token_ids
     from train.data.tokenizer import chat_tokens, folder_tokenizer
     from train.models import load
 

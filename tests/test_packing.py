@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import (
+from train.data.chat.batching import padding_efficiency
+from train.data.chat.packing import (
     EAGER,
     FLASH,
     SDPA,
@@ -23,7 +24,6 @@ from train.data.sft.packing import (
     block_causal_mask,
     pack,
 )
-from train.data.sft.sft_batching import padding_efficiency
 
 
 def test_bfd_packs_alpaca_like_lengths_tightly():

@@ -13,10 +13,10 @@ from test_sft_data import make_tokenizer
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.pref.pref_encode import encode
-from train.data.pref.pref_formats import load_pairs
-from train.data.sft.sft_data import encode_conversations, encode_pairs, ensure_special_tokens
-from train.data.sft.templates import Rendering, Tally
+from train.data.chat.encode import encode_conversations, encode_pairs, ensure_special_tokens
+from train.data.chat.pair_encode import encode
+from train.data.chat.pair_formats import load_pairs
+from train.data.chat.templates import Rendering, Tally
 
 SKY = {"prompt": [{"role": "user", "content": "What color is the sky?"}],
        "chosen": [{"role": "assistant", "content": "It is blue."}],

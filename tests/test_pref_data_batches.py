@@ -1,4 +1,4 @@
-"""Preference batches (train/data/pref/pref_batching.py): P pairs -> 2P rows, chosen first, exact ids and
+"""Preference batches (train/data/chat/pair_batching.py): P pairs -> 2P rows, chosen first, exact ids and
 labels for a small case (causal and seq2seq), and packed rows whose sequences never see each other: the
 per-sequence log-probabilities of a packed batch (masked sdpa and the varlen path) equal each sequence
 run alone through a tiny real GPT-2."""
@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from train.core.attention import VARLEN_SDPA, use_attention
 from train.core.units import IGNORE_INDEX
-from train.data.pref.pref_batching import (
+from train.data.chat.packing import SDPA
+from train.data.chat.pair_batching import (
     PackedPairCollator,
     PairCollator,
     PairDataset,
     Seq2SeqPairCollator,
     pack_pairs,
 )
-from train.data.sft.packing import SDPA
 
 X = IGNORE_INDEX
 PAIRS = [

@@ -1,4 +1,4 @@
-"""The preference cache (train/data/pref/pref_cache.py) and the front door (preference.py): pairs
+"""The preference cache (train/data/chat/pair_cache.py) and the front door (preference.py): pairs
 tokenized once and reused, the same bytes from parquet, Arrow and JSONL and whatever the number of
 workers, a tampered cache refused and rebuilt, a prompt that fills MAX_LENGTH as one line naming the
 file and line, and preference_data's held-out split, summary and loaders through SFT's samplers."""
@@ -15,12 +15,12 @@ from test_pref_data import tok  # noqa: F401 (the fixture)
 from config import DataConfig
 from data_tools import write_arrow_folder, write_jsonl, write_parquet
 from train.core.errors import UsageError
+from train.data.chat.formats import builtin_conversations
+from train.data.chat.pair_cache import preference_cache
+from train.data.chat.pair_encode import encode
+from train.data.chat.pair_formats import builtin_pairs, load_pairs
 from train.data.loader import make_loader, make_val_loader
-from train.data.pref.pref_cache import preference_cache
-from train.data.pref.pref_encode import encode
-from train.data.pref.pref_formats import builtin_pairs, load_pairs
-from train.data.pref.preference import preference_data
-from train.data.sft.sft_formats import builtin_conversations
+from train.data.preference import preference_data
 
 
 def pair_record(i: int) -> dict:
@@ -71,7 +71,7 @@ def test_parquet_arrow_and_workers_give_the_same_bytes(tmp_path, tok, monkeypatc
     assert every(cached(parquet, tok, tmp_path / "c")[0]) == want
     from_arrow = cached(arrow, tok, tmp_path / "c")[0]
     assert len(from_arrow) == 12 and from_arrow.meta.format == "prompt"
-    monkeypatch.setattr("train.data.sft.sft_cache.CHUNK_ROWS", 7)  # several chunks in flight
+    monkeypatch.setattr("train.data.chat.cache.CHUNK_ROWS", 7)  # several chunks in flight
     one = cached(jsonl, tok, tmp_path / "one")[0]
     two = cached(jsonl, tok, tmp_path / "two", workers=2)[0]
     assert every(two) == want

@@ -13,7 +13,7 @@ import torch
 from conftest import KIT_PY, launch, read_jsonl, run_cli
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_data import PadCollator, encode_conversations, ensure_special_tokens
+from train.data.chat.encode import PadCollator, encode_conversations, ensure_special_tokens
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"Name fruit {i}.", "input": "", "output": "An apple." * (1 + i % 3)},

@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_model
 from train.core import step
-from train.data.sft.sft_batching import PadCollator
+from train.data.chat.batching import PadCollator
 
 
 def examples(seed: int, n: int) -> list[dict]:

@@ -23,7 +23,7 @@ from tiny_tools import one_thread
 from conftest import ROOT, launcher_env, read_jsonl, run_cli, train_python
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption as sc
-from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.chat.batching import Seq2SeqCollator
 
 GOLDEN = ROOT / "tests" / "golden" / "t5_span_losses.json"
 STEPS = 40

@@ -17,9 +17,9 @@ from test_sft_data import make_tokenizer
 
 from conftest import launch, read_jsonl, run_cli
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
-from train.data.sft.sft_cache import sft_cache
-from train.data.sft.sft_data import encode_pairs, ensure_special_tokens, prompt_for_generation
+from train.data.chat.batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
+from train.data.chat.cache import sft_cache
+from train.data.chat.encode import encode_pairs, ensure_special_tokens, prompt_for_generation
 
 GOLDEN = Path(__file__).parent / "golden" / "t5_sft_losses.json"
 TINY_T5 = dict(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, dropout_rate=0.0)

@@ -17,8 +17,8 @@ from train.core import step
 from train.core.loss import chunked_cross_entropy, lm_hidden_and_head, shift_targets
 from train.core.measure.syncs import HostSyncs
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import SDPA, PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import PadCollator
+from train.data.chat.batching import PadCollator
+from train.data.chat.packing import SDPA, PackedCollator, PackedRows, pack
 
 CPU = torch.device("cpu")
 

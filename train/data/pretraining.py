@@ -16,10 +16,10 @@ from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.core.units import cpu_cores
 from train.data import records, span_corruption
 from train.data import text as data
+from train.data.chat.batching import Seq2SeqCollator
 from train.data.holdout import VAL_ROWS, val_windows
 from train.data.json_lines import record_limit, suffix_of
 from train.data.loader import Data
-from train.data.sft.sft_batching import Seq2SeqCollator
 
 
 def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:

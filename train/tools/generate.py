@@ -34,9 +34,9 @@ from train.core.errors import UsageError
 from train.core.files import odd_kind, read_user_file
 from train.core.generation import settings_problem, value_problem
 from train.core.remote_code import refuse_custom_code
-from train.data.sft.render_bounds import RenderFailed
-from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
-from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
+from train.data.chat.encode import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
+from train.data.chat.render_bounds import RenderFailed
+from train.data.chat.turns import TOOLS_ROLE, BadRecord, parse_tools
 from train.models.build import context_length
 from train.models.family import CAUSAL, family_of
 from train.models.load import load_folder

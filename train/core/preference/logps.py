@@ -84,7 +84,7 @@ class Responses:
 
 
 PACKED = ("position_ids", "varlen_index", "varlen_place", "cu_seq_lens_q", "cu_seq_lens_k")
-"""A packed batch's tensors for the model (train/data/sft/packing.py): positions restarting per
+"""A packed batch's tensors for the model (train/data/chat/packing.py): positions restarting per
 sequence and the varlen kernel's indices, which keep every sequence apart in attention."""
 
 

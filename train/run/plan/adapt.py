@@ -155,7 +155,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
         return {"max_length": max_length}
 
     def padded(n: int) -> int:
-        from train.data.sft.sft_batching import padded_width
+        from train.data.chat.batching import padded_width
 
         width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
         return min(max_length, width)

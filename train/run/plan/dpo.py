@@ -22,7 +22,7 @@ from train.core.errors import UsageError
 from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
 from train.core.units import MIB
 from train.data.loader import Data
-from train.data.pref.preference import preference_data
+from train.data.preference import preference_data
 from train.distributed.distributed import gather
 from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout

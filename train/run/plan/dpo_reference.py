@@ -28,8 +28,8 @@ import torch
 from train.core.errors import UsageError
 from train.core.preference import reference_over
 from train.data import cache_files
-from train.data.pref.pref_batching import PairCollator, PairDataset, Seq2SeqPairCollator
-from train.data.sft.packing import PackedRows
+from train.data.chat.packing import PackedRows
+from train.data.chat.pair_batching import PairCollator, PairDataset, Seq2SeqPairCollator
 
 PRECOMPUTED = ("ref_chosen_logps", "ref_rejected_logps")
 PASS_BATCH = 8  # pairs per forward of the pass (fixed: the cached numbers do not depend on BATCH_SIZE)

@@ -6,7 +6,7 @@ the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ..
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
 causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py), or
 a new one of MODEL_CONFIG / MODEL_SIZE trained from scratch (train/run/plan/sft_scratch.py); the
-data comes through train/data/sft/fine_tuning.py's front door: conversations (or for an
+data comes through train/data/sft.py's front door: conversations (or for an
 encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
 length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with
 every process reading its own share of each epoch.
@@ -25,11 +25,11 @@ from train.config import knobs
 from train.core.attention import use_attention
 from train.core.errors import UsageError
 from train.data import tokenizer
+from train.data.chat.batching import BudgetSampler
+from train.data.chat.encode import stop_token_ids
+from train.data.chat.packing import FLASH, VARLEN
 from train.data.loader import Data
-from train.data.sft.fine_tuning import fine_tuning_data, unit_of
-from train.data.sft.packing import FLASH, VARLEN
-from train.data.sft.sft_batching import BudgetSampler
-from train.data.sft.sft_data import stop_token_ids
+from train.data.sft import fine_tuning_data, unit_of
 from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout

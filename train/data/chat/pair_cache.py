@@ -1,7 +1,7 @@
 """Preference pairs tokenized once, into CACHE_DIR/pref/<key>/, and read back memory-mapped.
 
-The SFT cache's design (train/data/sft/sft_cache.py), for pairs; its machinery is called, not copied:
-the records stream in chunks to TOKENIZE_WORKERS processes (sft_cache.encoded_chunks, with this
+The SFT cache's design (train/data/chat/cache.py), for pairs; its machinery is called, not copied:
+the records stream in chunks to TOKENIZE_WORKERS processes (cache.encoded_chunks, with this
 module's chunk encoder), the main process writes the results in record order into a temporary folder
 that is fsynced and renamed into place, and a later run maps the files at once after checking them
 against their sha256 (cache_files.verify_sums: once, then remembered by size, mtime, ctime and inode).
@@ -30,11 +30,11 @@ import numpy as np
 
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files
-from train.data.pref.pref_encode import SIDES, encode
-from train.data.pref.pref_formats import converted, open_pairs
-from train.data.sft import sft_cache
-from train.data.sft.sft_formats import all_bad, refuse_bad
-from train.data.sft.templates import Rendering, Tally
+from train.data.chat import cache
+from train.data.chat.formats import all_bad, refuse_bad
+from train.data.chat.pair_encode import SIDES, encode
+from train.data.chat.pair_formats import converted, open_pairs
+from train.data.chat.templates import Rendering, Tally
 
 PREF_CACHE_VERSION = "1"
 FILES = ("ids.bin", "trained.bin", "lengths.bin")
@@ -56,7 +56,7 @@ class Manifest:
 
 
 class CachedPairs:
-    """The cached pairs lo..hi as a sequence of pref_encode's examples (prompt_ids, chosen_ids,
+    """The cached pairs lo..hi as a sequence of pair_encode's examples (prompt_ids, chosen_ids,
     chosen_labels, rejected_ids, rejected_labels), read from the memmaps on demand. A slice is a view
     of the same files (a validation split copies nothing); it pickles as its file names, so the
     DataLoader's workers map the files themselves."""
@@ -144,7 +144,7 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None):
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
     """A chunk of (place, record) -> (ids, trained, sides, (truncated, reply cut, tools kept), bad)."""
-    tok, fmt, max_length, kind, rendering = sft_cache._WORKER  # set by sft_cache's worker initializer
+    tok, fmt, max_length, kind, rendering = cache._WORKER  # set by cache's worker initializer
     pairs, places, bad = converted(chunk, fmt)
     tally = Tally()
     examples, n_cut, n_reply_cut = encode(pairs, tok, max_length, kind, rendering, tally)
@@ -168,7 +168,7 @@ def _write(tmp: Path, items, tok, fmt: str, max_length: int, workers: int, skip:
     first_error = ""
     with contextlib.ExitStack() as stack:
         out = {name: cache_files.Hashed(stack.enter_context(open(tmp / name, "wb"))) for name in FILES}
-        chunks = sft_cache.encoded_chunks(items, tok, fmt, max_length, workers, kind, rendering, encode=_encode_chunk)
+        chunks = cache.encoded_chunks(items, tok, fmt, max_length, workers, kind, rendering, encode=_encode_chunk)
         for ids, trained, sides, cut, bad in chunks:
             if bad and not skip:
                 raise refuse_bad(bad[0])
@@ -210,8 +210,8 @@ def preference_cache(data_path: str | None, builtin: list | None, tok, max_lengt
     start, rendering = time.perf_counter(), rendering or Rendering()
     root = cache_dir / "pref"
     cache_files.refuse_link(root, root / "sums")
-    data_key, total = sft_cache.data_fingerprint(data_path, builtin, root / "sums")
-    key = sft_cache.cache_key(f"pref-{PREF_CACHE_VERSION}\0{data_key}", tok, max_length, skip_bad_records, kind,
+    data_key, total = cache.data_fingerprint(data_path, builtin, root / "sums")
+    key = cache.cache_key(f"pref-{PREF_CACHE_VERSION}\0{data_key}", tok, max_length, skip_bad_records, kind,
                               rendering)  # fmt: skip
     folder = root / key
     cache_files.drop_link(folder, say)
@@ -228,7 +228,7 @@ def preference_cache(data_path: str | None, builtin: list | None, tok, max_lengt
     else:
         fmt, items = open_pairs(data_path, skip_bad_records)
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
-        workers = max(1, min(workers, -(-total // sft_cache.CHUNK_ROWS)))
+        workers = max(1, min(workers, -(-total // cache.CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""
     say(f"tokenizing {rows}preference records into {folder} on {workers} process(es) (once per data, tokenizer, "
         "template, MAX_LENGTH and model kind)")

@@ -2,9 +2,9 @@
 and "file" for a Jinja file given as TEMPLATE). An entry says what the tokenizer's chat template
 becomes (ensure_special_tokens), how a causal LM's conversation turns into (text, flag) segments,
 how long the "reply now" marker a cut keeps is, whether an encoder-decoder reads raw contents, and
-what a causal LM's final/ saves. The files that meet a TEMPLATE (sft_data, fine_tuning) look it
+what a causal LM's final/ saves. The files that meet a TEMPLATE (encode, the SFT door) look it
 up here instead of branching on its name; a new TEMPLATE is an entry. What each renders is in
-train/data/sft/templates.py's module doc."""
+train/data/chat/templates.py's module doc."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from train.core.errors import UsageError
-from train.data.sft import templates
-from train.data.sft.chat_template import template_segments
-from train.data.sft.render_bounds import RenderFailed, render_chat
-from train.data.sft.sft_turns import call_text, split_tools
-from train.data.sft.templates import (
+from train.data.chat import templates
+from train.data.chat.chat_template import template_segments
+from train.data.chat.render_bounds import RenderFailed, render_chat
+from train.data.chat.templates import (
     BUILTIN_CHAT_TEMPLATE,
     EARLIER_TEMPLATES,
     END_TOKEN,
@@ -33,6 +32,7 @@ from train.data.sft.templates import (
     raw_template,
     read_template,
 )
+from train.data.chat.turns import call_text, split_tools
 
 
 @dataclass(frozen=True)

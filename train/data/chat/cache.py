@@ -10,10 +10,10 @@ Once every record was read into RAM and tokenized again on every rank (100k alpa
 and every later run with the same key maps them at once. The key covers what changes the ids: the data's
 bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE, LOSS_ON, TRUNCATION,
 REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind: for an encoder-decoder (T5, BART) an example is a
-(source, target) pair (sft_data.encode_pairs), ids.bin holds the source then the target, trained.bin is 1 on
+(source, target) pair (encode.encode_pairs), ids.bin holds the source then the target, trained.bin is 1 on
 the target, and source_lengths.bin (int32) says where the target starts. Only lengths are held in RAM.
 
-The build streams the records (sft_formats) in chunks to TOKENIZE_WORKERS processes, which render, tokenize
+The build streams the records (formats) in chunks to TOKENIZE_WORKERS processes, which render, tokenize
 and truncate; the main process writes the results in record order, whatever the number of workers, into a
 temporary folder, fsynced and renamed: a crash leaves no half cache, and a damaged one (a file cut short, a
 manifest missing) is noticed, said, and built again. Each file is checked against its sha256 once (trained.bin
@@ -40,8 +40,8 @@ import numpy as np
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import cache_files, records, tokenize
-from train.data.sft.sft_data import Rendering, Tally, encode
-from train.data.sft.sft_formats import all_bad, converted, open_records, refuse_bad
+from train.data.chat.encode import Rendering, Tally, encode
+from train.data.chat.formats import all_bad, converted, open_records, refuse_bad
 
 SFT_CACHE_VERSION = "6"  # 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos; 6: unfit
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even

@@ -29,12 +29,12 @@ import torch
 from torch.utils.data import Dataset
 
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import FLASH, VARLEN, PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import PadCollator, Seq2SeqCollator
+from train.data.chat.batching import PadCollator, Seq2SeqCollator
+from train.data.chat.packing import FLASH, VARLEN, PackedCollator, PackedRows, pack
 
 
 class PairDataset(Dataset):
-    """Encoded pairs (the preference cache's memory-mapped view, or a list of pref_encode's examples).
+    """Encoded pairs (the preference cache's memory-mapped view, or a list of pair_encode's examples).
     sides: (pairs, 3) prompt / chosen / rejected tokens. lengths and source_lengths are the samplers'
     cost model (see the module doc); packed_lengths the tokens a pair takes in a packed row."""
 

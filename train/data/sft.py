@@ -18,10 +18,11 @@ from torch.utils.data import Dataset
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
 from train.data import records
-from train.data.holdout import held_out_tail
-from train.data.json_lines import record_limit
-from train.data.loader import Data
-from train.data.sft.packing import (
+from train.data.chat.batching import Seq2SeqCollator, bucket_lengths
+from train.data.chat.cache import sft_cache
+from train.data.chat.encode import PadCollator, Rendering, builtin_conversations
+from train.data.chat.formats import converted, open_records
+from train.data.chat.packing import (
     FLASH,
     SDPA,
     VARLEN,
@@ -31,12 +32,11 @@ from train.data.sft.packing import (
     attention_for,
     pack,
 )
-from train.data.sft.sft_batching import Seq2SeqCollator, bucket_lengths
-from train.data.sft.sft_cache import sft_cache
-from train.data.sft.sft_data import PadCollator, Rendering, builtin_conversations
-from train.data.sft.sft_formats import converted, open_records
-from train.data.sft.template_table import TEMPLATE
-from train.data.sft.templates import has_generation_markers
+from train.data.chat.template_table import TEMPLATE
+from train.data.chat.templates import has_generation_markers
+from train.data.holdout import held_out_tail
+from train.data.json_lines import record_limit
+from train.data.loader import Data
 from train.data.text import language_note
 
 
@@ -122,7 +122,7 @@ def unit_of(pairs: bool) -> str:
 
 class SFTDataset(Dataset):
     """Encoded examples ({"input_ids", "labels"}): the SFT cache's memory-mapped view
-    (train/data/sft/sft_cache.py), or a list in memory; lengths (a numpy array) for the samplers.
+    (train/data/chat/cache.py), or a list in memory; lengths (a numpy array) for the samplers.
     pairs (encoder-decoder: labels are the target): lengths are source + target, and
     source_lengths the sources (None for conversations)."""
 
@@ -183,7 +183,7 @@ def load_dataset(d, tok, max_length: int, say, kind: str = "causal") -> tuple[SF
 
 def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int, decide):
     """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens
-    (train/data/sft/packing.py), the collator that keeps them apart in attention, and the figures
+    (train/data/chat/packing.py), the collator that keeps them apart in attention, and the figures
     for summary.json. set_attention(kind): switches the model to the varlen kernel chosen. Returns (rows
     dataset, collator, summary entries)."""
     if d.length_grouping:

@@ -5,7 +5,7 @@ them length-grouped or by TOKEN_BUDGET through SFT's samplers. Takes the data co
 and plain values, never the Plan or the model (packing asks for the model's attention switch alone);
 imports train/core and train/data only, never the root config.py.
 
-The batch keys the loss code reads (train/data/pref/pref_batching.py): causal input_ids,
+The batch keys the loss code reads (train/data/chat/pair_batching.py): causal input_ids,
 attention_mask, labels of 2P rows (chosen rows 0..P-1, rejected rows P..2P-1); seq2seq input_ids and
 attention_mask of P rows (the source once per pair) and labels of 2P rows; packed rows add
 position_ids and sequence_ids; every form carries n_pairs, n_real_tokens and n_padded_tokens.
@@ -18,10 +18,9 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.holdout import held_out_tail
-from train.data.json_lines import record_limit
-from train.data.loader import Data
-from train.data.pref.pref_batching import (
+from train.data.chat.batching import bucket_lengths
+from train.data.chat.packing import FLASH, VARLEN
+from train.data.chat.pair_batching import (
     MicroPackedPairCollator,
     PackedPairCollator,
     PairCollator,
@@ -29,12 +28,13 @@ from train.data.pref.pref_batching import (
     Seq2SeqPairCollator,
     pack_pairs,
 )
-from train.data.pref.pref_cache import preference_cache
-from train.data.pref.pref_formats import BUILTIN_NAME, builtin_pairs
-from train.data.sft.fine_tuning import packed_attention, template_decision, tokenize_workers
-from train.data.sft.packing import FLASH, VARLEN
-from train.data.sft.sft_batching import bucket_lengths
-from train.data.sft.templates import Rendering
+from train.data.chat.pair_cache import preference_cache
+from train.data.chat.pair_formats import BUILTIN_NAME, builtin_pairs
+from train.data.chat.templates import Rendering
+from train.data.holdout import held_out_tail
+from train.data.json_lines import record_limit
+from train.data.loader import Data
+from train.data.sft import packed_attention, template_decision, tokenize_workers
 
 
 def refuse_settings(d, kind: str) -> None:

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from train.core.attention import VARLEN_SDPA, varlen_indices
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_batching import padded_width
+from train.data.chat.batching import padded_width
 
 FLASH = "flash_attention_2"
 SDPA = "sdpa"
