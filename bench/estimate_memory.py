@@ -30,11 +30,12 @@ from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX, MIB  # noqa: E402
 from train.data.chat.batching import Seq2SeqCollator  # noqa: E402
+from train.data.chat.conversation_cache import SFTDataset  # noqa: E402
 from train.data.chat.packing import PackedCollator, PackedRows, pack  # noqa: E402
-from train.data.sft import SFTDataset  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
 from train.models.estimate import estimate_for_run  # noqa: E402
+from train.models.family import CAUSAL_LM, ENCODER_DECODER, family_of  # noqa: E402
 from train.run.plan.adapt import row_shape  # noqa: E402
 
 VOCAB = 2048
@@ -103,7 +104,7 @@ def path(name: str, size: int) -> dict:
         examples = conversations(rows, longest, pairs=True)
         collate = Seq2SeqCollator(0)
         return {"model": t5((128, 256)[size]), "mode": "sft", "batch": rows, "max_length": 512,
-                "batches": [collate(examples)], "dataset": SFTDataset(examples, pairs=True), "collate": collate}
+                "batches": [collate(examples)], "dataset": SFTDataset(examples, ENCODER_DECODER), "collate": collate}
     if name == "sft-packed":
         n, length = ((32, 256), (64, 512))[size]
         examples = conversations(n, length * 3 // 4)
@@ -135,15 +136,14 @@ def measure(p: dict, precision: str, device: torch.device) -> float:
         from train.core.preference.loss import PreferenceObjective
         from train.core.preference.reference import build_reference
 
-        objective = PreferenceObjective(False, "sigmoid", reference=build_reference("copy", model, source_target=False))
+        objective = PreferenceObjective(CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM))
     cfg = config.resolve(None, {"learning_rate": 1e-4})
     optimizer, _ = build_optimizer(cfg.optim, model, device)
     scaler = build_scaler(precision, model, device)
-    source_target = model.config.is_encoder_decoder
 
     def step():
         train_step(model, optimizer, scaler, iter(p["batches"]), 1, 1.0, device, precision,
-                   source_target=source_target, objective=objective)
+                   layout=family_of(model).layout, objective=objective)
 
     step()
     if device.type == "cuda":

@@ -27,7 +27,7 @@ from data_tools import write_jsonl
 from train.core.errors import UsageError
 from train.data import cache_files, token_shards, tokenize
 from train.data import text as data
-from train.data.chat import cache as chat_cache
+from train.data.chat import conversation_cache as chat_cache
 from train.data.chat.encode import encode_conversations, ensure_special_tokens
 from train.data.chat.formats import load_conversations
 

@@ -13,9 +13,11 @@ import torch
 
 import config
 from train.core.units import MIB
-from train.data.sft import SFTDataset
+from train.data.chat.conversation_cache import SFTDataset
+from train.models import FAMILIES
 from train.models.build import build_config
 from train.models.estimate import estimate_for_run
+from train.models.family import CAUSAL_LM
 from train.run.plan import adapt, fill
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -42,9 +44,9 @@ def fake_gpu(monkeypatch, gb: int) -> float:
     return mb
 
 
-def filled(cfg, model, dataset, source_target=False, max_length=1024):
+def filled(cfg, model, dataset, layout=CAUSAL_LM, max_length=1024):
     said = []
-    assert fill.fill_memory(cfg, model, dataset, None, max_length, "bf16", CUDA, 1, source_target,
+    assert fill.fill_memory(cfg, model, dataset, None, max_length, "bf16", CUDA, 1, layout,
                             lambda setting, value, why: said.append((setting, value, why)))
     return cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps, dict((s, w) for s, _, w in said)
 
@@ -65,7 +67,7 @@ def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_ba
         capacity = fake_gpu(monkeypatch, gb)
         cfg = config.resolve("sft" if mode == "sft" else "optimized", {"mode": mode, "batch_size": 16,
                                                                         "gradient_accumulation_steps": 16})
-        batch, accum, why = filled(cfg, model, dataset, seq2seq, 1024 if mode == "sft" else 512)
+        batch, accum, why = filled(cfg, model, dataset, FAMILIES[family].layout, 1024 if mode == "sft" else 512)
         allowed = int(re.search(r"TARGET_VRAM=0.8 allows (\d+)", why["batch_size"]).group(1))
         got[gb] = allowed
         # as close to 256 as whole numbers allow, and said where it is not exact

@@ -20,6 +20,7 @@ from train.data.chat.pair_batching import (
     Seq2SeqPairCollator,
     pack_pairs,
 )
+from train.models.family import ENCODER_DECODER
 
 X = IGNORE_INDEX
 PAIRS = [
@@ -49,7 +50,7 @@ def test_seq2seq_pairs_read_the_source_once():
 
 
 def test_dataset_lengths_are_the_padded_cost_of_a_pair():
-    causal, t5 = PairDataset(PAIRS), PairDataset(PAIRS, seq2seq=True)
+    causal, t5 = PairDataset(PAIRS), PairDataset(PAIRS, ENCODER_DECODER)
     assert causal.sides.tolist() == [[2, 3, 2], [3, 3, 1]]
     assert causal.source_lengths.tolist() == [5, 6] and causal.lengths.tolist() == [10, 12]  # 2 rows x (p + longer)
     assert t5.source_lengths.tolist() == [2, 3] and t5.lengths.tolist() == [8, 9]  # source + 2 targets

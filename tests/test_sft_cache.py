@@ -18,7 +18,7 @@ from test_sft_data import make_tokenizer
 from conftest import run_cli
 from data_tools import write_arrow_folder, write_jsonl, write_parquet
 from train.core.errors import UsageError
-from train.data.chat.cache import sft_cache
+from train.data.chat.conversation_cache import sft_cache
 from train.data.chat.encode import encode_conversations, ensure_special_tokens
 from train.data.chat.formats import load_conversations
 

@@ -25,6 +25,7 @@ from train.data.chat.encode import (
 )
 from train.data.chat.formats import load_conversations, to_conversation
 from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 GOLDEN = Path(__file__).parent / "golden" / "sft_template_losses.json"
 SCHEMA = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -253,7 +254,7 @@ def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
     file without {% generation %} is said in the log, TEMPLATE empty is recorded as a decision."""
     from types import SimpleNamespace
 
-    from train.data.sft import template_decision
+    from train.data.chat.template_table import template_decision
 
     path = tmp_path / "chatml.jinja"
     path.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
@@ -264,9 +265,9 @@ def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
     assert trained_runs(example) == [ids_of(tokenizer, "Hello world.</s>")]
     said, decided = [], {}
     d = SimpleNamespace(template=str(path), loss_on=None, truncation=None, reasoning=None)
-    template_decision(d, tokenizer, "causal", said.append, lambda name, value, why: decided.update({name: value}))
+    template_decision(d, tokenizer, CAUSAL_LM, said.append, lambda name, value, why: decided.update({name: value}))
     assert decided == {} and "no {% generation %} markers" in said[0]
     said.clear()
-    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), "causal", said.append,
+    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), CAUSAL_LM, said.append,
                       lambda name, value, why: decided.update({name: value}))
     assert decided == {"template": "builtin"} and said == []

@@ -21,6 +21,8 @@ from torch.utils.data import Dataset, Subset
 
 from train.core.seq2seq import MEAN_SPAN_LENGTH, NOISE_DENSITY
 
+OBJECTIVE = "span_corruption"  # its name as a family's pretraining objective (train/models Family.objective)
+
 
 def noise_counts(length: int) -> tuple[int, int]:
     """(noise tokens, noise spans) of a window: the rounding corrupted_lengths uses."""

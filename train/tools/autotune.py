@@ -116,7 +116,7 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
             synchronize(device)
             start = time.perf_counter()
             loss, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    b.cfg.optim.grad_clip, device, b.precision, source_target=b.family.source_target,
+                                    b.cfg.optim.grad_clip, device, b.precision, layout=b.family.layout,
                                     objective=b.objective)
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation

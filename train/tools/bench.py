@@ -212,7 +212,7 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     effective = cfg.effective_batch_size()
     n_params = count_params(b.model)
     fpt = model_flops_per_token(b.model, *run_lengths(b))
-    if vs_plain and b.family.source_target:
+    if vs_plain and b.family.layout.encoder_decoder:
         raise UsageError("bench --vs-plain: the plain reference loop is a causal LM's (model(x, labels=x)); "
                          "bench an encoder-decoder (MODEL_FAMILY=t5) without --vs-plain")
     peak = peak_flops(

@@ -139,7 +139,7 @@ def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, mete
             synchronize(device)
             start = time.perf_counter()
             loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device,
-                                  precision, source_target=b.family.source_target, objective=b.objective)
+                                  precision, layout=b.family.layout, objective=b.objective)
             synchronize(device)
             times.append(time.perf_counter() - start)
             first = loss.detach() if first is None else first
@@ -179,7 +179,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     if b.objective is not None:  # preference training: pairs, the run's collator
         sample = _longest_pairs(b.dataset, b.collate)
     else:
-        lengths = run_lengths(b) if b.family.source_target else None
+        lengths = run_lengths(b) if b.family.layout.encoder_decoder else None
         sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []
@@ -270,7 +270,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
     )
     # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes (train/run/plan/fill.py)
     estimated, _, _ = estimated_fit(b.cfg, b.model, b.dataset, b.collate, b.max_length, b.precision, b.device.type,
-                                    world, b.family.source_target, limit * MIB, per_rank)
+                                    world, b.family.layout, limit * MIB, per_rank)
     largest, trials = search(b, per_rank, limit, capacity, say, steps)
     say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the memory "
         "estimate's, which a run without BATCH_SIZE fills a GPU to)")

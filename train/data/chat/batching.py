@@ -112,17 +112,26 @@ class Seq2SeqCollator:
             mask[i, : len(row)] = 1
         return out, mask
 
-    def __call__(self, examples: Sequence[dict]) -> dict:
-        input_ids, attention_mask = self._pad([e["input_ids"] for e in examples], self.pad_token_id)
-        labels, _ = self._pad([e["labels"] for e in examples], IGNORE_INDEX)
-        real = sum(len(e["input_ids"]) + len(e["labels"]) for e in examples)
+    def sides(self, sources: list, targets: list) -> dict:
+        """The batch of these sources (each side padded on its own; a preference batch's targets outnumber
+        its sources two to one, Seq2SeqPairCollator)."""
+        input_ids, attention_mask = self._pad(sources, self.pad_token_id)
+        labels, _ = self._pad(targets, IGNORE_INDEX)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
-            "n_real_tokens": real,
+            "n_real_tokens": sum(map(len, sources)) + sum(map(len, targets)),
             "n_padded_tokens": input_ids.numel() + labels.numel(),
         }
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        return self.sides([e["input_ids"] for e in examples], [e["labels"] for e in examples])
+
+
+def padded(layout) -> type:
+    """The collator that pads a batch of the layout's examples: PadCollator, or Seq2SeqCollator for pairs."""
+    return layout.pick(PadCollator, Seq2SeqCollator)
 
 
 def padding_efficiency(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
@@ -361,7 +370,7 @@ class BudgetSampler(_Dealt, TokenBudgetBatchSampler):
         return len(self.rounds()) - self._first_round(self.start)
 
 
-def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, seq2seq: bool,
+def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, layout,
                    decide) -> None:
     """Pad SFT and DPO batches to a fixed set of widths where repeated shapes pay: COMPILE (one
     graph whose lengths are dynamic, and under CUDA graphs one recording per bucket) or CUDA (the
@@ -376,7 +385,7 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
             c.widths = widths
     why = ("COMPILE: one graph with dynamic lengths serves them all, a CUDA graph (COMPILE_MODE=reduce-overhead) "
            "is recorded per bucket" if compile_on else f"{device.type}: the allocator reuses equal sizes")
-    sides = "; each side (source, target) bucketed on its own" if seq2seq else ""
+    sides = layout.pick("", "; each side (source, target) bucketed on its own")
     decide("length_buckets", ",".join(map(str, widths)),
            f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below"
            f"{sides}; a packed row pads to rows x MAX_LENGTH")

@@ -1,4 +1,4 @@
-"""SFT: conversations -> token ids with the loss mask -> batches that are mostly real tokens.
+"""Conversations -> token ids with the loss mask (SFT's examples; the preference pairs' through pair_encode).
 
 Loss only on what the assistant says. Each example carries labels = -100 on every system,
 user and template-markup token and the token id on assistant content and the end-of-turn
@@ -33,8 +33,7 @@ An encoder-decoder (T5, BART) trains on source -> target pairs instead (encode_p
 per assistant turn, the source everything the template renders before that reply, the target
 the reply itself + eos.
 
-Loading the formats and the built-in default data live in train/data/chat/formats.py; padding and
-batching (length grouping, token budgets, each rank's share) in train/data/chat/batching.py.
+Loading the formats and the built-in default data: formats.py; padding and batching: batching.py.
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ from train.data.chat.templates import (
 )
 from train.data.chat.templates import is_builtin as _builtin
 from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 __all__ = [
     "IGNORE_INDEX",
@@ -393,8 +393,8 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     return examples, n_truncated
 
 
-def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, kind: str = "causal",
+def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, layout=CAUSAL_LM,
            rendering: Rendering = DEFAULT, tally: Tally | None = None):
-    """encode_conversations for a causal LM, encode_pairs for an encoder-decoder ("seq2seq")."""
-    fn = encode_pairs if kind == "seq2seq" else encode_conversations
+    """encode_conversations for a causal LM, encode_pairs for an encoder-decoder (the model's layout)."""
+    fn = layout.pick(encode_conversations, encode_pairs)
     return fn(conversations, tokenizer, max_length, rendering, tally)

@@ -101,6 +101,9 @@ def pack(lengths: Sequence[int], max_length: int, seed: int | None = None) -> Pa
 class PackedRows(Dataset):
     """A dataset of rows: item k is the list of encoded conversations that share row k."""
 
+    unit = "packed rows"  # what BATCH_SIZE counts
+    budget_note = ""
+
     def __init__(self, examples: Sequence[dict], rows: Sequence[Sequence[int]]):
         self.examples, self.rows = examples, rows
 
@@ -297,3 +300,15 @@ def attention_for(model_or_device, precision: str | None = None) -> Attention:
         "not FlexAttention: no attention dropout, no backward on CPU; not torch's varlen_attn: CUDA bf16/fp16 "
         "only, no dropout)"
     ))
+
+
+def packed_attention(device, precision: str, set_attention) -> Attention:
+    """The attention that keeps packed sequences apart here (attention_for), the model switched to it by
+    set_attention(kind); the masked sdpa path where the model cannot switch."""
+    attention = attention_for(device, precision)
+    if attention.kind in (FLASH, VARLEN):
+        try:
+            set_attention(attention.kind)
+        except Exception as err:  # no flash/varlen support for this architecture: the masked path
+            attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
+    return attention

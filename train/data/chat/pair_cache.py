@@ -1,10 +1,6 @@
-"""Preference pairs tokenized once, into CACHE_DIR/pref/<key>/, and read back memory-mapped.
-
-The SFT cache's design (train/data/chat/cache.py), for pairs; its machinery is called, not copied:
-the records stream in chunks to TOKENIZE_WORKERS processes (cache.encoded_chunks, with this
-module's chunk encoder), the main process writes the results in record order into a temporary folder
-that is fsynced and renamed into place, and a later run maps the files at once after checking them
-against their sha256 (cache_files.verify_sums: once, then remembered by size, mtime, ctime and inode).
+"""Preference pairs tokenized once, into CACHE_DIR/pref/<key>/, on the chat library's keyed cache engine
+(cache.py: the key, the worker processes, the atomic build, the files checked once), and read back
+memory-mapped:
   ids.bin      each pair's ids back to back: the prompt, the chosen reply, the rejected reply
                (seq2seq: the encoder source, then the two decoder targets)
   trained.bin  one byte per token: 1 where the loss counts (never on the prompt; on a reply's trained
@@ -12,16 +8,11 @@ against their sha256 (cache_files.verify_sums: once, then remembered by size, mt
   lengths.bin  int32 (pairs, 3): the prompt's, the chosen reply's and the rejected reply's tokens
   meta.json    the manifest, written last: counts, dtype, format, kind, skipped / truncated / reply-cut
                pairs, the first skipped record, each file's sha256
-The key covers what changes the ids: the data's bytes, the tokenizer and its chat template, TEMPLATE,
-TRUNCATION, REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind. A damaged cache is said, removed
-and built again; a link at one of its names is never followed.
+The key is the SFT cache's, under its own version: a pair's ids change with what a conversation's do.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -29,12 +20,22 @@ from pathlib import Path
 import numpy as np
 
 from train.core.units import IGNORE_INDEX
-from train.data import cache_files
 from train.data.chat import cache
-from train.data.chat.formats import all_bad, refuse_bad
+from train.data.chat.cache import (
+    CachedRows,
+    Store,
+    build_into,
+    ids_dtype,
+    keyed_cache,
+    manifest_of,
+    open_files,
+    write_files,
+)
+from train.data.chat.formats import refuse_bad
 from train.data.chat.pair_encode import SIDES, encode
 from train.data.chat.pair_formats import converted, open_pairs
 from train.data.chat.templates import Rendering, Tally
+from train.models.family import CAUSAL_LM
 
 PREF_CACHE_VERSION = "1"
 FILES = ("ids.bin", "trained.bin", "lengths.bin")
@@ -46,7 +47,7 @@ class Manifest:
     n_tokens: int
     dtype: str
     format: str
-    kind: str  # "causal" or "seq2seq"
+    kind: str  # Layout.name: "causal" or "seq2seq"
     n_skipped: int
     n_truncated: int  # pairs cut to fit MAX_LENGTH (prompt or reply)
     n_reply_cut: int  # of them, pairs where a reply lost its end
@@ -55,87 +56,46 @@ class Manifest:
     sha256: dict
 
 
-class CachedPairs:
+class CachedPairs(CachedRows):
     """The cached pairs lo..hi as a sequence of pair_encode's examples (prompt_ids, chosen_ids,
-    chosen_labels, rejected_ids, rejected_labels), read from the memmaps on demand. A slice is a view
-    of the same files (a validation split copies nothing); it pickles as its file names, so the
-    DataLoader's workers map the files themselves."""
+    chosen_labels, rejected_ids, rejected_labels)."""
+
+    item = "pair"
 
     def __init__(self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, sides=None):
-        self.folder, self.meta = Path(folder), meta
-        self.lo, self.hi = lo, meta.n if hi is None else hi
+        super().__init__(folder, meta, lo, hi)
         if sides is None:
             sides = np.fromfile(self.folder / "lengths.bin", dtype=np.int32).reshape(-1, 3)
         self._all_sides = sides
-        self._offsets = self._ids = self._trained = None
 
     @property
     def sides(self) -> np.ndarray:
         """(pairs, 3): tokens of the prompt, the chosen reply and the rejected reply of each pair."""
         return self._all_sides[self.lo : self.hi]
 
-    def __len__(self) -> int:
-        return self.hi - self.lo
+    def _row_tokens(self) -> np.ndarray:
+        return self._all_sides.sum(axis=1)
 
-    def _open(self) -> None:
-        self._offsets = np.concatenate([[0], np.cumsum(self._all_sides.sum(axis=1), dtype=np.int64)])
-        shape, dtype = (self.meta.n_tokens,), np.dtype(self.meta.dtype)
-        self._ids = np.memmap(self.folder / "ids.bin", dtype=dtype, mode="r", shape=shape)
-        self._trained = np.memmap(self.folder / "trained.bin", dtype=np.uint8, mode="r", shape=shape)
+    def _view(self, lo: int, hi: int) -> CachedPairs:
+        return CachedPairs(self.folder, self.meta, lo, hi, self._all_sides)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            lo, hi, step = index.indices(len(self))
-            if step != 1:
-                raise ValueError("cached pairs slice with step 1 only")
-            return CachedPairs(self.folder, self.meta, self.lo + lo, self.lo + max(lo, hi), self._all_sides)
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"pair {index} of {len(self)}")
-        if self._ids is None:
-            self._open()
-        k = self.lo + index % len(self)
-        at = int(self._offsets[k])
+    def _example(self, k: int, at: int, end: int) -> dict:
         example = {}
         for name, n in zip(("prompt", *SIDES), self._all_sides[k].tolist(), strict=True):
-            ids = np.asarray(self._ids[at : at + n], dtype=np.int64)
+            ids, labels = self._tokens(at, at + n)
             example[f"{name}_ids"] = ids.tolist()
             if name != "prompt":
-                example[f"{name}_labels"] = np.where(self._trained[at : at + n] != 0, ids, IGNORE_INDEX).tolist()
+                example[f"{name}_labels"] = labels.tolist()
             at += n
         return example
-
-    def __getstate__(self):
-        return {**self.__dict__, "_ids": None, "_trained": None, "_offsets": None}
-
-
-def _manifest(raw: dict) -> Manifest:
-    meta = Manifest(**{k: raw[k] for k in Manifest.__dataclass_fields__})
-    if np.dtype(meta.dtype) not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-        raise ValueError(f"ids of type {meta.dtype}, not the kit's uint16 / uint32")
-    return meta
 
 
 def open_cache(folder: Path, verify: bool = True, vocab: int | None = None):
     """(pairs, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None) for none."""
-    if not folder.exists():
-        return None, None
-    read, why = cache_files.read_manifest(folder, "the preference cache", _manifest, lambda meta: FILES)
-    if read is None:
+    meta, why = open_files(folder, "the preference cache", manifest_of(Manifest), lambda m: FILES,
+                           lambda m: {"lengths.bin": m.n * 12}, vocab, verify)
+    if meta is None:
         return None, why
-    meta, sizes = read
-    dtype = np.dtype(meta.dtype)
-    expected = {"ids.bin": meta.n_tokens * dtype.itemsize, "trained.bin": meta.n_tokens, "lengths.bin": meta.n * 12}
-    for name, size in expected.items():
-        if sizes[name] != size:
-            return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
-
-    def in_vocab(name: str) -> str | None:
-        top = int(np.memmap(folder / name, dtype=dtype, mode="r").max()) if name == "ids.bin" and sizes[name] else -1
-        return f"ids.bin holds id {top}, outside the tokenizer's {vocab} ids" if vocab and top >= vocab else None
-
-    damage = cache_files.verify_sums(folder, meta.sha256, FILES, in_vocab) if verify else None
-    if damage:
-        return None, damage
     pairs = CachedPairs(folder, meta)
     if int(pairs.sides.sum(dtype=np.int64)) != meta.n_tokens or (pairs.sides < 0).any():
         return None, "lengths.bin does not add up to the token count"
@@ -144,10 +104,10 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None):
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
     """A chunk of (place, record) -> (ids, trained, sides, (truncated, reply cut, tools kept), bad)."""
-    tok, fmt, max_length, kind, rendering = cache._WORKER  # set by cache's worker initializer
+    tok, fmt, max_length, layout, rendering = cache._WORKER  # set by cache.py's worker initializer
     pairs, places, bad = converted(chunk, fmt)
     tally = Tally()
-    examples, n_cut, n_reply_cut = encode(pairs, tok, max_length, kind, rendering, tally)
+    examples, n_cut, n_reply_cut = encode(pairs, tok, max_length, layout, rendering, tally)
     bad += [f"{places[i]}: {reason}" for i, reason in tally.refused]
     names = ("prompt_ids", "chosen_ids", "rejected_ids")
     sides = np.array([[len(e[name]) for name in names] for e in examples], dtype=np.int32).reshape(-1, 3)
@@ -159,81 +119,46 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     return ids, trained, sides, (n_cut, n_reply_cut, tally.tools_kept), bad
 
 
-def _write(tmp: Path, items, tok, fmt: str, max_length: int, workers: int, skip: bool, kind: str,
+def _write(tmp: Path, items, tok, fmt: str, max_length: int, workers: int, skip: bool, layout,
            rendering: Rendering) -> Manifest:
     """Tokenize every record into tmp's files (fsynced); returns the manifest."""
-    dtype = np.uint16 if len(tok) <= 65535 else np.uint32
-    n = n_tokens = n_skipped = 0
-    counts = np.zeros(3, dtype=np.int64)  # truncated, reply cut, tools kept
-    first_error = ""
-    with contextlib.ExitStack() as stack:
-        out = {name: cache_files.Hashed(stack.enter_context(open(tmp / name, "wb"))) for name in FILES}
-        chunks = cache.encoded_chunks(items, tok, fmt, max_length, workers, kind, rendering, encode=_encode_chunk)
-        for ids, trained, sides, cut, bad in chunks:
+    dtype = ids_dtype(tok)
+    t = {"n": 0, "n_tokens": 0, "n_skipped": 0, "counts": np.zeros(3, dtype=np.int64), "first_error": ""}
+
+    def parts():  # counts: truncated, reply cut, tools kept
+        for ids, trained, sides, cut, bad in cache.encoded_chunks(items, _encode_chunk, tok, fmt, max_length, workers,
+                                                                  layout, rendering):
             if bad and not skip:
                 raise refuse_bad(bad[0])
-            first_error = first_error or (bad[0] if bad else "")
-            out["ids.bin"].write(ids.astype(dtype).tobytes())
-            out["trained.bin"].write(trained.tobytes())
-            out["lengths.bin"].write(sides.tobytes())
-            n, n_tokens, n_skipped, counts = n + len(sides), n_tokens + len(ids), n_skipped + len(bad), counts + cut
-        for handle in out.values():
-            handle.flush()
-            os.fsync(handle.fileno())
-    sums = {name: handle.digest.hexdigest() for name, handle in out.items()}
-    return Manifest(n, n_tokens, np.dtype(dtype).name, fmt, kind, n_skipped, *map(int, counts), first_error, sums)
+            t["first_error"] = t["first_error"] or (bad[0] if bad else "")
+            yield {"ids.bin": ids.astype(dtype), "trained.bin": trained, "lengths.bin": sides}
+            t["n"], t["n_tokens"], t["n_skipped"] = t["n"] + len(sides), t["n_tokens"] + len(ids), t["n_skipped"] + len(bad)
+            t["counts"] = t["counts"] + cut
+
+    sums = write_files(tmp, FILES, parts())
+    return Manifest(t["n"], t["n_tokens"], np.dtype(dtype).name, fmt, layout.name, t["n_skipped"],
+                    *map(int, t["counts"]), t["first_error"], sums)
 
 
-def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, skip: bool, data_name: str,
-          kind: str, rendering: Rendering) -> CachedPairs:
-    """Write the cache for `items` into `folder`, atomically (a temporary folder, manifest last, fsynced,
-    renamed); another run that finished the same cache first wins, and its copy is used."""
-    cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
-    with cache_files.building("tokenizing the preference data", "the preference cache", folder) as temps:
-        tmp = cache_files.temp_folder(folder, temps)
-        meta = _write(tmp, items, tok, fmt, max_length, workers, skip, kind, rendering)
-        if meta.n == 0:
-            raise all_bad(data_name, meta.n_skipped, meta.first_error)
-        cache_files.publish(tmp, folder, meta.__dict__, temps, lambda f: open_cache(f)[0] is not None)
-    pairs, damage = open_cache(folder, verify=False)  # hashed as it was written
-    if pairs is None:
-        raise OSError(f"the preference cache just written does not read back ({damage})")
-    return pairs
+def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, skip: bool, total: int | None,
+          data_name: str, layout, rendering: Rendering) -> CachedPairs:
+    """Write the cache for `items` into `folder` (build_into: atomic, manifest last)."""
+    write = lambda tmp: _write(tmp, items, tok, fmt, max_length, workers, skip, layout, rendering)  # noqa: E731
+    return build_into(STORE, folder, write, data_name)
+
+
+STORE = Store("preference", "pref", FILES, open_cache, build, "the built-in pairs")
 
 
 def preference_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
-                     cache_dir: Path, workers: int, say, kind: str = "causal",
+                     cache_dir: Path, workers: int, say, layout=CAUSAL_LM,
                      rendering: Rendering | None = None) -> tuple[CachedPairs, str]:
-    """The preference cache for this data (DATA_PATH, or the built-in pairs when it is None),
-    tokenizer, rendering, MAX_LENGTH and model kind: opened when there is one, else built. Returns
-    (pairs, what was done, for the log)."""
-    start, rendering = time.perf_counter(), rendering or Rendering()
-    root = cache_dir / "pref"
-    cache_files.refuse_link(root, root / "sums")
-    data_key, total = cache.data_fingerprint(data_path, builtin, root / "sums")
-    key = cache.cache_key(f"pref-{PREF_CACHE_VERSION}\0{data_key}", tok, max_length, skip_bad_records, kind,
-                              rendering)  # fmt: skip
-    folder = root / key
-    cache_files.drop_link(folder, say)
-    for name in [folder / "meta.json", *(folder / f for f in FILES)] if folder.is_dir() else []:
-        cache_files.drop_link(name, say)
-    pairs, damage = open_cache(folder, vocab=len(tok))
-    if pairs is not None:
-        return pairs, f"preference cache: reused {folder} ({time.perf_counter() - start:.1f} s)"
-    if damage:
-        say(f"preference cache {folder} was damaged ({damage}); rebuilding")
-        cache_files.remove(folder)
-    if data_path is None:
-        fmt, items = "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
-    else:
-        fmt, items = open_pairs(data_path, skip_bad_records)
-    if total is not None:  # a process per chunk at most: a small file is done before a pool starts
-        workers = max(1, min(workers, -(-total // cache.CHUNK_ROWS)))
-    rows = f"{total:,} " if total else ""
-    say(f"tokenizing {rows}preference records into {folder} on {workers} process(es) (once per data, tokenizer, "
-        "template, MAX_LENGTH and model kind)")
-    pairs = build(folder, items, tok, fmt, max_length, workers, skip_bad_records, data_path or "the built-in pairs",
-                  kind, rendering)
-    took = time.perf_counter() - start
-    rate = (len(pairs) + pairs.meta.n_skipped) / max(took, 1e-9)
-    return pairs, f"preference cache: built {folder} in {took:.1f} s ({rate:,.0f} records/s)"
+    """The preference cache for this data (DATA_PATH, or the built-in pairs when it is None), tokenizer,
+    rendering, MAX_LENGTH and layout: keyed_cache's, with the records read as preference formats."""
+    def opened():
+        if data_path is None:
+            return "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
+        return open_pairs(data_path, skip_bad_records)
+
+    return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir, workers, say,
+                       layout, rendering or Rendering(), lambda k: f"pref-{PREF_CACHE_VERSION}\0{k}")

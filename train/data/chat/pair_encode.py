@@ -29,6 +29,7 @@ from train.data.chat.encode import encode_pairs, rendered_ids
 from train.data.chat.template_table import TEMPLATE
 from train.data.chat.templates import Rendering, Tally
 from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 SIDES = ("chosen", "rejected")
 
@@ -169,12 +170,12 @@ def encode_seq2seq(pairs: Sequence[dict], tokenizer, max_length: int, rendering:
     return examples, n_truncated, n_reply_cut
 
 
-def encode(pairs: Sequence[dict], tokenizer, max_length: int, kind: str = "causal",
+def encode(pairs: Sequence[dict], tokenizer, max_length: int, layout=CAUSAL_LM,
            rendering: Rendering | None = None, tally: Tally | None = None) -> tuple[list[dict], int, int]:
-    """encode_causal, or encode_seq2seq for an encoder-decoder ("seq2seq")."""
+    """encode_causal, or encode_seq2seq for an encoder-decoder (the model's layout)."""
     rendering = rendering or Rendering()
     if rendering.loss_on == "all":
         raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same on "
                          "both sides); leave LOSS_ON empty")
-    fn = encode_seq2seq if kind == "seq2seq" else encode_causal
+    fn = layout.pick(encode_causal, encode_seq2seq)
     return fn(pairs, tokenizer, max_length, rendering, tally)

@@ -156,3 +156,22 @@ def ensure_special_tokens(tokenizer, template: str | None = None) -> int:
         else:
             added += tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return added
+
+
+def template_decision(d, tok, layout, say, decide) -> None:
+    """TEMPLATE as the run renders it (a decision where it was left empty), LOSS_ON=all refused for an
+    encoder-decoder, TEMPLATE=none's Jinja twin on a causal LM's tokenizer (saved with final/), and a note
+    where the template saved with final/ has no {% generation %} markers. Both doors decide it."""
+    if layout.encoder_decoder and d.loss_on == "all":
+        raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
+                         "predicted); leave LOSS_ON empty")
+    mode = templates.Rendering.of(d).mode(tok)
+    entry = TEMPLATE[mode]
+    final = layout.pick(entry.final, None)  # an encoder-decoder's final/ prompts with the raw source + eos
+    if final is not None:  # final/ then prompts as trained
+        tok.chat_template = final(tok)
+    if not d.template:
+        decide("template", mode, f"TEMPLATE empty: {entry.why}")
+    if entry.own_markup and not templates.has_generation_markers(tok.chat_template):
+        say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
+            "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")

@@ -23,7 +23,7 @@ from train.distributed import distributed, parallel
 from train.observe.curves import read_metrics
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool,
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, layout,
              objective=None):  # fmt: skip
     """Mean loss per predicted token over the first max_batches batches of the loader.
 
@@ -32,7 +32,6 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
     masked SFT prompts count by their tokens.
     One host read per call. The model is put back in the mode it was in. objective: preference
     training's (the plan's): returns (mean loss, metrics), each the mean over the pairs read."""
-    from train.core.loss import count_targets
     from train.core.step import forward_loss
 
     if objective is not None:
@@ -47,8 +46,8 @@ def evaluate(model, loader, max_batches: int, device: torch.device, precision: s
             for index, batch in enumerate(loader):
                 if index >= max_batches:
                     break
-                tokens = count_targets(batch, shifted=not source_target)  # an encoder-decoder's every label counts  # host labels: no sync
-                loss = forward_loss(model, batch, device, precision, source_target=source_target)
+                tokens = layout.count_targets(batch)  # an encoder-decoder's every label counts  # host labels: no sync
+                loss = forward_loss(model, batch, device, precision, layout=layout)
                 loss_sum += loss.to(dtype) * tokens
                 token_sum += tokens
     finally:
@@ -135,7 +134,7 @@ class Evaluator:
         # The eager model: a compiled one would recompile for eval mode and no_grad.
         objective = getattr(self.b, "objective", None)
         loss = evaluate(self.b.model, self.loader, self.batches, self.b.device, self.b.precision,
-                        source_target=self.b.family.source_target, objective=objective)
+                        layout=self.b.family.layout, objective=objective)
         loss, metrics = loss if objective is not None else (loss, {})
         self.passes += 1
         self.last, self.last_metrics = loss, metrics

@@ -47,9 +47,9 @@ class BatchCounter:
     ones are the source's attention_mask and the labels that are not -100, padded ones both
     tensors' sizes (seq2seq_tokens)."""
 
-    def __init__(self, batches, seq2seq: bool = False):
+    def __init__(self, batches, layout):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
-        self.seq2seq = seq2seq
+        self.layout = layout
 
     def __iter__(self):
         return self
@@ -59,7 +59,7 @@ class BatchCounter:
         ids = batch["input_ids"]
         # packed rows hold several conversations; a preference batch's samples are its pairs
         self.rows += int(batch.get("n_pairs", batch.get("n_conversations", ids.shape[0])))
-        if self.seq2seq:
+        if self.layout.encoder_decoder:
             real, padded = seq2seq_tokens(batch)
         else:
             real, padded = batch.get("n_real_tokens", ids.numel()), batch.get("n_padded_tokens", ids.numel())
@@ -96,7 +96,7 @@ class Meter:
         self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
         self.device, self.world = b.device, b.world
         self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target)  # rows, real/padded tokens
+        self.batches = BatchCounter(self.timer.wrap(batches), b.family.layout)  # rows, real/padded tokens
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)

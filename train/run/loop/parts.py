@@ -59,7 +59,7 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                source_target=b.family.source_target, objective=step_objective(b),
+                layout=b.family.layout, objective=step_objective(b),
             ))  # fmt: skip
 
         return feed.step(attempt)
@@ -71,7 +71,7 @@ def step_objective(b):
     and find-batch keep the plan's (None: the token-weighted loss)."""
     if b.objective is not None:
         return b.objective
-    return TokenObjective(b.family.source_target, micro_batch_mean=b.cfg.optim.loss_mean == "micro_batches")
+    return TokenObjective(b.family.layout, micro_batch_mean=b.cfg.optim.loss_mean == "micro_batches")
 
 
 def prepare(b, run_dir, say, guard) -> Parts:
@@ -103,7 +103,7 @@ def prepare(b, run_dir, say, guard) -> Parts:
         bucketed = getattr(b.collate, "length_varies", False)  # the collator knows (pretraining's has none)
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
-                                                                    bucketed, b.family.source_target, b.objective,
+                                                                    bucketed, b.family.layout, b.objective,
                                                                     mode)
         if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
             cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer

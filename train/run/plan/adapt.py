@@ -117,7 +117,7 @@ def over_memory(b) -> str | None:
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
     # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
-    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)
+    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.layout)
     est = estimate_for_run(b.model.config, count_params(b.model), cfg, shape["max_length"], b.precision, b.device.type,
                            b.world.world_size, trainable_of(b.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
@@ -140,7 +140,7 @@ def over_memory(b) -> str | None:
     )
 
 
-def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool) -> dict:
+def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
     """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
     max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
     the mode's bound."""
@@ -150,7 +150,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
     if mode != "sft" or lengths is None or not len(lengths):
-        if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
+        if layout.encoder_decoder:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
             return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
         return {"max_length": max_length}
 
@@ -161,7 +161,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
         return min(max_length, width)
 
     sources = getattr(dataset, "source_lengths", None)
-    if source_target and sources is not None:
+    if layout.encoder_decoder and sources is not None:
         return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
     return {"max_length": padded(np.max(lengths))}  # an array: numpy's max, not a Python loop over it
 

@@ -13,7 +13,6 @@ import copy
 from dataclasses import replace
 from functools import partial
 
-import numpy as np
 import torch
 
 from config import TrainConfig
@@ -28,7 +27,7 @@ from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import dpo_reference, sft_scratch
 from train.run.plan.plan import ModelChoice
-from train.run.plan.sft import SFTSource, sft_steps
+from train.run.plan.sft import SFTSource
 
 DEFAULTS = {"dpo_loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "sft_weight": 0.0}
 """The DPO knobs' values when empty (config.py's docstrings say the same)."""
@@ -166,30 +165,19 @@ class DPOSource(SFTSource):
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded pairs, the held-out ones, and how to batch them (train/data/pref)."""
-        data = preference_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
+        data = preference_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
                                precision=precision, eval_batches=cfg.run.eval_batches,
                                set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
                                compile_on=cfg.model.compile, context=choice.context)
         data.summary = {"model_path": str(choice.path), **data.summary}
         return data
 
-    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
-        """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); the pairs' lengths said."""
-        total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit="pairs")
-        if cfg.data.token_budget is not None:
-            effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
-            data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-        sides = data.conversations.sides
-        say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
-                      for side, v in zip(("prompt", "chosen", "rejected"), sides.T, strict=True)))
-        return total_steps, why
-
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
                   max_length: int, trained: int, say, decide):
         """(the preference objective, a new Data): the reference REFERENCE decides, made now from the
         policy as it starts (a copy, or the cached pass whose log-probs the new Data's batches carry)."""
         s = settings(cfg)
-        source_target = choice.family.source_target
+        layout = choice.family.layout
         room = None
         if cfg.model.reference is None and DPO_LOSS[s["dpo_loss"]].reference and not cfg.model.lora_r:
             room = tightest(gather(copy_room(cfg, model, device, precision, max_length)))
@@ -197,10 +185,10 @@ class DPOSource(SFTSource):
         reference = None
         if kind is not None and not cfg.run.dry_run:
             if kind == "precomputed":
-                data = dpo_reference.with_precomputed(data, model, device, precision, source_target,
+                data = dpo_reference.with_precomputed(data, model, device, precision, layout,
                                                       cfg.data.cache_dir, say)
-            reference = build_reference(kind, model, source_target=source_target)
+            reference = build_reference(kind, model, layout=layout)
         data = replace(data, summary={**data.summary, **s, "reference": kind})
-        objective = PreferenceObjective(source_target, s["dpo_loss"], s["beta"], s["label_smoothing"],
+        objective = PreferenceObjective(layout, s["dpo_loss"], s["beta"], s["label_smoothing"],
                                         s["simpo_gamma"], s["sft_weight"], reference)
         return objective, data

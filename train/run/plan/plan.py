@@ -250,9 +250,9 @@ def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fil
     model = source.model(cfg, choice, tok, data, device, decide)
     if isinstance(chosen, Chosen):
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
-    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.source_target):
+    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.layout):
         fill.fill_memory(cfg, model, data.dataset, data.collate, max_length, precision, device, world.world_size,
-                         choice.family.source_target, decide)
+                         choice.family.layout, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     if choice.demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:

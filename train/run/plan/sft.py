@@ -29,7 +29,7 @@ from train.data.chat.batching import BudgetSampler
 from train.data.chat.encode import stop_token_ids
 from train.data.chat.packing import FLASH, VARLEN
 from train.data.loader import Data
-from train.data.sft import fine_tuning_data, unit_of
+from train.data.sft import fine_tuning_data
 from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout
@@ -104,8 +104,8 @@ class SFTSource:
         family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
         config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
         variable = f"MODEL_PATH={path}"
-        sft_scratch.refuse_packing(cfg, family.source_target, variable)
-        if family.source_target:
+        sft_scratch.refuse_packing(cfg, family.layout, variable)
+        if family.layout.encoder_decoder:
             decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                    "pairs, one per assistant turn, loss on the target")
         return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
@@ -128,7 +128,7 @@ class SFTSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        data = fine_tuning_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
+        data = fine_tuning_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
                                 set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
                                 compile_on=cfg.model.compile)
@@ -143,10 +143,8 @@ class SFTSource:
         if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
             effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
             data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-        lengths, sources = data.conversations.lengths, data.conversations.source_lengths
-        sides = {"conversation": lengths} if sources is None else {"source": sources, "target": lengths - sources}
         say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
-                      for side, v in sides.items()))
+                      for side, v in data.conversations.side_lengths().items()))
         return total_steps, why
 
     def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
@@ -182,7 +180,7 @@ class SFTSource:
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:
     """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean. unit: what
-    a row is (default: conversations or pairs, unit_of)."""
+    a row is (default: the dataset's own: conversations, source -> target pairs, pairs, packed rows)."""
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed,
                                 source_lengths=getattr(dataset, "source_lengths", None)).batches()
@@ -190,14 +188,12 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str
         decide(
             "batch_size",
             f"~{rows_per_micro:.1f}",
-            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch"
-            f"{' (rows x (longest source + longest target))' if getattr(dataset, 'pairs', False) else ''}; "
-            "BATCH_SIZE unused",  # a DPO PairDataset has no .pairs: its lengths are the pairs' padded cost
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch{dataset.budget_note}; "
+            "BATCH_SIZE unused",
         )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or unit_of(pairs))
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or dataset.unit)
     return total_steps, why, rows_per_micro

@@ -144,7 +144,7 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    if b.family.source_target:  # FLOPs per source + target token at the planned lengths
+    if b.family.layout.encoder_decoder:  # FLOPs per source + target token at the planned lengths
         fpt = model_flops_per_token(model, *sample_lengths(b.family, cfg.run.mode, b.max_length))
     else:
         seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
