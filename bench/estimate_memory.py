@@ -159,7 +159,7 @@ def estimate(p: dict, precision: str, device: torch.device) -> float:
     model = p["model"]
     settings = {k: p[k] for k in ("packing", "reference") if k in p}
     cfg = config.resolve(None, {"mode": p["mode"], "batch_size": p["batch"], **settings})
-    shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], model.config.is_encoder_decoder)
+    shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], family_of(model).layout)
     return estimate_for_run(model.config, count_params(model), cfg, shape["max_length"], precision, device.type,
                             target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
 

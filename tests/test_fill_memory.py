@@ -17,7 +17,7 @@ from train.data.chat.conversation_cache import SFTDataset
 from train.models import FAMILIES
 from train.models.build import build_config
 from train.models.estimate import estimate_for_run
-from train.models.family import CAUSAL_LM
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 from train.run.plan import adapt, fill
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -141,8 +141,8 @@ def test_the_command_line_asks_the_plan_to_fill_only_without_a_users_batch(tiny_
     cfg = parse_training_args("sft", tiny_flags)
     assert isinstance(_ahead_of_the_run(cfg, print, None, fill=True), fill.Fill)
     assert _ahead_of_the_run(cfg, print, None, fill=False) is None
-    assert fill.applies("sft", False) and fill.applies("dpo", False) and fill.applies("pretrain", True)
-    assert not fill.applies("pretrain", False)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
+    assert fill.applies("sft", CAUSAL_LM) and fill.applies("dpo", CAUSAL_LM) and fill.applies("pretrain", ENCODER_DECODER)
+    assert not fill.applies("pretrain", CAUSAL_LM)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
 
 
 def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_rank(monkeypatch):
@@ -154,7 +154,7 @@ def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_ra
     monkeypatch.setattr(device_lib, "memory_capacity", lambda device, cap: (24 * 1000**3, "this GPU (a fake)"))
     cfg = config.resolve("sft", {"mode": "sft", "batch_size": 16, "gradient_accumulation_steps": 16})
     said = []
-    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, False,
+    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, CAUSAL_LM,
                             lambda setting, value, why: said.append(why))
     batch, accum = cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps
     # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)

@@ -37,13 +37,14 @@ class Layout:
 
     @property
     def shifted(self) -> bool:
-        """Targets are the labels shifted by one (a causal LM); an encoder-decoder's labels are its targets."""
+        """Targets are the labels shifted by one (a causal LM); an encoder-decoder's labels are its
+        targets."""
         return not self.encoder_decoder
 
     @property
     def packs(self) -> bool:
-        """Several sequences to a row (PACKING) is built for it: a causal LM's; an encoder-decoder's pairs would
-        need per-pair masks on both sides."""
+        """Several sequences to a row (PACKING) is built for it: a causal LM's; an encoder-decoder's
+        pairs would need per-pair masks on both sides."""
         return not self.encoder_decoder
 
     def pick(self, causal, encoder_decoder):
@@ -86,7 +87,8 @@ class Layout:
         return ids
 
     def new_tokens(self, limit: int, context: int, prompt: int) -> int:
-        """New tokens a reply may take: a decoder has the context to itself; a causal LM's follows the prompt."""
+        """New tokens a reply may take: a decoder has the context to itself; a causal LM's follows
+        the prompt."""
         return min(limit, context - self.pick(prompt, 0))
 
     def reply_start(self, prompt: int) -> int:
@@ -145,7 +147,8 @@ class Family:
 
 
 CAUSAL = Family("causal", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
-SEQ2SEQ = Family("seq2seq", layout=ENCODER_DECODER, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+SEQ2SEQ = Family("seq2seq", layout=ENCODER_DECODER, auto="AutoModelForSeq2SeqLM",
+                 peft_task_type="SEQ_2_SEQ_LM",
                  context=512, objective="span_corruption")
 KINDS = {"causal": CAUSAL, "seq2seq": SEQ2SEQ}
 

@@ -179,7 +179,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
     if b.objective is not None:  # preference training: pairs, the run's collator
         sample = _longest_pairs(b.dataset, b.collate)
     else:
-        lengths = run_lengths(b) if b.family.layout.encoder_decoder else None
+        lengths = b.family.layout.pick(None, run_lengths(b))  # an encoder-decoder: the run's two lengths
         sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
     meter = PeakMeter(b.device)
     sizes, trials = divisors(effective), []

@@ -44,16 +44,8 @@ def padded_width(longest: int, multiple: int = 1, widths: Sequence[int] | None =
 
 
 
-class PadCollator:
-    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
-    10x, padding everything to max_length spends most of the compute on pad tokens.
-
-    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
-    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
-    size of the padded batch (rows x width, real tokens included). Pop the two ints before
-    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost; widths
-    (length_buckets, set where shapes must repeat) replaces it with a fixed set of widths.
-    """
+class _Padded:
+    """What both padded collators share: pad_token_id, pad_to_multiple_of, and the widths bucket_lengths sets."""
 
     widths: tuple[int, ...] | None = None
 
@@ -65,6 +57,18 @@ class PadCollator:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+
+
+class PadCollator(_Padded):
+    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
+    10x, padding everything to max_length spends most of the compute on pad tokens.
+
+    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
+    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
+    size of the padded batch (rows x width, real tokens included). Pop the two ints before
+    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost; widths
+    (length_buckets, set where shapes must repeat) replaces it with a fixed set of widths.
+    """
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         lengths = [len(e["input_ids"]) for e in examples]
@@ -85,23 +89,12 @@ class PadCollator:
         }
 
 
-class Seq2SeqCollator:
+class Seq2SeqCollator(_Padded):
     """An encoder-decoder's batch: input_ids (B, S) the sources padded to the longest source,
     attention_mask (B, S) 1 on real source tokens, labels (B, T) the targets, -100 on padding
     (the model shifts them right from its decoder start itself: no decoder_input_ids), plus the
     two host ints of PadCollator over both sides (padded = rows x (S + T)); widths as
     PadCollator's, each side bucketed on its own."""
-
-    widths: tuple[int, ...] | None = None
-
-    @property
-    def length_varies(self) -> bool:
-        """Padded to the length buckets: each batch's width is one of several (compiled: marked dynamic)."""
-        return self.widths is not None
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
 
     def _pad(self, rows: list, value: int) -> tuple[torch.Tensor, torch.Tensor]:
         width = padded_width(max(len(r) for r in rows), self.pad_to_multiple_of, self.widths)

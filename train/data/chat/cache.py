@@ -47,14 +47,14 @@ class Store:
     label: str
     root: str
     names: tuple[str, ...]
-    open: Callable  # (folder, verify=True, vocab=None) -> (cached, None) | (None, what is wrong) | (None, None)
-    build: Callable  # (folder, items, tok, fmt, max_length, workers, skip, total, data name, layout, rendering)
+    open: Callable  # (folder, verify=True, vocab=None) -> (cached, None) | (None, what's wrong) | (None, None)
+    build: Callable  # (folder, items, tok, fmt, max_length, workers, skip, total, data name, layout, ...)
     builtin_name: str  # the data's name in messages when DATA_PATH is empty
 
 
 def keyed_cache(store: Store, data_path: str | None, builtin: list | None, opened: Callable[[], tuple], tok,
-                max_length: int, skip_bad_records: bool, cache_dir: Path, workers: int, say, layout, rendering,
-                key: Callable[[str], str] = str) -> tuple:
+                max_length: int, skip_bad_records: bool, cache_dir: Path, workers: int, say, layout,
+                rendering, key: Callable[[str], str] = str) -> tuple:
     """store's cache for this data (DATA_PATH, or `builtin` when it is None), tokenizer, rendering, MAX_LENGTH
     and layout: opened when there is one, else built from opened() -> (format, (place, record) items) on
     TOKENIZE_WORKERS processes. key: the data's key as this store keys it. Returns (cached, what was done)."""
@@ -77,8 +77,8 @@ def keyed_cache(store: Store, data_path: str | None, builtin: list | None, opene
     if total is not None:  # a process per chunk at most: a small file is done before a pool starts
         workers = max(1, min(workers, -(-total // CHUNK_ROWS)))
     rows = f"{total:,} " if total else ""
-    say(f"tokenizing {rows}{store.label} records into {folder} on {workers} process(es) (once per data, tokenizer, "
-        "template, MAX_LENGTH and model kind)")
+    say(f"tokenizing {rows}{store.label} records into {folder} on {workers} process(es) (once per data, "
+        "tokenizer, template, MAX_LENGTH and model kind)")
     cached = store.build(folder, items, tok, fmt, max_length, workers, skip_bad_records, total,
                          data_path or store.builtin_name, layout, rendering)
     took = time.perf_counter() - start
@@ -91,7 +91,8 @@ def build_into(store: Store, folder: Path, write: Callable[[Path], object], data
     and returns the manifest, check(manifest) may refuse it, meta.json goes last, then the rename; another
     run that finished the same cache first wins, and its copy is used."""
     cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
-    with cache_files.building(f"tokenizing the {store.label} data", f"the {store.label} cache", folder) as temps:
+    doing, cache = f"tokenizing the {store.label} data", f"the {store.label} cache"
+    with cache_files.building(doing, cache, folder) as temps:
         tmp = cache_files.temp_folder(folder, temps)
         meta = write(tmp)
         if check is not None:
@@ -133,7 +134,8 @@ def manifest_of(cls) -> Callable[[dict], object]:
     return parse
 
 
-def open_files(folder: Path, what: str, parse, names_of, rows_bytes: Callable, vocab: int | None, verify: bool):
+def open_files(folder: Path, what: str, parse, names_of, rows_bytes: Callable, vocab: int | None,
+               verify: bool):
     """(manifest, None) for a folder whose files are sound: meta.json read, each file the size it says
     (rows_bytes(meta): the per-row files' sizes), ids.bin's ids within vocab, the sha256 checked once;
     (None, what is wrong) for a damaged one; (None, None) when there is none."""
@@ -161,7 +163,8 @@ class CachedRows:
     """Rows lo..hi of a cache folder (ids.bin and trained.bin, row after row), read from the memmaps on
     demand. A slice is another view of the same files, so a validation split copies nothing; it pickles
     as its file names (the DataLoader's workers map the files themselves instead of receiving every
-    token). A subclass says each row's tokens (_row_tokens), makes a view (_view) and an example (_example)."""
+    token). A subclass says each row's tokens (_row_tokens), makes a view (_view) and an example
+    (_example)."""
 
     item = "row"
 
@@ -270,9 +273,9 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
 
 def encoded_chunks(items: Iterator, encode, tok, fmt: str, max_length: int, workers: int, layout=CAUSAL_LM,
                    rendering: Rendering | None = None) -> Iterator[tuple]:
-    """encode(chunk)'s results per chunk of (place, record) items, in order; encode reads the tokenizer, format,
-    MAX_LENGTH, layout and rendering from _WORKER. workers > 1: that many processes, at most two chunks each in
-    flight: memory stays flat however long the data."""
+    """encode(chunk)'s results per chunk of (place, record) items, in order; encode reads the tokenizer,
+    format, MAX_LENGTH, layout and rendering from _WORKER. workers > 1: that many processes, at most two
+    chunks each in flight: memory stays flat however long the data."""
     chunks, rendering = _chunks(items, CHUNK_ROWS), rendering or Rendering()
     if workers <= 1:
         _init_worker(tok, fmt, max_length, layout, rendering, pool_worker=False)

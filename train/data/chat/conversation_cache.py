@@ -1,5 +1,6 @@
 """SFT conversations tokenized once, into CACHE_DIR/sft/<key>/, on the chat library's keyed cache engine
-(cache.py), and read back memory-mapped; SFTDataset gives them (or a list of encoded examples) to the samplers.
+(cache.py), and read back memory-mapped; SFTDataset gives them (or a list of encoded examples) to the
+samplers.
 
 Once every record was read into RAM and tokenized again on every rank (100k alpaca records: a minute and
 1.5 GB before the first step). Now the first run writes
@@ -10,9 +11,10 @@ Once every record was read into RAM and tokenized again on every rank (100k alpa
                unfit, and each file's sha256 (taken as it is written)
 and every later run with the same key maps them at once. The key covers what changes the ids: the data's
 bytes, the tokenizer (vocabulary, merges, added tokens), the chat template, TEMPLATE, LOSS_ON, TRUNCATION,
-REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model kind (Layout.name): for an encoder-decoder (T5, BART) an example is a
-(source, target) pair (encode.encode_pairs), ids.bin holds the source then the target, trained.bin is 1 on
-the target, and source_lengths.bin (int32) says where the target starts. Only lengths are held in RAM.
+REASONING, MAX_LENGTH, SKIP_BAD_RECORDS and the model's layout (Layout.name): for an encoder-decoder (T5,
+BART) an example is a (source, target) pair (encode.encode_pairs), ids.bin holds the source then the
+target, trained.bin is 1 on the target, and source_lengths.bin (int32) says where the target starts. Only
+lengths are held in RAM.
 
 """
 
@@ -168,7 +170,8 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
            total: int | None, layout, rendering: Rendering | None = None) -> Manifest:
     """Tokenize every record into tmp's files (fsynced); returns the manifest's content."""
     dtype = ids_dtype(tok)
-    t = dict(n=0, n_tokens=0, n_skipped=0, n_truncated=0, first_error="", n_tools_kept=0, n_unfit=0, first_unfit="")
+    t = dict(n=0, n_tokens=0, n_skipped=0, n_truncated=0, n_tools_kept=0, n_unfit=0, first_error="",
+             first_unfit="")
 
     def parts():
         with _progress(total) as bar:
@@ -176,12 +179,14 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
                     items, _encode_chunk, tok, fmt, max_length, workers, layout, rendering):
                 if bad and not skip:
                     raise refuse_bad(bad[0])
-                t["first_error"], t["first_unfit"] = t["first_error"] or (bad or [""])[0], t["first_unfit"] or (unfit or [""])[0]
+                t["first_error"] = t["first_error"] or (bad or [""])[0]
+                t["first_unfit"] = t["first_unfit"] or (unfit or [""])[0]
                 yield {"ids.bin": ids.astype(dtype), "trained.bin": trained, "lengths.bin": lengths,
                        **({} if sources is None else {SOURCE_LENGTHS: sources})}  # fmt: skip
-                t["n"], t["n_tokens"], t["n_skipped"] = t["n"] + len(lengths), t["n_tokens"] + len(ids), t["n_skipped"] + len(bad)
-                t["n_truncated"], t["n_tools_kept"] = t["n_truncated"] + truncated, t["n_tools_kept"] + tools_kept
-                t["n_unfit"] += len(unfit)
+                counts = {"n": len(lengths), "n_tokens": len(ids), "n_skipped": len(bad), "n_truncated": truncated,
+                          "n_tools_kept": tools_kept, "n_unfit": len(unfit)}
+                for name, count in counts.items():
+                    t[name] += count
                 bar.update(len(lengths) + len(bad) + len(unfit))
 
     sums = write_files(tmp, FILES_OF[layout.name], parts())
@@ -199,7 +204,9 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
             raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records cannot fit "
                              f"this model at MAX_LENGTH={max_length}{hint}; the first: {meta.first_unfit}")
 
-    write = lambda tmp: _write(tmp, items, tok, fmt, max_length, workers, skip, total, layout, rendering)  # noqa: E731
+    def write(tmp: Path) -> Manifest:
+        return _write(tmp, items, tok, fmt, max_length, workers, skip, total, layout, rendering)
+
     return build_into(STORE, folder, write, data_name, fits)
 
 
@@ -211,13 +218,15 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
               cache_dir: Path, workers: int, say, layout=CAUSAL_LM,
               rendering: Rendering | None = None, text_field: str = "text") -> tuple[CachedExamples, str]:
     """The SFT cache for this data, tokenizer, rendering (TEMPLATE, LOSS_ON ...), MAX_LENGTH and model
-    layout: keyed_cache's, with the records read as SFT's formats (a plain-text record trains on TEXT_FIELD)."""
+    layout: keyed_cache's, with the records read as SFT's formats (a plain-text record trains on
+    TEXT_FIELD)."""
     def opened():
         if data_path is None:
             return "messages", ((f"built-in pair {i}", {"messages": c}) for i, c in enumerate(builtin, 1))
         return open_records(data_path, text_field, skip_bad_records)
 
-    key = (lambda k: k + f"\0text_field={text_field}") if text_field != "text" else str  # what a plain record trains on
+    # what a plain-text record trains on
+    key = (lambda k: k + f"\0text_field={text_field}") if text_field != "text" else str
     return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir, workers, say,
                        layout, rendering, key)
 

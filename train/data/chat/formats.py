@@ -239,7 +239,7 @@ def all_bad(data_path, skipped: int, first: str) -> UsageError:
 def load_conversations(path: Path, skip_bad_records: bool = False,
                        text_field: str = TEXT_FIELD) -> tuple[list[list[dict]], str, int]:
     """DATA_PATH -> (conversations, format name, records skipped), all in memory: for small
-    data and tests; a run reads through the SFT cache (train/data/chat/cache.py) instead.
+    data and tests; a run reads through the SFT cache (train/data/chat/conversation_cache.py) instead.
 
     The format is detected from the first record that matches one; every record must then be
     in that format. With skip_bad_records a bad record is counted instead of stopping the run,

@@ -312,3 +312,24 @@ def packed_attention(device, precision: str, set_attention) -> Attention:
         except Exception as err:  # no flash/varlen support for this architecture: the masked path
             attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
     return attention
+
+
+def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int,
+                       decide) -> tuple:
+    """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens, the collator
+    that keeps them apart in attention (set_attention(kind) switches the model to the varlen kernel chosen),
+    and the figures for summary.json: (rows dataset, collator, summary entries). Lowers LENGTH_GROUPING."""
+    if d.length_grouping:
+        d.length_grouping = False
+        decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
+    packing = pack(dataset.lengths, max_length)
+    rows = PackedRows(dataset.examples, packing.rows)
+    decide("packing", f"{len(rows)} rows", f"{len(dataset)} conversations best-fit into rows of "
+           f"MAX_LENGTH={max_length}: {packing.efficiency:.1%} of the row tokens are real; "
+           "BATCH_SIZE counts rows")
+    attention = packed_attention(device, precision, set_attention)
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,
+                           "attention": attention.kind}

@@ -170,8 +170,8 @@ def pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, pr
     if d.packing is not None and not d.packing:
         return dataset, padded, {}
     if not dataset.layout.packs:
-        decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once per "
-               "pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
+        decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once "
+               "per pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
         return dataset, padded, {}
     attention = packed_attention(device, precision, set_attention)
     if d.packing:
@@ -180,9 +180,9 @@ def pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, pr
             decide("length_grouping", 0, "PACKING=1 groups pairs by length itself")
         rows, packing = pack_pairs(dataset, max_length)
         decide("packing", f"{len(rows)} rows",
-               f"{len(dataset)} pairs best-fit into rows of 2 x MAX_LENGTH = {2 * max_length} tokens (a pair's "
-               f"chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row tokens are real; "
-               "BATCH_SIZE counts rows")  # fmt: skip
+               f"{len(dataset)} pairs best-fit into rows of 2 x MAX_LENGTH = {2 * max_length} tokens (a "
+               f"pair's chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row tokens "
+               "are real; BATCH_SIZE counts rows")  # fmt: skip
         decide("attention", attention.kind, attention.why)
         collate = PackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
         return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,
@@ -190,9 +190,10 @@ def pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, pr
     flat = attention.kind in (FLASH, VARLEN)
     decide("packing", "micro-batch",
            f"PACKING empty: each micro-batch's BATCH_SIZE pairs (as the padded run draws them) "
-           f"{'laid end to end in one row' if flat else 'one pair per row'} instead of 2 x BATCH_SIZE rows padded "
-           "to the longest: the same pairs per step, so the same losses, without the pad tokens (padding "
-           "efficiency in summary.json); PACKING=0 pads, PACKING=1 packs all pairs into rows of 2 x MAX_LENGTH")
+           f"{'laid end to end in one row' if flat else 'one pair per row'} instead of 2 x BATCH_SIZE rows "
+           "padded to the longest: the same pairs per step, so the same losses, without the pad tokens "
+           "(padding efficiency in summary.json); PACKING=0 pads, PACKING=1 packs all pairs into rows of "
+           "2 x MAX_LENGTH")
     decide("attention", attention.kind, attention.why)
     collate = MicroPackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
     return dataset, collate, {"packing": "micro-batch", "attention": attention.kind}

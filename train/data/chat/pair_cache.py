@@ -126,13 +126,14 @@ def _write(tmp: Path, items, tok, fmt: str, max_length: int, workers: int, skip:
     t = {"n": 0, "n_tokens": 0, "n_skipped": 0, "counts": np.zeros(3, dtype=np.int64), "first_error": ""}
 
     def parts():  # counts: truncated, reply cut, tools kept
-        for ids, trained, sides, cut, bad in cache.encoded_chunks(items, _encode_chunk, tok, fmt, max_length, workers,
-                                                                  layout, rendering):
+        chunks = cache.encoded_chunks(items, _encode_chunk, tok, fmt, max_length, workers, layout, rendering)
+        for ids, trained, sides, cut, bad in chunks:
             if bad and not skip:
                 raise refuse_bad(bad[0])
             t["first_error"] = t["first_error"] or (bad[0] if bad else "")
             yield {"ids.bin": ids.astype(dtype), "trained.bin": trained, "lengths.bin": sides}
-            t["n"], t["n_tokens"], t["n_skipped"] = t["n"] + len(sides), t["n_tokens"] + len(ids), t["n_skipped"] + len(bad)
+            for name, count in (("n", len(sides)), ("n_tokens", len(ids)), ("n_skipped", len(bad))):
+                t[name] += count
             t["counts"] = t["counts"] + cut
 
     sums = write_files(tmp, FILES, parts())
@@ -143,7 +144,9 @@ def _write(tmp: Path, items, tok, fmt: str, max_length: int, workers: int, skip:
 def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, skip: bool, total: int | None,
           data_name: str, layout, rendering: Rendering) -> CachedPairs:
     """Write the cache for `items` into `folder` (build_into: atomic, manifest last)."""
-    write = lambda tmp: _write(tmp, items, tok, fmt, max_length, workers, skip, layout, rendering)  # noqa: E731
+    def write(tmp: Path) -> Manifest:
+        return _write(tmp, items, tok, fmt, max_length, workers, skip, layout, rendering)
+
     return build_into(STORE, folder, write, data_name)
 
 
