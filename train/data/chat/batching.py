@@ -156,15 +156,8 @@ class LengthGroupedSampler(Sampler[int]):
     plain run with that budget, only batched differently (the same tokens, make compare-sft).
     """
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        batch_size: int,
-        seed: int = 0,
-        epoch: int = 0,
-        mega_batch_mult: int = 50,
-        budget: int | None = None,
-    ):
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0, epoch: int = 0,
+                 mega_batch_mult: int = 50, budget: int | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size, self.seed, self.epoch, self.mega_batch_mult = batch_size, seed, epoch, mega_batch_mult
         self.budget = budget
@@ -222,16 +215,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     size is rows x (longest source + longest target), both sides padded on their own.
     """
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        max_tokens: int,
-        seed: int = 0,
-        epoch: int = 0,
-        shuffle: bool = True,
-        mega_batch_mult: int = 50,
-        source_lengths: Sequence[int] | None = None,
-    ):
+    def __init__(self, lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                 mega_batch_mult: int = 50, source_lengths: Sequence[int] | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         # A causal example is all "source": its target side is 0 and the cost rows x longest.
         self.sources = self.lengths if source_lengths is None else np.asarray(source_lengths, dtype=np.int64)
