@@ -215,8 +215,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     size is rows x (longest source + longest target), both sides padded on their own.
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-                 mega_batch_mult: int = 50, source_lengths: Sequence[int] | None = None):
+    def __init__(self, lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0,
+                 shuffle: bool = True, mega_batch_mult: int = 50, source_lengths: Sequence[int] | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         # A causal example is all "source": its target side is 0 and the cost rows x longest.
         self.sources = self.lengths if source_lengths is None else np.asarray(source_lengths, dtype=np.int64)
