@@ -93,14 +93,15 @@ def cuda_form(folder: Path, out: Path, data: Path | None, packing: bool | None, 
     import torch
 
     import config
-    from train.data.pref.preference import preference_data
+    from train.data.preference import preference_data
     from train.data.tokenizer import chat_tokens, folder_tokenizer
+    from train.models.family import CAUSAL_LM
 
     tok = folder_tokenizer(folder, "MODEL_PATH", False)  # as the run makes it (SFTSource.tokenizer)
     d = config.DataConfig(data_path=None if data is None else str(data), packing=packing, cache_dir=str(out / "cache"),
                           val_fraction=0.0)  # fmt: skip
     chat_tokens(tok, d.template)
-    data_ = preference_data(d, tok, kind="causal", max_length=1024, device=torch.device("cuda"), precision="bf16",
+    data_ = preference_data(d, tok, layout=CAUSAL_LM, max_length=1024, device=torch.device("cuda"), precision="bf16",
                             eval_batches=20, set_attention=lambda kind: None, say=lambda *a: None,
                             decide=lambda *a: None)  # fmt: skip
     order = np.random.default_rng(0).permutation(len(data_.dataset))

@@ -29,12 +29,13 @@ from train.core.optim.optimizers import build_optimizer  # noqa: E402
 from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX, MIB  # noqa: E402
-from train.data.sft.fine_tuning import SFTDataset  # noqa: E402
-from train.data.sft.packing import PackedCollator, PackedRows, pack  # noqa: E402
-from train.data.sft.sft_batching import Seq2SeqCollator  # noqa: E402
+from train.data.chat.batching import Seq2SeqCollator  # noqa: E402
+from train.data.chat.conversation_cache import SFTDataset  # noqa: E402
+from train.data.chat.packing import PackedCollator, PackedRows, pack  # noqa: E402
 from train.distributed.parallel import build_scaler  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
 from train.models.estimate import estimate_for_run  # noqa: E402
+from train.models.family import CAUSAL_LM, ENCODER_DECODER, family_of  # noqa: E402
 from train.run.plan.adapt import row_shape  # noqa: E402
 
 VOCAB = 2048
@@ -103,7 +104,7 @@ def path(name: str, size: int) -> dict:
         examples = conversations(rows, longest, pairs=True)
         collate = Seq2SeqCollator(0)
         return {"model": t5((128, 256)[size]), "mode": "sft", "batch": rows, "max_length": 512,
-                "batches": [collate(examples)], "dataset": SFTDataset(examples, pairs=True), "collate": collate}
+                "batches": [collate(examples)], "dataset": SFTDataset(examples, ENCODER_DECODER), "collate": collate}
     if name == "sft-packed":
         n, length = ((32, 256), (64, 512))[size]
         examples = conversations(n, length * 3 // 4)
@@ -114,7 +115,7 @@ def path(name: str, size: int) -> dict:
         return {"model": model, "mode": "sft", "batch": len(dataset), "max_length": length, "packing": True,
                 "batches": [collate([dataset[i] for i in range(len(dataset))])], "dataset": dataset, "collate": collate}
     if name == "dpo-pairs":
-        from train.data.pref.pref_batching import PairCollator
+        from train.data.chat.pair_batching import PairCollator
 
         pairs, length = ((4, 128), (4, 256))[size]
         rng = np.random.default_rng(0)
@@ -135,15 +136,14 @@ def measure(p: dict, precision: str, device: torch.device) -> float:
         from train.core.preference.loss import PreferenceObjective
         from train.core.preference.reference import build_reference
 
-        objective = PreferenceObjective(False, "sigmoid", reference=build_reference("copy", model, source_target=False))
+        objective = PreferenceObjective(CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM))
     cfg = config.resolve(None, {"learning_rate": 1e-4})
     optimizer, _ = build_optimizer(cfg.optim, model, device)
     scaler = build_scaler(precision, model, device)
-    source_target = model.config.is_encoder_decoder
 
     def step():
         train_step(model, optimizer, scaler, iter(p["batches"]), 1, 1.0, device, precision,
-                   source_target=source_target, objective=objective)
+                   layout=family_of(model).layout, objective=objective)
 
     step()
     if device.type == "cuda":
@@ -159,7 +159,7 @@ def estimate(p: dict, precision: str, device: torch.device) -> float:
     model = p["model"]
     settings = {k: p[k] for k in ("packing", "reference") if k in p}
     cfg = config.resolve(None, {"mode": p["mode"], "batch_size": p["batch"], **settings})
-    shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], model.config.is_encoder_decoder)
+    shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], family_of(model).layout)
     return estimate_for_run(model.config, count_params(model), cfg, shape["max_length"], precision, device.type,
                             target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
 

@@ -39,6 +39,7 @@ from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX  # noqa: E402
 from train.models.build import build_config, build_model  # noqa: E402
+from train.models.family import ENCODER_DECODER  # noqa: E402
 
 VOCAB = 512
 
@@ -81,7 +82,7 @@ def one_step(model, batch: dict, pairs: set, device: torch.device, precision: st
     scaler = torch.amp.GradScaler(device.type, enabled=False)
 
     def step():
-        return train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, device, precision, source_target=True)
+        return train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, device, precision, layout=ENCODER_DECODER)
 
     step()  # warm: the optimizer's state exists, lazy inits are done
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -24,7 +24,7 @@ if [ -z "${DATA_PATH:-}" ]; then
   export DATA_PATH="${OUTPUT_DIR:-runs}/sft-bench-alpaca.json"
   "$PY" - "$DATA_PATH" <<'PY'
 import json, sys
-from train.data.sft.sft_formats import builtin_conversations
+from train.data.chat.formats import builtin_conversations
 records = [{"instruction": c[0]["content"], "input": "", "output": c[1]["content"]} for c in builtin_conversations()]
 json.dump(records, open(sys.argv[1], "w"))
 print(f"data: {len(records)} alpaca records (built-in pairs) in {sys.argv[1]}")

@@ -24,22 +24,22 @@ VOCAB = 96
 TOL = 1e-5
 
 
-def source_target(model) -> bool:
-    """The family's data shape, as the plan hands it to the loss (Family.source_target)."""
-    return family_of(getattr(model, "module", model)).source_target
+def layout(model):
+    """The family's layout, as the plan hands it to the loss (Family.layout)."""
+    return family_of(getattr(model, "module", model)).layout
 
 
 def preference_loss(model, *args, **kw):
     """train.core.preference.preference_loss with the model's family's data shape."""
-    return preference.preference_loss(model, *args, source_target=source_target(model), **kw)
+    return preference.preference_loss(model, *args, layout=layout(model), **kw)
 
 
 def build_reference(kind, model):
-    return preference.build_reference(kind, model, source_target=source_target(model))
+    return preference.build_reference(kind, model, layout=layout(model))
 
 
 def reference_over(model, *args):
-    return preference.reference_over(model, *args, source_target=source_target(model))
+    return preference.reference_over(model, *args, layout=layout(model))
 
 
 def gpt2(seed: int, vocab: int = VOCAB):

@@ -20,6 +20,7 @@ from train.core.optim.optimizers import build_optimizer, build_schedule
 from train.core.optim.schedules import warmup_of
 from train.core.step import train_step
 from train.models.build import build_model
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 from train.run.checkpoint import checkpoint
 from train.run.plan.plan import Decisions, resolve_pacing
 
@@ -68,8 +69,8 @@ def test_twenty_steps_equal_transformers_adafactor_relative_step(family, weight_
     for step in range(20):
         for group in kit_opt.param_groups:  # the loop writes the schedule's lr each step: never read
             group["lr"] = 1e3
-        losses.append(float(train_step(ours, kit_opt, scaler, a, 1, 1.0, CPU, "fp32", source_target=seq2seq)[0]))
-        ref = float(train_step(theirs, ref_opt, scaler, b, 1, 1.0, CPU, "fp32", source_target=seq2seq)[0])
+        losses.append(float(train_step(ours, kit_opt, scaler, a, 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER if seq2seq else CAUSAL_LM)[0]))
+        ref = float(train_step(theirs, ref_opt, scaler, b, 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER if seq2seq else CAUSAL_LM)[0])
         assert losses[-1] == pytest.approx(ref, abs=1e-6), step
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)  # bit for bit on this CPU, in fact

@@ -3,10 +3,11 @@ function of the kit's folder, with a planted violation for each (as tests/test_a
 
 1. No family branch outside train/models/: no code there asks what a model is (is_seq2seq,
    model_kind, config.is_encoder_decoder, an Auto class picked by hand) or compares a family name
-   ("gpt2", "t5", "llama", "seq2seq" ...) with a model_type, MODEL_FAMILY or a family. The one
-   switch read elsewhere is Family.source_target, the data shape that truly differs (source -> target
-   pairs), and train/data/ may branch on the batch shape's name (kind == "seq2seq"), which the
-   family hands it (Family.kind).
+   ("gpt2", "t5", "llama", "seq2seq" ...) with a model_type, MODEL_FAMILY or a family, or a layout's
+   name. The one thing read elsewhere is Family.layout, the strategy object that carries the
+   encoder-decoder difference (targets, losses, log-probs, generation inputs, pick); the lines
+   outside train/models/ that still branch on it (layout.encoder_decoder, or a capability such as
+   layout.packs) are counted and may not grow (LAYOUT_BRANCHES).
 2. The plan sources (train/run/plan/*Source) keep nothing: no method assigns to self, so each
    call's result is what it returns (ModelChoice, tokenizer, Data, model)."""
 
@@ -21,7 +22,8 @@ KIT = Path(__file__).resolve().parent.parent
 ASKS = {"is_seq2seq", "model_kind", "is_encoder_decoder", "auto_class_for", "AutoModelForSeq2SeqLM"}
 NAMES = {"gpt2", "t5", "llama", "seq2seq", "causal", "mt5", "bart", "qwen2"}
 ABOUT = ("model_type", "model_family", "family", "kind")
-DATA_SHAPE = "train/data/"  # where the batch shape's name may be compared (Family.kind hands it over)
+LAYOUT_FIELDS = {"encoder_decoder", "packs", "shifted"}  # what a branch on the Layout reads
+LAYOUT_BRANCHES = 15  # today's, outside train/models/: 10 in run/ and core/step.py, 2 in tools/, 3 in data/; only fewer
 
 
 def _mentions(node: ast.AST) -> str:
@@ -32,27 +34,41 @@ def _literal_names(node: ast.AST) -> set[str]:
     return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)} & NAMES
 
 
+def nodes_outside_models(kit: Path):
+    """(file, node) for every AST node of train/ outside train/models/."""
+    for path in sorted((kit / "train").rglob("*.py")):
+        rel = path.relative_to(kit).as_posix()
+        if not rel.startswith("train/models/"):
+            yield from ((rel, node) for node in ast.walk(ast.parse(path.read_text())))
+
+
 def family_branches(kit: Path) -> list[str]:
     """file:line what, for every question about a model's family outside train/models/."""
     found = []
-    for path in sorted((kit / "train").rglob("*.py")):
-        rel = path.relative_to(kit).as_posix()
-        if rel.startswith("train/models/"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
-                    else node.name if isinstance(node, ast.alias) else None)
-            if name is not None and name.split(".")[-1] in ASKS:
-                found.append(f"{rel}:{node.lineno} asks {name}")
-            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                     for op in node.ops):
-                sides = [node.left, *node.comparators]
-                text = " ".join(_mentions(s) for s in sides)
-                names = set().union(*(_literal_names(s) for s in sides))
-                if names and any(a in text for a in ABOUT):
-                    if rel.startswith(DATA_SHAPE) and "kind" in text and names <= {"seq2seq", "causal"}:
-                        continue  # the batch shape's name, handed over by the family
-                    found.append(f"{rel}:{node.lineno} compares {_mentions(node)}")
+    for rel, node in nodes_outside_models(kit):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.name if isinstance(node, ast.alias) else None)
+        if name is not None and name.split(".")[-1] in ASKS:
+            found.append(f"{rel}:{node.lineno} asks {name}")
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            sides = [node.left, *node.comparators]
+            text = " ".join(_mentions(s) for s in sides)
+            names = set().union(*(_literal_names(s) for s in sides))
+            if names and any(a in text for a in ABOUT):
+                found.append(f"{rel}:{node.lineno} compares {_mentions(node)}")
+    return found
+
+
+def layout_branches(kit: Path) -> list[str]:
+    """file:line test, for every if / conditional expression / returned condition outside train/models/
+    that reads the Layout's own switch (LAYOUT_FIELDS) instead of asking it to do the thing."""
+    found = []
+    for rel, node in nodes_outside_models(kit):
+        test = (node.test if isinstance(node, (ast.If, ast.IfExp, ast.While))
+                else node.value if isinstance(node, ast.Return) and isinstance(node.value, ast.BoolOp) else None)
+        if test is not None and {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)} & LAYOUT_FIELDS:
+            found.append(f"{rel}:{node.lineno} {ast.unparse(test)}")
     return found
 
 
@@ -78,6 +94,10 @@ def test_no_family_branch_outside_models():
     assert family_branches(KIT) == []
 
 
+def test_branches_on_the_layout_outside_models_do_not_grow():
+    assert len(layout_branches(KIT)) <= LAYOUT_BRANCHES, "\n".join(layout_branches(KIT))
+
+
 def test_plan_sources_are_pure():
     assert impure_sources(KIT) == []
 
@@ -99,9 +119,9 @@ def test_every_family_is_one_entry_with_every_size():
 def kit(tmp_path) -> Path:
     for name, text in {
         "train/models/family.py": "def is_seq2seq(m):\n    return m.config.model_type == 't5'\n",
-        "train/data/sft/cut.py": "def f(kind):\n    return kind == 'seq2seq'\n",
+        "train/data/chat/cut.py": "def f(layout):\n    return layout.pick(1, 2)\n",
         "train/run/plan/build.py": "class PretrainingSource:\n    def choose(self, cfg):\n        return 1\n",
-        "train/run/loop/parts.py": "def f(b):\n    return b.family.source_target\n",
+        "train/run/loop/parts.py": "def f(plan):\n    return plan.family.name\n",
     }.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -109,7 +129,12 @@ def kit(tmp_path) -> Path:
 
 
 def test_the_planted_kit_keeps_both_rules(kit):
-    assert family_branches(kit) == [] and impure_sources(kit) == []
+    assert family_branches(kit) == [] and impure_sources(kit) == [] and layout_branches(kit) == []
+
+
+def test_a_branch_on_the_layout_is_counted(kit):
+    (kit / "train/data/chat/cut.py").write_text("def f(layout):\n    return 1 if layout.encoder_decoder else 2\n")
+    assert layout_branches(kit) == ["train/data/chat/cut.py:2 layout.encoder_decoder"]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -117,7 +142,8 @@ def test_the_planted_kit_keeps_both_rules(kit):
     ("def f(m):\n    return m.config.is_encoder_decoder\n", "asks is_encoder_decoder"),
     ("def f(cfg):\n    return cfg.model.model_family != 'gpt2'\n", "compares cfg.model.model_family != 'gpt2'"),
     ("def f(c):\n    return c.model_type in ('t5', 'mt5')\n", "compares c.model_type in ('t5', 'mt5')"),
-    ("def f(kind):\n    return kind == 'seq2seq'\n", "compares kind == 'seq2seq'"),  # outside data/
+    ("def f(kind):\n    return kind == 'seq2seq'\n", "compares kind == 'seq2seq'"),
+    ("def f(d):\n    return d.kind != 'causal'\n", "compares d.kind != 'causal'"),
 ])
 def test_a_family_branch_outside_models_fails(kit, text, expected):
     (kit / "train/run/loop/parts.py").write_text(text)

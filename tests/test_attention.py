@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import tiny_model
 from train.core.attention import VARLEN_SDPA, use_attention, varlen_indices, varlen_sdpa_attention
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import EAGER, VARLEN, PackedCollator, PackedRows, attention_for, pack
+from train.data.chat.packing import EAGER, VARLEN, PackedCollator, PackedRows, attention_for, pack
 
 
 class SquareTensors(TorchDispatchMode):

@@ -20,7 +20,7 @@ from test_bad_input import snapshot
 from conftest import ROOT, launcher_env, run_cli, train_python
 from train.core.errors import UsageError
 from train.data import json_lines, records, tokenize
-from train.data.sft.sft_formats import load_conversations
+from train.data.chat.formats import load_conversations
 
 GOOD = [{"text": f"line {i} of a small document"} for i in range(5)]
 GOOD_SFT = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -182,8 +182,8 @@ def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world, capsys):
 
 
 def test_a_bad_record_before_the_format_is_known_stops_the_read_there(tmp_path):
-    from train.data.sft.sft_formats import detect_format, first_format
-    from train.data.sft.sft_turns import BadRecord
+    from train.data.chat.formats import detect_format, first_format
+    from train.data.chat.turns import BadRecord
 
     def stream():
         yield "d.jsonl.gz line 1", BadRecord("is longer than 4 MB (decompressed)")
@@ -195,7 +195,7 @@ def test_a_bad_record_before_the_format_is_known_stops_the_read_there(tmp_path):
     # the SFT run's first read (the tokenizer's language note) stops there too
     from types import SimpleNamespace
 
-    from train.data.sft.fine_tuning import first_texts
+    from train.data.sft import first_texts
 
     data = jsonl(tmp_path / "d.jsonl", GOOD_SFT, "{broken")  # line 2 bad, line 1 good: a format first
     cut = tmp_path / "cut.jsonl"

@@ -27,9 +27,9 @@ from data_tools import write_jsonl
 from train.core.errors import UsageError
 from train.data import cache_files, token_shards, tokenize
 from train.data import text as data
-from train.data.sft import sft_cache
-from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
-from train.data.sft.sft_formats import load_conversations
+from train.data.chat import conversation_cache as chat_cache
+from train.data.chat.encode import encode_conversations, ensure_special_tokens
+from train.data.chat.formats import load_conversations
 
 FAST = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "2", "--seed", "3",
         "--log_every", "1", "--overwrite", "1", "--tokenize_workers", "1"]  # fmt: skip
@@ -171,7 +171,7 @@ def sft_tok():
 
 def sft_cached(path, tok, cache):
     notes: list[str] = []
-    examples, done = sft_cache.sft_cache(str(path), None, tok, 64, False, cache, 1, notes.append)
+    examples, done = chat_cache.sft_cache(str(path), None, tok, 64, False, cache, 1, notes.append)
     return examples, done, notes
 
 
@@ -310,7 +310,7 @@ def test_a_tampered_sft_cache_is_rebuilt_never_trained_on(file, damage, forged, 
     cache = tmp_path / "cache"
     shutil.copytree(sft_clean.cache, cache)
     (folder,) = [p for p in (cache / "sft").iterdir() if p.name != "sums"]
-    assert sft_cache.open_cache(folder)[0] is not None and (folder / "checked.json").is_file()  # remembered
+    assert chat_cache.open_cache(folder)[0] is not None and (folder / "checked.json").is_file()  # remembered
     in_place(folder / file, damage)
     note = f"{file} does not hold the bytes meta.json's checksum describes"
     if forged:  # meta.json's checksum made to agree: the ids are still checked against the vocabulary

@@ -10,7 +10,7 @@ import json
 import numpy as np
 
 from conftest import run_cli
-from train.data.sft.sft_batching import GroupedSampler
+from train.data.chat.batching import GroupedSampler
 from train.data.text import EpochSampler
 from train.observe.compare import compare_runs, render_markdown
 from train.observe.curves import comparison_panels, throughput_label

@@ -21,8 +21,9 @@ from test_t5_sft import t5_folder  # noqa: F401 (the tiny T5 SFT starts from)
 from conftest import run_cli, tiny_model
 from train.core.attention import use_attention, varlen_indices
 from train.core.step import forward_loss
-from train.data.sft.packing import VARLEN, PackedCollator
-from train.data.sft.sft_batching import PadCollator, length_buckets
+from train.data.chat.batching import PadCollator, length_buckets
+from train.data.chat.packing import VARLEN, PackedCollator
+from train.models.family import CAUSAL_LM
 from train.run.compile import compile_guard
 
 # Lengths from a few tokens to past MAX_LENGTH=64 (truncated): many widths without buckets.
@@ -114,7 +115,7 @@ def test_t5_pretraining_is_one_graph(tiny_flags, tmp_path, monkeypatch):
 
 def batch_loss_and_grads(model, batch) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = forward_loss(model, batch, torch.device("cpu"), "fp32", source_target=False)
+    loss = forward_loss(model, batch, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -180,7 +181,7 @@ def test_compiled_masks_pretraining_causal_and_sft_padding_without_recompiles():
     assert model.config.use_cache is False  # with a cache transformers skips its look for packing
     compiled = torch.compile(model, backend=backend)
     ids = torch.randint(1, 500, (2, 16))
-    forward_loss(compiled, {"input_ids": ids}, torch.device("cpu"), "fp32", source_target=False).backward()
+    forward_loss(compiled, {"input_ids": ids}, torch.device("cpu"), "fp32", layout=CAUSAL_LM).backward()
     assert len(graphs) == 1 and calls[0] and all(c.get("attn_mask") is None and c.get("is_causal") is True
                                                   for c in calls[0]), calls  # fmt: skip
     torch._dynamo.reset()
@@ -191,7 +192,7 @@ def test_compiled_masks_pretraining_causal_and_sft_padding_without_recompiles():
     labels = ids.masked_fill(padded == 0, -100)  # the same targets: num_items_in_batch alone would recompile
     for mask in (padded, torch.ones_like(ids), padded):
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        forward_loss(compiled, batch, torch.device("cpu"), "fp32", source_target=False).backward()
+        forward_loss(compiled, batch, torch.device("cpu"), "fp32", layout=CAUSAL_LM).backward()
     assert len(graphs) == 1, f"{len(graphs)} graphs for one width"
     assert all(c.get("attn_mask") is not None for c in calls[0]), calls
     torch._dynamo.reset()

@@ -20,6 +20,7 @@ from train.core.optim.optimizers import build_optimizer
 from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_config
+from train.models.family import CAUSAL_LM
 from train.run.compile import compile_guard
 from train.run.compile.compile_plan import LAUNCH_BOUND_MS, choose_mode, compile_default, step_math_ms
 from train.run.compile.cuda_graphs import keep_grads
@@ -38,7 +39,7 @@ def test_compile_is_on_for_cuda_and_off_elsewhere():
 def model_of(family: str):
     """The kit's MODEL_SIZE=small of a family, its weights on the meta device (no memory)."""
     config = build_config("small", None, 8192, 0, family)
-    auto = AutoModelForSeq2SeqLM if FAMILIES[family].source_target else AutoModelForCausalLM
+    auto = AutoModelForSeq2SeqLM if FAMILIES[family].layout.encoder_decoder else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(config)
 
@@ -99,7 +100,7 @@ def test_kept_gradients_train_as_set_to_none_does():
             keep_grads(model, opt)
             storage = [p.grad.data_ptr() for p in model.parameters()]
         for _ in range(3):
-            train_step(model, opt, scaler, iter([{"input_ids": x}] * 2), 2, 1.0, CPU, "fp32", source_target=False)
+            train_step(model, opt, scaler, iter([{"input_ids": x}] * 2), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM)
         if kept:
             assert [p.grad.data_ptr() for p in model.parameters()] == storage
             assert all(not p.grad.any() for p in model.parameters())  # zeroed after the step, in place

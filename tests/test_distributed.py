@@ -17,6 +17,7 @@ from train.core.step import full_value
 from train.data.loader import make_loader
 from train.data.text import EpochSampler
 from train.distributed import distributed, parallel
+from train.models.family import CAUSAL_LM
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
 
@@ -152,7 +153,7 @@ def _sgd_step(model, loader, accum, sync, total=None):
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total, source_target=False)
+    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total, layout=CAUSAL_LM)
 
 
 def _ddp_token_mean_over_uneven_ranks(world):
@@ -237,7 +238,7 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     def steps(model, optimizer, chunk):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(
-            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model), source_target=False)
+            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model), layout=CAUSAL_LM)
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)

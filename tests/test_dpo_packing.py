@@ -29,8 +29,9 @@ from test_dpo_mode import t5_root  # noqa: F401 (the tiny T5 and its pairs)
 from conftest import read_jsonl, run_cli
 from train.core.attention import use_attention
 from train.core.preference.logps import Responses
-from train.data.pref.pref_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
-from train.data.sft.packing import SDPA, VARLEN
+from train.data.chat.packing import SDPA, VARLEN
+from train.data.chat.pair_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
+from train.models.family import CAUSAL_LM
 
 KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "simpo": dict(beta=2.0, simpo_gamma=0.7)}
 FAMILIES = {"gpt2": gpt2, "llama": llama}
@@ -167,7 +168,7 @@ def test_a_sequence_never_sees_another():
         batch = PackedPairCollator(0, attention=VARLEN)(rows)
         with torch.no_grad():
             return sequence_logps(model, device_inputs(batch, CPU), Responses.of(batch, shifted=True),
-                                  source_target=False)  # fmt: skip
+                                  layout=CAUSAL_LM)  # fmt: skip
 
     alone, behind = sums([[second]]), sums([[first, second]])
     torch.testing.assert_close(behind[[1, 3]], alone, atol=TOL, rtol=0)

@@ -12,6 +12,7 @@ from train.core.optim.optimizers import build_optimizer
 from train.core.step import train_step
 from train.models.build import build_config, build_model
 from train.models.estimate import count_params, estimate_memory
+from train.models.family import CAUSAL_LM
 from train.run.plan.build import build
 
 GPT2_SMALL = 124_439_808  # tied embeddings, vocab 50257 (the published count)
@@ -74,7 +75,7 @@ def test_estimate_matches_a_tracked_step(checkpointing, chunked, monkeypatch):
             for _ in range(2):  # the second step has AdamW's state
                 batches = iter([{"input_ids": ids}])
                 train_step(
-                    model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches, 1, 1.0, cpu, "fp32", source_target=False)
+                    model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches, 1, 1.0, cpu, "fp32", layout=CAUSAL_LM)
                 tracker.reset_mod_stats()
         measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(

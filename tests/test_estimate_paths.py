@@ -18,12 +18,13 @@ from train.core.optim.optimizers import build_optimizer
 from train.core.seq2seq import span_lengths
 from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
-from train.data.sft.fine_tuning import SFTDataset
-from train.data.sft.packing import PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.chat.batching import Seq2SeqCollator
+from train.data.chat.conversation_cache import SFTDataset
+from train.data.chat.packing import PackedCollator, PackedRows, pack
 from train.distributed.parallel import build_scaler
 from train.models.build import build_config, build_model
 from train.models.estimate import estimate_for_run
+from train.models.family import CAUSAL_LM, ENCODER_DECODER, family_of
 from train.run.plan.adapt import row_shape
 
 VOCAB = 512
@@ -38,7 +39,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def measured_peak(model, batches: list[dict], precision: str, source_target: bool = False, objective=None,
+def measured_peak(model, batches: list[dict], precision: str, layout=CAUSAL_LM, objective=None,
                   accum: int = 1) -> int:
     """Bytes allocated at the peak of the second of two real train_steps (the first makes AdamW's state)."""
     cfg = config.resolve(None, {"learning_rate": 1e-3})
@@ -46,7 +47,7 @@ def measured_peak(model, batches: list[dict], precision: str, source_target: boo
     scaler = build_scaler(precision, model, CPU)
 
     def step():
-        train_step(model, optimizer, scaler, iter(batches), accum, 1.0, CPU, precision, source_target=source_target,
+        train_step(model, optimizer, scaler, iter(batches), accum, 1.0, CPU, precision, layout=layout,
                    objective=objective)
 
     step()
@@ -57,8 +58,7 @@ def estimated(model, mode: str, batch_size: int, precision: str, dataset=None, c
               accum: int = 1, **settings) -> float:
     cfg = config.resolve(None, {"mode": mode, "batch_size": batch_size, "gradient_accumulation_steps": accum,
                                 **settings})
-    source_target = model.config.is_encoder_decoder
-    shape = row_shape(dataset, collate, max_length, mode, source_target)
+    shape = row_shape(dataset, collate, max_length, mode, family_of(model).layout)
     return estimate_for_run(model.config, count_params(model), cfg, shape["max_length"], precision, "cpu",
                             target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
 
@@ -84,7 +84,7 @@ def test_t5_pretraining(batch, source, precision, accum):
     gen = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(1, VOCAB, (batch, source), generator=gen),
                 "labels": torch.randint(1, VOCAB, (batch, target), generator=gen)} for _ in range(2 * accum)]
-    peak = measured_peak(model, batches, precision, source_target=True, accum=accum)
+    peak = measured_peak(model, batches, precision, layout=ENCODER_DECODER, accum=accum)
     est = estimated(model, "pretrain", batch, precision, max_length=source, accum=accum)
     within_10_percent(est, peak)
 
@@ -99,9 +99,9 @@ def test_t5_sft(rows, longest, precision):
     for i in range(rows):
         s, t = (longest, longest // 2) if i == 0 else (int(rng.integers(8, longest)), int(rng.integers(4, longest)))
         examples.append({"input_ids": rng.integers(1, VOCAB, s).tolist(), "labels": rng.integers(1, VOCAB, t).tolist()})
-    dataset, collate = SFTDataset(examples, pairs=True), Seq2SeqCollator(0)
+    dataset, collate = SFTDataset(examples, ENCODER_DECODER), Seq2SeqCollator(0)
     batch = collate(examples)
-    peak = measured_peak(model, [batch, batch], precision, source_target=True)
+    peak = measured_peak(model, [batch, batch], precision, layout=ENCODER_DECODER)
     est = estimated(model, "sft", rows, precision, dataset, collate, max_length=512)
     within_10_percent(est, peak)
 
@@ -160,7 +160,7 @@ def test_preference_pairs(pairs, length, precision):
     """DPO: BATCH_SIZE pairs are 2 x BATCH_SIZE rows in one forward, a frozen fp32 copy beside the policy."""
     from train.core.preference.loss import PreferenceObjective
     from train.core.preference.reference import build_reference
-    from train.data.pref.pref_batching import PairCollator
+    from train.data.chat.pair_batching import PairCollator
 
     model = tiny_gpt2()
     rng = np.random.default_rng(0)
@@ -175,7 +175,7 @@ def test_preference_pairs(pairs, length, precision):
         data.append({"prompt_ids": rng.integers(1, VOCAB, prompt).tolist(), "chosen_ids": chosen,
                      "chosen_labels": chosen, "rejected_ids": rejected, "rejected_labels": rejected})
     batch = PairCollator(0)(data)
-    objective = PreferenceObjective(False, "sigmoid", reference=build_reference("copy", model, source_target=False))
+    objective = PreferenceObjective(CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM))
     peak = measured_peak(model, [batch, batch], precision, objective=objective)
     copy_bytes = 4 * count_params(model)  # the frozen copy, made before the tracked step: held throughout
     est = estimated(model, "dpo", pairs, precision, max_length=length, reference="copy")

@@ -12,6 +12,7 @@ from train.core.errors import UsageError
 from train.data import text as data
 from train.data.holdout import val_windows
 from train.data.loader import make_val_loader
+from train.models.family import CAUSAL_LM
 from train.run.loop.evaluate import evaluate
 from train.run.plan.build import build
 
@@ -109,7 +110,7 @@ def test_evaluate_weights_by_predicted_tokens_and_restores_mode():
     ]
     loader = make_val_loader(rows, 2, torch.device("cpu"))  # batches of 2, 2, 1
     model.train()
-    loss = evaluate(model, loader, 10, torch.device("cpu"), "fp32", source_target=False)
+    loss = evaluate(model, loader, 10, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
     assert model.training
     model.eval()
     with torch.no_grad():

@@ -13,9 +13,11 @@ import torch
 
 import config
 from train.core.units import MIB
-from train.data.sft.fine_tuning import SFTDataset
+from train.data.chat.conversation_cache import SFTDataset
+from train.models import FAMILIES
 from train.models.build import build_config
 from train.models.estimate import estimate_for_run
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 from train.run.plan import adapt, fill
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -42,9 +44,9 @@ def fake_gpu(monkeypatch, gb: int) -> float:
     return mb
 
 
-def filled(cfg, model, dataset, source_target=False, max_length=1024):
+def filled(cfg, model, dataset, layout=CAUSAL_LM, max_length=1024):
     said = []
-    assert fill.fill_memory(cfg, model, dataset, None, max_length, "bf16", CUDA, 1, source_target,
+    assert fill.fill_memory(cfg, model, dataset, None, max_length, "bf16", CUDA, 1, layout,
                             lambda setting, value, why: said.append((setting, value, why)))
     return cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps, dict((s, w) for s, _, w in said)
 
@@ -65,7 +67,7 @@ def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_ba
         capacity = fake_gpu(monkeypatch, gb)
         cfg = config.resolve("sft" if mode == "sft" else "optimized", {"mode": mode, "batch_size": 16,
                                                                         "gradient_accumulation_steps": 16})
-        batch, accum, why = filled(cfg, model, dataset, seq2seq, 1024 if mode == "sft" else 512)
+        batch, accum, why = filled(cfg, model, dataset, FAMILIES[family].layout, 1024 if mode == "sft" else 512)
         allowed = int(re.search(r"TARGET_VRAM=0.8 allows (\d+)", why["batch_size"]).group(1))
         got[gb] = allowed
         # as close to 256 as whole numbers allow, and said where it is not exact
@@ -139,8 +141,8 @@ def test_the_command_line_asks_the_plan_to_fill_only_without_a_users_batch(tiny_
     cfg = parse_training_args("sft", tiny_flags)
     assert isinstance(_ahead_of_the_run(cfg, print, None, fill=True), fill.Fill)
     assert _ahead_of_the_run(cfg, print, None, fill=False) is None
-    assert fill.applies("sft", False) and fill.applies("dpo", False) and fill.applies("pretrain", True)
-    assert not fill.applies("pretrain", False)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
+    assert fill.applies("sft", CAUSAL_LM) and fill.applies("dpo", CAUSAL_LM) and fill.applies("pretrain", ENCODER_DECODER)
+    assert not fill.applies("pretrain", CAUSAL_LM)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
 
 
 def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_rank(monkeypatch):
@@ -152,7 +154,7 @@ def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_ra
     monkeypatch.setattr(device_lib, "memory_capacity", lambda device, cap: (24 * 1000**3, "this GPU (a fake)"))
     cfg = config.resolve("sft", {"mode": "sft", "batch_size": 16, "gradient_accumulation_steps": 16})
     said = []
-    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, False,
+    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, CAUSAL_LM,
                             lambda setting, value, why: said.append(why))
     batch, accum = cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps
     # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)

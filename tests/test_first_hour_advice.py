@@ -9,7 +9,7 @@ import subprocess
 from types import SimpleNamespace
 
 from conftest import ROOT, launcher_env, run_cli
-from train.data.pref.preference import longer
+from train.data.preference import longer
 from train.run.plan.sft_model import FEW_STEPS, choose_pretrained, model_source
 
 FAST = ["--batch_size", "4", "--num_workers", "0", "--max_steps", "2"]

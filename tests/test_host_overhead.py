@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT
 from train.core.attention import varlen_indices
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import PackedCollator
+from train.data.chat.packing import PackedCollator
 
 
 def rows_of(seed: int) -> list[list[dict]]:

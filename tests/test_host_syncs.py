@@ -18,6 +18,7 @@ from conftest import run_cli
 from train.core.measure.syncs import HostSyncs
 from train.core.optim.optimizers import build_optimizer
 from train.core.step import train_step
+from train.models.family import CAUSAL_LM
 
 QUIET = ["--gradient_accumulation_steps", "2", "--max_steps", "4", "--log_every", "100", "--num_workers", "0"]
 TINY_T5 = {
@@ -73,7 +74,7 @@ def test_train_step_counts_a_sync_planted_in_the_loss(monkeypatch):
 
     def run():
         with HostSyncs("cpu") as s:
-            train_step(model, opt, scaler, s.host_batches(batches_of(x)), 2, 1.0, torch.device("cpu"), "fp32", source_target=False)
+            train_step(model, opt, scaler, s.host_batches(batches_of(x)), 2, 1.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
         return s
 
     assert run().count == 0, run().summary()

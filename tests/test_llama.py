@@ -21,7 +21,7 @@ from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_model
 from train.models.estimate import count_params, estimate_memory
-from train.models.family import family_of, set_dropout
+from train.models.family import CAUSAL_LM, family_of, set_dropout
 
 CPU = torch.device("cpu")
 # The families of llama's block, and the transformers class each builds.
@@ -46,7 +46,7 @@ def tiny_llama(vocab: int = 512, seed: int = 0, family: str = "llama"):
 @pytest.mark.parametrize("family", BLOCKS)
 def test_llama_is_one_entry_with_the_published_shape(family):
     llama = FAMILIES[family]
-    assert not llama.source_target and llama.auto == "AutoModelForCausalLM" and llama.peft_task_type == "CAUSAL_LM"
+    assert not llama.layout.encoder_decoder and llama.auto == "AutoModelForCausalLM" and llama.peft_task_type == "CAUSAL_LM"
     counts = {}
     for size in ("nano", "tiny", "small", "medium"):
         cfg = llama.config_for(size, 8192, 0)
@@ -84,7 +84,7 @@ def test_estimate_matches_a_tracked_llama_step(checkpointing, chunked, family, m
         with tracker:
             for _ in range(2):  # the second step has AdamW's state
                 scaler = torch.amp.GradScaler("cpu", enabled=False)
-                train_step(model, optimizer, scaler, iter([{"input_ids": ids}]), 1, 1.0, CPU, "fp32", source_target=False)
+                train_step(model, optimizer, scaler, iter([{"input_ids": ids}]), 1, 1.0, CPU, "fp32", layout=CAUSAL_LM)
                 tracker.reset_mod_stats()
         measured = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
     est = estimate_memory(hf, count_params(hf), batch_size=16, max_length=128, precision="fp32",
@@ -178,12 +178,12 @@ def _ddp_worker(rank, world_size, port, family):
         ddp = parallel.wrap(tiny_llama(family=family)[1], world, "none", False, CPU)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), scaler, iter(loader), 2, 0.0, CPU, "fp32",
-                   parallel.sync_context(ddp), source_target=False)
+                   parallel.sync_context(ddp), layout=CAUSAL_LM)
         if world.rank == 0:
             reference = tiny_llama(family=family)[1]
             big, _ = make_loader(rows, DataConfig(), 8, 5, CPU)
             train_step(reference, torch.optim.SGD(reference.parameters(), lr=1.0), scaler, iter(big), 1, 0.0, CPU,
-                       "fp32", source_target=False)
+                       "fp32", layout=CAUSAL_LM)
             torch.testing.assert_close(flat(ddp.module), flat(reference), rtol=1e-5, atol=1e-6)
         dist.barrier()
     finally:

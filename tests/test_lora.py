@@ -22,7 +22,7 @@ from tiny_tools import one_thread
 from conftest import ROOT, launch, read_jsonl, run_cli, train_python
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
-from train.models import lora
+from train.models import FAMILIES, lora
 from train.run.checkpoint.checkpoint import list_checkpoints
 
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(48)]
@@ -102,7 +102,7 @@ def kit_and_peft(folder: Path):
     lora_B made non-zero (at init B = 0 and the adapter adds nothing)."""
     from peft import PeftModel
 
-    from train.data.sft.sft_data import stop_token_ids
+    from train.data.chat.encode import stop_token_ids
     from train.data.tokenizer import chat_tokens, folder_tokenizer
     from train.models import load
 
@@ -141,7 +141,7 @@ def test_the_kits_loss_is_peft_forward_and_checkpointing_trains_the_adapters(roo
     model, peft, tok = kit_and_peft(root / name)
     batch = batch_of(tok, name == "t5")
     with torch.no_grad():
-        ours = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=name == "t5")
+        ours = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", layout=FAMILIES[name].layout)
         theirs = peft(**batch).loss
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     assert ours.item() > 0
@@ -151,7 +151,7 @@ def test_the_kits_loss_is_peft_forward_and_checkpointing_trains_the_adapters(roo
 
     enable_checkpointing(model)
     model.train()
-    forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=name == "t5").backward()
+    forward_loss(model, dict(batch), torch.device("cpu"), "fp32", layout=FAMILIES[name].layout).backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 

@@ -18,7 +18,7 @@ from train.core.loss import (
     token_mean_share,
 )
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_batching import PadCollator
+from train.data.chat.batching import PadCollator
 
 
 def _plain_sum(hidden, weight, labels):

@@ -34,7 +34,7 @@ def protocol_members() -> set[str]:
 def test_every_objective_answers_the_whole_protocol(objective):
     members = protocol_members()
     assert {"counts", "loss", "returned", "named", "samples", "shown", "evaluate", "perplexity", "eval_shown",
-            "kept", "describe", "rows_per_sample", "unit", "trial_on_longest", "source_target"} <= members
+            "kept", "describe", "rows_per_sample", "unit", "trial_on_longest", "layout"} <= members
     missing = sorted(n for n in members if not hasattr(objective, n))
     assert missing == []
     for name in members:  # the methods take what the protocol's take, by name and in order

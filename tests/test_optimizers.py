@@ -24,6 +24,7 @@ from train.models.estimate import (
     optimizer_bytes,
     trainable_for,
 )
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 from train.models.freeze import apply_freeze, trainable_of
 from train.run.checkpoint import checkpoint
 
@@ -80,7 +81,7 @@ def lm_batches(seed: int = 0):
 def run_steps(model, optim, steps: int = 4):
     optimizer, kind = build_optimizer(optim, model, CPU)
     scaler, batches = torch.amp.GradScaler("cpu", enabled=False), lm_batches()
-    losses = [float(train_step(model, optimizer, scaler, batches, 1, 1.0, CPU, "fp32", source_target=False)[0]) for _ in range(steps)]
+    losses = [float(train_step(model, optimizer, scaler, batches, 1, 1.0, CPU, "fp32", layout=CAUSAL_LM)[0]) for _ in range(steps)]
     return losses, optimizer, kind
 
 
@@ -160,7 +161,7 @@ def test_freeze_encoder_of_a_t5_trains_only_the_rest_and_the_estimate_shrinks():
              "attention_mask": torch.ones(4, 16, dtype=torch.long), "labels": torch.randint(2, 512, (4, 8), generator=gen)}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for _ in range(2):
-        train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, CPU, "fp32", source_target=True)
+        train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER)
     assert all(torch.equal(p, encoder[n]) for n, p in model.encoder.named_parameters())
     # the estimate: gradients and optimizer state only for what trains, per optimizer
     counted = trainable_for(hf, "embeddings,encoder")

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import (
+from train.data.chat.batching import padding_efficiency
+from train.data.chat.packing import (
     EAGER,
     FLASH,
     SDPA,
@@ -23,7 +24,7 @@ from train.data.sft.packing import (
     block_causal_mask,
     pack,
 )
-from train.data.sft.sft_batching import padding_efficiency
+from train.models.family import CAUSAL_LM
 
 
 def test_bfd_packs_alpaca_like_lengths_tightly():
@@ -207,7 +208,7 @@ def test_forward_loss_hands_flash_its_varlen_lengths(model):
     hook = model.base_model.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
     try:
         with torch.no_grad():
-            loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", source_target=False)
+            loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", layout=CAUSAL_LM)
     finally:
         hook.remove()
     assert torch.isfinite(loss)

@@ -13,10 +13,11 @@ from test_sft_data import make_tokenizer
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.pref.pref_encode import encode
-from train.data.pref.pref_formats import load_pairs
-from train.data.sft.sft_data import encode_conversations, encode_pairs, ensure_special_tokens
-from train.data.sft.templates import Rendering, Tally
+from train.data.chat.encode import encode_conversations, encode_pairs, ensure_special_tokens
+from train.data.chat.pair_encode import encode
+from train.data.chat.pair_formats import load_pairs
+from train.data.chat.templates import Rendering, Tally
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 
 SKY = {"prompt": [{"role": "user", "content": "What color is the sky?"}],
        "chosen": [{"role": "assistant", "content": "It is blue."}],
@@ -161,11 +162,11 @@ def test_chatlm_raw_strings_under_template_none_causal_and_t5(tmp_path):
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    (causal,), _, _ = encode(pairs, tok, 64, "causal", none)
+    (causal,), _, _ = encode(pairs, tok, 64, CAUSAL_LM, none)
     assert causal["prompt_ids"] == ids("你好") + [eos]  # the prefix: prompt + eos, not trained
     assert causal["chosen_ids"] == causal["chosen_labels"] == ids("你好！") + [eos]
     assert causal["rejected_ids"] == ids("走开") + [eos]
-    (t5,), _, _ = encode(pairs, tok, 64, "seq2seq", none)
+    (t5,), _, _ = encode(pairs, tok, 64, ENCODER_DECODER, none)
     assert t5["prompt_ids"] == ids("你好") + [eos]  # the encoder source, once per pair
     assert t5["chosen_labels"] == ids("你好！") + [eos] and t5["rejected_labels"] == ids("走开") + [eos]
     sft, _ = encode_pairs([pairs[0]["prompt"] + pairs[0]["chosen"]], tok, 64, none)

@@ -1,4 +1,4 @@
-"""Preference batches (train/data/pref/pref_batching.py): P pairs -> 2P rows, chosen first, exact ids and
+"""Preference batches (train/data/chat/pair_batching.py): P pairs -> 2P rows, chosen first, exact ids and
 labels for a small case (causal and seq2seq), and packed rows whose sequences never see each other: the
 per-sequence log-probabilities of a packed batch (masked sdpa and the varlen path) equal each sequence
 run alone through a tiny real GPT-2."""
@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from train.core.attention import VARLEN_SDPA, use_attention
 from train.core.units import IGNORE_INDEX
-from train.data.pref.pref_batching import (
+from train.data.chat.packing import SDPA
+from train.data.chat.pair_batching import (
     PackedPairCollator,
     PairCollator,
     PairDataset,
     Seq2SeqPairCollator,
     pack_pairs,
 )
-from train.data.sft.packing import SDPA
+from train.models.family import ENCODER_DECODER
 
 X = IGNORE_INDEX
 PAIRS = [
@@ -49,7 +50,7 @@ def test_seq2seq_pairs_read_the_source_once():
 
 
 def test_dataset_lengths_are_the_padded_cost_of_a_pair():
-    causal, t5 = PairDataset(PAIRS), PairDataset(PAIRS, seq2seq=True)
+    causal, t5 = PairDataset(PAIRS), PairDataset(PAIRS, ENCODER_DECODER)
     assert causal.sides.tolist() == [[2, 3, 2], [3, 3, 1]]
     assert causal.source_lengths.tolist() == [5, 6] and causal.lengths.tolist() == [10, 12]  # 2 rows x (p + longer)
     assert t5.source_lengths.tolist() == [2, 3] and t5.lengths.tolist() == [8, 9]  # source + 2 targets

@@ -1,4 +1,4 @@
-"""The preference cache (train/data/pref/pref_cache.py) and the front door (preference.py): pairs
+"""The preference cache (train/data/chat/pair_cache.py) and the front door (preference.py): pairs
 tokenized once and reused, the same bytes from parquet, Arrow and JSONL and whatever the number of
 workers, a tampered cache refused and rebuilt, a prompt that fills MAX_LENGTH as one line naming the
 file and line, and preference_data's held-out split, summary and loaders through SFT's samplers."""
@@ -15,12 +15,13 @@ from test_pref_data import tok  # noqa: F401 (the fixture)
 from config import DataConfig
 from data_tools import write_arrow_folder, write_jsonl, write_parquet
 from train.core.errors import UsageError
+from train.data.chat.formats import builtin_conversations
+from train.data.chat.pair_cache import preference_cache
+from train.data.chat.pair_encode import encode
+from train.data.chat.pair_formats import builtin_pairs, load_pairs
 from train.data.loader import make_loader, make_val_loader
-from train.data.pref.pref_cache import preference_cache
-from train.data.pref.pref_encode import encode
-from train.data.pref.pref_formats import builtin_pairs, load_pairs
-from train.data.pref.preference import preference_data
-from train.data.sft.sft_formats import builtin_conversations
+from train.data.preference import preference_data
+from train.models import KINDS
 
 
 def pair_record(i: int) -> dict:
@@ -35,7 +36,7 @@ RECORDS = [pair_record(i) for i in range(30)]
 
 def cached(path, tok, cache, max_length=64, workers=1, skip=False, kind="causal"):  # noqa: F811
     lines: list[str] = []
-    pairs, done = preference_cache(str(path), None, tok, max_length, skip, cache, workers, lines.append, kind)
+    pairs, done = preference_cache(str(path), None, tok, max_length, skip, cache, workers, lines.append, KINDS[kind].layout)
     return pairs, done, lines
 
 
@@ -56,7 +57,7 @@ def test_pairs_are_tokenized_once_and_reused(tmp_path, tok):  # noqa: F811
     assert len(pickle.dumps(first[25:])) < 4096  # workers get file names and lengths, not the tokens
     t5, done, _ = cached(data, tok, tmp_path / "c", kind="seq2seq")  # the model kind is part of the key
     assert done.startswith("preference cache: built") and t5.folder != first.folder
-    assert every(t5) == encode(load_pairs(data)[0], tok, 64, "seq2seq")[0]
+    assert every(t5) == encode(load_pairs(data)[0], tok, 64, KINDS["seq2seq"].layout)[0]
     shorter, done, _ = cached(data, tok, tmp_path / "c", max_length=20)
     assert shorter.folder != first.folder and shorter.meta.n_truncated > 0 and shorter.meta.n_reply_cut > 0
     assert (shorter.sides[:, 0] + shorter.sides[:, 1:].max(axis=1)).max() <= 20
@@ -71,7 +72,7 @@ def test_parquet_arrow_and_workers_give_the_same_bytes(tmp_path, tok, monkeypatc
     assert every(cached(parquet, tok, tmp_path / "c")[0]) == want
     from_arrow = cached(arrow, tok, tmp_path / "c")[0]
     assert len(from_arrow) == 12 and from_arrow.meta.format == "prompt"
-    monkeypatch.setattr("train.data.sft.sft_cache.CHUNK_ROWS", 7)  # several chunks in flight
+    monkeypatch.setattr("train.data.chat.cache.CHUNK_ROWS", 7)  # several chunks in flight
     one = cached(jsonl, tok, tmp_path / "one")[0]
     two = cached(jsonl, tok, tmp_path / "two", workers=2)[0]
     assert every(two) == want
@@ -118,7 +119,7 @@ def data_config(tmp_path, data, **more) -> DataConfig:
 
 def front_door(d, tok, kind="causal", max_length=64):  # noqa: F811
     said, decided = [], {}
-    data = preference_data(d, tok, kind=kind, max_length=max_length, device=torch.device("cpu"), precision="fp32",
+    data = preference_data(d, tok, layout=KINDS[kind].layout, max_length=max_length, device=torch.device("cpu"), precision="fp32",
                            eval_batches=1, set_attention=lambda kind: None, say=said.append,
                            decide=lambda name, value, why: decided.update({name: value}))  # fmt: skip
     return data, said, decided

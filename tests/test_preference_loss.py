@@ -32,6 +32,7 @@ from preference_tools import (
 from train.core.preference import step_counts
 from train.core.preference.logps import Responses, token_logps
 from train.core.preference.reference import adapters_off
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 
 CASES = {  # each loss with its knobs: label smoothing and the SFT term where they apply
     "sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3),
@@ -102,7 +103,7 @@ def test_accumulation_and_ranks_equal_one_big_batch(family):
     def run(groups, world_size=1):
         policy.zero_grad(set_to_none=True)
         batches = [collate(g, seq2seq) for g in groups]
-        n, tokens = step_counts(batches, seq2seq)
+        n, tokens = step_counts(batches, ENCODER_DECODER if seq2seq else CAUSAL_LM)
         total, sums = 0.0, {}
         for batch in batches:
             loss, metrics = preference_loss(policy, batch, CPU, "fp32", n * world_size, world_size,
@@ -118,7 +119,7 @@ def test_accumulation_and_ranks_equal_one_big_batch(family):
     assert_same(many_metrics, one_metrics)
     assert_same(many_grads, one_grads)
     halves = [pairs[:4], pairs[4:]]  # two ranks of different token counts, each over the global totals
-    counts = [step_counts([collate(h, seq2seq)], seq2seq) for h in halves]
+    counts = [step_counts([collate(h, seq2seq)], ENCODER_DECODER if seq2seq else CAUSAL_LM) for h in halves]
     n, tokens = sum(c[0] for c in counts), sum(c[1] for c in counts)
     rank_losses, rank_grads = [], []
     for half in halves:
@@ -282,7 +283,7 @@ def _ddp_worker(rank, world_size, port):
         alone = copy.deepcopy(policy)
         preference_loss(alone, collate(pairs, False), CPU, "fp32", **kw)[0].backward()
         mine = collate(pairs[2 * rank : 2 * rank + 2], False)  # ranks with different token counts
-        totals = torch.tensor(step_counts([mine]))
+        totals = torch.tensor(step_counts([mine], CAUSAL_LM))
         dist.all_reduce(totals)
         ddp = DistributedDataParallel(policy)
         loss, _ = preference_loss(ddp, mine, CPU, "fp32", int(totals[0]), world_size, chosen_tokens=int(totals[1]), **kw)

@@ -16,8 +16,8 @@ from test_bad_records import GOOD_SFT, refused, train_here, world  # noqa: F401 
 from conftest import run_cli
 from train.core.errors import UsageError
 from train.data import json_lines, records
+from train.data.chat.formats import load_conversations
 from train.data.pretraining import note_plain_text
-from train.data.sft.sft_formats import load_conversations
 from train.models import estimate
 
 BOUND = "0.0625"  # MAX_RECORD_MB takes fractions: 64 KiB keeps the files tiny

@@ -25,10 +25,10 @@ from conftest import ROOT
 from data_tools import write_arrow_folder, write_jsonl
 from train.core.errors import UsageError
 from train.data import json_lines, records
-from train.data.sft import sft_data
-from train.data.sft.sft_data import encode_conversations, encode_pairs, ensure_special_tokens
-from train.data.sft.sft_formats import load_conversations
-from train.data.sft.templates import Rendering
+from train.data.chat import encode as chat_encode
+from train.data.chat.encode import encode_conversations, encode_pairs, ensure_special_tokens
+from train.data.chat.formats import load_conversations
+from train.data.chat.templates import Rendering
 
 WORDS = ["alpha", "beta", "gamma", "delta", "so", "then", "therefore", "we", "check", "the", "sum", "\n"]
 
@@ -57,7 +57,7 @@ def test_a_long_piece_encoded_by_its_ends_gives_the_same_example(tok, truncation
     r = Rendering(truncation=truncation)
     got = encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r)
     # the reference: every piece encoded whole, then cut (what the kit did before)
-    monkeypatch.setattr(sft_data, "_encode_bounded", lambda t, pieces, _: sft_data._encode_pieces(t, pieces))
+    monkeypatch.setattr(chat_encode, "_encode_bounded", lambda t, pieces, _: chat_encode._encode_pieces(t, pieces))
     assert got == (encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r))
     assert got[0][1] == 3  # three of them were cut
 
@@ -66,7 +66,7 @@ SCRIPT = """
 import resource, sys, time
 sys.path.insert(0, "tests")
 from test_sft_data import make_tokenizer
-from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
+from train.data.chat.encode import encode_conversations, ensure_special_tokens
 tok = make_tokenizer()
 ensure_special_tokens(tok)
 part = ("so then we check the sum of it " * 2_000_000)[: 60 << 20]

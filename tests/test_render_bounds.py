@@ -42,7 +42,7 @@ def tok(base_model):
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_template_fails_in_bounded_time(tok, name):
-    from train.data.sft.render_bounds import Budget, RenderFailed, render_chat
+    from train.data.chat.render_bounds import Budget, RenderFailed, render_chat
 
     template, reason = HOSTILE[name]
     with CpuSpent() as cpu, pytest.raises(RenderFailed) as err:
@@ -52,7 +52,7 @@ def test_a_hostile_template_fails_in_bounded_time(tok, name):
 
 
 def test_a_fair_template_renders_as_transformers_does(tok):
-    from train.data.sft.render_bounds import render_chat
+    from train.data.chat.render_bounds import render_chat
 
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     turns = [{"role": "system", "content": "Be brief."}, *PROBE, {"role": "user", "content": None}]

@@ -13,10 +13,10 @@ from test_sft_data import make_tokenizer
 from test_sft_tools import OWN_TEMPLATE
 
 from train.core.errors import UsageError
-from train.data.sft import chat_template, template_table
-from train.data.sft.chat_template import template_segments
-from train.data.sft.sft_data import Rendering, encode_conversations, ensure_special_tokens
-from train.data.sft.templates import BUILTIN_CHAT_TEMPLATE
+from train.data.chat import chat_template, template_table
+from train.data.chat.chat_template import template_segments
+from train.data.chat.encode import Rendering, encode_conversations, ensure_special_tokens
+from train.data.chat.templates import BUILTIN_CHAT_TEMPLATE
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip

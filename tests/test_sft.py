@@ -13,7 +13,8 @@ import torch
 from conftest import KIT_PY, launch, read_jsonl, run_cli
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_data import PadCollator, encode_conversations, ensure_special_tokens
+from train.data.chat.encode import PadCollator, encode_conversations, ensure_special_tokens
+from train.models.family import CAUSAL_LM
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"Name fruit {i}.", "input": "", "output": "An apple." * (1 + i % 3)},
@@ -103,10 +104,10 @@ def test_loss_mask_through_forward_loss(base_model):
     assert a["input_ids"].shape != b["input_ids"].shape  # the prompt tail really differs
     cpu = torch.device("cpu")
     with torch.no_grad():
-        masked = abs(forward_loss(model, a, cpu, "fp32", source_target=False) - forward_loss(model, b, cpu, "fp32", source_target=False))
+        masked = abs(forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM) - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM))
         for x in (a, b):  # the control: train on every real token
             x["labels"] = x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)
-        unmasked = abs(forward_loss(model, a, cpu, "fp32", source_target=False) - forward_loss(model, b, cpu, "fp32", source_target=False))
+        unmasked = abs(forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM) - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM))
     assert masked < 1e-5 and unmasked > 1e-4, (masked, unmasked)
 
 

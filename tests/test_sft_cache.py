@@ -1,4 +1,4 @@
-"""The SFT cache (train/data/sft/sft_cache.py) and SFT's sources: parquet and Arrow rows read as JSON
+"""The SFT cache (train/data/chat/cache.py) and SFT's sources: parquet and Arrow rows read as JSON
 records are, conversations tokenized once into memory-mapped files that a second start reuses
 and that MAX_LENGTH or the template change, the same bytes whatever the number of workers, a
 damaged cache rebuilt, and bad parquet as one line with exit code 2."""
@@ -18,9 +18,9 @@ from test_sft_data import make_tokenizer
 from conftest import run_cli
 from data_tools import write_arrow_folder, write_jsonl, write_parquet
 from train.core.errors import UsageError
-from train.data.sft.sft_cache import sft_cache
-from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
-from train.data.sft.sft_formats import load_conversations
+from train.data.chat.conversation_cache import sft_cache
+from train.data.chat.encode import encode_conversations, ensure_special_tokens
+from train.data.chat.formats import load_conversations
 
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(40)]
 ALPACA = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i + 1)))} for i in range(30)]
@@ -77,7 +77,7 @@ def test_second_start_reuses_the_cache_and_max_length_or_template_rebuild_it(tmp
 
 
 def test_workers_write_the_same_bytes_and_views_pickle_small(tmp_path, tok, monkeypatch):
-    monkeypatch.setattr("train.data.sft.sft_cache.CHUNK_ROWS", 7)  # several chunks in flight
+    monkeypatch.setattr("train.data.chat.cache.CHUNK_ROWS", 7)  # several chunks in flight
     data = write_jsonl(tmp_path / "d.jsonl", PAIRS + ALPACA[:0])
     one, _, _ = cached(data, tok, tmp_path / "a", workers=1)
     two, _, _ = cached(data, tok, tmp_path / "b", workers=2)

@@ -9,9 +9,9 @@ from test_sft_data import make_tokenizer, trained_runs
 import config
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_data import Rendering, encode_conversations, encode_pairs, ensure_special_tokens
-from train.data.sft.template_table import NAMES, TEMPLATE
-from train.data.sft.templates import END_TOKEN, cut_conversation, fit_pair
+from train.data.chat.encode import Rendering, encode_conversations, encode_pairs, ensure_special_tokens
+from train.data.chat.template_table import NAMES, TEMPLATE
+from train.data.chat.templates import END_TOKEN, cut_conversation, fit_pair
 
 LONG = [{"role": "user", "content": "Say hello."},
         {"role": "assistant", "content": "Hello world. " * 20}]  # fmt: skip

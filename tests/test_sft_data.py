@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
 from train.core.errors import UsageError
-from train.data.sft.sft_data import (
+from train.data.chat.encode import (
     BUILTIN_CHAT_TEMPLATE,
     IGNORE_INDEX,
     LengthGroupedSampler,

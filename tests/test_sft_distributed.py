@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import launch, read_jsonl
-from train.data.sft.sft_batching import (
+from train.data.chat.batching import (
     BudgetSampler,
     GroupedSampler,
     LengthGroupedSampler,

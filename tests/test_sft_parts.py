@@ -17,7 +17,7 @@ from test_bad_records import (
 from test_sft_data import write_jsonl
 
 from train.core.errors import UsageError
-from train.data.sft.sft_formats import load_conversations, open_records, to_conversation
+from train.data.chat.formats import load_conversations, open_records, to_conversation
 
 # The shapes of LLaMA-Factory's own demo files (data/v1_sft_demo.jsonl, data/reason_tool_use_demo_50.jsonl),
 # written here by hand with short texts: before typed parts, both stopped at line 1 with "no response

@@ -11,8 +11,8 @@ import pytest
 from test_sft_data import make_tokenizer, trained_runs
 from test_sft_parts import OPENAI_PARTS, REASON_TOOL, V1_MULTI
 
-from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
-from train.data.sft.sft_formats import load_conversations
+from train.data.chat.encode import encode_conversations, ensure_special_tokens
+from train.data.chat.formats import load_conversations
 
 CALL = '<|tool_call|>{{"name": "circle_area", "arguments": {{"radius": {}}}}}'
 
@@ -50,7 +50,7 @@ def test_records_train_exactly_their_replies(record, trained, untrained, tok, tm
 
 def test_llama_factory_history_and_record_system_are_turns(tmp_path):
     """LLaMA-Factory's alpaca "history" pairs and a record-level "system" (alpaca, ShareGPT) were dropped."""
-    from train.data.sft.sft_formats import to_conversation
+    from train.data.chat.formats import to_conversation
 
     alpaca = {"system": "Be kind.", "instruction": "And 3?", "input": "", "output": "Odd.",
               "history": [["Is 2 even?", "Yes."]]}  # fmt: skip
@@ -64,7 +64,7 @@ def test_llama_factory_history_and_record_system_are_turns(tmp_path):
 
 
 def test_trl_prompt_completion_records_are_read():
-    from train.data.sft.sft_formats import detect_format, to_conversation
+    from train.data.chat.formats import detect_format, to_conversation
 
     plain = {"prompt": "2 + 2 =", "completion": " 4"}
     chat = {"prompt": [{"role": "user", "content": "2 + 2?"}], "completion": [{"role": "assistant", "content": "4"}]}

@@ -15,7 +15,7 @@ from test_sft_data import ids_of, make_tokenizer, trained_runs
 
 from conftest import read_jsonl, run_cli
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_data import (
+from train.data.chat.encode import (
     PadCollator,
     Rendering,
     Tally,
@@ -23,8 +23,9 @@ from train.data.sft.sft_data import (
     encode_pairs,
     ensure_special_tokens,
 )
-from train.data.sft.sft_formats import load_conversations, to_conversation
-from train.data.sft.sft_turns import split_tools
+from train.data.chat.formats import load_conversations, to_conversation
+from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 GOLDEN = Path(__file__).parent / "golden" / "sft_template_losses.json"
 SCHEMA = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -253,7 +254,7 @@ def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
     file without {% generation %} is said in the log, TEMPLATE empty is recorded as a decision."""
     from types import SimpleNamespace
 
-    from train.data.sft.fine_tuning import template_decision
+    from train.data.chat.template_table import template_decision
 
     path = tmp_path / "chatml.jinja"
     path.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
@@ -264,9 +265,9 @@ def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
     assert trained_runs(example) == [ids_of(tokenizer, "Hello world.</s>")]
     said, decided = [], {}
     d = SimpleNamespace(template=str(path), loss_on=None, truncation=None, reasoning=None)
-    template_decision(d, tokenizer, "causal", said.append, lambda name, value, why: decided.update({name: value}))
+    template_decision(d, tokenizer, CAUSAL_LM, said.append, lambda name, value, why: decided.update({name: value}))
     assert decided == {} and "no {% generation %} markers" in said[0]
     said.clear()
-    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), "causal", said.append,
+    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), CAUSAL_LM, said.append,
                       lambda name, value, why: decided.update({name: value}))
     assert decided == {"template": "builtin"} and said == []

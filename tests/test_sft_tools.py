@@ -13,7 +13,7 @@ from test_sft_data import IGNORE_INDEX, ids_of, make_tokenizer, trained_runs, wr
 
 from conftest import run_cli
 from train.core.errors import UsageError
-from train.data.sft.sft_data import (
+from train.data.chat.encode import (
     BUILTIN_CHAT_TEMPLATE,
     encode_conversations,
     ensure_special_tokens,
@@ -21,8 +21,8 @@ from train.data.sft.sft_data import (
     prompt_for_generation,
     render,
 )
-from train.data.sft.sft_formats import to_conversation
-from train.data.sft.sft_turns import BadRecord, split_tools
+from train.data.chat.formats import to_conversation
+from train.data.chat.turns import BadRecord, split_tools
 from train.tools.generate import Chat
 
 SCHEMA = {

@@ -74,14 +74,14 @@ def test_most_records_too_long_for_the_model_stop_the_run_in_one_line(world, cap
                                f"{data} line 1: cannot fit MAX_LENGTH=256 tokens: its tools list alone takes ")
     assert not (tmp_path / "runs" / "most").exists()
     # the record with a system turn says so
-    from train.data.sft.sft_formats import load_conversations
-    from train.data.sft.templates import Tally
+    from train.data.chat.formats import load_conversations
+    from train.data.chat.templates import Tally
     from train.data.text import load_tokenizer
 
     conversations, _, _ = load_conversations(data)
     (cache,) = (tmp_path / "cache" / "tokenizers").iterdir()
     tok = load_tokenizer(str(cache), [], "", 512, tmp_path / "cache", print)
-    from train.data.sft.sft_data import encode_conversations, ensure_special_tokens
+    from train.data.chat.encode import encode_conversations, ensure_special_tokens
 
     ensure_special_tokens(tok)
     tally = Tally()

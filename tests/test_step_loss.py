@@ -12,7 +12,8 @@ import torch
 
 from conftest import tiny_model
 from train.core import step
-from train.data.sft.sft_batching import PadCollator
+from train.data.chat.batching import PadCollator
+from train.models.family import CAUSAL_LM
 
 
 def examples(seed: int, n: int) -> list[dict]:
@@ -31,7 +32,7 @@ def one_update(model, batches: list[dict]) -> tuple[torch.Tensor, float]:
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss, _, _ = step.train_step(model, optimizer, scaler, iter(batches), len(batches), 0.0, torch.device("cpu"), "fp32", source_target=False)
+    loss, _, _ = step.train_step(model, optimizer, scaler, iter(batches), len(batches), 0.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), loss.item()
 
 
@@ -61,6 +62,6 @@ def test_both_loss_paths_agree():
     model = tiny_model(seed=1)
     batch = PadCollator(pad_token_id=0)(examples(1, 4))
     assert step.chunkable(model)
-    chunked = step.forward_loss(model, batch, torch.device("cpu"), "fp32", source_target=False)
+    chunked = step.forward_loss(model, batch, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
     plain = model(**{k: v for k, v in batch.items() if torch.is_tensor(v)}).loss
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-5)

@@ -19,6 +19,7 @@ from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.data.span_corruption import corrupt, random_spans_noise_mask
 from train.models.build import build_config, build_model
+from train.models.family import ENCODER_DECODER
 from train.models.t5_attention import T5_SDPA, install
 
 VOCAB = 128
@@ -58,7 +59,7 @@ def sft_batch() -> dict:
 
 
 def loss_and_grads(model, batch: dict, precision: str = "fp32"):
-    loss = forward_loss(model, dict(batch), CPU, precision, source_target=True)
+    loss = forward_loss(model, dict(batch), CPU, precision, layout=ENCODER_DECODER)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -120,7 +121,7 @@ def masks_made(model, batch: dict) -> Counter:
     source, target = batch["input_ids"].shape[1], batch["labels"].shape[1]
     spy = ScoreTensors({(source, source), (target, target), (target, source)})
     with torch.no_grad(), spy:
-        forward_loss(model, dict(batch), CPU, "fp32", source_target=True)
+        forward_loss(model, dict(batch), CPU, "fp32", layout=ENCODER_DECODER)
     return spy.made
 
 
@@ -158,7 +159,7 @@ def test_the_cross_attention_takes_the_padding_mask_alone(monkeypatch):
     for batch, cross in ((span_batch(), None), (sft_batch(), (torch.float32, 1))):
         seen.clear()
         with torch.no_grad():
-            forward_loss(model, dict(batch), CPU, "fp32", source_target=True)
+            forward_loss(model, dict(batch), CPU, "fp32", layout=ENCODER_DECODER)
         target, source = batch["labels"].shape[1], batch["input_ids"].shape[1]
         assert [m for q, k, m in seen if (q, k) == (target, source)] == [cross, cross]
         assert all(m is not None and m[0] == torch.float32 for q, k, m in seen if q == k)  # the folded bias
@@ -185,7 +186,7 @@ def test_attention_dropout_still_applies():
         losses = []
         for seed in (0, 1):
             torch.manual_seed(seed)
-            losses.append(forward_loss(model, dict(batch), CPU, "fp32", source_target=True).item())
+            losses.append(forward_loss(model, dict(batch), CPU, "fp32", layout=ENCODER_DECODER).item())
         return losses
 
     first, second = two_draws()

@@ -13,6 +13,7 @@ from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
 from train.models.build import build_config, build_model
 from train.models.estimate import count_params, estimate_memory
+from train.models.family import ENCODER_DECODER
 
 VOCAB = 512
 
@@ -64,7 +65,7 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
     with tracker:
         for _ in range(2):  # the second step has AdamW's state
             train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), iter([data]), 1, 1.0, cpu, "fp32",
-                       source_target=True)
+                       layout=ENCODER_DECODER)
             tracker.reset_mod_stats()
     measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(
@@ -116,7 +117,7 @@ def test_seq2seq_tokens_are_source_plus_target():
     from train.run.loop.meter import BatchCounter
 
     batches = [seq2seq_batch(2, 10, 4, pad=3), {**seq2seq_batch(2, 10, 4), "n_real_tokens": 999}]
-    counter = BatchCounter(iter(batches), seq2seq=True)
+    counter = BatchCounter(iter(batches), ENCODER_DECODER)
     list(counter)
     # row 0 of the first batch: 3 padded source tokens, 3 ignored labels
     assert counter.counts() == (4, (20 - 3 + 8 - 3) + (20 + 8), 2 * (20 + 8))
@@ -166,7 +167,7 @@ def _t5_worker(rank, world_size, port):
 def _sgd(model, batches, accum, sync):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, source_target=True)
+    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, layout=ENCODER_DECODER)
 
 
 def test_two_ranks_ddp_and_fsdp2_train_t5_as_one_process():

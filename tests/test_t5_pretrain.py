@@ -23,7 +23,8 @@ from tiny_tools import one_thread
 from conftest import ROOT, launcher_env, read_jsonl, run_cli, train_python
 from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.data import span_corruption as sc
-from train.data.sft.sft_batching import Seq2SeqCollator
+from train.data.chat.batching import Seq2SeqCollator
+from train.models.family import ENCODER_DECODER
 
 GOLDEN = ROOT / "tests" / "golden" / "t5_span_losses.json"
 STEPS = 40
@@ -170,7 +171,7 @@ def test_accumulation_on_uneven_targets_equals_one_big_batch():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter(collate(rows[i : i + micro]) for i in range(0, 8, micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", source_target=True)
+        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=ENCODER_DECODER)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in tiny_t5().parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)

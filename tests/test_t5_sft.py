@@ -17,9 +17,10 @@ from test_sft_data import make_tokenizer
 
 from conftest import launch, read_jsonl, run_cli
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
-from train.data.sft.sft_cache import sft_cache
-from train.data.sft.sft_data import encode_pairs, ensure_special_tokens, prompt_for_generation
+from train.data.chat.batching import BudgetSampler, GroupedSampler, Seq2SeqCollator
+from train.data.chat.conversation_cache import sft_cache
+from train.data.chat.encode import encode_pairs, ensure_special_tokens, prompt_for_generation
+from train.models import KINDS
 
 GOLDEN = Path(__file__).parent / "golden" / "t5_sft_losses.json"
 TINY_T5 = dict(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, dropout_rate=0.0)
@@ -112,7 +113,7 @@ def test_cache_is_keyed_by_model_kind_max_length_and_template(tmp_path, tok):
     lines: list[str] = []
 
     def cached(kind, max_length=64):
-        return sft_cache(data, None, tok, max_length, False, tmp_path / "c", 1, lines.append, kind)
+        return sft_cache(data, None, tok, max_length, False, tmp_path / "c", 1, lines.append, KINDS[kind].layout)
 
     pairs, done = cached("seq2seq")
     assert done.startswith("SFT cache: built") and pairs.meta.kind == "seq2seq"

@@ -17,8 +17,9 @@ from train.core import step
 from train.core.loss import chunked_cross_entropy, lm_hidden_and_head, shift_targets
 from train.core.measure.syncs import HostSyncs
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import SDPA, PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import PadCollator
+from train.data.chat.batching import PadCollator
+from train.data.chat.packing import SDPA, PackedCollator, PackedRows, pack
+from train.models.family import CAUSAL_LM, ENCODER_DECODER
 
 CPU = torch.device("cpu")
 
@@ -63,9 +64,9 @@ def test_every_causal_path_equals_a_plain_forward(model, monkeypatch):
             _, count, hits = chunked_cross_entropy(hidden, weight, batch["labels"], chunk_tokens=chunk, correct=True)
             assert count.item() == targets and hits.item() / targets == pytest.approx(expected, abs=1e-9)
         assert step.chunkable(model)
-        _, chunked = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, source_target=False)
+        _, chunked = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, layout=CAUSAL_LM)
         monkeypatch.setattr(step, "chunkable", lambda m: False)  # transformers' loss (DDP, FSDP2, compile)
-        _, plain = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, source_target=False)
+        _, plain = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, layout=CAUSAL_LM)
     assert chunked.item() == pytest.approx(expected, abs=1e-6) and plain.item() == pytest.approx(expected, abs=1e-6)
 
 
@@ -82,7 +83,7 @@ def test_packed_rows_count_each_conversation_alone(model):
             trained = targets != IGNORE_INDEX
             hits += int(((logits.argmax(-1) == targets) & trained).sum())
             total += int(trained.sum())
-        _, accuracy = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, source_target=False)
+        _, accuracy = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, layout=CAUSAL_LM)
     assert len(rows) < len(examples) and accuracy.item() == pytest.approx(hits / total, abs=1e-6)
 
 
@@ -102,14 +103,14 @@ def test_t5_counts_its_decoder_labels():
     batch = {"input_ids": source, "attention_mask": torch.ones_like(source), "labels": labels}
     with torch.no_grad():
         expected = plain_accuracy(t5(input_ids=source, labels=labels).logits, labels)
-        _, accuracy = step.forward_loss(t5, dict(batch), CPU, "fp32", accuracy=True, source_target=True)
+        _, accuracy = step.forward_loss(t5, dict(batch), CPU, "fp32", accuracy=True, layout=ENCODER_DECODER)
     assert 0.2 < expected < 0.9 and accuracy.item() == pytest.approx(expected, abs=1e-6)
     # through train_step: a log step's figure, counted without a host sync
     optimizer = torch.optim.SGD(t5.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with HostSyncs("cpu") as syncs:
         out = step.train_step(t5, optimizer, scaler, syncs.host_batches(iter([dict(batch)])), 1, 0.0, CPU, "fp32",
-                              accuracy=True, source_target=True)  # fmt: skip
+                              accuracy=True, layout=ENCODER_DECODER)  # fmt: skip
     assert syncs.count == 0, syncs.summary()
     assert len(out) == 4 and out[3].item() == pytest.approx(expected, abs=1e-6)
 
@@ -131,10 +132,10 @@ def test_accumulated_step_is_the_token_mean_and_takes_no_sync(model):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with HostSyncs("cpu") as syncs:
         out = step.train_step(model, optimizer, scaler, syncs.host_batches(iter(micro)), 2, 1.0, CPU, "fp32",
-                              accuracy=True, source_target=False)  # fmt: skip
+                              accuracy=True, layout=CAUSAL_LM)  # fmt: skip
     assert syncs.count == 0, syncs.summary()
     assert out[3].item() == pytest.approx(expected_hits / expected_total, abs=1e-6)
-    assert len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32", source_target=False)) == 3  # not asked: none
+    assert len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM)) == 3  # not asked: none
 
 
 def test_sft_metrics_row_equals_a_plain_forward_on_its_batch(base_model, cache_dir, tmp_path):

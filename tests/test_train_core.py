@@ -13,6 +13,7 @@ from conftest import read_jsonl, run_cli, tiny_model
 from train.core.optim.schedules import lr_at
 from train.core.step import train_step
 from train.data import text as data
+from train.models.family import CAUSAL_LM
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 
@@ -28,7 +29,7 @@ def test_accumulation_4x8_equals_one_batch_of_32():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter({"input_ids": chunk} for chunk in batch.split(micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", source_target=False)
+        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
 

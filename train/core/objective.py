@@ -43,7 +43,7 @@ class Objective(Protocol):
     trial_on_longest: ClassVar[bool]
     """find-batch's trial batches: the data's longest samples as the run's collator makes them (True),
     or worst-case rows of MAX_LENGTH random tokens (False)."""
-    source_target: bool
+    layout: Any  # the model's family's Layout (train/models/family.py): causal LM or encoder-decoder
 
     def counts(self, micro_batches: list[dict]) -> Any:
         """The optimizer step's divisors, counted on the host from its micro-batches (no device sync);

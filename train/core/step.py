@@ -17,11 +17,9 @@ from train.core.device import autocast
 from train.core.loss import (
     chunked_cross_entropy,
     correct_predictions,
-    count_targets,
     lm_hidden_and_head,
     seq2seq_loss_sum,
     shift_targets,
-    step_targets,
     token_mean_share,
 )
 from train.core.model import unwrapped
@@ -61,7 +59,7 @@ def compiled_run_eager():
 
 def forward_loss(
     model, batch: dict, device: torch.device, precision: str, targets: int | None = None, world_size: int = 1,
-    accuracy: bool = False, *, source_target: bool,
+    accuracy: bool = False, *, layout,
 ):
     """The batch's summed token loss / `targets`: the target tokens of the whole optimizer step
     (token-correct accumulation: the step's loss is the mean over all its target tokens, as
@@ -69,10 +67,10 @@ def forward_loss(
     own (its mean loss). Counted on the host before the batch moves: no device sync. With DDP or
     FSDP2, which average gradients over ranks, `targets` is the count over all ranks and the
     share is scaled by world_size: the step's gradient is the token mean over every rank's
-    targets, as one process would take it, whatever each rank's own count. source_target: the model's family's
-    data shape (train/models Family.source_target): an encoder-decoder's source -> target batch."""
+    targets, as one process would take it, whatever each rank's own count. layout: the model's family's
+    (train/models Family.layout): what the targets are, and an encoder-decoder's source -> target batch."""
     if targets is None:
-        targets = count_targets(batch, shifted=not source_target)
+        targets = layout.count_targets(batch)
     # Only tensors reach the model, and flash-attention's varlen lengths: the collators also hand
     # over host ints (n_real_tokens ...), which BatchCounter has already read. Without
     # max_length_q/k transformers rebuilds the varlen arguments from position_ids on the device,
@@ -83,7 +81,7 @@ def forward_loss(
     labels = batch.pop("labels", batch["input_ids"])
     add_mask_of_ones(batch)
     with autocast(device, precision), host_padding(padded, maskless) if padded is not None else contextlib.nullcontext():
-        if source_target:  # source -> target: input_ids and attention_mask are the source, labels the target
+        if layout.encoder_decoder:  # source -> target: input_ids and attention_mask are the source, labels the target
             out = seq2seq_loss_sum(
                 model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels, correct=accuracy
             )
@@ -114,7 +112,7 @@ class TokenObjective:
     rows_per_sample: ClassVar[int] = 1
     unit: ClassVar[str] = "samples"
     trial_on_longest: ClassVar[bool] = False  # find-batch: worst-case rows, every one MAX_LENGTH tokens
-    source_target: bool
+    layout: object  # the model's family's Layout (train/models/family.py)
     micro_batch_mean: bool = False
     """LOSS_MEAN=micro_batches: each micro-batch's own token mean / the step's micro-batches (over
     all ranks), as ChatLM-mini-Chinese's loop averages: a short micro-batch's tokens weigh more."""
@@ -122,13 +120,13 @@ class TokenObjective:
     def counts(self, micro_batches) -> int:
         if self.micro_batch_mean:
             return len(micro_batches)
-        return step_targets(micro_batches, shifted=not self.source_target)
+        return self.layout.step_targets(micro_batches)
 
     def loss(self, model, batch, device, precision, counts, world_size: int, accuracy: bool):
         if self.micro_batch_mean:  # its own targets x the micro-batches: host ints, no device sync
-            counts *= count_targets(batch, shifted=not self.source_target)
+            counts *= self.layout.count_targets(batch)
         out = forward_loss(model, batch, device, precision, counts, world_size, accuracy,
-                           source_target=self.source_target)  # fmt: skip
+                           layout=self.layout)  # fmt: skip
         return (out[0], {"mean_token_accuracy": out[1]}) if accuracy else (out, {})
 
     def returned(self, sums: dict):
@@ -149,8 +147,8 @@ class TokenObjective:
         """The batch's token mean loss, weighted by its predicted tokens (labels after the causal shift,
         or an encoder-decoder's every label, that are not -100): a short last batch or masked SFT
         prompts count by their tokens. The token-weighted loss whatever LOSS_MEAN, as one big batch."""
-        tokens = count_targets(batch, shifted=not self.source_target)  # host labels: no sync
-        return tokens, forward_loss(model, batch, device, precision, source_target=self.source_target), {}
+        tokens = self.layout.count_targets(batch)  # host labels: no sync
+        return tokens, forward_loss(model, batch, device, precision, layout=self.layout), {}
 
     def perplexity(self, loss: float | None) -> float | None:
         return perplexity(loss)
@@ -178,7 +176,7 @@ def _host_padded(batch: dict) -> bool | None:
 
 def train_step(
     model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
-    accuracy: bool = False, *, source_target: bool, objective=None,
+    accuracy: bool = False, *, layout, objective=None,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
@@ -192,7 +190,7 @@ def train_step(
     loss at the log line's one sync (the argmax costs a step that logs nothing no work at all).
     objective: the mode's loss (TokenObjective's interface), default the token loss; a log step's
     fourth value is then objective.returned(the metrics summed over the micro-steps)."""
-    objective = objective or TokenObjective(source_target)
+    objective = objective or TokenObjective(layout)
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start

@@ -1,9 +1,10 @@
-"""How much of the data both modes hold out for the validation loss: the last share of the
-packed windows (pretraining) or of the conversations (SFT), never trained on. Imports nothing
-of the kit."""
+"""How much of the data every mode holds out for the validation loss: the last share of the
+packed windows (pretraining), of the conversations (SFT) or of the pairs (preference training),
+never trained on; held_out is the chat doors' one split (VAL_PATH or VAL_FRACTION)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 MAX_AUTO_FRACTION = 0.1  # filling EVAL_BATCHES x VAL_ROWS never holds out more than this
@@ -38,3 +39,22 @@ def held_out_tail(n: int, fraction: float, eval_batches: int, unit: str, decide)
                f"{VAL_ROWS} = {want}, at most {MAX_AUTO_FRACTION:.0%} of the data")  # fmt: skip
     decide("validation", f"{n_val} {unit}", f"the last {n_val / n:.1%} of the data (VAL_FRACTION)")
     return n_val
+
+
+def held_out(d, eval_batches: int, dataset, load, decide):
+    """(train, validation) of a chat door's dataset: VAL_PATH's, read by load(the data config with VAL_PATH as
+    DATA_PATH), or the last VAL_FRACTION of `dataset` (never trained on); validation None when VAL_FRACTION
+    is 0. A dataset says its unit and gives part(lo, hi), a view."""
+    from train.data import records
+    from train.data.json_lines import record_limit
+
+    if d.val_path is not None:
+        with records.reading("VAL_PATH"), record_limit(d.max_record_mb):
+            val = load(dataclasses.replace(d, data_path=d.val_path))
+        decide("validation", f"{len(val)} {val.unit}", f"VAL_PATH={d.val_path}")
+        return dataset, val
+    n_val = held_out_tail(len(dataset), d.val_fraction, eval_batches, dataset.unit, decide)
+    if n_val == 0:
+        return dataset, None
+    n = len(dataset) - n_val
+    return dataset.part(0, n), dataset.part(n, len(dataset))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from train.data.sft.sft_batching import BudgetSampler, GroupedSampler
+from train.data.chat.batching import BudgetSampler, GroupedSampler
 from train.data.text import EpochSampler
 
 

@@ -16,15 +16,15 @@ from train.core.seq2seq import corrupted_lengths, span_lengths
 from train.core.units import cpu_cores
 from train.data import records, span_corruption
 from train.data import text as data
+from train.data.chat.batching import Seq2SeqCollator
 from train.data.holdout import VAL_ROWS, val_windows
 from train.data.json_lines import record_limit, suffix_of
 from train.data.loader import Data
-from train.data.sft.sft_batching import Seq2SeqCollator
 
 
-def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: int, seed: int, say, decide) -> Data:
+def pretraining_data(d, tok, *, max_length: int, objective: str, eval_batches: int, seed: int, say, decide) -> Data:
     """Token cache and the packed train / held-out datasets of data config `d`, tokenized by `tok`
-    (train/data/tokenizer.py's corpus_tokenizer). An encoder-decoder (seq2seq: T5, BART ...) trains
+    (train/data/tokenizer.py's corpus_tokenizer). objective: the family's (Family.objective): an encoder-decoder's (T5, BART ...) span_corruption trains
     on T5's span corruption of raw windows a little longer than MAX_LENGTH; its sentinels are
     added to the tokenizer here. NUM_WORKERS above the CPU cores is lowered in `d` (a decision)."""
     cache_dir = Path(d.cache_dir)
@@ -38,10 +38,11 @@ def pretraining_data(d, tok, *, max_length: int, seq2seq: bool, eval_batches: in
     if d.num_workers > cores:
         decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers only contend")
         d.num_workers = cores
-    window = span_lengths(max_length)[0] if seq2seq else max_length
+    span = objective == span_corruption.OBJECTIVE
+    window = span_lengths(max_length)[0] if span else max_length
     dataset = data.PackedDataset(tokens, window)
     dataset, val_dataset = split_pretraining(d, eval_batches, dataset, tok, cache_dir, max_length, say, decide, window)
-    if not seq2seq:
+    if not span:
         return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
     # Sentinels after every token cache is built: the caches' key is the tokenizer GPT-2 runs share.
     sentinels, added = data.sentinel_ids(tok, span_corruption.sentinels_needed(window))

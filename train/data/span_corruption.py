@@ -7,7 +7,7 @@ span_lengths(MAX_LENGTH)[0] tokens). 15 % of its tokens are noise, in spans of 3
 (<extra_id_0>, <extra_id_1> ...) in place of each span, then end-of-text; the target is each
 sentinel followed by the span it hides, then end-of-text. Every window has the same source
 and target length (train/core/seq2seq.py corrupted_lengths); the batches are made by
-train/data/sft/sft_batching.py's Seq2SeqCollator, as for SFT's pairs (one batch contract).
+train/data/chat/batching.py's Seq2SeqCollator, as for SFT's pairs (one batch contract).
 
 The noise mask is drawn from SEED and the sample's index alone, never from a running RNG: a
 resumed run, a worker process, another rank or another epoch sees exactly the same sample.
@@ -20,6 +20,8 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from train.core.seq2seq import MEAN_SPAN_LENGTH, NOISE_DENSITY
+
+OBJECTIVE = "span_corruption"  # its name as a family's pretraining objective (train/models Family.objective)
 
 
 def noise_counts(length: int) -> tuple[int, int]:

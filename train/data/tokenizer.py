@@ -16,10 +16,10 @@ from train.core.errors import UsageError
 from train.core.remote_code import refuse_custom_code
 from train.data import records, tokenize
 from train.data import text as text_lib
+from train.data.chat.encode import ensure_special_tokens
+from train.data.chat.formats import builtin_conversations, open_records, to_conversation
+from train.data.chat.turns import BadRecord, call_text, split_tools
 from train.data.json_lines import record_limit
-from train.data.sft.sft_data import ensure_special_tokens
-from train.data.sft.sft_formats import builtin_conversations, open_records, to_conversation
-from train.data.sft.sft_turns import BadRecord, call_text, split_tools
 
 # Part of the tokenizer cache's key: the same files give another BPE as SFT turns than as
 # pretraining text.

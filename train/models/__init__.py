@@ -4,7 +4,7 @@ scratch), load.py loads every saved one (SFT's MODEL_PATH, generate, import; sta
 bare checkpoint). Imports train/core only. The family is decided once (family_of / FAMILIES) and
 carried by the plan; no other package asks what a model is."""
 
-from train.models.family import CAUSAL, KINDS, SEQ2SEQ, Family, family_of
+from train.models.family import CAUSAL, CAUSAL_LM, ENCODER_DECODER, KINDS, SEQ2SEQ, Family, Layout, family_of
 from train.models.gpt2 import GPT2
 from train.models.llama import LLAMA, QWEN3
 from train.models.t5 import T5
@@ -16,4 +16,5 @@ DEFAULT_FAMILY = GPT2.name
 SIZES = ("nano", "tiny", "small", "medium")
 """MODEL_SIZE's names: every family has each."""
 
-__all__ = ["CAUSAL", "DEFAULT_FAMILY", "FAMILIES", "KINDS", "SEQ2SEQ", "SIZES", "Family", "family_of"]
+__all__ = ["CAUSAL", "CAUSAL_LM", "DEFAULT_FAMILY", "ENCODER_DECODER", "FAMILIES", "KINDS", "SEQ2SEQ", "SIZES", "Family", "Layout",
+           "family_of"]

@@ -47,7 +47,7 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
         raise UsageError(f"MODEL_CONFIG: {model_config} is not a transformers config.json ({why})") from None
     refuse_other_kinds(cfg, f"MODEL_CONFIG={model_config}")
     set_special_tokens(cfg, eos_id, None)
-    if not family_of(cfg).source_target and not -vocab_size <= (cfg.pad_token_id or 0) < vocab_size:
+    if not family_of(cfg).layout.encoder_decoder and not -vocab_size <= (cfg.pad_token_id or 0) < vocab_size:
         # Past the tokenizer's vocabulary, torch's Embedding refuses it as a padding index: pretraining
         # pads nothing, and SFT sets the tokenizer's pad (size_vocab says so).
         cfg.pad_token_id = None
@@ -85,7 +85,7 @@ def set_special_tokens(cfg, eos_id: int, pad_id: int | None) -> None:
     """The tokenizer's end-of-text (and pad) in the model's config. An encoder-decoder's decoder
     starts from pad, as T5's does; a tokenizer without pad uses end-of-text."""
     cfg.eos_token_id = eos_id
-    if family_of(cfg).source_target:
+    if family_of(cfg).layout.encoder_decoder:
         cfg.pad_token_id = cfg.decoder_start_token_id = eos_id if pad_id is None else pad_id
     else:
         cfg.bos_token_id = eos_id
@@ -115,7 +115,7 @@ def build_model(cfg, gradient_checkpointing: bool, seed: int, meta: bool = False
             model = auto.from_config(cfg, trust_remote_code=False)  # an architecture without sdpa support
     if family.attention is not None:
         family.attention(model)
-    if not family.source_target and getattr(model, "loss_type", None) is None:
+    if not family.layout.encoder_decoder and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name doesn't say; same loss, no warning
     if gradient_checkpointing:
         enable_checkpointing(model)
@@ -136,7 +136,7 @@ def size_vocab(cfg, tok, decide, variable: str | None = None, declared: dict | N
     set_special_tokens(cfg, tok.convert_tokens_to_ids(tok.eos_token), tok.pad_token_id)
     if declared is None:
         return
-    if not family_of(cfg).source_target:
+    if not family_of(cfg).layout.encoder_decoder:
         cfg.pad_token_id = tok.pad_token_id  # as the collator pads
     now = {k: getattr(cfg, k, None) for k in declared}
     differ = [k for k, v in declared.items() if now[k] != v]

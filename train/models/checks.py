@@ -204,7 +204,7 @@ def count_params(hf_cfg) -> int:
     Every block has the same shape, so a deep model is counted from its one- and two-block
     versions: 100,000 layers take milliseconds instead of minutes of building modules."""
     layers = hf_cfg.num_hidden_layers
-    if layers > 2 and not family_of(hf_cfg).source_target:  # an encoder-decoder has two stacks: counted whole
+    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder:  # an encoder-decoder has two stacks: counted whole
         try:
             one, two = (meta_count(with_layers(hf_cfg, n)) for n in (1, 2))
             return one + (layers - 1) * (two - one)

@@ -50,7 +50,7 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
     versions, unless a name pattern could pick out single blocks)."""
     layers = hf_cfg.num_hidden_layers
     parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
-    if layers > 2 and not family_of(hf_cfg).source_target and parts_only:
+    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder and parts_only:
         try:
             one, two = (_meta_trainable(with_layers(hf_cfg, n), freeze) for n in (1, 2))
             return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
@@ -216,7 +216,7 @@ def estimate_memory(
     factored_state their Adafactor state elements. Activations are counted as for a model that
     trains whole (a frozen encoder saves fewer: an upper bound). packed: PACKING=1's grid. On CUDA
     the cuBLAS workspaces come on top (estimate_terms)."""
-    seq2seq = family_of(hf_cfg).source_target
+    seq2seq = family_of(hf_cfg).layout.encoder_decoder
     s = estimate_seq2seq.shapes(hf_cfg) if seq2seq else shapes(hf_cfg)
     layers = s["enc_layers"] + s["dec_layers"] if seq2seq else s["layers"]
     half = precision in HALF
@@ -265,7 +265,7 @@ def estimate_for_run(
     An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths).
     trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE. max_length
     (and target_length): the longest rows the data gives (default: the mode's bound); packed: PACKING=1's grid."""
-    seq2seq = family_of(hf_cfg).source_target
+    seq2seq = family_of(hf_cfg).layout.encoder_decoder
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length, target_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
     rows = mode_of(cfg.run.mode).rows_per_sample  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
@@ -327,7 +327,7 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
     gradients and optimizer state are split over the processes. adapters: LoRA's (lora_of_run),
     the only parameters with gradients and optimizer state."""
-    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).source_target else None
+    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).layout.encoder_decoder else None
     trainable = adapters or _trainable_of_run(hf_cfg, n_params, cfg)
     est = estimate_memory(
         hf_cfg, n_params + (adapters.params if adapters else 0), batch_size=1, max_length=max_length,

@@ -21,16 +21,95 @@ GENERIC_DROPOUT = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout
 
 
 @dataclass(frozen=True)
+class Layout:
+    """The encoder-decoder difference, one strategy object on the family (Family.layout): a causal LM reads
+    one sequence whose labels are its inputs shifted (position t predicts label t+1); an encoder-decoder
+    (T5, BART) reads a source with its encoder and predicts a target with its decoder: batches of two
+    lengths, every label a target (the decoder shifts its inputs, not the labels), an SFT example a
+    (source, target) pair per assistant turn, a reply generated from the decoder's start. Callers ask it,
+    not which it is: the targets it counts, the loss and log-probs it runs (train/core), the generation
+    inputs it makes; what data/ builds for each (collators, encoders, unit names) is chosen by `pick`,
+    since data/ sits above this layer. Imports torch's side on use: the launchers read the registry bare."""
+
+    name: str
+    """"causal" or "seq2seq": summary.json's model_kind and part of every chat cache's key."""
+    encoder_decoder: bool
+
+    @property
+    def shifted(self) -> bool:
+        """Targets are the labels shifted by one (a causal LM); an encoder-decoder's labels are its
+        targets."""
+        return not self.encoder_decoder
+
+    @property
+    def packs(self) -> bool:
+        """Several sequences to a row (PACKING) is built for it: a causal LM's; an encoder-decoder's
+        pairs would need per-pair masks on both sides."""
+        return not self.encoder_decoder
+
+    def pick(self, causal, encoder_decoder):
+        """Of two things made for each layout (a collator, an encoder, a word for the log), this layout's."""
+        return encoder_decoder if self.encoder_decoder else causal
+
+    def count_targets(self, batch) -> int:
+        """A micro-batch's target tokens, a host int (train/core/loss.py count_targets)."""
+        from train.core.loss import count_targets
+
+        return count_targets(batch, shifted=self.shifted)
+
+    def step_targets(self, batches) -> int:
+        """An optimizer step's target tokens: its micro-batches together."""
+        from train.core.loss import step_targets
+
+        return step_targets(batches, shifted=self.shifted)
+
+    def responses(self, batch):
+        """Where a preference batch's response tokens are (train/core/preference/logps.py Responses)."""
+        from train.core.preference.logps import Responses
+
+        return Responses.of(batch, shifted=self.shifted)
+
+    def token_logps(self, model, inputs: dict, responses, chunk_tokens: int | None):
+        """(M,) fp32 log-probs of a preference batch's response tokens: a causal LM's rows through its base
+        model and head, or an encoder-decoder's sources read once for both replies."""
+        from train.core.preference import logps
+
+        return self.pick(logps.causal_tokens, logps.seq2seq_tokens)(model, inputs, responses, chunk_tokens)
+
+    def prompt_ids(self, tok, text: str, templated: bool) -> list[int]:
+        """Generation's input ids of a prompt: an encoder-decoder's source carries what its tokenizer adds
+        itself (T5's </s>), as its SFT sources do, and a plain one ends with end-of-text as span
+        corruption's sources do; a causal LM's prompt is the text's ids alone (the template's markup)."""
+        ids = tok(text, add_special_tokens=self.encoder_decoder)["input_ids"]
+        eos = tok.eos_token_id
+        if self.encoder_decoder and not templated and ids and eos is not None and ids[-1] != eos:
+            ids.append(eos)
+        return ids
+
+    def new_tokens(self, limit: int, context: int, prompt: int) -> int:
+        """New tokens a reply may take: a decoder has the context to itself; a causal LM's follows
+        the prompt."""
+        return min(limit, context - self.pick(prompt, 0))
+
+    def reply_start(self, prompt: int) -> int:
+        """Where generate()'s output starts the reply: after the decoder's start token, or after the prompt
+        a causal LM repeats."""
+        return self.pick(prompt, 1)
+
+
+CAUSAL_LM = Layout("causal", encoder_decoder=False)
+ENCODER_DECODER = Layout("seq2seq", encoder_decoder=True)
+
+
+@dataclass(frozen=True)
 class Family:
     """One architecture: how to configure, build, load, count and train it."""
 
     name: str
     """MODEL_FAMILY's value (a named entry) or the kind ("causal", "seq2seq") of a generic one."""
-    source_target: bool
-    """The one data-shape switch read outside train/models/: True for an encoder-decoder, whose
-    batches are (source -> encoder, target -> decoder) pairs of two lengths, whose targets are not
-    shifted, whose pretraining objective is span corruption and whose SFT example is a (source,
-    target) pair per assistant turn; False for a causal LM (one sequence, shifted targets)."""
+    layout: Layout
+    """How its model reads a batch (CAUSAL_LM or ENCODER_DECODER): the one strategy object read outside
+    train/models/ for the encoder-decoder difference (targets, losses, log-probs, generation inputs)."""
     auto: str
     """transformers' Auto class that builds and loads it."""
     peft_task_type: str
@@ -56,11 +135,6 @@ class Family:
     (T5's: the position bias folded with the mask once per forward, train/models/t5_attention.py);
     None: sdpa as transformers runs it. Nothing of it is saved with the model."""
 
-    @property
-    def kind(self) -> str:
-        """"seq2seq" or "causal": the data layer's name for the batch shape (train/data)."""
-        return "seq2seq" if self.source_target else "causal"
-
     def auto_class(self):
         import transformers
 
@@ -72,8 +146,9 @@ class Family:
         return self.make_config(self.sizes[size], vocab_size, eos_id)
 
 
-CAUSAL = Family("causal", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
-SEQ2SEQ = Family("seq2seq", source_target=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+CAUSAL = Family("causal", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM")
+SEQ2SEQ = Family("seq2seq", layout=ENCODER_DECODER, auto="AutoModelForSeq2SeqLM",
+                 peft_task_type="SEQ_2_SEQ_LM",
                  context=512, objective="span_corruption")
 KINDS = {"causal": CAUSAL, "seq2seq": SEQ2SEQ}
 

@@ -57,11 +57,11 @@ def model_flops_per_token(model, seq_len: int, target: int | None = None) -> flo
     (seq_len its window), seq2seq_flops_per_token for an encoder-decoder (seq_len the source
     length, target the target's)."""
     model = unwrapped(model)
-    if family_of(model).source_target:
+    if family_of(model).layout.encoder_decoder:
         return seq2seq_flops_per_token(model, seq_len, seq_len if target is None else target)
     return flops_per_token(count_params(model), **shape(model.config), seq_len=seq_len)
 
 
 def sample_lengths(family: Family, mode: str, max_length: int) -> tuple[int, int | None]:
     """(window, None) for a causal LM; (source, target) for an encoder-decoder in this mode."""
-    return lengths(mode, max_length) if family.source_target else (max_length, None)
+    return lengths(mode, max_length) if family.layout.encoder_decoder else (max_length, None)

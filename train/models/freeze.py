@@ -56,12 +56,12 @@ def _part(model, part: str, spec: str) -> list[torch.nn.Parameter]:
     if part == "lm_head":
         head = model.get_output_embeddings()
         return [] if head is None else list(head.parameters())
-    if part == "encoder" and not family_of(model).source_target:
+    if part == "encoder" and not family_of(model).layout.encoder_decoder:
         raise UsageError(
             f"FREEZE={spec}: encoder names an encoder-decoder's encoder, and this model is a causal LM "
             "(decoder only); use decoder, embeddings, lm_head or name patterns"
         )
-    stack = model.get_encoder() if part == "encoder" else model.get_decoder() if family_of(model).source_target else model.base_model
+    stack = model.get_encoder() if part == "encoder" else model.get_decoder() if family_of(model).layout.encoder_decoder else model.base_model
     tables = {id(p) for p in _embedding_tables(model)}
     return [p for p in stack.parameters() if id(p) not in tables]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from train.models.family import Family
+from train.models.family import CAUSAL_LM, Family
 
 SIZES = MappingProxyType({
     "nano": dict(n_layer=4, n_embd=256, n_head=4, n_positions=256),
@@ -22,5 +22,5 @@ def make_config(shape, vocab_size: int, eos_id: int):
     return GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, use_cache=False, **shape)
 
 
-GPT2 = Family("gpt2", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
+GPT2 = Family("gpt2", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
               make_config=make_config, dropout=("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout_modules=())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from train.models.family import Family
+from train.models.family import CAUSAL_LM, Family
 
 SIZES = MappingProxyType({
     "nano": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -47,8 +47,8 @@ def make_qwen3_config(shape, vocab_size: int, eos_id: int):
                        head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape)
 
 
-LLAMA = Family("llama", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
+LLAMA = Family("llama", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
                make_config=make_config, dropout=("attention_dropout",), dropout_modules=("attention_dropout",))
-QWEN3 = Family("qwen3", source_target=False, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
+QWEN3 = Family("qwen3", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
                make_config=make_qwen3_config, dropout=("attention_dropout",), dropout_modules=("attention_dropout",),
                qk_norm=True)

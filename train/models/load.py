@@ -105,7 +105,7 @@ def load_pretrained(path: Path, trust_remote_code: bool, family: Family | None =
                     raise
                 model = load()  # an architecture without sdpa support (T5)
     except Exception as err:
-        what = "an encoder-decoder (seq2seq)" if family.source_target else "a causal-LM"
+        what = "an encoder-decoder (seq2seq)" if family.layout.encoder_decoder else "a causal-LM"
         raise UsageError(f"MODEL_PATH={path}: not {what} model folder: {first_line(err)}") from None
     state_dict.refuse_non_finite(model.state_dict(), f"MODEL_PATH={path}")  # NaN in, NaN out: refused here
     own = family_of(model)
@@ -152,7 +152,7 @@ def fit_tokenizer(model, tok, stop_ids: list[int], decide) -> None:
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tok.pad_token_id
     family = family_of(model)
-    if family.source_target:
+    if family.layout.encoder_decoder:
         _decoder_ids(model, tok, decide)
     elif getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"  # as pretraining sets it; left unset, transformers warns each run

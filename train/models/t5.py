@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from train.models.family import Family
+from train.models.family import ENCODER_DECODER, Family
 
 # n_positions has no meaning for T5's relative positions: CONTEXT is only the default MAX_LENGTH.
 CONTEXT = 512
@@ -33,6 +33,6 @@ def attention(model) -> None:
     install(model)
 
 
-T5 = Family("t5", source_target=True, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", sizes=SIZES,
+T5 = Family("t5", layout=ENCODER_DECODER, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", sizes=SIZES,
             make_config=make_config, context=CONTEXT, objective="span_corruption", dropout=("dropout_rate",),
             dropout_modules=("dropout",), attention=attention)

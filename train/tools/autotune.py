@@ -116,7 +116,7 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
             synchronize(device)
             start = time.perf_counter()
             loss, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    plan.cfg.optim.grad_clip, device, plan.precision, source_target=plan.family.source_target,
+                                    plan.cfg.optim.grad_clip, device, plan.precision, layout=plan.family.layout,
                                     objective=plan.objective)
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation

@@ -102,7 +102,7 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.source_target)  # the data's rows
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.layout)  # the data's rows
     est = estimate_for_run(plan.model.config, n["n_params"], cfg, shape["max_length"], plan.precision, plan.device.type,
                            trainable=trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))

@@ -143,8 +143,7 @@ def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: 
             synchronize(device)
             start = time.perf_counter()
             loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, plan.cfg.optim.grad_clip, device,
-                                  precision, source_target=plan.family.source_target,
-                                  objective=plan.objective)
+                                  precision, layout=plan.family.layout, objective=plan.objective)
             synchronize(device)
             times.append(time.perf_counter() - start)
             first = loss.detach() if first is None else first
@@ -184,7 +183,7 @@ def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps
     if plan.objective.trial_on_longest:  # e.g. preference pairs, through the run's collator
         sample = _longest_pairs(plan.dataset, plan.collate)
     else:
-        lengths = run_lengths(plan) if plan.family.source_target else None
+        lengths = plan.family.layout.pick(None, run_lengths(plan))  # an encoder-decoder: the run's two lengths
         sample = _sampler(plan.dataset, plan.cfg.system.seed, lengths, plan.model.config.vocab_size,
                           plan.max_length)
     meter = PeakMeter(plan.device)
@@ -276,7 +275,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
     )
     # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes (train/run/plan/fill.py)
     estimated, _, _ = estimated_fit(plan.cfg, plan.model, plan.dataset, plan.collate, plan.max_length, plan.precision, plan.device.type,
-                                    world, plan.family.source_target, limit * MIB, per_rank)
+                                    world, plan.family.layout, limit * MIB, per_rank)
     largest, trials = search(plan, per_rank, limit, capacity, say, steps)
     say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the memory "
         "estimate's, which a run without BATCH_SIZE fills a GPU to)")

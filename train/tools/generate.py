@@ -34,9 +34,9 @@ from train.core.errors import UsageError
 from train.core.files import odd_kind, read_user_file
 from train.core.generation import settings_problem, value_problem
 from train.core.remote_code import refuse_custom_code
-from train.data.sft.render_bounds import RenderFailed
-from train.data.sft.sft_data import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
-from train.data.sft.sft_turns import TOOLS_ROLE, BadRecord, parse_tools
+from train.data.chat.encode import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
+from train.data.chat.render_bounds import RenderFailed
+from train.data.chat.turns import TOOLS_ROLE, BadRecord, parse_tools
 from train.models.build import context_length
 from train.models.family import CAUSAL, family_of
 from train.models.load import load_folder
@@ -125,7 +125,7 @@ class Chat:
     def __init__(self, model, tok, device, args):
         self.model, self.tok, self.device, self.args = model, tok, device, args
         self.templated = tok.chat_template is not None
-        self.seq2seq = (family_of(model) or CAUSAL).source_target
+        self.layout = (family_of(model) or CAUSAL).layout
         self.context = context_length(model.config)
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:
@@ -145,12 +145,7 @@ class Chat:
                 raise UsageError(f"--model {self.args.model}: its chat template cannot render the chat: {err.reason}") from None
         else:
             text = "\n".join(t["content"] for t in self.turns)
-        # An encoder-decoder's SFT sources carry what the tokenizer adds itself (T5's </s>).
-        ids = self.tok(text, add_special_tokens=self.seq2seq)["input_ids"]
-        eos = self.tok.eos_token_id
-        if self.seq2seq and not self.templated and ids and eos is not None and ids[-1] != eos:
-            ids.append(eos)  # span corruption's sources end with end-of-text
-        return ids
+        return self.layout.prompt_ids(self.tok, text, self.templated)
 
     def reply(self, message: str, keep: bool) -> str:
         self.turns.append({"role": "user", "content": message})
@@ -168,8 +163,7 @@ class Chat:
             raise UsageError(
                 f"--prompt: {len(ids)} tokens with the template; the model's context is {self.context}"
             )
-        # A decoder's reply has the context to itself; a causal LM's follows the prompt.
-        new = min(self.max_new_tokens, self.context - (0 if self.seq2seq else len(ids)))
+        new = self.layout.new_tokens(self.max_new_tokens, self.context, len(ids))
         input_ids = torch.tensor([ids], device=self.device)
         # The folder's own settings (top_p, length_penalty ...) with the resolved ones over them;
         # greedy and beam search drop the sampling-only ones transformers would warn about.
@@ -191,8 +185,7 @@ class Chat:
                 generation_config=config,
                 attention_mask=torch.ones_like(input_ids),
             )
-        # The decoder's output starts with its start token; a causal LM's repeats the prompt.
-        text = self._decode(out[0, 1 if self.seq2seq else len(ids) :].tolist())
+        text = self._decode(out[0, self.layout.reply_start(len(ids)) :].tolist())
         if keep and self.templated:
             self.turns.append({"role": "assistant", "content": text})
         else:
@@ -201,7 +194,7 @@ class Chat:
 
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.templated and self.seq2seq:  # span corruption: the sentinels say where each piece goes
+        if not self.templated and self.layout.encoder_decoder:  # span corruption: sentinels place each piece
             drop = {self.tok.pad_token_id, self.tok.eos_token_id, self.model.config.decoder_start_token_id}
             return self.tok.decode([i for i in ids if i not in drop]).strip()
         # Special tokens are markup, dropped; but a tool call's marker is what says the reply
@@ -312,11 +305,10 @@ def generate_main(argv: list[str]) -> int:
     model, tok, device = load(args.model, args.device, args.trust_remote_code)
     chat = Chat(model, tok, device, args)
     if not chat.templated:
-        how = (
+        how = chat.layout.pick(
+            "continuing the prompt as plain text",
             "the prompt + eos is the encoder's source (as TEMPLATE=none SFT trains it; for a span-corruption model "
-            "write <extra_id_0> ... where it should fill in text)"
-            if chat.seq2seq
-            else "continuing the prompt as plain text"
+            "write <extra_id_0> ... where it should fill in text)",
         )
         print(f"note: {args.model} has no chat template: {how}", file=sys.stderr)
     if args.prompt is not None and not args.interactive:

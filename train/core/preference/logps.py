@@ -84,7 +84,7 @@ class Responses:
 
 
 PACKED = ("position_ids", "varlen_index", "varlen_place", "cu_seq_lens_q", "cu_seq_lens_k")
-"""A packed batch's tensors for the model (train/data/sft/packing.py): positions restarting per
+"""A packed batch's tensors for the model (train/data/chat/packing.py): positions restarting per
 sequence and the varlen kernel's indices, which keep every sequence apart in attention."""
 
 
@@ -175,7 +175,7 @@ def _from_logits(logits: torch.Tensor, responses: Responses) -> torch.Tensor:
     return picked.log_softmax(-1).gather(1, responses.targets[:, None])[:, 0]
 
 
-def _seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int | None) -> torch.Tensor:
+def seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int | None) -> torch.Tensor:
     """An encoder-decoder's per-token log-probs: the encoder once on the P sources, the decoder on
     the 2P targets against the encoder states repeated (a pair's chosen and rejected share their
     source). A wrapped model (DDP, FSDP2, compiled) must run its own forward, so it takes TRL's way,
@@ -203,24 +203,27 @@ def _seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int
     return token_logps(rows, bare.get_output_embeddings().weight, responses.targets, chunk_tokens)
 
 
+def causal_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int | None) -> torch.Tensor:
+    """A causal LM's per-token log-probs: its base model once on the 2P rows (or the packed rows holding
+    them) and the head on the response tokens only (chunked, module doc); a wrapped model (DDP, FSDP2,
+    compiled) runs its own forward and head."""
+    if not chunkable(model):
+        return _from_logits(model(**_model_inputs(inputs)).logits, responses)
+    hidden, weight = lm_hidden_and_head(model, **_model_inputs(inputs))
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, responses.index)
+    return token_logps(rows, weight, responses.targets, chunk_tokens)
+
+
 def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int | None = None, *,
-                   source_target: bool) -> torch.Tensor:  # fmt: skip
+                   layout) -> torch.Tensor:  # fmt: skip
     """(2P,) fp32: each sequence's summed log-prob of its response tokens, under the caller's autocast
-    and grad mode. inputs: device_inputs(the batch); responses: Responses.of(the host batch).to(device).
-    A causal LM runs its base model once on the 2P rows (or the packed rows holding them) and the head
-    on the response tokens only (chunked, module doc). source_target: the
-    model's family's data shape (train/models Family.source_target): an encoder-decoder's pairs."""
+    and grad mode. inputs: device_inputs(the batch); responses: layout.responses(the host batch).to(device).
+    layout: the model's family's (train/models Family.layout), whose token_logps is causal_tokens or
+    seq2seq_tokens."""
     register_no_sync_mask()
     maskless = "attention_mask" not in inputs
     padding = host_padding(responses.padded, maskless) if responses.padded is not None else contextlib.nullcontext()
     with padding:
-        if source_target:
-            per_token = _seq2seq_tokens(model, inputs, responses, chunk_tokens)
-        elif chunkable(model):
-            hidden, weight = lm_hidden_and_head(model, **_model_inputs(inputs))
-            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, responses.index)
-            per_token = token_logps(rows, weight, responses.targets, chunk_tokens)
-        else:
-            per_token = _from_logits(model(**_model_inputs(inputs)).logits, responses)
+        per_token = layout.token_logps(model, inputs, responses, chunk_tokens)
     # per sequence: a row's sum, or a packed row's sequences' (sequence_ids), by index_add on the device
     return per_token.new_zeros(responses.counts.shape[0]).index_add(0, responses.rows, per_token)

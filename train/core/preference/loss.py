@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from train.core.device import autocast
-from train.core.preference.logps import Responses, device_inputs, sequence_logps
+from train.core.preference.logps import device_inputs, sequence_logps
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,13 @@ DPO_LOSS = {
 }
 
 
-def step_counts(batches: Iterable[dict], source_target: bool = False) -> tuple[int, int]:
+def step_counts(batches: Iterable[dict], layout) -> tuple[int, int]:
     """(pairs, chosen response tokens) of one optimizer step's micro-batches, as host ints counted
     from their CPU labels (no device sync): the divisors preference_loss takes. With DDP, sum each
     over the ranks (one all_reduce of both) before the step's forwards."""
     pairs = tokens = 0
     for batch in batches:
-        r = Responses.of(batch, shifted=not source_target)
+        r = layout.responses(batch)
         pairs, tokens = pairs + r.pairs, tokens + r.chosen_tokens
     return pairs, tokens
 
@@ -136,7 +136,7 @@ def pair_metrics(c, r, rewards_c, rewards_r, extra: dict, share: Callable) -> di
 
 def preference_loss(
     model, batch: dict, device: torch.device, precision: str, pairs: int | None = None, world_size: int = 1, *,
-    source_target: bool, chosen_tokens: int | None = None, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+    layout, chosen_tokens: int | None = None, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5, sft_weight: float = 0.0, reference: Callable | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
@@ -144,20 +144,20 @@ def preference_loss(
     `chosen_tokens` are the whole step's (step_counts; over all ranks with DDP, with world_size the
     ranks), None: this batch's own. batch: 2P rows as the loader gives them (labels on the CPU), chosen
     first; for an encoder-decoder input_ids / attention_mask are the P sources, labels the 2P
-    targets. reference: reference.build_reference's function, None for simpo and orpo. source_target:
-    the model's family's data shape (train/models Family.source_target)."""
+    targets. reference: reference.build_reference's function, None for simpo and orpo. layout:
+    the model's family's (train/models Family.layout): its targets and log-probs."""
     row = DPO_LOSS.get(loss)
     if row is None:
         raise ValueError(f"DPO_LOSS={loss!r}: expected one of {', '.join(DPO_LOSS)}")
     if row.reference and reference is None:
         raise ValueError(f"DPO_LOSS={loss} compares with a reference model: give one (copy, precomputed, adapters)")
     knobs = Knobs(beta, label_smoothing, simpo_gamma)
-    host = Responses.of(batch, shifted=not source_target)
+    host = layout.responses(batch)
     pairs, chosen_tokens = pairs or host.pairs, chosen_tokens or host.chosen_tokens
     responses = host.to(device)
     inputs = device_inputs(batch, device)
     with autocast(device, precision):
-        sums = sequence_logps(model, inputs, responses, chunk_tokens, source_target=source_target)
+        sums = sequence_logps(model, inputs, responses, chunk_tokens, layout=layout)
         ref = reference(model, batch, inputs, responses) if row.reference else None
     p = host.pairs
     counts = responses.counts.clamp(min=1).float()  # a row with no response token: 0, not 0 / 0
@@ -191,7 +191,7 @@ class PreferenceObjective:
     rows_per_sample: ClassVar[int] = 2  # a pair: its chosen and its rejected sequence in one forward
     unit: ClassVar[str] = "pairs"
     trial_on_longest: ClassVar[bool] = True  # find-batch: the data's longest pairs, collated as the run does
-    source_target: bool
+    layout: object  # the model's family's Layout (train/models/family.py)
     loss_name: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -200,12 +200,12 @@ class PreferenceObjective:
     reference: Callable | None = None
 
     def counts(self, micro_batches) -> tuple[int, int]:
-        return step_counts(micro_batches, self.source_target)
+        return step_counts(micro_batches, self.layout)
 
     def loss(self, model, batch, device, precision, counts, world_size: int = 1, accuracy: bool = False):
         pairs, chosen_tokens = counts
         return preference_loss(
-            model, batch, device, precision, pairs, world_size, source_target=self.source_target,
+            model, batch, device, precision, pairs, world_size, layout=self.layout,
             chosen_tokens=chosen_tokens, loss=self.loss_name, beta=self.beta, label_smoothing=self.label_smoothing,
             simpo_gamma=self.simpo_gamma, sft_weight=self.sft_weight, reference=self.reference,
         )  # fmt: skip

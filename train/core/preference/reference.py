@@ -21,23 +21,23 @@ import torch
 
 from train.core.device import autocast
 from train.core.model import unwrapped
-from train.core.preference.logps import Responses, device_inputs, sequence_logps
+from train.core.preference.logps import device_inputs, sequence_logps
 
 PRECOMPUTED_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def copy_reference(model, source_target: bool) -> Callable:
+def copy_reference(model, layout) -> Callable:
     """A frozen copy of `model` (DDP's or compile's wrapper left out) as it is now."""
     frozen = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
 
     def logps(policy, batch, inputs, responses):
         with torch.no_grad():
-            return sequence_logps(frozen, inputs, responses, source_target=source_target)
+            return sequence_logps(frozen, inputs, responses, layout=layout)
 
     return logps
 
 
-def precomputed_reference(model=None, source_target: bool = False) -> Callable:
+def precomputed_reference(model=None, layout=None) -> Callable:
     """The batch's own ref_chosen_logps and ref_rejected_logps (P floats each, from reference_over)."""
 
     def logps(policy, batch, inputs, responses):
@@ -82,12 +82,12 @@ def adapters_off(model):
             layer.enable_adapters(True)
 
 
-def adapter_reference(model=None, source_target: bool = False) -> Callable:
+def adapter_reference(model=None, layout=None) -> Callable:
     """The policy itself with its adapters off (no copy)."""
 
     def logps(policy, batch, inputs, responses):
         with torch.no_grad(), adapters_off(policy) as base:
-            return sequence_logps(base, inputs, responses, source_target=source_target)
+            return sequence_logps(base, inputs, responses, layout=layout)
 
     return logps
 
@@ -95,27 +95,27 @@ def adapter_reference(model=None, source_target: bool = False) -> Callable:
 REFERENCES = {"copy": copy_reference, "precomputed": precomputed_reference, "adapters": adapter_reference}
 
 
-def build_reference(kind: str, model, *, source_target: bool) -> Callable:
+def build_reference(kind: str, model, *, layout) -> Callable:
     """The reference function of one of REFERENCES for the policy `model` (build it before training:
-    copy takes the model as it is then). source_target: the family's data shape (Family.source_target)."""
+    copy takes the model as it is then). layout: the family's (train/models Family.layout)."""
     if kind not in REFERENCES:
         raise ValueError(f"reference {kind!r}: expected one of {', '.join(REFERENCES)}")
-    return REFERENCES[kind](model, source_target)
+    return REFERENCES[kind](model, layout)
 
 
 @torch.no_grad()
 def reference_over(model, batches, device: torch.device, precision: str, *,
-                   source_target: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+                   layout) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(chosen, rejected): the reference's summed response log-probs of every pair, float32 arrays in
     the order the batches come (give them unshuffled), to cache for the precomputed reference. model:
     the reference itself (the policy before its first step), run once in eval mode."""
     chosen, rejected = [], []
     with eval_mode(unwrapped(model)) as bare:
         for batch in batches:
-            host = Responses.of(batch, shifted=not source_target)
+            host = layout.responses(batch)
             with autocast(device, precision):
                 sums = sequence_logps(bare, device_inputs(batch, device), host.to(device),
-                                      source_target=source_target).float().cpu()
+                                      layout=layout).float().cpu()
             chosen.append(sums[: host.pairs])
             rejected.append(sums[host.pairs :])
     if not chosen:

@@ -145,12 +145,12 @@ class Counts:
 
 
 def compile_model(model, batches, device: torch.device, precision: str, say, bucketed: bool = False,
-                  source_target: bool = False, objective=None, mode: str = "default"):
+                  layout=None, objective=None, mode: str = "default"):
     """(model to train with, batch stream, info for summary.json). Without COMPILE, the model
     and stream unchanged; with it, a trial step decides between compiled and eager. info's
     "compile" entry is filled in from dynamo's counters when summary.json is written
-    (finish_counts). bucketed: mark_shapes's (batches padded to the length buckets). source_target: the
-    family's batch shape (train/models Family.source_target), for the trial step. objective: the
+    (finish_counts). bucketed: mark_shapes's (batches padded to the length buckets). layout: the
+    family's (train/models Family.layout), for the trial step. objective: the
     step's (train_step's; None: the token loss): the trial compiles the calls training makes.
     mode: COMPILE_MODE (reduce-overhead: CUDA graphs; inductor's alone, other backends ignore it)."""
     info = not_compiled()
@@ -177,7 +177,7 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
     batches = itertools.chain([first], batches)
     from train.core.step import TokenObjective
 
-    objective = objective or TokenObjective(source_target)
+    objective = objective or TokenObjective(layout)
 
     devices = [device] if device.type == "cuda" else []
     guarded = GuardedModel(compiled, model, failed, bucketed)

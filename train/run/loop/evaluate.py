@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from train.run.plan.plan import Plan
 
 
-def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, source_target: bool):
+def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, layout):
     """The token loss's pass (validation_pass with TokenObjective): the mean loss per predicted token
     over the first max_batches batches, as one big batch would give it."""
     from train.core.step import TokenObjective
 
-    return validation_pass(model, loader, max_batches, device, precision, TokenObjective(source_target))[0]
+    return validation_pass(model, loader, max_batches, device, precision, TokenObjective(layout))[0]
 
 
 def validation_pass(model, loader, max_batches: int, device: torch.device, precision: str, objective):

@@ -53,9 +53,9 @@ class BatchCounter:
     tensors' sizes (seq2seq_tokens). A batch's samples are the objective's to count (rows, packed
     conversations, pairs); default the token loss's."""
 
-    def __init__(self, batches, seq2seq: bool = False, objective: Objective | None = None):
+    def __init__(self, batches, layout, objective: Objective | None = None):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
-        self.seq2seq, self.objective = seq2seq, objective or TokenObjective(seq2seq)
+        self.layout, self.objective = layout, objective or TokenObjective(layout)
 
     def __iter__(self):
         return self
@@ -64,7 +64,7 @@ class BatchCounter:
         batch = next(self.batches)
         ids = batch["input_ids"]
         self.rows += self.objective.samples(batch)
-        if self.seq2seq:
+        if self.layout.encoder_decoder:
             real, padded = seq2seq_tokens(batch)
         else:
             real, padded = batch.get("n_real_tokens", ids.numel()), batch.get("n_padded_tokens", ids.numel())
@@ -102,7 +102,7 @@ class Meter:
         self.device, self.world = plan.device, plan.world
         self.timer = StepTimer(plan.device)  # data wait vs compute; CUDA events, read only at log points
         self.objective = plan.objective  # the mode's: what a batch's samples are, the log line's fields
-        self.batches = BatchCounter(self.timer.wrap(batches), plan.family.source_target, plan.objective)
+        self.batches = BatchCounter(self.timer.wrap(batches), plan.family.layout, plan.objective)
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)

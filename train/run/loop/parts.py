@@ -63,7 +63,7 @@ class Parts:
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
                 accum=feed.accumulation, grad_clip=plan.cfg.optim.grad_clip, device=plan.device, precision=plan.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(plan.world), accuracy=accuracy,
-                source_target=plan.family.source_target, objective=plan.objective,
+                layout=plan.family.layout, objective=plan.objective,
             ))  # fmt: skip
 
         return feed.step(attempt)
@@ -100,7 +100,7 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
         bucketed = getattr(plan.collate, "length_varies", False)
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, plan.precision, say,
-                                                                    bucketed, plan.family.source_target, plan.objective,
+                                                                    bucketed, plan.family.layout, plan.objective,
                                                                     mode)
         if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
             cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer

@@ -118,7 +118,7 @@ def over_memory(plan) -> str | None:
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
     # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
-    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.source_target)
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.layout)
     est = estimate_for_run(plan.model.config, count_params(plan.model), cfg, shape["max_length"], plan.precision, plan.device.type,
                            plan.world.world_size, trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
@@ -142,7 +142,7 @@ def over_memory(plan) -> str | None:
     )
 
 
-def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool) -> dict:
+def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
     """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
     max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
     the mode's bound."""
@@ -152,18 +152,18 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
     if not mode_of(mode).row_lengths or lengths is None or not len(lengths):
-        if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
+        if layout.encoder_decoder:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
             return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
         return {"max_length": max_length}
 
     def padded(n: int) -> int:
-        from train.data.sft.sft_batching import padded_width
+        from train.data.chat.batching import padded_width
 
         width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
         return min(max_length, width)
 
     sources = getattr(dataset, "source_lengths", None)
-    if source_target and sources is not None:
+    if layout.encoder_decoder and sources is not None:
         return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
     return {"max_length": padded(np.max(lengths))}  # an array: numpy's max, not a Python loop over it
 

@@ -74,7 +74,7 @@ class PretrainingSource:
         config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family,
                               cfg.model.dropout)
         family = family_of(config)
-        if cfg.model.model_config is not None and family.source_target:
+        if cfg.model.model_config is not None and family.layout.encoder_decoder:
             decide("model_kind", "seq2seq", f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
         m = cfg.model.model_config
         variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={model_size}"
@@ -86,7 +86,7 @@ class PretrainingSource:
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
-        return pretraining_data(cfg.data, tok, max_length=max_length, seq2seq=choice.family.source_target,
+        return pretraining_data(cfg.data, tok, max_length=max_length, objective=choice.family.objective,
                                 eval_batches=cfg.run.eval_batches, seed=cfg.system.seed, say=say, decide=decide)
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:

@@ -21,7 +21,7 @@ from train.core.errors import UsageError
 from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
 from train.core.units import MIB
 from train.data.loader import Data
-from train.data.pref.preference import preference_data
+from train.data.preference import preference_data
 from train.distributed.distributed import gather
 from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout
@@ -182,7 +182,7 @@ class DPOSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded pairs, the held-out ones, and how to batch them (train/data/pref)."""
-        data = preference_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
+        data = preference_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
                                precision=precision, eval_batches=cfg.run.eval_batches,
                                set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
                                compile_on=cfg.model.compile, context=choice.context)
@@ -190,18 +190,14 @@ class DPOSource:
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
-        """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); the pairs' lengths said."""
-        total_steps, why = sft.said_steps(cfg, data, world_size, say, decide, unit="pairs")
-        sides = data.conversations.sides.T
-        sft.say_lengths(say, dict(zip(("prompt", "chosen", "rejected"), sides, strict=True)))
-        return total_steps, why
-
+        """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); see sft.said_steps."""
+        return sft.said_steps(cfg, data, world_size, say, decide)
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
                   max_length: int, trained: int, say, decide):
         """(the preference objective, a new Data): the reference REFERENCE decides, made now from the
         policy as it starts (a copy, or the cached pass whose log-probs the new Data's batches carry)."""
         s = settings(cfg)
-        source_target = choice.family.source_target
+        layout = choice.family.layout
         room = None
         if cfg.model.reference is None and DPO_LOSS[s["dpo_loss"]].reference and not cfg.model.lora_r:
             room = tightest(gather(copy_room(cfg, model, device, precision, max_length)))
@@ -209,10 +205,10 @@ class DPOSource:
         reference = None
         if kind is not None and not cfg.run.dry_run:
             if kind == "precomputed":
-                data = dpo_reference.with_precomputed(data, model, device, precision, source_target,
+                data = dpo_reference.with_precomputed(data, model, device, precision, layout,
                                                       cfg.data.cache_dir, say)
-            reference = build_reference(kind, model, source_target=source_target)
+            reference = build_reference(kind, model, layout=layout)
         data = replace(data, summary={**data.summary, **s, "reference": kind})
-        objective = PreferenceObjective(source_target, s["dpo_loss"], s["beta"], s["label_smoothing"],
+        objective = PreferenceObjective(layout, s["dpo_loss"], s["beta"], s["label_smoothing"],
                                         s["simpo_gamma"], s["sft_weight"], reference)
         return objective, data

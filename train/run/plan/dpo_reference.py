@@ -28,14 +28,15 @@ import torch
 from train.core.errors import UsageError
 from train.core.preference import reference_over
 from train.data import cache_files
-from train.data.pref.pref_batching import (
+from train.data.chat.packing import PackedRows
+from train.data.chat.pair_batching import (
     MicroPackedPairCollator,
     PackedPairCollator,
     PairCollator,
     PairDataset,
     Seq2SeqPairCollator,
+    padded_pairs,
 )
-from train.data.sft.packing import PackedRows
 
 PRECOMPUTED = ("ref_chosen_logps", "ref_rejected_logps")
 PASS_BATCH = 8  # pairs per forward of the pass (fixed: the cached numbers do not depend on BATCH_SIZE)
@@ -174,7 +175,7 @@ def _build(folder: Path, identity: dict, chosen: np.ndarray, rejected: np.ndarra
                             lambda f: _open(f, identity, len(chosen))[0] is not None)  # fmt: skip
 
 
-def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str, source_target: bool,
+def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str, layout,
                cache_dir: Path, digest: str, say) -> RefExamples:
     """The pairs with their reference log-probs: read from the cache when it is sound (module doc), or
     one pass of `model` (the reference: the policy before its first step), then sealed there."""
@@ -194,10 +195,10 @@ def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str,
         say(f"reference log-probs cache {folder} was damaged ({damage}); removed, computing it again")
         cache_files.remove(folder)
     start = time.perf_counter()
-    collate = (Seq2SeqPairCollator if dataset.seq2seq else PairCollator)(pad_id)
+    collate = padded_pairs(dataset.layout)(pad_id)
     batches = (collate([dataset[i] for i in range(lo, min(lo + PASS_BATCH, len(dataset)))])
                for lo in range(0, len(dataset), PASS_BATCH))  # fmt: skip
-    chosen, rejected = reference_over(model, batches, device, precision, source_target=source_target)
+    chosen, rejected = reference_over(model, batches, device, precision, layout=layout)
     bad = np.flatnonzero(~(np.isfinite(chosen) & np.isfinite(rejected)))
     if len(bad):
         raise UsageError(f"REFERENCE=precomputed: the reference model (MODEL_PATH's, before training) gives "
@@ -209,20 +210,20 @@ def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str,
     return RefExamples(dataset.examples, chosen, rejected)
 
 
-def with_precomputed(data, model, device, precision: str, source_target: bool, cache_dir: Path, say):
+def with_precomputed(data, model, device, precision: str, layout, cache_dir: Path, say):
     """A new Data whose training and validation batches carry the reference log-probs
     (REFERENCE=precomputed); `data` is left as it was (its datasets and collators are shared, unchanged)."""
     digest = weights_digest(model)
     pad = data.tokenizer.pad_token_id
     pairs = data.conversations
-    train = precompute(model, pairs, pad, device, precision, source_target, cache_dir, digest, say)
+    train = precompute(model, pairs, pad, device, precision, layout, cache_dir, digest, say)
     if isinstance(data.dataset, PackedRows):
         dataset = PackedRows(train, data.dataset.rows)
     else:
-        dataset = PairDataset(train, pairs.seq2seq)
+        dataset = PairDataset(train, pairs.layout)
     val_dataset, val_collate = data.val_dataset, data.val_collate
     if val_dataset is not None:
-        val = precompute(model, val_dataset, pad, device, precision, source_target, cache_dir, digest, say)
-        val_dataset, val_collate = PairDataset(val, val_dataset.seq2seq), carrying(val_collate)
+        val = precompute(model, val_dataset, pad, device, precision, layout, cache_dir, digest, say)
+        val_dataset, val_collate = PairDataset(val, val_dataset.layout), carrying(val_collate)
     return replace(data, dataset=dataset, val_dataset=val_dataset, collate=carrying(data.collate),
                    val_collate=val_collate, summary=dict(data.summary))

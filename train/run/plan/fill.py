@@ -35,10 +35,10 @@ class Fill:
 SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to say what memory would allow
 
 
-def applies(mode: str, source_target: bool) -> bool:
+def applies(mode: str, layout) -> bool:
     """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset
     (train/core/objective.py fills_causal)."""
-    return mode_of(mode).fills_causal or source_target
+    return mode_of(mode).fills_causal or layout.encoder_decoder
 
 
 def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, str]) -> bool:
@@ -58,7 +58,7 @@ def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, 
 
 
 def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str, device_type: str, world: int,
-                  source_target: bool, target: float, per_rank: int):
+                  layout, target: float, per_rank: int):
     """(the largest micro-batch whose estimated peak is at most `target` bytes, 0 if none; the peak at a
     micro-batch; the rows it is estimated at). Searched up to the data's rows or per_rank, whichever is
     more, with accumulation (held gradients) counted below per_rank."""
@@ -66,7 +66,7 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
 
-    shape = adapt.row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
+    shape = adapt.row_shape(dataset, collate, max_length, cfg.run.mode, layout)
     n_params, trainable = count_params(model), trainable_of(model)
     sized = copy.deepcopy(cfg)
     if mode_of(cfg.run.mode).reference and cfg.model.reference is None and not cfg.model.lora_r:
@@ -81,7 +81,7 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
 
 
 def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, device: torch.device, world: int,
-                source_target: bool, decide, capacity: tuple[float | None, str] | None = None) -> bool:
+                layout, decide, capacity: tuple[float | None, str] | None = None) -> bool:
     """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
     decide them with their reasons; False where the memory the run can use is unknown. capacity:
     (MB, where the number comes from), default adapt.capacity_mb's."""
@@ -92,7 +92,7 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
     effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
     per_rank = max(1, math.ceil(effective / world))
     allowed, peak, shape = estimated_fit(cfg, model, dataset, collate, max_length, precision, device.type, world,
-                                         source_target, cfg.system.target_vram * cap_mb * MIB, per_rank)
+                                         layout, cfg.system.target_vram * cap_mb * MIB, per_rank)
     rows = len(getattr(dataset, "dataset", dataset)) // world or 1
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
     o.batch_size, o.gradient_accumulation_steps = batch, accum

@@ -177,7 +177,7 @@ def token_objective(cfg: TrainConfig, choice: ModelChoice) -> TokenObjective:
     or (micro_batches) the mean of its micro-batches' means. Validation and find-batch's single
     micro-batch weigh by tokens either way (TokenObjective.evaluate; one micro-batch: the same mean)."""
     micro_batches = cfg.optim.loss_mean == "micro_batches"
-    return TokenObjective(choice.family.source_target, micro_batch_mean=micro_batches)
+    return TokenObjective(choice.family.layout, micro_batch_mean=micro_batches)
 
 
 def seed_everything(seed: int) -> None:
@@ -299,9 +299,9 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     model = source.model(cfg, choice, tok, data, device, decide)
     if isinstance(chosen, Chosen):
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
-    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.source_target):
+    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.layout):
         fill.fill_memory(cfg, model, data.dataset, data.collate, max_length, precision, device, world.world_size,
-                         choice.family.source_target, decide)
+                         choice.family.layout, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     if choice.demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:

@@ -6,7 +6,7 @@ the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ..
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
 causal LM or encoder-decoder with its tokenizer, loaded offline: train/run/plan/sft_model.py), or
 a new one of MODEL_CONFIG / MODEL_SIZE trained from scratch (train/run/plan/sft_scratch.py); the
-data comes through train/data/sft/fine_tuning.py's front door: conversations (or for an
+data comes through train/data/sft.py's front door: conversations (or for an
 encoder-decoder (source, target) pairs) padded to their own longest, optionally grouped by
 length or sized by a token budget, or packed several to a row (PACKING=1, causal only), with
 every process reading its own share of each epoch.
@@ -24,11 +24,11 @@ from config import TrainConfig
 from train.core.attention import use_attention
 from train.core.errors import UsageError
 from train.data import tokenizer
+from train.data.chat.batching import BudgetSampler
+from train.data.chat.encode import stop_token_ids
+from train.data.chat.packing import FLASH, VARLEN
 from train.data.loader import Data
-from train.data.sft.fine_tuning import fine_tuning_data, unit_of
-from train.data.sft.packing import FLASH, VARLEN
-from train.data.sft.sft_batching import BudgetSampler
-from train.data.sft.sft_data import stop_token_ids
+from train.data.sft import fine_tuning_data
 from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout
@@ -72,8 +72,8 @@ def choose_fine_tuned(cfg: TrainConfig, device: torch.device, say, decide) -> Mo
     family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
     config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
     variable = f"MODEL_PATH={path}"
-    sft_scratch.refuse_packing(cfg, family.source_target, variable)
-    if family.source_target:
+    sft_scratch.refuse_packing(cfg, family.layout, variable)
+    if family.layout.encoder_decoder:
         decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
                "pairs, one per assistant turn, loss on the target")
     return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
@@ -123,21 +123,17 @@ def fine_tuned_model(cfg: TrainConfig, choice: ModelChoice, tok, data: Data, dev
     return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
 
-def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide,
-               unit: str | None = None) -> tuple[int, str]:
-    """Optimizer steps (sft_steps); with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in
-    summary.json."""
-    total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit=unit)
+def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+    """Optimizer steps (sft_steps) of the dataset's own samples (conversations, pairs, packed rows);
+    with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in summary.json. The median and
+    longest of each side's lengths (the dataset's own sides), in tokens, said in one line."""
+    total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide)
     if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
         effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
         data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-    return total_steps, why
-
-
-def say_lengths(say, sides: dict) -> None:
-    """The median and longest of each side's lengths, in tokens, in one line."""
     say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
-                  for side, v in sides.items()))
+                  for side, v in data.conversations.side_lengths().items()))
+    return total_steps, why
 
 
 class SFTSource:
@@ -160,7 +156,7 @@ class SFTSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        data = fine_tuning_data(cfg.data, tok, kind=choice.family.kind, max_length=max_length, device=device,
+        data = fine_tuning_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
                                 precision=precision, eval_batches=cfg.run.eval_batches,
                                 set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
                                 compile_on=cfg.model.compile)
@@ -170,12 +166,8 @@ class SFTSource:
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
-        """Optimizer steps (said_steps); the conversations' lengths said."""
-        total_steps, why = said_steps(cfg, data, world_size, say, decide)
-        lengths, sources = data.conversations.lengths, data.conversations.source_lengths
-        say_lengths(say, {"conversation": lengths} if sources is None else {"source": sources,
-                                                                             "target": lengths - sources})
-        return total_steps, why
+        """Optimizer steps of BATCH_SIZE conversations (packed rows with PACKING=1); see said_steps."""
+        return said_steps(cfg, data, world_size, say, decide)
 
     def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
         return fine_tuned_model(cfg, choice, tok, data, device, decide)
@@ -189,7 +181,7 @@ class SFTSource:
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:
     """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean. unit: what
-    a row is (default: conversations or pairs, unit_of)."""
+    a row is (default: the dataset's own: conversations, source -> target pairs, pairs, packed rows)."""
     if cfg.data.token_budget is not None:
         batches = BudgetSampler(dataset.lengths, cfg.data.token_budget, seed=cfg.system.seed,
                                 source_lengths=getattr(dataset, "source_lengths", None)).batches()
@@ -197,14 +189,12 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str
         decide(
             "batch_size",
             f"~{rows_per_micro:.1f}",
-            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch"
-            f"{' (rows x (longest source + longest target))' if getattr(dataset, 'pairs', False) else ''}; "
-            "BATCH_SIZE unused",  # a DPO PairDataset has no .pairs: its lengths are the pairs' padded cost
+            f"TOKEN_BUDGET={cfg.data.token_budget} padded tokens per micro-batch{dataset.budget_note}; "
+            "BATCH_SIZE unused",
         )
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
         micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    pairs = getattr(dataset, "pairs", False)  # PackedRows: causal conversations
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or unit_of(pairs))
+    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or dataset.unit)
     return total_steps, why, rows_per_micro

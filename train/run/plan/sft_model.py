@@ -84,7 +84,7 @@ def longer_sft(chosen: SimpleNamespace, output_dir: Path) -> str:
 
 def _causal(model_type: str) -> bool:
     family = family_of_type(model_type)
-    return family is not None and not family.source_target
+    return family is not None and not family.layout.encoder_decoder
 
 
 def choose_pretrained(output_dir: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHERS) -> SimpleNamespace | None:

@@ -51,16 +51,16 @@ def choose_new(cfg: TrainConfig, say, decide) -> ModelChoice:
         size, variable = m.model_size, f"MODEL_SIZE={m.model_size}"
     config = build_config(size, m.model_config, cfg.data.vocab_size, 0, m.model_family, m.dropout)
     family = family_of(config)
-    what = "an encoder-decoder: source -> target" if family.source_target else "a causal LM: conversations"
+    what = family.layout.pick("a causal LM: conversations", "an encoder-decoder: source -> target")
     decide("model", f"new {config.model_type}", f"{variable}: random init (SEED={cfg.system.seed}), {what}; no MODEL_PATH")
-    refuse_packing(cfg, family.source_target, variable)
+    refuse_packing(cfg, family.layout, variable)
     return ModelChoice(family=family, size=size, context=context_length(config), variable=variable, config=config,
                        declared=MappingProxyType(declared_ids(m.model_config)))
 
 
-def refuse_packing(cfg: TrainConfig, source_target: bool, what: str) -> None:
+def refuse_packing(cfg: TrainConfig, layout, what: str) -> None:
     """PACKING=1 with an encoder-decoder: before the weights or any data are read."""
-    if source_target and cfg.data.packing:
+    if not layout.packs and cfg.data.packing:
         raise UsageError(
             f"PACKING=1: {what} is an encoder-decoder, and packing several source -> target pairs per row "
             "(per-pair attention masks on both sides) is not built; use LENGTH_GROUPING=1 or TOKEN_BUDGET"

@@ -146,7 +146,7 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    if plan.family.source_target:  # FLOPs per source + target token at the planned lengths
+    if plan.family.layout.encoder_decoder:  # FLOPs per source + target token at the planned lengths
         fpt = model_flops_per_token(model, *sample_lengths(plan.family, cfg.run.mode, plan.max_length))
     else:
         seq_len = round(seen[1] / seen[0]) if seen[0] else plan.max_length  # pretraining: max_length

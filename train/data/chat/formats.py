@@ -1,9 +1,9 @@
 """SFT records in the formats users already have -> conversations; plus the built-in default set.
 
 FORMATS is the table of formats, a row each (name, detect, convert); every convert ends in the
-one conversation shape of train/data/sft/sft_turns.py (roles system, user, assistant, tool; tool
+one conversation shape of train/data/chat/turns.py (roles system, user, assistant, tool; tool
 calls, reasoning, loss weights and the tools list included), so the template and the loss mask
-(train/data/sft/sft_data.py) see one shape. A record with TEXT_FIELD and no turns is plain text,
+(train/data/chat/encode.py) see one shape. A record with TEXT_FIELD and no turns is plain text,
 trained whole; that format's name carries the field when it is not "text" ("text:body"), so the
 name alone says how to read a record, in the cache's worker processes too.
 Records come from train/data/records.py, streamed, so a .json list, JSONL, parquet and Arrow
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.sft.sft_turns import TEXT_ROLE, TOOLS_ROLE, BadRecord, text, turns
+from train.data.chat.turns import TEXT_ROLE, TOOLS_ROLE, BadRecord, text, turns
 
 TEXT_FIELD = "text"  # DataConfig.text_field's default
 
@@ -38,7 +38,7 @@ class Format:
     name: str
     keys: str  # what its records carry, for "accepted: ..." messages ({field}: TEXT_FIELD)
     detect: Callable[[dict, str], bool]  # (record, TEXT_FIELD) -> its format?
-    convert: Callable[[dict, str], list[dict]]  # (record, TEXT_FIELD) -> a conversation (sft_turns' shape)
+    convert: Callable[[dict, str], list[dict]]  # (record, TEXT_FIELD) -> a conversation (turns' shape)
 
 
 def _with_system(record: dict, conv: list[dict]) -> list[dict]:
@@ -149,7 +149,7 @@ def to_conversation(record: dict, fmt: str) -> list[dict]:
     conv = row.convert(record, field)
     for i, turn in enumerate(conv, 1):
         # An empty reply would teach the model to end its turn at once; a call or a thinking trace
-        # is a reply. (Turn lists say so turn by turn in sft_turns, with what their parts held.)
+        # is a reply. (Turn lists say so turn by turn in turns.py, with what their parts held.)
         if turn["role"] == "assistant" and not (
             turn["content"].strip() or turn.get("tool_calls") or turn.get("reasoning_content")
         ):
@@ -239,7 +239,7 @@ def all_bad(data_path, skipped: int, first: str) -> UsageError:
 def load_conversations(path: Path, skip_bad_records: bool = False,
                        text_field: str = TEXT_FIELD) -> tuple[list[list[dict]], str, int]:
     """DATA_PATH -> (conversations, format name, records skipped), all in memory: for small
-    data and tests; a run reads through the SFT cache (train/data/sft/sft_cache.py) instead.
+    data and tests; a run reads through the SFT cache (train/data/chat/conversation_cache.py) instead.
 
     The format is detected from the first record that matches one; every record must then be
     in that format. With skip_bad_records a bad record is counted instead of stopping the run,

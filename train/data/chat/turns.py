@@ -11,7 +11,7 @@ renderer applies it), a tool turn is a call's result (its "tool_call_id" and "na
 source has them), and a conversation whose record lists tools starts with {"role": "tools",
 "tools": [...]}, each tool {"type": "function", "function": <its JSON schema>}. That is the shape
 transformers' chat templates take (apply_chat_template(messages, tools=...), arguments as an
-object), so the tokenizer's own template gets it as it is; train/data/sft/sft_data.py renders it
+object), so the tokenizer's own template gets it as it is; train/data/chat/encode.py renders it
 either way. A plain-text record (only TEXT_FIELD, no turns) is [{"role": "text", "content": str}],
 trained whole.
 
@@ -262,7 +262,7 @@ def _turn(turn: dict, i: int, role_key: str, content_key: str, tools: list) -> d
 
 def turns(raw: list, role_key: str, content_key: str, tools: object = None) -> list[dict]:
     """A record's turn list (and its "tools" field) -> a conversation, before the checks every
-    format shares (sft_formats.to_conversation)."""
+    format shares (formats.to_conversation)."""
     conversation, called, in_parts = [], False, []
     for i, turn in enumerate(raw, 1):
         if not isinstance(turn, dict):

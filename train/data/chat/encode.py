@@ -1,4 +1,4 @@
-"""SFT: conversations -> token ids with the loss mask -> batches that are mostly real tokens.
+"""Conversations -> token ids with the loss mask (SFT's examples; the preference pairs' through pair_encode).
 
 Loss only on what the assistant says. Each example carries labels = -100 on every system,
 user and template-markup token and the token id on assistant content and the end-of-turn
@@ -13,7 +13,7 @@ Segment boundaries fall on special tokens and newlines, where a byte-level BPE s
 so the ids equal those of the whole string in practice (the tests check it).
 
 Two ways to find the trained text (TEMPLATE, LOSS_ON, REASONING, loss_weight, TRUNCATION and
-the raw TEMPLATE=none rendering live in train/data/sft/templates.py):
+the raw TEMPLATE=none rendering live in train/data/chat/templates.py):
 - the tokenizer's own chat template (tokenizer.chat_template set, e.g. a local instruct
   model, or a TEMPLATE file): rendered with apply_chat_template; an assistant turn's characters
   are found by rendering the conversation up to that turn with the generation prompt (where the
@@ -33,8 +33,7 @@ An encoder-decoder (T5, BART) trains on source -> target pairs instead (encode_p
 per assistant turn, the source everything the template renders before that reply, the target
 the reply itself + eos.
 
-Loading the formats and the built-in default data live in train/data/sft/sft_formats.py; padding and
-batching (length grouping, token budgets, each rank's share) in train/data/sft/sft_batching.py.
+Loading the formats and the built-in default data: formats.py; padding and batching: batching.py.
 """
 
 from __future__ import annotations
@@ -43,19 +42,18 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft import templates
-from train.data.sft.chat_template import apply
-from train.data.sft.render_bounds import RenderFailed
-from train.data.sft.sft_batching import (
+from train.data.chat import templates
+from train.data.chat.batching import (
     LengthGroupedSampler,
     PadCollator,
     TokenBudgetBatchSampler,
     padding_efficiency,
 )
-from train.data.sft.sft_formats import builtin_conversations, load_conversations
-from train.data.sft.sft_turns import split_tools
-from train.data.sft.template_table import TEMPLATE, builtin_segments, check_markers, ensure_special_tokens
-from train.data.sft.templates import (
+from train.data.chat.chat_template import apply
+from train.data.chat.formats import builtin_conversations, load_conversations
+from train.data.chat.render_bounds import RenderFailed
+from train.data.chat.template_table import TEMPLATE, builtin_segments, check_markers, ensure_special_tokens
+from train.data.chat.templates import (
     BUILTIN_CHAT_TEMPLATE,
     DEFAULT,
     END_TOKEN,
@@ -67,7 +65,9 @@ from train.data.sft.templates import (
     Tally,
     special_wrap,
 )
-from train.data.sft.templates import is_builtin as _builtin
+from train.data.chat.templates import is_builtin as _builtin
+from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 __all__ = [
     "IGNORE_INDEX",
@@ -393,8 +393,8 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     return examples, n_truncated
 
 
-def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, kind: str = "causal",
+def encode(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int, layout=CAUSAL_LM,
            rendering: Rendering = DEFAULT, tally: Tally | None = None):
-    """encode_conversations for a causal LM, encode_pairs for an encoder-decoder ("seq2seq")."""
-    fn = encode_pairs if kind == "seq2seq" else encode_conversations
+    """encode_conversations for a causal LM, encode_pairs for an encoder-decoder (the model's layout)."""
+    fn = layout.pick(encode_conversations, encode_pairs)
     return fn(conversations, tokenizer, max_length, rendering, tally)

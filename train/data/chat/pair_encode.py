@@ -2,11 +2,11 @@
 
 A pair's prompt turns are rendered untrained (an assistant turn of the history gets loss_weight 0), each
 side is the conversation prompt + reply, and:
-- causal: both conversations go through sft_data.rendered_ids whole; the prompt is the ids the two share
+- causal: both conversations go through encode.rendered_ids whole; the prompt is the ids the two share
   before the first trained token (the template's "reply now" marker included), and each side keeps its
   own ids after it, labels -100 where its turns are not trained (a tool result inside a reply, a turn of
   loss_weight 0). Example: {"prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}.
-- seq2seq (T5): both conversations go through sft_data.encode_pairs; the prompt is the encoder source
+- seq2seq (T5): both conversations go through encode.encode_pairs; the prompt is the encoder source
   (the same for both, with the tokenizer's own specials; TEMPLATE=none: the prompt + eos), each side the
   decoder target (the reply + eos, every token trained). A reply is one assistant turn here.
 
@@ -24,10 +24,12 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft import sft_data, templates
-from train.data.sft.sft_turns import split_tools
-from train.data.sft.template_table import TEMPLATE
-from train.data.sft.templates import Rendering, Tally
+from train.data.chat import templates
+from train.data.chat.encode import encode_pairs, rendered_ids
+from train.data.chat.template_table import TEMPLATE
+from train.data.chat.templates import Rendering, Tally
+from train.data.chat.turns import split_tools
+from train.models.family import CAUSAL_LM
 
 SIDES = ("chosen", "rejected")
 
@@ -86,7 +88,7 @@ def encode_causal(pairs: Sequence[dict], tokenizer, max_length: int, rendering: 
     mode = rendering.mode(tokenizer)
     marker = TEMPLATE[mode].marker(tokenizer)
     # a side its chat template cannot render comes back None (counted here, by pair)
-    whole = sft_data.rendered_ids([c for pair in pairs for c in conversations(pair)], tokenizer, rendering, Tally(),
+    whole = rendered_ids([c for pair in pairs for c in conversations(pair)], tokenizer, rendering, Tally(),
                                   max_length)
     examples, n_truncated, n_reply_cut = [], 0, 0
     for at, pair in enumerate(pairs):
@@ -141,7 +143,7 @@ def encode_seq2seq(pairs: Sequence[dict], tokenizer, max_length: int, rendering:
         else:
             kept.append(at)
     inner = Tally()
-    encoded, _ = sft_data.encode_pairs([c for at in kept for c in conversations(pairs[at])], tokenizer, max_length,
+    encoded, _ = encode_pairs([c for at in kept for c in conversations(pairs[at])], tokenizer, max_length,
                                        rendering, inner)
     refused, cuts = dict(inner.refused), {i: (src, tgt) for i, src, tgt in inner.cut}
     produced = iter(encoded)  # one example per conversation encode_pairs did not refuse
@@ -168,12 +170,12 @@ def encode_seq2seq(pairs: Sequence[dict], tokenizer, max_length: int, rendering:
     return examples, n_truncated, n_reply_cut
 
 
-def encode(pairs: Sequence[dict], tokenizer, max_length: int, kind: str = "causal",
+def encode(pairs: Sequence[dict], tokenizer, max_length: int, layout=CAUSAL_LM,
            rendering: Rendering | None = None, tally: Tally | None = None) -> tuple[list[dict], int, int]:
-    """encode_causal, or encode_seq2seq for an encoder-decoder ("seq2seq")."""
+    """encode_causal, or encode_seq2seq for an encoder-decoder (the model's layout)."""
     rendering = rendering or Rendering()
     if rendering.loss_on == "all":
         raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same on "
                          "both sides); leave LOSS_ON empty")
-    fn = encode_seq2seq if kind == "seq2seq" else encode_causal
+    fn = layout.pick(encode_causal, encode_seq2seq)
     return fn(pairs, tokenizer, max_length, rendering, tally)

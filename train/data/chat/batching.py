@@ -44,16 +44,8 @@ def padded_width(longest: int, multiple: int = 1, widths: Sequence[int] | None =
 
 
 
-class PadCollator:
-    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
-    10x, padding everything to max_length spends most of the compute on pad tokens.
-
-    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
-    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
-    size of the padded batch (rows x width, real tokens included). Pop the two ints before
-    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost; widths
-    (length_buckets, set where shapes must repeat) replaces it with a fixed set of widths.
-    """
+class _Padded:
+    """What both padded collators share: pad_token_id, pad_to_multiple_of, and the widths bucket_lengths sets."""
 
     widths: tuple[int, ...] | None = None
 
@@ -65,6 +57,18 @@ class PadCollator:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+
+
+class PadCollator(_Padded):
+    """Pads a batch to its own longest example, not to max_length: with SFT lengths that vary
+    10x, padding everything to max_length spends most of the compute on pad tokens.
+
+    Returns tensors input_ids, labels (-100 on padding), attention_mask, plus two ints for the
+    loop's padding_efficiency = n_real_tokens / n_padded_tokens, where n_padded_tokens is the
+    size of the padded batch (rows x width, real tokens included). Pop the two ints before
+    calling the model. pad_to_multiple_of=8 suits tensor cores at a small padding cost; widths
+    (length_buckets, set where shapes must repeat) replaces it with a fixed set of widths.
+    """
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         lengths = [len(e["input_ids"]) for e in examples]
@@ -85,23 +89,12 @@ class PadCollator:
         }
 
 
-class Seq2SeqCollator:
+class Seq2SeqCollator(_Padded):
     """An encoder-decoder's batch: input_ids (B, S) the sources padded to the longest source,
     attention_mask (B, S) 1 on real source tokens, labels (B, T) the targets, -100 on padding
     (the model shifts them right from its decoder start itself: no decoder_input_ids), plus the
     two host ints of PadCollator over both sides (padded = rows x (S + T)); widths as
     PadCollator's, each side bucketed on its own."""
-
-    widths: tuple[int, ...] | None = None
-
-    @property
-    def length_varies(self) -> bool:
-        """Padded to the length buckets: each batch's width is one of several (compiled: marked dynamic)."""
-        return self.widths is not None
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
 
     def _pad(self, rows: list, value: int) -> tuple[torch.Tensor, torch.Tensor]:
         width = padded_width(max(len(r) for r in rows), self.pad_to_multiple_of, self.widths)
@@ -112,17 +105,26 @@ class Seq2SeqCollator:
             mask[i, : len(row)] = 1
         return out, mask
 
-    def __call__(self, examples: Sequence[dict]) -> dict:
-        input_ids, attention_mask = self._pad([e["input_ids"] for e in examples], self.pad_token_id)
-        labels, _ = self._pad([e["labels"] for e in examples], IGNORE_INDEX)
-        real = sum(len(e["input_ids"]) + len(e["labels"]) for e in examples)
+    def sides(self, sources: list, targets: list) -> dict:
+        """The batch of these sources (each side padded on its own; a preference batch's targets outnumber
+        its sources two to one, Seq2SeqPairCollator)."""
+        input_ids, attention_mask = self._pad(sources, self.pad_token_id)
+        labels, _ = self._pad(targets, IGNORE_INDEX)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
-            "n_real_tokens": real,
+            "n_real_tokens": sum(map(len, sources)) + sum(map(len, targets)),
             "n_padded_tokens": input_ids.numel() + labels.numel(),
         }
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        return self.sides([e["input_ids"] for e in examples], [e["labels"] for e in examples])
+
+
+def padded(layout) -> type:
+    """The collator that pads a batch of the layout's examples: PadCollator, or Seq2SeqCollator for pairs."""
+    return layout.pick(PadCollator, Seq2SeqCollator)
 
 
 def padding_efficiency(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
@@ -154,15 +156,8 @@ class LengthGroupedSampler(Sampler[int]):
     plain run with that budget, only batched differently (the same tokens, make compare-sft).
     """
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        batch_size: int,
-        seed: int = 0,
-        epoch: int = 0,
-        mega_batch_mult: int = 50,
-        budget: int | None = None,
-    ):
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0, epoch: int = 0,
+                 mega_batch_mult: int = 50, budget: int | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size, self.seed, self.epoch, self.mega_batch_mult = batch_size, seed, epoch, mega_batch_mult
         self.budget = budget
@@ -220,16 +215,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     size is rows x (longest source + longest target), both sides padded on their own.
     """
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        max_tokens: int,
-        seed: int = 0,
-        epoch: int = 0,
-        shuffle: bool = True,
-        mega_batch_mult: int = 50,
-        source_lengths: Sequence[int] | None = None,
-    ):
+    def __init__(self, lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0,
+                 shuffle: bool = True, mega_batch_mult: int = 50, source_lengths: Sequence[int] | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         # A causal example is all "source": its target side is 0 and the cost rows x longest.
         self.sources = self.lengths if source_lengths is None else np.asarray(source_lengths, dtype=np.int64)
@@ -361,7 +348,7 @@ class BudgetSampler(_Dealt, TokenBudgetBatchSampler):
         return len(self.rounds()) - self._first_round(self.start)
 
 
-def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, seq2seq: bool,
+def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, collate, val_collate, layout,
                    decide) -> None:
     """Pad SFT and DPO batches to a fixed set of widths where repeated shapes pay: COMPILE (one
     graph whose lengths are dynamic, and under CUDA graphs one recording per bucket) or CUDA (the
@@ -376,7 +363,7 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
             c.widths = widths
     why = ("COMPILE: one graph with dynamic lengths serves them all, a CUDA graph (COMPILE_MODE=reduce-overhead) "
            "is recorded per bucket" if compile_on else f"{device.type}: the allocator reuses equal sizes")
-    sides = "; each side (source, target) bucketed on its own" if seq2seq else ""
+    sides = layout.pick("", "; each side (source, target) bucketed on its own")
     decide("length_buckets", ",".join(map(str, widths)),
            f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below"
            f"{sides}; a packed row pads to rows x MAX_LENGTH")

@@ -2,9 +2,9 @@
 and "file" for a Jinja file given as TEMPLATE). An entry says what the tokenizer's chat template
 becomes (ensure_special_tokens), how a causal LM's conversation turns into (text, flag) segments,
 how long the "reply now" marker a cut keeps is, whether an encoder-decoder reads raw contents, and
-what a causal LM's final/ saves. The files that meet a TEMPLATE (sft_data, fine_tuning) look it
+what a causal LM's final/ saves. The files that meet a TEMPLATE (encode, the SFT door) look it
 up here instead of branching on its name; a new TEMPLATE is an entry. What each renders is in
-train/data/sft/templates.py's module doc."""
+train/data/chat/templates.py's module doc."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from train.core.errors import UsageError
-from train.data.sft import templates
-from train.data.sft.chat_template import template_segments
-from train.data.sft.render_bounds import RenderFailed, render_chat
-from train.data.sft.sft_turns import call_text, split_tools
-from train.data.sft.templates import (
+from train.data.chat import templates
+from train.data.chat.chat_template import template_segments
+from train.data.chat.render_bounds import RenderFailed, render_chat
+from train.data.chat.templates import (
     BUILTIN_CHAT_TEMPLATE,
     EARLIER_TEMPLATES,
     END_TOKEN,
@@ -33,6 +32,7 @@ from train.data.sft.templates import (
     raw_template,
     read_template,
 )
+from train.data.chat.turns import call_text, split_tools
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,22 @@ def ensure_special_tokens(tokenizer, template: str | None = None) -> int:
         else:
             added += tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return added
+
+
+def template_decision(d, tok, layout, say, decide) -> None:
+    """TEMPLATE as the run renders it (a decision where it was left empty), LOSS_ON=all refused for an
+    encoder-decoder, TEMPLATE=none's Jinja twin on a causal LM's tokenizer (saved with final/), and a note
+    where the template saved with final/ has no {% generation %} markers. Both doors decide it."""
+    if layout.encoder_decoder and d.loss_on == "all":
+        raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
+                         "predicted); leave LOSS_ON empty")
+    mode = templates.Rendering.of(d).mode(tok)
+    entry = TEMPLATE[mode]
+    final = layout.pick(entry.final, None)  # an encoder-decoder's final/ prompts with the raw source + eos
+    if final is not None:  # final/ then prompts as trained
+        tok.chat_template = final(tok)
+    if not d.template:
+        decide("template", mode, f"TEMPLATE empty: {entry.why}")
+    if entry.own_markup and not templates.has_generation_markers(tok.chat_template):
+        say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
+            "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")

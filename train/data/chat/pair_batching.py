@@ -29,28 +29,40 @@ import torch
 from torch.utils.data import Dataset
 
 from train.core.units import IGNORE_INDEX
-from train.data.sft.packing import FLASH, VARLEN, PackedCollator, PackedRows, pack
-from train.data.sft.sft_batching import PadCollator, Seq2SeqCollator
+from train.data.chat.batching import PadCollator, Seq2SeqCollator
+from train.data.chat.packing import FLASH, VARLEN, PackedCollator, PackedRows, pack, packed_attention
+from train.models.family import CAUSAL_LM
 
 
 class PairDataset(Dataset):
-    """Encoded pairs (the preference cache's memory-mapped view, or a list of pref_encode's examples).
+    """Encoded pairs (the preference cache's memory-mapped view, or a list of pair_encode's examples).
     sides: (pairs, 3) prompt / chosen / rejected tokens. lengths and source_lengths are the samplers'
     cost model (see the module doc); packed_lengths the tokens a pair takes in a packed row."""
 
-    def __init__(self, examples, seq2seq: bool = False):
-        self.examples, self.seq2seq = examples, seq2seq
+    unit = "pairs"
+    budget_note = ""  # the lengths are the padded cost already
+
+    def __init__(self, examples, layout=CAUSAL_LM):
+        self.examples, self.layout = examples, layout
         sides = getattr(examples, "sides", None)
         if sides is None:
             names = ("prompt_ids", "chosen_ids", "rejected_ids")
             sides = np.array([[len(e[n]) for n in names] for e in examples], dtype=np.int64).reshape(-1, 3)
         self.sides = np.asarray(sides, dtype=np.int64)
         prompt, longer = self.sides[:, 0], self.sides[:, 1:].max(axis=1)
-        if seq2seq:  # a batch costs P x longest source + 2P x longest target
-            self.source_lengths, self.lengths = prompt, prompt + 2 * longer
-        else:  # 2P rows x the longest prompt + reply: "source" and "target" the same width
-            self.source_lengths, self.lengths = prompt + longer, 2 * (prompt + longer)
+        # causal: 2P rows x the longest prompt + reply ("source" and "target" the same width); an
+        # encoder-decoder's batch costs P x longest source + 2P x longest target
+        self.source_lengths = layout.pick(prompt + longer, prompt)
+        self.lengths = layout.pick(2 * (prompt + longer), prompt + 2 * longer)
         self.packed_lengths = 2 * prompt + self.sides[:, 1] + self.sides[:, 2]
+
+    def part(self, lo: int, hi: int) -> PairDataset:
+        """Pairs lo..hi, a view (the held-out split)."""
+        return PairDataset(self.examples[lo:hi], self.layout)
+
+    def side_lengths(self) -> dict:
+        """Each side's lengths in tokens, for the log."""
+        return dict(zip(("prompt", "chosen", "rejected"), self.sides.T, strict=True))
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -82,12 +94,13 @@ class Seq2SeqPairCollator(Seq2SeqCollator):
     widths as PadCollator's (length buckets, each side bucketed on its own)."""
 
     def __call__(self, pairs: Sequence[dict]) -> dict:
-        input_ids, attention_mask = self._pad([p["prompt_ids"] for p in pairs], self.pad_token_id)
-        labels, _ = self._pad([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs],
-                              IGNORE_INDEX)  # fmt: skip
-        real = sum(len(p["prompt_ids"]) + len(p["chosen_labels"]) + len(p["rejected_labels"]) for p in pairs)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "n_pairs": len(pairs),
-                "n_real_tokens": real, "n_padded_tokens": input_ids.numel() + labels.numel()}  # fmt: skip
+        targets = [p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs]
+        return {**self.sides([p["prompt_ids"] for p in pairs], targets), "n_pairs": len(pairs)}
+
+
+def padded_pairs(layout) -> type:
+    """The collator that pads a batch of the layout's pairs: PairCollator, or Seq2SeqPairCollator."""
+    return layout.pick(PairCollator, Seq2SeqPairCollator)
 
 
 def pack_pairs(dataset: PairDataset, max_length: int):
@@ -145,3 +158,42 @@ class MicroPackedPairCollator(PackedPairCollator):
         if self.widths and self.attention == VARLEN:
             return -(-real // FLAT_MULTIPLE) * FLAT_MULTIPLE
         return real
+
+
+def pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, precision: str, max_length: int,
+                 decide) -> tuple:
+    """(train rows, collator, summary entries) as PACKING says: 1, the pairs packed best-fit decreasing into
+    rows of 2 x MAX_LENGTH tokens (a pair's two sequences in one row); empty, a causal model's micro-batches
+    of pairs each in one unpadded row (the padded run's sampler, BATCH_SIZE pairs, the same pairs per step:
+    its losses), an encoder-decoder's `padded`; 0, `padded`."""
+    multiple = 8 if device.type == "cuda" else 1
+    if d.packing is not None and not d.packing:
+        return dataset, padded, {}
+    if not dataset.layout.packs:
+        decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once "
+               "per pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
+        return dataset, padded, {}
+    attention = packed_attention(device, precision, set_attention)
+    if d.packing:
+        if d.length_grouping:
+            d.length_grouping = False
+            decide("length_grouping", 0, "PACKING=1 groups pairs by length itself")
+        rows, packing = pack_pairs(dataset, max_length)
+        decide("packing", f"{len(rows)} rows",
+               f"{len(dataset)} pairs best-fit into rows of 2 x MAX_LENGTH = {2 * max_length} tokens (a "
+               f"pair's chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row tokens "
+               "are real; BATCH_SIZE counts rows")  # fmt: skip
+        decide("attention", attention.kind, attention.why)
+        collate = PackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+        return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,
+                               "attention": attention.kind}  # fmt: skip
+    flat = attention.kind in (FLASH, VARLEN)
+    decide("packing", "micro-batch",
+           f"PACKING empty: each micro-batch's BATCH_SIZE pairs (as the padded run draws them) "
+           f"{'laid end to end in one row' if flat else 'one pair per row'} instead of 2 x BATCH_SIZE rows "
+           "padded to the longest: the same pairs per step, so the same losses, without the pad tokens "
+           "(padding efficiency in summary.json); PACKING=0 pads, PACKING=1 packs all pairs into rows of "
+           "2 x MAX_LENGTH")
+    decide("attention", attention.kind, attention.why)
+    collate = MicroPackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    return dataset, collate, {"packing": "micro-batch", "attention": attention.kind}

@@ -1,7 +1,7 @@
 """Preference records in the formats users already have -> pairs; FORMATS holds a row per format.
 
 A pair is {"prompt": turns, "chosen": turns, "rejected": turns} in the one conversation shape of
-train/data/sft/sft_turns.py: the prompt is a conversation (the tools list first where the record has
+train/data/chat/turns.py: the prompt is a conversation (the tools list first where the record has
 one, a system turn, earlier turns), and each side is the assistant's reply to it: one assistant turn,
 or several (a call, its result, the answer). Every convert reads the turns through SFT's own readers
 (turns(), and the alpaca and sharegpt rows of SFT's FORMATS for the prompt), so typed content parts,
@@ -14,7 +14,7 @@ LLaMA-Factory v1's chosen_messages / rejected_messages), the prompt is their lon
 turns (of characters, for two strings, with TRL's rule that a space before the first difference starts
 the replies). A record that is no pair (a side missing or empty, both sides the same, no shared prompt,
 nothing trained on a side) is a BadRecord whose message the reader prefixes with the file and the line
-or row (train/data/sft/sft_formats.py's source_records).
+or row (train/data/chat/formats.py's source_records).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.core.errors import UsageError
-from train.data.sft import sft_formats
-from train.data.sft.sft_turns import BadRecord, text, turns
+from train.data.chat import formats
+from train.data.chat.turns import BadRecord, text, turns
 
 SIDES = ("chosen", "rejected")
 
@@ -127,14 +127,14 @@ def _messages_v1(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
 
 def _sharegpt(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
     """LLaMA-Factory's sharegpt ranking data: the prompt's turns, then a reply message per side."""
-    prompt = sft_formats.FORMATS["sharegpt"].convert(record, "text")
+    prompt = formats.FORMATS["sharegpt"].convert(record, "text")
     return prompt, _reply(record, "chosen", "from", "value"), _reply(record, "rejected", "from", "value")
 
 
 def _alpaca(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
     """LLaMA-Factory's alpaca ranking data: instruction (+ input, system, history) and two strings."""
     chosen, rejected = _reply(record, "chosen"), _reply(record, "rejected")
-    prompt = sft_formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]  # SFT's prompt, no reply
+    prompt = formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]  # SFT's prompt, no reply
     return prompt, chosen, rejected
 
 
@@ -221,7 +221,7 @@ def builtin_pairs(limit: int | None = None) -> list[dict]:
     function's signature and docstring -> its body), each with its own body chosen and the body of
     another function of the set rejected (a fixed derangement: the conversation `shift` places on),
     so a model learns to prefer the reply that answers its prompt. Deterministic and offline."""
-    conversations = sft_formats.builtin_conversations(limit)
+    conversations = formats.builtin_conversations(limit)
     n, shift = len(conversations), max(1, len(conversations) // 3)
     pairs = []
     for i, (user, reply) in enumerate(conversations):
@@ -233,17 +233,17 @@ def builtin_pairs(limit: int | None = None) -> list[dict]:
 
 def open_pairs(data_path: str | Path, skip_bad_records: bool = True) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed; the format is the first
-    matching record's (sft_formats.first_format). An empty source or an unknown format is one line
+    matching record's (formats.first_format). An empty source or an unknown format is one line
     naming DATA_PATH."""
-    stream = sft_formats.source_records(data_path)
-    fmt, head = sft_formats.first_format(stream, detect_format, skip_bad_records)
+    stream = formats.source_records(data_path)
+    fmt, head = formats.first_format(stream, detect_format, skip_bad_records)
     if fmt:
         return fmt, itertools.chain(head, stream)
     if not head:
         raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
     first = next((r for _, r in head if isinstance(r, dict)), None)
     seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
-    hint = "; SFT data trains with `python -m train sft`" if first and sft_formats.detect_format(first) else ""
+    hint = "; SFT data trains with `python -m train sft`" if first and formats.detect_format(first) else ""
     raise UsageError(f"DATA_PATH: {data_path}: unknown preference format ({seen}){hint}; accepted: {accepted()}")
 
 
@@ -263,11 +263,11 @@ def converted(items, fmt: str) -> tuple[list[dict], list[str], list[str]]:
 
 def load_pairs(path: str | Path, skip_bad_records: bool = False) -> tuple[list[dict], str, int]:
     """DATA_PATH -> (pairs, format, records skipped), in memory: for small data and tests (a run
-    reads through the preference cache, train/data/pref/pref_cache.py)."""
+    reads through the preference cache, train/data/chat/pair_cache.py)."""
     fmt, items = open_pairs(path, skip_bad_records)
     pairs, _, bad = converted(items, fmt)
     if bad and not skip_bad_records:
-        raise sft_formats.refuse_bad(bad[0])
+        raise formats.refuse_bad(bad[0])
     if not pairs:
-        raise sft_formats.all_bad(path, len(bad), bad[0])
+        raise formats.all_bad(path, len(bad), bad[0])
     return pairs, fmt, len(bad)

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from train.core.attention import VARLEN_SDPA, varlen_indices
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
-from train.data.sft.sft_batching import padded_width
+from train.data.chat.batching import padded_width
 
 FLASH = "flash_attention_2"
 SDPA = "sdpa"
@@ -100,6 +100,9 @@ def pack(lengths: Sequence[int], max_length: int, seed: int | None = None) -> Pa
 
 class PackedRows(Dataset):
     """A dataset of rows: item k is the list of encoded conversations that share row k."""
+
+    unit = "packed rows"  # what BATCH_SIZE counts
+    budget_note = ""
 
     def __init__(self, examples: Sequence[dict], rows: Sequence[Sequence[int]]):
         self.examples, self.rows = examples, rows
@@ -297,3 +300,36 @@ def attention_for(model_or_device, precision: str | None = None) -> Attention:
         "not FlexAttention: no attention dropout, no backward on CPU; not torch's varlen_attn: CUDA bf16/fp16 "
         "only, no dropout)"
     ))
+
+
+def packed_attention(device, precision: str, set_attention) -> Attention:
+    """The attention that keeps packed sequences apart here (attention_for), the model switched to it by
+    set_attention(kind); the masked sdpa path where the model cannot switch."""
+    attention = attention_for(device, precision)
+    if attention.kind in (FLASH, VARLEN):
+        try:
+            set_attention(attention.kind)
+        except Exception as err:  # no flash/varlen support for this architecture: the masked path
+            attention = Attention(SDPA, f"packed attention: sdpa with a block-diagonal causal mask ({err})")
+    return attention
+
+
+def pack_conversations(d, dataset, set_attention, tok, device, precision: str, max_length: int,
+                       decide) -> tuple:
+    """PACKING=1: the conversations packed best-fit decreasing into rows of MAX_LENGTH tokens, the collator
+    that keeps them apart in attention (set_attention(kind) switches the model to the varlen kernel chosen),
+    and the figures for summary.json: (rows dataset, collator, summary entries). Lowers LENGTH_GROUPING."""
+    if d.length_grouping:
+        d.length_grouping = False
+        decide("length_grouping", 0, "PACKING=1 groups conversations by length itself")
+    packing = pack(dataset.lengths, max_length)
+    rows = PackedRows(dataset.examples, packing.rows)
+    decide("packing", f"{len(rows)} rows", f"{len(dataset)} conversations best-fit into rows of "
+           f"MAX_LENGTH={max_length}: {packing.efficiency:.1%} of the row tokens are real; "
+           "BATCH_SIZE counts rows")
+    attention = packed_attention(device, precision, set_attention)
+    decide("attention", attention.kind, attention.why)
+    multiple = 8 if device.type == "cuda" else 1
+    collate = PackedCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
+    return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,
+                           "attention": attention.kind}

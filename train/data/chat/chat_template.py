@@ -2,7 +2,7 @@
 rendered with apply_chat_template. A trained assistant turn's characters run from where the
 conversation up to that turn, rendered with the generation prompt, ends (where the reply starts)
 to where the conversation up to and including it ends. The tools list and leading system turns
-are found the same way, so truncation can keep them (train/data/sft/templates.py). A template
+are found the same way, so truncation can keep them (train/data/chat/templates.py). A template
 that would drop the tools, calls or reasoning a conversation has is refused in one line.
 
 Rendering those two prefixes for every trained turn costs the square of the turns (a 2,000-turn
@@ -24,10 +24,10 @@ import re
 from collections.abc import Sequence
 
 from train.core.errors import UsageError
-from train.data.sft import templates
-from train.data.sft.render_bounds import Budget, RenderFailed, render_chat
-from train.data.sft.sft_turns import split_tools
-from train.data.sft.templates import MASKED, PINNED, TRAINED
+from train.data.chat import templates
+from train.data.chat.render_bounds import Budget, RenderFailed, render_chat
+from train.data.chat.templates import MASKED, PINNED, TRAINED
+from train.data.chat.turns import split_tools
 
 
 def apply(tokenizer, conversation: Sequence[dict], generation_prompt: bool, tools: list | None = None,

@@ -2,7 +2,7 @@
 REASONING, a turn's loss_weight) and what a long example keeps (TRUNCATION).
 
 TEMPLATE picks the rendering (Rendering.mode; each one's behaviour is its entry in
-train/data/sft/template_table.py):
+train/data/chat/template_table.py):
 - builtin: "<|user|>\\n...<|end|>\\n<|assistant|>\\n...<|end|>\\n", whose markers
   ensure_special_tokens adds as special tokens; BUILTIN_CHAT_TEMPLATE is its Jinja twin, saved
   with final/, with the trained spans inside {% generation %} ... {% endgeneration %}, so
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from train.core.errors import UsageError
 from train.core.files import read_user_file
 from train.core.units import IGNORE_INDEX
-from train.data.sft.render_bounds import RenderFailed, render_chat
-from train.data.sft.sft_turns import call_text
+from train.data.chat.render_bounds import RenderFailed, render_chat
+from train.data.chat.turns import call_text
 
 TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's words; anything else is a Jinja file (template_table)
-TEXT_ROLE = "text"  # a plain document (TEXT_FIELD): sft_formats' one-turn conversation
+TEXT_ROLE = "text"  # a plain document (TEXT_FIELD): formats' one-turn conversation
 MASKED, TRAINED, PINNED = 0, 1, 2  # a segment's flag; PINNED: masked, and kept by truncation (tools, system)
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
