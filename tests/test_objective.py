@@ -14,13 +14,13 @@ import torch
 from train.core.objective import MODES, Objective, mode_of
 from train.core.preference.loss import PreferenceObjective
 from train.core.step import TokenObjective
-from train.data.pref.pref_batching import (
+from train.data.chat.packing import VARLEN
+from train.data.chat.pair_batching import (
     MicroPackedPairCollator,
     PackedPairCollator,
     PairCollator,
     Seq2SeqPairCollator,
 )
-from train.data.sft.packing import VARLEN
 from train.run.plan import dpo_reference
 
 OBJECTIVES = (TokenObjective(False), TokenObjective(True, micro_batch_mean=True), PreferenceObjective(False))
