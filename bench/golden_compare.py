@@ -279,7 +279,8 @@ def with_needs(chosen: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trees", nargs="*", help="BASE_TREE NEW_TREE: two checkouts (git worktree add ...)")
+    p.add_argument("trees", nargs="*", help="BASE_TREE NEW_TREE: two checkouts, each of one commit (git worktree "
+                   "add, or git archive COMMIT | tar -x -C DIR): one merged into mid-run mixes two versions")
     p.add_argument("--work", help="where the runs go (default: a temporary folder, removed)")
     p.add_argument("--only", help="comma-separated scenarios (default: all): " + ",".join(SCENARIOS))
     p.add_argument("--expect-diff", default="", help="scenarios whose differences are intended (listed, not failed)")
