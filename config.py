@@ -14,7 +14,7 @@ from pathlib import Path
 from train.core.checks import ENV_NAMES, bad_value, check_fields, check_path, env_name, knob  # noqa: F401
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
-from train.core.optim import optimizers, schedules
+from train.core.optim import registry, schedules
 from train.core.units import cpu_cores
 from train.models import FAMILIES, SIZES
 
@@ -22,7 +22,7 @@ KIT_DIR = Path(__file__).resolve().parent
 
 MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry per family
 PRECISIONS, LR_SCALINGS = ("fp32", "fp16", "bf16", "auto"), ("none", "linear", "sqrt")
-OPTIMIZERS, LR_SCHEDULES = tuple(optimizers.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
+OPTIMIZERS, LR_SCHEDULES = tuple(registry.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
 MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
 EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
 DPO_LOSSES, REFERENCES = ("sigmoid", "ipo", "hinge", "simpo", "orpo"), ("copy", "precomputed", "adapters")
@@ -347,7 +347,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
-        optimizers.check_sharding(self.optim.optimizer, self.system.sharding)
+        registry.check_sharding(self.optim.optimizer, self.system.sharding)
 
     def effective_batch_size(self, world_size: int = 1) -> int:
         """Sequences per optimizer step: micro-batch x accumulation x processes."""

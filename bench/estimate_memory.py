@@ -25,7 +25,7 @@ import config  # noqa: E402
 from train.core.attention import VARLEN_SDPA, use_attention  # noqa: E402
 from train.core.measure.live_bytes import allocated_peak, held_by  # noqa: E402
 from train.core.model import count_params  # noqa: E402
-from train.core.optim.optimizers import build_optimizer  # noqa: E402
+from train.core.optim.registry import build_optimizer  # noqa: E402
 from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX, MIB  # noqa: E402

@@ -38,7 +38,7 @@ def main() -> int:
     import torch
 
     import config
-    from train.core.optim.optimizers import build_optimizer
+    from train.core.optim.registry import build_optimizer
     from train.data.stream import BatchStream
     from train.run.loop.parts import data_loader
     from train.run.plan.build import build

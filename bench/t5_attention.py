@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from config import OptimConfig  # noqa: E402
-from train.core.optim.optimizers import build_optimizer  # noqa: E402
+from train.core.optim.registry import build_optimizer  # noqa: E402
 from train.core.seq2seq import span_lengths  # noqa: E402
 from train.core.step import train_step  # noqa: E402
 from train.core.units import IGNORE_INDEX  # noqa: E402

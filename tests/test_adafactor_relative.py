@@ -16,13 +16,13 @@ from transformers.optimization import Adafactor
 
 import config
 from conftest import read_jsonl, run_cli, tiny_model
-from train.core.optim.optimizers import build_optimizer, build_schedule
+from train.core.optim.registry import build_optimizer, build_schedule
 from train.core.optim.schedules import warmup_of
 from train.core.step import train_step
 from train.models.build import build_model
 from train.models.family import CAUSAL_LM, ENCODER_DECODER
-from train.run.checkpoint import checkpoint
-from train.run.plan.plan import Decisions, resolve_pacing
+from train.run.checkpoint import on_disk
+from train.run.plan.make import Decisions, resolve_pacing
 
 CPU = torch.device("cpu")
 
@@ -128,7 +128,7 @@ def test_adafactor_relative_resume_gives_the_uninterrupted_losses(tiny_flags, tm
     assert any(d["setting"] == "lr_schedule" and d["value"] == "relative" for d in record["decisions"])
     assert [r["lr"] for r in ref] == [1e-2] * 4  # the relative step, not LEARNING_RATE's curve
     shutil.copytree(runs / "ref", runs / "cut", symlinks=True)
-    for path in checkpoint.list_checkpoints(runs / "cut" / "checkpoints"):
+    for path in on_disk.list_checkpoints(runs / "cut" / "checkpoints"):
         if int(path.name.split("-")[1]) > 2:
             shutil.rmtree(path)
     assert run_cli("pretrain", *tiny_flags, *RUN, "--run_name", "cut", "--resume", "1") == 0

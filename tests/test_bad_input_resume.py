@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import KIT_PY, ROOT, TINY_CONFIG, launch, run_cli
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 
 
 class Payload:
@@ -44,7 +44,7 @@ def world(corpus, tiny_config, cache_dir, tmp_path_factory):
 
     def copy(name):
         shutil.copytree(good, runs / name, symlinks=True)
-        return checkpoint.list_checkpoints(runs / name / "checkpoints")
+        return on_disk.list_checkpoints(runs / name / "checkpoints")
 
     for folder in copy("truncated"):
         weights = folder / "model.safetensors"

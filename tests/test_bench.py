@@ -107,7 +107,7 @@ def test_compiled_model_trains_like_eager(tiny_flags, tiny_config, tmp_path, mon
     builds the backward. Inductor's C++ code generation takes minutes on this 2-core machine
     (see bench/RESULTS.md and the KIT_SLOW_TESTS test below), so this test swaps only the code
     generator for aot_eager; tracing, the compiled backward and the loop are real."""
-    from train.run.compile import compile_guard
+    from train.run.compile import wrapper
 
     flags = [
         *tiny_flags,
@@ -117,7 +117,7 @@ def test_compiled_model_trains_like_eager(tiny_flags, tiny_config, tmp_path, mon
         "2",
     ]
     assert run_cli("pretrain", *flags, "--max_steps", "3", "--run_name", "eager") == 0
-    monkeypatch.setattr(compile_guard, "BACKEND", "aot_eager")  # the kit names its backend: swap that
+    monkeypatch.setattr(wrapper, "BACKEND", "aot_eager")  # the kit names its backend: swap that
     assert run_cli("pretrain", *flags, "--max_steps", "3", "--compile", "1", "--run_name", "compiled") == 0
     eager, compiled = _losses(tmp_path, "eager"), _losses(tmp_path, "compiled")
     assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-4)

@@ -13,7 +13,7 @@ import torch
 
 from conftest import TINY_CONFIG, run_cli
 from train.distributed import safe_load
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 
 
 class Payload:
@@ -134,7 +134,7 @@ def test_resume_with_another_model_config_names_the_saved_one(flags, tiny_config
 
 
 def test_disk_full_before_the_first_checkpoint_suggests_running_again(flags, tiny_config, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoint.CheckpointManager, "free_bytes", lambda self: 4096)
+    monkeypatch.setattr(on_disk.CheckpointFolder, "free_bytes", lambda self: 4096)
     argv = [*flags, "--model_config", str(tiny_config), "--max_steps", "4", "--save_every", "2", "--run_name", "full"]
     assert run_cli("pretrain", *argv) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ import torch
 
 from conftest import TINY_CONFIG, read_jsonl, run_cli
 from train.distributed import safe_load
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 
 STEPS = ["--batch_size", "2", "--max_steps", "6", "--save_every", "2", "--sharding", "zero2", "--log_every", "1",
          "--keep_checkpoints", "5"]
@@ -240,13 +240,13 @@ def test_sharded_checkpoint_of_another_model_is_named_as_one(ref, tmp_path, caps
     assert "RESUME=1: checkpoint step-00000004 holds another model than this run builds (" in err
     assert f"resume with MODEL_CONFIG={flags[1]}" in err
     assert tree(run) == before
-    assert checkpoint.list_checkpoints(run / "checkpoints")[0].name == "step-00000004"
+    assert on_disk.list_checkpoints(run / "checkpoints")[0].name == "step-00000004"
 
 
 def test_checkpoint_files_are_read_inside_the_checkpoint_only(ref, tmp_path):
     """A meta.json entry that leaves the folder, or a shard file linked to a copy elsewhere, makes
     the checkpoint unusable before that file is read or hashed (sizes and sha256 all match)."""
-    from train.run.checkpoint.checkpoint_checks import BadCheckpoint, check_files
+    from train.run.checkpoint.verify import BadCheckpoint, check_files
 
     runs, _ = ref
     folder = tmp_path / "step"

@@ -1,5 +1,5 @@
 """The objects the checkpoint manager saves and restores own their state: what state_dict()
-returns, load_state_dict() puts back (the schedule, the RNG states, the feed's data position)."""
+returns, load_state_dict() puts back (the schedule, the RNG states, the oom_guard's data position)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from config import OptimConfig
-from train.core.optim.optimizers import build_schedule
+from train.core.optim.registry import build_schedule
 from train.core.optim.schedules import lr_at
 from train.run.checkpoint.rng import RngStates
 from train.run.loop.oom import OomGuard
@@ -54,8 +54,8 @@ def test_feed_saves_and_reopens_its_data_position():
         opened.append((batch_size, epoch, start))
         return Stream(epoch, start)
 
-    feed = OomGuard(plan, open_stream, None, None, print)
-    feed.load_state_dict({"epoch": 2, "position": 96})
+    oom_guard = OomGuard(plan, open_stream, None, None, print)
+    oom_guard.load_state_dict({"epoch": 2, "position": 96})
     assert opened == [(4, 2, 96)]
-    feed.stream.consumed += 24
-    assert feed.state_dict() == {"epoch": 2, "position": 120, "world_size": 3}
+    oom_guard.stream.consumed += 24
+    assert oom_guard.state_dict() == {"epoch": 2, "position": 120, "world_size": 3}

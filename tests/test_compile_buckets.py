@@ -24,7 +24,7 @@ from train.core.step import forward_loss
 from train.data.chat.batching import PadCollator, length_buckets
 from train.data.chat.packing import VARLEN, PackedCollator
 from train.models.family import CAUSAL_LM
-from train.run.compile import compile_guard
+from train.run.compile import wrapper
 
 # Lengths from a few tokens to past MAX_LENGTH=64 (truncated): many widths without buckets.
 RECORDS = [{"prompt": f"Item {i}.", "response": "fox " * (1 + (i * 7) % 45)} for i in range(240)]
@@ -38,7 +38,7 @@ def write_data(tmp_path) -> str:
 
 
 def compiled_run(tmp_path, monkeypatch, *argv, backend: str = "eager") -> dict:
-    monkeypatch.setattr(compile_guard, "BACKEND", backend)
+    monkeypatch.setattr(wrapper, "BACKEND", backend)
     assert run_cli(*argv, "--output_dir", str(tmp_path / "runs"), "--compile", "1", "--run_name", "c",
                    "--num_workers", "0", "--log_every", "20") == 0
     summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import read_jsonl, run_cli
-from train.run.compile import compile_guard
+from train.run.compile import wrapper
 
 
 def broken_backend(gm, example_inputs):
@@ -26,7 +26,7 @@ def losses(run):
 def test_failed_compile_trains_like_eager_and_says_so(tiny_flags, tmp_path, monkeypatch):
     argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "3", "--val_fraction", "0", "--seed", "3"]
     assert run_cli("pretrain", *argv, "--run_name", "eager") == 0
-    monkeypatch.setattr(compile_guard, "BACKEND", broken_backend)
+    monkeypatch.setattr(wrapper, "BACKEND", broken_backend)
     assert run_cli("pretrain", *argv, "--compile", "1", "--run_name", "broken") == 0
     run = tmp_path / "runs" / "broken"
     summary = json.loads((run / "summary.json").read_text())
@@ -47,7 +47,7 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
         sdpa_calls.extend(dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
         return gm.forward
 
-    monkeypatch.setattr(compile_guard, "BACKEND", recording_backend)
+    monkeypatch.setattr(wrapper, "BACKEND", recording_backend)
     argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "4", "--val_fraction", "0", "--compile", "1",
             "--log_every", "2"]  # fmt: skip
     assert run_cli("pretrain", *argv, "--run_name", "c") == 0
@@ -78,7 +78,7 @@ def test_a_later_compiled_failure_switches_to_eager_for_good():
             raise RuntimeError("recompile failed")
         return model(**kwargs)
 
-    guarded = compile_guard.GuardedModel(compiled, model, failures.append)
+    guarded = wrapper.GuardedModel(compiled, model, failures.append)
     expected = model(input_ids=ids, labels=ids).loss
     assert guarded(input_ids=ids, labels=ids).loss.item() == expected.item()
     assert guarded(input_ids=ids, labels=ids).loss.item() == expected.item()  # redone in eager
@@ -92,7 +92,7 @@ def test_an_error_eager_shares_is_not_blamed_on_compile():
 
     model = tiny_model()
     failures = []
-    guarded = compile_guard.GuardedModel(lambda **kw: model(**kw), model, failures.append)
+    guarded = wrapper.GuardedModel(lambda **kw: model(**kw), model, failures.append)
     bad = torch.full((1, 8), 10_000)  # token ids past the vocabulary
     with pytest.raises(IndexError):
         guarded(input_ids=bad)

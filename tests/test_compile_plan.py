@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from config import OptimConfig, resolve
 from conftest import run_cli, tiny_model
 from train.core.measure.mfu import peak_flops
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_config
 from train.models.family import CAUSAL_LM
-from train.run.compile import compile_guard
-from train.run.compile.compile_plan import LAUNCH_BOUND_MS, choose_mode, compile_default, step_math_ms
+from train.run.compile import wrapper
+from train.run.compile.choose import LAUNCH_BOUND_MS, choose_mode, compile_default, step_math_ms
 from train.run.compile.cuda_graphs import keep_grads
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -78,7 +78,7 @@ def test_a_cpu_run_leaves_compile_off_and_compile_1_wins(tiny_flags, tmp_path, m
     assert made["compile"]["value"] is False and made["compile"]["reason"].startswith("cpu:"), made["compile"]
     assert "compile_mode" not in made
     assert json.loads((run / "summary.json").read_text())["compile"]["enabled"] is False
-    monkeypatch.setattr(compile_guard, "BACKEND", "eager")
+    monkeypatch.setattr(wrapper, "BACKEND", "eager")
     assert run_cli("pretrain", *argv, "--compile", "1", "--run_name", "asked") == 0
     run = tmp_path / "runs" / "asked"
     made = decisions(run)

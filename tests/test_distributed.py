@@ -16,7 +16,7 @@ from train.core.errors import UsageError
 from train.core.step import full_value
 from train.data.loader import make_loader
 from train.data.text import EpochSampler
-from train.distributed import distributed, parallel
+from train.distributed import parallel, process_group
 from train.models.family import CAUSAL_LM
 
 SPAWN_TIMEOUT = 300  # a hung collective fails the test instead of stalling the suite
@@ -75,14 +75,14 @@ def test_sampler_position_resumes_without_repeats_or_gaps():
 
 
 def test_from_env_reads_only_the_standard_variables():
-    assert distributed.from_env({}) == distributed.SINGLE
-    assert distributed.from_env({"MASTER_ADDR": "x"}) == distributed.SINGLE
-    world = distributed.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+    assert process_group.from_env({}) == process_group.SINGLE
+    assert process_group.from_env({"MASTER_ADDR": "x"}) == process_group.SINGLE
+    world = process_group.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
     assert (world.rank, world.local_rank, world.world_size, world.is_main) == (3, 1, 4, False)
     with pytest.raises(UsageError, match="WORLD_SIZE"):
-        distributed.from_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "two"})
+        process_group.from_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "two"})
     with pytest.raises(UsageError, match="RANK=4"):
-        distributed.from_env({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
+        process_group.from_env({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
 
 
 def test_launcher_starts_torchrun_in_module_form():
@@ -135,7 +135,7 @@ def _ranks_worker(rank, world_size, port, folder):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        world = distributed.Dist(rank=rank, local_rank=rank, world_size=world_size)
+        world = process_group.Dist(rank=rank, local_rank=rank, world_size=world_size)
         _ddp_matches_one_big_batch(world)
         _ddp_token_mean_over_uneven_ranks(world)
         _sharded_checkpoint_round_trip(world, folder, "zero2", offload=False)
@@ -144,8 +144,8 @@ def _ranks_worker(rank, world_size, port, folder):
     finally:
         dist.destroy_process_group()
     # FSDP2 keeps the group's gloo threads alive past destroy_process_group: a plain return
-    # could end in SIGABRT at interpreter exit (distributed.exit_process says why).
-    distributed.exit_process(0, group_used=True)
+    # could end in SIGABRT at interpreter exit (process_group.exit_process says why).
+    process_group.exit_process(0, group_used=True)
 
 
 def _sgd_step(model, loader, accum, sync, total=None):
@@ -172,9 +172,9 @@ def _ddp_token_mean_over_uneven_ranks(world):
     cpu = torch.device("cpu")
     loader, _ = make_loader(rows, DataConfig(), 2, 5, cpu, rank=world.rank, world_size=world.world_size)
     mine = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in loader)
-    assert distributed.max_across(world, [mine])[0] * 2 != distributed.sum_across(world, [mine])[0]  # uneven ranks
+    assert process_group.max_across(world, [mine])[0] * 2 != process_group.sum_across(world, [mine])[0]  # uneven ranks
     ddp = parallel.wrap(tiny_model(), world, "none", False, cpu)
-    _sgd_step(ddp, loader, 2, parallel.sync_context(ddp), distributed.step_total(world))
+    _sgd_step(ddp, loader, 2, parallel.sync_context(ddp), process_group.step_total(world))
     if world.rank == 0:
         reference = tiny_model()
         big, _ = make_loader(rows, DataConfig(), 8, 5, cpu)
@@ -227,7 +227,7 @@ def _local_state(model, optimizer):
 
 def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     from config import TrainConfig
-    from train.core.optim.optimizers import build_optimizer
+    from train.core.optim.registry import build_optimizer
     from train.core.step import train_step
 
     cpu = torch.device("cpu")
@@ -279,7 +279,7 @@ def _exit_worker(rank, world_size, port):
     dist.all_reduce(tensor, async_op=True).wait()
     del tensor  # a gloo thread may still hold it: its last reference is dropped there, later
     dist.destroy_process_group()
-    distributed.exit_process(0, group_used=True)
+    process_group.exit_process(0, group_used=True)
 
 
 def test_exit_after_a_process_group_is_no_abort():
@@ -325,7 +325,7 @@ def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_
 
     import numpy as np
 
-    from train.run.checkpoint import checkpoint
+    from train.run.checkpoint import on_disk
 
     argv = [*tiny_flags, "--batch_size", "2", "--max_steps", "4", "--save_every", "2", "--sharding", "zero2"]
     assert run_cli("pretrain", *argv, "--run_name", "ref") == 0
@@ -338,7 +338,7 @@ def test_sharded_checkpoint_on_one_process_resumes_and_refuses_a_whole_run(tiny_
     assert run_cli("pretrain", *argv[:-2], "--sharding", "none", "--run_name", "again", "--resume", "1") == 2
     assert "saved by a SHARDING=zero2 run; resume it with SHARDING=zero2" in capsys.readouterr().err
     assert (runs / "again" / "metrics.jsonl").read_text() == before
-    assert checkpoint.list_checkpoints(runs / "again" / "checkpoints")[0].name == "step-00000002"
+    assert on_disk.list_checkpoints(runs / "again" / "checkpoints")[0].name == "step-00000002"
     assert run_cli("pretrain", *argv, "--run_name", "again", "--resume", "1") == 0
 
     def losses(name):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, launcher_env, read_jsonl
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 
 STEPS = 12
 EFFECTIVE = 4 * 2 * 2  # BATCH_SIZE x GRADIENT_ACCUM x 2 processes
@@ -137,7 +137,7 @@ def resumed(stopped):
     for name in ("zero2", "zero3"):
         copy = runs / f"{name}-resumed"
         shutil.copytree(runs / name, copy, symlinks=True)
-        for path in checkpoint.list_checkpoints(copy / "checkpoints")[:-1]:
+        for path in on_disk.list_checkpoints(copy / "checkpoints")[:-1]:
             shutil.rmtree(path)  # keep step 3 only
         for leftover in ("summary.json", "final"):
             shutil.rmtree(copy / leftover) if (copy / leftover).is_dir() else (copy / leftover).unlink()
@@ -178,7 +178,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_and_resumes(stopped, r
     s = termed["summary"]  # both ranks stopped at the same step, saved, wrote the summary
     assert s["exit_reason"] == "interrupted" and s["stop_signal"] == "SIGTERM"
     stopped_at = s["steps"]
-    assert at["termed"] <= stopped_at < STEPS and s["checkpoint"] == checkpoint.checkpoint_name(stopped_at)
+    assert at["termed"] <= stopped_at < STEPS and s["checkpoint"] == on_disk.checkpoint_name(stopped_at)
     meta = json.loads((runs / "termed" / "checkpoints" / s["checkpoint"] / "meta.json").read_text())
     assert meta["data"]["world_size"] == 2 and meta["data"]["position"] == EFFECTIVE * stopped_at
     assert resumed["termed"]["rc"] == 0, resumed["termed"]["err"][-3000:]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import launch, read_jsonl, run_cli
-from train.run.compile import compile_guard
+from train.run.compile import wrapper
 
 PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(8)]
 METRICS = ("loss", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -79,7 +79,7 @@ def test_a_compiled_run_trains_one_graph_without_syncs_or_recompiles(base_model,
     generator, minutes on these cores): the wrapped model's own forward and head give the losses of
     the eager chunked path; summary.json's host_syncs_per_step is 0. PACKING empty (each micro-batch
     one flat row, dynamic from its second length) and PACKING=0 (padded to the length buckets)."""
-    monkeypatch.setattr(compile_guard, "BACKEND", "eager")
+    monkeypatch.setattr(wrapper, "BACKEND", "eager")
     argv = ["dpo", "--model_path", str(base_model), "--data_path", str(root / "pairs.jsonl"), "--output_dir",
             str(root / "runs"), "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "2",
             "--gradient_accumulation_steps", "2", "--max_steps", "4", "--log_every", "100", "--num_workers", "0",

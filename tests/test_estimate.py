@@ -8,7 +8,7 @@ import config
 from conftest import launch, run_cli
 from train.config.flags import parse_training_args
 from train.core.model import padded_vocab
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.models.build import build_config, build_model
 from train.models.estimate import count_params, estimate_memory

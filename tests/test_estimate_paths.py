@@ -14,7 +14,7 @@ import config
 from train.core.attention import VARLEN_SDPA, use_attention
 from train.core.measure.live_bytes import allocated_peak, held_by
 from train.core.model import count_params
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.seq2seq import span_lengths
 from train.core.step import train_step
 from train.core.units import IGNORE_INDEX

@@ -139,7 +139,7 @@ def test_train_log_gets_library_warnings(tmp_path):
     import logging
     import warnings
 
-    from train.run.rundir.rundir import RunDir
+    from train.run.rundir.folder import RunDir
     from train.run.rundir.runlog import Console, capture_warnings
 
     console = Console()
@@ -167,7 +167,7 @@ def test_a_resumed_keep_best_run_remembers_the_best_before_it(tiny_flags, tmp_pa
     import shutil
 
     from conftest import run_cli
-    from train.run.checkpoint.checkpoint import list_checkpoints
+    from train.run.checkpoint.on_disk import list_checkpoints
 
     argv = [*tiny_flags, "--batch_size", "4", "--eval_every", "1", "--eval_batches", "1", "--keep_best", "1",
             "--save_every", "1", "--keep_checkpoints", "3", "--run_name", "r"]  # fmt: skip

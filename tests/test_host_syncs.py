@@ -16,7 +16,7 @@ from tiny_tools import one_thread
 from config import OptimConfig
 from conftest import run_cli
 from train.core.measure.syncs import HostSyncs
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.models.family import CAUSAL_LM
 

@@ -22,7 +22,7 @@ from train.config import knob_docs, knobs
 from train.config.flags import AUTO_FIELDS, parse_training_args, parse_value, training_parser
 from train.core.checks import knob
 from train.core.errors import UsageError
-from train.run.checkpoint.checkpointer import COMPARED
+from train.run.checkpoint.manager import COMPARED
 
 FIELDS = {f.name: f for klass in config.SECTIONS.values() for f in dataclasses.fields(klass)}
 LAUNCHERS = knob_docs.launchers()

@@ -16,7 +16,7 @@ from test_resume import copy_run
 from tiny_tools import one_thread
 
 from conftest import read_jsonl, run_cli
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.models import FAMILIES
 from train.models.build import build_model
@@ -165,13 +165,13 @@ def _ddp_worker(rank, world_size, port, family):
 
     from config import DataConfig
     from train.data.loader import make_loader
-    from train.distributed import distributed, parallel
+    from train.distributed import parallel, process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        world = distributed.Dist(rank=rank, local_rank=rank, world_size=world_size)
+        world = process_group.Dist(rank=rank, local_rank=rank, world_size=world_size)
         gen = torch.Generator().manual_seed(0)
         rows = [{"input_ids": row} for row in torch.randint(0, 512, (16, 32), generator=gen)]
         loader, _ = make_loader(rows, DataConfig(), 2, 5, CPU, rank=world.rank, world_size=world.world_size)
@@ -188,7 +188,7 @@ def _ddp_worker(rank, world_size, port, family):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    distributed.exit_process(0, group_used=True)
+    process_group.exit_process(0, group_used=True)
 
 
 @pytest.mark.parametrize("family", BLOCKS)

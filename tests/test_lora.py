@@ -23,7 +23,7 @@ from conftest import ROOT, launch, read_jsonl, run_cli, train_python
 from train.core.step import forward_loss
 from train.core.units import IGNORE_INDEX
 from train.models import FAMILIES, lora
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(48)]
 STEPS = 8

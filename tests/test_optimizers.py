@@ -13,7 +13,7 @@ from tiny_tools import one_thread
 
 import config
 from conftest import read_jsonl, run_cli, tiny_model
-from train.core.optim.optimizers import build_optimizer, build_schedule
+from train.core.optim.registry import build_optimizer, build_schedule
 from train.core.optim.schedules import lr_at
 from train.core.step import train_step
 from train.models.build import build_config, build_model
@@ -26,7 +26,7 @@ from train.models.estimate import (
 )
 from train.models.family import CAUSAL_LM, ENCODER_DECODER
 from train.models.freeze import apply_freeze, trainable_of
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 
 CPU = torch.device("cpu")
 
@@ -210,7 +210,7 @@ def test_adafactor_onecycle_freeze_resume_gives_the_uninterrupted_losses(tiny_fl
     assert ref[0]["lr"] == pytest.approx(2e-2 / 25) and ref[1]["lr"] == pytest.approx(2e-2)  # onecycle's rise
     # a run stopped after step 2: its checkpoint at 2, then RESUME=1
     shutil.copytree(runs / "ref", runs / "cut", symlinks=True)
-    for path in checkpoint.list_checkpoints(runs / "cut" / "checkpoints"):
+    for path in on_disk.list_checkpoints(runs / "cut" / "checkpoints"):
         if int(path.name.split("-")[1]) > 2:
             shutil.rmtree(path)
     capsys.readouterr()

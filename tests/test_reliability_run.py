@@ -215,12 +215,12 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
     """ENOSPC from the kernel, not a limit: the run folder on a tmpfs that holds one checkpoint
     and not two. The free-space check before the save is set to pass, so the disk fills inside
     the write itself, as when another process fills it during the save."""
-    from train.run.checkpoint import checkpoint
+    from train.run.checkpoint import on_disk
 
     runs, flags = done
     size = sum(p.stat().st_size for p in (runs / "done" / "checkpoints" / "step-00000002").iterdir())
     disk = tiny_disk((int(size * 1.5) + (256 << 10)) // 4096 * 4096)
-    monkeypatch.setattr(checkpoint.CheckpointManager, "free_bytes", lambda self: 1 << 40)
+    monkeypatch.setattr(on_disk.CheckpointFolder, "free_bytes", lambda self: 1 << 40)
     argv = [*flags, "--output_dir", str(disk), "--run_name", "full", "--max_steps", "6"]
     assert run_cli("pretrain", *argv) == 2
     err = capsys.readouterr().err
@@ -232,7 +232,7 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
         f"in {folder} (No space left on device); the previous checkpoint step-00000002 is intact; free space or "
         "lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME=full continues the run"
     )
-    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
+    assert [p.name for p in on_disk.list_checkpoints(folder)] == ["step-00000002"]
     meta = json.loads((folder / "step-00000002" / "meta.json").read_text())
     for name, record in meta["files"].items():  # the earlier checkpoint as it was saved
         assert hashlib.sha256((folder / "step-00000002" / name).read_bytes()).hexdigest() == record["sha256"]

@@ -22,7 +22,7 @@ from tiny_tools import one_thread
 from conftest import ROOT, read_jsonl, run_cli, train_python
 from train.data.stream import BatchStream
 from train.data.text import EpochSampler
-from train.run.checkpoint import checkpoint
+from train.run.checkpoint import on_disk
 from train.run.guard import signals as signals_module
 
 STEPS = 40
@@ -55,7 +55,7 @@ def reference(base):
 def copy_run(runs, name, keep_up_to=None):
     """A copy of the reference run; keep_up_to drops later checkpoints (a run stopped there)."""
     shutil.copytree(runs / "ref", runs / name, symlinks=True)
-    for path in checkpoint.list_checkpoints(runs / name / "checkpoints"):
+    for path in on_disk.list_checkpoints(runs / name / "checkpoints"):
         if keep_up_to is not None and int(path.name.split("-")[1]) > keep_up_to:
             shutil.rmtree(path)
     return runs / name
@@ -139,7 +139,7 @@ def test_sigterm_saves_at_the_step_and_resume_matches(base, reference, stopped):
     summary = summary_of(run)
     assert summary["exit_reason"] == "interrupted" and summary["stop_signal"] == "SIGTERM"
     at = summary["steps"]
-    assert at >= termed["at"] and summary["checkpoint"] == checkpoint.checkpoint_name(at)
+    assert at >= termed["at"] and summary["checkpoint"] == on_disk.checkpoint_name(at)
 
     assert run_cli("pretrain", *flags, *RUN, "--run_name", "termed", "--resume", "1") == 0
     assert summary_of(run)["resumed_from_step"] == at  # nothing trained was lost
@@ -160,7 +160,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(base, reference,
     assert "step-00000040 cannot be used" in (run / "train.log").read_text()
     assert summary_of(run)["resumed_from_step"] == 39
     assert_same_run(read_jsonl(run / "metrics.jsonl"), reference, 39)
-    kept = [p.name for p in checkpoint.list_checkpoints(run / "checkpoints")]
+    kept = [p.name for p in on_disk.list_checkpoints(run / "checkpoints")]
     assert kept == ["step-00000040", "step-00000039"]  # KEEP_CHECKPOINTS=2 pruned the rest
     assert (run / "checkpoints" / "step-00000040.invalid").is_dir()  # the bad one, set aside
 
@@ -182,7 +182,7 @@ def test_planted_pickle_is_not_executed_on_resume(base, reference, tmp_path, cap
     folder = run / "checkpoints" / "step-00000040"
     torch.save({"optimizer": Payload(marker), "scaler": {}, "rng": {}}, folder / "state.pt")
     meta = json.loads((folder / "meta.json").read_text())  # the checksum matches: only the loader guards
-    meta["files"]["state.pt"] = {"bytes": (folder / "state.pt").stat().st_size, "sha256": checkpoint.sha256_of(folder / "state.pt")}
+    meta["files"]["state.pt"] = {"bytes": (folder / "state.pt").stat().st_size, "sha256": on_disk.sha256_of(folder / "state.pt")}
     (folder / "meta.json").write_text(json.dumps(meta))
     torch.save(Payload(marker), folder / "evil.pkl")  # extra files are never read
     capsys.readouterr()
@@ -206,7 +206,7 @@ def test_changed_batch_size_keeps_sample_position_and_schedule(base, reference):
     lr_at_samples = {r["samples"] - 4: r["lr"] for r in reference if "lr" in r}  # lr by samples seen before the step
     for row in rows[12:]:
         assert row["lr"] == pytest.approx(lr_at_samples[row["samples"] - 8], rel=1e-12, abs=0)
-    final = json.loads((run / "checkpoints" / checkpoint.checkpoint_name(summary["steps"]) / "meta.json").read_text())
+    final = json.loads((run / "checkpoints" / on_disk.checkpoint_name(summary["steps"]) / "meta.json").read_text())
     assert final["data"]["position"] == STEPS * 4 and final["data"]["epoch"] == 0
     log = (run / "train.log").read_text()
     assert "changed since the checkpoint: BATCH_SIZE 4 -> 8" in log and "effective batch 4 -> 8" in log
@@ -263,7 +263,7 @@ def test_non_finite_loss_stops_with_a_checkpoint_from_before(precision, lr, tiny
     first_bad = next(r["step"] for r in rows if r["loss"] is None)
     assert summary["exit_reason"] == "non_finite_loss" and summary["non_finite_steps"] == 3
     assert summary["steps"] == first_bad + 2 and not (run / "final").exists()
-    saved = checkpoint.list_checkpoints(run / "checkpoints")
+    saved = on_disk.list_checkpoints(run / "checkpoints")
     assert all(int(p.name.split("-")[1]) < first_bad for p in saved)
     if precision == "fp16":  # each skipped step halved the GradScaler's scale (from 65536)
         assert summary["skipped_steps"] >= 1
@@ -282,10 +282,10 @@ def test_disk_full_keeps_the_previous_checkpoint(failure, tiny_flags, tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if failure == "enospc":
-        monkeypatch.setattr(checkpoint.torch, "save", full_disk_save)
+        monkeypatch.setattr(on_disk.torch, "save", full_disk_save)
     else:
         frees = iter([10**12])
-        monkeypatch.setattr(checkpoint.CheckpointManager, "free_bytes", lambda self: next(frees, 4096))
+        monkeypatch.setattr(on_disk.CheckpointFolder, "free_bytes", lambda self: next(frees, 4096))
     argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "6", "--save_every", "2", "--run_name", "full"]
     assert run_cli("pretrain", *argv) == 2
     err = capsys.readouterr().err
@@ -297,7 +297,7 @@ def test_disk_full_keeps_the_previous_checkpoint(failure, tiny_flags, tmp_path, 
         assert "disk full: checkpoint step-00000004 needs about" in errors[0] and "MiB" in errors[0]
     assert "step-00000002 is intact" in errors[0] and "RESUME=1 RUN_NAME=full continues the run" in errors[0]
     folder = tmp_path / "runs" / "full" / "checkpoints"
-    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002"]
+    assert [p.name for p in on_disk.list_checkpoints(folder)] == ["step-00000002"]
     assert not list(folder.glob(".tmp-*"))
 
 
@@ -320,7 +320,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_flags, tmp_path):
     presser.join()
     summary = summary_of(run)
     assert summary["exit_reason"] == "interrupted" and summary["stop_signal"] == "SIGINT"
-    assert 3 <= summary["steps"] < 1000 and summary["checkpoint"] == checkpoint.checkpoint_name(summary["steps"])
+    assert 3 <= summary["steps"] < 1000 and summary["checkpoint"] == on_disk.checkpoint_name(summary["steps"])
     assert len(read_jsonl(run / "metrics.jsonl")) == summary["steps"]  # the step in progress finished and logged
     assert (run / "final" / "model.safetensors").exists()
 

@@ -19,9 +19,9 @@ import transformers
 from tiny_tools import one_thread
 
 from conftest import ROOT, forking, read_jsonl, run_cli, train_python
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 from train.run.rundir import claim as claims_module
-from train.run.rundir import rundir
+from train.run.rundir import folder
 
 FAST = ["--batch_size", "4", "--seed", "3"]
 
@@ -114,7 +114,7 @@ def test_disk_full_writing_final_then_resume_finishes_the_run(tiny_flags, tmp_pa
     assert run_cli("pretrain", *argv, "--resume", "1") == 0
     out = capsys.readouterr().out
     assert "is trained to the end but its summary.json records no finished run" in out
-    assert json.loads((run / "final" / rundir.COMPLETE).read_text()) == {"step": 4}
+    assert json.loads((run / "final" / folder.COMPLETE).read_text()) == {"step": 4}
     assert (run / "final" / "model.safetensors").stat().st_size > 100_000
     second = summary(run)
     assert "final_error" not in second
@@ -157,7 +157,7 @@ def test_a_full_disk_keeps_the_previous_final_and_resume_replaces_it(tiny_flags,
 
     assert run_cli("pretrain", *argv, "--max_steps", "4", "--resume", "1") == 0
     assert "is trained to the end but" in capsys.readouterr().out
-    assert json.loads((run / "final" / rundir.COMPLETE).read_text()) == {"step": 4}
+    assert json.loads((run / "final" / folder.COMPLETE).read_text()) == {"step": 4}
     assert summary(run)["steps"] == 4 and "final_error" not in summary(run)
 
 
@@ -166,7 +166,7 @@ def test_resume_rewrites_a_final_without_its_marker(tiny_flags, tmp_path, capsys
     argv = [*tiny_flags, *FAST, "--max_steps", "2", "--run_name", "cut"]
     assert run_cli("pretrain", *argv) == 0
     run = tmp_path / "runs" / "cut"
-    (run / "final" / rundir.COMPLETE).unlink()
+    (run / "final" / folder.COMPLETE).unlink()
     (run / "final" / "model.safetensors").write_bytes(b"\0" * 10)
     assert run_cli("pretrain", *argv, "--resume", "1") == 0
     assert "its final/ is missing or incomplete" in capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_disk_full_writing_best_keeps_the_previous_best(tiny_flags, tmp_path, mo
     run = tmp_path / "runs" / "best"
     assert line.startswith(f"error: disk full: writing {run / 'best'} failed")
     assert "is intact and so is the previous best/" in line and "RESUME=1 RUN_NAME=best continues the run" in line
-    assert json.loads((run / "best" / rundir.COMPLETE).read_text()) == {"step": 2}
+    assert json.loads((run / "best" / folder.COMPLETE).read_text()) == {"step": 2}
     assert not list(run.glob(".best.*"))
 
 
@@ -221,7 +221,7 @@ def test_two_real_runs_in_one_second_both_finish(tiny_flags, tmp_path, monkeypat
     runs = tmp_path / "runs"
     launcher = summary(runs / "latest")["run_name"].rsplit("-", 1)[0]
     for name in (launcher, f"{launcher}-2"):
-        assert (runs / name / "final" / rundir.COMPLETE).exists()
+        assert (runs / name / "final" / folder.COMPLETE).exists()
 
 
 def test_bad_input_after_the_claim_leaves_nothing(tiny_flags, tmp_path, capsys):
@@ -285,7 +285,7 @@ def test_a_folder_in_use_is_refused_and_freed_when_its_run_dies(tiny_flags, tmp_
     newest = int(list_checkpoints(run / "checkpoints")[0].name.split("-")[1])
     resumed = ["--max_steps", str(newest + 2), "--save_every", "5", "--run_name", "busy", "--resume", "1"]
     assert run_cli("pretrain", *tiny_flags, *FAST, *resumed) == 0
-    assert summary(run)["steps"] == newest + 2 and (run / "final" / rundir.COMPLETE).exists()
+    assert summary(run)["steps"] == newest + 2 and (run / "final" / folder.COMPLETE).exists()
 
 
 def test_holder_pid_reads_proc_locks(tmp_path):
@@ -313,10 +313,10 @@ def test_two_processes_claim_once_save_best_and_resume_writes_a_missing_final(co
     assert first.returncode == 0, first.stderr[-3000:]
     run = runs / "two"
     assert sorted(p.name for p in runs.iterdir()) == ["latest", "two"]
-    assert json.loads((run / "final" / rundir.COMPLETE).read_text()) == {"step": 2}
-    assert (run / "best" / rundir.COMPLETE).exists()
+    assert json.loads((run / "final" / folder.COMPLETE).read_text()) == {"step": 2}
+    assert (run / "best" / folder.COMPLETE).exists()
     shutil.rmtree(run / "final")
     again = launch("run_single_gpu.sh", {**env, "RESUME": "1"})
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("is trained to the end but its final/ is missing or incomplete") == 1
-    assert json.loads((run / "final" / rundir.COMPLETE).read_text()) == {"step": 2}
+    assert json.loads((run / "final" / folder.COMPLETE).read_text()) == {"step": 2}

@@ -19,7 +19,7 @@ from train.data.chat.batching import (
     LengthGroupedSampler,
     TokenBudgetBatchSampler,
 )
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 
 EPOCH = 1  # not 0: the epoch must reach the order
 

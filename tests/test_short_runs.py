@@ -16,8 +16,8 @@ import time
 
 from config import resolve
 from conftest import ROOT, read_jsonl, run_cli
-from train.distributed.distributed import SINGLE
-from train.run.plan.plan import Decisions, sized_validation
+from train.distributed.process_group import SINGLE
+from train.run.plan.make import Decisions, sized_validation
 
 
 def help_of(capsys, *argv) -> str:

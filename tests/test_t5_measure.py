@@ -8,7 +8,7 @@ import torch
 from test_distributed import flat, spawn
 
 from config import OptimConfig
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.core.units import IGNORE_INDEX
 from train.models.build import build_config, build_model
@@ -131,13 +131,13 @@ def _t5_worker(rank, world_size, port):
 
     import torch.distributed as dist
 
-    from train.distributed import distributed, parallel
+    from train.distributed import parallel, process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        world = distributed.Dist(rank=rank, local_rank=rank, world_size=world_size)
+        world = process_group.Dist(rank=rank, local_rank=rank, world_size=world_size)
         cpu = torch.device("cpu")
         whole = seq2seq_batch(8, 24, 8, seed=5, pad=4)
         # the same padding on both ranks: DDP averages the ranks' gradients, so each rank's
@@ -161,7 +161,7 @@ def _t5_worker(rank, world_size, port):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    distributed.exit_process(0, group_used=True)
+    process_group.exit_process(0, group_used=True)
 
 
 def _sgd(model, batches, accum, sync):

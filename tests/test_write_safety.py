@@ -16,7 +16,7 @@ import pytest
 from tiny_tools import one_thread
 
 from conftest import read_jsonl, run_cli
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 
 FAST = ["--batch_size", "4", "--seed", "3", "--log_every", "1", "--save_every", "2"]
 

@@ -58,8 +58,8 @@ def run() -> int:
 
 if __name__ == "__main__":
     code = run()
-    # After a process group: exit without the interpreter's teardown (train/distributed/distributed.py).
-    distributed = sys.modules.get("train.distributed.distributed")
+    # After a process group: exit without the interpreter's teardown (train/distributed/process_group.py).
+    distributed = sys.modules.get("train.distributed.process_group")
     if distributed is not None:
         distributed.exit_process(code)
     sys.exit(code)

@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 # RESUME=1: what this command does not set again is the run's own (train/run/guard/carry.py)
                 cfg = carry(cfg, command, rest, print if world.is_main else lambda line: None)
-        from train.distributed import distributed
+        from train.distributed import process_group
         from train.run.pipeline import train
         from train.run.plan.fill import batch_set_by_user
 
         ahead = partial(_ahead_of_the_run, fill=not batch_set_by_user(command, rest, cfg, os.environ))
-        return distributed.launch(partial(train, before=ahead), cfg, world)
+        return process_group.launch(partial(train, before=ahead), cfg, world)
     if command == "compare":
         from train.observe.compare import compare_main
 

@@ -183,7 +183,7 @@ def train_step(
     are fetched first, so their target tokens are counted (on the host) before any forward.
     Returns (step loss, grad norm) as device tensors, so nothing here waits for the device,
     and the seconds spent waiting for batches. gradient_sync(last) (from
-    train.distributed.distributed) keeps gradients local on all but the last micro-step;
+    train.distributed.process_group) keeps gradients local on all but the last micro-step;
     step_total(targets) -> (targets over all ranks, ranks) makes the loss the token mean over
     every rank (SFT's ranks hold different numbers of target tokens). accuracy (a log step's):
     a fourth, the step's mean_token_accuracy on this rank's share, a device tensor read with the

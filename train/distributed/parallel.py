@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from train.core.errors import UsageError
-from train.distributed.distributed import Dist, _active, needs_group
+from train.distributed.process_group import Dist, _active, needs_group
 
 
 def describe(world: Dist, sharding: str, offload: bool) -> str | None:

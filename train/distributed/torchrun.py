@@ -69,7 +69,7 @@ class _DropUsageExits(logging.Filter):
 
 
 if __name__ == "__main__":
-    from train.distributed.distributed import exit_process
+    from train.distributed.process_group import exit_process
 
     # torchrun's agent leaves its rendezvous store's C++ threads running: ending the interpreter
     # under them can abort with SIGABRT ("terminate called without an active exception") after a

@@ -1,6 +1,6 @@
 """Where this process stands among the processes (torchrun's RANK, LOCAL_RANK, WORLD_SIZE), read
 once; imports no torch, so bad flags are answered before torch loads (train/cli.py). The process
-group and its collectives are train/distributed/distributed.py's."""
+group and its collectives are train/distributed/process_group.py's."""
 
 from __future__ import annotations
 

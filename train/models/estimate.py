@@ -26,7 +26,7 @@ from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.objective import mode_of
-from train.core.optim.optimizers import OPTIMIZERS
+from train.core.optim.registry import OPTIMIZERS
 from train.models import estimate_seq2seq, estimate_terms, lora
 from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
 from train.models.estimate_terms import PackedGrid
@@ -65,7 +65,7 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
 def optimizer_bytes(optimizer: str, trainable_params: int, factored_state: int | None = None) -> tuple[int, int]:
     """(state, the step's own temporaries) in bytes. factored_state: Adafactor's state elements
     (Trainable.factored); without it, one per parameter (an upper bound). Each optimizer's own
-    count is its OPTIMIZERS entry's (train/core/optim/optimizers.py)."""
+    count is its OPTIMIZERS entry's (train/core/optim/registry.py)."""
     return OPTIMIZERS[optimizer].state_bytes(trainable_params, factored_state)
 
 

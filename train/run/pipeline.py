@@ -15,24 +15,24 @@ from __future__ import annotations
 from functools import partial
 
 from config import TrainConfig
-from train.core.optim.optimizers import build_optimizer
-from train.distributed import distributed
+from train.core.optim.registry import build_optimizer
+from train.distributed import process_group
 from train.observe.curves import plot_curves
 from train.observe.tensorboard_log import NoLog, reporter
 from train.run.guard.resume import RunGuard
-from train.run.loop.loop import run_loop
+from train.run.loop.trainer import run_loop
 from train.run.plan import batch_answer
 from train.run.plan.build import build
 from train.run.plan.fill import Fill
-from train.run.plan.plan import Chosen
+from train.run.plan.make import Chosen
 from train.run.rundir import report
 from train.run.rundir.claim import claim_run_dir
+from train.run.rundir.folder import NullRunDir, RunDir
 from train.run.rundir.outputs import earlier_summary, finish
-from train.run.rundir.rundir import NullRunDir, RunDir
 from train.run.rundir.runlog import Console, Quiet, capture_warnings
 
 
-def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before=None) -> int:
+def train(cfg: TrainConfig, world: process_group.Dist = process_group.SINGLE, before=None) -> int:
     """One run. With several processes (torchrun) every rank trains; only rank 0 prints and writes."""
     say = Console() if world.is_main else Quiet()
     if not world.is_main:  # N copies of transformers' loading bars and notes help no one
@@ -45,16 +45,16 @@ def train(cfg: TrainConfig, world: distributed.Dist = distributed.SINGLE, before
         return ahead if isinstance(ahead, int) else _train(cfg, say, world, ahead)
 
 
-def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | Fill | None = None) -> int:
+def _train(cfg: TrainConfig, say, world: process_group.Dist, chosen: Chosen | Fill | None = None) -> int:
     r = cfg.run
     claims = []
 
     def claim():
-        """Rank 0 claims and locks the run folder for the run's life (train/run/rundir/rundir.py)."""
+        """Rank 0 claims and locks the run folder for the run's life (train/run/rundir/folder.py)."""
         claims.append(claim_run_dir(r.output_dir, r.run_name, r.launcher, r.overwrite, r.resume))
         return claims[0].path
 
-    run_path = distributed.on_main(world, claim)
+    run_path = process_group.on_main(world, claim)
     try:
         return _run(cfg, say, world, run_path, chosen)
     finally:
@@ -62,9 +62,9 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | Fill
             claims[0].release()
 
 
-def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | Fill | None) -> int:
+def _run(cfg: TrainConfig, say, world: process_group.Dist, run_path, chosen: Chosen | Fill | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
-    plan = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
+    plan = process_group.main_first(world, lambda: build(cfg, say, world, chosen))
     asked, cfg = cfg, plan.cfg  # as decided (the asked config is left as it was: config.json keeps both)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     def param_groups():

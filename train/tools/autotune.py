@@ -35,7 +35,7 @@ from train.core import files
 from train.core.device import device_name, resolve_device, resolve_precision, supports, synchronize
 from train.core.errors import UsageError
 from train.core.units import cpu_cores
-from train.run.compile.compile_plan import compile_default
+from train.run.compile.choose import compile_default
 from train.run.loop.oom import free_memory, is_oom
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.tools.find_batch import divisors, mode_of, unit_of, wants_help
@@ -94,7 +94,7 @@ def trial_config(cfg, cand: Candidate):
 
 def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     """Time `steps` optimizer steps of the real loop with this candidate, after one warm-up step."""
-    from train.core.optim.optimizers import build_optimizer
+    from train.core.optim.registry import build_optimizer
     from train.core.step import train_step
     from train.data.stream import BatchStream
     from train.distributed.parallel import build_scaler
@@ -190,7 +190,7 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
     o = cfg.optim
     if effective % o.batch_size == 0:  # the user's own settings, when they keep the effective batch
         precision, _ = resolve_precision(cfg.system.precision, device)
-        compiled = cfg.model.compile  # empty: the run's own default (train/run/compile/compile_plan.py)
+        compiled = cfg.model.compile  # empty: the run's own default (train/run/compile/choose.py)
         if compiled is None:
             compiled = compile_default(device, cfg.system.sharding)[0]
         mine = Candidate(o.batch_size, effective // o.batch_size, min(cfg.data.num_workers, cores), precision,

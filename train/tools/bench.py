@@ -1,6 +1,6 @@
 """`python -m train bench`: throughput of the real training loop, optionally against a plain loop.
 
-The kit side is train.run.loop.loop.run_loop itself (the code the launchers run: same optimizer, step,
+The kit side is train.run.loop.trainer.run_loop itself (the code the launchers run: same optimizer, step,
 DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in
 the figure (nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
 pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
@@ -27,7 +27,7 @@ from train.core import files
 from train.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 DEFAULT_ROUNDS = 5
 DEFAULT_STEPS = {"cpu": 10, "other": 50}  # optimizer steps per round when MAX_STEPS is unset
@@ -132,11 +132,11 @@ def plain_round(model, batches: list, accum: int, lr: float, device, precision: 
 
 
 def kit_round(plan: Plan, say) -> dict:
-    """One run of train.run.loop.loop.run_loop (what `python -m train pretrain` runs) into a temporary
+    """One run of train.run.loop.trainer.run_loop (what `python -m train pretrain` runs) into a temporary
     run folder; its own steady-state figures (warm-up excluded) are the kit's."""
     from train.run.guard.resume import RunGuard
-    from train.run.loop.loop import run_loop
-    from train.run.rundir.rundir import RunDir
+    from train.run.loop.trainer import run_loop
+    from train.run.rundir.folder import RunDir
 
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         run_dir = RunDir(Path(tmp) / "round", overwrite=False)

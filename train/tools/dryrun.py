@@ -20,7 +20,7 @@ from train.run.plan.adapt import over_memory, row_shape
 from train.run.rundir.report import config_lines
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
 

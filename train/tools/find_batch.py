@@ -37,15 +37,15 @@ from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
 from train.core.objective import mode_of as mode_row
 from train.core.units import MIB
-from train.distributed.distributed import SINGLE, Dist
+from train.distributed.process_group import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401 (RESULT_FILE, read_saved: the tests' names)
 from train.run.plan.fill import estimated_fit
-from train.run.plan.plan import Chosen
+from train.run.plan.make import Chosen
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -173,7 +173,7 @@ def _predict(trials: list[Trial], size: int) -> float | None:
 def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
-    from train.core.optim.optimizers import build_optimizer
+    from train.core.optim.registry import build_optimizer
     from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
 

@@ -9,7 +9,7 @@ Kept apart from transformers' class for the kit's contracts: the step count is a
 the step size a device tensor, so a step reads nothing back from the GPU (transformers' takes
 max(eps, RMS) on the host, a sync per parameter); the factored second moment is kept as a row
 (..., R, 1) and a column (..., 1, C), shapes the resume check reads as factors of the parameter
-(train/run/checkpoint/checkpoint_checks.py), and the state is tensors only, which a checkpoint
+(train/run/checkpoint/verify.py), and the state is tensors only, which a checkpoint
 loads with weights_only=True."""
 
 from __future__ import annotations

@@ -100,9 +100,9 @@ def device_inputs(batch: dict, device: torch.device) -> dict:
 def _model_inputs(inputs: dict) -> dict:
     """What the causal model's forward is given: inputs less the labels, with forward_loss's 2D
     mask of ones where a batch (a packed flat row) has none (attention.add_mask_of_ones)."""
-    feed = {k: v for k, v in inputs.items() if k != "labels"}
-    add_mask_of_ones(feed)
-    return feed
+    oom_guard = {k: v for k, v in inputs.items() if k != "labels"}
+    add_mask_of_ones(oom_guard)
+    return oom_guard
 
 
 class _ChunkedLogps(torch.autograd.Function):

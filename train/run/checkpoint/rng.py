@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from train.distributed import distributed
+from train.distributed import process_group
 
 
 def rng_state() -> dict:
@@ -61,7 +61,7 @@ class RngStates:
 
     def state_dict(self) -> dict:
         """Every rank's states (a collective: every rank calls it at the same step)."""
-        return rng_states(distributed.gather(rng_state()))
+        return rng_states(process_group.gather(rng_state()))
 
     def load_state_dict(self, state: dict) -> None:
         """Each rank its own states; with another number of processes, rank 0's for all."""

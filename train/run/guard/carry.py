@@ -25,7 +25,7 @@ import config
 from train.config.flags import training_parser
 from train.core import files
 from train.core.errors import UsageError
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 from train.run.rundir.claim import plan_run_dir
 from train.run.rundir.report import asked_seal, flat_asked
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train.distributed import distributed
-from train.run.checkpoint.checkpoint import DiskFull, checkpoint_name, list_checkpoints
-from train.run.checkpoint.checkpointer import Checkpointer
+from train.distributed import process_group
+from train.run.checkpoint.manager import CheckpointManager
+from train.run.checkpoint.on_disk import DiskFull, checkpoint_name, list_checkpoints
 from train.run.checkpoint.rng import RngStates
 from train.run.guard import resume_state
 from train.run.guard.health import Health, weights_finite
@@ -28,7 +28,7 @@ from train.run.guard.signals import StopSignals
 from train.run.rundir.outputs import check_saveable
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 
 class RunGuard:
@@ -41,7 +41,7 @@ class RunGuard:
         self.plan, self.cfg, self.say, self.run_path = plan, plan.cfg, say, Path(run_path)
         check_saveable(plan)  # what final/ needs, before a step is trained and the run folder touched
         self.effective = self.cfg.effective_batch_size(plan.world.world_size)
-        self.checkpoints = Checkpointer(plan, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
+        self.checkpoints = CheckpointManager(plan, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding
         self.signals = StopSignals(announce=plan.world.is_main)
         self.stop_signal: int | None = None
@@ -70,16 +70,16 @@ class RunGuard:
 
     # ---- the loop's calls -----------------------------------------------------------------
 
-    def start(self, model, optimizer, scaler, feed) -> None:
+    def start(self, model, optimizer, scaler, oom_guard) -> None:
         """Hand the checkpoint manager the objects a checkpoint holds, apply the loaded state to
-        them and open the feed's batch stream at the saved data position (RNG restored last).
-        feed: the OOM guard (train/run/loop/oom.py), which owns the stream and the current
+        them and open the oom_guard's batch stream at the saved data position (RNG restored last).
+        oom_guard: the OOM guard (train/run/loop/oom.py), which owns the stream and the current
         micro-batch that checkpoints record."""
-        self.scaler, self.feed = scaler, feed
+        self.scaler, self.oom_guard = scaler, oom_guard
         self.health = Health(scaler, self.counters)
         self.checkpoints.track(
             model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world), progress=self.progress,
-            feed=feed, schedule=self.schedule, health=self.health,
+            oom_guard=oom_guard, schedule=self.schedule, health=self.health,
         )  # fmt: skip
         position = {"epoch": self.state.epoch, "position": self.state.consumed}
         self.checkpoints.restore(self.loaded, position)
@@ -100,7 +100,7 @@ class RunGuard:
         # Every rank stops at the same step, or one waits forever in a collective: a signal seen
         # by any rank (torchrun forwards one to each, at different moments) and the longest
         # non-finite streak are shared, one small all-reduce per step on the host.
-        signum, streak = distributed.max_across(self.plan.world, [self.signals.received or 0, streak])
+        signum, streak = process_group.max_across(self.plan.world, [self.signals.received or 0, streak])
         if signum:
             self.stop_signal = signum
             return "interrupted"
@@ -124,7 +124,7 @@ class RunGuard:
         return reason
 
     def save(self, steps_done: int, counted=None) -> bool:
-        """A checkpoint of this step (train/run/checkpoint/checkpointer.py), with where the run is. False
+        """A checkpoint of this step (train/run/checkpoint/manager.py), with where the run is. False
         when it did not fit (a full disk, a file-size limit): the run then stops as a failed
         append stops it, with summary.json where the disk takes it and the resume command."""
         try:
@@ -133,16 +133,16 @@ class RunGuard:
         except DiskFull as err:
             self.write_error = str(err)
         # every rank stops at the same step, or one waits forever in a collective
-        return not distributed.max_across(self.plan.world, [int(self.write_error is not None)])[0]
+        return not process_group.max_across(self.plan.world, [int(self.write_error is not None)])[0]
 
     def seconds_saving_since(self, t0: float, t1: float = float("inf")) -> float:
         return self.checkpoints.seconds_saving_since(t0, t1)
 
     def close(self) -> None:
         self.signals.restore()
-        feed = getattr(self, "feed", None)
-        if feed is not None:
-            feed.close()
+        oom_guard = getattr(self, "oom_guard", None)
+        if oom_guard is not None:
+            oom_guard.close()
 
     def finish(self, steps_done: int, exit_reason: str, counted=None) -> str:
         """The checkpoint at the end (and after a stop signal), unless the run stopped on
@@ -153,7 +153,7 @@ class RunGuard:
         trained = self.health.trained
         if exit_reason in ("completed", "interrupted", "out_of_memory") and trained:
             finite = weights_finite(self.checkpoints.stateful["model"])
-            if not distributed.max_across(self.plan.world, [int(not finite)])[0]:
+            if not process_group.max_across(self.plan.world, [int(not finite)])[0]:
                 if self.checkpoints.last_saved != checkpoint_name(steps_done):
                     self.save(steps_done, counted)
             else:

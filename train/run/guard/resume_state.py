@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 from config import env_name
 from train.core import files
 from train.core.errors import UsageError
-from train.core.optim.optimizers import build_schedule
+from train.core.optim.registry import build_schedule
 from train.core.optim.schedules import Schedule
-from train.distributed import distributed
-from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
+from train.distributed import process_group
+from train.run.checkpoint.manager import COMPARED, CheckpointManager
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 BUDGET = ("max_steps", "epochs", "max_samples")
 
@@ -105,7 +105,7 @@ def trim_metrics(path: Path, step: int) -> int:
     return dropped
 
 
-def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: Checkpointer, param_groups, effective: int):
+def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: CheckpointManager, param_groups, effective: int):
     """RESUME=1: the newest valid checkpoint (its weights go into plan.model), checked against the
     settings, the data positioned, the remaining steps re-planned; only then is the run folder
     touched. Returns (ResumeState, the loaded checkpoint or None when the run is complete)."""
@@ -114,7 +114,7 @@ def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: Checkpointer, 
     if loaded is None:
         reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
         raise UsageError(f"RESUME=1: no usable checkpoint in {manager.folder} ({reasons})")
-    names = distributed.gather(loaded.path.name)
+    names = process_group.gather(loaded.path.name)
     if len(set(names)) > 1:  # a checkpoint folder not shared by every machine
         raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
     meta, saved = loaded.meta, loaded.meta["settings"]
@@ -132,7 +132,7 @@ def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: Checkpointer, 
     state = _replan(plan, state, remaining, saved, effective, say)
     # Everything checked: now the run folder may change (rank 0 alone, once every rank has
     # read its checkpoint).
-    distributed.agree(None)
+    process_group.agree(None)
     if plan.world.is_main:
         manager.set_aside(rejected)
         manager.clean_temporary()
@@ -201,9 +201,9 @@ def _finished(plan: Plan, run_path: Path, state: ResumeState, name: str, say) ->
     """Nothing left to train. Complete (True) only with its summary.json and a whole final/ of
     this step (a full disk may have stopped it writing them): then nothing of the run folder
     is touched. Else the session writes them. Rank 0 reads, every rank agrees."""
-    from train.run.rundir.rundir import unfinished
+    from train.run.rundir.folder import unfinished
 
-    missing = distributed.on_main(plan.world, lambda: unfinished(run_path, state.first_step))
+    missing = process_group.on_main(plan.world, lambda: unfinished(run_path, state.first_step))
     if missing is None:  # a finished run (a scheduler's requeue, a repeated command)
         say(
             f"{run_path} is complete: its checkpoint {name} is at {state.base_samples:,} of "

@@ -21,11 +21,11 @@ from torch.utils.data import Subset
 from train.core.objective import perplexity
 from train.data.holdout import VAL_ROWS
 from train.data.loader import make_val_loader
-from train.distributed import distributed, parallel
+from train.distributed import parallel, process_group
 from train.observe.curves import read_metrics
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 
 def evaluate(model, loader, max_batches: int, device: torch.device, precision: str, *, layout):
@@ -129,15 +129,15 @@ class Evaluator:
             improved = improved and weights_finite(self.plan.model)  # a finite loss can hide a NaN weight
             # Saving best/ is collective (a gather, then every rank learns whether rank 0's save
             # worked): ranks whose losses differ in the last bit must still agree it is due.
-            improved = bool(distributed.max_across(self.plan.world, [int(improved)])[0])
+            improved = bool(process_group.max_across(self.plan.world, [int(improved)])[0])
         if improved:
             self.best, self.best_step = loss, step
             if self.keep_best:
-                from train.run.rundir.rundir import save_model
+                from train.run.rundir.folder import save_model
 
                 state = parallel.full_state_dict(self.plan.model)  # sharded: a gather every rank joins
                 # One writer (the other ranks hold the same weights); a failed save stops every rank.
-                distributed.on_main(
+                process_group.on_main(
                     self.plan.world, lambda: save_model(self.plan, self.run_dir.path / "best", step, state)
                 )
                 line += " (best so far; saved to best/)"
@@ -166,9 +166,9 @@ def val_stop(plan: Plan, evaluator: Evaluator, guard, steps_done: int, say) -> s
         return None
     loss = evaluator.last
     bad = loss is not None and not math.isfinite(loss)
-    if not distributed.max_across(plan.world, [int(bad)])[0]:  # every rank stops at the same step
+    if not process_group.max_across(plan.world, [int(bad)])[0]:  # every rank stops at the same step
         return None
-    from train.run.checkpoint.checkpoint import list_checkpoints
+    from train.run.checkpoint.on_disk import list_checkpoints
 
     saved = list_checkpoints(guard.manager.folder)
     if saved:

@@ -24,11 +24,11 @@ from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_
 from train.core.objective import Objective
 from train.core.step import TokenObjective, compiled_run_eager
 from train.core.units import IGNORE_INDEX, MIB
-from train.distributed import distributed
+from train.distributed import process_group
 from train.observe import monitor as monitor_lib
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 NO_COUNTS = (0, 0, 0)
 
@@ -118,7 +118,7 @@ class Meter:
 
     def counted(self) -> tuple[int, int]:
         """(samples, tokens) trained so far, all ranks (a collective), for a checkpoint."""
-        return self.totals(distributed.sum_across(self.world, self.batches.counts()))
+        return self.totals(process_group.sum_across(self.world, self.batches.counts()))
 
     def start(self) -> None:
         self.gpu.start()
@@ -150,7 +150,7 @@ class Meter:
         self.timer.step_end()
         warmed = done - self.first == self.skip
         if counts_due or warmed or self.first_step_s is None:
-            self.seen = distributed.sum_across(self.world, self.batches.counts())
+            self.seen = process_group.sum_across(self.world, self.batches.counts())
         if warmed or self.first_step_s is None:
             synchronize(self.device)
             now = time.perf_counter()
@@ -200,7 +200,7 @@ class Meter:
         wait_s, compute_s = self.timer.take_interval()
         named = self.objective.named(accuracy_t)
         stacked = torch.stack([loss_t.float(), *(v.float() for v in named.values())])
-        means, wait_s = distributed.mean_across(self.world, stacked, wait_s)
+        means, wait_s = process_group.mean_across(self.world, stacked, wait_s)
         loss, *values, grad_norm = torch.cat([means, norm_t.float().reshape(1)]).tolist()
         self.loss, self.loss_step, self.last_metrics = loss, step, dict(zip(named, values, strict=True))
         now = time.perf_counter()
@@ -247,7 +247,7 @@ class Meter:
         One read, all ranks' mean as a log line's; every rank calls it (a collective)."""
         if loss_t is None or step == self.loss_step:
             return
-        mean, _ = distributed.mean_across(self.world, loss_t.detach().float().reshape(1), 0.0)
+        mean, _ = process_group.mean_across(self.world, loss_t.detach().float().reshape(1), 0.0)
         self.loss, self.loss_step = float(mean[0]), step
 
     def exclude(self, seconds: float) -> None:
@@ -265,7 +265,7 @@ class Meter:
         self.gpu_summary = self.gpu.stop()
         self.steady_split = self.timer.steady_totals()
         self.end = time.perf_counter()
-        self.seen = distributed.sum_across(self.world, self.batches.counts())
+        self.seen = process_group.sum_across(self.world, self.batches.counts())
 
     def figures(self, done: int) -> dict:
         """Throughput, step time and data wait of the steady state, on real tokens and rows

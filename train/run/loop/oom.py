@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 MAX_FAILURES = 3
 # HIP (ROCm) raises the same torch.OutOfMemoryError from the allocator, but a kernel or library
@@ -82,7 +82,7 @@ class OutOfMemoryStop(Exception):
 class OomGuard:
     """Owns the batch stream of a run and its current micro-batch, so that a failed step can be
     redone from its first sample with a smaller one. The plan keeps the micro-batch it chose.
-    Held as `feed` (Parts.feed, RunGuard.start, the checkpoint manager, whose data position it
+    Held as `oom_guard` (Parts.oom_guard, RunGuard.start, the checkpoint manager, whose data position it
     owns: state_dict / load_state_dict).
 
     batches() is the micro-batch iterator train_step reads; step(fn) runs one optimizer step and,

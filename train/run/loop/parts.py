@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train.core.optim.optimizers import build_optimizer
+from train.core.optim.registry import build_optimizer
 from train.core.step import train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
-from train.distributed.distributed import step_total
-from train.run.compile import compile_guard, cuda_graphs
+from train.distributed.process_group import step_total
+from train.run.compile import cuda_graphs, wrapper
 from train.run.guard.signals import QuietWorkers
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import Evaluator
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 
 def data_loader(plan: Plan, batch_size: int):
@@ -39,7 +39,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scaler: object
     gradient_sync: object  # (last micro-step) -> context: gradients stay local until the last
-    feed: oom_lib.OomGuard  # the batch stream and the current micro-batch (smaller after an OOM)
+    oom_guard: oom_lib.OomGuard  # the batch stream and the current micro-batch (smaller after an OOM)
     evaluator: Evaluator
     batches: object  # micro-batches: positioned, OOM-aware, compile-aware
     compiled: dict = field(default_factory=dict)
@@ -50,23 +50,23 @@ class Parts:
         return lr
 
     def train_one_step(self, batches, probed=None, accuracy: bool = False):
-        """One optimizer step over `batches` (the meter's counted micro-batches) at the feed's
-        micro-batch and accumulation now. On out of memory the feed halves the micro-batch,
+        """One optimizer step over `batches` (the meter's counted micro-batches) at the oom_guard's
+        micro-batch and accumulation now. On out of memory the oom_guard halves the micro-batch,
         doubles accumulation and redoes the step from its first sample (train/run/loop/oom.py);
         a failed attempt leaves no count (BatchCounter.attempt). probed: the same batches as
         the host-sync counter sees them (its host data), on the one step it counts. accuracy: a
         log step's, which also returns its mean_token_accuracy (train_step)."""
-        plan, feed = self.plan, self.feed
+        plan, oom_guard = self.plan, self.oom_guard
 
         def attempt():
             return batches.attempt(lambda: train_step(
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
-                accum=feed.accumulation, grad_clip=plan.cfg.optim.grad_clip, device=plan.device, precision=plan.precision,
+                accum=oom_guard.accumulation, grad_clip=plan.cfg.optim.grad_clip, device=plan.device, precision=plan.precision,
                 gradient_sync=self.gradient_sync, step_total=step_total(plan.world), accuracy=accuracy,
                 layout=plan.family.layout, objective=plan.objective,
             ))  # fmt: skip
 
-        return feed.step(attempt)
+        return oom_guard.step(attempt)
 
 
 def prepare(plan: Plan, run_dir, say, guard) -> Parts:
@@ -88,25 +88,25 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
         return BatchStream(loader, sampler, batch_size, epoch, start)
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/loop/oom.py)
-    feed = oom_lib.OomGuard(plan, open_stream, optimizer, scaler, say)
+    oom_guard = oom_lib.OomGuard(plan, open_stream, optimizer, scaler, say)
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/guard/resume.py).
-    guard.start(plan.model, optimizer, scaler, feed)
-    batches = feed.batches()
-    step_model, compiled = train_model, compile_guard.not_compiled()
+    guard.start(plan.model, optimizer, scaler, oom_guard)
+    batches = oom_guard.batches()
+    step_model, compiled = train_model, wrapper.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
-        # (compile_guard.mark_shapes); SFT's packed rows have one length already
+        # (wrapper.mark_shapes); SFT's packed rows have one length already
         # the collator knows (pretraining's has none)
         bucketed = getattr(plan.collate, "length_varies", False)
         mode = cfg.model.compile_mode or "default"
-        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, plan.precision, say,
+        step_model, batches, compiled = wrapper.compile_model(train_model, batches, device, plan.precision, say,
                                                                     bucketed, plan.family.layout, plan.objective,
                                                                     mode)
         if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
             cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer
     return Parts(
         plan=plan, model=step_model, optimizer=optimizer, scaler=scaler,
-        gradient_sync=parallel.sync_context(train_model), feed=feed,
-        evaluator=Evaluator(plan, run_dir, say, plan.val_collate, micro_batch=lambda: feed.batch_size),
+        gradient_sync=parallel.sync_context(train_model), oom_guard=oom_guard,
+        evaluator=Evaluator(plan, run_dir, say, plan.val_collate, micro_batch=lambda: oom_guard.batch_size),
         batches=batches, compiled=compiled,
     )

@@ -18,7 +18,7 @@ import torch
 from train.core.device import device_name
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 RESULT_FILE = ".auto_batch.json"
 # Below this speed-up the note would be noise: two trials of a few steps differ by ~5 % anyway.

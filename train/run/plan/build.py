@@ -1,4 +1,4 @@
-"""Build everything a run needs before its folder exists: the plan (train/run/plan/plan.py
+"""Build everything a run needs before its folder exists: the plan (train/run/plan/make.py
 make_plan, the same for every mode) and, for pretraining, where its model, tokenizer and data come
 from (PretrainingSource: a new model of MODEL_SIZE in MODEL_FAMILY, or MODEL_CONFIG; the corpus's
 tokenizer and data from train/data's front doors). `python -m train sft` takes them from
@@ -13,13 +13,13 @@ from train.core.errors import UsageError
 from train.data.loader import Data
 from train.data.pretraining import pretraining_data
 from train.data.tokenizer import corpus_tokenizer
-from train.distributed.distributed import SINGLE, Dist
+from train.distributed.process_group import SINGLE, Dist
 from train.models.build import build_config, context_length, new_model, size_vocab
 from train.models.family import family_of
 from train.run.plan.adapt import over_memory
 from train.run.plan.dpo import DPOSource
 from train.run.plan.fill import Fill
-from train.run.plan.plan import (
+from train.run.plan.make import (
     Chosen,
     ModelChoice,
     Plan,

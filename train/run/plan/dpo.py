@@ -22,11 +22,11 @@ from train.core.preference import DPO_LOSS, PreferenceObjective, build_reference
 from train.core.units import MIB
 from train.data.loader import Data
 from train.data.preference import preference_data
-from train.distributed.distributed import gather
+from train.distributed.process_group import gather
 from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import dpo_reference, sft, sft_scratch
-from train.run.plan.plan import ModelChoice
+from train.run.plan.make import ModelChoice
 
 DEFAULTS = MODE_DEFAULTS["dpo"]
 """The DPO knobs' values when empty: config.py's (config.resolve sets them; a config made without it, or an

@@ -1,6 +1,6 @@
 """`python -m train sft`: where an SFT run's model and data come from (SFTSource).
 
-The plan is made by the same function as a pretraining run's (train/run/plan/plan.py make_plan), with
+The plan is made by the same function as a pretraining run's (train/run/plan/make.py make_plan), with
 the same decisions (EFFECTIVE_BATCH, LR_SCALING, the memory-adaptive settings ...), and the step
 (train/core/step.py), the loop, the run folder and summary.json are shared: SFT differs only in
 where the model and the batches come from. The model is MODEL_PATH (any local transformers
@@ -33,7 +33,7 @@ from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
-from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit, token_objective
+from train.run.plan.make import ModelChoice, note_family_ignored, shortest_limit, token_objective
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
 
 

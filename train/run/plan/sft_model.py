@@ -14,7 +14,7 @@ from config import TrainConfig
 from train.core import files
 from train.core.errors import UsageError
 from train.models.family import family_of_type
-from train.run.rundir.rundir import unfinished
+from train.run.rundir.folder import unfinished
 
 MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 

@@ -19,7 +19,7 @@ from config import TrainConfig
 from train.core.errors import UsageError
 from train.models.build import build_config, context_length, declared_ids
 from train.models.family import family_of
-from train.run.plan.plan import ModelChoice, note_family_ignored
+from train.run.plan.make import ModelChoice, note_family_ignored
 
 
 def asked(cfg: TrainConfig) -> bool:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from train.core.errors import UsageError
-from train.run.checkpoint.checkpoint import list_checkpoints
+from train.run.checkpoint.on_disk import list_checkpoints
 
 try:
     import fcntl

@@ -1,4 +1,4 @@
-"""What a run leaves behind: final/ (written whole, train/run/rundir/rundir.py), then summary.json, and the
+"""What a run leaves behind: final/ (written whole, train/run/rundir/folder.py), then summary.json, and the
 closing lines on the console."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 
 from train.core import files
 from train.core.errors import UsageError
-from train.distributed import distributed, parallel
-from train.run.rundir.rundir import RunDir, point_latest, save_model, write_failed
+from train.distributed import parallel, process_group
+from train.run.rundir.folder import RunDir, point_latest, save_model, write_failed
 
 
 def save_final(plan, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
     """final/: save_pretrained (safetensors) and the tokenizer, loads offline with from_pretrained;
-    written whole or not at all (train/run/rundir/rundir.py). A sharded model passes its gathered state dict."""
+    written whole or not at all (train/run/rundir/folder.py). A sharded model passes its gathered state dict."""
     save_model(plan, run_dir.path / "final", step, state_dict)
 
 
@@ -45,7 +45,7 @@ def check_saveable(plan) -> None:
         ) from None
 
 
-def finish(plan, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
+def finish(plan, run_dir: RunDir, summary: dict, world: process_group.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a
     failed append or checkpoint (a full disk) writes no final/ (RESUME=1 continues from the checkpoint): its
@@ -54,7 +54,7 @@ def finish(plan, run_dir: RunDir, summary: dict, world: distributed.Dist) -> Non
     stopped = summary["exit_reason"] == "write_failed"
     if not summary["exit_reason"].startswith("non_finite") and not stopped:  # never a final/ of NaN weights
         try:
-            distributed.on_main(world, lambda: save_final(plan, run_dir, summary["steps"], full_state))
+            process_group.on_main(world, lambda: save_final(plan, run_dir, summary["steps"], full_state))
         except UsageError as err:
             summary["final_error"] = str(err)
             with contextlib.suppress(OSError):  # the run's figures, if the disk still takes them

@@ -21,13 +21,13 @@ from train.core.errors import UsageError
 from train.core.measure.mfu import mfu_report
 from train.core.model import count_params, unwrapped
 from train.core.units import MIB
-from train.distributed import distributed
+from train.distributed import process_group
 from train.models.estimate import estimate_for_run
 from train.models.family import dropout_of
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.models.freeze import trainable_of
 from train.observe import monitor as monitor_lib
-from train.run.compile.compile_guard import finish_counts
+from train.run.compile.wrapper import finish_counts
 
 
 def config_lines(cfg: TrainConfig, plan=None) -> list[str]:
@@ -153,8 +153,8 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
         fpt = model_flops_per_token(model, seq_len)
     torch_mem = monitor_lib.torch_memory(device)
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
-    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.feed.batch_size,
-                                     gradient_accumulation_steps=parts.feed.accumulation))
+    now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom_guard.batch_size,
+                                     gradient_accumulation_steps=parts.oom_guard.accumulation))
     trainable = trainable_of(model)
     estimate = estimate_for_run(model.config, n_params, now, plan.max_length, plan.precision, device.type, plan.world.world_size,
                                 trainable)
@@ -169,8 +169,8 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
         "n_params": n_params,
         "n_trainable_params": trainable.params,  # FREEZE leaves the rest untrained
         "precision": plan.precision,
-        "batch_size": parts.feed.batch_size,  # smaller than the plan's after an out-of-memory
-        "gradient_accumulation_steps": parts.feed.accumulation,
+        "batch_size": parts.oom_guard.batch_size,  # smaller than the plan's after an out-of-memory
+        "gradient_accumulation_steps": parts.oom_guard.accumulation,
         "effective_batch_size": cfg.effective_batch_size(plan.world.world_size),
         "max_length": plan.max_length,
         "num_workers": cfg.data.num_workers,
@@ -194,10 +194,10 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
         "exit_reason": exit_reason,
         **guard.summary(),
         **plan.summary_extra,
-        "oom_retries": parts.feed.retries,
-        "oom_events": parts.feed.events,
+        "oom_retries": parts.oom_guard.retries,
+        "oom_events": parts.oom_guard.events,
     }
-    return distributed.add_rank_figures(record, plan.world, device)
+    return process_group.add_rank_figures(record, plan.world, device)
 
 
 KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are

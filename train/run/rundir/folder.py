@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from train.core import files
 from train.core.errors import UsageError
 from train.core.files import DISK_FULL, errno_of, json_safe
-from train.distributed import distributed
+from train.distributed import process_group
 from train.models import lora
 from train.observe.tensorboard_log import NoLog
 
@@ -77,7 +77,7 @@ def write_failed(target: Path, code: int) -> str:
     """The one line for a failed write of final/, best/, summary.json or an append to
     metrics.jsonl / train.log: what failed, what is intact, and what to do (RESUME=1 only where a
     checkpoint exists to resume from)."""
-    from train.run.checkpoint.checkpoint import list_checkpoints
+    from train.run.checkpoint.on_disk import list_checkpoints
 
     run = target.parent
     what = "disk full" if code in DISK_FULL else "write failed"
@@ -196,10 +196,10 @@ class RunDir:
         self._log.close()
 
 
-def stop_for_write(world: distributed.Dist, run_dir) -> bool:
+def stop_for_write(world: process_group.Dist, run_dir) -> bool:
     """True on every rank once rank 0 could not append to metrics.jsonl or train.log (ranks
     stop at the same step, or one waits forever in a collective)."""
-    return bool(distributed.max_across(world, [int(run_dir.failed is not None)])[0])
+    return bool(process_group.max_across(world, [int(run_dir.failed is not None)])[0])
 
 
 class NullRunDir:

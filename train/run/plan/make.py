@@ -31,16 +31,16 @@ from train.core.device import attention_kernels, resolve_device, resolve_precisi
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
 from train.core.objective import Objective
-from train.core.optim.optimizers import OPTIMIZERS
+from train.core.optim.registry import OPTIMIZERS
 from train.core.optim.schedules import warmup_of
 from train.core.step import TokenObjective
 from train.data.loader import Data
-from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
+from train.distributed.process_group import SINGLE, Dist, rank_device
 from train.models import estimate
 from train.models.family import Family
 from train.models.freeze import apply_freeze, trainable_of
-from train.run.compile import compile_plan
+from train.run.compile import choose
 from train.run.plan import adapt, fill
 
 MAX_LENGTH_CAP = 2048  # longer windows cost quadratic attention for what a small model learns
@@ -283,7 +283,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
     decide = Decisions(say)
     device, precision = device_and_precision(cfg, world, decide)
-    compile_plan.decide_compile(cfg, device, decide)  # before the data: its padding follows COMPILE
+    choose.decide_compile(cfg, device, decide)  # before the data: its padding follows COMPILE
     choice = source.choose(cfg, device, say, decide)
     if (why := attention_kernels(device, source.shapes_vary)) is not None:
         decide("attention_kernels", "flash / memory-efficient, cuDNN's off", why)
@@ -325,7 +325,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
                                        decide)
     val_dataset = sized_validation(cfg, data.val_dataset, total_steps, world, decide)
     parallel(cfg, world, decide)
-    compile_plan.decide_mode(cfg, model, choice.family, max_length, device, precision, world.world_size, decide)
+    choose.decide_mode(cfg, model, choice.family, max_length, device, precision, world.world_size, decide)
     return Plan(
         cfg=cfg, device=device, precision=precision, model_size=choice.size, family=choice.family,
         max_length=max_length, model=model, tokenizer=tok, dataset=data.dataset, total_steps=total_steps,

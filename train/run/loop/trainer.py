@@ -12,10 +12,10 @@ from train.run.loop.evaluate import val_stop
 from train.run.loop.meter import Meter
 from train.run.loop.parts import prepare
 from train.run.rundir import report
-from train.run.rundir.rundir import stop_for_write
+from train.run.rundir.folder import stop_for_write
 
 if TYPE_CHECKING:
-    from train.run.plan.plan import Plan
+    from train.run.plan.make import Plan
 
 
 def run_loop(plan: Plan, run_dir, say, guard) -> dict:

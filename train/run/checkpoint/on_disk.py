@@ -37,7 +37,8 @@ from train.core import files
 from train.core.errors import UsageError
 from train.core.files import fsync
 from train.models import lora
-from train.run.checkpoint.checkpoint_checks import (
+from train.run.checkpoint.rng import rng_state, set_rng_state
+from train.run.checkpoint.verify import (
     META,
     SHARDS,
     STATE,
@@ -54,7 +55,6 @@ from train.run.checkpoint.checkpoint_checks import (
     sha256_of,
     tokenizer_change,
 )
-from train.run.checkpoint.rng import rng_state, set_rng_state
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d{8})$")
@@ -103,7 +103,7 @@ class Loaded:
     rng_ranks: list | None = None  # every rank's RNG states, where several processes saved
 
 
-class CheckpointManager:
+class CheckpointFolder:
     """Owns runs/<name>/checkpoints/: saves atomically, keeps the newest `keep`, and finds the
     newest checkpoint that passes every check, reporting each one it has to pass over."""
 
@@ -164,7 +164,7 @@ class CheckpointManager:
         """The sharded checkpoint: every rank calls it at the same step. Rank 0 makes the
         temporary folder, every rank writes its shards into it, then rank 0 writes state.pt and
         meta.json and renames it into place; no rank goes on before the checkpoint is there."""
-        from train.distributed import distributed, parallel
+        from train.distributed import parallel, process_group
 
         name = checkpoint_name(step)
         tmp = self.folder / f".tmp-{name}-sharded"
@@ -178,7 +178,7 @@ class CheckpointManager:
             files.remove(tmp)
             tmp.mkdir()
 
-        distributed.on_main(world, prepare)
+        process_group.on_main(world, prepare)
         try:
             parallel.save_sharded(tmp / SHARDS, model, optimizer)
             if world.is_main:
@@ -193,7 +193,7 @@ class CheckpointManager:
             if files.errno_of(err) in files.DISK_FULL:
                 raise self._failed_write(name, SHARDS, files.errno_of(err)) from None
             raise
-        distributed.agree(None)  # a barrier: the checkpoint is complete for every rank
+        process_group.agree(None)  # a barrier: the checkpoint is complete for every rank
         self.last_saved = name
         return self.folder / name
 

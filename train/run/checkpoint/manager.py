@@ -6,7 +6,7 @@ objects:
   scaler     the GradScaler (state.pt)
   rng        every rank's random-number states (state.pt; rng.RngStates)
   progress   step, samples, tokens and the rows and tokens counted (meta.json)
-  feed       the data position: epoch and samples consumed (meta.json's data)
+  oom_guard  the data position: epoch and samples consumed (meta.json's data)
   schedule   the LR schedule in samples (meta.json)
   health     the skipped and non-finite steps (meta.json's counters)
 It decides when a save is worth making (healthy weights on every rank), who writes (rank 0, or
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from train.config import knobs
-from train.distributed import distributed, parallel
-from train.run.checkpoint.checkpoint import SHARDS, CheckpointManager, checkpoint_name
+from train.distributed import parallel, process_group
+from train.run.checkpoint.on_disk import SHARDS, CheckpointFolder, checkpoint_name
 
 # Settings compared with the checkpoint's on resume, to say what changed: config.py's fields
 # marked "compared".
@@ -43,16 +43,16 @@ def tokenizer_digest(tok) -> str | None:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Checkpointer:
+class CheckpointManager:
     def __init__(self, plan, folder: Path, say, asked: dict | None = None):
         """asked: the settings the session's command gave (config.json's "asked", nested by section),
         sealed into each checkpoint: RESUME=1 takes them from here, never from an edited config.json."""
         self.plan, self.cfg, self.say, self.asked = plan, plan.cfg, say, asked
         # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
-        # every rank writes its own shards (train/run/checkpoint/checkpoint.py).
+        # every rank writes its own shards (train/run/checkpoint/on_disk.py).
         self.sharding = self.cfg.system.sharding
         self.saves = plan.world.is_main or self.sharding != "none"
-        self.manager = CheckpointManager(folder, self.cfg.run.keep_checkpoints, say)
+        self.manager = CheckpointFolder(folder, self.cfg.run.keep_checkpoints, say)
         self.effective = self.cfg.effective_batch_size(plan.world.world_size)
         self.saving_s: list[tuple[float, float]] = []
         self.others_saved: str | None = None  # ranks that do not write: the name rank 0 gave it
@@ -62,11 +62,11 @@ class Checkpointer:
     def last_saved(self) -> str | None:
         return self.manager.last_saved or self.others_saved
 
-    def settings(self, feed=None) -> dict:
-        """What a later RESUME=1 compares. feed: the OOM guard, whose micro-batch is the one trained now."""
+    def settings(self, oom_guard=None) -> dict:
+        """What a later RESUME=1 compares. oom_guard: the OOM guard, whose micro-batch is the one trained now."""
         settings = {k: knobs.value(self.cfg, k) for k in COMPARED}
-        if feed is not None:  # smaller than the plan's after an out-of-memory
-            settings.update(batch_size=feed.batch_size, gradient_accumulation_steps=feed.accumulation)
+        if oom_guard is not None:  # smaller than the plan's after an out-of-memory
+            settings.update(batch_size=oom_guard.batch_size, gradient_accumulation_steps=oom_guard.accumulation)
         settings.update(precision=self.plan.precision, num_workers=self.cfg.data.num_workers)
         settings.update(effective_batch_size=self.effective, model_size=self.plan.model_size, max_length=self.plan.max_length)
         # what chose the model, for the changed-model message of a later RESUME=1
@@ -100,7 +100,7 @@ class Checkpointer:
 
     def restore(self, loaded, position: dict) -> None:
         """A loaded checkpoint's state into the tracked objects, RNG last (the weights are in
-        the model already, checked on load); with none (a fresh run) the feed only, at `position`.
+        the model already, checked on load); with none (a fresh run) the oom_guard only, at `position`.
         A sharded checkpoint's weights and optimizer state are read here, into the sharded model."""
         s = self.stateful
         if loaded is not None and self.sharding != "none":
@@ -109,7 +109,7 @@ class Checkpointer:
             s["optimizer"].load_state_dict(loaded.optimizer)
             if s["scaler"].is_enabled() and loaded.scaler:
                 s["scaler"].load_state_dict(loaded.scaler)
-        s["feed"].load_state_dict(position)
+        s["oom_guard"].load_state_dict(position)
         if loaded is not None:
             s["rng"].load_state_dict({"rng": loaded.rng, "rng_ranks": loaded.rng_ranks})
 
@@ -120,7 +120,7 @@ class Checkpointer:
         SHARDING every rank writes its shards."""
         s = self.stateful
         start = time.perf_counter()
-        if distributed.max_across(self.plan.world, [int(not s["health"].worth_saving(s["model"]))])[0]:
+        if process_group.max_across(self.plan.world, [int(not s["health"].worth_saving(s["model"]))])[0]:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
         rng = s["rng"].state_dict()  # collectives, on every rank in this order
@@ -130,10 +130,10 @@ class Checkpointer:
             return
         record = {
             **progress,
-            "data": {**s["feed"].state_dict(), "identity": self.data_identity()},
+            "data": {**s["oom_guard"].state_dict(), "identity": self.data_identity()},
             "sharding": self.sharding,
             "schedule": s["schedule"].state_dict(),
-            "settings": self.settings(s["feed"]),
+            "settings": self.settings(s["oom_guard"]),
             "counters": s["health"].state_dict(),
             **({"asked": self.asked} if self.asked is not None else {}),
         }
