@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,7 @@ from train.core.loss import (
     token_mean_share,
 )
 from train.core.model import unwrapped
+from train.core.objective import perplexity
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,12 +104,15 @@ def forward_loss(
 
 @dataclass(frozen=True)
 class TokenObjective:
-    """The token-mean LM loss of pretraining and SFT: train_step's default objective. An objective
-    counts its step's divisors on the host from the micro-batches (counts; with several ranks each
-    is summed over them) and gives each micro-batch's share of the step's loss with its metrics,
+    """The token-mean LM loss of pretraining and SFT: train_step's default objective (the interface:
+    train/core/objective.py Objective). An objective counts its step's divisors on the host from the
+    micro-batches (counts; with several ranks each is summed over them) and gives each micro-batch's share of the step's loss with its metrics,
     device tensors that train_step sums over the micro-steps (loss). Preference training's is
     train/core/preference/loss.py PreferenceObjective."""
 
+    rows_per_sample: ClassVar[int] = 1
+    unit: ClassVar[str] = "samples"
+    trial_on_longest: ClassVar[bool] = False  # find-batch: worst-case rows, every one MAX_LENGTH tokens
     source_target: bool
     micro_batch_mean: bool = False
     """LOSS_MEAN=micro_batches: each micro-batch's own token mean / the step's micro-batches (over
@@ -128,6 +133,36 @@ class TokenObjective:
     def returned(self, sums: dict):
         """train_step's fourth value on a log step: the token accuracy (a device tensor)."""
         return sums["mean_token_accuracy"]
+
+    def named(self, returned) -> dict:
+        return {"mean_token_accuracy": returned}
+
+    def samples(self, batch: dict) -> int:
+        """Rows; a packed row holds several conversations (the collator's n_conversations)."""
+        return int(batch.get("n_conversations", batch["input_ids"].shape[0]))
+
+    def shown(self, row: dict) -> str:
+        return f"acc {row['mean_token_accuracy']:.3f}"
+
+    def evaluate(self, model, batch: dict, device, precision: str):
+        """The batch's token mean loss, weighted by its predicted tokens (labels after the causal shift,
+        or an encoder-decoder's every label, that are not -100): a short last batch or masked SFT
+        prompts count by their tokens. The token-weighted loss whatever LOSS_MEAN, as one big batch."""
+        tokens = count_targets(batch, shifted=not self.source_target)  # host labels: no sync
+        return tokens, forward_loss(model, batch, device, precision, source_target=self.source_target), {}
+
+    def perplexity(self, loss: float | None) -> float | None:
+        return perplexity(loss)
+
+    def eval_shown(self, loss: float, metrics: dict) -> str:
+        ppl = perplexity(loss)  # a non-finite loss has no perplexity: n/a, and the loop stops the run
+        return f"val_ppl {'n/a' if ppl is None else format(ppl, '.2f')}"
+
+    def kept(self, metrics: dict) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return "token loss"
 
 
 def _host_padded(batch: dict) -> bool | None:

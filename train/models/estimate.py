@@ -25,6 +25,7 @@ from __future__ import annotations
 from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
+from train.core.objective import mode_of
 from train.core.optim.optimizers import OPTIMIZERS
 from train.models import estimate_seq2seq, estimate_terms, lora
 from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
@@ -267,11 +268,11 @@ def estimate_for_run(
     seq2seq = family_of(hf_cfg).source_target
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length, target_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
-    preference = cfg.run.mode == "dpo"  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
+    rows = mode_of(cfg.run.mode).rows_per_sample  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
     est = estimate_memory(
         hf_cfg,
         n_params,
-        batch_size=cfg.optim.batch_size * (2 if preference else 1),
+        batch_size=cfg.optim.batch_size * rows,
         max_length=max_length,
         precision=precision,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -282,13 +283,14 @@ def estimate_for_run(
         packed=packed,
         **_optimizer_args(cfg, trainable),
     )
-    if preference and cfg.model.reference == "copy":  # a frozen fp32 copy of the weights beside the policy
+    if cfg.model.reference == "copy":  # a frozen fp32 copy of the weights beside the policy
         est["reference"] = n_params * 4
         if not seq2seq:  # its forward after the policy's, whose activations are all alive then
             s = shapes(hf_cfg)
             mlp = "gated" if s["gated"] else "fused" if s["act"] in FUSED_GELU else "python_gelu"
-            forward = estimate_terms.reference_forward_bytes(s["hidden"], s["width"], s["vocab"], 2 * cfg.optim.batch_size * max_length,
-                                              precision in HALF, mlp, CHUNK_ELEMENTS)
+            forward = estimate_terms.reference_forward_bytes(s["hidden"], s["width"], s["vocab"],
+                                                             rows * cfg.optim.batch_size * max_length,
+                                                             precision in HALF, mlp, CHUNK_ELEMENTS)
             moment = est["peak"] - est["loss_logits"] + forward if not cfg.model.gradient_checkpointing else 0
             est["reference_forward"] = forward
             est["peak"] = max(est["peak"], moment)

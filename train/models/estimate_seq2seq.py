@@ -27,6 +27,7 @@ allocated by then (_checkpointed_backward; read with MemTracker on CPU, the same
 
 from __future__ import annotations
 
+from train.core.objective import mode_of
 from train.core.seq2seq import span_lengths
 from train.models.estimate_terms import cuda_math_per_score, t5_takes_math_on_cuda
 
@@ -34,12 +35,12 @@ HALF = ("fp16", "bf16")
 
 
 def lengths(mode: str, max_length: int, target_length: int | None = None) -> tuple[int, int]:
-    """(source, target) tokens per sample. T5 pretraining (span corruption): a MAX_LENGTH
-    source and span_lengths' target (512 -> 114); SFT: target_length if given, else MAX_LENGTH
-    for both (a bound: pairs are padded to at most MAX_LENGTH each)."""
+    """(source, target) tokens per sample. A mode whose targets are span corruption's (T5 pretraining,
+    train/core/objective.py span_targets): a MAX_LENGTH source and span_lengths' target (512 -> 114); SFT:
+    target_length if given, else MAX_LENGTH for both (a bound: pairs are padded to at most MAX_LENGTH each)."""
     if target_length is not None:
         return max_length, target_length
-    if mode == "pretrain":
+    if mode_of(mode).span_targets:
         return max_length, span_lengths(max_length)[1]
     return max_length, max_length
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from train.core import files
 from train.core.errors import UsageError
+from train.core.objective import MODES
 from train.observe.curves import as_number, plot_comparison, read_metrics
 
 # Numbers summarised per group (median over the repeats).
@@ -132,7 +133,8 @@ def headline(entries: list[dict]) -> str:
     """The throughput the speed-up rests on: tokens/s for SFT, whose rows vary in length (a side
     of single conversations and one of grouped batches count samples very differently), else
     samples/s (pretraining rows are all MAX_LENGTH tokens, so the two agree)."""
-    return "tokens_per_sec" if entries and all(e["mode"] == "sft" for e in entries) else "samples_per_sec"
+    keys = {MODES[e["mode"]].throughput if e["mode"] in MODES else "samples_per_sec" for e in entries}
+    return keys.pop() if len(keys) == 1 else "samples_per_sec"  # each mode's figure; mixed modes: samples/s
 
 
 def compare_groups(groups: list[list[Path]]) -> dict:

@@ -64,15 +64,15 @@ def _train(cfg: TrainConfig, say, world: distributed.Dist, chosen: Chosen | Fill
 
 def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chosen | Fill | None) -> int:
     say(f"{cfg.run.mode}: resolving settings")
-    b = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
-    asked, cfg = cfg, b.cfg  # as decided (the asked config is left as it was: config.json keeps both)
+    plan = distributed.main_first(world, lambda: build(cfg, say, world, chosen))
+    asked, cfg = cfg, plan.cfg  # as decided (the asked config is left as it was: config.json keeps both)
     # RESUME=1: the newest valid checkpoint is found and loaded here, before the folder is touched.
     def param_groups():
         """The optimizer's parameter groups, for checking a checkpoint's optimizer state against."""
-        optimizer = build_optimizer(cfg.optim, b.model, b.device)[0]
+        optimizer = build_optimizer(cfg.optim, plan.model, plan.device)[0]
         return [g["params"] for g in optimizer.param_groups]
 
-    guard = RunGuard(b, run_path, say, param_groups, asked)
+    guard = RunGuard(plan, run_path, say, param_groups, asked)
     if guard.complete:
         return 0
     mirror = partial(reporter, cfg.run.report_to)  # REPORT_TO
@@ -84,19 +84,19 @@ def _run(cfg: TrainConfig, say, world: distributed.Dist, run_path, chosen: Chose
     mirror = getattr(run_dir, "mirror", NoLog())
     say.attach(run_dir)
     say("resolved config:")
-    for line in report.config_lines(cfg, b):
+    for line in report.config_lines(cfg, plan):
         say(line)
-    say(report.start_line(b, run_path, guard.total_steps))
-    faster = batch_answer.faster_answer(b, world.world_size)  # the kit's own measurement, offered
+    say(report.start_line(plan, run_path, guard.total_steps))
+    faster = batch_answer.faster_answer(plan, world.world_size)  # the kit's own measurement, offered
     if faster:
         say(faster)
-    run_dir.write("config.json", report.config_record(b, guard, asked))
-    summary = run_loop(b, run_dir, say, guard)
+    run_dir.write("config.json", report.config_record(plan, guard, asked))
+    summary = run_loop(plan, run_dir, say, guard)
     exit_code = guard.exit_code(summary["exit_reason"])
     if guard.resuming and guard.first_step == guard.total_steps and world.is_main:
         summary = earlier_summary(run_dir.path, summary)  # RESUME=1 only rewrote final/
     try:
-        finish(b, run_dir, summary, world)  # final/, then summary.json
+        finish(plan, run_dir, summary, world)  # final/, then summary.json
         mirror.summary(summary)
         plot_curves(run_dir.path)  # never raises: a chart must not fail a finished run
         report.closing(summary, run_dir, say, cfg.run.launcher)

@@ -101,23 +101,23 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     from train.run.loop.parts import data_loader
     from train.run.plan.build import build
 
-    b = build(trial_config(cfg, cand), lambda line: None)
-    device, effective = b.device, cand.batch_size * cand.gradient_accumulation_steps
-    optimizer, _ = build_optimizer(b.cfg.optim, b.model, device)
-    scaler = build_scaler(b.precision, b.model, device)
-    loader, sampler = data_loader(b, b.cfg.optim.batch_size)
+    plan = build(trial_config(cfg, cand), lambda line: None)
+    device, effective = plan.device, cand.batch_size * cand.gradient_accumulation_steps
+    optimizer, _ = build_optimizer(plan.cfg.optim, plan.model, device)
+    scaler = build_scaler(plan.precision, plan.model, device)
+    loader, sampler = data_loader(plan, plan.cfg.optim.batch_size)
     batches = BatchStream(loader, sampler, cand.batch_size)
     meter = PeakMeter(device)
     meter.reset()
     outcome, spent, waited, error, first = Outcome(cand), 0.0, 0.0, None, None
     try:
-        step_model = torch.compile(b.model) if cand.compile else b.model
+        step_model = torch.compile(plan.model) if cand.compile else plan.model
         for i in range(1 + steps):
             synchronize(device)
             start = time.perf_counter()
             loss, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    b.cfg.optim.grad_clip, device, b.precision, source_target=b.family.source_target,
-                                    objective=b.objective)
+                                    plan.cfg.optim.grad_clip, device, plan.precision, source_target=plan.family.source_target,
+                                    objective=plan.objective)
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation
                 spent, waited = spent + time.perf_counter() - start, waited + wait
@@ -129,7 +129,7 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
     finally:
         batches.close()  # ends the loader's iterator and its worker processes
     peak = meter.peak_mb()
-    del b, optimizer, loader
+    del plan, optimizer, loader
     free_memory(device)
     if error:
         outcome.status = error

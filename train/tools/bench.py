@@ -21,9 +21,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train.core import files
 from train.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 DEFAULT_ROUNDS = 5
 DEFAULT_STEPS = {"cpu": 10, "other": 50}  # optimizer steps per round when MAX_STEPS is unset
@@ -127,7 +131,7 @@ def plain_round(model, batches: list, accum: int, lr: float, device, precision: 
     }
 
 
-def kit_round(b, say) -> dict:
+def kit_round(plan: Plan, say) -> dict:
     """One run of train.run.loop.loop.run_loop (what `python -m train pretrain` runs) into a temporary
     run folder; its own steady-state figures (warm-up excluded) are the kit's."""
     from train.run.guard.resume import RunGuard
@@ -139,7 +143,7 @@ def kit_round(b, say) -> dict:
         cpu0, call0 = time.process_time(), time.perf_counter()
         try:
             # a fresh run: no checkpoint to find, so no optimizer groups to check one against
-            summary = run_loop(b, run_dir, say, RunGuard(b, run_dir.path, say, param_groups=list))
+            summary = run_loop(plan, run_dir, say, RunGuard(plan, run_dir.path, say, param_groups=list))
         finally:
             run_dir.close()
         call_s = time.perf_counter() - call0
@@ -202,26 +206,26 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     if o.max_steps is None and o.epochs is None and o.max_samples is None:
         o.max_steps = DEFAULT_STEPS["cpu" if resolve_device(cfg.system.device)[0].type == "cpu" else "other"]
     build0 = time.perf_counter()
-    b = build(cfg, say)
-    cfg, o = b.cfg, b.cfg.optim  # as decided
+    plan = build(cfg, say)
+    cfg, o = plan.cfg, plan.cfg.optim  # as decided
     startup = {"build_s": time.perf_counter() - build0}
-    device, steps, accum = b.device, b.total_steps, o.gradient_accumulation_steps
+    device, steps, accum = plan.device, plan.total_steps, o.gradient_accumulation_steps
     if steps < 2:
         raise UsageError("MAX_STEPS (--max_steps): bench needs at least 2 steps per round (one is warm-up)")
     skip = steady_start(steps)  # the warm-up run_loop itself leaves out of its figures
     effective = cfg.effective_batch_size()
-    n_params = count_params(b.model)
-    fpt = model_flops_per_token(b.model, *run_lengths(b))
-    if vs_plain and b.family.source_target:
+    n_params = count_params(plan.model)
+    fpt = model_flops_per_token(plan.model, *run_lengths(plan))
+    if vs_plain and plan.family.source_target:
         raise UsageError("bench --vs-plain: the plain reference loop is a causal LM's (model(x, labels=x)); "
                          "bench an encoder-decoder (MODEL_FAMILY=t5) without --vs-plain")
     peak = peak_flops(
-        device_name(device) if device.type == "cuda" else None, b.precision, tf32=cfg.system.tf32
+        device_name(device) if device.type == "cuda" else None, plan.precision, tf32=cfg.system.tf32
     )
-    plain_model = copy.deepcopy(b.model) if vs_plain else None  # same initial weights as the kit's
+    plain_model = copy.deepcopy(plan.model) if vs_plain else None  # same initial weights as the kit's
     say(
-        f"bench: {b.model_size} ({n_params / 1e6:.1f}M params), {b.precision}, batch {o.batch_size} x accum {accum}, "
-        f"max_length {b.max_length}, workers {cfg.data.num_workers}, compile {int(cfg.model.compile)}, "
+        f"bench: {plan.model_size} ({n_params / 1e6:.1f}M params), {plan.precision}, batch {o.batch_size} x accum {accum}, "
+        f"max_length {plan.max_length}, workers {cfg.data.num_workers}, compile {int(cfg.model.compile)}, "
         f"{torch.get_num_threads()} thread(s), {device} ({result_device_name(device)}); "
         f"{rounds} round(s) of {steps} steps, {skip} warm-up step(s) excluded per round"
     )
@@ -231,10 +235,10 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         # during a pair favours neither side.
         plain = None
         if vs_plain and i % 2 == 1:
-            plain = plain_round(plain_model, batches, accum, o.learning_rate, device, b.precision, skip)
+            plain = plain_round(plain_model, batches, accum, o.learning_rate, device, plan.precision, skip)
         age, cpu = process_age_s(), time.process_time()
         lines: list[str] = []
-        kit = kit_round(b, lines.append)
+        kit = kit_round(plan, lines.append)
         kit_rounds.append(kit)
         if i == 0:
             for line in lines:
@@ -247,23 +251,23 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
         line = f"round {i + 1}: kit {1000 * kit['steady_s'] / kit['steady_steps']:.1f} ms/step"
         if vs_plain:
             if not batches:  # the batches the kit's DataLoader yields first, already on the device
-                stream = BatchStream(*data_loader(b, o.batch_size), o.batch_size)
+                stream = BatchStream(*data_loader(plan, o.batch_size), o.batch_size)
                 batches = [next(stream)["input_ids"].to(device) for _ in range(steps * accum)]
             if plain is None:
-                plain = plain_round(plain_model, batches, accum, o.learning_rate, device, b.precision, skip)
+                plain = plain_round(plain_model, batches, accum, o.learning_rate, device, plan.precision, skip)
             plain_rounds.append(plain)
             line += (
                 f", plain {1000 * plain['steady_s'] / plain['steady_steps']:.1f} ms/step, "
                 f"ratio {sps(kit, effective) / sps(plain, effective):.3f}"
             )
         say(line)
-    result = bench_result(b, rounds, skip, fpt, startup, kit_rounds, plain_rounds, peak)
+    result = bench_result(plan, rounds, skip, fpt, startup, kit_rounds, plain_rounds, peak)
     report(result, say)
     return result
 
 
 
-def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_rounds: list, plain_rounds: list,
+def bench_result(plan: Plan, rounds: int, skip: int, fpt: float, startup: dict, kit_rounds: list, plain_rounds: list,
                  peak: float | None) -> dict:
     """Every figure of a bench: the setting, the kit's rounds and, with --vs-plain, the plain
     loop's and the ratios."""
@@ -272,15 +276,15 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
     from train.core.model import count_params
     from train.tools.dryrun import tokens_per_sample
 
-    cfg, o, device, steps = b.cfg, b.cfg.optim, b.device, b.total_steps
-    effective, accum, n_params = cfg.effective_batch_size(), o.gradient_accumulation_steps, count_params(b.model)
+    cfg, o, device, steps = plan.cfg, plan.cfg.optim, plan.device, plan.total_steps
+    effective, accum, n_params = cfg.effective_batch_size(), o.gradient_accumulation_steps, count_params(plan.model)
     result = {
-        "model_size": b.model_size,
+        "model_size": plan.model_size,
         "n_params": n_params,
-        "precision": b.precision,
+        "precision": plan.precision,
         "batch_size": o.batch_size,
         "gradient_accumulation_steps": accum,
-        "max_length": b.max_length,
+        "max_length": plan.max_length,
         "num_workers": cfg.data.num_workers,
         "compile": cfg.model.compile,
         "threads": torch.get_num_threads(),
@@ -292,7 +296,7 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
         "warmup_steps_excluded": skip,
         "flops_per_token": fpt,
         "startup": startup,
-        "kit": figures(kit_rounds, effective, tokens_per_sample(b), fpt, peak),
+        "kit": figures(kit_rounds, effective, tokens_per_sample(plan), fpt, peak),
         "kit_first_step_s_rounds": [r["first_step_s"] for r in kit_rounds],
         "kit_first_loss": kit_rounds[0]["first_loss"],
         "kit_final_loss": kit_rounds[-1]["final_loss"],
@@ -301,7 +305,7 @@ def bench_result(b, rounds: int, skip: int, fpt: float, startup: dict, kit_round
         # the first step pays for tracing and code generation; a steady step is what is left
         startup["compile_s"] = max(0.0, startup["loop_first_step_s"] - result["kit"]["ms_per_step"] / 1000)
     if plain_rounds:
-        result["plain"] = figures(plain_rounds, effective, tokens_per_sample(b), fpt, peak)
+        result["plain"] = figures(plain_rounds, effective, tokens_per_sample(plan), fpt, peak)
         result["plain_first_loss"] = plain_rounds[0]["first_loss"]
         result["plain_final_loss"] = plain_rounds[-1]["final_loss"]
         # The ratio is the median over rounds of kit/plain within each round: the two halves of a

@@ -8,6 +8,8 @@ steps per epoch depend on the number of tokens; that cache is the same one a rea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from train.core.errors import UsageError
 from train.core.model import count_params
 from train.core.units import MIB
@@ -17,38 +19,41 @@ from train.models.freeze import trainable_of
 from train.run.plan.adapt import over_memory, row_shape
 from train.run.rundir.report import config_lines
 
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
+
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
 
 
-def derived_numbers(b) -> dict:
+def derived_numbers(plan: Plan) -> dict:
     """The numbers a user checks before launching, from a built (meta-device) run."""
-    cfg, o = b.cfg, b.cfg.optim
-    n_params = count_params(b.model)
+    cfg, o = plan.cfg, plan.cfg.optim
+    n_params = count_params(plan.model)
     effective = cfg.effective_batch_size()
-    per_step = effective * tokens_per_sample(b)  # an encoder-decoder: source + target tokens
+    per_step = effective * tokens_per_sample(plan)  # an encoder-decoder: source + target tokens
     return {
         "n_params": n_params,
         "effective_batch_size": effective,
         "tokens_per_step": per_step,
-        "train_sequences": len(b.dataset),
-        "val_sequences": None if b.val_dataset is None else len(b.val_dataset),
-        "steps_per_epoch": len(b.dataset) // o.batch_size // o.gradient_accumulation_steps,
-        "total_steps": b.total_steps,
-        "warmup_steps": b.warmup_steps,
-        "samples": b.total_steps * effective,
-        "tokens": b.total_steps * per_step,
-        "flops_per_token": model_flops_per_token(b.model, *run_lengths(b)),
+        "train_sequences": len(plan.dataset),
+        "val_sequences": None if plan.val_dataset is None else len(plan.val_dataset),
+        "steps_per_epoch": len(plan.dataset) // o.batch_size // o.gradient_accumulation_steps,
+        "total_steps": plan.total_steps,
+        "warmup_steps": plan.warmup_steps,
+        "samples": plan.total_steps * effective,
+        "tokens": plan.total_steps * per_step,
+        "flops_per_token": model_flops_per_token(plan.model, *run_lengths(plan)),
     }
 
 
-def run_lengths(b) -> tuple[int, int | None]:
+def run_lengths(plan: Plan) -> tuple[int, int | None]:
     """(window, None) for a causal LM; (source, target) for an encoder-decoder."""
-    return sample_lengths(b.family, b.cfg.run.mode, b.max_length)
+    return sample_lengths(plan.family, plan.cfg.run.mode, plan.max_length)
 
 
-def tokens_per_sample(b) -> int:
+def tokens_per_sample(plan: Plan) -> int:
     """Tokens one sample counts for tokens/s: its window, or source + target (worst case)."""
-    source, target = run_lengths(b)
+    source, target = run_lengths(plan)
     return source + (target or 0)
 
 
@@ -73,17 +78,17 @@ def dry_run(cfg, say) -> int:
         where = f"a real run would write {run_path}/"
     except UsageError as err:
         where = f"warning: a real run would stop here: {err}"
-    b = build(cfg, say)
-    cfg = b.cfg  # as decided
+    plan = build(cfg, say)
+    cfg = plan.cfg  # as decided
     say("resolved config:")
-    for line in config_lines(cfg, b):
+    for line in config_lines(cfg, plan):
         say(line)
-    n = derived_numbers(b)
+    n = derived_numbers(plan)
     o = cfg.optim
     val = "off" if n["val_sequences"] is None else f"{n['val_sequences']:,}"
     say(
-        f"model {b.model_size}: {n['n_params']:,} parameters ({n['n_params'] / 1e6:.1f}M), "
-        f"max_length {b.max_length}, device {b.device}, precision {b.precision}"
+        f"model {plan.model_size}: {n['n_params']:,} parameters ({n['n_params'] / 1e6:.1f}M), "
+        f"max_length {plan.max_length}, device {plan.device}, precision {plan.precision}"
     )
     say(
         f"effective batch {n['effective_batch_size']} = BATCH_SIZE {o.batch_size} x GRADIENT_ACCUM "
@@ -97,17 +102,17 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)  # the data's rows
-    est = estimate_for_run(b.model.config, n["n_params"], cfg, shape["max_length"], b.precision, b.device.type,
-                           trainable=trainable_of(b.model), target_length=shape.get("target_length"),
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.source_target)  # the data's rows
+    est = estimate_for_run(plan.model.config, n["n_params"], cfg, shape["max_length"], plan.precision, plan.device.type,
+                           trainable=trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)
-    warning = over_memory(b)  # over the device's memory: warned; the fit check in build() refused what cannot fit
+    warning = over_memory(plan)  # over the device's memory: warned; the fit check in build() refused what cannot fit
     if warning:
         say(warning)
-    total = device_total_mb(b.device)
+    total = device_total_mb(plan.device)
     if total and not warning:
         share = est["peak"] / MIB / total
         say(f"  that is {share:.0%} of this GPU's {total:,.0f} MB")

@@ -28,12 +28,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
+from train.core.objective import mode_of as mode_row
 from train.core.units import MIB
 from train.distributed.distributed import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
@@ -41,6 +43,9 @@ from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401 (RESULT_FILE, read_saved: the tests' names)
 from train.run.plan.fill import estimated_fit
 from train.run.plan.plan import Chosen
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 TRIAL_STEPS = 2  # timed optimizer steps per size, after one warm-up step (allocator, optimizer state)
 TIE = 0.03  # sizes within 3 % of the fastest count as equally fast: the smallest of them wins
@@ -119,18 +124,16 @@ def _longest_pairs(dataset, collate):
     return pairs
 
 
-def objective_of(b) -> str:
-    """What a trial step runs, in words (the Result's and the log's)."""
-    if b.objective is None:
-        return "token loss"
-    reference = b.cfg.model.reference
-    return f"preference loss {b.objective.loss_name}" + (f", reference {reference}" if reference else "")
+def objective_of(plan: Plan) -> str:
+    """What a trial step runs, in words (the Result's and the log's): the objective's, and its reference model."""
+    reference = plan.cfg.model.reference
+    return plan.objective.describe() + (f", reference {reference}" if reference else "")
 
 
-def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
+def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
     from train.core.step import train_step
 
-    device, precision = b.device, b.precision
+    device, precision = plan.device, plan.precision
     meter.reset()
     times, failed, first = [], False, None
     try:
@@ -138,8 +141,8 @@ def _trial(step_model, optimizer, scaler, b, sample, size: int, steps: int, mete
             batch = sample(size)
             synchronize(device)
             start = time.perf_counter()
-            loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, b.cfg.optim.grad_clip, device,
-                                  precision, source_target=b.family.source_target, objective=b.objective)
+            loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, plan.cfg.optim.grad_clip, device,
+                                  precision, source_target=plan.family.source_target, objective=plan.objective)
             synchronize(device)
             times.append(time.perf_counter() - start)
             first = loss.detach() if first is None else first
@@ -166,34 +169,34 @@ def _predict(trials: list[Trial], size: int) -> float | None:
     return c.peak_mb + max(0.0, slope) * (size - c.batch_size)
 
 
-def search(b, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
+def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.optim.optimizers import build_optimizer
     from train.distributed.parallel import build_scaler
     from train.tools.dryrun import run_lengths
 
-    optimizer, _ = build_optimizer(b.cfg.optim, b.model, b.device)
-    scaler = build_scaler(b.precision, b.model, b.device)
-    step_model = torch.compile(b.model) if b.cfg.model.compile else b.model
-    if b.objective is not None:  # preference training: pairs, the run's collator
-        sample = _longest_pairs(b.dataset, b.collate)
+    optimizer, _ = build_optimizer(plan.cfg.optim, plan.model, plan.device)
+    scaler = build_scaler(plan.precision, plan.model, plan.device)
+    step_model = torch.compile(plan.model) if plan.cfg.model.compile else plan.model
+    if plan.objective.trial_on_longest:  # e.g. preference pairs, through the run's collator
+        sample = _longest_pairs(plan.dataset, plan.collate)
     else:
-        lengths = run_lengths(b) if b.family.source_target else None
-        sample = _sampler(b.dataset, b.cfg.system.seed, lengths, b.model.config.vocab_size, b.max_length)
-    meter = PeakMeter(b.device)
+        lengths = run_lengths(plan) if plan.family.source_target else None
+        sample = _sampler(plan.dataset, plan.cfg.system.seed, lengths, plan.model.config.vocab_size, plan.max_length)
+    meter = PeakMeter(plan.device)
     sizes, trials = divisors(effective), []
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU
     # the OOM killer, unlike a CUDA OOM, cannot be caught.
     ceiling = (limit + capacity) / 2
-    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {unit_of(b.cfg.run.mode) + '/s':>10}  result")
+    say(f"{'micro-batch':>12} {'peak MB':>9} {'of limit':>9} {unit_of(plan.cfg.run.mode) + '/s':>10}  result")
 
     def run(size: int) -> bool:
         predicted = _predict(trials, size)
         if predicted is not None and predicted > ceiling:
             trial = Trial(size, "skipped", predicted)
         else:
-            trial = _trial(step_model, optimizer, scaler, b, sample, size, steps, meter)
+            trial = _trial(step_model, optimizer, scaler, plan, sample, size, steps, meter)
             if trial.status == "fits" and trial.peak_mb is not None and trial.peak_mb > limit:
                 trial.status = "over target"
         trials.append(trial)
@@ -218,7 +221,7 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if run(sizes[mid]) else (lo, mid)
     ooms = [t.batch_size for t in trials if t.status == "out of memory"]
-    cap = b.cfg.system.target_vram * min(ooms) if ooms else float("inf")
+    cap = plan.cfg.system.target_vram * min(ooms) if ooms else float("inf")
     fitted = [t.batch_size for t in trials if t.status == "fits"]
     below = [s for s in sizes if s <= cap and fitted and s <= max(fitted)]
     if below and below[-1] not in [t.batch_size for t in trials]:
@@ -228,8 +231,8 @@ def search(b, effective: int, limit: float, capacity: float, say, steps: int = T
 
 
 def unit_of(mode: str) -> str:
-    """What a micro-batch of `mode` counts: preference training's is pairs (the tools' rates)."""
-    return "pairs" if mode == "dpo" else "samples"
+    """What a micro-batch of `mode` counts (the tools' rates): its objective's unit (samples, pairs)."""
+    return mode_row(mode).unit
 
 
 def choose(trials: list[Trial], largest_safe: int) -> Trial:
@@ -250,10 +253,10 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
     trial_cfg = copy.deepcopy(cfg)
     trial_cfg.optim.batch_size, trial_cfg.optim.gradient_accumulation_steps = 1, per_rank
     trial_cfg.optim.effective_batch, trial_cfg.optim.lr_scaling = None, "none"
-    b = build(trial_cfg, lambda line: None)
+    plan = build(trial_cfg, lambda line: None)
     path = Path(cfg.run.output_dir) / RESULT_FILE
-    key = settings_key(b, effective, world)
-    capacity, source = capacity_mb(b.device, cfg.system.max_memory_mb)
+    key = settings_key(plan, effective, world)
+    capacity, source = capacity_mb(plan.device, cfg.system.max_memory_mb)
     if capacity is None:
         raise UsageError("MAX_MEMORY_MB: this system does not report its memory; set a budget in MiB")
     limit = cfg.system.target_vram * capacity
@@ -262,20 +265,20 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         if saved is not None:
             return Result(saved[0], saved[1], effective, saved[0], limit, capacity, source, source=why)
         say(f"find-batch: {why}; searching")
-    unit, objective = unit_of(b.cfg.run.mode), objective_of(b)
+    unit, objective = unit_of(plan.cfg.run.mode), objective_of(plan)
     say(
-        f"find-batch: {b.model_size} model, MAX_LENGTH {b.max_length}, {b.precision} on {device_name(b.device)}, "
+        f"find-batch: {plan.model_size} model, MAX_LENGTH {plan.max_length}, {plan.precision} on {device_name(plan.device)}, "
         f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
         f"effective batch {effective} {unit} kept"
     )
     # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes (train/run/plan/fill.py)
-    estimated, _, _ = estimated_fit(b.cfg, b.model, b.dataset, b.collate, b.max_length, b.precision, b.device.type,
-                                    world, b.family.source_target, limit * MIB, per_rank)
-    largest, trials = search(b, per_rank, limit, capacity, say, steps)
+    estimated, _, _ = estimated_fit(plan.cfg, plan.model, plan.dataset, plan.collate, plan.max_length, plan.precision, plan.device.type,
+                                    world, plan.family.source_target, limit * MIB, per_rank)
+    largest, trials = search(plan, per_rank, limit, capacity, say, steps)
     say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the memory "
         "estimate's, which a run without BATCH_SIZE fills a GPU to)")
-    device, fixes = b.device, remedies(trial_cfg, b.max_length, b.precision, hint=False)
-    del b
+    device, fixes = plan.device, remedies(trial_cfg, plan.max_length, plan.precision, hint=False)
+    del plan
     free_memory(device)
     if largest == 0:
         first = trials[0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -184,8 +185,12 @@ class PreferenceObjective:
     """Preference training's objective for train_step (step.TokenObjective's interface): the step's
     (pairs, chosen tokens) counted on the host, then each micro-batch's share of the loss and TRL's
     metrics (device tensors; train_step sums them over the micro-steps, the loop reads them at a log
-    line). reference: build_reference's function (None for simpo and orpo)."""
+    line). reference: build_reference's function (None for simpo and orpo). The interface:
+    train/core/objective.py Objective."""
 
+    rows_per_sample: ClassVar[int] = 2  # a pair: its chosen and its rejected sequence in one forward
+    unit: ClassVar[str] = "pairs"
+    trial_on_longest: ClassVar[bool] = True  # find-batch: the data's longest pairs, collated as the run does
     source_target: bool
     loss_name: str = "sigmoid"
     beta: float = 0.1
@@ -208,3 +213,33 @@ class PreferenceObjective:
     def returned(self, sums: dict) -> dict:
         """train_step's fourth value on a log step: every metric, summed over the micro-steps."""
         return sums
+
+    def named(self, returned: dict) -> dict:
+        return returned
+
+    def samples(self, batch: dict) -> int:
+        return int(batch["n_pairs"])
+
+    def shown(self, row: dict) -> str:
+        """The reward accuracy and margin."""
+        return f"acc {row['rewards/accuracies']:.3f} margin {row['rewards/margins']:.3f}"
+
+    def evaluate(self, model, batch: dict, device, precision: str):
+        """The batch's mean loss and TRL's metrics over its pairs, weighted by its pairs."""
+        counts = self.counts([batch])  # host labels: no sync
+        loss, metrics = self.loss(model, batch, device, precision, counts)
+        return counts[0], loss, metrics
+
+    def perplexity(self, loss: float | None) -> None:
+        return None  # a preference loss is no token loss
+
+    def eval_shown(self, loss: float, metrics: dict) -> str:
+        return (f"val_rewards/accuracies {metrics['rewards/accuracies']:.3f} "
+                f"val_rewards/margins {metrics['rewards/margins']:.3f}")
+
+    def kept(self, metrics: dict) -> dict:
+        """TRL's rewards/... (the reward accuracy, margin, chosen and rejected rewards)."""
+        return {name: value for name, value in metrics.items() if name.startswith("rewards/")}
+
+    def describe(self) -> str:
+        return f"preference loss {self.loss_name}"

@@ -44,16 +44,16 @@ def tokenizer_digest(tok) -> str | None:
 
 
 class Checkpointer:
-    def __init__(self, b, folder: Path, say, asked: dict | None = None):
+    def __init__(self, plan, folder: Path, say, asked: dict | None = None):
         """asked: the settings the session's command gave (config.json's "asked", nested by section),
         sealed into each checkpoint: RESUME=1 takes them from here, never from an edited config.json."""
-        self.b, self.cfg, self.say, self.asked = b, b.cfg, say, asked
+        self.plan, self.cfg, self.say, self.asked = plan, plan.cfg, say, asked
         # Rank 0 of a DDP run saves for all (every rank holds the same weights); with SHARDING
         # every rank writes its own shards (train/run/checkpoint/checkpoint.py).
         self.sharding = self.cfg.system.sharding
-        self.saves = b.world.is_main or self.sharding != "none"
+        self.saves = plan.world.is_main or self.sharding != "none"
         self.manager = CheckpointManager(folder, self.cfg.run.keep_checkpoints, say)
-        self.effective = self.cfg.effective_batch_size(b.world.world_size)
+        self.effective = self.cfg.effective_batch_size(plan.world.world_size)
         self.saving_s: list[tuple[float, float]] = []
         self.others_saved: str | None = None  # ranks that do not write: the name rank 0 gave it
         self.stateful: dict = {}  # what a checkpoint holds (the module doc), from track()
@@ -67,10 +67,10 @@ class Checkpointer:
         settings = {k: knobs.value(self.cfg, k) for k in COMPARED}
         if feed is not None:  # smaller than the plan's after an out-of-memory
             settings.update(batch_size=feed.batch_size, gradient_accumulation_steps=feed.accumulation)
-        settings.update(precision=self.b.precision, num_workers=self.cfg.data.num_workers)
-        settings.update(effective_batch_size=self.effective, model_size=self.b.model_size, max_length=self.b.max_length)
+        settings.update(precision=self.plan.precision, num_workers=self.cfg.data.num_workers)
+        settings.update(effective_batch_size=self.effective, model_size=self.plan.model_size, max_length=self.plan.max_length)
         # what chose the model, for the changed-model message of a later RESUME=1
-        settings.update(model_config=self.cfg.model.model_config, model_path=self.b.summary_extra.get("model_path"))
+        settings.update(model_config=self.cfg.model.model_config, model_path=self.plan.summary_extra.get("model_path"))
         settings.update(model_family=self.cfg.model.model_family, tokenizer=self.tokenizer_digest())
         settings.update(data_path=self.cfg.data.data_path, tokenizer_path=self.cfg.data.tokenizer_path)
         return settings
@@ -80,18 +80,18 @@ class Checkpointer:
         padding or truncation state), so RESUME=1 can tell a tokenizer trained on other data
         (train/run/guard/resume_state.py). Computed once per run."""
         if not hasattr(self, "_tokenizer_digest"):
-            self._tokenizer_digest = tokenizer_digest(getattr(self.b, "tokenizer", None))
+            self._tokenizer_digest = tokenizer_digest(getattr(self.plan, "tokenizer", None))
         return self._tokenizer_digest
 
     def data_identity(self) -> dict:
-        ds = self.b.dataset
+        ds = self.plan.dataset
         windows = getattr(getattr(ds, "dataset", ds), "windows", None)  # T5: span corruption over the packed windows
         source = getattr(ds if windows is None else windows, "_source", None)
         return {
-            "sequences": len(self.b.dataset),
-            "max_length": self.b.max_length,
+            "sequences": len(self.plan.dataset),
+            "max_length": self.plan.max_length,
             "seed": self.cfg.system.seed,
-            "source": Path(str(source[0])).name if source else type(self.b.dataset).__name__,
+            "source": Path(str(source[0])).name if source else type(self.plan.dataset).__name__,
         }
 
     def track(self, **stateful) -> None:
@@ -120,7 +120,7 @@ class Checkpointer:
         SHARDING every rank writes its shards."""
         s = self.stateful
         start = time.perf_counter()
-        if distributed.max_across(self.b.world, [int(not s["health"].worth_saving(s["model"]))])[0]:
+        if distributed.max_across(self.plan.world, [int(not s["health"].worth_saving(s["model"]))])[0]:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
         rng = s["rng"].state_dict()  # collectives, on every rank in this order
@@ -140,7 +140,7 @@ class Checkpointer:
         sharded = self.sharding != "none"  # then the optimizer's state is in the shards
         state = {"optimizer": {} if sharded else s["optimizer"].state_dict(), "scaler": s["scaler"].state_dict(), **rng}
         if sharded:
-            self.manager.save_sharded(steps_done, s["model"], s["optimizer"], state, record, self.b.world)
+            self.manager.save_sharded(steps_done, s["model"], s["optimizer"], state, record, self.plan.world)
         else:
             self.manager.save(steps_done, s["model"], s["optimizer"], state, record)
         self.saving_s.append((start, time.perf_counter() - start))

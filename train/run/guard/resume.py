@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,33 +27,36 @@ from train.run.guard.health import Health, weights_finite
 from train.run.guard.signals import StopSignals
 from train.run.rundir.outputs import check_saveable
 
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
+
 
 class RunGuard:
     """Checkpoints, resume, signals and non-finite losses for one run (see the module doc)."""
 
-    def __init__(self, b, run_path: Path, say, param_groups, asked=None):
+    def __init__(self, plan: Plan, run_path: Path, say, param_groups, asked=None):
         """Fresh run: the plan's schedule. RESUME=1: the newest valid checkpoint (weights go
-        into b.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
+        into plan.model) and the remaining steps (train/run/guard/resume_state.py), and only then the
         run folder touched. asked: the command's settings (TrainConfig), sealed into each checkpoint."""
-        self.b, self.cfg, self.say, self.run_path = b, b.cfg, say, Path(run_path)
-        check_saveable(b)  # what final/ needs, before a step is trained and the run folder touched
-        self.effective = self.cfg.effective_batch_size(b.world.world_size)
-        self.checkpoints = Checkpointer(b, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
+        self.plan, self.cfg, self.say, self.run_path = plan, plan.cfg, say, Path(run_path)
+        check_saveable(plan)  # what final/ needs, before a step is trained and the run folder touched
+        self.effective = self.cfg.effective_batch_size(plan.world.world_size)
+        self.checkpoints = Checkpointer(plan, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding
-        self.signals = StopSignals(announce=b.world.is_main)
+        self.signals = StopSignals(announce=plan.world.is_main)
         self.stop_signal: int | None = None
         self.stop_detail = ""
         self.write_error: str | None = None  # a checkpoint that did not fit: its one line
         self.loaded = None
         if self.cfg.run.resume:
             self.state, self.loaded = resume_state.from_checkpoint(
-                b, self.run_path, say, self.checkpoints, param_groups(), self.effective
+                plan, self.run_path, say, self.checkpoints, param_groups(), self.effective
             )
         else:
-            self.state = resume_state.fresh(b, self.effective)
+            self.state = resume_state.fresh(plan, self.effective)
         # The run's totals from here on belong to Health (train/run/guard/health.py), which counts them.
         self.counters = dict(self.state.counters)
-        self.progress = resume_state.Progress(self.state, self.effective, b.max_length)
+        self.progress = resume_state.Progress(self.state, self.effective, plan.max_length)
 
     # Where this session starts and ends: read from the frozen ResumeState.
     first_step = property(lambda self: self.state.first_step)
@@ -74,7 +78,7 @@ class RunGuard:
         self.scaler, self.feed = scaler, feed
         self.health = Health(scaler, self.counters)
         self.checkpoints.track(
-            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.b.world), progress=self.progress,
+            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world), progress=self.progress,
             feed=feed, schedule=self.schedule, health=self.health,
         )  # fmt: skip
         position = {"epoch": self.state.epoch, "position": self.state.consumed}
@@ -96,7 +100,7 @@ class RunGuard:
         # Every rank stops at the same step, or one waits forever in a collective: a signal seen
         # by any rank (torchrun forwards one to each, at different moments) and the longest
         # non-finite streak are shared, one small all-reduce per step on the host.
-        signum, streak = distributed.max_across(self.b.world, [self.signals.received or 0, streak])
+        signum, streak = distributed.max_across(self.plan.world, [self.signals.received or 0, streak])
         if signum:
             self.stop_signal = signum
             return "interrupted"
@@ -129,7 +133,7 @@ class RunGuard:
         except DiskFull as err:
             self.write_error = str(err)
         # every rank stops at the same step, or one waits forever in a collective
-        return not distributed.max_across(self.b.world, [int(self.write_error is not None)])[0]
+        return not distributed.max_across(self.plan.world, [int(self.write_error is not None)])[0]
 
     def seconds_saving_since(self, t0: float, t1: float = float("inf")) -> float:
         return self.checkpoints.seconds_saving_since(t0, t1)
@@ -149,7 +153,7 @@ class RunGuard:
         trained = self.health.trained
         if exit_reason in ("completed", "interrupted", "out_of_memory") and trained:
             finite = weights_finite(self.checkpoints.stateful["model"])
-            if not distributed.max_across(self.b.world, [int(not finite)])[0]:
+            if not distributed.max_across(self.plan.world, [int(not finite)])[0]:
                 if self.checkpoints.last_saved != checkpoint_name(steps_done):
                     self.save(steps_done, counted)
             else:

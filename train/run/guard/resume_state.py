@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from config import env_name
 from train.core import files
@@ -26,12 +27,15 @@ from train.core.optim.schedules import Schedule
 from train.distributed import distributed
 from train.run.checkpoint.checkpointer import COMPARED, Checkpointer
 
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
+
 BUDGET = ("max_steps", "epochs", "max_samples")
 
 
 @dataclass(frozen=True)
 class ResumeState:
-    """This session's start and span. The plan (b.total_steps ...) is never changed: a resume's
+    """This session's start and span. The plan (plan.total_steps ...) is never changed: a resume's
     continuation is total_steps here, with its reason in `replanned`."""
 
     schedule: Schedule
@@ -74,10 +78,10 @@ class Progress:
         }
 
 
-def fresh(b, effective: int) -> ResumeState:
+def fresh(plan: Plan, effective: int) -> ResumeState:
     """A new run: the plan's span, the schedule in samples."""
-    schedule = build_schedule(b.cfg.optim, effective, b.warmup_steps, b.total_steps)
-    return ResumeState(schedule, b.total_steps, b.warmup_steps)
+    schedule = build_schedule(plan.cfg.optim, effective, plan.warmup_steps, plan.total_steps)
+    return ResumeState(schedule, plan.total_steps, plan.warmup_steps)
 
 
 def trim_metrics(path: Path, step: int) -> int:
@@ -101,12 +105,12 @@ def trim_metrics(path: Path, step: int) -> int:
     return dropped
 
 
-def from_checkpoint(b, run_path: Path, say, checkpoints: Checkpointer, param_groups, effective: int):
-    """RESUME=1: the newest valid checkpoint (its weights go into b.model), checked against the
+def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: Checkpointer, param_groups, effective: int):
+    """RESUME=1: the newest valid checkpoint (its weights go into plan.model), checked against the
     settings, the data positioned, the remaining steps re-planned; only then is the run folder
     touched. Returns (ResumeState, the loaded checkpoint or None when the run is complete)."""
     manager = checkpoints.manager
-    loaded, rejected = manager.newest_valid(b.model, param_groups, checkpoints.sharding, checkpoints.settings())
+    loaded, rejected = manager.newest_valid(plan.model, param_groups, checkpoints.sharding, checkpoints.settings())
     if loaded is None:
         reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
         raise UsageError(f"RESUME=1: no usable checkpoint in {manager.folder} ({reasons})")
@@ -114,22 +118,22 @@ def from_checkpoint(b, run_path: Path, say, checkpoints: Checkpointer, param_gro
     if len(set(names)) > 1:  # a checkpoint folder not shared by every machine
         raise UsageError(f"RESUME=1: the processes found different newest checkpoints ({', '.join(names)})")
     meta, saved = loaded.meta, loaded.meta["settings"]
-    state = _counts(meta, fresh(b, effective))
+    state = _counts(meta, fresh(plan, effective))
     samples = state.counted_before[0] if state.counted_before else meta["samples"]
     say(
         f"resuming {run_path} from checkpoint {loaded.path.name}: step {meta['step']}, "
         f"{samples:,} samples, epoch {meta['data']['epoch']} position {meta['data']['position']:,}"
     )
-    state = _compare_settings(b, state, saved, checkpoints.settings(), effective, say)
-    state = _position_data(b, state, meta["data"], checkpoints.data_identity(), say)
+    state = _compare_settings(plan, state, saved, checkpoints.settings(), effective, say)
+    state = _position_data(plan, state, meta["data"], checkpoints.data_identity(), say)
     remaining = max(0, math.ceil((state.schedule.budget_samples - state.base_samples) / effective))
-    if remaining == 0 and _finished(b, run_path, state, loaded.path.name, say):
+    if remaining == 0 and _finished(plan, run_path, state, loaded.path.name, say):
         return replace(state, complete=True), None
-    state = _replan(b, state, remaining, saved, effective, say)
+    state = _replan(plan, state, remaining, saved, effective, say)
     # Everything checked: now the run folder may change (rank 0 alone, once every rank has
     # read its checkpoint).
     distributed.agree(None)
-    if b.world.is_main:
+    if plan.world.is_main:
         manager.set_aside(rejected)
         manager.clean_temporary()
         dropped = trim_metrics(run_path / "metrics.jsonl", state.first_step)
@@ -151,16 +155,16 @@ def _counts(meta: dict, state: ResumeState) -> ResumeState:
     )  # fmt: skip
 
 
-def _compare_settings(b, state: ResumeState, saved: dict, now: dict, effective: int, say) -> ResumeState:
+def _compare_settings(plan: Plan, state: ResumeState, saved: dict, now: dict, effective: int, say) -> ResumeState:
     """Say what changed since the checkpoint; a changed length or warm-up re-plans them."""
     changed = [f"{env_name(k)} {saved.get(k)} -> {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
     if changed:
         say("changed since the checkpoint: " + ", ".join(changed))
     schedule = state.schedule
     if any(saved.get(k) != now[k] for k in BUDGET):
-        budget = b.total_steps * effective
+        budget = plan.total_steps * effective
         steps = now["max_steps"]
-        if steps is not None and steps != saved.get("max_steps") and b.total_steps == steps:
+        if steps is not None and steps != saved.get("max_steps") and plan.total_steps == steps:
             # MAX_STEPS given again counts steps: the run ends at that step, whatever batch it had
             if steps < state.first_step:
                 raise UsageError(
@@ -172,13 +176,13 @@ def _compare_settings(b, state: ResumeState, saved: dict, now: dict, effective: 
         schedule = replace(schedule, budget_samples=budget)
         say(f"the run's length changed: the schedule now ends at {schedule.budget_samples:,} samples")
     if saved.get("warmup_steps") != now["warmup_steps"]:
-        schedule = replace(schedule, warmup_samples=b.warmup_steps * effective)
+        schedule = replace(schedule, warmup_samples=plan.warmup_steps * effective)
     return replace(state, schedule=schedule)
 
 
-def _position_data(b, state: ResumeState, data: dict, identity: dict, say) -> ResumeState:
+def _position_data(plan: Plan, state: ResumeState, data: dict, identity: dict, say) -> ResumeState:
     """The saved data position, where the data is the same; else the start of a new epoch."""
-    saved_world, world = data.get("world_size", 1), b.world.world_size
+    saved_world, world = data.get("world_size", 1), plan.world.world_size
     if data["identity"] != identity:
         say(
             "the data changed since the checkpoint (sequences, MAX_LENGTH, SEED or DATA_PATH): its position "
@@ -193,13 +197,13 @@ def _position_data(b, state: ResumeState, data: dict, identity: dict, say) -> Re
     return replace(state, epoch=data["epoch"], consumed=data["position"])
 
 
-def _finished(b, run_path: Path, state: ResumeState, name: str, say) -> bool:
+def _finished(plan: Plan, run_path: Path, state: ResumeState, name: str, say) -> bool:
     """Nothing left to train. Complete (True) only with its summary.json and a whole final/ of
     this step (a full disk may have stopped it writing them): then nothing of the run folder
     is touched. Else the session writes them. Rank 0 reads, every rank agrees."""
     from train.run.rundir.rundir import unfinished
 
-    missing = distributed.on_main(b.world, lambda: unfinished(run_path, state.first_step))
+    missing = distributed.on_main(plan.world, lambda: unfinished(run_path, state.first_step))
     if missing is None:  # a finished run (a scheduler's requeue, a repeated command)
         say(
             f"{run_path} is complete: its checkpoint {name} is at {state.base_samples:,} of "
@@ -211,9 +215,9 @@ def _finished(b, run_path: Path, state: ResumeState, name: str, say) -> bool:
     return False
 
 
-def _replan(b, state: ResumeState, remaining: int, saved: dict, effective: int, say) -> ResumeState:
+def _replan(plan: Plan, state: ResumeState, remaining: int, saved: dict, effective: int, say) -> ResumeState:
     """The steps left, as a decision with its reason."""
-    planned, first, schedule = b.total_steps, state.first_step, state.schedule
+    planned, first, schedule = plan.total_steps, state.first_step, state.schedule
     total = first + remaining
     progress = min(1.0, state.base_samples / max(1, schedule.budget_samples))
     why = (

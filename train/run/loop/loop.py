@@ -5,6 +5,8 @@ SIGTERM, non-finite losses) and the out-of-memory guard (halve the micro-batch, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import val_stop
 from train.run.loop.meter import Meter
@@ -12,12 +14,15 @@ from train.run.loop.parts import prepare
 from train.run.rundir import report
 from train.run.rundir.rundir import stop_for_write
 
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
-def run_loop(b, run_dir, say, guard) -> dict:
+
+def run_loop(plan: Plan, run_dir, say, guard) -> dict:
     """Train from guard.first_step to guard.total_steps (or a stop); returns summary.json's record."""
-    parts = prepare(b, run_dir, say, guard)
-    meter = Meter(b, run_dir, say, guard, parts.batches)
-    batches, log_every = meter.batches, b.cfg.run.log_every
+    parts = prepare(plan, run_dir, say, guard)
+    meter = Meter(plan, run_dir, say, guard, parts.batches)
+    batches, log_every = meter.batches, plan.cfg.run.log_every
     exit_reason, done, loss_t = "completed", guard.first_step, None
     # the LR curve in samples and the run's counters: the same curve step for step after a resume
     schedule, progress = guard.schedule, guard.progress
@@ -38,7 +43,7 @@ def run_loop(b, run_dir, say, guard) -> dict:
                 meter.step_end(done, counts_due=log_due or eval_due)
                 if log_due:
                     meter.log(done, loss_t, norm_t, lr, acc_t[0])
-                    if stop_for_write(b.world, run_dir):  # a full disk: metrics.jsonl or train.log
+                    if stop_for_write(plan.world, run_dir):  # a full disk: metrics.jsonl or train.log
                         exit_reason = "write_failed"
                         break
                 if eval_due:
@@ -46,7 +51,7 @@ def run_loop(b, run_dir, say, guard) -> dict:
                 # saves every SAVE_EVERY (with the meter's counts); signals; NaN
                 stop = guard.step_done(done, loss_t, synced=log_due, counted=meter.counted)
             if not stop and eval_due:
-                stop = val_stop(b, parts.evaluator, guard, done, say)  # a NaN validation loss
+                stop = val_stop(plan, parts.evaluator, guard, done, say)  # a NaN validation loss
             if stop:
                 exit_reason = stop
                 break
@@ -60,4 +65,4 @@ def run_loop(b, run_dir, say, guard) -> dict:
     if exit_reason == "interrupted":
         say(f"interrupted at step {done}; saving what was trained")
     exit_reason = guard.finish(done, exit_reason, counted=meter.counted)  # non-finite weights: their own stop
-    return report.summary(b, run_dir, meter, parts, guard, done, exit_reason)
+    return report.summary(plan, run_dir, meter, parts, guard, done, exit_reason)

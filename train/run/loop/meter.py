@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -20,10 +21,14 @@ from tqdm import tqdm
 from train.core.device import synchronize
 from train.core.measure.syncs import HostSyncs
 from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
-from train.core.step import compiled_run_eager
+from train.core.objective import Objective
+from train.core.step import TokenObjective, compiled_run_eager
 from train.core.units import IGNORE_INDEX, MIB
 from train.distributed import distributed
 from train.observe import monitor as monitor_lib
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 NO_COUNTS = (0, 0, 0)
 
@@ -45,11 +50,12 @@ class BatchCounter:
     and the collator's ints: no device sync). Packed pretraining batches are all real tokens.
     An encoder-decoder's tokens are source + target (what tokens_per_sec counts for T5): real
     ones are the source's attention_mask and the labels that are not -100, padded ones both
-    tensors' sizes (seq2seq_tokens)."""
+    tensors' sizes (seq2seq_tokens). A batch's samples are the objective's to count (rows, packed
+    conversations, pairs); default the token loss's."""
 
-    def __init__(self, batches, seq2seq: bool = False):
+    def __init__(self, batches, seq2seq: bool = False, objective: Objective | None = None):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
-        self.seq2seq = seq2seq
+        self.seq2seq, self.objective = seq2seq, objective or TokenObjective(seq2seq)
 
     def __iter__(self):
         return self
@@ -57,8 +63,7 @@ class BatchCounter:
     def __next__(self) -> dict:
         batch = next(self.batches)
         ids = batch["input_ids"]
-        # packed rows hold several conversations; a preference batch's samples are its pairs
-        self.rows += int(batch.get("n_pairs", batch.get("n_conversations", ids.shape[0])))
+        self.rows += self.objective.samples(batch)
         if self.seq2seq:
             real, padded = seq2seq_tokens(batch)
         else:
@@ -92,18 +97,19 @@ def seq2seq_tokens(batch: dict) -> tuple[int, int]:
 class Meter:
     """Counts, times and logs one session of a run (see the module doc)."""
 
-    def __init__(self, b, run_dir, say, guard, batches):
-        self.b, self.run_dir, self.say, self.guard = b, run_dir, say, guard
-        self.device, self.world = b.device, b.world
-        self.timer = StepTimer(b.device)  # data wait vs compute; CUDA events, read only at log points
-        self.batches = BatchCounter(self.timer.wrap(batches), b.family.source_target)  # rows, real/padded tokens
+    def __init__(self, plan: Plan, run_dir, say, guard, batches):
+        self.plan, self.run_dir, self.say, self.guard = plan, run_dir, say, guard
+        self.device, self.world = plan.device, plan.world
+        self.timer = StepTimer(plan.device)  # data wait vs compute; CUDA events, read only at log points
+        self.objective = plan.objective  # the mode's: what a batch's samples are, the log line's fields
+        self.batches = BatchCounter(self.timer.wrap(batches), plan.family.source_target, plan.objective)
         self.first = guard.first_step
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
         self.loss: float | None = None  # the last logged loss (after the loop: the last step's, see last_loss)
         self.loss_step: int | None = None  # the step self.loss is of
-        self.last_metrics: dict = {}  # and the last logged metrics (token accuracy, or TRL's rewards/...)
+        self.last_metrics: dict = {}  # and the last logged metrics (the objective's: token accuracy ...)
         self.first_step_s = None
         self.excluded = 0.0  # seconds of validation passes so far (kept out of the ETA)
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
@@ -125,7 +131,7 @@ class Meter:
             self.timer.start_steady()
         # disable=None: a live bar on a terminal; in a log file the progress lines are printed instead
         self.bar = tqdm(
-            total=self.guard.total_steps, initial=self.first, desc=self.b.cfg.run.mode, unit="step",
+            total=self.guard.total_steps, initial=self.first, desc=self.plan.cfg.run.mode, unit="step",
             dynamic_ncols=True, disable=None if self.world.is_main else True,
         )
 
@@ -135,7 +141,7 @@ class Meter:
         before = self.guard.counted_before
         if before is not None:
             return before[0] + counts[0], before[1] + counts[1]
-        per_row = counts[1] / counts[0] if counts[0] else self.b.max_length
+        per_row = counts[1] / counts[0] if counts[0] else self.plan.max_length
         return self.base + counts[0], round(self.base * per_row) + counts[1]
 
     def step_end(self, done: int, counts_due: bool) -> None:
@@ -171,7 +177,7 @@ class Meter:
         validation or save due; the first step builds the optimizer state once), else None. Its
         ops pay a Python call each (tens of ms once), so it is a warm-up step where the run has
         two or more (steady_start: from 20 steps), outside the throughput figures."""
-        save_every = self.b.cfg.run.save_every
+        save_every = self.plan.cfg.run.save_every
         quiet = quiet and not (save_every > 0 and done % save_every == 0)
         if self.host_syncs is not None or not quiet or done - self.first < 2:
             yield None
@@ -189,10 +195,10 @@ class Meter:
         """One metrics row and console line: the one host sync of the interval (loss, grad norm
         and mean_token_accuracy read together). The accuracy share of each rank adds up to the
         token mean over all ranks' targets, as the loss does: averaged across ranks with it.
-        accuracy_t: the step's token accuracy, or the objective's metrics by name (preference
+        accuracy_t: train_step's fourth value, the objective's metrics (the token accuracy; preference
         training: TRL's rewards/... and logps/..., each the step's mean over pairs, the same way)."""
         wait_s, compute_s = self.timer.take_interval()
-        named = accuracy_t if isinstance(accuracy_t, dict) else {"mean_token_accuracy": accuracy_t}
+        named = self.objective.named(accuracy_t)
         stacked = torch.stack([loss_t.float(), *(v.float() for v in named.values())])
         means, wait_s = distributed.mean_across(self.world, stacked, wait_s)
         loss, *values, grad_norm = torch.cat([means, norm_t.float().reshape(1)]).tolist()
@@ -225,11 +231,8 @@ class Meter:
         total, wait = self.guard.total_steps, row["data_wait_frac"] or 0
         train_s = now - self.t0 - self.excluded
         eta = train_s / (step - self.first) * (total - step)
-        pairs = "rewards/accuracies" in row  # preference training: the reward accuracy and margin
-        shown = (f"acc {row['rewards/accuracies']:.3f} margin {row['rewards/margins']:.3f}" if pairs
-                 else f"acc {row['mean_token_accuracy']:.3f}")  # fmt: skip
         line = (
-            f"step {step}/{total} loss {row['loss']:.4f} {shown} lr {row['lr']:.2e} "
+            f"step {step}/{total} loss {row['loss']:.4f} {self.objective.shown(row)} lr {row['lr']:.2e} "
             f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
             f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
         )

@@ -13,8 +13,12 @@ the ranks to agree first, which this module does not do yet.
 from __future__ import annotations
 
 import gc
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 MAX_FAILURES = 3
 # HIP (ROCm) raises the same torch.OutOfMemoryError from the allocator, but a kernel or library
@@ -86,11 +90,11 @@ class OomGuard:
     data.EpochSampler (set_position(epoch, start) skips the first samples of an epoch).
     """
 
-    def __init__(self, b, open_stream, optimizer, scaler, say):
+    def __init__(self, plan: Plan, open_stream, optimizer, scaler, say):
         """open_stream(batch_size, epoch, start): a positioned batch stream (train/data/stream.py
         BatchStream, with epoch, consumed and sampler) of that micro-batch."""
-        self.b, self.open_stream, self.optimizer, self.scaler, self.say = b, open_stream, optimizer, scaler, say
-        self.batch_size, self.accumulation = b.cfg.optim.batch_size, b.cfg.optim.gradient_accumulation_steps
+        self.plan, self.open_stream, self.optimizer, self.scaler, self.say = plan, open_stream, optimizer, scaler, say
+        self.batch_size, self.accumulation = plan.cfg.optim.batch_size, plan.cfg.optim.gradient_accumulation_steps
         self.failures = 0
         self.retries = 0
         self.events: list[dict] = []
@@ -105,7 +109,7 @@ class OomGuard:
     def state_dict(self) -> dict:
         """The data position for a checkpoint (meta.json's data): the epoch and the samples of it
         all ranks consumed (global), and how many processes consumed them."""
-        return {"epoch": self.stream.epoch, "position": self.stream.consumed, "world_size": self.b.world.world_size}
+        return {"epoch": self.stream.epoch, "position": self.stream.consumed, "world_size": self.plan.world.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Open the stream at a saved (or a fresh run's) data position."""
@@ -124,7 +128,7 @@ class OomGuard:
     def step(self, fn):
         mark = (self.stream.epoch, self.stream.consumed)
         rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state() if self.b.device.type == "cuda" else None
+        cuda_rng = torch.cuda.get_rng_state() if self.plan.device.type == "cuda" else None
         while True:
             try:
                 out = fn()
@@ -141,7 +145,7 @@ class OomGuard:
                 torch.cuda.set_rng_state(cuda_rng)
 
     def _recover(self, mark: tuple[int, int], reason: str) -> None:
-        free_memory(self.b.device, self.optimizer)
+        free_memory(self.plan.device, self.optimizer)
         if hasattr(self.scaler, "_per_optimizer_states"):
             # an OOM after unscale_ would make the retry's unscale_ refuse ("already called")
             self.scaler._per_optimizer_states.clear()
@@ -152,7 +156,7 @@ class OomGuard:
         step = self.step_index + 1
         if self.failures >= MAX_FAILURES or smaller is None:
             why = f"out of memory {self.failures} time(s)" + ("" if smaller else f" at micro-batch {old}")
-            fixes = remedies(self.b.cfg, self.b.max_length, self.b.precision, micro=(old, self.accumulation))
+            fixes = remedies(self.plan.cfg, self.plan.max_length, self.plan.precision, micro=(old, self.accumulation))
             raise OutOfMemoryStop(
                 f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. Try: {fixes}"
             )

@@ -5,11 +5,12 @@ positioned batch stream (restored by RESUME=1), the out-of-memory guard and the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from train.core.optim.optimizers import build_optimizer
-from train.core.step import TokenObjective, train_step
+from train.core.step import train_step
 from train.data.loader import make_loader
 from train.data.stream import BatchStream
 from train.distributed import parallel
@@ -19,18 +20,21 @@ from train.run.guard.signals import QuietWorkers
 from train.run.loop import oom as oom_lib
 from train.run.loop.evaluate import Evaluator
 
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
-def data_loader(b, batch_size: int):
+
+def data_loader(plan: Plan, batch_size: int):
     """(loader, sampler) for this run at a micro-batch, from the one loader factory."""
-    w = b.world
-    budget = b.total_steps * b.cfg.effective_batch_size(w.world_size)  # samples the whole run trains
-    return make_loader(b.dataset, b.cfg.data, batch_size, b.cfg.system.seed, b.device, b.collate, w.rank, w.world_size,
+    w = plan.world
+    budget = plan.total_steps * plan.cfg.effective_batch_size(w.world_size)  # samples the whole run trains
+    return make_loader(plan.dataset, plan.cfg.data, batch_size, plan.cfg.system.seed, plan.device, plan.collate, w.rank, w.world_size,
                        budget=budget)
 
 
 @dataclass
 class Parts:
-    b: object
+    plan: Plan
     model: torch.nn.Module  # what runs the step: wrapped for DDP/FSDP2, compiled when asked
     optimizer: torch.optim.Optimizer
     scaler: object
@@ -52,64 +56,55 @@ class Parts:
         a failed attempt leaves no count (BatchCounter.attempt). probed: the same batches as
         the host-sync counter sees them (its host data), on the one step it counts. accuracy: a
         log step's, which also returns its mean_token_accuracy (train_step)."""
-        b, feed = self.b, self.feed
+        plan, feed = self.plan, self.feed
 
         def attempt():
             return batches.attempt(lambda: train_step(
                 model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
-                accum=feed.accumulation, grad_clip=b.cfg.optim.grad_clip, device=b.device, precision=b.precision,
-                gradient_sync=self.gradient_sync, step_total=step_total(b.world), accuracy=accuracy,
-                source_target=b.family.source_target, objective=step_objective(b),
+                accum=feed.accumulation, grad_clip=plan.cfg.optim.grad_clip, device=plan.device, precision=plan.precision,
+                gradient_sync=self.gradient_sync, step_total=step_total(plan.world), accuracy=accuracy,
+                source_target=plan.family.source_target, objective=plan.objective,
             ))  # fmt: skip
 
         return feed.step(attempt)
 
 
-def step_objective(b):
-    """The plan's objective (preference training's), else the token loss averaged as LOSS_MEAN says:
-    over the step's target tokens, or (micro_batches) the mean of its micro-batches' means. Validation
-    and find-batch keep the plan's (None: the token-weighted loss)."""
-    if b.objective is not None:
-        return b.objective
-    return TokenObjective(b.family.source_target, micro_batch_mean=b.cfg.optim.loss_mean == "micro_batches")
-
-
-def prepare(b, run_dir, say, guard) -> Parts:
+def prepare(plan: Plan, run_dir, say, guard) -> Parts:
     """Build the session's parts; RESUME=1 restores the saved state into them (guard.start)."""
-    cfg, device = b.cfg, b.device
+    cfg, device = plan.cfg, plan.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
-    train_model = parallel.wrap(b.model, b.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
+    train_model = parallel.wrap(plan.model, plan.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
     optimizer, kind = build_optimizer(cfg.optim, train_model, device)
     say(f"optimizer: {kind}")
-    scaler = parallel.build_scaler(b.precision, train_model, device)
+    scaler = parallel.build_scaler(plan.precision, train_model, device)
 
     def open_stream(batch_size: int, epoch: int, start: int) -> BatchStream:
         """A stream of micro-batches of batch_size from a sample position (the start, a resume's,
         or the failed step's after an OOM); workers leave Ctrl+C to the main process."""
-        loader, sampler = data_loader(b, batch_size)
+        loader, sampler = data_loader(plan, batch_size)
         if loader.num_workers > 0:
             loader.worker_init_fn = QuietWorkers(loader.worker_init_fn)
         return BatchStream(loader, sampler, batch_size, epoch, start)
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/loop/oom.py)
-    feed = oom_lib.OomGuard(b, open_stream, optimizer, scaler, say)
+    feed = oom_lib.OomGuard(plan, open_stream, optimizer, scaler, say)
     # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/guard/resume.py).
-    guard.start(b.model, optimizer, scaler, feed)
+    guard.start(plan.model, optimizer, scaler, feed)
     batches = feed.batches()
     step_model, compiled = train_model, compile_guard.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
         # (compile_guard.mark_shapes); SFT's packed rows have one length already
-        bucketed = getattr(b.collate, "length_varies", False)  # the collator knows (pretraining's has none)
+        bucketed = getattr(plan.collate, "length_varies", False)  # the collator knows (pretraining's has none)
         mode = cfg.model.compile_mode or "default"
-        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, b.precision, say,
-                                                                    bucketed, b.family.source_target, b.objective,
+        step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, plan.precision, say,
+                                                                    bucketed, plan.family.source_target, plan.objective,
                                                                     mode)
         if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
             cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer
     return Parts(
-        b=b, model=step_model, optimizer=optimizer, scaler=scaler,
+        plan=plan, model=step_model, optimizer=optimizer, scaler=scaler,
         gradient_sync=parallel.sync_context(train_model), feed=feed,
-        evaluator=Evaluator(b, run_dir, say, b.val_collate, micro_batch=lambda: feed.batch_size),
+        evaluator=Evaluator(plan, run_dir, say, plan.val_collate, micro_batch=lambda: feed.batch_size),
         batches=batches, compiled=compiled,
     )

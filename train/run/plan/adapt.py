@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from train.core.errors import UsageError
+from train.core.objective import mode_of
 from train.core.units import MIB
 from train.models import estimate_seq2seq
 from train.models.estimate_terms import packed_grid_of
@@ -106,36 +107,36 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
     return cap, why
 
 
-def over_memory(b) -> str | None:
+def over_memory(plan) -> str | None:
     """A warning line (the run goes on, exit 0) where the peak estimate at the planned micro-batch
     is over what capacity_mb says the run can use; None where it fits or is unknown. Refused
     (exit 2) only where even one sequence cannot fit: train/models/estimate.py refuse_unfit, earlier."""
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
-    cfg = b.cfg
+    cfg = plan.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
     # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
-    shape = row_shape(b.dataset, b.collate, b.max_length, cfg.run.mode, b.family.source_target)
-    est = estimate_for_run(b.model.config, count_params(b.model), cfg, shape["max_length"], b.precision, b.device.type,
-                           b.world.world_size, trainable_of(b.model), target_length=shape.get("target_length"),
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.source_target)
+    est = estimate_for_run(plan.model.config, count_params(plan.model), cfg, shape["max_length"], plan.precision, plan.device.type,
+                           plan.world.world_size, trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
-    if cfg.run.dry_run and b.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
+    if cfg.run.dry_run and plan.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
         from train.core.device import memory_capacity
 
-        cap_bytes, what = memory_capacity(b.device, cfg.system.max_memory_mb)
+        cap_bytes, what = memory_capacity(plan.device, cfg.system.max_memory_mb)
         cap = None if cap_bytes is None else cap_bytes / MIB
     else:
-        cap, what = capacity_mb(b.device, cfg.system.max_memory_mb)
+        cap, what = capacity_mb(plan.device, cfg.system.max_memory_mb)
     peak = est["peak"] / MIB
     if cap is None or peak <= cap:
         return None
-    then = ("out-of-memory retries at a smaller micro-batch" if b.device.type == "cuda"
+    then = ("out-of-memory retries at a smaller micro-batch" if plan.device.type == "cuda"
             else "swapping or the system killing the run")
     return (
         f"warning: the memory estimate is {peak:,.0f} MB, over the {cap:,.0f} MB this run can use ({what}); "
-        f"warned, not refused (the fit check refuses only where one sequence of {b.max_length} tokens cannot fit): "
+        f"warned, not refused (the fit check refuses only where one sequence of {plan.max_length} tokens cannot fit): "
         f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set ENABLE_GRAD_CKPT=1"
     )
 
@@ -149,7 +150,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, source_target: bool)
     if grid is not None:
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
-    if mode != "sft" or lengths is None or not len(lengths):
+    if not mode_of(mode).row_lengths or lengths is None or not len(lengths):
         if source_target:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
             return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
         return {"max_length": max_length}
@@ -227,7 +228,7 @@ def adapt(
             d.pin_memory = False
     if d.num_workers > 0:
         rows = max_length if max_length is not None else dataset.max_length
-        sequences = 2 if cfg.run.mode == "dpo" else 1  # a pair is two rows (chosen, rejected)
+        sequences = mode_of(cfg.run.mode).rows_per_sample  # a pair is two rows (chosen, rejected)
         batch_mb = o.batch_size * sequences * rows * 8 / MIB  # int64 token ids
         prefetch = d.prefetch_factor or 2
         while prefetch > 1 and d.num_workers * prefetch * batch_mb > PREFETCH_RAM_SHARE * avail:

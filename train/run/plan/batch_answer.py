@@ -11,33 +11,37 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from train.core.device import device_name
+
+if TYPE_CHECKING:
+    from train.run.plan.plan import Plan
 
 RESULT_FILE = ".auto_batch.json"
 # Below this speed-up the note would be noise: two trials of a few steps differ by ~5 % anyway.
 WORTH = 1.05
 
 
-def settings_key(b, effective: int, world_size: int) -> dict:
+def settings_key(plan: Plan, effective: int, world_size: int) -> dict:
     """What the answer depends on; a saved result is reused only when all of it matches."""
-    model_cfg = json.dumps(b.model.config.to_dict(), sort_keys=True, default=str)
+    model_cfg = json.dumps(plan.model.config.to_dict(), sort_keys=True, default=str)
     return {
         "model": hashlib.sha256(model_cfg.encode()).hexdigest()[:16],
-        "mode": b.cfg.run.mode,  # dpo's micro-batch counts pairs, its step holds the reference
-        "reference": b.cfg.model.reference,
-        "max_length": b.max_length,
-        "precision": b.precision,
-        "gradient_checkpointing": b.cfg.model.gradient_checkpointing,
-        "compile": b.cfg.model.compile,
-        "optimizer": b.cfg.optim.optimizer,  # its state and what FREEZE leaves trained move the peak
-        "freeze": b.cfg.model.freeze,
-        "lora": [b.cfg.model.lora_r or 0, b.cfg.model.lora_targets],  # a list: as the saved JSON reads back  # adapters alone trained: a far lower peak
-        "device": device_name(b.device),
-        "target_vram": b.cfg.system.target_vram,
-        "max_memory_mb": b.cfg.system.max_memory_mb,
+        "mode": plan.cfg.run.mode,  # dpo's micro-batch counts pairs, its step holds the reference
+        "reference": plan.cfg.model.reference,
+        "max_length": plan.max_length,
+        "precision": plan.precision,
+        "gradient_checkpointing": plan.cfg.model.gradient_checkpointing,
+        "compile": plan.cfg.model.compile,
+        "optimizer": plan.cfg.optim.optimizer,  # its state and what FREEZE leaves trained move the peak
+        "freeze": plan.cfg.model.freeze,
+        "lora": [plan.cfg.model.lora_r or 0, plan.cfg.model.lora_targets],  # a list: as the saved JSON reads back  # adapters alone trained: a far lower peak
+        "device": device_name(plan.device),
+        "target_vram": plan.cfg.system.target_vram,
+        "max_memory_mb": plan.cfg.system.max_memory_mb,
         "effective_batch": effective,
         "world_size": world_size,
         "torch": torch.__version__,
@@ -80,16 +84,16 @@ def _rate(trials, size: int) -> tuple[float | None, str]:
     return None, "not tried"
 
 
-def faster_answer(b, world_size: int) -> str | None:
-    """The note for a run about to train at b's micro-batch when find-batch saved a faster one
+def faster_answer(plan: Plan, world_size: int) -> str | None:
+    """The note for a run about to train at the plan's micro-batch when find-batch saved a faster one
     for exactly these settings (None when there is none, or AUTO_BATCH=1 already took it)."""
-    o = b.cfg.optim
-    if o.auto_batch or b.cfg.run.mode != "pretrain":  # find-batch measures pretraining steps
+    o = plan.cfg.optim
+    if o.auto_batch or plan.cfg.run.mode != "pretrain":  # find-batch measures pretraining steps
         return None
     size, accum = o.batch_size, o.gradient_accumulation_steps  # as decided
     per_rank = size * accum
-    path = Path(b.cfg.run.output_dir) / RESULT_FILE
-    answer, _ = read_saved(path, settings_key(b, per_rank * world_size, world_size), per_rank)
+    path = Path(plan.cfg.run.output_dir) / RESULT_FILE
+    answer, _ = read_saved(path, settings_key(plan, per_rank * world_size, world_size), per_rank)
     if answer is None or answer[0] == size:
         return None
     trials = load(path)[0].get("trials")
@@ -104,4 +108,4 @@ def faster_answer(b, world_size: int) -> str | None:
     else:
         measured = f"{theirs / ours:.2f}x this run's {size} x {accum} ({ours:.1f} samples/s)"
     return (f"find-batch measured BATCH_SIZE={answer[0]} GRADIENT_ACCUM={answer[1]} at {theirs:.1f} samples/s on "
-            f"{device_name(b.device)}, {measured}; AUTO_BATCH=1 takes it (effective batch kept), or set both")
+            f"{device_name(plan.device)}, {measured}; AUTO_BATCH=1 takes it (effective batch kept), or set both")

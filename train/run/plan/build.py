@@ -19,7 +19,15 @@ from train.models.family import family_of
 from train.run.plan.adapt import over_memory
 from train.run.plan.dpo import DPOSource
 from train.run.plan.fill import Fill
-from train.run.plan.plan import Chosen, ModelChoice, Plan, make_plan, note_family_ignored, shortest_limit
+from train.run.plan.plan import (
+    Chosen,
+    ModelChoice,
+    Plan,
+    make_plan,
+    note_family_ignored,
+    shortest_limit,
+    token_objective,
+)
 from train.run.plan.sft import SFTSource
 
 
@@ -91,8 +99,8 @@ class PretrainingSource:
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
                   say, decide):
-        """(None: the step's token loss, the data as it is)."""
-        return None, data
+        """(the token loss, plan.token_objective; the data as it is)."""
+        return token_objective(cfg, choice), data
 
 
 def choose_model_size(cfg: TrainConfig, device: torch.device, say, decide) -> tuple[str, bool]:

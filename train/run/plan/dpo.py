@@ -1,8 +1,8 @@
 """`python -m train dpo`: where a preference-training run's model, data and loss come from (DPOSource).
 
 The plan is make_plan's, as for pretraining and SFT, and the step, loop, checkpoints and run folder are
-shared. The model and its tokenizer are SFT's (SFTSource's calls: MODEL_PATH, default the newest
-completed SFT run's final/; LoRA), the data is train/data/pref's front door (pairs of chosen and
+shared. The model and its tokenizer are SFT's (sft.py's functions, composed: MODEL_PATH, default the
+newest completed SFT run's final/; LoRA), the data is train/data/pref's front door (pairs of chosen and
 rejected replies), and the loss is train/core/preference's, handed to the step as the plan's objective
 with the reference model REFERENCE decides (train/run/plan/dpo_reference.py).
 """
@@ -13,7 +13,6 @@ import copy
 from dataclasses import replace
 from functools import partial
 
-import numpy as np
 import torch
 
 from config import MODE_DEFAULTS, TrainConfig
@@ -26,9 +25,8 @@ from train.data.pref.preference import preference_data
 from train.distributed.distributed import gather
 from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout
-from train.run.plan import dpo_reference, sft_scratch
+from train.run.plan import dpo_reference, sft, sft_scratch
 from train.run.plan.plan import ModelChoice
-from train.run.plan.sft import SFTSource, sft_steps
 
 DEFAULTS = MODE_DEFAULTS["dpo"]
 """The DPO knobs' values when empty: config.py's (config.resolve sets them; a config made without it, or an
@@ -135,35 +133,50 @@ def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: d
     return kind
 
 
-class DPOSource(SFTSource):
-    """Preference training: SFT's model and tokenizer (MODEL_PATH or the newest SFT run's final/, LoRA),
-    pairs from DATA_PATH, and the preference loss as the step's objective. Each call returns what it made."""
+def dropout_off(cfg: TrainConfig, model, choice: ModelChoice, decide) -> torch.nn.Module:
+    """DROPOUT empty or 0: every dropout off, LoRA's too, so the policy and its reference (in eval mode)
+    score a pair alike and the first step's loss is ln 2 (TRL's disable_dropout, on by default); the
+    settings read at forward (Llama's attention_dropout, T5's) as well as the torch.nn.Dropout layers.
+    DROPOUT above 0: SFT's model took it (loaded_dropout; LoRA's is LORA_DROPOUT)."""
+    if cfg.model.dropout:  # set by loaded_dropout, before LoRA
+        return model
+    asked = "DROPOUT empty" if cfg.model.dropout is None else "DROPOUT=0"
+    if changed := set_dropout(model, 0.0):
+        decide("dropout", 0.0, f"{asked}: {changed} dropout settings off (MODEL_PATH's own: "
+               f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a pair "
+               "alike (the first step's loss is ln 2)")
+    return model
+
+
+def loaded_dropout(cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
+    """DROPOUT above 0 as SFT takes it; 0 or empty: dropout_off turns every dropout off, LoRA's too."""
+    if cfg.model.dropout:
+        sft.loaded_dropout(cfg, model, choice, decide)
+        decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with dropout, the "
+               "reference scores without it, so the first step's loss is not ln 2 (TRL: disable_dropout=False)")
+
+
+class DPOSource:
+    """Preference training: SFT's model and tokenizer (MODEL_PATH or the newest SFT run's final/, LoRA:
+    sft.py's functions), pairs from DATA_PATH, and the preference loss as the step's objective. Each call
+    returns what it made."""
+
+    shapes_vary = True  # pairs padded to each batch's longest, or each micro-batch packed
 
     def refuse(self, cfg: TrainConfig) -> None:
         sft_scratch.refuse_both(cfg)
         refuse_preference(cfg)
 
-    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
-        """SFT's model (MODEL_PATH, LoRA). DROPOUT empty or 0: every dropout off, LoRA's too, so the policy
-        and its reference (in eval mode) score a pair alike and the first step's loss is ln 2 (TRL's
-        disable_dropout, on by default); the settings read at forward (Llama's attention_dropout, T5's) as
-        well as the torch.nn.Dropout layers. DROPOUT above 0: SFT's model took it (LoRA's is LORA_DROPOUT)."""
-        model = super().model(cfg, choice, tok, data, device, decide)
-        if cfg.model.dropout:  # set by loaded_dropout, before LoRA
-            return model
-        asked = "DROPOUT empty" if cfg.model.dropout is None else "DROPOUT=0"
-        if changed := set_dropout(model, 0.0):
-            decide("dropout", 0.0, f"{asked}: {changed} dropout settings off (MODEL_PATH's own: "
-                   f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a pair "
-                   "alike (the first step's loss is ln 2)")
-        return model
+    def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+        return sft.choose_fine_tuned(cfg, device, say, decide)
 
-    def loaded_dropout(self, cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
-        """DROPOUT above 0 as SFT takes it; 0 or empty: model() turns every dropout off, LoRA's too."""
-        if cfg.model.dropout:
-            super().loaded_dropout(cfg, model, choice, decide)
-            decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with dropout, the "
-                   "reference scores without it, so the first step's loss is not ln 2 (TRL: disable_dropout=False)")
+    def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+        return sft.chat_tokenizer(cfg, choice, max_length, say, decide)
+
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+        """SFT's model (MODEL_PATH, LoRA) with DPO's dropout (dropout_off, loaded_dropout)."""
+        model = sft.fine_tuned_model(cfg, choice, tok, data, device, decide, dropout=loaded_dropout)
+        return dropout_off(cfg, model, choice, decide)
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
@@ -177,13 +190,8 @@ class DPOSource(SFTSource):
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); the pairs' lengths said."""
-        total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit="pairs")
-        if cfg.data.token_budget is not None:
-            effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
-            data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
-        sides = data.conversations.sides
-        say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
-                      for side, v in zip(("prompt", "chosen", "rejected"), sides.T, strict=True)))
+        total_steps, why = sft.said_steps(cfg, data, world_size, say, decide, unit="pairs")
+        sft.say_lengths(say, dict(zip(("prompt", "chosen", "rejected"), data.conversations.sides.T, strict=True)))
         return total_steps, why
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,

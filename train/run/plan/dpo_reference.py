@@ -28,7 +28,13 @@ import torch
 from train.core.errors import UsageError
 from train.core.preference import reference_over
 from train.data import cache_files
-from train.data.pref.pref_batching import PairCollator, PairDataset, Seq2SeqPairCollator
+from train.data.pref.pref_batching import (
+    MicroPackedPairCollator,
+    PackedPairCollator,
+    PairCollator,
+    PairDataset,
+    Seq2SeqPairCollator,
+)
 from train.data.sft.packing import PackedRows
 
 PRECOMPUTED = ("ref_chosen_logps", "ref_rejected_logps")
@@ -55,31 +61,49 @@ class RefExamples:
                 PRECOMPUTED[1]: float(self.rejected[index])}  # fmt: skip
 
 
-class WithReference:
-    """A preference collator whose batches also carry each pair's reference log-probs, in the batch's
-    pair order (a packed row's pairs row by row, as PackedPairCollator numbers them). Its other
-    attributes (length buckets, attention) are the collator's."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        if name == "inner":  # not set yet (unpickling)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        if name == "inner":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
+class CarriesReference:
+    """Mixed into a preference collator (before it): its batches also carry each pair's reference
+    log-probs as fields (PRECOMPUTED), in the batch's pair order (a packed row's pairs row by row, as
+    PackedPairCollator numbers them), read from the items RefExamples gives."""
 
     def __call__(self, items) -> dict:
-        batch = self.inner(items)
+        batch = super().__call__(items)
         pairs = [p for item in items for p in (item if isinstance(item, list) else [item])]
         for key in PRECOMPUTED:
             batch[key] = torch.tensor([p[key] for p in pairs], dtype=torch.float32)
         return batch
+
+
+class RefPairCollator(CarriesReference, PairCollator):
+    """PairCollator's batches with the reference log-probs."""
+
+
+class RefSeq2SeqPairCollator(CarriesReference, Seq2SeqPairCollator):
+    """Seq2SeqPairCollator's batches with the reference log-probs."""
+
+
+class RefPackedPairCollator(CarriesReference, PackedPairCollator):
+    """PackedPairCollator's batches (PACKING=1) with the reference log-probs."""
+
+
+class RefMicroPackedPairCollator(CarriesReference, MicroPackedPairCollator):
+    """MicroPackedPairCollator's batches (each micro-batch packed) with the reference log-probs."""
+
+
+CARRYING = {cls.__mro__[2]: cls for cls in (RefPairCollator, RefSeq2SeqPairCollator, RefPackedPairCollator,
+                                             RefMicroPackedPairCollator)}  # fmt: skip
+
+
+def carrying(collate):
+    """A collator of the same kind and settings (padding, length buckets, attention: every field the
+    data's front door set) whose batches carry the reference log-probs; `collate` is left as it was.
+    The loop and the loader read it as the plain collator it is: no wrapper in between."""
+    kind = CARRYING.get(type(collate))
+    if kind is None:
+        raise TypeError(f"REFERENCE=precomputed: no reference-carrying form of {type(collate).__name__}")
+    made = object.__new__(kind)
+    made.__dict__.update(vars(collate))
+    return made
 
 
 def weights_digest(model) -> str:
@@ -199,6 +223,6 @@ def with_precomputed(data, model, device, precision: str, source_target: bool, c
     val_dataset, val_collate = data.val_dataset, data.val_collate
     if val_dataset is not None:
         val = precompute(model, val_dataset, pad, device, precision, source_target, cache_dir, digest, say)
-        val_dataset, val_collate = PairDataset(val, val_dataset.seq2seq), WithReference(val_collate)
-    return replace(data, dataset=dataset, val_dataset=val_dataset, collate=WithReference(data.collate),
+        val_dataset, val_collate = PairDataset(val, val_dataset.seq2seq), carrying(val_collate)
+    return replace(data, dataset=dataset, val_dataset=val_dataset, collate=carrying(data.collate),
                    val_collate=val_collate, summary=dict(data.summary))

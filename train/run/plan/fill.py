@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from train.core.objective import mode_of
 from train.core.units import MIB
 from train.models.estimate_terms import PackedGrid
 from train.run.plan import adapt
@@ -31,12 +32,13 @@ class Fill:
     """The command line's word to the plan (batch_set_by_user is False): fill the device, where it is a GPU."""
 
 
-FILL_MODES = ("sft", "dpo")  # and pretraining of an encoder-decoder (T5): applies()
 SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to say what memory would allow
 
 
 def applies(mode: str, source_target: bool) -> bool:
-    return mode in FILL_MODES or (mode == "pretrain" and source_target)
+    """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset
+    (train/core/objective.py fills_causal)."""
+    return mode_of(mode).fills_causal or source_target
 
 
 def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, str]) -> bool:
@@ -67,7 +69,7 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
     shape = adapt.row_shape(dataset, collate, max_length, cfg.run.mode, source_target)
     n_params, trainable = count_params(model), trainable_of(model)
     sized = copy.deepcopy(cfg)
-    if cfg.run.mode == "dpo" and cfg.model.reference is None and not cfg.model.lora_r:
+    if mode_of(cfg.run.mode).reference and cfg.model.reference is None and not cfg.model.lora_r:
         sized.model.reference = "copy"  # REFERENCE is chosen later, from the room left: leave room for a copy
 
     def peak(batch: int) -> float:

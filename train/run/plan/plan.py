@@ -2,9 +2,10 @@
 sequence length, the effective batch and learning rate, the memory-adaptive settings, step count,
 warm-up, and every automatic choice with the reason for it. One function makes it for every mode
 (make_plan), in one order: the model's family and shape (config only) -> MAX_LENGTH -> the fit
-check -> the tokenizer -> the data -> the model -> the memory-adaptive settings and the steps. A mode (pretraining in build.py, SFT in sft.py)
-supplies each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a
-Data, a model): nothing is kept on the source. The plan is frozen: what changes at run time (an
+check -> the tokenizer -> the data -> the model -> the memory-adaptive settings and the steps. A mode's
+source (Source: pretraining's in build.py, SFT's in sft.py, preference training's in dpo.py) supplies
+each of those as a pure call that returns what it made (a ModelChoice, a tokenizer, a Data, a model, the
+objective): nothing is kept on the source. The plan is frozen: what changes at run time (an
 out-of-memory's smaller micro-batch, a resume's position) belongs to the object that owns it.
 
 Nothing here writes to runs/, so bad input stops before any run folder is touched.
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,8 +30,11 @@ from train.config import knobs
 from train.core.device import attention_kernels, resolve_device, resolve_precision, set_tf32
 from train.core.errors import UsageError
 from train.core.generation import apply_generation_config, read_generation_config
+from train.core.objective import Objective
 from train.core.optim.optimizers import OPTIMIZERS
 from train.core.optim.schedules import warmup_of
+from train.core.step import TokenObjective
+from train.data.loader import Data
 from train.distributed.distributed import SINGLE, Dist, rank_device
 from train.distributed.parallel import describe
 from train.models import estimate
@@ -72,9 +77,10 @@ class Plan:
     val_dataset: torch.utils.data.Dataset | None = None
     val_collate: Callable | None = None
     """SFT: the collator for validation batches (padding); None: default stacking."""
-    objective: object = None
-    """The mode's loss for train_step (train/core/step.py): None, the token loss of pretraining and SFT;
-    preference training's PreferenceObjective (train/core/preference), with its reference model."""
+    objective: Objective | None = None
+    """The mode's objective (train/core/objective.py): its loss for train_step, its samples, log fields and
+    validation. The token loss of pretraining and SFT (token_objective), preference training's
+    PreferenceObjective (train/core/preference) with its reference model; made by the plan's source."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,39 @@ class Chosen:
     reason: str
 
 
+class Source(Protocol):
+    """Where a mode's model, tokenizer, data and objective come from: what make_plan asks, each a pure
+    call that returns what it made (nothing kept on the source). Pretraining's (build.PretrainingSource),
+    SFT's (sft.SFTSource) and preference training's (dpo.DPOSource, composed of sft.py's functions)."""
+
+    shapes_vary: bool
+    """Whether batch shapes vary (padded to each batch's longest): attention_kernels' choice."""
+
+    def refuse(self, cfg: TrainConfig) -> None:
+        """A setting this mode would ignore or cannot do: one line (UsageError), before any work."""
+
+    def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+        """The model's family and shape, from settings and config files alone."""
+
+    def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+        """The run's tokenizer."""
+
+    def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device: torch.device, precision: str,
+             max_length: int, say, decide) -> Data:
+        """The training and held-out data and how to batch them."""
+
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device: torch.device,
+              decide) -> torch.nn.Module:
+        """The model on its device, before the memory-adaptive settings."""
+
+    def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
+        """(optimizer steps, why)."""
+
+    def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device: torch.device,
+                  precision: str, max_length: int, trained: int, say, decide) -> tuple[Objective, Data]:
+        """(the mode's objective, the data its batches come from: the same, or one whose batches carry more)."""
+
+
 class Decisions:
     """Every automatic choice, printed as it is made and saved in config.json with its reason."""
 
@@ -130,6 +169,13 @@ def note_family_ignored(cfg: TrainConfig, say, why: str) -> None:
     said, not refused (the launchers pass the default through)."""
     if cfg.model.model_family != knobs.default("model_family"):
         say(f"MODEL_FAMILY={cfg.model.model_family} is ignored: {why}")
+
+
+def token_objective(cfg: TrainConfig, choice: ModelChoice) -> TokenObjective:
+    """The token loss of pretraining and SFT, averaged as LOSS_MEAN says: over the step's target tokens,
+    or (micro_batches) the mean of its micro-batches' means. Validation and find-batch's single
+    micro-batch weigh by tokens either way (TokenObjective.evaluate; one micro-batch: the same mean)."""
+    return TokenObjective(choice.family.source_target, micro_batch_mean=cfg.optim.loss_mean == "micro_batches")
 
 
 def seed_everything(seed: int) -> None:
@@ -223,7 +269,7 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
-def make_plan(asked: TrainConfig, say, world: Dist, source, chosen: Chosen | fill.Fill | None = None) -> Plan:
+def make_plan(asked: TrainConfig, say, world: Dist, source: Source, chosen: Chosen | fill.Fill | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
     where the model, tokenizer, data and loss (objective) come from, each a pure call; every other
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of

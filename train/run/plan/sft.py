@@ -33,7 +33,7 @@ from train.models import CAUSAL, load, lora
 from train.models.build import attention_fits, context_length, new_model, size_vocab
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
-from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit
+from train.run.plan.plan import ModelChoice, note_family_ignored, shortest_limit, token_objective
 from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
 
 
@@ -61,10 +61,89 @@ def plan_sft_steps(
     return steps, why
 
 
+def choose_fine_tuned(cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
+    """A new model's config (MODEL_CONFIG / MODEL_SIZE), or MODEL_PATH's (read, not loaded: its weights come
+    after the data). SFT's choice, and preference training's (which refuses a new model first)."""
+    if sft_scratch.asked(cfg):
+        return sft_scratch.choose_new(cfg, say, decide)
+    note_family_ignored(cfg, say, "it says what MODEL_SIZE builds (set MODEL_SIZE to train a new model from "
+                        "scratch); a loaded model's config.json decides its own")
+    path = Path(model_source(cfg, decide, say))
+    family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
+    config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
+    variable = f"MODEL_PATH={path}"
+    sft_scratch.refuse_packing(cfg, family.source_target, variable)
+    if family.source_target:
+        decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
+               "pairs, one per assistant turn, loss on the target")
+    return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
+                       variable=variable, config=config, path=path)
+
+
+def chat_tokenizer(cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
+    """MODEL_PATH's (or TOKENIZER_PATH), or a new model's (TOKENIZER_PATH or a BPE of the data's turns),
+    with TEMPLATE's chat markers added."""
+    d = cfg.data
+    if choice.path is None:
+        tok = tokenizer.turns_tokenizer(d, choice.declared, choice.variable, say, decide)
+    else:
+        source = d.tokenizer_path or choice.path
+        variable = f"TOKENIZER_PATH={source}" if d.tokenizer_path else f"MODEL_PATH={source}"
+        tok = tokenizer.folder_tokenizer(source, variable, cfg.model.trust_remote_code,
+                                         bare=load.bare_of(choice.path) is not None and not d.tokenizer_path)
+    tokenizer.chat_tokens(tok, d.template)
+    return tok
+
+
+def loaded_dropout(cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
+    """DROPOUT, where set, in every dropout setting of MODEL_PATH's model; empty: the model's own."""
+    if cfg.model.dropout is not None:
+        set_dropout(model, cfg.model.dropout)
+        decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g} in every dropout setting of "
+               f"MODEL_PATH's model (its own: {dropout_of(choice.config)})")
+
+
+def fine_tuned_model(cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide,
+                     dropout=loaded_dropout) -> torch.nn.Module:
+    """The loaded model fitted to its chat-ready tokenizer, or the new one sized by it; the packed
+    attention the data chose; then LoRA's adapters (before the optimizer and DDP). dropout(cfg, model,
+    choice, decide): DROPOUT on a loaded model before LoRA's adapters (whose dropout is LORA_DROPOUT)."""
+    m = cfg.model
+    if choice.path is None:
+        size_vocab(choice.config, tok, decide, choice.variable, choice.declared)
+        model = new_model(choice.config, False, cfg.system.seed, cfg.run.dry_run, device)
+    else:
+        model = load.load_pretrained(choice.path, m.trust_remote_code, choice.family)
+        load.fit_tokenizer(model, tok, stop_token_ids(tok), decide)
+        dropout(cfg, model, choice, decide)
+    if data.summary.get("attention") in (FLASH, VARLEN):
+        use_attention(model, data.summary["attention"])
+    load.ready(model, m.gradient_checkpointing)
+    model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
+    return model if cfg.run.dry_run and choice.path is None else model.to(device)
+
+
+def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str]:
+    """Optimizer steps (sft_steps); with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in
+    summary.json."""
+    total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit=unit)
+    if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
+        effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
+        data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
+    return total_steps, why
+
+
+def say_lengths(say, sides: dict) -> None:
+    """The median and longest of each side's lengths, in tokens, in one line."""
+    say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
+                  for side, v in sides.items()))
+
+
 class SFTSource:
     """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), or a
     new model of MODEL_CONFIG / MODEL_SIZE (sft_scratch.py), and conversations from DATA_PATH (or
-    the built-in pairs), padded, grouped, budgeted or packed. Each call returns what it made."""
+    the built-in pairs), padded, grouped, budgeted or packed. Each call returns what it made; the
+    calls preference training shares (dpo.py) are this module's functions."""
 
     shapes_vary = True  # padded to each batch's longest; packed rows gather conversations x longest
 
@@ -72,35 +151,10 @@ class SFTSource:
         sft_scratch.refuse_both(cfg)
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
-        """A new model's config, or MODEL_PATH's (read, not loaded: its weights come after the data)."""
-        if sft_scratch.asked(cfg):
-            return sft_scratch.choose_new(cfg, say, decide)
-        note_family_ignored(cfg, say, "it says what MODEL_SIZE builds (set MODEL_SIZE to train a new model from "
-                            "scratch); a loaded model's config.json decides its own")
-        path = Path(model_source(cfg, decide, say))
-        family = load.family_of_folder(path, cfg.model.trust_remote_code) or CAUSAL
-        config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
-        variable = f"MODEL_PATH={path}"
-        sft_scratch.refuse_packing(cfg, family.source_target, variable)
-        if family.source_target:
-            decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
-                   "pairs, one per assistant turn, loss on the target")
-        return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
-                           variable=variable, config=config, path=path)
+        return choose_fine_tuned(cfg, device, say, decide)
 
     def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
-        """MODEL_PATH's (or TOKENIZER_PATH), or a new model's (TOKENIZER_PATH or a BPE of the data's
-        turns), with TEMPLATE's chat markers added."""
-        d = cfg.data
-        if choice.path is None:
-            tok = tokenizer.turns_tokenizer(d, choice.declared, choice.variable, say, decide)
-        else:
-            source = d.tokenizer_path or choice.path
-            variable = f"TOKENIZER_PATH={source}" if d.tokenizer_path else f"MODEL_PATH={source}"
-            tok = tokenizer.folder_tokenizer(source, variable, cfg.model.trust_remote_code,
-                                             bare=load.bare_of(choice.path) is not None and not d.tokenizer_path)
-        tokenizer.chat_tokens(tok, d.template)
-        return tok
+        return chat_tokenizer(cfg, choice, max_length, say, decide)
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
@@ -115,46 +169,21 @@ class SFTSource:
         return data
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
-        """Optimizer steps; with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in summary.json."""
-        total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide)
-        if cfg.data.token_budget is not None:  # batch sizes vary: report the epoch's mean, not BATCH_SIZE
-            effective = rows_per_micro * cfg.optim.gradient_accumulation_steps * world_size
-            data.summary.update(batch_size=round(rows_per_micro, 2), effective_batch_size=round(effective, 2))
+        """Optimizer steps (said_steps); the conversations' lengths said."""
+        total_steps, why = said_steps(cfg, data, world_size, say, decide)
         lengths, sources = data.conversations.lengths, data.conversations.source_lengths
-        sides = {"conversation": lengths} if sources is None else {"source": sources, "target": lengths - sources}
-        say("; ".join(f"{side} lengths in tokens: median {int(np.median(v))}, max {int(v.max())}"
-                      for side, v in sides.items()))
+        say_lengths(say, {"conversation": lengths} if sources is None else {"source": sources,
+                                                                             "target": lengths - sources})
         return total_steps, why
 
     def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
-        """The loaded model fitted to its chat-ready tokenizer, or the new one sized by it; the
-        packed attention the data chose; then LoRA's adapters (before the optimizer and DDP)."""
-        m = cfg.model
-        if choice.path is None:
-            size_vocab(choice.config, tok, decide, choice.variable, choice.declared)
-            model = new_model(choice.config, False, cfg.system.seed, cfg.run.dry_run, device)
-        else:
-            model = load.load_pretrained(choice.path, m.trust_remote_code, choice.family)
-            load.fit_tokenizer(model, tok, stop_token_ids(tok), decide)
-            self.loaded_dropout(cfg, model, choice, decide)  # before LoRA's adapters, whose dropout is LORA_DROPOUT
-        if data.summary.get("attention") in (FLASH, VARLEN):
-            use_attention(model, data.summary["attention"])
-        load.ready(model, m.gradient_checkpointing)
-        model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
-        return model if cfg.run.dry_run and choice.path is None else model.to(device)
-
-    def loaded_dropout(self, cfg: TrainConfig, model, choice: ModelChoice, decide) -> None:
-        """DROPOUT, where set, in every dropout setting of MODEL_PATH's model; empty: the model's own."""
-        if cfg.model.dropout is not None:
-            set_dropout(model, cfg.model.dropout)
-            decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g} in every dropout setting of "
-                   f"MODEL_PATH's model (its own: {dropout_of(choice.config)})")
+        return fine_tuned_model(cfg, choice, tok, data, device, decide)
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
                   say, decide):
-        """(None: the step's token loss, LOSS_MEAN's averaging applied by the loop, train/run/loop/parts.py;
-        the data as it is); preference training's is dpo.py's."""
-        return None, data
+        """(the token loss averaged as LOSS_MEAN says, plan.token_objective; the data as it is); preference
+        training's is dpo.py's."""
+        return token_objective(cfg, choice), data
 
 
 def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:

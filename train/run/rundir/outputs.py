@@ -12,24 +12,24 @@ from train.distributed import distributed, parallel
 from train.run.rundir.rundir import RunDir, point_latest, save_model, write_failed
 
 
-def save_final(b, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
+def save_final(plan, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
     """final/: save_pretrained (safetensors) and the tokenizer, loads offline with from_pretrained;
     written whole or not at all (train/run/rundir/rundir.py). A sharded model passes its gathered state dict."""
-    save_model(b, run_dir.path / "final", step, state_dict)
+    save_model(plan, run_dir.path / "final", step, state_dict)
 
 
-def check_saveable(b) -> None:
+def check_saveable(plan) -> None:
     """What final/ needs, checked before the first step: a config whose generation settings
     transformers refuses to save (a MODEL_CONFIG with pad_token_id -5) once failed the run after
     it had trained, with no final/ and no summary.json. One line naming where they came from."""
     import copy
 
-    m = b.cfg.model
+    m = plan.cfg.model
     source = next((f"{var}={value}" for var, value in (("GENERATION_CONFIG", m.generation_config),
                    ("MODEL_CONFIG", m.model_config), ("MODEL_PATH", m.model_path)) if value), "the model's config")  # fmt: skip
-    gen = getattr(b.model, "generation_config", None)
+    gen = getattr(plan.model, "generation_config", None)
     try:
-        b.model.config.to_json_string()
+        plan.model.config.to_json_string()
         if gen is not None:
             gen = copy.deepcopy(gen)
             gen.use_cache = True  # as save_model writes it
@@ -45,16 +45,16 @@ def check_saveable(b) -> None:
         ) from None
 
 
-def finish(b, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
+def finish(plan, run_dir: RunDir, summary: dict, world: distributed.Dist) -> None:
     """final/, then summary.json: with the run folder's complete final/ marker, a summary.json
     says the run is finished, which RESUME=1 relies on to leave it alone. A run stopped by a
     failed append or checkpoint (a full disk) writes no final/ (RESUME=1 continues from the checkpoint): its
     summary.json where the disk still takes it, then the append's one line."""
-    full_state = parallel.full_state_dict(b.model)  # sharded: a gather every rank joins
+    full_state = parallel.full_state_dict(plan.model)  # sharded: a gather every rank joins
     stopped = summary["exit_reason"] == "write_failed"
     if not summary["exit_reason"].startswith("non_finite") and not stopped:  # never a final/ of NaN weights
         try:
-            distributed.on_main(world, lambda: save_final(b, run_dir, summary["steps"], full_state))
+            distributed.on_main(world, lambda: save_final(plan, run_dir, summary["steps"], full_state))
         except UsageError as err:
             summary["final_error"] = str(err)
             with contextlib.suppress(OSError):  # the run's figures, if the disk still takes them

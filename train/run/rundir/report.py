@@ -30,10 +30,10 @@ from train.observe import monitor as monitor_lib
 from train.run.compile.compile_guard import finish_counts
 
 
-def config_lines(cfg: TrainConfig, b=None) -> list[str]:
-    """The resolved config, one line per section, as launcher variables; b (the plan): what it
+def config_lines(cfg: TrainConfig, plan=None) -> list[str]:
+    """The resolved config, one line per section, as launcher variables; plan: what it
     decided where the field says otherwise (resolved_fields)."""
-    shown = resolved_fields(b) if b is not None else {}
+    shown = resolved_fields(plan) if plan is not None else {}
     lines = []
     for section, klass in SECTIONS.items():
         part = getattr(cfg, section)
@@ -47,67 +47,67 @@ def config_lines(cfg: TrainConfig, b=None) -> list[str]:
     return lines
 
 
-def resolved_fields(b) -> dict:
+def resolved_fields(plan) -> dict:
     """Fields whose value in the config is not the run's: MODEL_SIZE left empty (the plan's size,
     or a loaded model's label), MODEL_FAMILY where the model is not MODEL_SIZE's (MODEL_CONFIG's or
     MODEL_PATH's own type: a T5 folder showed MODEL_FAMILY=gpt2), VAL_FRACTION beside VAL_PATH."""
-    shown = {"model_size": b.model_size}
-    model_type = getattr(getattr(unwrapped(b.model), "config", None), "model_type", None)
+    shown = {"model_size": plan.model_size}
+    model_type = getattr(getattr(unwrapped(plan.model), "config", None), "model_type", None)
     if isinstance(model_type, str):
         shown["model_family"] = model_type
-    if b.cfg.data.val_path is not None:
+    if plan.cfg.data.val_path is not None:
         shown["val_fraction"] = "(unused:VAL_PATH)"
     return shown
 
 
-def start_line(b, run_path, total_steps: int) -> str:
+def start_line(plan, run_path, total_steps: int) -> str:
     """run ... model ... precision ... batch x accum (x processes) = effective ... steps ..."""
-    cfg, world = b.cfg, b.world
-    n_params = count_params(b.model)
+    cfg, world = plan.cfg, plan.world
+    n_params = count_params(plan.model)
     processes = f" x {world.world_size} processes" if world.world_size > 1 else ""
     batch, shown = cfg.optim.batch_size, cfg.effective_batch_size(world.world_size)
     if cfg.data.token_budget is not None:  # SFT: rows vary per micro-batch; the epoch's mean
-        rows = b.summary_extra["batch_size"]
+        rows = plan.summary_extra["batch_size"]
         batch = f"~{rows:.1f} (TOKEN_BUDGET={cfg.data.token_budget})"
         shown = f"~{rows * cfg.optim.gradient_accumulation_steps * world.world_size:.0f}"
-    dropout = dropout_of(b.model)  # DROPOUT as the model holds it: the kit's 0, a loaded model's own, or set
+    dropout = dropout_of(plan.model)  # DROPOUT as the model holds it: the kit's 0, a loaded model's own, or set
     shown_dropout = "" if dropout is None else f", dropout {dropout:g}"
     return (
-        f"run {run_path}  model {b.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision {b.precision}  "
+        f"run {run_path}  model {plan.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision {plan.precision}  "
         f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
-        f"max_length {b.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
+        f"max_length {plan.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
     )
 
 
-def config_record(b, guard=None, asked: TrainConfig | None = None) -> dict:
+def config_record(plan, guard=None, asked: TrainConfig | None = None) -> dict:
     """config.json: the config as resolved, the numbers derived from it, every automatic
     decision with its reason, and the library versions. guard: RESUME=1's continuation (its
     steps and warm-up, and the re-planned total_steps as the last decision). asked: the
     settings the command gave, before the plan's decisions, which RESUME=1 keeps where it
     sets none again (train/run/guard/carry.py)."""
-    cfg, world = b.cfg, b.world
-    total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (b.total_steps, b.warmup_steps)
+    cfg, world = plan.cfg, plan.world
+    total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (plan.total_steps, plan.warmup_steps)
     replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
         **({"asked": asdict(asked), "asked_sha256": asked_seal(asdict(asked))} if asked is not None else {}),
         "resolved": {
-            "device": str(b.device),
-            "precision": b.precision,
-            "model_size": b.model_size,
-            "model_family": resolved_fields(b).get("model_family"),  # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
-            "max_length": b.max_length,
+            "device": str(plan.device),
+            "precision": plan.precision,
+            "model_size": plan.model_size,
+            "model_family": resolved_fields(plan).get("model_family"),  # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
+            "max_length": plan.max_length,
             "total_steps": total,
             "warmup_steps": warmup,
             "effective_batch_size": cfg.effective_batch_size(world.world_size),
-            "tokens_per_step": cfg.tokens_per_step(b.max_length, world.world_size),
+            "tokens_per_step": cfg.tokens_per_step(plan.max_length, world.world_size),
             "world_size": world.world_size,
-            "n_params": count_params(b.model),
-            "n_trainable_params": trainable_of(b.model).params,
-            "dropout": dropout_of(b.model),
-            "model_config": b.model.config.to_dict(),
+            "n_params": count_params(plan.model),
+            "n_trainable_params": trainable_of(plan.model).params,
+            "dropout": dropout_of(plan.model),
+            "model_config": plan.model.config.to_dict(),
         },
-        "decisions": [*b.decisions, *replanned],
+        "decisions": [*plan.decisions, *replanned],
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
 
@@ -138,23 +138,23 @@ def asked_settings(run_path: Path) -> dict | None:
     return flat_asked(record.get("asked") if isinstance(record, dict) else None)
 
 
-def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
+def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dict:
     """summary.json: what the run was, what it measured, how it ended."""
-    cfg, device, model = b.cfg, b.device, b.model
+    cfg, device, model = plan.cfg, plan.device, plan.model
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    if b.family.source_target:  # FLOPs per source + target token at the planned lengths
-        fpt = model_flops_per_token(model, *sample_lengths(b.family, cfg.run.mode, b.max_length))
+    if plan.family.source_target:  # FLOPs per source + target token at the planned lengths
+        fpt = model_flops_per_token(model, *sample_lengths(plan.family, cfg.run.mode, plan.max_length))
     else:
-        seq_len = round(seen[1] / seen[0]) if seen[0] else b.max_length  # pretraining: max_length
+        seq_len = round(seen[1] / seen[0]) if seen[0] else plan.max_length  # pretraining: max_length
         fpt = model_flops_per_token(model, seq_len)
     torch_mem = monitor_lib.torch_memory(device)
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
     now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.feed.batch_size,
                                      gradient_accumulation_steps=parts.feed.accumulation))
     trainable = trainable_of(model)
-    estimate = estimate_for_run(model.config, n_params, now, b.max_length, b.precision, device.type, b.world.world_size,
+    estimate = estimate_for_run(model.config, n_params, now, plan.max_length, plan.precision, device.type, plan.world.world_size,
                                 trainable)
     gpu = meter.gpu_summary
     record = {
@@ -163,14 +163,14 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "device": str(device),
         "device_name": device_name(device),
         "world_size": 1,
-        "model_size": b.model_size,
+        "model_size": plan.model_size,
         "n_params": n_params,
         "n_trainable_params": trainable.params,  # FREEZE leaves the rest untrained
-        "precision": b.precision,
+        "precision": plan.precision,
         "batch_size": parts.feed.batch_size,  # smaller than the plan's after an out-of-memory
         "gradient_accumulation_steps": parts.feed.accumulation,
-        "effective_batch_size": cfg.effective_batch_size(b.world.world_size),
-        "max_length": b.max_length,
+        "effective_batch_size": cfg.effective_batch_size(plan.world.world_size),
+        "max_length": plan.max_length,
         "num_workers": cfg.data.num_workers,
         "steps": done,
         **measured,
@@ -184,18 +184,18 @@ def summary(b, run_dir, meter, parts, guard, done: int, exit_reason: str) -> dic
         "host_memory": meter.host.summary(),
         "flops_per_token": fpt,
         **mfu_report(measured["tokens_per_sec"], fpt, device_name(device) if device.type == "cuda" else None,
-                     b.precision, tf32=cfg.system.tf32),
+                     plan.precision, tf32=cfg.system.tf32),
         "final_loss": meter.loss,
-        **{f"final_{name}": value for name, value in meter.last_metrics.items() if name.startswith("rewards/")},
+        **{f"final_{name}": value for name, value in plan.objective.kept(meter.last_metrics).items()},
         **parts.evaluator.summary(),
         **finish_counts(parts.compiled),
         "exit_reason": exit_reason,
         **guard.summary(),
-        **b.summary_extra,
+        **plan.summary_extra,
         "oom_retries": parts.feed.retries,
         "oom_events": parts.feed.events,
     }
-    return distributed.add_rank_figures(record, b.world, device)
+    return distributed.add_rank_figures(record, plan.world, device)
 
 
 KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are

@@ -31,7 +31,7 @@ def write_json(path: Path, data) -> None:
     files.write_json(path, data)
 
 
-def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None) -> None:
+def save_model(plan, folder: Path, step: int | None, state_dict: dict | None = None) -> None:
     """save_pretrained + tokenizer into folder (final/ or best/), all or nothing: written into a
     fresh temporary sibling, fsynced, marked complete, renamed into place; a folder already there
     is replaced only once the new one is whole (a link there is removed, never followed). A failed
@@ -45,17 +45,17 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
     tmp = None
     # Generation wants the KV cache (16x faster for 400 tokens); training turned it off, and
     # generate() reads generation_config.json, made from the config when the model was built.
-    gen = getattr(b.model, "generation_config", None) or SimpleNamespace(use_cache=None)
-    use_cache, gen_cache = b.model.config.use_cache, gen.use_cache
-    b.model.config.use_cache = gen.use_cache = True
+    gen = getattr(plan.model, "generation_config", None) or SimpleNamespace(use_cache=None)
+    use_cache, gen_cache = plan.model.config.use_cache, gen.use_cache
+    plan.model.config.use_cache = gen.use_cache = True
     try:
         tmp = files.fresh_folder(parent, f".{folder.name}.tmp-")
         with quiet_saving():
-            if lora.is_lora(b.model):  # merged, loadable without peft; the adapter in tmp/adapter
-                lora.save_merged(b.model, tmp, folder)
+            if lora.is_lora(plan.model):  # merged, loadable without peft; the adapter in tmp/adapter
+                lora.save_merged(plan.model, tmp, folder)
             else:
-                b.model.save_pretrained(tmp, state_dict=state_dict)
-        b.tokenizer.save_pretrained(tmp)
+                plan.model.save_pretrained(tmp, state_dict=state_dict)
+        plan.tokenizer.save_pretrained(tmp)
         files.atomic_write(tmp / COMPLETE, json.dumps({"step": step}) + "\n")
         files.sync_tree(tmp)
         files.replace_folder(tmp, folder)
@@ -67,7 +67,7 @@ def save_model(b, folder: Path, step: int | None, state_dict: dict | None = None
             raise  # not the file system: a bug, with its traceback
         raise UsageError(write_failed(folder, code)) from None
     finally:
-        b.model.config.use_cache, gen.use_cache = use_cache, gen_cache
+        plan.model.config.use_cache, gen.use_cache = use_cache, gen_cache
 
 
 CONTINUES = ("best", "metrics.jsonl", "train.log")  # a failure there leaves the training to continue
