@@ -1,6 +1,7 @@
-"""Helpers for the GRPO loss tests: tiny GPT-2 and Llama models from the kit's registry, a generation
-batch in TRL's layout (prompts left-padded, completions right-padded, some cut short without EOS), and
-the independent computation the kit is checked against: TRL 1.16's formulas transcribed plainly from
+"""Helpers for the GRPO loss tests (and bench/grpo_vs_trl_loss.py): tiny GPT-2 and Llama models from
+the kit's registry, a generation batch in TRL's layout (prompts left-padded, completions right-padded,
+some cut short without EOS) scored by two reward functions through the kit's advantages, and the
+independent computation the kit is checked against: TRL 1.16's formulas transcribed plainly from
 trl/trainer/grpo_trainer.py (_generate_and_score_completions, _compute_loss) and trl/trainer/utils.py
 (nanstd), on the full logits of a plain transformers forward, one process, no accumulation."""
 
@@ -8,6 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from train.core.reward import (
+    Completions,
+    GrpoKnobs,
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    loss_mask,
+    model_inputs,
+    stack_rewards,
+    truncated,
+)
 from train.models.build import build_config, build_model
 
 VOCAB, EOS, PAD = 96, 1, 0
@@ -65,6 +77,50 @@ def plain_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     keep = attention_mask[:, 1:] == 1
     return (logps * keep)[:, -c:], (entropy * keep)[:, -c:].detach()
+
+
+CPU = torch.device("cpu")
+G = 4  # NUM_GENERATIONS
+ROWS = 2 * G
+# Each loss type also carries one more of TRL's knobs, so every one of them meets the comparison.
+EXTRA = {
+    "grpo": dict(delta=1.1, epsilon=0.1),
+    "bnpo": dict(mask_truncated_completions=True),
+    "dr_grpo": dict(max_completion_length=12, epsilon=0.05),
+    "dapo": dict(epsilon_high=0.28, epsilon=0.05),
+}
+
+
+def rewards_of(completions: list, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """Two reward functions: one scores every completion, the other only some (None elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randn(len(completions), generator=g).tolist()
+    length = [float(len(c)) if i % 2 else None for i, c in enumerate(completions)]
+    return stack_rewards({"score": score, "length": length}), ["score", "length"]
+
+
+def scored_batch(knobs: GrpoKnobs, seed: int = 3) -> dict:
+    """A generation batch after scoring, as the loss reads it: TRL's loss mask and advantages."""
+    batch, completions = generation_batch(ROWS, seed)
+    cut = truncated(completions, [EOS, PAD])
+    batch["completion_mask"] = loss_mask(batch["completion_mask"], cut, knobs)
+    per_func, names = rewards_of(completions, seed)
+    batch["advantages"], _ = group_advantages(per_func, names, knobs)
+    return batch
+
+
+def generation_logps(model, batch: dict, knobs: GrpoKnobs) -> torch.Tensor:
+    with torch.no_grad():
+        return completion_logps(model, model_inputs(batch, CPU), Completions.of(batch), knobs.temperature)[0]
+
+
+def take_step(model, batch: dict, knobs: GrpoKnobs) -> None:
+    """One real optimizer step on the kit's loss (the first of NUM_ITERATIONS=2)."""
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    loss, _ = grpo_loss(model, batch, CPU, "fp32", knobs=knobs)
+    loss.backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
 
 
 def nanstd(tensor, dim=None, keepdim=False):  # trl/trainer/utils.py
@@ -144,7 +200,9 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
     coef_1 = torch.exp(log_importance_weights)
     if k.beta != 0.0:
         ref_per_token_logps = inputs["ref_per_token_logps"]
-        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        per_token_kl = (
+            torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        )
         if k.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
     coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)

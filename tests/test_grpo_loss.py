@@ -12,13 +12,20 @@ import copy
 import pytest
 import torch
 from grpo_tools import (
+    CPU,
     EOS,
+    EXTRA,
     PAD,
+    ROWS,
+    G,
     generation_batch,
+    generation_logps,
     nanstd,
     plain_advantages,
     plain_logps,
     plain_loss,
+    scored_batch,
+    take_step,
     tiny,
 )  # fmt: skip
 
@@ -37,17 +44,7 @@ from train.core.reward import (
 )
 from train.core.reward import advantages as adv_module
 
-CPU = torch.device("cpu")
 TOL = 1e-5
-G = 4  # NUM_GENERATIONS
-ROWS = 2 * G
-# Each loss type also carries one more of TRL's knobs, so every one of them meets the comparison.
-EXTRA = {
-    "grpo": dict(delta=1.1, epsilon=0.1),
-    "bnpo": dict(mask_truncated_completions=True),
-    "dr_grpo": dict(max_completion_length=12, epsilon=0.05),
-    "dapo": dict(epsilon_high=0.28, epsilon=0.05),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -60,40 +57,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def rewards_of(completions: list, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """Two reward functions: one scores every completion, the other only some (None elsewhere)."""
-    g = torch.Generator().manual_seed(seed)
-    score = torch.randn(len(completions), generator=g).tolist()
-    length = [float(len(c)) if i % 2 else None for i, c in enumerate(completions)]
-    return stack_rewards({"score": score, "length": length}), ["score", "length"]
-
-
 def grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def scored_batch(knobs: GrpoKnobs, seed: int = 3) -> dict:
-    """A generation batch after scoring, as the loss reads it: TRL's loss mask and advantages."""
-    batch, completions = generation_batch(ROWS, seed)
-    cut = truncated(completions, [EOS, PAD])
-    batch["completion_mask"] = loss_mask(batch["completion_mask"], cut, knobs)
-    per_func, names = rewards_of(completions, seed)
-    batch["advantages"], _ = group_advantages(per_func, names, knobs)
-    return batch
-
-
-def generation_logps(model, batch: dict, knobs: GrpoKnobs) -> torch.Tensor:
-    with torch.no_grad():
-        return completion_logps(model, model_inputs(batch, CPU), Completions.of(batch), knobs.temperature)[0]
-
-
-def take_step(model, batch: dict, knobs: GrpoKnobs) -> None:
-    """One real optimizer step on the kit's loss (the first of NUM_ITERATIONS=2)."""
-    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
-    loss, _ = grpo_loss(model, batch, CPU, "fp32", knobs=knobs)
-    loss.backward()
-    opt.step()
-    model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("mu", [1, 2])
@@ -162,7 +127,8 @@ def test_advantages_and_reward_metrics_equal_trl(scale, aggregation):
     knobs = GrpoKnobs(num_generations=G, scale_rewards=scale, reward_weights=(1.0, 0.5),
                       multi_objective_aggregation=aggregation)  # fmt: skip
     got, metrics = group_advantages(per_func, ["score", "length"], knobs)
-    want, expected = plain_advantages(per_func, torch.tensor([1.0, 0.5]), G, scale, aggregation, ["score", "length"])
+    names = ["score", "length"]
+    want, expected = plain_advantages(per_func, torch.tensor([1.0, 0.5]), G, scale, aggregation, names)
     torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
     assert got[9] == 0 and not torch.isnan(got).any() and nan != nan
     assert metrics.keys() == expected.keys()
@@ -204,7 +170,8 @@ def test_accumulation_is_one_big_batch(loss_type):
     halves = [{k: v[i * G : (i + 1) * G] for k, v in whole.items()} for i in range(2)]
     assert halves[0]["completion_mask"].sum() != halves[1]["completion_mask"].sum()
     counts = step_counts(halves)
-    assert (counts.sequences, counts.tokens, counts.micro_batches) == (ROWS, int(whole["completion_mask"].sum()), 2)
+    tokens = int(whole["completion_mask"].sum())
+    assert (counts.sequences, counts.tokens, counts.micro_batches) == (ROWS, tokens, 2)
     totals = {}
     for half in halves:
         share, metrics = grpo_loss(policy, half, CPU, "fp32", counts, knobs=knobs, chunk_tokens=3)
@@ -221,7 +188,8 @@ def test_accumulation_is_one_big_batch(loss_type):
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=TOL, rtol=TOL, msg=name)
     entropy = [plain_loss(*plain_logps(twin, h, 0.7), h, knobs)[1]["entropy"] for h in halves]
-    assert totals["entropy"].item() == pytest.approx(sum(entropy) / 2, abs=TOL)  # TRL's mean of the micro-steps
+    # a metric: TRL's mean of the micro-steps' values
+    assert totals["entropy"].item() == pytest.approx(sum(entropy) / 2, abs=TOL)
 
 
 class Wrapped(torch.nn.Module):
@@ -243,7 +211,8 @@ def test_logps_and_entropies_equal_the_full_logits(path):
     batch, _ = generation_batch(ROWS, seed=5)
     weights = torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(0))
     model = Wrapped(policy) if path == "wrapped" else policy
-    logps, entropy = completion_logps(model, model_inputs(batch, CPU), Completions.of(batch), 1.3, chunk_tokens=2)
+    where = Completions.of(batch)
+    logps, entropy = completion_logps(model, model_inputs(batch, CPU), where, 1.3, chunk_tokens=2)
     (logps * weights).sum().backward()
     twin = copy.deepcopy(policy)
     twin.zero_grad(set_to_none=True)
@@ -260,7 +229,8 @@ def test_logps_and_entropies_equal_the_full_logits(path):
 
 @pytest.mark.parametrize("bad, variable", [
     (dict(loss_type="ppo"), "LOSS_TYPE"), (dict(scale_rewards="std"), "SCALE_REWARDS"),
-    (dict(importance_sampling_level="batch"), "IMPORTANCE_SAMPLING_LEVEL"), (dict(num_generations=1), "NUM_GENERATIONS"),
+    (dict(importance_sampling_level="batch"), "IMPORTANCE_SAMPLING_LEVEL"),
+    (dict(num_generations=1), "NUM_GENERATIONS"),
     (dict(temperature=0.0), "TEMPERATURE"), (dict(beta=-1.0), "BETA"), (dict(epsilon=1.5), "EPSILON"),
     (dict(delta=0.9), "DELTA"), (dict(num_iterations=0), "NUM_ITERATIONS"),
     (dict(multi_objective_aggregation="mean"), "MULTI_OBJECTIVE_AGGREGATION"),
