@@ -203,12 +203,16 @@ class Wrapped(torch.nn.Module):
         return self.model(**inputs)
 
 
-@pytest.mark.parametrize("path", ["chunked", "frozen_head", "wrapped"])
+@pytest.mark.parametrize("path", ["chunked", "frozen_head", "wrapped", "unpadded"])
 def test_logps_and_entropies_equal_the_full_logits(path):
     policy = tiny("llama", seed=2)
     if path == "frozen_head":
         policy.get_output_embeddings().weight.requires_grad_(False)
     batch, _ = generation_batch(ROWS, seed=5)
+    if path == "unpadded":  # no zero in the attention mask: sdpa's causal kernel, no mask at all
+        for key in ("prompt_mask", "completion_mask"):
+            batch[key] = torch.ones_like(batch[key])
+        assert not Completions.of(batch).padded
     weights = torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(0))
     model = Wrapped(policy) if path == "wrapped" else policy
     where = Completions.of(batch)
@@ -250,3 +254,23 @@ def test_bad_rewards_name_their_variable():
     with pytest.raises(ValueError, match="BETA"):  # a KL term without the reference's log-probs
         knobs = GrpoKnobs(beta=0.1, num_generations=G)
         grpo_loss(tiny("gpt2"), scored_batch(knobs), CPU, "fp32", knobs=knobs)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_no_host_sync_in_a_micro_step(level):
+    """Counting the step, forward and backward of a micro-batch read nothing back from the device (the
+    counter plays the GPU on the CPU: the loader's batches are host tensors until they move)."""
+    from train.core.measure.syncs import HostSyncs
+
+    knobs = GrpoKnobs(loss_type="dapo", beta=0.05, num_iterations=2, num_generations=G,
+                      importance_sampling_level=level)  # fmt: skip
+    policy = tiny("llama", seed=0)
+    batch = scored_batch(knobs)
+    batch["ref_per_token_logps"] = generation_logps(copy.deepcopy(policy), batch, knobs)
+    batch["old_per_token_logps"] = generation_logps(policy, batch, knobs) + 0.01
+    with HostSyncs("cpu") as syncs:
+        batch = next(syncs.host_batches(iter([batch])))
+        loss, metrics = grpo_loss(policy, batch, CPU, "fp32", step_counts([batch]), knobs=knobs)
+        loss.backward()
+    assert syncs.count == 0, syncs.summary()
+    assert all(torch.is_tensor(v) for v in metrics.values())

@@ -6,7 +6,8 @@ completion_mask (B, C), right-padded; the forward sees them side by side as one 
 its attention mask, as TRL's _get_per_token_logps_and_entropies feeds the model. Completion token j
 of row b sits at P + j and is predicted by position P + j - 1. Only the tokens the completion mask
 keeps go through the LM head (where they are is read from the mask on the host before the batch
-moves: no device sync), a chunk of them at a time, as train/core/loss.py's chunked cross-entropy
+moves, and so is whether any row is padded, which transformers' sdpa mask would otherwise ask the
+device: no host sync), a chunk of them at a time, as train/core/loss.py's chunked cross-entropy
 does, so no (tokens x vocab) fp32 array exists at once. As TRL, the logits are multiplied by
 1 / TEMPERATURE before the log-softmax (the sampling distribution's log-probs), and a token the mask
 drops reads 0 (log-prob and entropy).
@@ -24,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from train.core.attention import add_mask_of_ones
+from train.core.attention import add_mask_of_ones, host_padding, register_no_sync_mask
 from train.core.loss import CHUNK_ELEMENTS, _compute_dtype, lm_hidden_and_head
 from train.core.step import chunkable
 
@@ -37,6 +38,7 @@ class Completions:
     targets: torch.Tensor  # (M,) the token each predicts
     place: torch.Tensor  # (M,) its flat position in the (B x C) output
     shape: tuple[int, int]  # (B, C)
+    padded: bool  # the (B, P + C) attention mask has zeros (transformers would ask the device)
 
     @classmethod
     def of(cls, batch: dict) -> Completions:
@@ -47,7 +49,8 @@ class Completions:
         place = mask.reshape(-1).nonzero().squeeze(1)
         row, col = place // width, place % width
         index = row * (prompt + width) + prompt + col - 1
-        return cls(index, batch["completion_ids"].reshape(-1)[place], place, (rows, width))
+        padded = not bool(batch["prompt_mask"].all() and mask.all())
+        return cls(index, batch["completion_ids"].reshape(-1)[place], place, (rows, width), padded)
 
     def to(self, device: torch.device) -> Completions:
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)
@@ -144,12 +147,14 @@ def completion_logps(model, inputs: dict, where: Completions, temperature: float
     feed = dict(inputs)
     add_mask_of_ones(feed)
     inv_t = 1.0 / temperature
-    if chunkable(model):
-        hidden, weight = lm_hidden_and_head(model, **feed)
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, where.index)
-        logps, entropy = token_logps_entropy(rows, weight, where.targets, temperature, chunk_tokens)
-    else:
-        logps, entropy = _from_logits(model(**feed).logits, where, inv_t)
+    register_no_sync_mask()  # sdpa's mask from the host's answer (where.padded), not the device's
+    with host_padding(where.padded):
+        if chunkable(model):
+            hidden, weight = lm_hidden_and_head(model, **feed)
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, where.index)
+            logps, entropy = token_logps_entropy(rows, weight, where.targets, temperature, chunk_tokens)
+        else:
+            logps, entropy = _from_logits(model(**feed).logits, where, inv_t)
     size = where.shape[0] * where.shape[1]
     # out-of-place index_put keeps the gradient path; every other place reads 0, as TRL's masked labels do
     full = [x.new_zeros(size).index_put((where.place,), x).view(where.shape) for x in (logps, entropy)]
