@@ -254,6 +254,9 @@ def test_bad_rewards_name_their_variable():
     with pytest.raises(ValueError, match="BETA"):  # a KL term without the reference's log-probs
         knobs = GrpoKnobs(beta=0.1, num_generations=G)
         grpo_loss(tiny("gpt2"), scored_batch(knobs), CPU, "fp32", knobs=knobs)
+    with pytest.raises(ValueError, match="NUM_ITERATIONS=2"):  # no log-probs of the sampler
+        knobs = GrpoKnobs(num_iterations=2, num_generations=G)
+        grpo_loss(tiny("gpt2"), scored_batch(knobs), CPU, "fp32", knobs=knobs)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

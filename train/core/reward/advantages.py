@@ -119,7 +119,7 @@ def truncated(completions: Sequence[Sequence[int]], stop_ids: Sequence[int]) -> 
 def loss_mask(completion_mask: torch.Tensor, is_truncated: torch.Tensor, knobs: GrpoKnobs) -> torch.Tensor:
     """The completion mask the loss counts: MASK_TRUNCATED_COMPLETIONS zeroes a truncated completion's
     row (TRL also feeds that mask to the forward as attention: its tokens then predict nothing). Apply
-    it before counting a step's tokens (loss.step_counts)."""
+    it before the old and reference log-probs are taken and a step's tokens counted (loss.step_counts)."""
     if not knobs.mask_truncated_completions:
         return completion_mask
     return completion_mask * (~is_truncated.to(completion_mask.device)).unsqueeze(1).to(completion_mask.dtype)

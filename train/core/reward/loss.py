@@ -169,6 +169,10 @@ def grpo_loss(model, batch: dict, device: torch.device, precision: str, counts: 
     advantages (B,); old_per_token_logps (B, C) where knobs.keeps_old_logps; ref_per_token_logps (B, C)
     where BETA > 0 (both completion_logps under no_grad at generation time). counts: step_counts of
     the step's micro-batches (None: this batch alone)."""
+    if knobs.num_iterations > 1 and batch.get("old_per_token_logps") is None:
+        # without them every ratio reads 1 and the clip never acts: the later iterations would not be GRPO's
+        raise ValueError(f"NUM_ITERATIONS={knobs.num_iterations}: the batch carries no old_per_token_logps "
+                         "(the policy's log-probs kept at generation time)")  # fmt: skip
     counts = counts or step_counts([batch])
     where = Completions.of(batch).to(device)
     inputs = model_inputs(batch, device)
