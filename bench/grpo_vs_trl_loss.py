@@ -4,8 +4,9 @@ tests/test_grpo_loss.py's matrix (GPT-2 and Llama x LOSS_TYPE x token/sequence x
 NUM_ITERATIONS 1/2), each case computed three ways: TRL's _compute_loss (its fused LM head at the
 temperature, add_fused_lm_head, as GRPOTrainer installs it), the tests' plain transcription of it
 (tests/grpo_tools.py) and the kit's grpo_loss. Printed: the largest difference of the loss, of any
-parameter's gradient and of any metric, plain vs TRL and kit vs TRL. Runs in a scratch venv that has
-TRL (never the kit's):
+parameter's gradient and of any metric, plain vs TRL and kit vs TRL; then, per LOSS_TYPE, the
+gradient of an optimizer step of two micro-batches (TRL with gradient_accumulation_steps 2, the kit
+with its step_counts) kit vs TRL. Runs in a scratch venv that has TRL (never the kit's):
 
     python3 -m venv /tmp/venv-trl && /tmp/venv-trl/bin/pip install torch==2.13.0 transformers==5.23.0 \\
         accelerate trl==1.16.0
@@ -43,7 +44,7 @@ from grpo_tools import (  # noqa: E402
     tiny,
 )
 
-from train.core.reward import GrpoKnobs, grpo_loss  # noqa: E402
+from train.core.reward import GrpoKnobs, grpo_loss, step_counts  # noqa: E402
 
 try:
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -71,14 +72,16 @@ class TrlSide:
     _compute_loss = GRPOTrainer._compute_loss
     _get_per_token_logps_and_entropies = GRPOTrainer._get_per_token_logps_and_entropies
 
-    def __init__(self, model, k: GrpoKnobs):
+    def __init__(self, model, k: GrpoKnobs, accumulation: int = 1):
         self.model, self.accelerator, self.state = model, _Accelerator(), SimpleNamespace(global_step=0)
+        # TRL's default steps_per_generation: the accumulation (one generation per optimizer step)
         self.args = SimpleNamespace(report_to=[], use_bias_correction_kl=k.use_bias_correction_kl,
-                                    delta=k.delta, steps_per_generation=1)  # fmt: skip
+                                    delta=k.delta, steps_per_generation=accumulation)  # fmt: skip
         self.beta, self.loss_type = k.beta, k.loss_type
         self.importance_sampling_level = k.importance_sampling_level
         self.epsilon_low, self.epsilon_high = k.epsilon, k.upper_epsilon
-        self.max_completion_length, self.current_gradient_accumulation_steps = k.max_completion_length, 1
+        self.max_completion_length = k.max_completion_length
+        self.current_gradient_accumulation_steps = accumulation
         self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, None
         self.use_vllm = self.vllm_importance_sampling_correction = False
         self.aux_loss_enabled = self._entropy_bonus_enabled = False
@@ -126,6 +129,24 @@ def one_case(family, loss_type, level, beta, mu) -> dict:
     }  # fmt: skip
 
 
+def accumulation_case(loss_type: str) -> float:
+    """Two micro-batches of unequal token counts, TRL with gradient_accumulation_steps 2 (its
+    num_items_in_batch the generation batch's kept tokens) against the kit's shares of step_counts:
+    the largest difference of the summed gradients (module doc of train/core/reward/loss.py)."""
+    knobs = GrpoKnobs(loss_type=loss_type, num_generations=G, temperature=0.7)
+    policy = tiny("gpt2", seed=1)
+    whole = scored_batch(knobs, seed=4)
+    halves = [{k: v[i * G : (i + 1) * G] for k, v in whole.items()} for i in range(2)]
+    theirs, ours = copy.deepcopy(policy), copy.deepcopy(policy)
+    add_fused_lm_head(theirs, temperature=knobs.temperature, outputs=("log_probs", "entropy"))
+    trl = TrlSide(theirs, knobs, accumulation=2)
+    counts = step_counts(halves)
+    for half in halves:
+        trl._compute_loss(theirs, {**half, "num_items_in_batch": whole["completion_mask"].sum()}).backward()
+        grpo_loss(ours, half, CPU, "fp32", counts, knobs=knobs)[0].backward()
+    return biggest(grads(ours), grads(theirs))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     worst: dict[str, tuple[float, tuple]] = {}
@@ -143,6 +164,9 @@ def main() -> None:
     print("largest |difference| from TRL's _compute_loss (family, LOSS_TYPE, level, BETA, NUM_ITERATIONS):")
     for name, (diff, case) in worst.items():
         print(f"  {name:<13} {diff:.3e}   {case}")
+    print("accumulation 2, micro-batches of unequal token counts: largest gradient difference, kit vs TRL")
+    for loss_type in losses:
+        print(f"  {loss_type:<13} {accumulation_case(loss_type):.3e}")
 
 
 if __name__ == "__main__":
