@@ -32,6 +32,7 @@ from grpo_tools import (
 from train.core.reward import (
     Completions,
     GrpoKnobs,
+    StepCounts,
     completion_logps,
     completion_metrics,
     group_advantages,
@@ -190,6 +191,26 @@ def test_accumulation_is_one_big_batch(loss_type):
     entropy = [plain_loss(*plain_logps(twin, h, 0.7), h, knobs)[1]["entropy"] for h in halves]
     # a metric: TRL's mean of the micro-steps' values
     assert totals["entropy"].item() == pytest.approx(sum(entropy) / 2, abs=TOL)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_ranks_average_to_the_same_step(loss_type):
+    """Two ranks of one micro-batch each, sequences and tokens summed over the ranks, micro-batches
+    their own: DDP's average of the two gradients is the accumulation test's step (TRL's, over ranks)."""
+    knobs = GrpoKnobs(loss_type=loss_type, num_generations=G, temperature=0.7)
+    policy = tiny("gpt2", seed=1)
+    whole = scored_batch(knobs, seed=4)
+    halves = [{k: v[i * G : (i + 1) * G] for k, v in whole.items()} for i in range(2)]
+    both = step_counts(halves)
+    counts = StepCounts(both.sequences, both.tokens, micro_batches=1)
+    ranks = [copy.deepcopy(policy) for _ in halves]
+    for model, half in zip(ranks, halves):
+        grpo_loss(model, half, CPU, "fp32", counts, world_size=2, knobs=knobs)[0].backward()
+    average = {n: (a + b) / 2 for (n, a), b in zip(grads(ranks[0]).items(), grads(ranks[1]).values())}
+    for half in halves:  # the same step on one process: two micro-batches
+        grpo_loss(policy, half, CPU, "fp32", both, knobs=knobs)[0].backward()
+    for name, want in grads(policy).items():
+        torch.testing.assert_close(average[name], want, atol=TOL, rtol=TOL, msg=name)
 
 
 class Wrapped(torch.nn.Module):

@@ -48,12 +48,13 @@ class StepCounts:
 
     sequences: int  # completions (rows) of the step: grpo's and dr_grpo's divisor
     tokens: int  # kept completion tokens of the step: dapo's divisor
-    micro_batches: int  # bnpo's and every metric's divisor
+    micro_batches: int  # this rank's micro-batches of the step: bnpo's and every metric's divisor
 
 
 def step_counts(batches: Iterable[dict]) -> StepCounts:
     """The step's StepCounts from its micro-batches (their completion_mask after advantages.loss_mask).
-    With DDP, sum sequences and tokens over the ranks (one all_reduce) before the step's forwards."""
+    With DDP, sum sequences and tokens over the ranks (one all_reduce) before the step's forwards; the
+    micro-batches stay this rank's."""
     sequences = tokens = micro = 0
     for batch in batches:
         mask = batch["completion_mask"]
