@@ -204,9 +204,10 @@ def test_ranks_average_to_the_same_step(loss_type):
     both = step_counts(halves)
     counts = StepCounts(both.sequences, both.tokens, micro_batches=1)
     ranks = [copy.deepcopy(policy) for _ in halves]
-    for model, half in zip(ranks, halves):
+    for model, half in zip(ranks, halves, strict=True):
         grpo_loss(model, half, CPU, "fp32", counts, world_size=2, knobs=knobs)[0].backward()
-    average = {n: (a + b) / 2 for (n, a), b in zip(grads(ranks[0]).items(), grads(ranks[1]).values())}
+    first, second = grads(ranks[0]), grads(ranks[1])
+    average = {name: (first[name] + second[name]) / 2 for name in first}
     for half in halves:  # the same step on one process: two micro-batches
         grpo_loss(policy, half, CPU, "fp32", both, knobs=knobs)[0].backward()
     for name, want in grads(policy).items():
