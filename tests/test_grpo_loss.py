@@ -39,6 +39,7 @@ from train.core.reward import (
     grpo_loss,
     loss_mask,
     model_inputs,
+    policy_loss,
     stack_rewards,
     step_counts,
     truncated,
@@ -212,6 +213,19 @@ def test_ranks_average_to_the_same_step(loss_type):
         grpo_loss(policy, half, CPU, "fp32", both, knobs=knobs)[0].backward()
     for name, want in grads(policy).items():
         torch.testing.assert_close(average[name], want, atol=TOL, rtol=TOL, msg=name)
+
+
+def test_one_token_completions_count_only_kept_tokens():
+    """Completions one token wide (C = 1) at token level: a masked row is not a clipped token. TRL's
+    metrics tell per-sequence values by their width and would count it (its one known edge here)."""
+    knobs = GrpoKnobs(loss_type="dapo", num_generations=2, epsilon=0.1)
+    logps = torch.tensor([[-1.0], [-1.0], [-1.0]], requires_grad=True)
+    old = torch.tensor([[-0.5], [-0.5], [-0.5]])  # ratio exp(-0.5) < 0.9 on every row
+    mask = torch.tensor([[1], [1], [0]])
+    advantages = torch.tensor([-1.0, 1.0, -1.0])
+    _, metrics = policy_loss(logps, advantages, mask, knobs, StepCounts(3, 2, 1), old=old)
+    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(0.5)  # 1 of the 2 kept tokens, not 2 of 3
+    assert metrics["clip_ratio/low_min"].item() == 0.0  # the masked row's NaN left out
 
 
 class Wrapped(torch.nn.Module):

@@ -84,17 +84,19 @@ LOSS_TYPE: dict[str, Callable] = {"grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_g
 """LOSS_TYPE -> the micro-batch's share of the step's loss from its masked token losses (B, C)."""
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+# TRL tells a per-sequence (B, 1) value from a per-token one by its width; so would a batch whose
+# completions are all one token wide (C = 1), so here the caller says which it is.
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
     """TRL's global_masked_mean on one process: over the kept tokens, or over the sequences for a
     sequence-level (B, 1) value (every sequence counts there, a fully masked one too)."""
-    if x.shape[1] == 1:
+    if per_sequence:
         return x.sum() / max(1, x.shape[0])
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _sequence_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _sequence_means(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch.Tensor:
     """TRL's masked_seq_mean: each sequence's mean over its kept tokens (NaN where none is kept)."""
-    return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+    return x.squeeze(1) if per_sequence else (x * mask).sum(-1) / mask.sum(-1)
 
 
 def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -109,11 +111,13 @@ def _clip_metrics(coef_1, advantages, mask, knobs: GrpoKnobs) -> dict:
     low = ((coef_1 < 1 - knobs.epsilon_low) & (advantages < 0)).float()
     high = ((coef_1 > 1 + knobs.upper_epsilon) & (advantages > 0)).float()
     region = torch.maximum(low, high)
+    seq = knobs.importance_sampling_level == "sequence"  # then coef_1, and so each of these, is (B, 1)
     return {
-        "clip_ratio/low_mean": _masked_mean(low, mask), "clip_ratio/high_mean": _masked_mean(high, mask),
-        "clip_ratio/region_mean": _masked_mean(region, mask),
-        "clip_ratio/low_min": _nan_extreme(_sequence_means(low, mask), largest=False),
-        "clip_ratio/high_max": _nan_extreme(_sequence_means(high, mask), largest=True),
+        "clip_ratio/low_mean": _masked_mean(low, mask, seq),
+        "clip_ratio/high_mean": _masked_mean(high, mask, seq),
+        "clip_ratio/region_mean": _masked_mean(region, mask, seq),
+        "clip_ratio/low_min": _nan_extreme(_sequence_means(low, mask, seq), largest=False),
+        "clip_ratio/high_max": _nan_extreme(_sequence_means(high, mask, seq), largest=True),
     }  # fmt: skip
 
 
