@@ -16,7 +16,8 @@ The gradient that comes back differs per token (the policy loss's weight of it),
 train/core/preference/logps.py does for a trained head, backward recomputes each chunk's logits from
 the saved hidden rows and each token's logsumexp: 4 matmuls per chunk where the plain loss takes 3,
 and never the logits saved. The entropy (TRL's `entropy` metric) is taken from the same chunks in the
-forward and carries no gradient (TRL's entropy bonus, entropy_coef, is not built).
+forward and carries no gradient (TRL's entropy bonus, entropy_coef, is not built); its softmax is a
+second (chunk x vocab) fp32 buffer beside the logits, 2 x 128 MiB at CHUNK_ELEMENTS.
 """
 
 from __future__ import annotations
