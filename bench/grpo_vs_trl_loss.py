@@ -1,6 +1,6 @@
 """GRPO's loss against TRL 1.16's own GRPOTrainer._compute_loss, once, outside the tests (which never
 import TRL): the same tiny models, batches, advantages, old and reference log-probs and knobs as
-tests/test_grpo_loss.py's matrix (GPT-2 and Llama x LOSS_TYPE x token/sequence x BETA 0/0.05 x
+tests/test_grpo_loss.py's matrix (GPT-2 and Llama x the 7 LOSS_TYPEs x token/sequence x BETA 0/0.05 x
 NUM_ITERATIONS 1/2), each case computed three ways: TRL's _compute_loss (its fused LM head at the
 temperature, add_fused_lm_head, as GRPOTrainer installs it), the tests' plain transcription of it
 (tests/grpo_tools.py) and the kit's grpo_loss. Printed: the largest difference of the loss, of any
@@ -44,7 +44,7 @@ from grpo_tools import (  # noqa: E402
     tiny,
 )
 
-from train.core.reward import GrpoKnobs, grpo_loss, step_counts  # noqa: E402
+from train.core.reward import LOSS_TYPES, GrpoKnobs, grpo_loss, step_counts  # noqa: E402
 
 try:
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -76,7 +76,9 @@ class TrlSide:
         self.model, self.accelerator, self.state = model, _Accelerator(), SimpleNamespace(global_step=0)
         # TRL's default steps_per_generation: the accumulation (one generation per optimizer step)
         self.args = SimpleNamespace(report_to=[], use_bias_correction_kl=k.use_bias_correction_kl,
-                                    delta=k.delta, steps_per_generation=accumulation)  # fmt: skip
+                                    delta=k.delta, steps_per_generation=accumulation,
+                                    sapo_temperature_pos=k.sapo_temperature_pos,
+                                    sapo_temperature_neg=k.sapo_temperature_neg)  # fmt: skip
         self.beta, self.loss_type = k.beta, k.loss_type
         self.importance_sampling_level = k.importance_sampling_level
         self.epsilon_low, self.epsilon_high = k.epsilon, k.upper_epsilon
@@ -150,7 +152,7 @@ def accumulation_case(loss_type: str) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     worst: dict[str, tuple[float, tuple]] = {}
-    losses = ("grpo", "bnpo", "dr_grpo", "dapo")
+    losses = LOSS_TYPES
     cases = list(itertools.product(("gpt2", "llama"), losses, ("token", "sequence"), (0.0, 0.05), (1, 2)))
     for case in cases:
         for name, diff in one_case(*case).items():

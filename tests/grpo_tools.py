@@ -88,6 +88,9 @@ EXTRA = {
     "bnpo": dict(mask_truncated_completions=True),
     "dr_grpo": dict(max_completion_length=12, epsilon=0.05),
     "dapo": dict(epsilon_high=0.28, epsilon=0.05),
+    "cispo": dict(epsilon_high=1.05),  # the weight's cap (TRL suggests 5): low enough here to bite
+    "sapo": dict(sapo_temperature_neg=1.5, sapo_temperature_pos=0.8),
+    "luspo": dict(epsilon=0.1),
 }
 
 
@@ -205,23 +208,33 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
         )
         if k.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    if k.delta is not None:
-        coef_1 = torch.clamp(coef_1, max=k.delta)
-    per_token_loss1 = coef_1 * advantages
-    per_token_loss2 = coef_2 * advantages
-    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    if k.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif k.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if k.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=k.delta)
+        per_token_loss1 = coef_1 * advantages
+        per_token_loss2 = coef_2 * advantages
+        per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    else:  # sapo
+        temperatures = torch.where(advantages > 0, k.sapo_temperature_pos, k.sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
     if k.beta != 0.0:
         per_token_loss = per_token_loss + k.beta * per_token_kl
-    if k.loss_type == "grpo":
+    if k.loss_type in ["grpo", "sapo"]:
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif k.loss_type == "bnpo":
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     elif k.loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * k.max_completion_length)
-    else:  # dapo
+    elif k.loss_type in ["cispo", "dapo"]:
         normalizer = mask.sum().clamp(min=1.0) / 1  # num_items_in_batch / num_processes, x 1 / 1
         loss = (per_token_loss * mask).sum() / normalizer
+    else:  # luspo
+        loss = (per_token_loss * mask).sum(-1).mean()
 
     def masked_seq_mean(x):
         if x.shape[1] == 1:
@@ -239,6 +252,12 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
     if k.beta != 0.0:
         metrics["kl"] = global_masked_mean(per_token_kl)
     metrics["entropy"] = global_masked_mean(entropies)
+    if k.loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped.float())
+        return loss, metrics
+    if k.loss_type == "sapo":
+        return loss, metrics
     is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
     is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
     is_region_clipped = is_low_clipped | is_high_clipped

@@ -1,7 +1,7 @@
 """GRPO's loss core (train/core/reward) against TRL 1.16's formulas transcribed plainly (grpo_tools):
 the full logits of a plain forward, then _compute_loss's and _generate_and_score_completions's math.
 On tiny GPT-2 and Llama models, loss, every parameter's gradient and every metric agree to 1e-5 for each
-LOSS_TYPE, token and sequence level, BETA 0 and > 0 (a reference copy), NUM_ITERATIONS 1 and 2 (the
+LOSS_TYPE (the seven built), token and sequence level, BETA 0 and > 0 (a reference copy), NUM_ITERATIONS 1 and 2 (the
 second iteration after a real optimizer step, its old log-probs kept from generation time); the
 advantages, the reward and completion metrics likewise; accumulation gives one big batch's number."""
 
@@ -30,6 +30,7 @@ from grpo_tools import (
 )  # fmt: skip
 
 from train.core.reward import (
+    LOSS_TYPES,
     Completions,
     GrpoKnobs,
     StepCounts,
@@ -66,7 +67,7 @@ def grads(model) -> dict:
 @pytest.mark.parametrize("mu", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_loss_gradients_and_metrics_equal_trl(family, loss_type, level, beta, mu):
     knobs = GrpoKnobs(loss_type=loss_type, importance_sampling_level=level, beta=beta, num_iterations=mu,
@@ -103,10 +104,12 @@ def test_loss_gradients_and_metrics_equal_trl(family, loss_type, level, beta, mu
         assert metrics["kl"].item() == pytest.approx(0.0, abs=1e-7)
 
 
-def test_the_clip_and_the_kl_are_exercised():
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_the_clip_and_the_kl_are_exercised(loss_type):
     """The comparisons above are not vacuous: after one step the ratios leave [1 - eps, 1 + eps_high]
-    on both sides and the KL to the reference is positive."""
-    knobs = GrpoKnobs(loss_type="dapo", beta=0.05, num_iterations=2, num_generations=G, epsilon=0.05)
+    on both sides (cispo's cap bites) and the KL to the reference is positive."""
+    knobs = GrpoKnobs(loss_type=loss_type, beta=0.05, num_iterations=2, num_generations=G,
+                      **{**EXTRA[loss_type], "epsilon": 0.05})  # fmt: skip
     policy = tiny("gpt2", seed=0)
     batch = scored_batch(knobs)
     batch["ref_per_token_logps"] = generation_logps(copy.deepcopy(policy), batch, knobs)
@@ -114,7 +117,10 @@ def test_the_clip_and_the_kl_are_exercised():
     take_step(policy, batch, knobs)
     _, metrics = grpo_loss(policy, batch, CPU, "fp32", knobs=knobs)
     assert metrics["kl"] > 1e-4
-    assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    if loss_type == "cispo":
+        assert metrics["cispo_clip_ratio"] > 0
+    else:
+        assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
 
 
 @pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
@@ -162,7 +168,7 @@ def test_completion_metrics_truncation_and_mask():
     assert none_ended["completions/mean_terminated_length"] == 0.0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_accumulation_is_one_big_batch(loss_type):
     """Two micro-batches of unequal token counts: their shares' gradients add up to one big batch's
     (grpo, dr_grpo, dapo), or to TRL's mean of the micro-batches' token means (bnpo, by definition)."""
@@ -194,7 +200,7 @@ def test_accumulation_is_one_big_batch(loss_type):
     assert totals["entropy"].item() == pytest.approx(sum(entropy) / 2, abs=TOL)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_ranks_average_to_the_same_step(loss_type):
     """Two ranks of one micro-batch each, sequences and tokens summed over the ranks, micro-batches
     their own: DDP's average of the two gradients is the accumulation test's step (TRL's, over ranks)."""

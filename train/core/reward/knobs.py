@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-"""The normalisations built here. TRL 1.16 also has cispo, sapo, luspo and vespo (not built)."""
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+"""The loss types built here (loss.LOSS_TYPE): TRL 1.16's but vespo."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -25,9 +25,14 @@ class GrpoKnobs:
     epsilon: float = 0.2
     """EPSILON: the ratio's lower clip, 1 - epsilon (and the upper one without EPSILON_HIGH)."""
     epsilon_high: float | None = None
-    """EPSILON_HIGH: the ratio's upper clip, 1 + epsilon_high (DAPO's clip-higher: 0.28); None: EPSILON."""
+    """EPSILON_HIGH: the ratio's upper clip, 1 + epsilon_high (DAPO's clip-higher: 0.28); cispo's cap
+    of the weight itself (TRL suggests 5.0); None: EPSILON."""
     delta: float | None = None
     """DELTA: two-sided GRPO (INTELLECT-2): the unclipped ratio capped at delta; None: off."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO_TEMPERATURE_POS: sapo's gate temperature where the advantage is positive."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO_TEMPERATURE_NEG: sapo's gate temperature elsewhere."""
     importance_sampling_level: str = "token"
     """IMPORTANCE_SAMPLING_LEVEL: token, or sequence (GSPO: the mean log-ratio of each completion)."""
     num_iterations: int = 1
@@ -70,6 +75,9 @@ class GrpoKnobs:
         if self.beta < 0 or not 0 <= self.epsilon < 1 or high is not None and high < 0:
             raise ValueError(f"BETA={self.beta}, EPSILON={self.epsilon}, EPSILON_HIGH={high}: BETA >= 0, "
                              "0 <= EPSILON < 1, EPSILON_HIGH >= 0")  # fmt: skip
+        if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
+            raise ValueError(f"SAPO_TEMPERATURE_POS={self.sapo_temperature_pos}, SAPO_TEMPERATURE_NEG="
+                             f"{self.sapo_temperature_neg}: each above 0")  # fmt: skip
         if self.delta is not None and self.delta <= 1:
             raise ValueError(f"DELTA={self.delta}: above 1 (TRL recommends above 1 + EPSILON_HIGH), or unset")
 

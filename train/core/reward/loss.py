@@ -6,14 +6,17 @@ For completion token t of sequence i, with A_i its advantage (advantages.group_a
   ratio      w_it = exp(r_it) (IMPORTANCE_SAMPLING_LEVEL=token), or w_i = exp(mean_t r_it) over the
              completion's kept tokens (sequence: GSPO)
   token loss -min(w A_i, clip(w, 1 - EPSILON, 1 + EPSILON_HIGH) A_i), the unclipped w capped at DELTA
-             where it is set (two-sided GRPO), plus BETA x kl_it where BETA > 0:
+             where it is set (two-sided GRPO); cispo: -min(w, EPSILON_HIGH) A_i logp_it, the weight
+             detached (MiniMax-M1); sapo: -A_i (4 / tau) sigmoid(tau (w - 1)), tau SAPO_TEMPERATURE_POS
+             where A_i > 0, else SAPO_TEMPERATURE_NEG; plus BETA x kl_it where BETA > 0:
   kl_it      exp(ref_it - logp_it) - (ref_it - logp_it) - 1 (k3), times w (TRL's default
              use_bias_correction_kl)
 LOSS_TYPE is how the token losses l_it, over the kept tokens (mask m_it), become the step's number:
-  grpo     mean over sequences of (sum_t m l / sum_t m)
-  bnpo     sum m l / sum m over the micro-batch, averaged over the step's micro-batches
-  dr_grpo  sum m l / (sequences x MAX_COMPLETION_LENGTH)
-  dapo     sum m l / (kept tokens of the whole step)
+  grpo, sapo    mean over sequences of (sum_t m l / sum_t m)
+  bnpo          sum m l / sum m over the micro-batch, averaged over the step's micro-batches
+  dr_grpo       sum m l / (sequences x MAX_COMPLETION_LENGTH)
+  dapo, cispo   sum m l / (kept tokens of the whole step)
+  luspo         mean over sequences of sum_t m l (GSPO's loss scaled by each length)
 Accumulation and ranks. The kit's rule is that an optimizer step's loss is the loss of one big batch;
 each micro-batch returns its share, with the step's totals counted on the host first (step_counts), and
 backward of the shares, added up (and averaged over ranks by DDP), is the step's gradient. Under
@@ -21,6 +24,7 @@ gradient accumulation TRL divides grpo, bnpo and dr_grpo by the number of accumu
 and dr_grpo are the one big batch's number wherever the micro-batches hold equal numbers of
 completions (TRL's always do), and so are the shares here. bnpo is the one exception by definition: TRL
 normalises it per local (micro-)batch, and so does this share (one micro-batch per step: bnpo = dapo).
+sapo and luspo are divided by the accumulation in TRL as grpo is; cispo's divisor is dapo's.
 dapo: TRL divides by num_items_in_batch (the kept tokens of the whole generation batch, gathered over
 processes) / processes x accumulation / steps_per_generation; with one generation per optimizer step
 (TRL's default steps_per_generation = accumulation, the kit's only case) that is the step's kept tokens
@@ -67,6 +71,10 @@ def _grpo(masked, mask, counts: StepCounts, knobs: GrpoKnobs, world_size: int):
     return per_sequence.sum() / max(1, counts.sequences) * world_size
 
 
+def _luspo(masked, mask, counts: StepCounts, knobs: GrpoKnobs, world_size: int):
+    return masked.sum() / max(1, counts.sequences) * world_size
+
+
 def _bnpo(masked, mask, counts: StepCounts, knobs: GrpoKnobs, world_size: int):
     # TRL's per-(micro-)batch token mean: DDP's average over ranks is TRL's too, so no world_size
     return masked.sum() / mask.sum().clamp(min=1.0) / max(1, counts.micro_batches)
@@ -80,8 +88,40 @@ def _dapo(masked, mask, counts: StepCounts, knobs: GrpoKnobs, world_size: int):
     return masked.sum() / max(1, counts.tokens) * world_size
 
 
-LOSS_TYPE: dict[str, Callable] = {"grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo, "dapo": _dapo}
-"""LOSS_TYPE -> the micro-batch's share of the step's loss from its masked token losses (B, C)."""
+def _clipped(coef_1, advantages, logps, knobs: GrpoKnobs):
+    coef_2 = torch.clamp(coef_1, 1 - knobs.epsilon_low, 1 + knobs.upper_epsilon)
+    if knobs.delta is not None:  # TRL caps after coef_2 is made, and its clip metrics read the capped ratio
+        coef_1 = torch.clamp(coef_1, max=knobs.delta)
+    return -torch.min(coef_1 * advantages, coef_2 * advantages), coef_1
+
+
+def _cispo(coef_1, advantages, logps, knobs: GrpoKnobs):
+    return -torch.clamp(coef_1, max=knobs.upper_epsilon).detach() * advantages * logps, coef_1
+
+
+def _sapo(coef_1, advantages, logps, knobs: GrpoKnobs):
+    tau = torch.where(advantages > 0, knobs.sapo_temperature_pos, knobs.sapo_temperature_neg)
+    return -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * advantages, coef_1
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One row of LOSS_TYPE: token_loss(ratio, advantages, logps, knobs) -> (token losses, the ratio
+    the metrics read); share(masked token losses (B, C), mask, counts, knobs, world_size) -> this
+    micro-batch's share of the step; clip: which of TRL's clip metrics it logs."""
+
+    token_loss: Callable
+    share: Callable
+    clip: str  # "region" (clip_ratio/*), "cispo" (cispo_clip_ratio) or "" (none)
+
+
+LOSS_TYPE: dict[str, LossType] = {
+    "grpo": LossType(_clipped, _grpo, "region"), "bnpo": LossType(_clipped, _bnpo, "region"),
+    "dr_grpo": LossType(_clipped, _dr_grpo, "region"), "dapo": LossType(_clipped, _dapo, "region"),
+    "cispo": LossType(_cispo, _dapo, "cispo"), "sapo": LossType(_sapo, _grpo, ""),
+    "luspo": LossType(_clipped, _luspo, "region"),
+}  # fmt: skip
+"""LOSS_TYPE -> its token loss and its normalisation, TRL 1.16's (vespo is not built)."""
 
 
 # TRL tells a per-sequence (B, 1) value from a per-token one by its width; so would a batch whose
@@ -108,10 +148,16 @@ def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
 
 
 def _clip_metrics(coef_1, advantages, mask, knobs: GrpoKnobs) -> dict:
+    seq = knobs.importance_sampling_level == "sequence"  # then coef_1, and so each of these, is (B, 1)
+    kind = LOSS_TYPE[knobs.loss_type].clip
+    if kind == "cispo":
+        return {"cispo_clip_ratio": _masked_mean(((coef_1 > knobs.upper_epsilon) & (advantages > 0)).float(),
+                                                 mask, seq)}  # fmt: skip
+    if not kind:
+        return {}
     low = ((coef_1 < 1 - knobs.epsilon_low) & (advantages < 0)).float()
     high = ((coef_1 > 1 + knobs.upper_epsilon) & (advantages > 0)).float()
     region = torch.maximum(low, high)
-    seq = knobs.importance_sampling_level == "sequence"  # then coef_1, and so each of these, is (B, 1)
     return {
         "clip_ratio/low_mean": _masked_mean(low, mask, seq),
         "clip_ratio/high_mean": _masked_mean(high, mask, seq),
@@ -128,8 +174,9 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
     """(this micro-batch's share of the step's loss, metrics) from the current per-token log-probs
     logps (B, C) (with their gradient), advantages (B,), the loss mask (B, C), the old log-probs (B, C)
     (None: logps detached) and the reference's (B, C) (needed where BETA > 0). Metrics: kl (BETA > 0),
-    entropy (given entropies), clip_ratio/{low,high,region}_mean, clip_ratio/low_min, /high_max, each
-    this micro-batch's share (module doc), detached device tensors: nothing here reads the device."""
+    entropy (given entropies), clip_ratio/{low,high,region}_mean, clip_ratio/low_min, /high_max (the
+    clipped losses), cispo_clip_ratio (cispo), each this micro-batch's share (module doc), detached
+    device tensors: nothing here reads the device."""
     if knobs.loss_type not in LOSS_TYPE:
         raise ValueError(f"LOSS_TYPE={knobs.loss_type}: expected one of {', '.join(LOSS_TYPE)}")
     if knobs.beta != 0.0 and ref is None:
@@ -147,13 +194,11 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if knobs.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
-    coef_2 = torch.clamp(coef_1, 1 - knobs.epsilon_low, 1 + knobs.upper_epsilon)
-    if knobs.delta is not None:  # TRL caps after coef_2 is made, and its clip metrics read the capped ratio
-        coef_1 = torch.clamp(coef_1, max=knobs.delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    row = LOSS_TYPE[knobs.loss_type]
+    per_token_loss, coef_1 = row.token_loss(coef_1, advantages, logps, knobs)
     if knobs.beta != 0.0:
         per_token_loss = per_token_loss + knobs.beta * per_token_kl
-    share = LOSS_TYPE[knobs.loss_type](per_token_loss * mask, mask, counts, knobs, world_size)
+    share = row.share(per_token_loss * mask, mask, counts, knobs, world_size)
 
     with torch.no_grad():
         metrics = _clip_metrics(coef_1, advantages, mask, knobs)
