@@ -1,9 +1,10 @@
 """GRPO's loss core (train/core/reward) against TRL 1.16's formulas transcribed plainly (grpo_tools):
 the full logits of a plain forward, then _compute_loss's and _generate_and_score_completions's math.
-On tiny GPT-2 and Llama models, loss, every parameter's gradient and every metric agree to 1e-5 for each
-LOSS_TYPE (the seven built), token and sequence level, BETA 0 and > 0 (a reference copy), NUM_ITERATIONS 1 and 2 (the
-second iteration after a real optimizer step, its old log-probs kept from generation time); the
-advantages, the reward and completion metrics likewise; accumulation gives one big batch's number."""
+On tiny GPT-2 and Llama models, loss, every parameter's gradient and every metric agree to 1e-5 for
+each LOSS_TYPE (the seven built), token and sequence level, BETA 0 and > 0 (a reference copy),
+NUM_ITERATIONS 1 and 2 (the second iteration after a real optimizer step, its old log-probs kept from
+generation time); the advantages, the reward and completion metrics likewise; accumulation and ranks
+give the one big batch's number."""
 
 from __future__ import annotations
 
