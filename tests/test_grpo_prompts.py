@@ -60,6 +60,10 @@ def test_trl_conversational_prompts_stay_messages_for_the_rewards(tmp_path):
     assert prompts[0].prompt == SKY  # what TRL hands a reward: the messages
     assert prompts[0].turns == [{"role": "tools", "tools": tools}, *SKY]  # what the template renders
     assert prompts[0].columns == {"solution": "blue"}
+    # a string prompt with a tools list: still a string for the rewards, the tools rendered with it
+    plain = load_prompts(write(tmp_path, [{"prompt": "Weather?", "tools": tools}], "plain.jsonl"))[0][0]
+    assert plain.prompt == "Weather?" and plain.turns == [{"role": "tools", "tools": tools},
+                                                          {"role": "user", "content": "Weather?"}]
 
 
 def test_a_conversation_loses_its_trailing_reply_which_becomes_the_answer(tmp_path):

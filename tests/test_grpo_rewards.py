@@ -7,7 +7,10 @@ with one line that names the reward."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +265,25 @@ def test_the_set_is_a_reward_set_of_named_rewards():
     assert isinstance(rewards, RewardSet) and rewards.names == ["exact", "accuracy", "format", "length"]
     scores = rewards.score(["q"], ["12"], [[1] * 8], {"answer": ["12"]})
     assert scores.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+def test_a_hung_reward_does_not_hold_the_process_open(tmp_path):
+    # The thread of a call past REWARD_TIMEOUT cannot be stopped; it is a daemon, so the process that
+    # stops with the one line exits at once instead of waiting out the reward's 600 s.
+    path = write_rewards(tmp_path, "import time\ndef bad(completions, **kw):\n    time.sleep(600)\n")
+    script = textwrap.dedent(f"""
+        import sys
+        from train.core.errors import UsageError
+        from train.run.plan.reward_funcs import build_rewards
+        try:
+            build_rewards({str(path) + ':bad'!r}, timeout=0.2).score(["q"], ["a"])
+        except UsageError as err:
+            print(f"error: {{err}}", file=sys.stderr)
+            sys.exit(2)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"error: REWARD_FUNCS: reward '{path}:bad' did not return within "
+                                                "REWARD_TIMEOUT=0.2 s (a loop without end, or a call that waits?); "
+                                                "raise REWARD_TIMEOUT if it is only slow"]

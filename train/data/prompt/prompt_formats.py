@@ -100,7 +100,7 @@ def _prompt(record: dict) -> tuple[str | list[dict], list[dict], dict]:
     value = text(value, "'prompt'")
     if not value.strip():
         raise BadRecord("'prompt' is empty")
-    return value, [{"role": "user", "content": value}], {}
+    return value, turns([{"role": "user", "content": value}], "role", "content", record.get("tools")), {}
 
 
 def _conversation(key: str, fmt: str) -> Callable:
