@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from train.core.errors import UsageError
+from train.core.reward.guard import RewardFailed
 
 # An optional minus (ASCII or U+2212) not glued to a digit before it ("3-4" is 3 and 4), then digits
 # with thousands groups or plain, then an optional decimal part; never the tail of a longer number.
@@ -41,10 +41,6 @@ NUMBER = re.compile(r"(?:(?<![\d.])[-\u2212])?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d
 PRECISION = 1e-6  # "equal": within this share of the answer (at least this much absolutely)
 DEFAULT_PATTERN = r"\A\s*-?\d+\s*\Z"  # a number alone: the built-in task's answer shape
 GOLD_COLUMNS = ("answer", "solution")  # the gold answer: the kit's column, else TRL's
-
-
-class RewardSetupError(UsageError):
-    """A built-in asked of data or settings it cannot work with: one line naming the knob."""
 
 
 def completion_text(completion: object) -> str:
@@ -85,7 +81,7 @@ def _gold(name: str, columns: dict) -> list:
     for column in GOLD_COLUMNS:
         if columns.get(column) is not None:
             return columns[column]
-    raise RewardSetupError(f"REWARD_FUNCS={name}: the data has no {' or '.join(map(repr, GOLD_COLUMNS))} column "
+    raise RewardFailed(f"REWARD_FUNCS={name}: the data has no {' or '.join(map(repr, GOLD_COLUMNS))} column "
                            "to compare the completions with")
 
 
@@ -108,11 +104,11 @@ def accuracy(completions: list, **columns) -> list[float | None]:
 
 
 def format_reward(pattern: str) -> Callable[..., list[float]]:
-    """The format reward of one REWARD_PATTERN (empty: DEFAULT_PATTERN); a UsageError names a bad one."""
+    """The format reward of one REWARD_PATTERN (empty: DEFAULT_PATTERN); RewardFailed names a bad one."""
     try:
         compiled = re.compile(pattern or DEFAULT_PATTERN, re.DOTALL)
     except re.error as err:
-        raise RewardSetupError(f"REWARD_PATTERN={pattern!r}: not a regular expression ({err})") from None
+        raise RewardFailed(f"REWARD_PATTERN={pattern!r}: not a regular expression ({err})") from None
 
     def format(completions: list, **_) -> list[float]:  # noqa: A001 (named as REWARD_FUNCS names it)
         return [float(compiled.search(completion_text(c)) is not None) for c in completions]
@@ -121,13 +117,13 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
 
 
 def length_reward(target: int) -> Callable[..., list[float]]:
-    """The length reward of one REWARD_LENGTH (tokens); a UsageError where none is set."""
+    """The length reward of one REWARD_LENGTH (tokens); RewardFailed where none is set."""
     if not target or target < 1:
-        raise RewardSetupError(f"REWARD_FUNCS=length needs REWARD_LENGTH, the target length in tokens (got {target!r})")
+        raise RewardFailed(f"REWARD_FUNCS=length needs REWARD_LENGTH, the target length in tokens (got {target!r})")
 
     def length(completions: list, completion_ids: list | None = None, **_) -> list[float]:
         if completion_ids is None:
-            raise RewardSetupError("REWARD_FUNCS=length counts completion_ids, which this caller did not pass")
+            raise RewardFailed("REWARD_FUNCS=length counts completion_ids, which this caller did not pass")
         return [max(0.0, 1.0 - abs(len(ids) - target) / target) for ids in completion_ids]
 
     return length
