@@ -80,15 +80,15 @@ def _for_rewards(conversation: list[dict]) -> list[dict]:
     return [dict(t) for t in split_tools(conversation)[1]]
 
 
-def _with_reply(columns: dict, reply: object, what: str) -> dict:
-    if ANSWER not in columns and reply is not None:
-        try:
-            value = text(reply, what)
-        except BadRecord:  # a reply of calls or reasoning parts: the prompt is still good, with no answer
-            return columns
-        if value.strip():
-            columns[ANSWER] = value
-    return columns
+def _answer(reply: object, what: str) -> dict:
+    """{ANSWER: the reply's text} (to_prompt keeps a record's own answer over it), or {} for none."""
+    if reply is None:
+        return {}
+    try:
+        value = text(reply, what)
+    except BadRecord:  # a reply of calls or reasoning parts: the prompt is still good, with no answer
+        return {}
+    return {ANSWER: value} if value.strip() else {}
 
 
 def _prompt(record: dict) -> tuple[str | list[dict], list[dict], dict]:
@@ -117,7 +117,7 @@ def _conversation(key: str, fmt: str) -> Callable:
         conversation = sft_formats.FORMATS[fmt].convert({**record, key: raw[:k]}, "text")
         _checked(conversation, repr(key))
         reply = raw[-1].get("content", raw[-1].get("value")) if k < len(raw) else None
-        return _for_rewards(conversation), conversation, _with_reply({}, reply, f"{key!r} reply")
+        return _for_rewards(conversation), conversation, _answer(reply, f"{key!r} reply")
 
     return convert
 
@@ -125,7 +125,7 @@ def _conversation(key: str, fmt: str) -> Callable:
 def _alpaca(record: dict) -> tuple[list[dict], list[dict], dict]:
     """LLaMA-Factory's alpaca: SFT's prompt of the record, without its reply."""
     conversation = sft_formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]
-    return _for_rewards(conversation), conversation, _with_reply({}, record.get("output"), "'output'")
+    return _for_rewards(conversation), conversation, _answer(record.get("output"), "'output'")
 
 
 # Detected in this order: TRL's own first; a turn list before alpaca's fields, which it may also carry.
