@@ -2,7 +2,10 @@
 functions' scores and TRL's metrics of them (advantages), per-token log-probs and entropies of the
 sampled completions without the (tokens x vocab) logits (logps), and the clipped policy loss by
 LOSS_TYPE with a micro-batch's share of the step (loss). Every formula is TRL 1.16's GRPOTrainer's.
-Imports torch and train/core's other modules only."""
+Imports torch and train/core's other modules only.
+The rewards: the built-in reward functions, pure functions of the completions and the data's columns
+(builtin), and the guarded call that scores a batch with several at once, each bounded in time and its
+answer checked (guard); loading a user's reward file is run-level work (train/run/plan/reward_funcs.py)."""
 
 from train.core.reward.advantages import (
     completion_metrics,
