@@ -48,9 +48,9 @@ def prompts_of(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_sampler(model, prompts, settings, seed):
-    source_target = model.config.is_encoder_decoder
-    sampler = Sampler(settings, eos_ids=[EOS], pad_id=PAD, device="cpu", seed=seed, source_target=source_target,
-                      decoder_start_id=getattr(model.config, "decoder_start_token_id", None))  # fmt: skip
+    source_target, start = model.config.is_encoder_decoder, getattr(model.config, "decoder_start_token_id", None)
+    sampler = Sampler(settings, eos_ids=[EOS], pad_id=PAD, device="cpu", seed=seed,
+                      source_target=source_target, decoder_start_id=start)
     rollout = sampler.sample(model, prompts)
     return rollout.completion_ids, int(rollout.lengths.sum()), rollout.seconds, rollout
 
@@ -60,10 +60,11 @@ def run_generate(model, prompts, settings, seed):
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=settings.temperature,
-                             top_k=0, top_p=1.0, max_new_tokens=settings.max_completion_length,
-                             num_return_sequences=settings.num_generations, eos_token_id=EOS, pad_token_id=PAD,
-                             use_cache=True)  # fmt: skip
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                             temperature=settings.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=settings.max_completion_length,
+                             num_return_sequences=settings.num_generations, eos_token_id=EOS,
+                             pad_token_id=PAD, use_cache=True)  # fmt: skip
     seconds = time.perf_counter() - start
     completions = out[:, 1:] if model.config.is_encoder_decoder else out[:, ids.shape[1]:]
     is_eos = completions == EOS

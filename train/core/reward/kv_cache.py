@@ -39,7 +39,8 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype = torch.fl
 
 def cache_bytes(cache) -> int:
     """Bytes of a transformers cache's key and value tensors (0 for None)."""
-    parts = [getattr(cache, n) for n in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, n)]
+    names = ("self_attention_cache", "cross_attention_cache")  # an encoder-decoder's two
+    parts = [getattr(cache, n) for n in names if hasattr(cache, n)]
     total = 0
     for part in parts or [cache]:
         for layer in getattr(part, "layers", ()):

@@ -60,7 +60,8 @@ class SamplingSettings:
              and math.isfinite(self.temperature) and self.temperature >= 0, "a number >= 0 (0: greedy)"),
             ("TOP_P", self.top_p, isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
              "a number > 0 and at most 1"),
-            ("TOP_K", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "a whole number >= 0 (0: off)"),
+            ("TOP_K", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
+             "a whole number >= 0 (0: off)"),
         )  # fmt: skip
         for name, value, ok, accepted in checks:
             if not ok or isinstance(value, bool):
@@ -77,7 +78,7 @@ class Rollout:
     completion_mask: torch.Tensor  # (R, C) 1 up to and including the first EOS
     is_truncated: torch.Tensor  # (R,) bool: no EOS within MAX_COMPLETION_LENGTH
     lengths: torch.Tensor  # (R,) completion tokens counted by the mask (EOS included)
-    sampling_logps: torch.Tensor  # (R, C) float32 log-prob of each drawn token under logits/TEMPERATURE; 0 off the mask
+    sampling_logps: torch.Tensor  # (R, C) float32 log p of each drawn token (logits / TEMPERATURE); 0 off mask
     texts: list[str] | None  # the completions decoded, special tokens skipped (None without a tokenizer)
     seconds: float  # wall time of the sampling (on CUDA: to the device's end)
     host_syncs: int  # read-backs the sampling made (stop checks and the final trim)
@@ -103,7 +104,8 @@ class Rollout:
         mask = torch.cat([self.prompt_mask, self.completion_mask], 1)
         positions = torch.cat([self.prompt_mask, torch.ones_like(self.completion_mask)], 1).cumsum(1) - 1
         return {"input_ids": torch.cat([self.prompt_ids, self.completion_ids], 1), "attention_mask": mask,
-                "position_ids": positions.clamp(min=0), "logits_to_keep": self.completion_ids.shape[1]}  # fmt: skip
+                "position_ids": positions.clamp(min=0),
+                "logits_to_keep": self.completion_ids.shape[1]}  # fmt: skip
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +157,8 @@ class _Causal:
     def __init__(self, model, ids, mask, groups: int, steps: int):
         self.model, width = model, ids.shape[1]
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1)
         self.cache = out.past_key_values
         if groups > 1:
             self.cache.batch_repeat_interleave(groups)
@@ -168,7 +171,8 @@ class _Causal:
 
     def step(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[:, : self.width + t + 1],
-                         position_ids=self.next_position + t, past_key_values=self.cache, use_cache=True)  # fmt: skip
+                         position_ids=self.next_position + t, past_key_values=self.cache,
+                         use_cache=True)  # fmt: skip
         self.cache = out.past_key_values
         return out.logits[:, -1].float()
 
@@ -189,8 +193,8 @@ class _SourceTarget:
         self.logits = self.step(start, -1)
 
     def step(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
-        out = self.model(encoder_outputs=self.encoded, attention_mask=self.mask, decoder_input_ids=tokens[:, None],
-                         past_key_values=self.cache, use_cache=True)  # fmt: skip
+        out = self.model(encoder_outputs=self.encoded, attention_mask=self.mask,
+                         decoder_input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[:, -1].float()
 
@@ -207,8 +211,8 @@ class Sampler:
     """Draws a batch's completions; owns the generator the draws come from (its state is a checkpoint's)."""
 
     def __init__(self, settings: SamplingSettings, *, eos_ids, pad_id: int, device, precision: str = "fp32",
-                 seed: int = 0, rank: int = 0, source_target: bool = False, decoder_start_id: int | None = None,
-                 tokenizer=None, check_every: int | None = None):  # fmt: skip
+                 seed: int = 0, rank: int = 0, source_target: bool = False,
+                 decoder_start_id: int | None = None, tokenizer=None, check_every: int | None = None):
         self.settings, self.precision, self.tokenizer = settings, precision, tokenizer
         self.eos_ids = sorted({int(e) for e in ([eos_ids] if isinstance(eos_ids, int) else eos_ids)})
         if not self.eos_ids:
@@ -236,8 +240,9 @@ class Sampler:
         steps = self.settings.max_completion_length
         context = context_of(model.config)
         if not self.source_target and context and max(map(len, prompts), default=0) + steps > context:
-            raise ValueError(f"MAX_COMPLETION_LENGTH: {steps} tokens after a prompt of {max(map(len, prompts))} "
-                             f"pass the model's {context} positions")  # fmt: skip
+            longest = max(map(len, prompts))
+            raise ValueError(f"MAX_COMPLETION_LENGTH: {steps} tokens after a prompt of {longest} pass the "
+                             f"model's {context} positions")
         was_training = model.training
         model.eval()
         start = time.perf_counter()
@@ -290,8 +295,8 @@ class Sampler:
         tokens = tokens[:, :width].masked_fill(completion_mask[:, :width] == 0, self.pad_id)
         texts = None
         if self.tokenizer is not None:
-            rows = tokens.tolist()
-            texts = self.tokenizer.batch_decode([r[:n] for r, n in zip(rows, host_lengths, strict=True)], skip_special_tokens=True)
+            rows = [r[:n] for r, n in zip(tokens.tolist(), host_lengths, strict=True)]
+            texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         return Rollout(
             prompt_ids=ids.repeat_interleave(groups, 0), prompt_mask=mask.repeat_interleave(groups, 0),
             completion_ids=tokens, completion_mask=completion_mask[:, :width], is_truncated=~has_eos,
