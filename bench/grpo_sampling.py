@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.core.reward.kv_cache import kv_cache_bytes  # noqa: E402
+from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes  # noqa: E402
 from train.core.reward.sampling import Sampler, SamplingSettings, left_pad  # noqa: E402
 from train.models import FAMILIES  # noqa: E402
 from train.models.build import build_model  # noqa: E402
@@ -48,7 +48,8 @@ def prompts_of(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_sampler(model, prompts, settings, seed):
-    source_target, start = model.config.is_encoder_decoder, getattr(model.config, "decoder_start_token_id", None)
+    source_target = model.config.is_encoder_decoder
+    start = getattr(model.config, "decoder_start_token_id", None)
     sampler = Sampler(settings, eos_ids=[EOS], pad_id=PAD, device="cpu", seed=seed,
                       source_target=source_target, decoder_start_id=start)
     rollout = sampler.sample(model, prompts)
@@ -98,17 +99,20 @@ def compare(family: str, size: str, args) -> dict:
 
 
 def plan_terms() -> None:
-    print("\nKV cache the plan must hold for sampling, bf16 (kv_cache_bytes; rows = P*G):")
-    print(f"{'family':7} {'size':6} {'rows':>5} {'prompt+completion':>18} {'MiB':>9}")
+    print("\nKV cache the plan must hold for sampling, PRECISION=bf16 (kv_cache_bytes; rows = P*G):")
+    print(f"{'family':7} {'size':6} {'rows':>5} {'prompt+completion':>18} {'dtype':>9} {'MiB':>9}")
     for family in ("gpt2", "llama", "t5"):
         for size in ("tiny", "small"):
             cfg = FAMILIES[family].config_for(size, VOCAB, EOS)
+            dtype = cache_dtype(cfg, "bf16")  # float32 for the rotary families (kv_cache.py)
             for rows, prompt, completion in ((64, 256, 256), (128, 256, 768)):
                 if cfg.is_encoder_decoder:
-                    bytes_ = kv_cache_bytes(cfg, rows, completion, torch.bfloat16, source_length=prompt)
+                    bytes_ = kv_cache_bytes(cfg, rows, completion, dtype, source_length=prompt)
                 else:
-                    bytes_ = kv_cache_bytes(cfg, rows, prompt + completion, torch.bfloat16)
-                print(f"{family:7} {size:6} {rows:5} {f'{prompt}+{completion}':>18} {bytes_ / 2**20:9.1f}")
+                    bytes_ = kv_cache_bytes(cfg, rows, prompt + completion, dtype)
+                name = str(dtype).removeprefix("torch.")
+                shape = f"{prompt}+{completion}"
+                print(f"{family:7} {size:6} {rows:5} {shape:>18} {name:>9} {bytes_ / 2**20:9.1f}")
 
 
 def main() -> None:

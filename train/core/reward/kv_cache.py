@@ -6,7 +6,11 @@ DynamicCache, or an encoder-decoder's EncoderDecoderCache), and the tests hold t
 Per layer the cache keeps a key and a value of (rows, key/value heads, positions, head size): Llama's
 grouped-query attention keeps num_key_value_heads, GPT-2 and T5 one per attention head. An encoder-
 decoder's decoder also keeps each layer's cross-attention keys and values over the source. The dtype is
-the one the layers compute in: float32 for an fp32 run, the autocast dtype (bf16, fp16) otherwise.
+cache_dtype's: float32 for an fp32 run; under autocast the autocast dtype (bf16, fp16) for GPT-2 and T5,
+but float32 for a rotary model (Llama, Qwen3) with float32 weights, the kit's mixed precision: its keys
+leave the rotation in float32 (transformers multiplies them by cos/sin of the float32 hidden's dtype), and
+DynamicCache's first concatenation promotes the values to the keys' dtype. Measured on CPU (the tests):
+the same llama sampling keeps 2x the bytes a bf16 count says; the promotion rules are the device's own.
 A sliding-window layer keeps at most its window: counted in full here (an upper bound); the kit's
 families have none. What the count leaves out: the prompts' one forward (its activations are freed
 before the first token), the logits of one step (rows x vocab, float32), and an encoder-decoder's
@@ -25,6 +29,15 @@ def kv_shape(config) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return layers, kv_heads, head_dim
+
+
+def cache_dtype(config, precision: str) -> torch.dtype:
+    """The dtype sampling's KV cache is kept in, for a model of float32 weights run at PRECISION
+    (fp32, fp16, bf16): float32 where the keys are rotated (the config has rope_parameters or
+    rope_theta), else the autocast dtype (module doc)."""
+    if precision == "fp32" or getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None):
+        return torch.float32
+    return torch.float16 if precision == "fp16" else torch.bfloat16
 
 
 def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype = torch.float32,

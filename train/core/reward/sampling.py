@@ -78,7 +78,7 @@ class Rollout:
     completion_mask: torch.Tensor  # (R, C) 1 up to and including the first EOS
     is_truncated: torch.Tensor  # (R,) bool: no EOS within MAX_COMPLETION_LENGTH
     lengths: torch.Tensor  # (R,) completion tokens counted by the mask (EOS included)
-    sampling_logps: torch.Tensor  # (R, C) float32 log p of each drawn token (logits / TEMPERATURE); 0 off mask
+    sampling_logps: torch.Tensor  # (R, C) float32 log p of each drawn token (logits / TEMPERATURE), 0 off
     texts: list[str] | None  # the completions decoded, special tokens skipped (None without a tokenizer)
     seconds: float  # wall time of the sampling (on CUDA: to the device's end)
     host_syncs: int  # read-backs the sampling made (stop checks and the final trim)
