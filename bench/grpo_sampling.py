@@ -41,9 +41,9 @@ def model_of(family: str, size: str):
     return build_model(cfg, gradient_checkpointing=False, seed=0).eval()
 
 
-def prompts_of(n: int, seed: int = 0) -> list[list[int]]:
+def prompts_of(n: int, shortest: int, longest: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(12, 25, (n,), generator=g).tolist()
+    lengths = torch.randint(shortest, longest + 1, (n,), generator=g).tolist()
     return [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -52,21 +52,23 @@ def run_sampler(model, prompts, settings, seed):
     start = getattr(model.config, "decoder_start_token_id", None)
     sampler = Sampler(settings, eos_ids=[EOS], pad_id=PAD, device="cpu", seed=seed,
                       source_target=source_target, decoder_start_id=start)
+    cpu = time.process_time()
     rollout = sampler.sample(model, prompts)
-    return rollout.completion_ids, int(rollout.lengths.sum()), rollout.seconds, rollout
+    cpu = time.process_time() - cpu
+    return rollout.completion_ids, int(rollout.lengths.sum()), (rollout.seconds, cpu), rollout
 
 
 def run_generate(model, prompts, settings, seed):
     ids, mask = left_pad(prompts, PAD, "cpu")
     torch.manual_seed(seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                              temperature=settings.temperature, top_k=0, top_p=1.0,
                              max_new_tokens=settings.max_completion_length,
                              num_return_sequences=settings.num_generations, eos_token_id=EOS,
                              pad_token_id=PAD, use_cache=True)  # fmt: skip
-    seconds = time.perf_counter() - start
+    seconds = (time.perf_counter() - start, time.process_time() - cpu)
     completions = out[:, 1:] if model.config.is_encoder_decoder else out[:, ids.shape[1]:]
     is_eos = completions == EOS
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.shape[1])
@@ -75,9 +77,9 @@ def run_generate(model, prompts, settings, seed):
 
 def compare(family: str, size: str, args) -> dict:
     model = model_of(family, size)
-    prompts = prompts_of(args.prompts)
+    prompts = prompts_of(args.prompts, *args.prompt_length)
     settings = SamplingSettings(num_generations=args.generations, max_completion_length=args.tokens)
-    rates, same = {"sampler": [], "generate": []}, True
+    rates, same = {"sampler": [], "generate": [], "sampler_cpu": [], "generate_cpu": []}, True
     for repeat in range(args.repeats + 1):
         ours, n_ours, s_ours, rollout = run_sampler(model, prompts, settings, seed=repeat)
         theirs, n_theirs, s_theirs = run_generate(model, prompts, settings, seed=repeat)
@@ -85,15 +87,17 @@ def compare(family: str, size: str, args) -> dict:
         same = same and n_ours == n_theirs and torch.equal(ours, theirs[:, :width].masked_fill(
             rollout.completion_mask == 0, PAD))  # fmt: skip
         if repeat:  # the first is the warm-up
-            rates["sampler"].append(n_ours / s_ours)
-            rates["generate"].append(n_theirs / s_theirs)
+            for name, n, (wall, cpu) in (("sampler", n_ours, s_ours), ("generate", n_theirs, s_theirs)):
+                rates[name].append(n / wall)
+                rates[f"{name}_cpu"].append(n / cpu)
     source = 0
     length = rollout.prompt_ids.shape[1] + args.tokens - 1
     if model.config.is_encoder_decoder:  # self-attention over the decoder's tokens, cross over the source
         source, length = rollout.prompt_ids.shape[1], args.tokens
     rows = args.prompts * args.generations
     return {"family": family, "size": size, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            "sampler": statistics.median(rates["sampler"]), "generate": statistics.median(rates["generate"]),
+            **{name: statistics.median(values) for name, values in rates.items()},
+            "prompt_tokens": rollout.prompt_ids.shape[1] * args.prompts,
             "same": same, "syncs": rollout.host_syncs, "cache": rollout.cache_bytes,
             "estimate": kv_cache_bytes(model.config, rows, length, torch.float32, source)}  # fmt: skip
 
@@ -120,21 +124,29 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32, help="MAX_COMPLETION_LENGTH")
+    p.add_argument("--prompt_length", type=int, nargs=2, default=(12, 24), help="shortest and longest prompt")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cases", default="gpt2:tiny,gpt2:small,llama:tiny,t5:tiny")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"P={args.prompts} G={args.generations} MAX_COMPLETION_LENGTH={args.tokens}, CPU fp32, "
-          f"{args.threads} thread(s), median of {args.repeats}")  # fmt: skip
-    print(f"{'family':7} {'size':6} {'params':>8} {'sampler tok/s':>14} {'generate tok/s':>15} {'ratio':>6} "
-          f"{'same':>5} {'syncs':>5} {'cache MiB':>10} {'estimate':>9}")  # fmt: skip
+    print(f"P={args.prompts} G={args.generations} prompts of {args.prompt_length[0]}-{args.prompt_length[1]} "
+          f"tokens, MAX_COMPLETION_LENGTH={args.tokens}, CPU fp32, {args.threads} thread(s), median of "
+          f"{args.repeats}; tok/s per wall second and per CPU second of the process (steadier on a shared "
+          "machine); prompt tokens run: the sampler's (once per prompt) against generate's (G times)")
+    print(f"{'family':7} {'size':6} {'params':>8} {'ours/s':>7} {'gen/s':>7} {'ours/cpu-s':>10} "
+          f"{'gen/cpu-s':>10} {'ratio':>6} {'prompt tok':>11} {'same':>5} {'syncs':>5} {'cache MiB':>10} "
+          f"{'estimate':>9}")
     for case in args.cases.split(","):
         family, size = case.split(":")
         r = compare(family, size, args)
-        print(f"{family:7} {size:6} {r['params_m']:7.1f}M {r['sampler']:14.1f} {r['generate']:15.1f} "
-              f"{r['sampler'] / r['generate']:6.2f} {str(r['same']):>5} {r['syncs']:5} "
-              f"{r['cache'] / 2**20:10.2f} {r['estimate'] / 2**20:9.2f}", flush=True)  # fmt: skip
+        prompt_tokens = f"{r['prompt_tokens']}/{r['prompt_tokens'] * args.generations}"
+        ratio = r["sampler_cpu"] / r["generate_cpu"]
+        print(f"{family:7} {size:6} {r['params_m']:7.1f}M {r['sampler']:7.1f} {r['generate']:7.1f} "
+              f"{r['sampler_cpu']:10.1f} {r['generate_cpu']:10.1f} "
+              f"{ratio:6.2f} "
+              f"{prompt_tokens:>11} {str(r['same']):>5} {r['syncs']:5} {r['cache'] / 2**20:10.2f} "
+              f"{r['estimate'] / 2**20:9.2f}", flush=True)
     plan_terms()
 
 
