@@ -190,13 +190,22 @@ def test_eos_masks_what_follows_it_and_a_row_without_one_is_truncated():
     assert bool(r.is_truncated[0]) == (stop not in rows[0].tolist()) and not bool(r.is_truncated[2])
 
 
-def test_sampling_stops_when_every_row_has_ended():
+def test_sampling_stops_when_every_row_has_ended_or_when_all_ranks_have():
     model = tiny("llama").eval()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
     first = sampler(model, temperature=0, max_completion_length=8).sample(model, [[40, 41]]).completion_ids
     stop = int(first[0, 1])  # every row of this one prompt writes it second under greedy
+    forwards.clear()
     r = sampler(model, eos=(stop,), temperature=0, max_completion_length=8).sample(model, [[40, 41]])
     assert r.completion_ids.shape[1] == int(r.lengths.max()) <= 2 and not bool(r.is_truncated.any())
-    assert r.host_syncs <= 3  # one stop check per token drawn, and the trim: not 8 tokens' worth
+    assert r.host_syncs <= 3 and len(forwards) <= 2  # one check per token drawn and the trim; not 8 forwards
+    # a rank whose rows have ended keeps stepping while another's run (FSDP2's gathers): pad, trimmed away
+    forwards.clear()
+    s = sampler(model, eos=(stop,), temperature=0, max_completion_length=8)
+    s.all_done = lambda done: False
+    synced = s.sample(model, [[40, 41]])
+    assert len(forwards) == 8 and torch.equal(synced.completion_ids, r.completion_ids)
 
 
 def test_top_p_and_top_k_filter_a_crafted_distribution_as_transformers_does():
@@ -282,7 +291,8 @@ def test_kv_cache_bytes_equal_the_real_cache(family, precision):
 def test_settings_and_prompts_out_of_range_are_refused_with_the_knob_named():
     bads = ((dict(num_generations=0), "NUM_GENERATIONS"), (dict(max_completion_length=0), "MAX_COMP"),
             (dict(temperature=-1.0), "TEMPERATURE"), (dict(top_p=0.0), "TOP_P"), (dict(top_k=-1), "TOP_K"),
-            (dict(num_generations=True), "NUM_GENERATIONS"))
+            (dict(num_generations=True), "NUM_GENERATIONS"),
+            (dict(temperature=float("nan")), r">= 0 \(0: greedy"))
     for bad, name in bads:
         with pytest.raises(ValueError, match=name):
             SamplingSettings(**bad)

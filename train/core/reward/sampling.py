@@ -13,7 +13,9 @@ Tokens are drawn from softmax(logits / TEMPERATURE) after TOP_K then TOP_P filte
 order and its filters); TEMPERATURE 0 is greedy. After a row's first EOS its tokens are pad and its mask
 0; a row with no EOS within MAX_COMPLETION_LENGTH is truncated (TRL's is_truncated, clipped_ratio).
 Sampling stops when every row has ended, asked every `check_every` tokens: a host read-back each time,
-so on an accelerator it is asked less often (the extra tokens are pad, dropped from the output).
+so on an accelerator it is asked less often (the extra tokens are pad, dropped from the output). Under
+FSDP2 every rank must run as many forwards as the others (each gathers the weights with them): `all_done`
+is then a function that asks every rank (an all-reduce of the flag, as transformers' synced_gpus does).
 
 The draws come from a torch.Generator the Sampler owns, seeded SEED + rank (each DDP rank samples its
 own prompts differently, as accelerate's device-specific seeds do): the global RNG is never touched, and
@@ -24,13 +26,13 @@ then back in the mode it was in. Imports torch and train/core only."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from train.core.device import autocast
+from train.core.generation import value_problem
 from train.core.model import unwrapped
 from train.core.reward.kv_cache import cache_bytes
 
@@ -51,21 +53,19 @@ class SamplingSettings:
     top_k: int = 0
 
     def __post_init__(self):
-        checks = (
-            ("NUM_GENERATIONS", self.num_generations, isinstance(self.num_generations, int)
-             and self.num_generations >= 1, "a whole number >= 1"),
-            ("MAX_COMPLETION_LENGTH", self.max_completion_length, isinstance(self.max_completion_length, int)
-             and self.max_completion_length >= 1, "a whole number >= 1"),
-            ("TEMPERATURE", self.temperature, isinstance(self.temperature, (int, float))
-             and math.isfinite(self.temperature) and self.temperature >= 0, "a number >= 0 (0: greedy)"),
-            ("TOP_P", self.top_p, isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-             "a number > 0 and at most 1"),
-            ("TOP_K", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
-             "a whole number >= 0 (0: off)"),
-        )  # fmt: skip
-        for name, value, ok, accepted in checks:
-            if not ok or isinstance(value, bool):
-                raise ValueError(f"{name}: expected {accepted}, got {value!r}")
+        """Each knob against the range generate()'s own setting has (train/core/generation.py's, so
+        a GENERATION_CONFIG and these agree); TEMPERATURE 0 is greedy here, as TRL reads it."""
+        ranges = (("NUM_GENERATIONS", "num_return_sequences", self.num_generations),
+                  ("MAX_COMPLETION_LENGTH", "max_new_tokens", self.max_completion_length),
+                  ("TEMPERATURE", "temperature", self.temperature), ("TOP_P", "top_p", self.top_p),
+                  ("TOP_K", "top_k", self.top_k))  # fmt: skip
+        for name, setting, value in ranges:
+            problem = value_problem(setting, value)
+            if setting == "temperature" and problem:
+                problem = None if value == 0 and not isinstance(value, bool) else problem.replace(
+                    "a number > 0", "a number >= 0 (0: greedy)")  # fmt: skip
+            if problem:
+                raise ValueError(f"{name}: {problem}")
 
 
 @dataclass
@@ -212,7 +212,8 @@ class Sampler:
 
     def __init__(self, settings: SamplingSettings, *, eos_ids, pad_id: int, device, precision: str = "fp32",
                  seed: int = 0, rank: int = 0, source_target: bool = False,
-                 decoder_start_id: int | None = None, tokenizer=None, check_every: int | None = None):
+                 decoder_start_id: int | None = None, tokenizer=None, check_every: int | None = None,
+                 all_done=None):
         self.settings, self.precision, self.tokenizer = settings, precision, tokenizer
         self.eos_ids = sorted({int(e) for e in ([eos_ids] if isinstance(eos_ids, int) else eos_ids)})
         if not self.eos_ids:
@@ -222,6 +223,7 @@ class Sampler:
         if source_target and decoder_start_id is None:
             raise ValueError("an encoder-decoder's sampling needs its decoder_start_token_id")
         self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY_ACCELERATOR)
+        self.all_done = all_done or (lambda done: bool(done.all()))  # (rows,) bool -> stop now
         self.seed, self.rank = seed, rank
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed + rank)
@@ -277,7 +279,7 @@ class Sampler:
                 break
             if (t + 1) % self.check_every == 0:
                 syncs += 1
-                if bool(done.all()):
+                if self.all_done(done):
                     break
             logits = decoder.step(tokens[:, t], t)
         return self._rollout(ids, mask, tokens, logps, decoder.cache, syncs)
