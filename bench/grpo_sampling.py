@@ -6,7 +6,9 @@ prompts of 12-24 random tokens, G completions each (rows i*G .. i*G+G-1), MAX_CO
 TEMPERATURE 1, no TOP_K / TOP_P. generate() gets the same left-padded prompts with num_return_sequences G
 and the same seed in the global generator: it draws the same tokens as the sampler's own generator, so
 both produce the same completions (checked) and the same count of tokens. Figures: completion tokens per
-second, median of --repeats runs after one warm-up; host read-backs of the sampler. Then the KV cache's
+second, median of --repeats runs after one warm-up (per wall second and per CPU second of the process);
+the aten ops each dispatches per token step (all rows) (counted, so the same on any load); host read-backs of
+the sampler. Then the KV cache's
 bytes: the sampler's real cache at the end against kv_cache_bytes for its rows and length, and the term
 the plan will need at GRPO-sized shapes (bf16).
 
@@ -75,6 +77,22 @@ def run_generate(model, prompts, settings, seed):
     return completions, int(first.sum()), seconds
 
 
+def aten_ops(fn) -> int:
+    """Ops fn dispatches to aten (every kernel call on the CPU): host work, counted, not timed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
 def compare(family: str, size: str, args) -> dict:
     model = model_of(family, size)
     prompts = prompts_of(args.prompts, *args.prompt_length)
@@ -90,13 +108,16 @@ def compare(family: str, size: str, args) -> dict:
             for name, n, (wall, cpu) in (("sampler", n_ours, s_ours), ("generate", n_theirs, s_theirs)):
                 rates[name].append(n / wall)
                 rates[f"{name}_cpu"].append(n / cpu)
+    steps = ours.shape[1]  # tokens drawn per row: the same for both (checked)
+    ops = {"ops_sampler": aten_ops(lambda: run_sampler(model, prompts, settings, 0)) / steps,
+           "ops_generate": aten_ops(lambda: run_generate(model, prompts, settings, 0)) / steps}
     source = 0
     length = rollout.prompt_ids.shape[1] + args.tokens - 1
     if model.config.is_encoder_decoder:  # self-attention over the decoder's tokens, cross over the source
         source, length = rollout.prompt_ids.shape[1], args.tokens
     rows = args.prompts * args.generations
     return {"family": family, "size": size, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            **{name: statistics.median(values) for name, values in rates.items()},
+            **{name: statistics.median(values) for name, values in rates.items()}, **ops,
             "prompt_tokens": rollout.prompt_ids.shape[1] * args.prompts,
             "same": same, "syncs": rollout.host_syncs, "cache": rollout.cache_bytes,
             "estimate": kv_cache_bytes(model.config, rows, length, torch.float32, source)}  # fmt: skip
@@ -135,8 +156,8 @@ def main() -> None:
           f"{args.repeats}; tok/s per wall second and per CPU second of the process (steadier on a shared "
           "machine); prompt tokens run: the sampler's (once per prompt) against generate's (G times)")
     print(f"{'family':7} {'size':6} {'params':>8} {'ours/s':>7} {'gen/s':>7} {'ours/cpu-s':>10} "
-          f"{'gen/cpu-s':>10} {'ratio':>6} {'prompt tok':>11} {'same':>5} {'syncs':>5} {'cache MiB':>10} "
-          f"{'estimate':>9}")
+          f"{'gen/cpu-s':>10} {'ratio':>6} {'ops/step':>8} {'gen ops':>7} {'prompt tok':>11} {'same':>5} "
+          f"{'syncs':>5} {'cache MiB':>10} {'estimate':>9}")
     for case in args.cases.split(","):
         family, size = case.split(":")
         r = compare(family, size, args)
@@ -144,7 +165,7 @@ def main() -> None:
         ratio = r["sampler_cpu"] / r["generate_cpu"]
         print(f"{family:7} {size:6} {r['params_m']:7.1f}M {r['sampler']:7.1f} {r['generate']:7.1f} "
               f"{r['sampler_cpu']:10.1f} {r['generate_cpu']:10.1f} "
-              f"{ratio:6.2f} "
+              f"{ratio:6.2f} {r['ops_sampler']:8.0f} {r['ops_generate']:7.0f} "
               f"{prompt_tokens:>11} {str(r['same']):>5} {r['syncs']:5} {r['cache'] / 2**20:10.2f} "
               f"{r['estimate'] / 2**20:9.2f}", flush=True)
     plan_terms()
