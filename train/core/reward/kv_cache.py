@@ -13,8 +13,10 @@ DynamicCache's first concatenation promotes the values to the keys' dtype. Measu
 the same llama sampling keeps 2x the bytes a bf16 count says; the promotion rules are the device's own.
 A sliding-window layer keeps at most its window: counted in full here (an upper bound); the kit's
 families have none. What the count leaves out: the prompts' one forward (its activations are freed
-before the first token), the logits of one step (rows x vocab, float32), and an encoder-decoder's
-encoder output copied to every row (rows x source x width), each small beside the cache at length.
+before the first token), the logits of one step (rows x vocab, float32), an encoder-decoder's
+encoder output copied to every row (rows x source x width), and one layer's cache twice while a step
+grows it (DynamicCache concatenates: the old and the new tensor live together), each small beside the
+whole cache at length for more than a few layers.
 Imports torch only."""
 
 from __future__ import annotations
