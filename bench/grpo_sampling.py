@@ -119,6 +119,9 @@ def compare(family: str, size: str, args) -> dict:
     return {"family": family, "size": size, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
             **{name: statistics.median(values) for name, values in rates.items()}, **ops,
             "prompt_tokens": rollout.prompt_ids.shape[1] * args.prompts,
+            # generate() runs a causal LM's prompt in each of its G rows; an encoder-decoder's encoder once
+            "generate_prompt_tokens": rollout.prompt_ids.shape[1] * args.prompts * (
+                1 if model.config.is_encoder_decoder else args.generations),
             "same": same, "syncs": rollout.host_syncs, "cache": rollout.cache_bytes,
             "estimate": kv_cache_bytes(model.config, rows, length, torch.float32, source)}  # fmt: skip
 
@@ -154,14 +157,14 @@ def main() -> None:
     print(f"P={args.prompts} G={args.generations} prompts of {args.prompt_length[0]}-{args.prompt_length[1]} "
           f"tokens, MAX_COMPLETION_LENGTH={args.tokens}, CPU fp32, {args.threads} thread(s), median of "
           f"{args.repeats}; tok/s per wall second and per CPU second of the process (steadier on a shared "
-          "machine); prompt tokens run: the sampler's (once per prompt) against generate's (G times)")
+          "machine); prompt tokens run: the sampler's (once per prompt) against generate's")
     print(f"{'family':7} {'size':6} {'params':>8} {'ours/s':>7} {'gen/s':>7} {'ours/cpu-s':>10} "
           f"{'gen/cpu-s':>10} {'ratio':>6} {'ops/step':>8} {'gen ops':>7} {'prompt tok':>11} {'same':>5} "
           f"{'syncs':>5} {'cache MiB':>10} {'estimate':>9}")
     for case in args.cases.split(","):
         family, size = case.split(":")
         r = compare(family, size, args)
-        prompt_tokens = f"{r['prompt_tokens']}/{r['prompt_tokens'] * args.generations}"
+        prompt_tokens = f"{r['prompt_tokens']}/{r['generate_prompt_tokens']}"
         ratio = r["sampler_cpu"] / r["generate_cpu"]
         print(f"{family:7} {size:6} {r['params_m']:7.1f}M {r['sampler']:7.1f} {r['generate']:7.1f} "
               f"{r['sampler_cpu']:10.1f} {r['generate_cpu']:10.1f} "
