@@ -111,6 +111,8 @@ def test_greedy_equals_generate_and_a_loop_without_the_cache(family):
     assert torch.equal(r.completion_ids[::2], until_eos(plain)[:, :width])
     assert torch.equal(r.completion_ids[1::2], r.completion_ids[::2])  # greedy: a group's rows agree
     assert torch.equal(r.completion_ids[::2], until_eos(reference)[:, :width])
+    top1 = sampler(model, num_generations=2, max_completion_length=10, temperature=1.0, top_k=1)
+    assert torch.equal(top1.sample(model, PROMPTS).completion_ids, r.completion_ids)  # TOP_K 1: greedy drawn
 
 
 @pytest.mark.parametrize("family", ALL)
