@@ -242,10 +242,10 @@ def test_left_padding_leaves_a_prompt_completion_as_it_is_alone(family):
     assert batched.tolist()[: len(alone)] == alone.tolist() and set(batched.tolist()[len(alone):]) <= {PAD}
 
 
-def policy_logps(model, r: Rollout, temperature: float) -> torch.Tensor:
+def policy_logps(model, r: Rollout, temperature: float, drop=()) -> torch.Tensor:
     """The completion tokens' log-probs from one plain forward over forward_inputs (TRL's way: C + 1 logits
-    kept, the last dropped)."""
-    inputs = r.forward_inputs()
+    kept, the last dropped), without the inputs named in drop."""
+    inputs = {k: v for k, v in r.forward_inputs().items() if k not in drop}
     if r.source_target:
         logits = model(**inputs).logits
     else:
@@ -266,6 +266,10 @@ def test_forward_inputs_give_back_the_sampling_log_probs(family):
     with torch.no_grad():
         again = policy_logps(model, r, 0.8)
     torch.testing.assert_close(again * r.completion_mask, r.sampling_logps, atol=1e-5, rtol=1e-5)
+    if family == "gpt2":  # learned positions: TRL's forward (no position_ids) counts the left padding
+        with torch.no_grad():
+            shifted = policy_logps(model, r, 0.8, drop=("position_ids",))
+        assert float(((shifted - again) * r.completion_mask).abs().max()) > 1e-2
     model.train()  # and the ids feed a backward
     loss = -(policy_logps(model, r, 0.8) * r.completion_mask).sum()
     loss.backward()
