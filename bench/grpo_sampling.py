@@ -2,17 +2,18 @@
 prompts, CPU, fp32; then the KV cache that sampling holds, predicted (kv_cache_bytes) and measured.
 
 For each family and MODEL_SIZE (the registry's shapes, vocab 8192, dropout 0, a new model's weights): P
-prompts of 12-24 random tokens, G completions each (rows i*G .. i*G+G-1), MAX_COMPLETION_LENGTH tokens,
-TEMPERATURE 1, no TOP_K / TOP_P. generate() gets the same left-padded prompts with num_return_sequences G
-and the same seed in the global generator: it draws the same tokens as the sampler's own generator, so
-both produce the same completions (checked) and the same count of tokens. Figures: completion tokens per
-second, median of --repeats runs after one warm-up (per wall second and per CPU second of the process);
-the aten ops each dispatches per token step (all rows) (counted, so the same on any load); host read-backs of
-the sampler. Then the KV cache's
-bytes: the sampler's real cache at the end against kv_cache_bytes for its rows and length, and the term
-the plan will need at GRPO-sized shapes (bf16).
+prompts of --prompt_length random tokens, G completions each (rows i*G .. i*G+G-1), MAX_COMPLETION_LENGTH
+tokens, TEMPERATURE 1, no TOP_K / TOP_P. generate() gets the same left-padded prompts with
+num_return_sequences G and the same seed in the global generator: it draws the same tokens as the
+sampler's own generator, so both produce the same completions (checked) and the same count of tokens.
+Figures: completion tokens per second, median of --repeats runs after one warm-up (per wall second and
+per CPU second of the process); the aten ops each dispatches per token step, all rows (counted: the same
+under any load); the prompt tokens each runs through the model; the sampler's host read-backs. Then the
+KV cache's bytes: the sampler's real cache at the end against kv_cache_bytes for its rows and length, and
+the term the plan will need at GRPO-sized shapes (PRECISION=bf16).
 
-    .venv/bin/python bench/grpo_sampling.py [--prompts 4] [--generations 4] [--tokens 32] [--threads 1]
+    .venv/bin/python bench/grpo_sampling.py [--cases gpt2:tiny,llama:small] [--prompts 4] [--generations 4]
+        [--prompt_length 12 24] [--tokens 32] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
