@@ -294,6 +294,21 @@ def test_kv_cache_bytes_equal_the_real_cache(family, precision):
     assert r.cache_bytes == expected > 0
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "t5"])
+def test_kv_cache_bytes_of_a_model_size_equal_its_real_cache(family):
+    """The plan's call: a MODEL_SIZE's config from the registry (nano: 4 layers, width 256)."""
+    cfg = FAMILIES[family].config_for("nano", VOCAB, EOS)
+    set_dropout(cfg, 0.0)
+    if cfg.is_encoder_decoder:
+        cfg.pad_token_id = cfg.decoder_start_token_id = PAD
+    model = build_model(cfg, gradient_checkpointing=False, seed=0)
+    r = sampler(model, num_generations=2, max_completion_length=3, eos=(VOCAB - 1,)).sample(model, PROMPTS)
+    width, drawn = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    source = width if cfg.is_encoder_decoder else 0
+    length = drawn if cfg.is_encoder_decoder else width + drawn - 1
+    assert r.cache_bytes == kv_cache_bytes(cfg, 6, length, cache_dtype(cfg, "fp32"), source_length=source)
+
+
 def test_settings_and_prompts_out_of_range_are_refused_with_the_knob_named():
     bads = ((dict(num_generations=0), "NUM_GENERATIONS"), (dict(max_completion_length=0), "MAX_COMP"),
             (dict(temperature=-1.0), "TEMPERATURE"), (dict(top_p=0.0), "TOP_P"), (dict(top_k=-1), "TOP_K"),
