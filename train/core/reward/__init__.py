@@ -5,7 +5,9 @@ LOSS_TYPE with a micro-batch's share of the step (loss). Every formula is TRL 1.
 Imports torch and train/core's other modules only.
 The rewards: the built-in reward functions, pure functions of the completions and the data's columns
 (builtin), and the guarded call that scores a batch with several at once, each bounded in time and its
-answer checked (guard); loading a user's reward file is run-level work (train/run/plan/reward_funcs.py)."""
+answer checked (guard); loading a user's reward file is run-level work (train/run/plan/reward_funcs.py).
+Sampling G completions per prompt under the policy's current weights (sampling), and the KV cache that
+sampling holds, counted (kv_cache)."""
 
 from train.core.reward.advantages import (
     completion_metrics,
