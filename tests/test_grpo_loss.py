@@ -31,6 +31,7 @@ from grpo_tools import (
 )  # fmt: skip
 
 from train.core.reward import (
+    LOSS_TYPE,
     LOSS_TYPES,
     Completions,
     GrpoKnobs,
@@ -304,6 +305,7 @@ def test_bf16_autocast_matches_the_full_logits_under_it():
 def test_bad_knobs_name_their_variable(bad, variable):
     with pytest.raises(ValueError, match=variable):
         GrpoKnobs(**bad)
+    assert tuple(LOSS_TYPE) == LOSS_TYPES  # the knob's choices are the table's rows
 
 
 def test_bad_rewards_name_their_variable():
