@@ -68,6 +68,11 @@ class RunGuard:
     complete = property(lambda self: self.state.complete)
     schedule = property(lambda self: self.state.schedule)
 
+    def _generators(self) -> dict | None:
+        """The objective's own random-number generators (GRPO's sampler), for the checkpoint's RNG entry."""
+        own = getattr(self.plan.objective, "generators", None)
+        return own() if own is not None else None
+
     # ---- the loop's calls -----------------------------------------------------------------
 
     def start(self, model, optimizer, scaler, feed) -> None:
@@ -78,7 +83,8 @@ class RunGuard:
         self.scaler, self.feed = scaler, feed
         self.health = Health(scaler, self.counters)
         self.checkpoints.track(
-            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world), progress=self.progress,
+            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world, self._generators()),
+            progress=self.progress,
             feed=feed, schedule=self.schedule, health=self.health,
         )  # fmt: skip
         position = {"epoch": self.state.epoch, "position": self.state.consumed}
