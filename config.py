@@ -15,7 +15,6 @@ from train.core.checks import ENV_NAMES, bad_value, check_fields, check_path, en
 from train.core.checks import check_int as _check_int
 from train.core.errors import UsageError
 from train.core.optim import optimizers, schedules
-from train.core.reward import knobs as grpo_knobs
 from train.core.units import cpu_cores
 from train.models import FAMILIES, SIZES
 
@@ -27,6 +26,9 @@ OPTIMIZERS, LR_SCHEDULES = tuple(optimizers.OPTIMIZERS), tuple(schedules.SCHEDUL
 MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo", "grpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
 EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
 CHAT, GRPO = {"sft", "dpo", "grpo"}, {"grpo"}  # CHAT: the modes that train a chat model (MODEL_PATH, LoRA ...)
+# GRPO's choices: train/core/reward/knobs.py's (imports torch, which the launchers' config read has not)
+LOSS_TYPES, SCALE_REWARDS = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"), ("group", "batch", "none")
+LEVELS, AGGREGATIONS = ("token", "sequence"), ("sum_then_normalize", "normalize_then_sum")
 DPO_LOSSES, REFERENCES = ("sigmoid", "ipo", "hinge", "simpo", "orpo"), ("copy", "precomputed", "adapters")
 LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
 MODEL_CONFIG_NAMES = ("config.json", "model_config.json")  # ChatLM's bare checkpoints: model_config.json
@@ -95,7 +97,8 @@ class DataConfig:
     """Training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl,
     .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing
     them; streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running
-    Python). DPO: records of a prompt, a chosen and a rejected reply (docs/dpo.md). Empty: built-in pairs."""
+    Python). DPO: records of a prompt, a chosen and a rejected reply (docs/dpo.md). Empty: built-in pairs. GRPO:
+    prompts (TRL's prompt-only records, messages, alpaca; extra columns go to the rewards). Empty: a built-in task."""
     text_field: str = knob("text", modes=FROM_SCRATCH)
     """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
     no conversation keys is a plain document, trained whole."""
@@ -116,7 +119,8 @@ class DataConfig:
     only adds its start-up (32 on 2 cores spawned 33 processes)."""
     max_length: int | None = knob(None, "auto", least=2)
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the model's context
-    length. DPO: the prompt with either reply (a long pair loses prompt tokens). Empty: model context."""
+    length. DPO: the prompt with either reply (a long pair loses prompt tokens). Empty: model context. GRPO: a prompt
+    with its completion. Empty: model context."""
     num_workers: int = knob(0, "compared", least=0)
     """DataLoader worker processes. 0 loads batches in the training process (the guides' 'before'); 4 overlaps loading."""
     prefetch_factor: int | None = knob(None, least=1)
@@ -182,7 +186,8 @@ class DataConfig:
 class OptimConfig:
     batch_size: int = knob(8, "compared", least=1)
     """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn. DPO: pairs per
-    micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows."""
+    micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows. GRPO: prompts
+    per micro-batch, NUM_GENERATIONS completions each."""
     gradient_accumulation_steps: int = knob(1, "compared", least=1)
     """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs;
     raise it to keep the effective batch when BATCH_SIZE must shrink."""
@@ -227,7 +232,7 @@ class OptimConfig:
     """Nucleus sampling: the likeliest tokens whose probability reaches TOP_P (1: all)."""
     top_k: int = knob(0, modes=GRPO, least=0)
     """Only the TOP_K likeliest tokens are drawn from (0: all)."""
-    loss_type: str = knob("dapo", "compared", modes=GRPO, choices=grpo_knobs.LOSS_TYPES)
+    loss_type: str = knob("dapo", "compared", modes=GRPO, choices=LOSS_TYPES)
     """dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo (docs/grpo.md)."""
     epsilon: float = knob(0.2, modes=GRPO, least=0.0, below=1.0)
     """The policy ratio is clipped to 1 - EPSILON (and 1 + EPSILON without EPSILON_HIGH)."""
@@ -239,11 +244,11 @@ class OptimConfig:
     """sapo's gate temperature where the advantage is positive."""
     sapo_temperature_neg: float = knob(1.05, modes=GRPO, above=0.0)
     """sapo's gate temperature elsewhere."""
-    scale_rewards: str = knob("group", modes=GRPO, choices=grpo_knobs.SCALE_REWARDS)
+    scale_rewards: str = knob("group", modes=GRPO, choices=SCALE_REWARDS)
     """Advantages divided by the std of the group's rewards | the batch's | none (Dr. GRPO)."""
-    importance_sampling_level: str = knob("token", modes=GRPO, choices=grpo_knobs.IMPORTANCE_SAMPLING_LEVELS)
+    importance_sampling_level: str = knob("token", modes=GRPO, choices=LEVELS)
     """token | sequence (GSPO: one ratio per completion)."""
-    multi_objective_aggregation: str = knob("sum_then_normalize", modes=GRPO, choices=grpo_knobs.AGGREGATIONS)
+    multi_objective_aggregation: str = knob("sum_then_normalize", modes=GRPO, choices=AGGREGATIONS)
     """sum_then_normalize (weighted sum of the rewards, then normalised) | normalize_then_sum (GDPO)."""
     num_iterations: int = knob(1, "compared", modes=GRPO, least=1)
     """Optimizer steps taken on one generation (TRL's mu); above 1 keeps the sampling's log-probs."""
