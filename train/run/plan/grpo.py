@@ -58,11 +58,8 @@ def grpo_knobs(cfg: TrainConfig) -> GrpoKnobs:
 
 
 def refuse_grpo(cfg: TrainConfig) -> None:
-    """What reward training cannot do, one line each, before any work."""
-    if sft_scratch.asked(cfg):
-        which = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
-        raise UsageError(f"{which}: reward training fine-tunes a trained chat model; set MODEL_PATH (or leave it empty: "
-                         "the newest completed SFT or DPO run's final/)")
+    """What reward training cannot do, one line each, before any work (MODEL_SIZE and MODEL_CONFIG are no knobs
+    of its mode: refused by name before this)."""
     reference, b = cfg.model.reference, beta(cfg)
     if reference == "precomputed":
         raise UsageError("REFERENCE=precomputed: GRPO's completions are sampled during training, so no pass before it "
