@@ -112,3 +112,23 @@ def test_what_grpo_cannot_do_is_one_line_exit_2_and_no_run_folder(sft_runs, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (sft_runs / "runs" / "refused").exists()
+
+
+def test_the_memory_estimate_counts_num_generations_rows_and_sampling_s_kv_cache():
+    import config
+    from conftest import tiny_model
+    from train.core.reward.kv_cache import kv_cache_bytes
+    from train.models.estimate import estimate_for_run
+
+    model = tiny_model()
+    n = sum(p.numel() for p in model.parameters())
+
+    def estimate(g: int) -> dict:
+        cfg = config.resolve(None, {"mode": "grpo", "batch_size": 2, "num_generations": g})
+        return estimate_for_run(model.config, n, cfg, 64, "fp32", "cpu")
+
+    four, eight = estimate(4), estimate(8)
+    assert four["kv_cache"] == kv_cache_bytes(model.config, 2 * 4, 64) and eight["kv_cache"] == 2 * four["kv_cache"]
+    assert eight["activations"] > four["activations"]  # 16 rows in the step's forward, not 2
+    sft = estimate_for_run(model.config, n, config.resolve(None, {"mode": "sft", "batch_size": 8}), 64, "fp32", "cpu")
+    assert four["activations"] == sft["activations"] and "kv_cache" not in sft

@@ -112,6 +112,9 @@ class Mode:
     bound (a pair's lengths are the samplers' cost, not a row)."""
     reference: bool = False
     """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a copy)."""
+    sampled: bool = False
+    """Its rows are sampled in the step: NUM_GENERATIONS per sample, with a KV cache before the forwards (the
+    estimate counts both)."""
 
     @property
     def objective_class(self) -> type:
@@ -134,7 +137,7 @@ MODES = {
     "sft": Mode(TOKEN, throughput="tokens_per_sec", row_lengths=True),
     "dpo": Mode(PREFERENCE, reference=True),
     # GRPO: its rows are sampled (NUM_GENERATIONS per prompt), not the data's; fill does not size them
-    "grpo": Mode(REWARD, fills_causal=False),
+    "grpo": Mode(REWARD, fills_causal=False, sampled=True),
 }
 
 
