@@ -26,8 +26,8 @@ from train.core.device import memory_capacity
 from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.objective import mode_of
-from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
 from train.core.optim.optimizers import OPTIMIZERS
+from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
 from train.models import estimate_seq2seq, estimate_terms, lora
 from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
 from train.models.estimate_terms import PackedGrid
