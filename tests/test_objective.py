@@ -46,7 +46,8 @@ def test_every_objective_answers_the_whole_protocol(objective):
 
 def test_each_modes_row_names_a_real_objective_class():
     assert set(MODES) == {"pretrain", "sft", "dpo"}  # config.py's modes
-    assert mode_of("pretrain").objective_class is TokenObjective and mode_of("sft").objective_class is TokenObjective
+    assert mode_of("pretrain").objective_class is TokenObjective
+    assert mode_of("sft").objective_class is TokenObjective
     assert mode_of("dpo").objective_class is PreferenceObjective
     assert (mode_of("dpo").rows_per_sample, mode_of("dpo").unit) == (2, "pairs")
     assert (mode_of("sft").rows_per_sample, mode_of("sft").unit) == (1, "samples")
@@ -61,20 +62,22 @@ def test_the_log_line_validation_and_summary_fields_come_from_the_objective():
     assert token.eval_shown(1.0, {}) == "val_ppl 2.72" and token.eval_shown(float("nan"), {}) == "val_ppl n/a"
     assert pairs.perplexity(1.0) is None and token.perplexity(1.0) == pytest.approx(2.718281828)
     metrics = {"rewards/chosen": 1.0, "rewards/accuracies": 0.5, "logps/chosen": -3.0, "nll_loss": 2.0}
-    assert pairs.kept(metrics) == {"rewards/chosen": 1.0, "rewards/accuracies": 0.5} and token.kept(metrics) == {}
+    assert pairs.kept(metrics) == {"rewards/chosen": 1.0, "rewards/accuracies": 0.5}
+    assert token.kept(metrics) == {}
     packed = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "n_conversations": 5}
     assert token.samples(packed) == 5 and token.samples({"input_ids": torch.zeros(3, 8)}) == 3
     assert pairs.samples({"input_ids": torch.zeros(6, 8), "n_pairs": 3}) == 3
     assert token.named(torch.tensor(0.5)) == {"mean_token_accuracy": torch.tensor(0.5)}
-    assert token.describe() == "token loss" and PreferenceObjective(False, "ipo").describe() == "preference loss ipo"
+    assert token.describe() == "token loss"
+    assert PreferenceObjective(False, "ipo").describe() == "preference loss ipo"
 
 
 def _pairs(n: int) -> list[dict]:
     out = []
     for i in range(n):
         prompt, chosen, rejected = [5] * (2 + i), [6] * (1 + i % 2), [7] * (3 - i % 2)
-        out.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected, "chosen_labels": chosen,
-                    "rejected_labels": rejected, dpo_reference.PRECOMPUTED[0]: -1.0 - i,
+        out.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected,
+                    "chosen_labels": chosen, "rejected_labels": rejected, dpo_reference.PRECOMPUTED[0]: -1.0 - i,
                     dpo_reference.PRECOMPUTED[1]: -10.0 - i})
     return out
 
@@ -96,8 +99,10 @@ def test_the_collator_itself_carries_the_reference_log_probs(collate, rows):
     plain, carried = collate(items), made(items)
     assert set(carried) - set(plain) == set(dpo_reference.PRECOMPUTED)
     for key in plain:
-        same = torch.equal(plain[key], carried[key]) if torch.is_tensor(plain[key]) else plain[key] == carried[key]
-        assert same, key
+        if torch.is_tensor(plain[key]):
+            assert torch.equal(plain[key], carried[key]), key
+        else:
+            assert plain[key] == carried[key], key
     assert carried["ref_chosen_logps"].tolist() == [-1.0, -2.0, -3.0]  # the pairs' order in the batch
     assert carried["ref_rejected_logps"].tolist() == [-10.0, -11.0, -12.0]
     assert dpo_reference.PRECOMPUTED[0] not in collate(items)  # the given collator left as it was

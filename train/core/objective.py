@@ -65,7 +65,8 @@ class Objective(Protocol):
     def shown(self, row: dict) -> str:
         """The log line's mode fields from its metrics row (after the loss)."""
 
-    def evaluate(self, model, batch: dict, device: torch.device, precision: str) -> tuple[int, torch.Tensor, dict]:
+    def evaluate(self, model, batch: dict, device: torch.device,
+                 precision: str) -> tuple[int, torch.Tensor, dict]:
         """(the batch's weight, its mean loss, its metrics' means): validation sums each x weight."""
 
     def perplexity(self, loss: float | None) -> float | None:
@@ -111,7 +112,8 @@ class Mode:
     """The dataset's lengths are its rows' (the estimate reads the longest padded row); else the mode's
     bound (a pair's lengths are the samplers' cost, not a row)."""
     reference: bool = False
-    """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a copy)."""
+    """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a
+    copy)."""
     sampled: bool = False
     """Its rows are sampled in the step: NUM_GENERATIONS per sample, with a KV cache before the forwards (the
     estimate counts both)."""

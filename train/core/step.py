@@ -106,7 +106,8 @@ def forward_loss(
 class TokenObjective:
     """The token-mean LM loss of pretraining and SFT: train_step's default objective (the interface:
     train/core/objective.py Objective). An objective counts its step's divisors on the host from the
-    micro-batches (counts; with several ranks each is summed over them) and gives each micro-batch's share of the step's loss with its metrics,
+    micro-batches (counts; with several ranks each is summed over them) and gives each micro-batch's
+    share of the step's loss with its metrics,
     device tensors that train_step sums over the micro-steps (loss). Preference training's is
     train/core/preference/loss.py PreferenceObjective."""
 

@@ -37,7 +37,8 @@ HALF = ("fp16", "bf16")
 def lengths(mode: str, max_length: int, target_length: int | None = None) -> tuple[int, int]:
     """(source, target) tokens per sample. A mode whose targets are span corruption's (T5 pretraining,
     train/core/objective.py span_targets): a MAX_LENGTH source and span_lengths' target (512 -> 114); SFT:
-    target_length if given, else MAX_LENGTH for both (a bound: pairs are padded to at most MAX_LENGTH each)."""
+    target_length if given, else MAX_LENGTH for both (a bound: pairs are padded to at most MAX_LENGTH
+    each)."""
     if target_length is not None:
         return max_length, target_length
     if mode_of(mode).span_targets:

@@ -254,7 +254,8 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
                 stream = BatchStream(*data_loader(plan, o.batch_size), o.batch_size)
                 batches = [next(stream)["input_ids"].to(device) for _ in range(steps * accum)]
             if plain is None:
-                plain = plain_round(plain_model, batches, accum, o.learning_rate, device, plan.precision, skip)
+                plain = plain_round(plain_model, batches, accum, o.learning_rate, device, plan.precision,
+                                    skip)
             plain_rounds.append(plain)
             line += (
                 f", plain {1000 * plain['steady_s'] / plain['steady_steps']:.1f} ms/step, "

@@ -130,7 +130,8 @@ def objective_of(plan: Plan) -> str:
     return plan.objective.describe() + (f", reference {reference}" if reference else "")
 
 
-def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: int, meter: PeakMeter) -> Trial:
+def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: int,
+           meter: PeakMeter) -> Trial:
     from train.core.step import train_step
 
     device, precision = plan.device, plan.precision
@@ -142,7 +143,8 @@ def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: 
             synchronize(device)
             start = time.perf_counter()
             loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, plan.cfg.optim.grad_clip, device,
-                                  precision, source_target=plan.family.source_target, objective=plan.objective)
+                                  precision, source_target=plan.family.source_target,
+                                  objective=plan.objective)
             synchronize(device)
             times.append(time.perf_counter() - start)
             first = loss.detach() if first is None else first
@@ -183,7 +185,8 @@ def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps
         sample = _longest_pairs(plan.dataset, plan.collate)
     else:
         lengths = run_lengths(plan) if plan.family.source_target else None
-        sample = _sampler(plan.dataset, plan.cfg.system.seed, lengths, plan.model.config.vocab_size, plan.max_length)
+        sample = _sampler(plan.dataset, plan.cfg.system.seed, lengths, plan.model.config.vocab_size,
+                          plan.max_length)
     meter = PeakMeter(plan.device)
     sizes, trials = divisors(effective), []
     # Never try a size predicted past halfway between the target and the whole capacity: on CPU

@@ -92,7 +92,8 @@ class Evaluator:
             dataset = Subset(dataset, range(self.sequences))
         self.dataset, self.collate_fn = dataset, collate_fn
         batch_size = plan.cfg.optim.batch_size
-        self.loader = None if dataset is None else make_val_loader(dataset, batch_size, plan.device, collate_fn)
+        self.loader = (None if dataset is None
+                       else make_val_loader(dataset, batch_size, plan.device, collate_fn))
         self.batches = -(-self.sequences // batch_size)  # the last one partial
         self.last, self.last_metrics = None, {}
         self.best, self.best_step = best_so_far(Path(run_dir.path) / "metrics.jsonl")  # a fresh run: none

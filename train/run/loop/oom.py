@@ -94,7 +94,8 @@ class OomGuard:
         """open_stream(batch_size, epoch, start): a positioned batch stream (train/data/stream.py
         BatchStream, with epoch, consumed and sampler) of that micro-batch."""
         self.plan, self.open_stream, self.optimizer, self.scaler, self.say = plan, open_stream, optimizer, scaler, say
-        self.batch_size, self.accumulation = plan.cfg.optim.batch_size, plan.cfg.optim.gradient_accumulation_steps
+        o = plan.cfg.optim
+        self.batch_size, self.accumulation = o.batch_size, o.gradient_accumulation_steps
         self.failures = 0
         self.retries = 0
         self.events: list[dict] = []
@@ -156,7 +157,8 @@ class OomGuard:
         step = self.step_index + 1
         if self.failures >= MAX_FAILURES or smaller is None:
             why = f"out of memory {self.failures} time(s)" + ("" if smaller else f" at micro-batch {old}")
-            fixes = remedies(self.plan.cfg, self.plan.max_length, self.plan.precision, micro=(old, self.accumulation))
+            plan = self.plan
+            fixes = remedies(plan.cfg, plan.max_length, plan.precision, micro=(old, self.accumulation))
             raise OutOfMemoryStop(
                 f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. Try: {fixes}"
             )

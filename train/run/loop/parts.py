@@ -73,7 +73,8 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
     """Build the session's parts; RESUME=1 restores the saved state into them (guard.start)."""
     cfg, device = plan.cfg, plan.device
     # DDP around the model, or the model sharded in place (FSDP2); the optimizer comes after.
-    train_model = parallel.wrap(plan.model, plan.world, cfg.system.sharding, cfg.system.offload_optimizer, device)
+    train_model = parallel.wrap(plan.model, plan.world, cfg.system.sharding, cfg.system.offload_optimizer,
+                                device)
     optimizer, kind = build_optimizer(cfg.optim, train_model, device)
     say(f"optimizer: {kind}")
     scaler = parallel.build_scaler(plan.precision, train_model, device)
@@ -95,7 +96,8 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
         # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
         # (compile_guard.mark_shapes); SFT's packed rows have one length already
-        bucketed = getattr(plan.collate, "length_varies", False)  # the collator knows (pretraining's has none)
+        # the collator knows (pretraining's has none)
+        bucketed = getattr(plan.collate, "length_varies", False)
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = compile_guard.compile_model(train_model, batches, device, plan.precision, say,
                                                                     bucketed, plan.family.source_target, plan.objective,

@@ -122,7 +122,8 @@ def over_memory(plan) -> str | None:
     est = estimate_for_run(plan.model.config, count_params(plan.model), cfg, shape["max_length"], plan.precision, plan.device.type,
                            plan.world.world_size, trainable_of(plan.model), target_length=shape.get("target_length"),
                            packed=shape.get("packed"))
-    if cfg.run.dry_run and plan.device.type == "cuda":  # mem_get_info would make a CUDA context: properties only
+    # mem_get_info would make a CUDA context: properties only
+    if cfg.run.dry_run and plan.device.type == "cuda":
         from train.core.device import memory_capacity
 
         cap_bytes, what = memory_capacity(plan.device, cfg.system.max_memory_mb)

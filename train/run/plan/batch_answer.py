@@ -108,4 +108,5 @@ def faster_answer(plan: Plan, world_size: int) -> str | None:
     else:
         measured = f"{theirs / ours:.2f}x this run's {size} x {accum} ({ours:.1f} samples/s)"
     return (f"find-batch measured BATCH_SIZE={answer[0]} GRADIENT_ACCUM={answer[1]} at {theirs:.1f} samples/s on "
-            f"{device_name(plan.device)}, {measured}; AUTO_BATCH=1 takes it (effective batch kept), or set both")
+            f"{device_name(plan.device)}, {measured}; AUTO_BATCH=1 takes it (effective batch kept), or set "
+            "both")

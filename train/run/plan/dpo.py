@@ -175,7 +175,8 @@ class DPOSource:
     def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
         return sft.chat_tokenizer(cfg, choice, max_length, say, decide)
 
-    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device,
+              decide) -> torch.nn.Module:
         """SFT's model (MODEL_PATH, LoRA) with DPO's dropout (dropout_off, loaded_dropout)."""
         model = sft.fine_tuned_model(cfg, choice, tok, data, device, decide, dropout=loaded_dropout)
         return dropout_off(cfg, model, choice, decide)
@@ -193,7 +194,8 @@ class DPOSource:
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); the pairs' lengths said."""
         total_steps, why = sft.said_steps(cfg, data, world_size, say, decide, unit="pairs")
-        sft.say_lengths(say, dict(zip(("prompt", "chosen", "rejected"), data.conversations.sides.T, strict=True)))
+        sides = data.conversations.sides.T
+        sft.say_lengths(say, dict(zip(("prompt", "chosen", "rejected"), sides, strict=True)))
         return total_steps, why
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,

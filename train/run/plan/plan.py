@@ -144,7 +144,8 @@ class Source(Protocol):
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device: torch.device,
                   precision: str, max_length: int, trained: int, say, decide) -> tuple[Objective, Data]:
-        """(the mode's objective, the data its batches come from: the same, or one whose batches carry more)."""
+        """(the mode's objective, the data its batches come from: the same, or one whose batches carry
+        more)."""
 
 
 class Decisions:
@@ -175,7 +176,8 @@ def token_objective(cfg: TrainConfig, choice: ModelChoice) -> TokenObjective:
     """The token loss of pretraining and SFT, averaged as LOSS_MEAN says: over the step's target tokens,
     or (micro_batches) the mean of its micro-batches' means. Validation and find-batch's single
     micro-batch weigh by tokens either way (TokenObjective.evaluate; one micro-batch: the same mean)."""
-    return TokenObjective(choice.family.source_target, micro_batch_mean=cfg.optim.loss_mean == "micro_batches")
+    micro_batches = cfg.optim.loss_mean == "micro_batches"
+    return TokenObjective(choice.family.source_target, micro_batch_mean=micro_batches)
 
 
 def seed_everything(seed: int) -> None:
@@ -269,7 +271,8 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
-def make_plan(asked: TrainConfig, say, world: Dist, source: Source, chosen: Chosen | fill.Fill | None = None) -> Plan:
+def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
+              chosen: Chosen | fill.Fill | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
     where the model, tokenizer, data and loss (objective) come from, each a pure call; every other
     decision is made here, the same way for every mode. chosen: a micro-batch found ahead of

@@ -123,7 +123,8 @@ def fine_tuned_model(cfg: TrainConfig, choice: ModelChoice, tok, data: Data, dev
     return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
 
-def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str]:
+def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide,
+               unit: str | None = None) -> tuple[int, str]:
     """Optimizer steps (sft_steps); with TOKEN_BUDGET the epoch's mean rows stand for BATCH_SIZE in
     summary.json."""
     total_steps, why, rows_per_micro = sft_steps(cfg, data.dataset, world_size, say, decide, unit=unit)

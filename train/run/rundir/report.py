@@ -70,7 +70,8 @@ def start_line(plan, run_path, total_steps: int) -> str:
         rows = plan.summary_extra["batch_size"]
         batch = f"~{rows:.1f} (TOKEN_BUDGET={cfg.data.token_budget})"
         shown = f"~{rows * cfg.optim.gradient_accumulation_steps * world.world_size:.0f}"
-    dropout = dropout_of(plan.model)  # DROPOUT as the model holds it: the kit's 0, a loaded model's own, or set
+    # DROPOUT as the model holds it: the kit's 0, a loaded model's own, or set
+    dropout = dropout_of(plan.model)
     shown_dropout = "" if dropout is None else f", dropout {dropout:g}"
     return (
         f"run {run_path}  model {plan.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision {plan.precision}  "
@@ -86,7 +87,8 @@ def config_record(plan, guard=None, asked: TrainConfig | None = None) -> dict:
     settings the command gave, before the plan's decisions, which RESUME=1 keeps where it
     sets none again (train/run/guard/carry.py)."""
     cfg, world = plan.cfg, plan.world
-    total, warmup = (guard.total_steps, guard.warmup_steps) if guard else (plan.total_steps, plan.warmup_steps)
+    source = guard if guard else plan
+    total, warmup = source.total_steps, source.warmup_steps
     replanned = [guard.replanned] if guard and guard.replanned else []
     return {
         "config": asdict(cfg),
