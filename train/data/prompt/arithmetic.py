@@ -19,6 +19,14 @@ import random
 
 from train.data.prompt.prompt_formats import ANSWER, Prompt
 
+TASK_REWARDS = (
+    "accuracy,format"  # REWARD_FUNCS left empty on this task: the right number, and the answer's shape
+)
+# REWARD_PATTERN left empty on this task: the completion opens with a number and writes no other digit
+# (its first number is then its last, the one accuracy reads). A number alone, then the end of the
+# turn, is the shape to reach; but a nano model fresh from SFT almost never stops within a few
+# tokens (module doc), so a pattern that waits for the stop pays nothing to learn from.
+TASK_PATTERN = r"\A\s*-?\d+\D*\Z"
 TASK_NAME = "built-in arithmetic (a + b and a - b of the digits 0-9, 155 problems; the answer a number)"
 QUESTION = "What is {a} {op} {b}? Answer with a number."
 
@@ -39,6 +47,12 @@ def arithmetic_prompts(seed: int = 0, limit: int | None = None) -> list[Prompt]:
     prompts = []
     for k, (a, op, b, answer) in enumerate(order[:limit], 1):
         question = QUESTION.format(a=a, op=op, b=b)
-        prompts.append(Prompt(question, [{"role": "user", "content": question}], {ANSWER: str(answer)},
-                              f"built-in problem {k}"))
+        prompts.append(
+            Prompt(
+                question,
+                [{"role": "user", "content": question}],
+                {ANSWER: str(answer)},
+                f"built-in problem {k}",
+            )
+        )
     return prompts
