@@ -15,8 +15,10 @@ says "skip"), or something not a number stops the run with one line naming the r
 did (RewardFailed, a UsageError: exit code 2). The bound on time: each call runs in a daemon thread
 and the caller waits REWARD_TIMEOUT for it. Python cannot stop a thread, so a call that hangs is
 left behind: the run stops with the one line at once and the thread ends with the process (a
-daemon thread does not hold the interpreter open). A process per call would cost a copy of every
-batch and of the function, which a closure or a file loaded by path cannot always make.
+daemon thread does not hold the interpreter open). A thread per call costs about 0.3 ms (2,000 calls
+of a trivial reward, 2 cores at load 13), nothing beside sampling the completions. A process per call
+would cost a copy of every batch and of the function, which a closure or a file loaded by path
+cannot always make.
 
 The scores come back as a (completions, rewards) float32 tensor on the host, NaN where a reward said
 None; RewardSet.combine weighs them by REWARD_WEIGHTS as TRL's default aggregation does (nansum over
