@@ -1,8 +1,8 @@
-"""Reward training's prompts (train/data/prompt): TRL's prompt-only records (a string, or messages), LLaMA-Factory's
-and MiniMind's records cut to their prompt, every reader the kit has (a .json list, JSONL(.gz), parquet,
-Arrow), extra columns handed to the rewards, bad records one line each (SKIP_BAD_RECORDS=1 skips and
-counts), the built-in arithmetic task made the same way from a seed, and prompts rendered with the chat
-template as SFT frames a prompt (the generation prompt appended)."""
+"""Reward training's prompts (train/data/prompt): TRL's prompt-only records (a string, or messages),
+LLaMA-Factory's and MiniMind's records cut to their prompt, every reader the kit has (a .json list,
+JSONL(.gz), parquet, Arrow), extra columns handed to the rewards, bad records one line each
+(SKIP_BAD_RECORDS=1 skips and counts), the built-in arithmetic task made the same way from a seed,
+and prompts rendered with the chat template as SFT frames a prompt (the generation prompt appended)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,13 @@ def test_trl_prompt_strings_keep_their_extra_columns_and_drop_completion(tmp_pat
                {"prompt": "Name a color.", "answer": None, "id": 8}]  # fmt: skip
     prompts, fmt, skipped = load_prompts(write(tmp_path, records))
     assert (fmt, skipped) == ("prompt", 0)
-    assert prompts[0].prompt == "What is 2 + 2?" and prompts[0].turns == [{"role": "user", "content": "What is 2 + 2?"}]
-    assert prompts[0].columns == {"answer": "4", "id": 7}  # TRL leaves "completion" out of a reward's arguments
+    assert prompts[0].prompt == "What is 2 + 2?" and prompts[0].turns == [
+        {"role": "user", "content": "What is 2 + 2?"}
+    ]
+    assert prompts[0].columns == {
+        "answer": "4",
+        "id": 7,
+    }  # TRL leaves "completion" out of a reward's arguments
     assert prompts[1].columns == {"answer": None, "id": 8}
     assert prompts[0].place.endswith("prompts.jsonl line 1")
 
@@ -62,8 +67,10 @@ def test_trl_conversational_prompts_stay_messages_for_the_rewards(tmp_path):
     assert prompts[0].columns == {"solution": "blue"}
     # a string prompt with a tools list: still a string for the rewards, the tools rendered with it
     plain = load_prompts(write(tmp_path, [{"prompt": "Weather?", "tools": tools}], "plain.jsonl"))[0][0]
-    assert plain.prompt == "Weather?" and plain.turns == [{"role": "tools", "tools": tools},
-                                                          {"role": "user", "content": "Weather?"}]
+    assert plain.prompt == "Weather?" and plain.turns == [
+        {"role": "tools", "tools": tools},
+        {"role": "user", "content": "Weather?"},
+    ]
 
 
 def test_a_conversation_loses_its_trailing_reply_which_becomes_the_answer(tmp_path):
@@ -77,24 +84,47 @@ def test_a_conversation_loses_its_trailing_reply_which_becomes_the_answer(tmp_pa
 
 
 def test_sharegpt_and_minimind_conversations(tmp_path):
-    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
-                                  {"from": "human", "value": "2 + 3?"}], "system": "Be brief.", "answer": "5"}
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "2 + 3?"},
+        ],
+        "system": "Be brief.",
+        "answer": "5",
+    }
     # MiniMind's rlaif-mini.jsonl: role/content under "conversations", a placeholder reply ("空") last
-    minimind = {"conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "空"}]}
+    minimind = {
+        "conversations": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "空"}]
+    }
     prompts, fmt, _ = load_prompts(write(tmp_path, [sharegpt, minimind]))
     assert fmt == "conversations"
-    assert prompts[0].prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2 + 3?"}]
+    assert prompts[0].prompt == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2 + 3?"},
+    ]
     assert prompts[0].columns == {"answer": "5"}
-    assert prompts[1].prompt == [{"role": "user", "content": "你好"}] and prompts[1].columns == {"answer": "空"}
+    assert prompts[1].prompt == [{"role": "user", "content": "你好"}] and prompts[1].columns == {
+        "answer": "空"
+    }
 
 
 def test_alpaca_records_are_their_sft_prompt(tmp_path):
-    record = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "system": "Be exact.", "level": 1}
+    record = {
+        "instruction": "Add the numbers.",
+        "input": "2 and 3",
+        "output": "5",
+        "system": "Be exact.",
+        "level": 1,
+    }
     prompts, fmt, _ = load_prompts(write(tmp_path, [record]))
     assert fmt == "alpaca"
-    assert prompts[0].prompt == [{"role": "system", "content": "Be exact."},
-                                 {"role": "user", "content": "Add the numbers.\n2 and 3"}]
+    assert prompts[0].prompt == [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "Add the numbers.\n2 and 3"},
+    ]
     assert prompts[0].columns == {"output": "5", "level": 1, "answer": "5"}
 
 
@@ -104,23 +134,45 @@ def test_every_reader_gives_the_same_prompts(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(rows))
     with gzip.open(tmp_path / "p.jsonl.gz", "wt") as f:
         f.write(jsonl.read_text())
-    paths = [jsonl, tmp_path / "p.json", tmp_path / "p.jsonl.gz", write_parquet(tmp_path / "p.parquet", rows, 2),
-             write_arrow_folder(tmp_path / "arrow", rows, 2)]
+    paths = [
+        jsonl,
+        tmp_path / "p.json",
+        tmp_path / "p.jsonl.gz",
+        write_parquet(tmp_path / "p.parquet", rows, 2),
+        write_arrow_folder(tmp_path / "arrow", rows, 2),
+    ]
     seen = [[(p.prompt, p.columns) for p in load_prompts(path)[0]] for path in paths]
-    assert all(s == seen[0] for s in seen) and len(seen[0]) == 5 and seen[0][4] == ("What is 4 + 1?", {"answer": "5"})
+    assert (
+        all(s == seen[0] for s in seen)
+        and len(seen[0]) == 5
+        and seen[0][4] == ("What is 4 + 1?", {"answer": "5"})
+    )
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"prompt": ""}, "'prompt' is empty"),
-    ({"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
-     "'prompt' ends with an assistant turn"),
-    ({"prompt": [{"role": "system", "content": "Be brief."}]}, "no prompt ('prompt' has no user turn"),
-    ({"prompt": "Hi", "completions": ["a"]}, "has a column 'completions', the name of an argument every reward gets"),
-    ({"prompt": 7}, "'prompt' is int, expected a string"),
-    ({"messages": [{"role": "assistant", "content": "Hello"}]}, "no prompt ('messages' has no turn before the reply)"),
-    ({"instruction": "x"}, "does not match the file's format prompt"),
-])
-def test_a_bad_record_is_one_line_naming_the_file_and_line_or_skipped_and_counted(tmp_path, tok, record, reason):
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"prompt": ""}, "'prompt' is empty"),
+        (
+            {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+            "'prompt' ends with an assistant turn",
+        ),
+        ({"prompt": [{"role": "system", "content": "Be brief."}]}, "no prompt ('prompt' has no user turn"),
+        (
+            {"prompt": "Hi", "completions": ["a"]},
+            "has a column 'completions', the name of an argument every reward gets",
+        ),
+        ({"prompt": 7}, "'prompt' is int, expected a string"),
+        (
+            {"messages": [{"role": "assistant", "content": "Hello"}]},
+            "no prompt ('messages' has no turn before the reply)",
+        ),
+        ({"instruction": "x"}, "does not match the file's format prompt"),
+    ],
+)
+def test_a_bad_record_is_one_line_naming_the_file_and_line_or_skipped_and_counted(
+    tmp_path, tok, record, reason
+):
     good = {"messages": SKY} if "messages" in record else {"prompt": "Good one.", "answer": "1"}
     path = write(tmp_path, [good, record])
     with pytest.raises(UsageError) as err:
@@ -171,7 +223,8 @@ def test_prompts_render_as_sft_frames_a_prompt(tok):
     own.chat_template = CHATML
     assert render_prompt(own, SKY) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat color is the sky?<|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
     # no template at all (a pretraining run's model): the text, continued as generate continues it
     assert render_prompt(make_tokenizer(), SKY) == "Be brief.\nWhat color is the sky?"
 
@@ -179,8 +232,10 @@ def test_prompts_render_as_sft_frames_a_prompt(tok):
 def test_the_prompt_set_encodes_the_ids_and_lays_out_the_columns_for_the_rewards(tmp_path, tok):
     said = []
     built_in = prompt_set(None, tok, seed=3, say=said.append)
-    assert said == ["prompt data: built-in, built-in arithmetic (a + b and a - b of the digits 0-9, 155 problems; "
-                    "the answer a number), 155 prompts"]
+    assert said == [
+        "prompt data: built-in, built-in arithmetic (a + b and a - b of the digits 0-9, 155 problems; "
+        "the answer a number), 155 prompts"
+    ]
     assert built_in.prompts == arithmetic_prompts(3)
     assert tok.decode(built_in.ids[0]) == render_prompt(tok, built_in.prompts[0].turns)
     path = write(tmp_path, [{"prompt": "A?", "answer": "1"}, {"prompt": "B?", "topic": "b"}])
@@ -195,7 +250,9 @@ def test_a_prompt_too_long_or_unrenderable_is_a_bad_record(tmp_path, tok):
     path = write(tmp_path, [{"prompt": "Short?"}, {"prompt": "A much longer prompt than the others " * 4}])
     with pytest.raises(UsageError) as err:
         prompt_set(path, tok, max_tokens=40)
-    assert f"DATA_PATH: {path} line 2: is " in one_line(err) and "tokens with the chat template; at most 40 fit" in str(err.value)
+    assert f"DATA_PATH: {path} line 2: is " in one_line(
+        err
+    ) and "tokens with the chat template; at most 40 fit" in str(err.value)
     assert len(prompt_set(path, tok, max_tokens=40, skip_bad_records=True, say=lambda _: None)) == 1
     broken = make_tokenizer()
     broken.chat_template = "{{ raise_exception('no system turns') }}"

@@ -20,7 +20,8 @@ accuracy_reward skips an unparseable solution).
   Equal means within one part in a million of the answer (PRECISION).
 - format: 1.0 when REWARD_PATTERN (a Python regular expression, searched with DOTALL so "." crosses
   lines) is found in the completion, else 0.0. Anchor it (\\A ... \\Z) to hold the whole completion.
-  Empty: DEFAULT_PATTERN, a completion that is a number alone (the built-in task's answer shape).
+  A format is the data's own, so there is no default: the built-in task brings its pattern
+  (train/data/prompt/arithmetic.py), other data needs REWARD_PATTERN.
 - length: how close the completion's token count is to REWARD_LENGTH: 1 - |n - target| / target,
   at least 0 (1.0 on target, 0.0 at twice the target or empty). Tokens are the completion_ids the
   trainer passes, so the count is the model's, as TRL's length rewards count.
@@ -39,7 +40,6 @@ from train.core.reward.guard import RewardFailed
 # with thousands groups or plain, then an optional decimal part; never the tail of a longer number.
 NUMBER = re.compile(r"(?:(?<![\d.])[-\u2212])?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)")
 PRECISION = 1e-6  # "equal": within this share of the answer (at least this much absolutely)
-DEFAULT_PATTERN = r"\A\s*-?\d+\s*\Z"  # a number alone: the built-in task's answer shape
 GOLD_COLUMNS = ("answer", "solution")  # the gold answer: the kit's column, else TRL's
 
 
@@ -81,15 +81,19 @@ def _gold(name: str, columns: dict) -> list:
     for column in GOLD_COLUMNS:
         if columns.get(column) is not None:
             return columns[column]
-    raise RewardFailed(f"REWARD_FUNCS={name}: the data has no {' or '.join(map(repr, GOLD_COLUMNS))} column "
-                           "to compare the completions with")
+    raise RewardFailed(
+        f"REWARD_FUNCS={name}: the data has no {' or '.join(map(repr, GOLD_COLUMNS))} column "
+        "to compare the completions with"
+    )
 
 
 def exact(completions: list, **columns) -> list[float | None]:
     """1.0 where the completion is the answer (whitespace collapsed, case folded), else 0.0."""
     gold = _gold("exact", columns)
-    return [None if g is None else float(_normal(completion_text(c)) == _normal(str(g)))
-            for c, g in zip(completions, gold, strict=True)]
+    return [
+        None if g is None else float(_normal(completion_text(c)) == _normal(str(g)))
+        for c, g in zip(completions, gold, strict=True)
+    ]
 
 
 def accuracy(completions: list, **columns) -> list[float | None]:
@@ -104,9 +108,14 @@ def accuracy(completions: list, **columns) -> list[float | None]:
 
 
 def format_reward(pattern: str) -> Callable[..., list[float]]:
-    """The format reward of one REWARD_PATTERN (empty: DEFAULT_PATTERN); RewardFailed names a bad one."""
+    """The format reward of one REWARD_PATTERN; RewardFailed names a bad or missing one."""
+    if not pattern:
+        raise RewardFailed(
+            "REWARD_FUNCS=format needs REWARD_PATTERN, the regular expression a well-shaped "
+            "completion matches (e.g. '\\A\\s*-?\\d+\\s*\\Z' for a number alone)"
+        )
     try:
-        compiled = re.compile(pattern or DEFAULT_PATTERN, re.DOTALL)
+        compiled = re.compile(pattern, re.DOTALL)
     except re.error as err:
         raise RewardFailed(f"REWARD_PATTERN={pattern!r}: not a regular expression ({err})") from None
 
@@ -119,7 +128,9 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
 def length_reward(target: int) -> Callable[..., list[float]]:
     """The length reward of one REWARD_LENGTH (tokens); RewardFailed where none is set."""
     if not target or target < 1:
-        raise RewardFailed(f"REWARD_FUNCS=length needs REWARD_LENGTH, the target length in tokens (got {target!r})")
+        raise RewardFailed(
+            f"REWARD_FUNCS=length needs REWARD_LENGTH, the target length in tokens (got {target!r})"
+        )
 
     def length(completions: list, completion_ids: list | None = None, **_) -> list[float]:
         if completion_ids is None:
@@ -150,9 +161,17 @@ class Builtin:
 BUILTINS = {
     b.name: b
     for b in (
-        Builtin("exact", lambda o: exact, GOLD_COLUMNS, "the completion is the answer (case and spacing aside)"),
-        Builtin("accuracy", lambda o: accuracy, GOLD_COLUMNS, "the completion's last number equals the answer's"),
-        Builtin("format", lambda o: format_reward(o.pattern), (), "REWARD_PATTERN is found in the completion"),
-        Builtin("length", lambda o: length_reward(o.length), (), "the completion is REWARD_LENGTH tokens long"),
+        Builtin(
+            "exact", lambda o: exact, GOLD_COLUMNS, "the completion is the answer (case and spacing aside)"
+        ),
+        Builtin(
+            "accuracy", lambda o: accuracy, GOLD_COLUMNS, "the completion's last number equals the answer's"
+        ),
+        Builtin(
+            "format", lambda o: format_reward(o.pattern), (), "REWARD_PATTERN is found in the completion"
+        ),
+        Builtin(
+            "length", lambda o: length_reward(o.length), (), "the completion is REWARD_LENGTH tokens long"
+        ),
     )
 }

@@ -70,8 +70,10 @@ def _checked(conversation: list[dict], what: str) -> list[dict]:
     if not any(t["role"] == "user" for t in said):
         raise BadRecord(f"no prompt ({what} has no user turn before the reply)")
     if said[-1]["role"] == "assistant":
-        raise BadRecord(f"{what} ends with an assistant turn: a prompt ends where the reply starts (the "
-                        "user's turn, or a tool's result)")
+        raise BadRecord(
+            f"{what} ends with an assistant turn: a prompt ends where the reply starts (the "
+            "user's turn, or a tool's result)"
+        )
     return conversation
 
 
@@ -132,16 +134,34 @@ def _alpaca(record: dict) -> tuple[list[dict], list[dict], dict]:
 FORMATS = {
     f.name: f
     for f in (
-        Format("prompt", "prompt: a string or a list of messages (TRL prompt-only)", lambda r: "prompt" in r, _prompt,
-               ("prompt", "completion", "tools")),
-        Format("messages", "messages: [{role, content}], a trailing assistant reply cut off",
-               lambda r: isinstance(r.get("messages"), list), _conversation("messages", "messages"),
-               ("messages", "tools", "system")),
-        Format("conversations", "conversations: [{from, value}] or [{role, content}] (ShareGPT, MiniMind)",
-               lambda r: isinstance(r.get("conversations"), list), _conversation("conversations", "sharegpt"),
-               ("conversations", "tools", "system")),
-        Format("alpaca", "instruction/input (LLaMA-Factory)", lambda r: "instruction" in r, _alpaca,
-               ("instruction", "input", "system", "history")),
+        Format(
+            "prompt",
+            "prompt: a string or a list of messages (TRL prompt-only)",
+            lambda r: "prompt" in r,
+            _prompt,
+            ("prompt", "completion", "tools"),
+        ),
+        Format(
+            "messages",
+            "messages: [{role, content}], a trailing assistant reply cut off",
+            lambda r: isinstance(r.get("messages"), list),
+            _conversation("messages", "messages"),
+            ("messages", "tools", "system"),
+        ),
+        Format(
+            "conversations",
+            "conversations: [{from, value}] or [{role, content}] (ShareGPT, MiniMind)",
+            lambda r: isinstance(r.get("conversations"), list),
+            _conversation("conversations", "sharegpt"),
+            ("conversations", "tools", "system"),
+        ),
+        Format(
+            "alpaca",
+            "instruction/input (LLaMA-Factory)",
+            lambda r: "instruction" in r,
+            _alpaca,
+            ("instruction", "input", "system", "history"),
+        ),
     )
 }
 
@@ -172,7 +192,9 @@ def to_prompt(record: dict, fmt: str, place: str = "") -> Prompt:
     return Prompt(prompt, conversation, columns, place)
 
 
-def open_prompts(data_path: str | Path, skip_bad_records: bool = True) -> tuple[str, Iterator[tuple[str, object]]]:
+def open_prompts(
+    data_path: str | Path, skip_bad_records: bool = True
+) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed through SFT's reader
     (JSON, JSONL(.gz), parquet, Arrow; a folder or glob of them); the format is the first matching
     record's. An empty source or an unknown format is one line naming DATA_PATH."""

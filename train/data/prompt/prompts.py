@@ -39,8 +39,9 @@ def render_prompt(tokenizer, conversation: Sequence[dict]) -> str:
     return prompt_for_generation(tokenizer, conversation)
 
 
-def encode_prompts(prompts: Sequence[Prompt], tokenizer,
-                   max_tokens: int | None = None) -> tuple[list[list[int] | None], list[str]]:
+def encode_prompts(
+    prompts: Sequence[Prompt], tokenizer, max_tokens: int | None = None
+) -> tuple[list[list[int] | None], list[str]]:
     """Each prompt's ids (None for a bad one) and "place: reason" of each bad one, in order."""
     ids: list[list[int] | None] = []
     bad: list[str] = []
@@ -53,8 +54,10 @@ def encode_prompts(prompts: Sequence[Prompt], tokenizer,
         if row is not None and not row:
             reason = "makes no tokens with the chat template"
         elif row is not None and max_tokens is not None and len(row) > max_tokens:
-            reason = (f"is {len(row)} tokens with the chat template; at most {max_tokens} fit with the "
-                      "completion's room (raise MAX_LENGTH, or shorten the prompt)")
+            reason = (
+                f"is {len(row)} tokens with the chat template; at most {max_tokens} fit with the "
+                "completion's room (raise MAX_LENGTH, or shorten the prompt)"
+            )
         ids.append(None if reason else row)
         if reason:
             bad.append(f"{prompt.place or 'a prompt'}: {reason}")
@@ -87,8 +90,15 @@ class PromptSet:
         return [r.prompt for r in rows], {k: [r.columns.get(k) for r in rows] for k in self.column_names}
 
 
-def prompt_set(data_path: str | Path | None, tokenizer, *, skip_bad_records: bool = False,
-               max_tokens: int | None = None, seed: int = 0, say: Callable[[str], None] = print) -> PromptSet:
+def prompt_set(
+    data_path: str | Path | None,
+    tokenizer,
+    *,
+    skip_bad_records: bool = False,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    say: Callable[[str], None] = print,
+) -> PromptSet:
     """DATA_PATH's prompts (None: the built-in arithmetic task, shuffled by SEED), rendered and
     encoded; says the format and the counts. A bad record stops with one line naming DATA_PATH and its
     place unless skip_bad_records; a set with no good prompt stops in any case."""

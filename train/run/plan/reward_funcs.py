@@ -6,8 +6,9 @@ format, length: train/core/reward/builtin.py) or the user's own as `file.py:func
 list[float | None]`, taking **kwargs for the arguments it does not read (the list in guard.py).
 REWARD_WEIGHTS weighs them, one number each, in order (empty: 1 each); REWARD_TIMEOUT bounds each
 call; REWARD_PATTERN and REWARD_LENGTH are the format and length built-ins' knobs. Left empty on the
-built-in task (no DATA_PATH), REWARD_FUNCS is the task's own set (TASK_REWARDS); on the user's data it
-must be given, since no reward fits every data.
+built-in task (no DATA_PATH), REWARD_FUNCS is the task's own set and REWARD_PATTERN its answer shape
+(TASK_REWARDS, TASK_PATTERN: train/data/prompt/arithmetic.py); on the user's data REWARD_FUNCS must
+be given, and REWARD_PATTERN with format, since no reward fits every data.
 
 A user's file is Python the run executes with the user's permissions, so it is run only because the
 user named it on the command line or in a launcher variable: it is imported from that path alone,
@@ -31,18 +32,21 @@ from pathlib import Path
 from train.core.errors import UsageError
 from train.core.reward.builtin import BUILTINS, Options
 from train.core.reward.guard import DEFAULT_TIMEOUT, Reward, RewardFailed, RewardSet, bounded
-
-TASK_REWARDS = "accuracy,format"  # the built-in task's rewards: right answer, and the answer's shape
+from train.data.prompt.arithmetic import TASK_PATTERN, TASK_REWARDS
 
 
 def _items(funcs: str) -> list[str]:
     items = [item.strip() for item in funcs.split(",")]
     if not all(items):
-        raise UsageError(f"REWARD_FUNCS={funcs!r}: an empty name between commas; give names like accuracy,format "
-                         "or my_rewards.py:score")
+        raise UsageError(
+            f"REWARD_FUNCS={funcs!r}: an empty name between commas; give names like accuracy,format "
+            "or my_rewards.py:score"
+        )
     seen = {item for item in items if items.count(item) > 1}
     if seen:
-        raise UsageError(f"REWARD_FUNCS={funcs!r}: {sorted(seen)[0]} is named twice; REWARD_WEIGHTS weighs it")
+        raise UsageError(
+            f"REWARD_FUNCS={funcs!r}: {sorted(seen)[0]} is named twice; REWARD_WEIGHTS weighs it"
+        )
     return items
 
 
@@ -94,10 +98,15 @@ def _user_reward(item: str, timeout: float, loaded: dict) -> Reward:
         raise RewardFailed(str(err).replace("REWARD_FUNCS:", f"REWARD_FUNCS={item}:", 1)) from None
     fn = getattr(module, attr, None)
     if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                         and getattr(v, "__module__", None) == module.__name__)
-        raise UsageError(f"REWARD_FUNCS={item}: {path.name} has no {attr!r} (it defines: "
-                         f"{', '.join(defined) or 'no functions'})")
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise UsageError(
+            f"REWARD_FUNCS={item}: {path.name} has no {attr!r} (it defines: "
+            f"{', '.join(defined) or 'no functions'})"
+        )
     if isinstance(fn, type) or not callable(fn):
         what = "a class (name a function, or an instance)" if isinstance(fn, type) else type(fn).__name__
         raise UsageError(f"REWARD_FUNCS={item}: {attr} is {what}, not a reward function")
@@ -112,28 +121,45 @@ def weights_of(weights: str | Sequence[float] | None, names: list[str]) -> list[
     try:
         out = [float(w) for w in raw]
     except (TypeError, ValueError):
-        raise UsageError(f"REWARD_WEIGHTS={weights!r}: expected numbers separated by commas (e.g. 1,0.5)") from None
+        raise UsageError(
+            f"REWARD_WEIGHTS={weights!r}: expected numbers separated by commas (e.g. 1,0.5)"
+        ) from None
     if len(out) != len(names):
-        raise UsageError(f"REWARD_WEIGHTS={weights!r}: {len(out)} weights for {len(names)} rewards "
-                         f"(REWARD_FUNCS={','.join(names)}); give one each, in that order")
+        raise UsageError(
+            f"REWARD_WEIGHTS={weights!r}: {len(out)} weights for {len(names)} rewards "
+            f"(REWARD_FUNCS={','.join(names)}); give one each, in that order"
+        )
     if not all(math.isfinite(w) for w in out) or not any(out):
         raise UsageError(f"REWARD_WEIGHTS={weights!r}: each weight a finite number, not all of them 0")
     return out
 
 
-def build_rewards(funcs: str | None, weights: str | Sequence[float] | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                  pattern: str = "", length: int = 0, builtin_data: bool = False) -> RewardSet:
-    """The RewardSet of REWARD_FUNCS (empty on the built-in task: TASK_REWARDS), REWARD_WEIGHTS,
+def build_rewards(
+    funcs: str | None,
+    weights: str | Sequence[float] | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    pattern: str = "",
+    length: int = 0,
+    builtin_data: bool = False,
+) -> RewardSet:
+    """The RewardSet of REWARD_FUNCS (empty on the built-in task: TASK_REWARDS, TASK_PATTERN), REWARD_WEIGHTS,
     REWARD_TIMEOUT, REWARD_PATTERN and REWARD_LENGTH; a UsageError names the knob of anything wrong,
     before any work."""
     if not (timeout > 0 and math.isfinite(timeout)):
-        raise UsageError(f"REWARD_TIMEOUT={timeout!r}: seconds a reward call may take, above 0 (default "
-                         f"{DEFAULT_TIMEOUT:g})")
+        raise UsageError(
+            f"REWARD_TIMEOUT={timeout!r}: seconds a reward call may take, above 0 (default "
+            f"{DEFAULT_TIMEOUT:g})"
+        )
     if not (funcs or "").strip():
         if not builtin_data:
-            raise UsageError("REWARD_FUNCS: name the rewards for DATA_PATH: built-ins "
-                             f"({', '.join(BUILTINS)}) or your own as file.py:function")
+            raise UsageError(
+                "REWARD_FUNCS: name the rewards for DATA_PATH: built-ins "
+                f"({', '.join(BUILTINS)}) or your own as file.py:function"
+            )
         funcs = TASK_REWARDS
+    if builtin_data and not pattern:
+        pattern = TASK_PATTERN
     items = _items(funcs)
     options, loaded, rewards = Options(pattern=pattern or "", length=length or 0), {}, []
     for item in items:
@@ -143,9 +169,13 @@ def build_rewards(funcs: str | None, weights: str | Sequence[float] | None = Non
             row = BUILTINS[item]
             rewards.append(Reward(item, row.make(options), needs=row.needs))
         else:
-            raise UsageError(f"REWARD_FUNCS: unknown reward {item!r}; built-ins: "
-                             f"{'; '.join(f'{b.name} ({b.doc})' for b in BUILTINS.values())}; your own: "
-                             "file.py:function")
+            raise UsageError(
+                f"REWARD_FUNCS: unknown reward {item!r}; built-ins: "
+                f"{'; '.join(f'{b.name} ({b.doc})' for b in BUILTINS.values())}; your own: "
+                "file.py:function"
+            )
     scaled = weights_of(weights, items)
-    return RewardSet(tuple(Reward(r.name, r.fn, w, r.needs) for r, w in zip(rewards, scaled, strict=True)),
-                     timeout=float(timeout))
+    return RewardSet(
+        tuple(Reward(r.name, r.fn, w, r.needs) for r, w in zip(rewards, scaled, strict=True)),
+        timeout=float(timeout),
+    )
