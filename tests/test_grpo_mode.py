@@ -132,3 +132,19 @@ def test_the_memory_estimate_counts_num_generations_rows_and_sampling_s_kv_cache
     assert eight["activations"] > four["activations"]  # 16 rows in the step's forward, not 2
     sft = estimate_for_run(model.config, n, config.resolve(None, {"mode": "sft", "batch_size": 8}), 64, "fp32", "cpu")
     assert four["activations"] == sft["activations"] and "kv_cache" not in sft
+
+
+def test_the_launcher_runs_python_m_train_grpo_with_its_preset_and_refuses_a_knob_it_does_not_read():
+    import shlex
+
+    from conftest import launch
+
+    shown = launch("train_grpo.sh", {"SHOW_COMMAND": "1", "NUM_GENERATIONS": "4", "BETA": "0.04"}, "2")
+    assert shown.returncode == 0, shown.stderr
+    argv = shlex.split(shown.stdout)
+    at = argv.index("train")
+    assert argv[at + 1 : at + 4] == ["grpo", "--preset", "grpo"]
+    for flag, value in (("--batch_size", "2"), ("--num_generations", "4"), ("--beta", "0.04")):
+        assert argv[argv.index(flag) + 1] == value
+    refused = launch("train_grpo.sh", {"SHOW_COMMAND": "1", "DPO_LOSS": "ipo"})
+    assert refused.returncode == 2 and "DPO_LOSS does not apply to reward training" in refused.stderr
