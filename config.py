@@ -262,7 +262,7 @@ class OptimConfig:
     reward_timeout: float = knob(60.0, modes=GRPO, above=0.0)
     """Seconds one reward call may take; past it the run stops, naming the reward."""
     reward_pattern: str | None = knob(None, modes=GRPO)
-    """The format reward's regular expression. Empty: a completion that is a number alone."""
+    """The format reward's regular expression. Empty: the built-in task's (a number first); other data sets one."""
     reward_length: int | None = knob(None, modes=GRPO, least=1)
     """The length reward's target, in tokens."""
     label_smoothing: float | None = knob(None, modes={"dpo"}, least=0.0, below=0.5)

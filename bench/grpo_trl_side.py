@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from train.core.reward.builtin import accuracy, format_reward  # noqa: E402
+from train.data.prompt.arithmetic import TASK_PATTERN  # noqa: E402
 
 
 class Clock(TrainerCallback):
@@ -57,7 +58,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tok.padding_side = "left"
-    fmt = format_reward("")
+    fmt = format_reward(TASK_PATTERN)
     fmt.__name__ = "format"
     args = GRPOConfig(
         output_dir=str(Path(prompts_file).parent / "trl-out"), per_device_train_batch_size=batch * g, num_generations=g,

@@ -45,7 +45,9 @@ def kit_side(a, out: Path, name: str) -> dict:
             "--learning_rate", str(a.lr), "--loss_type", "dapo", "--precision", "fp32", "--log_every", "1",
             "--output_dir", str(out), "--cache_dir", str(out / "cache"), "--run_name", name, "--overwrite", "1",
             "--num_workers", "0"]  # fmt: skip
-    subprocess.run(argv, cwd=KIT, check=True, capture_output=True, text=True)
+    proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the kit's side failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     at = [0.0] + [r["elapsed_s"] for r in rows]
@@ -58,8 +60,10 @@ def kit_side(a, out: Path, name: str) -> dict:
 def trl_side(a, prompts: Path) -> dict:
     argv = [a.trl_python, str(KIT / "bench" / "grpo_trl_side.py"), str(prompts), str(a.model), str(a.steps),
             str(a.batch), str(a.g), str(a.length), str(a.lr)]  # fmt: skip
-    proc = subprocess.run(argv, cwd=KIT, check=True, capture_output=True, text=True,
+    proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+    if proc.returncode:
+        sys.exit(f"TRL's side failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     at = [out["start"], *out["ends"]]
     steps = [b - a for a, b in zip(at, at[1:], strict=False)]

@@ -83,7 +83,8 @@ def test_lora_adapters_accumulation_iterations_bf16_and_a_users_reward_file(sft_
     rewards.write_text("def short(completions, answer, **kwargs):\n"
                        "    return [1.0 if a in c else -len(c) / 100 for c, a in zip(completions, answer)]\n")
     argv = grpo_argv(sft_runs, "lora", "--data_path", str(prompts), "--reward_funcs", f"{rewards}:short,format",
-                     "--reward_weights", "1,0.5", "--lora_r", "4", "--beta", "0.1", "--gradient_accumulation_steps",
+                     "--reward_weights", "1,0.5", "--reward_pattern", r"\A\s*\d", "--lora_r", "4", "--beta", "0.1",
+                     "--gradient_accumulation_steps",
                      "2", "--num_iterations", "2", "--precision", "bf16", "--max_steps", "2")  # fmt: skip
     assert run_cli(*argv) == 0
     run = sft_runs / "runs" / "lora"
