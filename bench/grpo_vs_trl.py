@@ -39,13 +39,19 @@ def write_prompts(model: Path, path: Path) -> None:
     path.write_text(json.dumps(records))
 
 
+def threads(a) -> dict:
+    """Both sides' environment: torch's intra-op threads pinned (on a shared host, threads that wait for each
+    other's cores made one tiny side's step 0.2 s in one pair and 7.4 s in the next)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
+
+
 def kit_side(a, out: Path, name: str) -> dict:
     argv = [sys.executable, "-m", "train", "grpo", "--model_path", str(a.model), "--max_steps", str(a.steps),
             "--batch_size", str(a.batch), "--num_generations", str(a.g), "--max_completion_length", str(a.length),
             "--learning_rate", str(a.lr), "--loss_type", "dapo", "--precision", "fp32", "--log_every", "1",
             "--output_dir", str(out), "--cache_dir", str(out / "cache"), "--run_name", name, "--overwrite", "1",
             "--num_workers", "0"]  # fmt: skip
-    proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True)
+    proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True, env=threads(a))
     if proc.returncode:
         sys.exit(f"the kit's side failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +67,7 @@ def trl_side(a, prompts: Path) -> dict:
     argv = [a.trl_python, str(KIT / "bench" / "grpo_trl_side.py"), str(prompts), str(a.model), str(a.steps),
             str(a.batch), str(a.g), str(a.length), str(a.lr)]  # fmt: skip
     proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+                          env={**threads(a), "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     if proc.returncode:
         sys.exit(f"TRL's side failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,6 +88,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--trl-python", default="/tmp/venv-trl/bin/python")
+    p.add_argument("--threads", type=int, default=1, help="torch's threads on each side (OMP_NUM_THREADS)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
