@@ -225,7 +225,7 @@ class OptimConfig:
     num_generations: int = knob(8, "compared", modes=GRPO, least=2)
     """Completions sampled per prompt (a group); BATCH_SIZE counts prompts, each of these many rows."""
     max_completion_length: int | None = knob(None, "compared", modes=GRPO, least=1)
-    """Tokens a completion may run to. Empty: 256, or what MAX_LENGTH leaves after the longest prompt."""
+    """Tokens a completion may run to. Empty: 256 (a CPU: 32), or what MAX_LENGTH leaves after the longest prompt."""
     temperature: float = knob(1.0, modes=GRPO, least=0.0)
     """Sampling temperature (0: greedy); the log-probs are taken at it too, as TRL takes them."""
     top_p: float = knob(1.0, modes=GRPO, above=0.0)

@@ -37,6 +37,7 @@ from train.run.plan.sft_model import SFT_LAUNCHERS, choose_pretrained
 DEFAULTS = MODE_DEFAULTS["grpo"]
 DPO_LAUNCHERS = ("train_dpo", "train")
 COMPLETION_ROOM = 256  # MAX_COMPLETION_LENGTH's default, where MAX_LENGTH leaves that much after the prompts
+CPU_COMPLETION_ROOM = 32  # on a CPU: 64 rows of 256 sampled tokens a step would make `make grpo` no demo
 
 
 def beta(cfg: TrainConfig) -> float:
@@ -103,18 +104,19 @@ def newest_chat_model(cfg: TrainConfig, decide) -> str:
     return str(chosen.final)
 
 
-def prompt_room(cfg: TrainConfig, longest: int, max_length: int, decide) -> int:
+def prompt_room(cfg: TrainConfig, longest: int, max_length: int, device, decide) -> int:
     """MAX_COMPLETION_LENGTH as the run uses it (set in the plan's config)."""
     asked = cfg.optim.max_completion_length
     if asked is not None:
         return asked
-    room = min(COMPLETION_ROOM, max_length - longest)
+    most = CPU_COMPLETION_ROOM if device.type == "cpu" else COMPLETION_ROOM
+    room = min(most, max_length - longest)
     if room < 1:
         raise UsageError(f"MAX_LENGTH={max_length}: the longest prompt is {longest} tokens, leaving no room for a "
                          "completion; raise MAX_LENGTH or shorten the prompts")
     cfg.optim.max_completion_length = room
-    decide("max_completion_length", room, f"{COMPLETION_ROOM} at most, within MAX_LENGTH={max_length} after the "
-           f"longest prompt ({longest} tokens)")
+    decide("max_completion_length", room, f"{most} at most{' on a CPU' if most != COMPLETION_ROOM else ''}, within "
+           f"MAX_LENGTH={max_length} after the longest prompt ({longest} tokens)")
     return room
 
 
@@ -154,7 +156,7 @@ class GRPOSource:
         prompts = prompt_set(cfg.data.data_path, tok, skip_bad_records=cfg.data.skip_bad_records,
                              max_tokens=None if room is None else max_length - room, seed=cfg.system.seed, say=say)
         rewards.check_columns(prompts.column_names)
-        room = prompt_room(cfg, max(len(r) for r in prompts.ids), max_length, decide)
+        room = prompt_room(cfg, max(len(r) for r in prompts.ids), max_length, device, decide)
         if cfg.data.val_fraction != knobs.default("val_fraction"):
             say(f"VAL_FRACTION={cfg.data.val_fraction:g} is unused: reward training holds no prompts out")
         summary = {"model_path": str(choice.path), "prompt_format": prompts.format, "prompts": len(prompts),
