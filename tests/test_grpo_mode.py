@@ -149,3 +149,14 @@ def test_the_launcher_runs_python_m_train_grpo_with_its_preset_and_refuses_a_kno
         assert argv[argv.index(flag) + 1] == value
     refused = launch("train_grpo.sh", {"SHOW_COMMAND": "1", "DPO_LOSS": "ipo"})
     assert refused.returncode == 2 and "DPO_LOSS does not apply to reward training" in refused.stderr
+
+
+def test_an_encoder_decoder_is_refused_in_one_line(sft_runs, tmp_path, capsys):
+    from transformers import T5Config
+
+    folder = tmp_path / "t5"
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128).save_pretrained(folder)
+    assert run_cli(*grpo_argv(sft_runs, "t5", "--model_path", str(folder))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "an encoder-decoder; reward training is built for causal LMs" in err
+    assert not (sft_runs / "runs" / "t5").exists()
