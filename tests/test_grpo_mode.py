@@ -152,10 +152,12 @@ def test_the_launcher_runs_python_m_train_grpo_with_its_preset_and_refuses_a_kno
 
 
 def test_an_encoder_decoder_is_refused_in_one_line(sft_runs, tmp_path, capsys):
-    from transformers import T5Config
+    from transformers import T5Config, T5ForConditionalGeneration
 
     folder = tmp_path / "t5"
-    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128).save_pretrained(folder)
+    config = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128)
+    T5ForConditionalGeneration(config).save_pretrained(folder)  # refused from its config, before the weights load
+    capsys.readouterr()  # save_pretrained's progress bar
     assert run_cli(*grpo_argv(sft_runs, "t5", "--model_path", str(folder))) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "an encoder-decoder; reward training is built for causal LMs" in err
