@@ -162,3 +162,18 @@ def test_an_encoder_decoder_is_refused_in_one_line(sft_runs, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "an encoder-decoder; reward training is built for causal LMs" in err
     assert not (sft_runs / "runs" / "t5").exists()
+
+
+@pytest.mark.parametrize("body, said", [
+    ('raise KeyError("no such column")', "raised KeyError: 'no such column' (at rewards.py:2)"),
+    ("return [float('nan')] * len(completions)", "returned nan at completion 0: not a finite number"),
+    ("import time; time.sleep(5)", "did not return within REWARD_TIMEOUT=0.5 s"),
+])  # fmt: skip
+def test_a_reward_that_raises_returns_nan_or_hangs_stops_the_run_in_one_line(sft_runs, tmp_path, capsys, body, said):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(f"def score(completions, **kwargs):\n    {body}\n")
+    argv = grpo_argv(sft_runs, "bad-reward", "--reward_funcs", f"{rewards}:score", "--reward_timeout", "0.5",
+                     "--max_steps", "1", "--num_generations", "2", "--max_completion_length", "2")  # fmt: skip
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"REWARD_FUNCS: reward '{rewards}:score' {said}" in err, err
