@@ -211,6 +211,7 @@ def test_a_users_file_is_loaded_by_name_and_called_with_trls_arguments_and_the_c
     path = write_rewards(tmp_path, USER)
     funcs = f"{path}:score,{path}:shout,exact,{path}:later,{path}:scale"
     assert user_files(funcs) == [f"{path}:score", f"{path}:shout", f"{path}:later", f"{path}:scale"]
+    assert user_files(" rewards.py:f , accuracy") == ["rewards.py:f"] and user_files(None) == []
     rewards = build_rewards(funcs, "1,1,1,1,2")
     columns = {"answer": ["7", "hi", None], "topic": ["math", "greeting", "x"]}
     scores = rewards.score(

@@ -18,8 +18,10 @@ steps, 14 min): format 6 % of the completions over steps 0-9, 70 % over 20-29, 9
 0.6 % -> 7 %, which is the share of problems whose answer is 0, the number the model settled on. So
 the answer's shape is learned in minutes on a CPU and the sums are not: the group's completions
 become alike and the signal thins (groups whose rewards differ at all: 91 % of them over steps 10-29,
-54 % over 50-59). A run that should learn the sums needs more than this: more steps, a KL or entropy
-term, or a model that starts closer.
+54 % over 50-59). At lr 1e-4 the same 60 steps (20 min): format 4 % -> 53 %, accuracy 1 % -> 6 %.
+"Repeat the number 7." prompts instead (answers 0 to 18, 50 steps at lr 5e-4) went the same way:
+format 16 % -> 89 %, accuracy 1 % -> 6 %, the model again settled on 0. A run that should learn the
+sums needs more than this: more steps, a KL or entropy term, or a model that starts closer.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def is_user_file(item: str) -> bool:
 
 def user_files(funcs: str | None) -> list[str]:
     """The items of REWARD_FUNCS that name a user's file: code a run must never take from a saved config."""
-    return [item for item in (funcs or "").split(",") if is_user_file(item.strip())]
+    items = [item.strip() for item in (funcs or "").split(",")]
+    return [item for item in items if is_user_file(item)]
 
 
 def _module_of(path: Path, timeout: float, loaded: dict):
