@@ -177,3 +177,10 @@ def test_a_reward_that_raises_returns_nan_or_hangs_stops_the_run_in_one_line(sft
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"REWARD_FUNCS: reward '{rewards}:score' {said}" in err, err
+
+
+def test_a_dry_run_says_the_plan_and_the_estimate_with_sampling_s_kv_cache_and_makes_no_run_folder(sft_runs, capsys):
+    assert run_cli(*grpo_argv(sft_runs, "dry", "--dry_run", "1", "--beta", "0.1")) == 0
+    out = capsys.readouterr().out
+    assert "reference = copy" in out and "sampling's KV cache" in out and "estimated peak" in out
+    assert not (sft_runs / "runs" / "dry").exists()
