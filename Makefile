@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: help setup train baseline show-config test test-fast knobs lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft dpo compare-dpo monitor bench bench-data gpu-report
+.PHONY: help setup train baseline show-config test test-fast knobs lint clean sft sft-fast chat sft-bench find-batch doctor autotune compare compare-sft dpo compare-dpo grpo compare-grpo monitor bench bench-data gpu-report
 
 help:
 	@echo "make setup     create .venv and install requirements (only python3 needed)"
@@ -12,6 +12,7 @@ help:
 	@echo "make sft       SFT with ./train_sft_custom.sh (micro-batch 16; MODEL_PATH, DATA_PATH ...)"
 	@echo "make sft-fast  SFT with ./quick_start_sft_fast.sh (16 x accumulation 2, length grouping)"
 	@echo "make dpo       preference training with ./train_dpo.sh (8 pairs per micro-batch; DATA_PATH of pairs, MODEL_PATH ...)"
+	@echo "make grpo      reward training with ./train_grpo.sh (4 prompts x 8 completions per micro-batch; built-in task or DATA_PATH)"
 	@echo "make chat      chat with a trained model (MODEL=runs/<name>/final; default runs/latest/final; ARGS=\"--num_beams 4\")"
 	@echo "make sft-bench the same SFT run three ways: plain padding, LENGTH_GROUPING=1, PACKING=1; padding and tokens/s"
 	@echo "make show-config  DRY_RUN=1 of the optimized launcher: settings, numbers, memory estimate"
@@ -21,6 +22,7 @@ help:
 	@echo "make compare   baseline vs optimized launcher, same model/data/seed/COMPARE_SAMPLES (GPU: 4096, CPU: 1024); REPEAT=N; RESUME=1 continues one"
 	@echo "make compare-sft  SFT with batch 1 vs quick_start_sft_fast.sh on the same conversations (GPU: 4096, CPU: 256), in tokens/s"
 	@echo "make compare-dpo  DPO with one pair per step vs ./train_dpo.sh on the same pairs (DATA_PATH; CPU: 128 pairs)"
+	@echo "make compare-grpo GRPO with one prompt per step vs ./train_grpo.sh on the same prompts (CPU: 32 prompts)"
 	@echo "make monitor   live GPU table (GPU %, VRAM, power, clocks, temp) until Ctrl-C"
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
@@ -51,6 +53,9 @@ sft-fast: $(STAMP)
 dpo: $(STAMP)
 	./train_dpo.sh
 
+grpo: $(STAMP)
+	./train_grpo.sh
+
 MODEL ?= runs/latest/final
 chat: $(STAMP)
 	$(PY) -m train generate --model "$(MODEL)" --interactive $(ARGS)
@@ -73,6 +78,9 @@ compare-sft: $(STAMP)
 
 compare-dpo: $(STAMP)
 	@bash scripts/compare.sh dpo
+
+compare-grpo: $(STAMP)
+	@bash scripts/compare.sh grpo
 
 monitor: $(STAMP)
 	@$(PY) -m train monitor

@@ -23,8 +23,12 @@ KIT_DIR = Path(__file__).resolve().parent
 MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry per family
 PRECISIONS, LR_SCALINGS = ("fp32", "fp16", "bf16", "auto"), ("none", "linear", "sqrt")
 OPTIMIZERS, LR_SCHEDULES = tuple(registry.OPTIMIZERS), tuple(schedules.SCHEDULES)  # a table's entry is a choice
-MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
-EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
+MODES, SHARDINGS, REPORT_TO = ("pretrain", "sft", "dpo", "grpo"), ("none", "zero2", "zero3"), ("none", "tensorboard")
+EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
+CHAT, GRPO = {"sft", "dpo", "grpo"}, {"grpo"}  # CHAT: the modes that train a chat model (MODEL_PATH, LoRA ...)
+# GRPO's choices: train/core/reward/knobs.py's (imports torch, which the launchers' config read has not)
+LOSS_TYPES, SCALE_REWARDS = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"), ("group", "batch", "none")
+LEVELS, AGGREGATIONS = ("token", "sequence"), ("sum_then_normalize", "normalize_then_sum")
 DPO_LOSSES, REFERENCES = ("sigmoid", "ipo", "hinge", "simpo", "orpo"), ("copy", "precomputed", "adapters")
 LOSS_ONS, TRUNCATIONS, REASONINGS = ("assistant", "all"), ("keep_end", "keep_start"), ("keep", "drop")
 MODEL_CONFIG_NAMES = ("config.json", "model_config.json")  # ChatLM's bare checkpoints: model_config.json
@@ -49,27 +53,29 @@ class ModelConfig:
     """torch.compile the model (fused kernels; compile time reported apart). Empty: on with a GPU, off on a CPU."""
     compile_mode: str | None = knob(None, "auto", choices=("default", "reduce-overhead", "max-autotune"))
     """COMPILE's mode; reduce-overhead: CUDA graphs. Empty: that on one GPU where a step is launch-bound, else default."""
-    model_path: str | None = knob(None, modes=FINE_TUNING)
+    model_path: str | None = knob(None, modes=CHAT)
     """SFT: the model to fine-tune, a local transformers folder (or a state_dict + model_config.json, imported).
     Empty: a new model if MODEL_CONFIG / MODEL_SIZE is set, else the newest pretraining run's final/. DPO: the
-    chat model to train (a folder, as for SFT). Empty: the newest completed SFT run's final/."""
+    chat model to train (a folder, as for SFT). Empty: the newest completed SFT run's final/. GRPO: the model to
+    train. Empty: the newest completed SFT or DPO run's final/."""
     generation_config: str | None = None
     """A JSON file of generate() settings ({"num_beams": 5, "repetition_penalty": 1.1, ...}) saved into
     final/generation_config.json, checked at start with transformers' GenerationConfig."""
-    lora_r: int | None = knob(None, "compared", modes=FINE_TUNING, least=0)
+    lora_r: int | None = knob(None, "compared", modes=CHAT, least=0)
     """SFT: LoRA rank (peft; 8-64 usual): adapters train, the model stays frozen. Empty or 0: full fine-tuning."""
-    lora_alpha: float | None = knob(None, "compared", modes=FINE_TUNING, above=0.0)
+    lora_alpha: float | None = knob(None, "compared", modes=CHAT, above=0.0)
     """SFT: LoRA's scale is LORA_ALPHA / LORA_R. Empty: 2 x LORA_R."""
-    lora_dropout: float | None = knob(None, "compared", modes=FINE_TUNING, least=0.0)
+    lora_dropout: float | None = knob(None, "compared", modes=CHAT, least=0.0)
     """SFT: dropout on the LoRA adapters' input. Empty: 0.05."""
-    lora_targets: str | None = knob(None, "compared", modes=FINE_TUNING)
+    lora_targets: str | None = knob(None, "compared", modes=CHAT)
     """SFT: layer names LoRA adapts (comma-separated, or all-linear). Empty: the architecture's (docs/sft.md)."""
-    trust_remote_code: bool = knob(False, modes=FINE_TUNING)
+    trust_remote_code: bool = knob(False, modes=CHAT)
     """SFT: let MODEL_PATH run the Python code it ships (custom architectures). Off: only architectures
     transformers knows are loaded, as the code runs with your permissions."""
-    reference: str | None = knob(None, "auto", "compared", modes={"dpo"}, choices=REFERENCES)
+    reference: str | None = knob(None, "auto", "compared", modes={"dpo", "grpo"}, choices=REFERENCES)
     """DPO: copy (a frozen copy on the device) | precomputed (its log-probs made once, cached) | adapters (LoRA's
-    base, adapters off). Empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed."""
+    base, adapters off). Empty: adapters with LORA_R, a copy for a short run where it fits, else precomputed. GRPO:
+    the reference of BETA > 0: copy | adapters. Empty: adapters with LORA_R, else copy."""
     dropout: float | None = knob(None, "auto", "compared", least=0.0, below=1.0)
     """Every dropout of the model (gpt2 resid/embd/attn_pdrop, llama/qwen3 attention_dropout, t5 dropout_rate). Empty: 0 for
     MODEL_SIZE (nanoGPT's; +11 % tokens/s on an H200), else MODEL_CONFIG's or MODEL_PATH's own (SFT keeps what it
@@ -91,7 +97,8 @@ class DataConfig:
     """Training text, or SFT's records (alpaca, messages, ShareGPT, prompt/response): .txt/.md, JSONL (.jsonl,
     .jsonl.gz), a .json list, parquet, an Arrow folder (datasets' save_to_disk), or a folder or glob mixing
     them; streamed, never read whole. Empty: the built-in corpus (the standard-library sources of the running
-    Python). DPO: records of a prompt, a chosen and a rejected reply (docs/dpo.md). Empty: built-in pairs."""
+    Python). DPO: records of a prompt, a chosen and a rejected reply (docs/dpo.md). Empty: built-in pairs. GRPO:
+    prompts (TRL's prompt-only records, messages, alpaca; extra columns go to the rewards). Empty: a built-in task."""
     text_field: str = knob("text", modes=FROM_SCRATCH)
     """The field (JSON) or column (parquet, Arrow; only it is read) of the text; in SFT a record holding it and
     no conversation keys is a plain document, trained whole."""
@@ -112,7 +119,8 @@ class DataConfig:
     only adds its start-up (32 on 2 cores spawned 33 processes)."""
     max_length: int | None = knob(None, "auto", least=2)
     """Tokens per training sequence; sequences are packed to exactly this length. Empty: the model's context
-    length. DPO: the prompt with either reply (a long pair loses prompt tokens). Empty: model context."""
+    length. DPO: the prompt with either reply (a long pair loses prompt tokens). Empty: model context. GRPO: a prompt
+    with its completion. Empty: model context."""
     num_workers: int = knob(0, "compared", least=0)
     """DataLoader worker processes. 0 loads batches in the training process (the guides' 'before'); 4 overlaps loading."""
     prefetch_factor: int | None = knob(None, least=1)
@@ -136,10 +144,10 @@ class DataConfig:
     padded row each: a few percent of padding instead of half; positions restart, attention never crosses one
     (varlen kernels, or a block mask). BATCH_SIZE counts rows. Empty: 0. DPO: 1 packs all pairs into rows of
     2 x MAX_LENGTH (BATCH_SIZE counts rows); 0 pads. Empty: each micro-batch's pairs in one unpadded row."""
-    skip_bad_records: bool = knob(False, modes=FINE_TUNING)
+    skip_bad_records: bool = knob(False, modes=CHAT)
     """SFT: skip records that cannot be used (bad JSON, no response, wrong shape) and print how many, instead
     of stopping at the first. An empty file or an unknown format still stops."""
-    template: str | None = knob(None, modes=FINE_TUNING)
+    template: str | None = knob(None, modes=CHAT)
     """SFT: builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file. Empty: the
     tokenizer's own chat template where it has one, else builtin."""
     loss_on: str | None = knob(None, modes={"sft"}, choices=LOSS_ONS)
@@ -178,7 +186,8 @@ class DataConfig:
 class OptimConfig:
     batch_size: int = knob(8, "compared", least=1)
     """Micro-batch per GPU: sequences in one forward/backward. The first knob the guides turn. DPO: pairs per
-    micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows."""
+    micro-batch (chosen and rejected, two sequences each, in one forward); with PACKING=1, packed rows. GRPO: prompts
+    per micro-batch, NUM_GENERATIONS completions each."""
     gradient_accumulation_steps: int = knob(1, "compared", least=1)
     """Micro-batches summed before each optimizer step. Effective batch = BATCH_SIZE x GRADIENT_ACCUM x GPUs;
     raise it to keep the effective batch when BATCH_SIZE must shrink."""
@@ -210,8 +219,52 @@ class OptimConfig:
     """Stop after this many training sequences (DPO: pairs; the budget `make compare` holds fixed)."""
     dpo_loss: str | None = knob(None, "compared", modes={"dpo"}, choices=DPO_LOSSES)
     """DPO: sigmoid (DPO) | ipo | hinge (against the reference) | simpo | orpo (reference-free)."""
-    beta: float | None = knob(None, "compared", modes={"dpo"}, above=0.0)
-    """DPO: how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale)."""
+    beta: float | None = knob(None, "compared", modes={"dpo", "grpo"}, least=0.0)
+    """DPO: how far the policy may drift from the reference (TRL's beta; SimPO's and ORPO's scale), above 0. GRPO:
+    the KL-to-reference weight (TRL's beta). Empty: 0, no reference model."""
+    num_generations: int = knob(8, "compared", modes=GRPO, least=2)
+    """Completions sampled per prompt (a group); BATCH_SIZE counts prompts, each of these many rows."""
+    max_completion_length: int | None = knob(None, "compared", modes=GRPO, least=1)
+    """Tokens a completion may run to. Empty: 256 (a CPU: 32), or what MAX_LENGTH leaves after the longest prompt."""
+    temperature: float = knob(1.0, modes=GRPO, least=0.0)
+    """Sampling temperature (0: greedy); the log-probs are taken at it too, as TRL takes them."""
+    top_p: float = knob(1.0, modes=GRPO, above=0.0)
+    """Nucleus sampling: the likeliest tokens whose probability reaches TOP_P (1: all)."""
+    top_k: int = knob(0, modes=GRPO, least=0)
+    """Only the TOP_K likeliest tokens are drawn from (0: all)."""
+    loss_type: str = knob("dapo", "compared", modes=GRPO, choices=LOSS_TYPES)
+    """dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo (docs/grpo.md)."""
+    epsilon: float = knob(0.2, modes=GRPO, least=0.0, below=1.0)
+    """The policy ratio is clipped to 1 - EPSILON (and 1 + EPSILON without EPSILON_HIGH)."""
+    epsilon_high: float | None = knob(None, modes=GRPO, least=0.0)
+    """The ratio's upper clip, 1 + EPSILON_HIGH (DAPO: 0.28; cispo's cap). Empty: EPSILON."""
+    delta: float | None = knob(None, modes=GRPO, above=1.0)
+    """Two-sided GRPO: the unclipped ratio capped at DELTA. Empty: off."""
+    sapo_temperature_pos: float = knob(1.0, modes=GRPO, above=0.0)
+    """sapo's gate temperature where the advantage is positive."""
+    sapo_temperature_neg: float = knob(1.05, modes=GRPO, above=0.0)
+    """sapo's gate temperature elsewhere."""
+    scale_rewards: str = knob("group", modes=GRPO, choices=SCALE_REWARDS)
+    """Advantages divided by the std of the group's rewards | the batch's | none (Dr. GRPO)."""
+    importance_sampling_level: str = knob("token", modes=GRPO, choices=LEVELS)
+    """token | sequence (GSPO: one ratio per completion)."""
+    multi_objective_aggregation: str = knob("sum_then_normalize", modes=GRPO, choices=AGGREGATIONS)
+    """sum_then_normalize (weighted sum of the rewards, then normalised) | normalize_then_sum (GDPO)."""
+    num_iterations: int = knob(1, "compared", modes=GRPO, least=1)
+    """Optimizer steps taken on one generation (TRL's mu); above 1 keeps the sampling's log-probs."""
+    mask_truncated_completions: bool = knob(False, modes=GRPO)
+    """A completion that ends without EOS within MAX_COMPLETION_LENGTH counts no token in the loss."""
+    reward_funcs: str | None = knob(None, modes=GRPO)
+    """Rewards, comma-separated: accuracy | exact | format | length, or your own file.py:function (runs your code:
+    docs/grpo.md). Empty: accuracy,format on the built-in task; DATA_PATH needs them named."""
+    reward_weights: str | None = knob(None, modes=GRPO)
+    """One weight per reward of REWARD_FUNCS, comma-separated. Empty: 1 each."""
+    reward_timeout: float = knob(60.0, modes=GRPO, above=0.0)
+    """Seconds one reward call may take; past it the run stops, naming the reward."""
+    reward_pattern: str | None = knob(None, modes=GRPO)
+    """The format reward's regular expression. Empty: the built-in task's (a number first); other data sets one."""
+    reward_length: int | None = knob(None, modes=GRPO, least=1)
+    """The length reward's target, in tokens."""
     label_smoothing: float | None = knob(None, modes={"dpo"}, least=0.0, below=0.5)
     """DPO: the chance a pair's labels are wrong (sigmoid, simpo: conservative DPO), below 0.5."""
     simpo_gamma: float | None = knob(None, modes={"dpo"}, least=0.0)
@@ -284,7 +337,7 @@ class SystemConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     mode: str = knob("pretrain", "command", choices=MODES)
-    """pretrain | sft | dpo."""
+    """pretrain | sft | dpo | grpo."""
     output_dir: str = str(KIT_DIR / "runs")
     """Run folders go in OUTPUT_DIR/RUN_NAME; OUTPUT_DIR/latest points at the newest."""
     run_name: str | None = None
@@ -382,13 +435,15 @@ PRESETS: dict[str, dict] = {
                 num_workers=2, pin_memory=True, persistent_workers=True, tf32=True),
     # Preference training: TRL's DPO learning rate is 1e-6 for billion-parameter models; 5e-6 moves the kit's small ones
     "dpo": dict(batch_size=8, learning_rate=5e-6, weight_decay=0.0, num_workers=2, pin_memory=True, tf32=True, dropout=0.0),
+    # Reward training: BATCH_SIZE prompts x NUM_GENERATIONS rows; the kit's small models move at 1e-5 (TRL: 1e-6)
+    "grpo": dict(batch_size=4, learning_rate=1e-5, weight_decay=0.0, tf32=True, dropout=0.0),
 }
 MODE_DEFAULTS = {"dpo": dict(dpo_loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
-                             sft_weight=0.0)}  # TRL's
+                             sft_weight=0.0), "grpo": dict(beta=0.0)}  # TRL's
 
 
 def resolve(preset: str | None, overrides: dict) -> TrainConfig:
-    """Dataclass defaults < the mode's own (MODE_DEFAULTS: TRL's values of the knobs only that mode reads)
+    """Dataclass defaults < the mode's own (MODE_DEFAULTS: TRL's values of knobs a mode reads apart)
     < preset < explicit overrides (typed values)."""
     if preset is not None and preset not in PRESETS:
         raise UsageError(f"PRESET (--preset): expected {' | '.join(PRESETS)}, got {preset!r}")

@@ -2,7 +2,9 @@
 # `make compare` / `make compare-sft` / `make compare-dpo`: the guides' "before" launcher and the fast one
 # on the same model, data, seed and sample budget, then `python -m train compare` on their run folders.
 # compare-dpo: ./train_dpo.sh with one pair per step against its own defaults, on the same pairs (DATA_PATH).
-# Usage: [VAR=value ...] scripts/compare.sh [pretrain|sft|dpo]
+# compare-grpo: ./train_grpo.sh with one prompt per step against its own defaults, on the same prompts
+# (DATA_PATH, or the built-in task).
+# Usage: [VAR=value ...] scripts/compare.sh [pretrain|sft|dpo|grpo]
 #   COMPARE_SAMPLES  sequences each run trains on (its MAX_SAMPLES); empty: 4096 on a GPU; on CPU 1024
 #                    (pretrain: 128 steps of 8 against 8 of 128, 6 minutes on 2 busy cores) or 256 (sft:
 #                    256 single conversations against 8 steps of 32): the fewest that give the fast side
@@ -51,7 +53,12 @@ case "$MODE" in
     A_CMD=("$KIT_DIR/train_dpo.sh" 1) B_CMD=("$KIT_DIR/train_dpo.sh")
     A_NAME=compare-dpo-batch1 B_NAME=compare-dpo-fast
     A_ENV=(BATCH_SIZE=1 GRADIENT_ACCUM=1) ;;
-  *) kit_fail "scripts/compare.sh: mode must be pretrain, sft or dpo, got '$MODE'" ;;
+  grpo)
+    # The "before" for reward training: one prompt (NUM_GENERATIONS completions) per step.
+    A_CMD=("$KIT_DIR/train_grpo.sh" 1) B_CMD=("$KIT_DIR/train_grpo.sh")
+    A_NAME=compare-grpo-batch1 B_NAME=compare-grpo-fast
+    A_ENV=(BATCH_SIZE=1 GRADIENT_ACCUM=1) ;;
+  *) kit_fail "scripts/compare.sh: mode must be pretrain, sft, dpo or grpo, got '$MODE'" ;;
 esac
 
 [[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || kit_fail "REPEAT must be a whole number >= 1, got '$REPEAT'"
@@ -67,7 +74,8 @@ if [ -z "$COMPARE_SAMPLES" ]; then
   fi
   # CPU: 1,024 batch-1 steps made compare-sft slow, 256 / 128 gave the fast side too few steps to time
   # DPO: 128 pairs (two sequences each, a reference forward too): 16 steps of 8 on the fast side
-  cpu_samples=$(case "$MODE" in sft) echo 256 ;; dpo) echo 128 ;; *) echo 1024 ;; esac)
+  # GRPO: 32 prompts (8 sampled completions each): 8 steps of 4 on the fast side
+  cpu_samples=$(case "$MODE" in sft) echo 256 ;; dpo) echo 128 ;; grpo) echo 32 ;; *) echo 1024 ;; esac)
   COMPARE_SAMPLES=$([ "$on_gpu" = 1 ] && echo 4096 || echo "$cpu_samples")
 fi
 [[ "$COMPARE_SAMPLES" =~ ^[1-9][0-9]*$ ]] || kit_fail "COMPARE_SAMPLES must be a whole number >= 1, got '$COMPARE_SAMPLES'"

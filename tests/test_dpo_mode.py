@@ -120,7 +120,7 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
 
 
 @pytest.mark.parametrize("mode, argv, message", [
-    ("dpo", ["--beta", "-1"], "BETA (--beta): expected a number > 0.0"),
+    ("dpo", ["--beta", "0"], "BETA=0: preference training's beta scales the log-ratios; above 0"),  # GRPO's 0: none
     ("dpo", ["--dpo_loss", "kto"], "DPO_LOSS (--dpo_loss): expected sigmoid | ipo | hinge | simpo | orpo"),
     ("dpo", ["--label_smoothing", "0.5"], "LABEL_SMOOTHING (--label_smoothing): expected a number from 0 to below 0.5"),
     ("dpo", ["--reference", "adapters"], "REFERENCE=adapters: the reference is the base model"),
@@ -132,7 +132,7 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     ("dpo", ["--loss_mean", "tokens"], "LOSS_MEAN (--loss_mean) does not apply to preference training"),
     ("dpo", ["--text_field", "body"], "TEXT_FIELD (--text_field) does not apply to preference training"),
     ("sft", ["--beta", "0.2"], "BETA (--beta) does not apply to SFT (`python -m train sft`): it is read by "
-                               "preference training only"),
+                               "preference training and reward training only"),
     ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) does not apply to pretraining"),
 ])  # fmt: skip
 def test_a_bad_dpo_knob_is_one_line_exit_2(sft_runs, capsys, mode, argv, message):

@@ -132,11 +132,11 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
 
 NEW_LAUNCHER = """#!/usr/bin/env bash
 # A new mode's launcher as it arrives: no knob lines yet.
-# Usage: [VAR=value ...] ./train_grpo.sh [--any_flag value ...]
+# Usage: [VAR=value ...] ./train_ppo.sh [--any_flag value ...]
 set -euo pipefail
 
 source "$(dirname "$0")/scripts/common.sh"
-kit_launch grpo sft "$@"
+kit_launch ppo sft "$@"
 """
 
 
@@ -158,7 +158,7 @@ def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its
     after = digests(kit)
     changed = {name for name in after if after[name] != before.get(name)}
     launchers = {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh",
-                 "train_dpo.sh"}
+                 "train_dpo.sh", "train_grpo.sh"}
     assert changed == {"docs/knobs.md"} | launchers
     assert all(os.access(kit / name, os.X_OK) for name in launchers)  # still executable
     assert generate(kit, "--check").stdout.strip() == "knob docs up to date"
@@ -181,38 +181,39 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     # what a new mode brings: its name among the modes and in the knobs it reads (here the group of every
     # mode's and a field of its own), and a launcher; no other file
     cfg = (kit / "config.py").read_text()
-    for old, new in (('("pretrain", "sft", "dpo"), ("none"', '("pretrain", "sft", "dpo", "grpo"), ("none"'),
-                     ('EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo"}',
-                      'EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}'),
-                     ('knob(False, modes={"sft"})', 'knob(False, modes={"grpo"})')):
+    for old, new in (('("pretrain", "sft", "dpo", "grpo"), ("none"',
+                      '("pretrain", "sft", "dpo", "grpo", "ppo"), ("none"'),
+                     ('EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}',
+                      'EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo", "ppo"}'),
+                     ('knob(False, modes={"sft"})', 'knob(False, modes={"ppo"})')):
         assert cfg.count(old) == 1, old
         cfg = cfg.replace(old, new)
-    assert cfg.count('"grpo"') == 3
+    assert cfg.count('"ppo"') == 3
     (kit / "config.py").write_text(cfg)
-    (kit / "train_grpo.sh").write_text(NEW_LAUNCHER)
-    (kit / "train_grpo.sh").chmod(0o755)
-    shown = generate(kit, "--launcher", "train_grpo.sh")
+    (kit / "train_ppo.sh").write_text(NEW_LAUNCHER)
+    (kit / "train_ppo.sh").chmod(0o755)
+    shown = generate(kit, "--launcher", "train_ppo.sh")
     assert shown.returncode == 0, shown.stderr
     written = generate(kit, "--write")
-    assert written.returncode == 0 and "train_grpo.sh" in written.stdout, written.stderr
-    grpo = block_of(kit / "train_grpo.sh")
-    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_grpo.sh").read_text()
-    assert "DUMMY_SFT" in grpo and "DUMMY_KNOB" in grpo and "SEED" in grpo and "NPROC_PER_NODE" in grpo
-    assert not {"MODEL_SIZE", "MODEL_PATH", "PACKING", "BETA"} & set(grpo)  # their modes do not name it
+    assert written.returncode == 0 and "train_ppo.sh" in written.stdout, written.stderr
+    ppo = block_of(kit / "train_ppo.sh")
+    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_ppo.sh").read_text()
+    assert "DUMMY_SFT" in ppo and "DUMMY_KNOB" in ppo and "SEED" in ppo and "NPROC_PER_NODE" in ppo
+    assert not {"MODEL_SIZE", "MODEL_PATH", "PACKING", "BETA"} & set(ppo)  # their modes do not name it
     assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(kit / "run_single_gpu.sh")
-    text = (kit / "train_grpo.sh").read_text()
+    text = (kit / "train_ppo.sh").read_text()
     assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index("source ") and text.endswith('"$@"\n')
     doc = (kit / "docs" / "knobs.md").read_text()
-    assert "\n\nRead by `python -m train grpo` only (launchers: `train_grpo.sh`); the other modes" in doc
+    assert "\n\nRead by `python -m train ppo` only (launchers: `train_ppo.sh`); the other modes" in doc
     # the launcher passes its knobs as flags (scripts/common.sh reads the same fields)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    out = subprocess.run(["bash", str(kit / "train_grpo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
+    out = subprocess.run(["bash", str(kit / "train_ppo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
                          capture_output=True, text=True, timeout=120, cwd=kit)  # fmt: skip
     assert out.returncode == 0 and out.stderr == "", out.stderr
     argv = shlex.split(out.stdout)
-    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "grpo"] and "--dummy_sft" in argv
-    refused = subprocess.run(["bash", str(kit / "train_grpo.sh")], cwd=kit, capture_output=True, text=True,
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "ppo"] and "--dummy_sft" in argv
+    refused = subprocess.run(["bash", str(kit / "train_ppo.sh")], cwd=kit, capture_output=True, text=True,
                              env={**env, "SHOW_COMMAND": "1", "BETA": "0.2"}, timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith(
-        "error: BETA does not apply to `python -m train grpo` (train_grpo.sh): it is read by preference "
-        "training only")
+        "error: BETA does not apply to `python -m train ppo` (train_ppo.sh): it is read by preference "
+        "training and reward training only")

@@ -13,6 +13,10 @@ import torch
 
 from train.core.objective import MODES, Objective, mode_of
 from train.core.preference.loss import PreferenceObjective
+from train.core.reward.guard import RewardSet
+from train.core.reward.knobs import GrpoKnobs
+from train.core.reward.objective import GRPOObjective
+from train.core.reward.sampling import Sampler, SamplingSettings
 from train.core.step import TokenObjective
 from train.data.chat.packing import VARLEN
 from train.data.chat.pair_batching import (
@@ -23,7 +27,9 @@ from train.data.chat.pair_batching import (
 )
 from train.run.plan import dpo_reference
 
-OBJECTIVES = (TokenObjective(False), TokenObjective(True, micro_batch_mean=True), PreferenceObjective(False))
+GRPO = GRPOObjective(False, GrpoKnobs(), Sampler(SamplingSettings(), eos_ids=[0], pad_id=0, device="cpu"),
+                     RewardSet(()), [[1]], lambda index, repeat: ([], {}))  # fmt: skip
+OBJECTIVES = (TokenObjective(False), TokenObjective(True, micro_batch_mean=True), PreferenceObjective(False), GRPO)
 
 
 def protocol_members() -> set[str]:
@@ -45,7 +51,8 @@ def test_every_objective_answers_the_whole_protocol(objective):
 
 
 def test_each_modes_row_names_a_real_objective_class():
-    assert set(MODES) == {"pretrain", "sft", "dpo"}  # config.py's modes
+    assert set(MODES) == {"pretrain", "sft", "dpo", "grpo"}  # config.py's modes
+    assert mode_of("grpo").objective_class is GRPOObjective and mode_of("grpo").unit == "prompts"
     assert mode_of("pretrain").objective_class is TokenObjective
     assert mode_of("sft").objective_class is TokenObjective
     assert mode_of("dpo").objective_class is PreferenceObjective

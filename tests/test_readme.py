@@ -116,7 +116,7 @@ def test_the_first_hour_comes_first():
         ("make train", "make train   #"), ("pretrain", "./run_single_gpu.sh   #"), ("sft", "MODEL_PATH=runs/latest/final"),
         ("chat", "make chat MODEL="), ("compare", "make compare"), ("outputs", "## What a run writes")]}  # fmt: skip
     assert list(at) == sorted(at, key=at.get), at  # in that order
-    assert at["compare"] < 80, "the first-hour path should fit the README's first screens"
+    assert at["compare"] < 92, "the first-hour path should fit the README's first screens"
 
 
 def test_the_model_size_table_is_what_the_models_count():

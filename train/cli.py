@@ -10,7 +10,7 @@ from functools import partial
 from train.config.flags import parse_training_args
 from train.core.errors import UsageError
 
-TRAIN_COMMANDS = ("pretrain", "sft", "dpo")
+TRAIN_COMMANDS = ("pretrain", "sft", "dpo", "grpo")
 # Commands that take the training flags and run real steps: module and entry point, imported late.
 TOOL_COMMANDS = {
     "find-batch": ("train.tools.find_batch", "find_batch_main"),
@@ -25,6 +25,7 @@ commands:
   pretrain   train a model from scratch on text: GPT-2 (causal LM) or T5 (encoder-decoder) (run_single_gpu*.sh)
   sft        fine-tune a trained model on chat or instruction data (train_sft_custom.sh, quick_start_sft_fast.sh)
   dpo        preference training (DPO, IPO, hinge, SimPO, ORPO) of a chat model on chosen / rejected pairs (train_dpo.sh)
+  grpo       reward training (GRPO) of a chat model: sampled completions scored by reward functions (train_grpo.sh)
   generate   sample from a trained model with its chat template: generate --model DIR --prompt TEXT
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)

@@ -93,6 +93,9 @@ DESCRIPTIONS = {
            "newest completed SFT run's final/) on pairs of chosen and rejected replies (--data_path): --dpo_loss "
            "sigmoid | ipo | hinge | simpo | orpo, --beta, a reference model (--reference copy | precomputed | "
            "adapters). train_dpo.sh starts it; docs/dpo.md.",
+    "grpo": "Reward training (GRPO, the fourth stage) of a chat model (--model_path; default the newest completed SFT "
+            "or DPO run's final/) on prompts (--data_path; default a built-in arithmetic task): --num_generations "
+            "completions per prompt, scored by --reward_funcs. train_grpo.sh starts it; docs/grpo.md.",
 }
 
 
@@ -102,10 +105,11 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     a flag given is still read, so parse_training_args refuses it in one line naming it."""
     docs = field_docs()
     mode = command if command in config.MODES else "pretrain"
-    sft, dpo = command in ("sft", "dpo"), command == "dpo"  # the presets a command offers
+    sft, dpo = command in ("sft", "dpo", "grpo"), command == "dpo"  # the presets a command offers
     description = DESCRIPTIONS.get(command, "It takes pretraining's flags, below.") + FLAGS_NOTE
     parser = ArgParser(prog=f"python -m train {command}", description=description)
-    presets = sorted(p for p in config.PRESETS if (p != "sft" or sft) and (p != "dpo" or dpo))
+    presets = sorted(p for p in config.PRESETS
+                     if (p != "sft" or sft) and (p != "dpo" or dpo) and (p != "grpo" or command == "grpo"))
     parser.add_argument("--preset", choices=presets, help="named preset applied under the flags")
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")

@@ -81,6 +81,11 @@ class Objective(Protocol):
     def describe(self) -> str:
         """The loss in words (find-batch's answer and log)."""
 
+    # Optional, asked only where an objective has it (getattr): rollout(model, micro_batches) -> the
+    # micro-batches the step trains on, made under the current weights before the step is counted (GRPO's
+    # sampled, scored completions), its seconds in rollout_seconds (the meter's generation_frac); and
+    # generators() -> {name: torch.Generator} whose states a checkpoint keeps.
+
 
 def perplexity(loss: float | None) -> float | None:
     """exp(loss) of a token mean loss; None for none or a non-finite one, inf past exp's range."""
@@ -109,6 +114,9 @@ class Mode:
     reference: bool = False
     """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a
     copy)."""
+    sampled: bool = False
+    """Its rows are sampled in the step: NUM_GENERATIONS per sample, with a KV cache before the forwards (the
+    estimate counts both)."""
 
     @property
     def objective_class(self) -> type:
@@ -125,10 +133,13 @@ class Mode:
 
 
 TOKEN, PREFERENCE = "train.core.step:TokenObjective", "train.core.preference.loss:PreferenceObjective"
+REWARD = "train.core.reward.objective:GRPOObjective"
 MODES = {
     "pretrain": Mode(TOKEN, span_targets=True, fills_causal=False),
     "sft": Mode(TOKEN, throughput="tokens_per_sec", row_lengths=True),
     "dpo": Mode(PREFERENCE, reference=True),
+    # GRPO: its rows are sampled (NUM_GENERATIONS per prompt), not the data's; fill does not size them
+    "grpo": Mode(REWARD, fills_causal=False, sampled=True),
 }
 
 

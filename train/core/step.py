@@ -194,6 +194,9 @@ def train_step(
     start = time.perf_counter()
     micro_batches = [next(batches) for _ in range(accum)]
     waited = time.perf_counter() - start
+    rollout = getattr(objective, "rollout", None)  # completions made under the current weights (GRPO's)
+    if rollout is not None:
+        micro_batches = rollout(model, micro_batches)
     counts = objective.counts(micro_batches)  # host ints: no device sync
     world_size = 1
     if step_total is not None:

@@ -27,6 +27,7 @@ from train.core.errors import UsageError
 from train.core.loss import CHUNK_ELEMENTS
 from train.core.objective import mode_of
 from train.core.optim.registry import OPTIMIZERS
+from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
 from train.models import estimate_seq2seq, estimate_terms, lora
 from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
 from train.models.estimate_terms import PackedGrid
@@ -268,7 +269,9 @@ def estimate_for_run(
     seq2seq = family_of(hf_cfg).layout.encoder_decoder
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length, target_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
-    rows = mode_of(cfg.run.mode).rows_per_sample  # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward
+    mode = mode_of(cfg.run.mode)
+    # BATCH_SIZE pairs: 2 x BATCH_SIZE sequences in one forward; GRPO's prompts: NUM_GENERATIONS rows each
+    rows = cfg.optim.num_generations if mode.sampled else mode.rows_per_sample
     est = estimate_memory(
         hf_cfg,
         n_params,
@@ -295,6 +298,9 @@ def estimate_for_run(
             est["reference_forward"] = forward
             est["peak"] = max(est["peak"], moment)
         est["peak"] += est["reference"]
+    if mode.sampled:  # sampling's cache, before the step's forwards: no activations or gradients beside it
+        est["kv_cache"] = kv_cache_bytes(hf_cfg, rows * cfg.optim.batch_size, max_length, cache_dtype(hf_cfg, precision))
+        est["peak"] = max(est["peak"], est["peak"] - est["activations"] - est["gradients"] + est["kv_cache"])
     return est
 
 

@@ -143,6 +143,10 @@ def describe(estimate: dict) -> list[str]:
         + (f", cuBLAS workspaces {mb('workspace')}" if estimate.get("workspace") else ""),
         f"  activations at the peak {mb('activations')} (of which loss/logits {mb('loss_logits')}; "
         f"{mb('activations_per_layer')} per layer)",
+    ]
+    if "kv_cache" in estimate:  # a sampled mode's (GRPO's): its generation's cache, before the forwards
+        lines.append(f"  sampling's KV cache {mb('kv_cache')} (BATCH_SIZE x NUM_GENERATIONS rows at MAX_LENGTH)")
+    lines += [
         f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
         "allocator's cache come on top)",
     ]

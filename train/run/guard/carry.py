@@ -26,6 +26,7 @@ from train.config.flags import training_parser
 from train.core import files
 from train.core.errors import UsageError
 from train.run.checkpoint.on_disk import list_checkpoints
+from train.run.plan.reward_funcs import user_files
 from train.run.rundir.claim import plan_run_dir
 from train.run.rundir.report import asked_seal, flat_asked
 
@@ -99,6 +100,9 @@ def carry(cfg: config.TrainConfig, command: str, argv: list[str], say=print) -> 
     now = {k: v for section in asdict(cfg).values() for k, v in section.items()}
     skip = given(command, argv) | set(NEVER)
     taken = {k: v for k, v in saved.items() if k not in skip and v != now[k]}
+    if "reward_funcs" in taken and user_files(taken["reward_funcs"]):  # code runs by the command line's word only
+        raise UsageError(f"RESUME=1: {run_path.name} scored with REWARD_FUNCS={taken['reward_funcs']}, which runs a "
+                         "file's code; name it again on this command (REWARD_FUNCS=...) to run it")
     if not taken:
         return cfg
     carried = config.TrainConfig.from_flat({**now, **taken})  # validated as any flag is

@@ -68,6 +68,11 @@ class RunGuard:
     complete = property(lambda self: self.state.complete)
     schedule = property(lambda self: self.state.schedule)
 
+    def _generators(self) -> dict | None:
+        """The objective's own random-number generators (GRPO's sampler), for the checkpoint's RNG entry."""
+        own = getattr(self.plan.objective, "generators", None)
+        return own() if own is not None else None
+
     # ---- the loop's calls -----------------------------------------------------------------
 
     def start(self, model, optimizer, scaler, oom_guard) -> None:
@@ -78,8 +83,8 @@ class RunGuard:
         self.scaler, self.oom_guard = scaler, oom_guard
         self.health = Health(scaler, self.counters)
         self.checkpoints.track(
-            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world), progress=self.progress,
-            oom_guard=oom_guard, schedule=self.schedule, health=self.health,
+            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world, self._generators()),
+            progress=self.progress, oom_guard=oom_guard, schedule=self.schedule, health=self.health,
         )  # fmt: skip
         position = {"epoch": self.state.epoch, "position": self.state.consumed}
         self.checkpoints.restore(self.loaded, position)

@@ -115,6 +115,12 @@ class Meter:
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
         self.host = monitor_lib.HostMemoryPeaks()
         self.host_syncs: list[str] | None = None  # the probed step's syncs, each with its line
+        self.rollout_at = self.interval_rollout = self._rollout_s()  # an objective's rollout (GRPO's sampling)
+
+    def _rollout_s(self) -> float | None:
+        """Seconds the objective's rollout took so far (its generation, inside the steps), or None."""
+        seconds = getattr(self.objective, "rollout_seconds", None)
+        return None if seconds is None else float(seconds)
 
     def counted(self) -> tuple[int, int]:
         """(samples, tokens) trained so far, all ranks (a collective), for a checkpoint."""
@@ -158,6 +164,7 @@ class Meter:
                 self.first_step_s = now - self.t0
             if warmed:
                 self.steady_t0, self.steady_at = now, self.seen
+                self.rollout_at = self._rollout_s()
                 self.timer.start_steady()
                 self._eta_line(done, now)
         self.bar.update(1)
@@ -214,6 +221,10 @@ class Meter:
             "compute_frac": min(1.0, compute_s / span) if span > 0 else None,
             "elapsed_s": now - self.t0,
         }
+        rollout = self._rollout_s()
+        if rollout is not None:  # the share of the interval spent making the step's completions
+            row["generation_frac"] = min(1.0, (rollout - self.interval_rollout) / span) if span > 0 else None
+            self.interval_rollout = rollout
         self.run_dir.metrics(row)
         self._show(step, row, now)
         warning = self.host.sample()
@@ -234,7 +245,8 @@ class Meter:
         line = (
             f"step {step}/{total} loss {row['loss']:.4f} {self.objective.shown(row)} lr {row['lr']:.2e} "
             f"samples/s {row['samples_per_sec']:.1f} data-wait {wait:.0%} "
-            f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
+            + (f"generation {row['generation_frac']:.0%} " if row.get("generation_frac") is not None else "")
+            + f"ETA {format_eta(eta)}" + (" (input-bound)" if wait > INPUT_BOUND_FRAC else "")
         )
         if self.bar.disable:
             self.say(line)
@@ -300,4 +312,13 @@ class Meter:
             # syncs of one quiet steady optimizer step (None: the run had no such step)
             "host_syncs_per_step": None if self.host_syncs is None else self.host_syncs_count,
             "host_syncs": self.host_syncs,
+            **self._generation(steady_s, run_steps),
         }
+
+    def _generation(self, steady_s: float, run_steps: int) -> dict:
+        """generation_s and generation_frac of the steady state, where the objective has a rollout."""
+        rollout = self._rollout_s()
+        if rollout is None:
+            return {}
+        seconds = rollout - (self.rollout_at if run_steps > self.skip else 0.0)
+        return {"generation_s": seconds, "generation_frac": min(1.0, seconds / steady_s) if steady_s > 0 else None}

@@ -19,6 +19,7 @@ from train.models.family import family_of
 from train.run.plan.adapt import over_memory
 from train.run.plan.dpo import DPOSource
 from train.run.plan.fill import Fill
+from train.run.plan.grpo import GRPOSource
 from train.run.plan.make import (
     Chosen,
     ModelChoice,
@@ -50,7 +51,7 @@ def build(asked: TrainConfig, say, world: Dist = SINGLE, chosen: Chosen | Fill |
     """The plan of a run and the objects it needs. `asked` is left as it is: what was decided
     (adapted workers, derived accumulation, the demo budget, AUTO_BATCH's `chosen` micro-batch ...)
     is in Plan.cfg and Plan.decisions."""
-    source = {"sft": SFTSource, "dpo": DPOSource}.get(asked.run.mode, PretrainingSource)()
+    source = {"sft": SFTSource, "dpo": DPOSource, "grpo": GRPOSource}.get(asked.run.mode, PretrainingSource)()
     plan = make_plan(asked, say, world, source, chosen)
     warning = None if plan.cfg.run.dry_run else over_memory(plan)  # a dry run says it by its estimate
     if warning:

@@ -49,6 +49,8 @@ def refuse_preference(cfg: TrainConfig) -> None:
         raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the step's "
                          "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
+    if cfg.optim.beta == 0:  # one field with GRPO's BETA, where 0 means no reference
+        raise UsageError("BETA=0: preference training's beta scales the log-ratios; above 0 (empty: 0.1)")
     for name in ("beta", "label_smoothing", "simpo_gamma"):  # a setting the loss never reads would be ignored
         value = knobs.value(cfg, name)
         if value not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:

@@ -202,10 +202,11 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
 
 KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are
 LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast",
-                    "train_dpo")
+                    "train_dpo", "train_grpo")
 # make's target of each side of scripts/compare.sh (its runs' launcher is compare-<script>)
 COMPARE_TARGETS = {"run_single_gpu": "compare", "run_single_gpu_optimized": "compare", "train_sft_custom": "compare-sft",
-                   "quick_start_sft_fast": "compare-sft", "train_dpo": "compare-dpo"}  # fmt: skip
+                   "quick_start_sft_fast": "compare-sft", "train_dpo": "compare-dpo",
+                   "train_grpo": "compare-grpo"}  # fmt: skip
 
 
 def launcher_defaults(launcher: str) -> dict[str, str]:
@@ -253,7 +254,7 @@ def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = N
         repeat = " and REPEAT" if re.search(r"-r\d+$", run_name) else ""
         how = f"make {' '.join([target, 'RESUME=1', *again])} (with the other variables{repeat} you gave it)"
     elif launcher in LAUNCHER_SCRIPTS:
-        batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo") and batch_size else ""
+        batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo", "train_grpo") and batch_size else ""
         again = "".join(f" {item}" for item in set_again(Path(run_path), launcher))
         how = f"RESUME=1 RUN_NAME={run_name}{again} ./{launcher}.sh{batch} (its other settings are kept)"
     else:

@@ -1,0 +1,189 @@
+"""Reward training's objective (train/core/objective.py's protocol): a micro-batch of prompts becomes
+NUM_GENERATIONS scored completions each under the current weights (rollout), then GRPO's clipped policy
+loss (loss.grpo_loss) is each micro-batch's share of the step.
+
+rollout is the one hook the shared step asks of an objective beyond the protocol's methods: train_step
+calls it, where an objective has it, with the step's micro-batches of prompts before counting the step,
+and trains on what it returns. Here it samples every micro-batch (sampling.Sampler), scores all the step's
+completions at once with the rewards (guard.RewardSet), makes the group-relative advantages over the
+whole step (SCALE_REWARDS=batch needs the step's, as TRL's generation batch), keeps the policy's
+log-probs where NUM_ITERATIONS > 1 and the reference's where BETA > 0, and returns one scored micro-batch
+per prompt micro-batch. With NUM_ITERATIONS = mu the same scored micro-batches serve mu optimizer steps
+(the prompts fetched for the mu - 1 later steps are not sampled: TRL repeats a generation batch's prompts
+mu times; here they are the stream's next ones, left unused). The seconds it takes are rollout_seconds,
+which the meter reports apart (generation_frac), as it reports data wait.
+Imports torch and train/core only."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from train.core.device import autocast
+from train.core.model import unwrapped
+from train.core.reward.advantages import completion_metrics, group_advantages, loss_mask
+from train.core.reward.guard import RewardSet, State
+from train.core.reward.knobs import GrpoKnobs
+from train.core.reward.logps import Completions, completion_logps, model_inputs
+from train.core.reward.loss import StepCounts, grpo_loss
+from train.core.reward.sampling import Sampler
+
+
+def frozen_copy(model) -> torch.nn.Module:
+    """REFERENCE=copy: the policy as it starts, frozen, in eval mode (a wrapper's model left out)."""
+    ref = copy.deepcopy(unwrapped(model)).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+@dataclass
+class GRPOObjective:
+    """GRPO's loss over sampled, scored completions (the module doc); its sampler owns the draws' generator
+    (generators(): a checkpoint's, so RESUME=1 draws what the uninterrupted run drew)."""
+
+    rows_per_sample: ClassVar[int] = 1  # a prompt; its NUM_GENERATIONS rows are made by the rollout
+    unit: ClassVar[str] = "prompts"
+    trial_on_longest: ClassVar[bool] = True
+    layout: object  # the model's family's Layout (train/models/family.py); GRPO trains causal LMs
+    knobs: GrpoKnobs
+    sampler: Sampler
+    rewards: RewardSet
+    prompt_ids: list[list[int]]
+    """Every prompt's token ids, by the index the prompt batches carry."""
+    for_rewards: Callable[[list[int], int], tuple[list, dict]]
+    """(indices, repeat) -> (prompts, columns) as the rewards get them (PromptSet.for_rewards)."""
+    reference: str | None = None
+    """BETA > 0: copy (ref_model, made by the caller) or adapters (the policy with its LoRA off)."""
+    ref_model: torch.nn.Module | None = None
+    max_steps: int = 0
+    device: torch.device = torch.device("cpu")
+    precision: str = "fp32"
+    rollout_seconds: float = 0.0
+    """Seconds spent in rollout so far (sampling, rewards, the extra log-prob passes), host clock."""
+    _cached: list | None = field(default=None, repr=False)
+    _uses: int = 0
+    _metrics: dict = field(default_factory=dict, repr=False)
+    _steps: int = 0
+    _micro: int = 1
+
+    # the hook
+    def rollout(self, model, micro_batches: list[dict]) -> list[dict]:
+        """The step's scored micro-batches (the module doc), one per prompt micro-batch."""
+        if self._cached is not None and self._uses < self.knobs.num_iterations:
+            self._uses += 1
+            self._steps += 1
+            return self._cached
+        start = time.perf_counter()
+        scored = self._score(model, micro_batches)
+        self._cached, self._uses = scored, 1
+        self._steps += 1
+        self.rollout_seconds += time.perf_counter() - start
+        return scored
+
+    def _score(self, model, micro_batches: list[dict]) -> list[dict]:
+        g = self.knobs.num_generations
+        rolls = [self.sampler.sample(model, [self.prompt_ids[i] for i in b["index"].tolist()])
+                 for b in micro_batches]  # fmt: skip
+        index = [i for b in micro_batches for i in b["index"].tolist()]
+        prompts, columns = self.for_rewards(index, g)
+        texts = [t for r in rolls for t in r.texts]
+        ids = [row[:n] for r in rolls for row, n in zip(r.completion_ids.tolist(), r.lengths.tolist(), strict=True)]
+        scores = self.rewards.score(prompts, texts, ids, columns, State(self._steps, self.max_steps))
+        advantages, metrics = group_advantages(scores, self.rewards.names, self.knobs)
+        lengths = torch.cat([r.lengths.cpu() for r in rolls])
+        truncated = torch.cat([r.is_truncated.cpu() for r in rolls])
+        metrics.update(completion_metrics(lengths, truncated))
+        self._metrics = metrics
+        out, at = [], 0
+        for roll in rolls:
+            rows = roll.completion_ids.shape[0]
+            batch = {"prompt_ids": roll.prompt_ids.cpu(), "prompt_mask": roll.prompt_mask.cpu(),
+                     "completion_ids": roll.completion_ids.cpu(),
+                     "completion_mask": loss_mask(roll.completion_mask.cpu(), roll.is_truncated.cpu(), self.knobs),
+                     "advantages": advantages[at: at + rows]}  # fmt: skip
+            at += rows
+            if self.knobs.num_iterations > 1:
+                batch["old_per_token_logps"] = self._logps(model, batch)
+            if self.knobs.beta != 0.0:
+                batch["ref_per_token_logps"] = self._reference_logps(model, batch)
+            out.append(batch)
+        return out
+
+    def _logps(self, model, batch: dict) -> torch.Tensor:
+        """Per-token log-probs under `model`, no gradient, on the host (the loss moves them)."""
+        where = Completions.of(batch).to(self.device)
+        with torch.no_grad(), autocast(self.device, self.precision):
+            logps, _ = completion_logps(model, model_inputs(batch, self.device), where, self.knobs.temperature)
+        return logps.float().cpu()
+
+    def _reference_logps(self, model, batch: dict) -> torch.Tensor:
+        if self.reference == "adapters":
+            from train.core.preference.reference import adapters_off
+
+            with adapters_off(model) as base:
+                return self._logps(base, batch)
+        if self.ref_model is None:
+            raise ValueError(f"BETA={self.knobs.beta}: no reference model (REFERENCE)")
+        return self._logps(self.ref_model, batch)
+
+    # the protocol
+    def counts(self, micro_batches) -> tuple[int, int]:
+        self._micro = len(micro_batches)
+        sequences = sum(b["completion_mask"].shape[0] for b in micro_batches)
+        return sequences, sum(int(b["completion_mask"].sum()) for b in micro_batches)  # host masks: no sync
+
+    def loss(self, model, batch, device, precision, counts, world_size: int = 1, accuracy: bool = False):
+        step = StepCounts(counts[0], counts[1], self._micro)
+        return grpo_loss(model, batch, device, precision, step, world_size, knobs=self.knobs)
+
+    def returned(self, sums: dict) -> dict:
+        """The loss's metrics summed over the micro-steps (device tensors), then the rollout's (host floats,
+        put on the device: a copy, no sync), in one order every step."""
+        host = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in self._metrics.items()}
+        return {**host, **sums}
+
+    def named(self, returned: dict) -> dict:
+        return returned
+
+    def samples(self, batch: dict) -> int:
+        return int(batch["index"].numel())
+
+    def shown(self, row: dict) -> str:
+        return (f"reward {row['reward']:.3f} reward_std {row['reward_std']:.3f} "
+                f"len {row['completions/mean_length']:.1f}")
+
+    def evaluate(self, model, batch: dict, device, precision: str):
+        """Held-out prompts sampled and scored under the current weights, no gradient: (prompts, the policy
+        loss, the reward metrics). Draws from the sampler's generator, at the same steps every run."""
+        was = self._metrics
+        with torch.no_grad():
+            scored = self._score(model, [batch])
+            counts = self.counts(scored)
+            loss, _ = self.loss(model, scored[0], device, precision, counts)
+        metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in self._metrics.items()
+                   if k == "reward" or k.startswith("rewards/")}  # fmt: skip
+        self._metrics = was
+        return self.samples(batch), loss, metrics
+
+    def perplexity(self, loss: float | None) -> None:
+        return None
+
+    def eval_shown(self, loss: float, metrics: dict) -> str:
+        reward = metrics.get("reward")
+        return "" if reward is None else f"val_reward {float(reward):.3f}"
+
+    def kept(self, metrics: dict) -> dict:
+        return {k: v for k, v in metrics.items() if k.startswith(("reward", "rewards/", "completions/mean_length"))}
+
+    def describe(self) -> str:
+        return f"GRPO loss (LOSS_TYPE={self.knobs.loss_type}, {self.knobs.num_generations} completions per prompt)"
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """The random-number generators this objective draws from, by name (a checkpoint keeps their state)."""
+        return {"sampler": self.sampler.generator}
