@@ -28,8 +28,10 @@ class Layout:
     lengths, every label a target (the decoder shifts its inputs, not the labels), an SFT example a
     (source, target) pair per assistant turn, a reply generated from the decoder's start. Callers ask it,
     not which it is: the targets it counts, the loss and log-probs it runs (train/core), the generation
-    inputs it makes; what data/ builds for each (collators, encoders, unit names) is chosen by `pick`,
-    since data/ sits above this layer. Imports torch's side on use: the launchers read the registry bare."""
+    inputs it makes, the tokens the meter counts, the lengths FLOPs and the memory estimate are taken at,
+    whether the fill applies, its model_kind decision and its refusals (PACKING=1, causal-only settings);
+    what data/ builds for each (collators, encoders, unit names) is chosen by `pick`, since data/ sits
+    above this layer. Imports torch's side on use: the launchers read the registry bare."""
 
     name: str
     """"causal" or "seq2seq": summary.json's model_kind and part of every chat cache's key."""
