@@ -23,7 +23,7 @@ ASKS = {"is_seq2seq", "model_kind", "is_encoder_decoder", "auto_class_for", "Aut
 NAMES = {"gpt2", "t5", "llama", "seq2seq", "causal", "mt5", "bart", "qwen2"}
 ABOUT = ("model_type", "model_family", "family", "kind")
 LAYOUT_FIELDS = {"encoder_decoder", "packs", "shifted"}  # what a branch on the Layout reads
-LAYOUT_BRANCHES = 15  # today's, outside train/models/: 10 in run/ and core/step.py, 2 in tools/, 3 in data/; only fewer
+LAYOUT_BRANCHES = 3  # step.py forward, sft_model base-run ranking, generate span decoding; only fewer
 
 
 def _mentions(node: ast.AST) -> str:

@@ -4,9 +4,12 @@ choose its own collator instead of asking what the model is."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from test_sft_data import make_tokenizer
 
+from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data.chat.batching import PadCollator, Seq2SeqCollator, padded
 from train.data.chat.pair_batching import PairCollator, Seq2SeqPairCollator, padded_pairs
@@ -55,3 +58,49 @@ def test_the_layout_picks_its_own_collators_and_says_whether_it_packs():
     assert (padded(CAUSAL_LM), padded(ENCODER_DECODER)) == (PadCollator, Seq2SeqCollator)
     assert (padded_pairs(CAUSAL_LM), padded_pairs(ENCODER_DECODER)) == (PairCollator, Seq2SeqPairCollator)
     assert CAUSAL_LM.packs and not ENCODER_DECODER.packs
+
+
+def test_the_layout_counts_a_batchs_tokens_and_gives_the_lengths_flops_and_the_estimate_read():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    labels = torch.tensor([[1, 2, IGNORE_INDEX], [3, IGNORE_INDEX, IGNORE_INDEX]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    packed = {"input_ids": ids, "n_real_tokens": 9, "n_padded_tokens": 12}
+    assert CAUSAL_LM.batch_tokens(packed) == (9, 12)
+    assert CAUSAL_LM.batch_tokens({"input_ids": ids}) == (12, 12)
+    # an encoder-decoder: source (attention_mask) + target (labels not -100), real and padded
+    seq2seq = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    assert ENCODER_DECODER.batch_tokens(seq2seq) == (13, 18)
+    # T5 pretraining's target is span corruption's (512 -> 114); SFT's bound is MAX_LENGTH for both
+    assert ENCODER_DECODER.bound_shape("pretrain", 512) == {"max_length": 512, "target_length": 114}
+    assert ENCODER_DECODER.bound_shape("sft", 64) == {"max_length": 64, "target_length": 64}
+    assert CAUSAL_LM.bound_shape("pretrain", 512) == {"max_length": 512}
+    assert CAUSAL_LM.flop_lengths("sft", 64, rows=4, tokens=90) == (22, None)  # the real tokens per row seen
+    assert CAUSAL_LM.flop_lengths("sft", 64, rows=0, tokens=0) == (64, None)
+    assert ENCODER_DECODER.flop_lengths("pretrain", 512, rows=4, tokens=90) == (512, 114)
+    lengths, sources = np.array([9, 30, 12]), np.array([4, 10, 2])
+
+    def by_eight(n):
+        return -(-int(n) // 8) * 8
+
+    assert ENCODER_DECODER.data_shape(lengths, sources, by_eight) == {"max_length": 16, "target_length": 24}
+    assert CAUSAL_LM.data_shape(lengths, sources, by_eight) == {"max_length": 32}
+    assert ENCODER_DECODER.data_shape(lengths, None, by_eight) == {"max_length": 32}
+
+
+def test_the_layout_owns_its_refusals_and_its_model_kind_decision():
+
+    for asked in (None, 0, False):
+        ENCODER_DECODER.refuse_packing(asked, "never said")
+        ENCODER_DECODER.causal_only(asked, "never said")
+    CAUSAL_LM.refuse_packing(1, "never said")
+    CAUSAL_LM.causal_only(True, "never said")
+    with pytest.raises(UsageError, match="^PACKING=1: why$"):
+        ENCODER_DECODER.refuse_packing(1, "PACKING=1: why")
+    with pytest.raises(UsageError, match="^LOSS_ON=all: why$"):
+        ENCODER_DECODER.causal_only(True, "LOSS_ON=all: why")
+    decided = []
+    CAUSAL_LM.decide_kind(lambda *a: decided.append(a), "a causal LM is every mode's default: not said")
+    ENCODER_DECODER.decide_kind(lambda *a: decided.append(a), "source -> target")
+    assert decided == [("model_kind", "seq2seq", "source -> target")]
+    assert CAUSAL_LM.fills("sft") and CAUSAL_LM.fills("dpo") and not CAUSAL_LM.fills("pretrain")
+    assert ENCODER_DECODER.fills("pretrain")

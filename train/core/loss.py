@@ -170,3 +170,12 @@ def lm_hidden_and_head(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("chunked_cross_entropy supports LM heads without a bias")
     out = model.base_model(**inputs)
     return out.last_hidden_state, head.weight
+
+
+def seq2seq_tokens(batch: dict) -> tuple[int, int]:
+    """(real, padded) source + target tokens of a seq2seq batch (the batch contract: input_ids
+    and attention_mask the source, labels the target with -100 on padding), on the host."""
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    labels = batch.get("labels", ids)  # no labels: the model learns its source (core/step.py forward_loss)
+    source = int(mask.sum()) if mask is not None else ids.numel()
+    return source + int((labels != IGNORE_INDEX).sum()), ids.numel() + labels.numel()

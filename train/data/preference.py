@@ -37,9 +37,8 @@ def preference_data(d, tok, *, layout, max_length: int, device, precision: str, 
     if d.loss_on == "all":
         raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same "
                          "on both sides); leave LOSS_ON empty")
-    if d.packing and not layout.packs:
-        raise UsageError("PACKING=1: an encoder-decoder's pairs are not packed (the source is read once per "
-                         "pair); leave PACKING empty")
+    layout.refuse_packing(d.packing, "PACKING=1: an encoder-decoder's pairs are not packed (the source is "
+                          "read once per pair); leave PACKING empty")
     template_decision(d, tok, layout, say, decide)
     with record_limit(d.max_record_mb):
         dataset, meta = load_dataset(d, tok, max_length, say, layout, context)

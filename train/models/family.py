@@ -28,8 +28,10 @@ class Layout:
     lengths, every label a target (the decoder shifts its inputs, not the labels), an SFT example a
     (source, target) pair per assistant turn, a reply generated from the decoder's start. Callers ask it,
     not which it is: the targets it counts, the loss and log-probs it runs (train/core), the generation
-    inputs it makes; what data/ builds for each (collators, encoders, unit names) is chosen by `pick`,
-    since data/ sits above this layer. Imports torch's side on use: the launchers read the registry bare."""
+    inputs it makes, the tokens the meter counts, the lengths FLOPs and the memory estimate are taken at,
+    whether the fill applies, its model_kind decision and its refusals (PACKING=1, causal-only settings);
+    what data/ builds for each (collators, encoders, unit names) is chosen by `pick`, since data/ sits
+    above this layer. Imports torch's side on use: the launchers read the registry bare."""
 
     name: str
     """"causal" or "seq2seq": summary.json's model_kind and part of every chat cache's key."""
@@ -95,6 +97,80 @@ class Layout:
         """Where generate()'s output starts the reply: after the decoder's start token, or after the prompt
         a causal LM repeats."""
         return self.pick(prompt, 1)
+
+    def batch_tokens(self, batch: dict) -> tuple[int, int]:
+        """(real, padded) tokens of a micro-batch as the meter counts them, on the host: a causal LM's from
+        the collator's ints (packed pretraining windows: all real), an encoder-decoder's source + target
+        (train/core/loss.py seq2seq_tokens)."""
+        from train.core.loss import seq2seq_tokens
+
+        if self.encoder_decoder:
+            return seq2seq_tokens(batch)
+        ids = batch["input_ids"]
+        return batch.get("n_real_tokens", ids.numel()), batch.get("n_padded_tokens", ids.numel())
+
+    def sample_lengths(self, mode: str, max_length: int) -> tuple[int, int | None]:
+        """(window, None) for a causal LM; (source, target) for an encoder-decoder in this mode
+        (train/models/estimate_seq2seq.py lengths): the lengths FLOPs and the memory estimate are taken at."""
+        from train.models.estimate_seq2seq import lengths
+
+        return lengths(mode, max_length) if self.encoder_decoder else (max_length, None)
+
+    def flop_lengths(self, mode: str, max_length: int, rows: int, tokens: int) -> tuple[int, int | None]:
+        """The lengths summary.json's FLOPs per token are taken at: an encoder-decoder's source and target
+        at the planned lengths (sample_lengths); a causal LM's real tokens per row seen (`tokens` over
+        `rows`; pretraining: max_length, as before any row is seen)."""
+        if self.encoder_decoder:
+            return self.sample_lengths(mode, max_length)
+        return (round(tokens / rows) if rows else max_length), None
+
+    def bound_shape(self, mode: str, max_length: int) -> dict:
+        """estimate_for_run's row lengths at the mode's bound (data without per-row lengths: pretraining's
+        windows, preference pairs): max_length, and an encoder-decoder's target_length (span corruption's
+        target; MAX_LENGTH for both otherwise)."""
+        source, target = self.sample_lengths(mode, max_length)
+        return {"max_length": source} if target is None else {"max_length": source, "target_length": target}
+
+    def data_shape(self, lengths, sources, padded: Callable[[int], int]) -> dict:
+        """estimate_for_run's row lengths of the data's longest rows, each as padded() widens it: an
+        encoder-decoder's source and target apart where the data keeps its sources' lengths (sources not
+        None), else the longest row (an array: numpy's max, not a Python loop over it)."""
+        import numpy as np
+
+        if self.encoder_decoder and sources is not None:
+            targets = np.asarray(lengths) - sources
+            return {"max_length": padded(sources.max()), "target_length": padded(targets.max())}
+        return {"max_length": padded(np.max(lengths))}
+
+    def fills(self, mode: str) -> bool:
+        """Whether the command line's fill (a GPU's largest micro-batch) applies: SFT, DPO and an
+        encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (train/core/objective.py
+        fills_causal)."""
+        from train.core.objective import mode_of
+
+        return mode_of(mode).fills_causal or self.encoder_decoder
+
+    def decide_kind(self, decide, why: str) -> None:
+        """The model_kind decision where it is news: an encoder-decoder's (why: what the caller's mode
+        trains it on); a causal LM, every mode's default, is not said."""
+        if self.encoder_decoder:
+            decide("model_kind", self.name, why)
+
+    def refuse_packing(self, asked, message: str) -> None:
+        """PACKING=1 (asked truthy) where packing is not built for this layout (packs): a usage error with
+        the caller's message (exit 2, before any weights or data are read)."""
+        from train.core.errors import UsageError
+
+        if asked and not self.packs:
+            raise UsageError(message)
+
+    def causal_only(self, asked, message: str) -> None:
+        """A setting built for a causal LM alone (LOSS_ON=all, bench --vs-plain), asked (truthy) of an
+        encoder-decoder: a usage error with the caller's message (exit 2)."""
+        from train.core.errors import UsageError
+
+        if asked and self.encoder_decoder:
+            raise UsageError(message)
 
 
 CAUSAL_LM = Layout("causal", encoder_decoder=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from train.core.measure.mfu import flops_per_token
 from train.core.model import count_params, shape, unwrapped
-from train.models.estimate_seq2seq import lengths
 from train.models.family import Family, family_of
 
 # The cross-attention's key and value projections read the encoder's output: source tokens.
@@ -64,4 +63,4 @@ def model_flops_per_token(model, seq_len: int, target: int | None = None) -> flo
 
 def sample_lengths(family: Family, mode: str, max_length: int) -> tuple[int, int | None]:
     """(window, None) for a causal LM; (source, target) for an encoder-decoder in this mode."""
-    return lengths(mode, max_length) if family.layout.encoder_decoder else (max_length, None)
+    return family.layout.sample_lengths(mode, max_length)

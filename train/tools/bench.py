@@ -216,9 +216,9 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     effective = cfg.effective_batch_size()
     n_params = count_params(plan.model)
     fpt = model_flops_per_token(plan.model, *run_lengths(plan))
-    if vs_plain and plan.family.layout.encoder_decoder:
-        raise UsageError("bench --vs-plain: the plain reference loop is a causal LM's (model(x, labels=x)); "
-                         "bench an encoder-decoder (MODEL_FAMILY=t5) without --vs-plain")
+    plan.family.layout.causal_only(vs_plain, "bench --vs-plain: the plain reference loop is a causal LM's "
+                                   "(model(x, labels=x)); bench an encoder-decoder (MODEL_FAMILY=t5) without "
+                                   "--vs-plain")
     peak = peak_flops(
         device_name(device) if device.type == "cuda" else None, plan.precision, tf32=cfg.system.tf32
     )

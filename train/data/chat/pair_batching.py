@@ -166,13 +166,24 @@ def pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, pr
     rows of 2 x MAX_LENGTH tokens (a pair's two sequences in one row); empty, a causal model's micro-batches
     of pairs each in one unpadded row (the padded run's sampler, BATCH_SIZE pairs, the same pairs per step:
     its losses), an encoder-decoder's `padded`; 0, `padded`."""
-    multiple = 8 if device.type == "cuda" else 1
     if d.packing is not None and not d.packing:
         return dataset, padded, {}
-    if not dataset.layout.packs:
-        decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once "
-               "per pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
-        return dataset, padded, {}
+    batches = dataset.layout.pick(causal_pair_batches, seq2seq_pair_batches)
+    return batches(d, dataset, padded, set_attention, tok, device, precision, max_length, decide)
+
+
+def seq2seq_pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, precision: str,
+                         max_length: int, decide) -> tuple:
+    """An encoder-decoder's pairs, PACKING empty (PACKING=1 was refused before any data): `padded`."""
+    decide("packing", 0, "PACKING empty: an encoder-decoder's pairs are padded (its source is read once "
+           "per pair); LENGTH_GROUPING=1 or TOKEN_BUDGET trims their padding")
+    return dataset, padded, {}
+
+
+def causal_pair_batches(d, dataset: PairDataset, padded, set_attention, tok, device, precision: str,
+                        max_length: int, decide) -> tuple:
+    """A causal LM's pairs, PACKING 1 or empty: packed into rows, or each micro-batch in one unpadded row."""
+    multiple = 8 if device.type == "cuda" else 1
     attention = packed_attention(device, precision, set_attention)
     if d.packing:
         if d.length_grouping:

@@ -162,9 +162,8 @@ def template_decision(d, tok, layout, say, decide) -> None:
     """TEMPLATE as the run renders it (a decision where it was left empty), LOSS_ON=all refused for an
     encoder-decoder, TEMPLATE=none's Jinja twin on a causal LM's tokenizer (saved with final/), and a note
     where the template saved with final/ has no {% generation %} markers. Both doors decide it."""
-    if layout.encoder_decoder and d.loss_on == "all":
-        raise UsageError("LOSS_ON=all: an encoder-decoder trains its target only (the source is read, not "
-                         "predicted); leave LOSS_ON empty")
+    layout.causal_only(d.loss_on == "all", "LOSS_ON=all: an encoder-decoder trains its target only (the "
+                       "source is read, not predicted); leave LOSS_ON empty")
     mode = templates.Rendering.of(d).mode(tok)
     entry = TEMPLATE[mode]
     final = layout.pick(entry.final, None)  # an encoder-decoder's final/ prompts with the raw source + eos

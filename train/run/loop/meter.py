@@ -23,7 +23,7 @@ from train.core.measure.syncs import HostSyncs
 from train.core.measure.timing import INPUT_BOUND_FRAC, StepTimer, exposed_wait_frac
 from train.core.objective import Objective
 from train.core.step import TokenObjective, compiled_run_eager
-from train.core.units import IGNORE_INDEX, MIB
+from train.core.units import MIB
 from train.distributed import process_group
 from train.observe import monitor as monitor_lib
 
@@ -50,8 +50,8 @@ class BatchCounter:
     and the collator's ints: no device sync). Packed pretraining batches are all real tokens.
     An encoder-decoder's tokens are source + target (what tokens_per_sec counts for T5): real
     ones are the source's attention_mask and the labels that are not -100, padded ones both
-    tensors' sizes (seq2seq_tokens). A batch's samples are the objective's to count (rows, packed
-    conversations, pairs); default the token loss's."""
+    tensors' sizes (the layout's batch_tokens). A batch's samples are the objective's to count (rows,
+    packed conversations, pairs); default the token loss's."""
 
     def __init__(self, batches, layout, objective: Objective | None = None):
         self.batches, self.rows, self.real, self.padded = batches, 0, 0, 0
@@ -62,12 +62,8 @@ class BatchCounter:
 
     def __next__(self) -> dict:
         batch = next(self.batches)
-        ids = batch["input_ids"]
         self.rows += self.objective.samples(batch)
-        if self.layout.encoder_decoder:
-            real, padded = seq2seq_tokens(batch)
-        else:
-            real, padded = batch.get("n_real_tokens", ids.numel()), batch.get("n_padded_tokens", ids.numel())
+        real, padded = self.layout.batch_tokens(batch)
         self.real += int(real)
         self.padded += int(padded)
         return batch
@@ -83,15 +79,6 @@ class BatchCounter:
         except BaseException:
             self.rows, self.real, self.padded = mark
             raise
-
-
-def seq2seq_tokens(batch: dict) -> tuple[int, int]:
-    """(real, padded) source + target tokens of a seq2seq batch (the batch contract: input_ids
-    and attention_mask the source, labels the target with -100 on padding), on the host."""
-    ids, mask = batch["input_ids"], batch.get("attention_mask")
-    labels = batch.get("labels", ids)  # no labels: the model learns its source (core/step.py forward_loss)
-    source = int(mask.sum()) if mask is not None else ids.numel()
-    return source + int((labels != IGNORE_INDEX).sum()), ids.numel() + labels.numel()
 
 
 class Meter:

@@ -20,7 +20,6 @@ import torch
 from train.core.errors import UsageError
 from train.core.objective import mode_of
 from train.core.units import MIB
-from train.models import estimate_seq2seq
 from train.models.estimate_terms import packed_grid_of
 from train.observe import monitor
 
@@ -152,9 +151,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
     if not mode_of(mode).row_lengths or lengths is None or not len(lengths):
-        if layout.encoder_decoder:  # T5 pretraining: span corruption's target; preference pairs: MAX_LENGTH for both
-            return dict(zip(("max_length", "target_length"), estimate_seq2seq.lengths(mode, max_length), strict=True))
-        return {"max_length": max_length}
+        return layout.bound_shape(mode, max_length)  # T5 pretraining: span corruption's target
 
     def padded(n: int) -> int:
         from train.data.chat.batching import padded_width
@@ -162,10 +159,7 @@ def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
         width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
         return min(max_length, width)
 
-    sources = getattr(dataset, "source_lengths", None)
-    if layout.encoder_decoder and sources is not None:
-        return {"max_length": padded(sources.max()), "target_length": padded((np.asarray(lengths) - sources).max())}
-    return {"max_length": padded(np.max(lengths))}  # an array: numpy's max, not a Python loop over it
+    return layout.data_shape(lengths, getattr(dataset, "source_lengths", None), padded)
 
 
 # ---- the learning-rate rule ----

@@ -75,8 +75,9 @@ class PretrainingSource:
         config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family,
                               cfg.model.dropout)
         family = family_of(config)
-        if cfg.model.model_config is not None and family.layout.encoder_decoder:
-            decide("model_kind", "seq2seq", f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, T5's span corruption")
+        if cfg.model.model_config is not None:
+            family.layout.decide_kind(decide, f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, "
+                                      "T5's span corruption")
         m = cfg.model.model_config
         variable = f"MODEL_CONFIG={m}" if m else f"MODEL_SIZE={model_size}"
         return ModelChoice(family=family, size=model_size, context=context_length(config), variable=variable,

@@ -36,9 +36,9 @@ SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to s
 
 
 def applies(mode: str, layout) -> bool:
-    """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset
-    (train/core/objective.py fills_causal)."""
-    return mode_of(mode).fills_causal or layout.encoder_decoder
+    """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (the
+    layout's fills)."""
+    return layout.fills(mode)
 
 
 def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, str]) -> bool:

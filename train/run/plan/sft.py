@@ -73,9 +73,8 @@ def choose_fine_tuned(cfg: TrainConfig, device: torch.device, say, decide) -> Mo
     config = load.read_config(path, cfg.model.trust_remote_code)  # its context, before any weights
     variable = f"MODEL_PATH={path}"
     sft_scratch.refuse_packing(cfg, family.layout, variable)
-    if family.layout.encoder_decoder:
-        decide("model_kind", "seq2seq", "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> target "
-               "pairs, one per assistant turn, loss on the target")
+    family.layout.decide_kind(decide, "an encoder-decoder (AutoModelForSeq2SeqLM): trains on source -> "
+                              "target pairs, one per assistant turn, loss on the target")
     return ModelChoice(family=family, size=model_label(path, config), context=context_length(config),
                        variable=variable, config=config, path=path)
 

@@ -60,8 +60,8 @@ def choose_new(cfg: TrainConfig, say, decide) -> ModelChoice:
 
 def refuse_packing(cfg: TrainConfig, layout, what: str) -> None:
     """PACKING=1 with an encoder-decoder: before the weights or any data are read."""
-    if not layout.packs and cfg.data.packing:
-        raise UsageError(
-            f"PACKING=1: {what} is an encoder-decoder, and packing several source -> target pairs per row "
-            "(per-pair attention masks on both sides) is not built; use LENGTH_GROUPING=1 or TOKEN_BUDGET"
-        )
+    layout.refuse_packing(
+        cfg.data.packing,
+        f"PACKING=1: {what} is an encoder-decoder, and packing several source -> target pairs per row "
+        "(per-pair attention masks on both sides) is not built; use LENGTH_GROUPING=1 or TOKEN_BUDGET",
+    )

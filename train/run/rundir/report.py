@@ -24,7 +24,7 @@ from train.core.units import MIB
 from train.distributed import process_group
 from train.models.estimate import estimate_for_run
 from train.models.family import dropout_of
-from train.models.flops import model_flops_per_token, sample_lengths
+from train.models.flops import model_flops_per_token
 from train.models.freeze import trainable_of
 from train.observe import monitor as monitor_lib
 from train.run.compile.wrapper import finish_counts
@@ -146,11 +146,8 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
     measured = meter.figures(done)
     n_params = count_params(model)
     seen = meter.seen
-    if plan.family.layout.encoder_decoder:  # FLOPs per source + target token at the planned lengths
-        fpt = model_flops_per_token(model, *sample_lengths(plan.family, cfg.run.mode, plan.max_length))
-    else:
-        seq_len = round(seen[1] / seen[0]) if seen[0] else plan.max_length  # pretraining: max_length
-        fpt = model_flops_per_token(model, seq_len)
+    lengths = plan.family.layout.flop_lengths(cfg.run.mode, plan.max_length, *seen[:2])
+    fpt = model_flops_per_token(model, *lengths)
     torch_mem = monitor_lib.torch_memory(device)
     # the micro-batch trained at the end (the OOM guard's: smaller than the plan's after an OOM)
     now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom_guard.batch_size,
