@@ -136,9 +136,9 @@ class GRPOSource:
             decide("compile", False, "reward training runs eager: its sampling changes shape every token")
         cfg.model.model_path = newest_chat_model(cfg, decide)
         choice = sft.choose_fine_tuned(cfg, device, say, decide)
-        if choice.family.layout.encoder_decoder:
-            raise UsageError(f"MODEL_PATH={choice.path}: an encoder-decoder; reward training is built for causal LMs "
-                             "(GPT-2, Llama, Qwen3): the loss's log-probs read prompt and completion as one sequence")
+        choice.family.layout.causal_only(True, f"MODEL_PATH={choice.path}: an encoder-decoder; reward training is "
+                                         "built for causal LMs (GPT-2, Llama, Qwen3): the loss's log-probs read "
+                                         "prompt and completion as one sequence")
         return choice
 
     def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):
