@@ -97,7 +97,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: train.core.loss's)")
+    parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: "
+                                                                "train.core.loss's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--worker", choices=("plain", "chunked"), help=argparse.SUPPRESS)
@@ -115,7 +116,10 @@ def main() -> int:
         proc = subprocess.run([sys.executable, __file__, *flags, f"--worker={variant}"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"{variant} failed", file=sys.stderr)
+            print(
+                proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"{variant} failed",
+                file=sys.stderr,
+            )
             return 1
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     tokens = args.batch * args.seq

@@ -88,7 +88,9 @@ def make_tokenizer(folder: Path) -> Path:
     from train.data import text
 
     files = text.builtin_corpus_files()
-    tok = text.load_tokenizer(None, files, text.corpus_fingerprint(files), 8192, folder.parent / "cache-tok", print)
+    tok = text.load_tokenizer(
+        None, files, text.corpus_fingerprint(files), 8192, folder.parent / "cache-tok", print
+    )
     tok.save_pretrained(folder)
     return folder
 
@@ -148,9 +150,30 @@ def tree_rss_mb(pid: int) -> tuple[float, float]:
 
 def kit_run(data: Path, tokenizer: Path, cache: Path, runs: Path) -> dict:
     """One `python -m train pretrain` to its first step: wall time, peak RSS, the build's rate."""
-    argv = [sys.executable, "-m", "train", "pretrain", "--model_size", "nano", "--max_steps", "1",
-            "--data_path", str(data), "--tokenizer_path", str(tokenizer), "--cache_dir", str(cache),
-            "--output_dir", str(runs), "--run_name", "bench", "--overwrite", "1", "--val_fraction", "0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "train",
+        "pretrain",
+        "--model_size",
+        "nano",
+        "--max_steps",
+        "1",
+        "--data_path",
+        str(data),
+        "--tokenizer_path",
+        str(tokenizer),
+        "--cache_dir",
+        str(cache),
+        "--output_dir",
+        str(runs),
+        "--run_name",
+        "bench",
+        "--overwrite",
+        "1",
+        "--val_fraction",
+        "0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log_path = runs.parent / "kit-run.log"
     runs.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +260,8 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
         lines.append(
             f"| {r['corpus']} | {r['mb']:,.0f} | {r['kit']['tokens']:,}{same} | {ref_rate} | "
-            f"{r['kit']['tokens_per_s']:,.0f} | {ratio} | {r['cold']['seconds']:.1f} s | {r['warm']['seconds']:.1f} s | "
+            f"{r['kit']['tokens_per_s']:,.0f} | {ratio} | {r['cold']['seconds']:.1f} s | "
+            f"{r['warm']['seconds']:.1f} s | "
             f"{r['cold']['build_main_mb']:,.0f} MB ({r['cold']['build_all_mb']:,.0f} MB) | "
             f"{r['cold']['peak_main_mb']:,.0f} / {r['warm']['peak_main_mb']:,.0f} MB |"
         )
@@ -246,7 +270,9 @@ def table(rows: list[dict]) -> str:
 
 def device() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -269,13 +295,16 @@ def write_results(rows: list[dict], note: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=os.environ.get("BENCH_DATA_SIZES", "100,1000"), help="corpus sizes in MB")
+    parser.add_argument(
+        "--sizes", default=os.environ.get("BENCH_DATA_SIZES", "100,1000"), help="corpus sizes in MB"
+    )
     parser.add_argument("--work", default=str(ROOT / ".cache" / "bench"), help="where corpora and caches go")
     parser.add_argument("--formats", default="jsonl,parquet")
     parser.add_argument("--note", default="", help="a sentence for RESULTS.md (load on the machine ...)")
     parser.add_argument("--passes", type=int, default=2,
                         help="reference / kit builds alternated per corpus (0: only the cold run's build)")
-    parser.add_argument("--reference-max-mb", type=int, default=100_000, help="skip the reference above this size")
+    parser.add_argument("--reference-max-mb", type=int, default=100_000, help="skip the reference above this "
+                                                                              "size")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -302,7 +331,8 @@ def remember(work: Path, row: dict) -> list[dict]:
     store = work / "results.json"
     rows = {r["corpus"]: r for r in (json.loads(store.read_text()) if store.exists() else [])}
     rows[row["corpus"]] = row
-    size = lambda r: int(re.search(r"(\d+)mb", r["corpus"]).group(1))  # noqa: E731  (generated size in the name)
+    # (generated size in the name)
+    size = lambda r: int(re.search(r"(\d+)mb", r["corpus"]).group(1))  # noqa: E731
     ordered = sorted(rows.values(), key=lambda r: (size(r), r["corpus"]))
     store.write_text(json.dumps(ordered, indent=1))
     return ordered

@@ -30,9 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (
-    "the of and to in is that for it as with was on be by this are from at or an which not have function value "
-    "list string number return data model train token batch memory loss step python file write read print error "
-    "class object method call result example question answer explain simple small large fast slow first second "
+    "the of and to in is that for it as with was on be by this are from at or an which not have function "
+    "value "
+    "list string number return data model train token batch memory loss step python file write read print "
+    "error "
+    "class object method call result example question answer explain simple small large fast slow first "
+    "second "
     "next last input output order sort search tree graph node edge path"
 ).split()
 SECTION = "## SFT start-up: cold and warm cache"
@@ -104,7 +107,9 @@ def run_kit(args: list[str], env: dict) -> tuple[float | None, float | None, flo
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise SystemExit(f"error: python -m train {' '.join(args)} exited {proc.returncode}:\n{''.join(tail)}")
+        raise SystemExit(
+            f"error: python -m train {' '.join(args)} exited {proc.returncode}:\n{''.join(tail)}"
+        )
     return first, cpu, usage.ru_maxrss / 1024
 
 
@@ -114,17 +119,49 @@ def base_model(work: Path, env: dict) -> Path:
     if not (final / "config.json").exists():
         text = work / "pretrain.txt"
         text.write_text("\n".join(r["instruction"] + " " + r["output"] for r in alpaca_rows(3000, seed=1)))
-        run_kit(["pretrain", "--model_size", "nano", "--data_path", str(text), "--max_steps", "1", "--batch_size", "2",
-                 "--max_length", "128", "--output_dir", str(work / "runs"), "--run_name", "base", "--overwrite", "1",
-                 "--cache_dir", str(work / "cache")], env)
+        run_kit(
+            [
+                "pretrain",
+                "--model_size",
+                "nano",
+                "--data_path",
+                str(text),
+                "--max_steps",
+                "1",
+                "--batch_size",
+                "2",
+                "--max_length",
+                "128",
+                "--output_dir",
+                str(work / "runs"),
+                "--run_name",
+                "base",
+                "--overwrite",
+                "1",
+                "--cache_dir",
+                str(work / "cache"),
+            ],
+            env,
+        )
     return final
 
 
 def device() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{os.cpu_count()} cores ({cpu}), {platform.system()}, Python {platform.python_version()}, load {load:.1f}"
+    return (f"{os.cpu_count()} cores ({cpu}), {platform.system()}, Python {platform.python_version()}, load "
+            f"{load:.1f}")
 
 
 def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) -> list[dict]:
@@ -136,9 +173,23 @@ def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) 
         for fmt in formats:
             cache = work / f"cache-{fmt}-{n}"
             shutil.rmtree(cache, ignore_errors=True)
-            args = ["sft", "--model_path", str(model), "--data_path", str(data[fmt]), "--cache_dir", str(cache),
-                    "--output_dir", str(work / "runs"), "--max_steps", "1", "--batch_size", "8",
-                    "--eval_batches", "1"]
+            args = [
+                "sft",
+                "--model_path",
+                str(model),
+                "--data_path",
+                str(data[fmt]),
+                "--cache_dir",
+                str(cache),
+                "--output_dir",
+                str(work / "runs"),
+                "--max_steps",
+                "1",
+                "--batch_size",
+                "8",
+                "--eval_batches",
+                "1",
+            ]
             if workers:
                 args += ["--tokenize_workers", str(workers)]
             row = {"rows": n, "format": fmt, "mb": data[fmt].stat().st_size / 1e6}
@@ -154,12 +205,15 @@ def bench(work: Path, rows: list[int], formats: list[str], workers: int | None) 
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| rows | format | MB | cold start s (CPU s) | cold peak RSS MB | warm start s (CPU s) | warm peak RSS MB |",
+        "| rows | format | MB | cold start s (CPU s) | cold peak RSS MB | warm start s (CPU s) | warm peak "
+        "RSS MB |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        lines.append(f"| {r['rows']:,} | {r['format']} | {r['mb']:,.0f} | {r['cold_s']:.1f} ({r['cold_cpu_s']:.1f}) "
-                     f"| {r['cold_rss_mb']:,.0f} | {r['warm_s']:.1f} ({r['warm_cpu_s']:.1f}) | {r['warm_rss_mb']:,.0f} |")
+        lines.append(f"| {r['rows']:,} | {r['format']} | {r['mb']:,.0f} | {r['cold_s']:.1f} "
+                     f"({r['cold_cpu_s']:.1f}) "
+                     f"| {r['cold_rss_mb']:,.0f} | {r['warm_s']:.1f} ({r['warm_cpu_s']:.1f}) | "
+                     f"{r['warm_rss_mb']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -177,10 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="100000,1000000", help="comma-separated row counts")
     parser.add_argument("--formats", default="jsonl,parquet", help="jsonl, parquet or both")
-    bench_dir = Path(os.environ.get("BENCH_DATA_DIR") or ROOT / ".cache" / "bench")  # bench/bench_data.sh's folder
-    parser.add_argument("--workdir", default=str(bench_dir / "sft"), help="data, model and caches (kept for reuse)")
-    parser.add_argument("--note", default=os.environ.get("BENCH_DATA_NOTE", ""), help="a sentence for RESULTS.md")
-    parser.add_argument("--tokenize_workers", type=int, default=None, help="TOKENIZE_WORKERS (default: every core)")
+    # bench/bench_data.sh's folder
+    bench_dir = Path(os.environ.get("BENCH_DATA_DIR") or ROOT / ".cache" / "bench")
+    parser.add_argument("--workdir", default=str(bench_dir / "sft"), help="data, model and caches (kept for "
+                                                                          "reuse)")
+    parser.add_argument("--note", default=os.environ.get("BENCH_DATA_NOTE", ""), help="a sentence for "
+                                                                                      "RESULTS.md")
+    parser.add_argument("--tokenize_workers", type=int, default=None, help="TOKENIZE_WORKERS (default: every "
+                                                                           "core)")
     parser.add_argument("--no-write", action="store_true", help="print the table without writing RESULTS.md")
     args = parser.parse_args(argv)
     work = Path(args.workdir)
@@ -190,13 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     results = bench(work, rows, formats, args.tokenize_workers)
     text = (
-        f"{SECTION}\n\n`python bench/data_sft.py` ({started:%Y-%m-%d %H:%M} UTC; {device()}): `python -m train sft "
+        f"{SECTION}\n\n`python bench/data_sft.py` ({started:%Y-%m-%d %H:%M} UTC; {device()}): `python -m "
+        f"train sft "
         "--max_steps 1` on generated alpaca rows (~900 bytes each) from a nano model (vocab 8192), "
         f"TOKENIZE_WORKERS={args.tokenize_workers or 'every core'}. Start: seconds from launch to the first "
         "optimizer step's line, and in brackets the CPU seconds the process and its tokenizing workers spent "
         "to get there. Cold: no SFT cache (records read, tokenized on the workers, cache written); "
         "warm: the cache from the cold run (the data is fingerprinted, the memmaps opened). Peak RSS: the "
-        f"training process (wait4), tokenizing workers not counted. {args.note}".rstrip() + "\n\n" + table(results)
+        f"training process (wait4), tokenizing workers not counted. {args.note}".rstrip()
+        + "\n\n"
+        + table(results)
     )
     print(text)
     if not args.no_write:

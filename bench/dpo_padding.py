@@ -1,4 +1,5 @@
-"""DPO's padding efficiency, padded (PACKING=0) against the default (PACKING empty: each micro-batch packed), on
+"""DPO's padding efficiency, padded (PACKING=0) against the default (PACKING empty: each micro-batch packed),
+on
 the built-in pairs and on LLaMA-Factory-shaped pairs (prompts 20-600 tokens, replies 10-400, as dpo_en_demo).
 
 A tiny GPT-2 (2 layers, width 64, context 1024) with a byte-level BPE trained on the text below is the
@@ -6,7 +7,8 @@ MODEL_PATH. For each data shape and PACKING it runs the kit's own `python -m tra
 MAX_LENGTH 1024, REFERENCE=copy, one thread) and reads summary.json's padding_efficiency (real tokens / tokens
 run, this CPU's form: no widths) and the step losses, which must agree between the two to 1e-5. Then the CUDA
 form, counted on the host: the data front door made for a CUDA device (length buckets for the padded batches,
-the flat row rounded up to 8 tokens for the packed ones) and every micro-batch of 8 of one seeded epoch collated.
+the flat row rounded up to 8 tokens for the packed ones) and every micro-batch of 8 of one seeded epoch
+collated.
 
     .venv/bin/python bench/dpo_padding.py [--steps 4] [--text /path/to/some.txt]
 """
@@ -65,15 +67,48 @@ def lf_pairs(path: Path, tok, text: str, n: int, seed: int = 0) -> None:
         at = int(rng.integers(0, len(ids) - n_tokens))
         return tok.decode(ids[at : at + n_tokens])
 
-    rows = [{"instruction": piece(20, 600), "chosen": piece(10, 400), "rejected": piece(10, 400)} for _ in range(n)]
+    rows = [
+        {"instruction": piece(20, 600), "chosen": piece(10, 400), "rejected": piece(10, 400)}
+        for _ in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def dpo_run(folder: Path, out: Path, name: str, data: Path | None, packing: str, steps: int) -> dict:
-    argv = [sys.executable, "-m", "train", "dpo", "--model_path", str(folder), "--output_dir", str(out / "runs"),
-            "--cache_dir", str(out / "cache"), "--max_length", "1024", "--batch_size", "8", "--max_steps", str(steps),
-            "--reference", "copy", "--log_every", "1", "--num_workers", "0", "--val_fraction", "0",
-            "--save_every", "0", "--packing", packing, "--run_name", name, "--overwrite", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "train",
+        "dpo",
+        "--model_path",
+        str(folder),
+        "--output_dir",
+        str(out / "runs"),
+        "--cache_dir",
+        str(out / "cache"),
+        "--max_length",
+        "1024",
+        "--batch_size",
+        "8",
+        "--max_steps",
+        str(steps),
+        "--reference",
+        "copy",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--val_fraction",
+        "0",
+        "--save_every",
+        "0",
+        "--packing",
+        packing,
+        "--run_name",
+        name,
+        "--overwrite",
+        "1",
+    ]
     if data is not None:
         argv += ["--data_path", str(data)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -89,7 +124,8 @@ def dpo_run(folder: Path, out: Path, name: str, data: Path | None, packing: str,
 
 
 def cuda_form(folder: Path, out: Path, data: Path | None, packing: bool | None, batch: int = 8) -> float:
-    """Padding efficiency of one seeded epoch of micro-batches as a CUDA run's collators make them (host only)."""
+    """Padding efficiency of one seeded epoch of micro-batches as a CUDA run's collators make them (host
+    only)."""
     import torch
 
     import config
@@ -98,12 +134,25 @@ def cuda_form(folder: Path, out: Path, data: Path | None, packing: bool | None, 
     from train.models.family import CAUSAL_LM
 
     tok = folder_tokenizer(folder, "MODEL_PATH", False)  # as the run makes it (SFTSource.tokenizer)
-    d = config.DataConfig(data_path=None if data is None else str(data), packing=packing, cache_dir=str(out / "cache"),
-                          val_fraction=0.0)  # fmt: skip
+    d = config.DataConfig(
+        data_path=None if data is None else str(data),
+        packing=packing,
+        cache_dir=str(out / "cache"),
+        val_fraction=0.0,
+    )
     chat_tokens(tok, d.template)
-    data_ = preference_data(d, tok, layout=CAUSAL_LM, max_length=1024, device=torch.device("cuda"), precision="bf16",
-                            eval_batches=20, set_attention=lambda kind: None, say=lambda *a: None,
-                            decide=lambda *a: None)  # fmt: skip
+    data_ = preference_data(
+        d,
+        tok,
+        layout=CAUSAL_LM,
+        max_length=1024,
+        device=torch.device("cuda"),
+        precision="bf16",
+        eval_batches=20,
+        set_attention=lambda kind: None,
+        say=lambda *a: None,
+        decide=lambda *a: None,
+    )
     order = np.random.default_rng(0).permutation(len(data_.dataset))
     real = run = 0
     for k in range(0, len(order) - batch + 1, batch):
@@ -113,7 +162,9 @@ def cuda_form(folder: Path, out: Path, data: Path | None, packing: bool | None, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=400, help="LLaMA-Factory-shaped pairs to make")
     parser.add_argument("--text", default=None, help="text the tokenizer and the LF-shaped pairs come from")
@@ -124,7 +175,8 @@ def main() -> None:
         tok = make_folder(out / "model", text)
         lf = out / "lf_pairs.jsonl"
         lf_pairs(lf, tok, text, args.pairs)
-        print("| data | PACKING | padding efficiency (CPU run) | CUDA form | tokens/s (CPU) | step losses equal |")
+        print("| data | PACKING | padding efficiency (CPU run) | CUDA form | tokens/s (CPU) | step losses "
+              "equal |")
         print("| --- | --- | --- | --- | --- | --- |")
         for shape, data in (("built-in pairs", None), ("LLaMA-Factory-shaped", lf)):
             runs = {p: dpo_run(out / "model", out, f"{shape[:5]}-{p or 'empty'}", data, p, args.steps)
@@ -133,7 +185,8 @@ def main() -> None:
             for p, r in runs.items():
                 form = cuda_form(out / "model", out, data, {"0": False, "": None}[p])
                 same = f"max diff {gap:.1e}" if p == "" else ""
-                print(f"| {shape} | {p or 'empty'} | {r['efficiency']:.3f} | {form:.3f} | {r['tokens_per_sec']:,.0f} "
+                print(f"| {shape} | {p or 'empty'} | {r['efficiency']:.3f} | {form:.3f} | "
+                      f"{r['tokens_per_sec']:,.0f} "
                       f"| {same} |")
             print(f"<!-- {shape}: {runs['0']['lengths']} -->")
 

@@ -3,8 +3,9 @@ length as the kit's run, one thread, CPU; prints one JSON line with the per-step
 process's CPU time), the real tokens of each step, the thread count and the losses. Runs in a scratch
 venv that has trl (never the kit's .venv):
 
-    python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0
-    /tmp/trlvenv/bin/python bench/dpo_trl_side.py MODEL_DIR PAIRS.jsonl --batch 8 --max_length 192 --steps 20
+    python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 transformers==5.23.0
+    trl==1.16.0 /tmp/trlvenv/bin/python bench/dpo_trl_side.py MODEL_DIR PAIRS.jsonl --batch 8 --max_length 192
+    --steps 20
 
 Set to do the kit's work, no more and no less (TRL's own defaults differ on a CPU):
 - bf16=False: TrainingArguments' bf16 is None and TRL's base config turns None into True, so on a CPU
@@ -48,8 +49,14 @@ def kit_main() -> int:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = DPOConfig(**peer_side.training_kwargs(s, a.out, a.compile), max_length=s["max_length"], beta=s["beta"],
-                    loss_type=[s["dpo_loss"]], disable_dropout=True, precompute_ref_log_probs=False)
+    cfg = DPOConfig(
+        **peer_side.training_kwargs(s, a.out, a.compile),
+        max_length=s["max_length"],
+        beta=s["beta"],
+        loss_type=[s["dpo_loss"]],
+        disable_dropout=True,
+        precompute_ref_log_probs=False,
+    )
     trainer = KitIds(model=model, args=cfg, train_dataset=Dataset.from_list(examples), processing_class=tok)
     ran = {"batch_size": s["batch_size"], "max_length": s["max_length"], "bf16": cfg.bf16, "fp16": cfg.fp16,
            "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
@@ -78,7 +85,8 @@ def main() -> None:
     p.add_argument("--profile", help="write a torch.profiler table of steps 3-4 to this file")
     p.add_argument("--trl-defaults", action="store_true", help="keep TRL's bf16 and gradient checkpointing")
     p.add_argument("--compact-head", action="store_true",
-                   help="diagnostic: score only the response positions in the LM head, as TRL does on CUDA/XPU")
+                   help="diagnostic: score only the response positions in the LM head, as TRL does on "
+                        "CUDA/XPU")
     a = p.parse_args()
     import torch
 
@@ -116,13 +124,31 @@ def main() -> None:
             longest.append(int(mask.shape[1]))
             return super().training_step(model, inputs, *args, **kwargs)
 
-    cfg = DPOConfig(output_dir=a.out, per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
-                    max_length=a.max_length, beta=a.beta, learning_rate=a.lr, max_steps=a.steps, logging_steps=1,
-                    report_to="none", use_cpu=True, save_strategy="no", dataloader_num_workers=0, seed=0,
-                    lr_scheduler_type="constant", warmup_steps=0, bf16=None if a.trl_defaults else False,
-                    gradient_checkpointing=a.trl_defaults, optim="adamw_torch_fused", weight_decay=0.1,
-                    max_grad_norm=1.0,
-                    disable_dropout=True, precompute_ref_log_probs=False, disable_tqdm=True)
+    cfg = DPOConfig(
+        output_dir=a.out,
+        per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=1,
+        max_length=a.max_length,
+        beta=a.beta,
+        learning_rate=a.lr,
+        max_steps=a.steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=None if a.trl_defaults else False,
+        gradient_checkpointing=a.trl_defaults,
+        optim="adamw_torch_fused",
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        disable_dropout=True,
+        precompute_ref_log_probs=False,
+        disable_tqdm=True,
+    )
     trainer = Counted(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()])
     lengths = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
                for r in trainer.train_dataset]
@@ -130,12 +156,23 @@ def main() -> None:
         profile_steps(trainer, a.profile)
         return
     trainer.train()
-    print(json.dumps({"wall": wall, "cpu": cpu, "tokens": tokens, "longest": longest,
-                      "threads": torch.get_num_threads(), "bf16": cfg.bf16,
-                      "gradient_checkpointing": cfg.gradient_checkpointing,
-                      "ref_model": type(trainer.ref_model).__name__, "optimizer": type(trainer.optimizer).__name__,
-                      "cut_pairs": sum(n > a.max_length for n in lengths),
-                      "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}))
+    print(
+        json.dumps(
+            {
+                "wall": wall,
+                "cpu": cpu,
+                "tokens": tokens,
+                "longest": longest,
+                "threads": torch.get_num_threads(),
+                "bf16": cfg.bf16,
+                "gradient_checkpointing": cfg.gradient_checkpointing,
+                "ref_model": type(trainer.ref_model).__name__,
+                "optimizer": type(trainer.optimizer).__name__,
+                "cut_pairs": sum(n > a.max_length for n in lengths),
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            }
+        )
+    )
 
 
 def profile_steps(trainer, path: str) -> None:

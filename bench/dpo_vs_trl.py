@@ -2,8 +2,9 @@
 learning rate, one thread each, CPU, runs alternated (kit, TRL, kit, TRL ...) so both see the same
 machine, the median of the pairs' ratios printed. TRL runs in a scratch venv (never the kit's):
 
-    python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0
-    .venv/bin/python bench/dpo_vs_trl.py --trl-python /tmp/trlvenv/bin/python [--model runs/x/final] [--repeat 3]
+    python3 -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 transformers==5.23.0
+    trl==1.16.0 .venv/bin/python bench/dpo_vs_trl.py --trl-python /tmp/trlvenv/bin/python [--model
+    runs/x/final] [--repeat 3]
 
 Without --model a nano GPT-2 is pretrained for 2 steps first (its weights do not matter for speed).
 Both sides train on the same token sequences: prompt + eos, then the reply + eos (the kit's
@@ -43,9 +44,12 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wise kings of ol
          "mountains bread wine summer winter light darkness and every small thing under heaven").split()
 TICK = os.sysconf("SC_CLK_TCK")
 # the kit in this process's place, printing its thread count when it exits (train/ itself never sets it)
-KIT_MAIN = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('threads', torch.get_num_threads(), "
-            "flush=True)); sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__', alter_sys=True)")
-# the same, with torch.profiler over optimizer steps 3 and 4 (a global optimizer-step hook: the loop is unchanged)
+KIT_MAIN = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('threads', "
+            "torch.get_num_threads(), "
+            "flush=True)); sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__', "
+            "alter_sys=True)")
+# the same, with torch.profiler over optimizer steps 3 and 4 (a global optimizer-step hook: the loop is
+# unchanged)
 KIT_PROFILE = """
 import atexit, os, runpy, sys, torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -99,17 +103,57 @@ def steady(wall: list, cpu: list, tokens: list, a) -> dict:
 
 
 def kit_argv(work: Path, model: str, pairs: Path, a, i: int, main: str = KIT_MAIN) -> list[str]:
-    return [sys.executable, "-c", main, "dpo", "--model_path", model, "--data_path", str(pairs),
-            "--batch_size", str(a.batch), "--gradient_accumulation_steps", "1", "--max_length", str(a.max_length),
-            "--max_steps", str(a.steps), "--beta", "0.1", "--learning_rate", "1e-5", "--lr_schedule", "constant",
-            "--warmup_steps", "0", "--template", "none", "--reference", "copy", "--num_workers", "0",
-            "--val_fraction", "0", "--output_dir", str(work / "runs"), "--run_name", f"kit{i}",
-            "--cache_dir", str(work / "cache"), "--log_every", "1", "--overwrite", "1"]
+    return [
+        sys.executable,
+        "-c",
+        main,
+        "dpo",
+        "--model_path",
+        model,
+        "--data_path",
+        str(pairs),
+        "--batch_size",
+        str(a.batch),
+        "--gradient_accumulation_steps",
+        "1",
+        "--max_length",
+        str(a.max_length),
+        "--max_steps",
+        str(a.steps),
+        "--beta",
+        "0.1",
+        "--learning_rate",
+        "1e-5",
+        "--lr_schedule",
+        "constant",
+        "--warmup_steps",
+        "0",
+        "--template",
+        "none",
+        "--reference",
+        "copy",
+        "--num_workers",
+        "0",
+        "--val_fraction",
+        "0",
+        "--output_dir",
+        str(work / "runs"),
+        "--run_name",
+        f"kit{i}",
+        "--cache_dir",
+        str(work / "cache"),
+        "--log_every",
+        "1",
+        "--overwrite",
+        "1",
+    ]
 
 
 def kit_run(work: Path, model: str, pairs: Path, a, i: int) -> dict:
     argv = kit_argv(work, model, pairs, a, i)
-    proc = subprocess.Popen(argv, cwd=KIT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=KIT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wall, cpu, lines, threads = [], [], [], None
     for line in proc.stdout:
         if re.match(r"step \d+/\d+ ", line):
@@ -139,7 +183,11 @@ def trl_run(trl_python: str, model: str, pairs: Path, a, work: Path) -> dict:
     if got["cut_pairs"]:
         sys.exit(f"TRL cut {got['cut_pairs']} pairs at --max_length {a.max_length}: raise it")
     padding = sum(got["tokens"]) / sum(2 * a.batch * n for n in got["longest"])  # each batch: its longest row
-    return {**steady(got["wall"], got["cpu"], got["tokens"], a), "threads": got["threads"], "padding": padding}
+    return {
+        **steady(got["wall"], got["cpu"], got["tokens"], a),
+        "threads": got["threads"],
+        "padding": padding,
+    }
 
 
 def profile(work: Path, model: str, pairs: Path, a) -> None:
@@ -147,19 +195,28 @@ def profile(work: Path, model: str, pairs: Path, a) -> None:
     (TRL twice: as set here, and with its own bf16 and gradient-checkpointing defaults)."""
     a.steps = 4
     kit = work / "profile_kit.txt"
-    subprocess.run(kit_argv(work, model, pairs, a, 99, KIT_PROFILE), cwd=KIT, env={**env(), "KIT_PROFILE": str(kit)},
-                   check=True, capture_output=True)
+    subprocess.run(
+        kit_argv(work, model, pairs, a, 99, KIT_PROFILE),
+        cwd=KIT,
+        env={**env(), "KIT_PROFILE": str(kit)},
+        check=True,
+        capture_output=True,
+    )
     side = [a.trl_python, str(KIT / "bench" / "dpo_trl_side.py"), model, str(pairs), "--batch", str(a.batch),
             "--max_length", str(a.max_length), "--out", str(work / "trl")]
     for name, extra in (("profile_trl.txt", []), ("profile_trl_defaults.txt", ["--trl-defaults"])):
-        subprocess.run([*side, "--profile", str(work / name), *extra], env=env(), check=True, capture_output=True)
+        subprocess.run(
+            [*side, "--profile", str(work / name), *extra], env=env(), check=True, capture_output=True
+        )
     for name in ("profile_kit.txt", "profile_trl.txt", "profile_trl_defaults.txt"):
         print(f"== {name}\n" + (work / name).read_text())
 
 
 def show(side: str, r: dict) -> str:
-    return (f"{side} {r['pairs_s']:.2f} pairs/s {r['tokens_s']:.0f} tok/s (CPU time: {r['cpu_pairs_s']:.2f} pairs/s "
-            f"{r['cpu_tokens_s']:.0f} tok/s, {r['cpu_share']:.0%} of a core, {r['tokens_per_pair']:.1f} tok/pair, "
+    return (f"{side} {r['pairs_s']:.2f} pairs/s {r['tokens_s']:.0f} tok/s (CPU time: {r['cpu_pairs_s']:.2f} "
+            f"pairs/s "
+            f"{r['cpu_tokens_s']:.0f} tok/s, {r['cpu_share']:.0%} of a core, {r['tokens_per_pair']:.1f} "
+            f"tok/pair, "
             f"{r['padding']:.0%} real, {r['threads']} thread)")
 
 
@@ -172,9 +229,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="torch.profiler tables of steps 3-4 of each side instead")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of steps 3-4 of each side "
+                                                          "instead")
     p.add_argument("--trl-compact-head", action="store_true",
-                   help="diagnostic: TRL's LM head on response positions only, as it runs on CUDA/XPU (not on a CPU)")
+                   help="diagnostic: TRL's LM head on response positions only, as it runs on CUDA/XPU (not "
+                        "on a CPU)")
     p.add_argument("--work", help="a folder for the pairs, model and runs (default: a new temporary one)")
     a = p.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="dpo-vs-trl-"))
@@ -185,9 +244,28 @@ def main() -> None:
     if model is None:
         model = work / "runs" / "base" / "final"
         if not model.is_dir():
-            subprocess.run([sys.executable, "-m", "train", "pretrain", "--model_size", "nano", "--max_steps", "2",
-                            "--output_dir", str(work / "runs"), "--run_name", "base", "--cache_dir",
-                            str(work / "cache")], cwd=KIT, env=env(), check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "train",
+                    "pretrain",
+                    "--model_size",
+                    "nano",
+                    "--max_steps",
+                    "2",
+                    "--output_dir",
+                    str(work / "runs"),
+                    "--run_name",
+                    "base",
+                    "--cache_dir",
+                    str(work / "cache"),
+                ],
+                cwd=KIT,
+                env=env(),
+                check=True,
+                capture_output=True,
+            )
         model = str(model)
     if a.profile:
         return profile(work, model, pairs, a)
@@ -197,14 +275,16 @@ def main() -> None:
         trl = trl_run(a.trl_python, model, pairs, a, work)
         rows.append((kit, trl))
         print(f"pair {i + 1}: {show('kit', kit)}\n        {show('TRL', trl)}\n        kit/TRL tokens/s "
-              f"{kit['tokens_s'] / trl['tokens_s']:.2f}x wall, {kit['cpu_tokens_s'] / trl['cpu_tokens_s']:.2f}x "
+              f"{kit['tokens_s'] / trl['tokens_s']:.2f}x wall, "
+              f"{kit['cpu_tokens_s'] / trl['cpu_tokens_s']:.2f}x "
               f"CPU time; pairs/s {kit['pairs_s'] / trl['pairs_s']:.2f}x wall", flush=True)
     for key, name in (("tokens_s", "tokens/s, wall"), ("cpu_tokens_s", "tokens/s, CPU time"),
                       ("pairs_s", "pairs/s, wall"), ("cpu_pairs_s", "pairs/s, CPU time")):
         ratios = sorted(k[key] / t[key] for k, t in rows)
         print(f"median of {a.repeat} pairs, kit / TRL {name}: {statistics.median(ratios):.2f}x "
               f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
-    print(f"(batch {a.batch} pairs, max_length {a.max_length}, {a.steps} steps of which the first {a.skip} left "
+    print(f"(batch {a.batch} pairs, max_length {a.max_length}, {a.steps} steps of which the first {a.skip} "
+          f"left "
           f"out, 1 thread, fp32, REFERENCE=copy)")
 
 

@@ -2,9 +2,10 @@
 the data gives, train/run/plan/fill.py row_shape) against the measured peak of real training steps of
 every path, at two sizes each, through the kit's own optimizer, collators and train_step.
 
-Measured: on CPU, the allocator's own events at the peak of the second step (live_bytes.allocated_peak:
-every allocation, forward, backward and optimizer, temporaries inside kernels included); on a GPU, torch.cuda.max_memory_allocated over the same two
-steps. The last column names the terms the estimate adds on a GPU only, which a CPU row cannot check.
+Measured: on CPU, the allocator's own events at the peak of the second step (live_bytes.allocated_peak: every
+allocation, forward, backward and optimizer, temporaries inside kernels included); on a GPU,
+torch.cuda.max_memory_allocated over the same two steps. The last column names the terms the estimate adds on
+a GPU only, which a CPU row cannot check.
 
     .venv/bin/python bench/estimate_memory.py                 # every path, fp32 and bf16, on this device
     .venv/bin/python bench/estimate_memory.py --paths t5-pretrain sft-packed --precision bf16
@@ -58,16 +59,30 @@ def gpt2(width: int, dropout: float = 0.1):
 
 def t5(width: int):
     hf = build_config("nano", None, VOCAB, 0, "t5")
-    hf.d_model, hf.num_layers, hf.num_decoder_layers, hf.num_heads, hf.d_kv, hf.d_ff = width, 2, 2, width // 64, 64, 4 * width
+    hf.d_model, hf.num_layers, hf.num_decoder_layers, hf.num_heads, hf.d_kv, hf.d_ff = (
+        width,
+        2,
+        2,
+        width // 64,
+        64,
+        4 * width,
+    )
     return build_model(hf, False, 0)
 
 
 def llama(width: int):
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=int(2.75 * width), num_hidden_layers=2,
-                     num_attention_heads=width // 64, num_key_value_heads=max(1, width // 128),
-                     max_position_embeddings=1024, tie_word_embeddings=True)
+    hf = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=int(2.75 * width),
+        num_hidden_layers=2,
+        num_attention_heads=width // 64,
+        num_key_value_heads=max(1, width // 128),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
     return build_model(hf, False, 0)
 
 
@@ -93,8 +108,13 @@ def path(name: str, size: int) -> dict:
     if name in ("gpt2-pretrain", "llama-pretrain"):
         batch, length = ((8, 256), (8, 512))[size]
         model = (gpt2 if name == "gpt2-pretrain" else llama)((128, 256)[size])
-        return {"model": model, "batches": [{"input_ids": ids(batch, length)}], "mode": "pretrain", "batch": batch,
-                "max_length": length}
+        return {
+            "model": model,
+            "batches": [{"input_ids": ids(batch, length)}],
+            "mode": "pretrain",
+            "batch": batch,
+            "max_length": length,
+        }
     if name == "t5-pretrain":
         batch, length = ((8, 256), (8, 512))[size]
         return {"model": t5((128, 256)[size]), "mode": "pretrain", "batch": batch, "max_length": length,
@@ -103,8 +123,15 @@ def path(name: str, size: int) -> dict:
         rows, longest = ((8, 128), (8, 256))[size]
         examples = conversations(rows, longest, pairs=True)
         collate = Seq2SeqCollator(0)
-        return {"model": t5((128, 256)[size]), "mode": "sft", "batch": rows, "max_length": 512,
-                "batches": [collate(examples)], "dataset": SFTDataset(examples, ENCODER_DECODER), "collate": collate}
+        return {
+            "model": t5((128, 256)[size]),
+            "mode": "sft",
+            "batch": rows,
+            "max_length": 512,
+            "batches": [collate(examples)],
+            "dataset": SFTDataset(examples, ENCODER_DECODER),
+            "collate": collate,
+        }
     if name == "sft-packed":
         n, length = ((32, 256), (64, 512))[size]
         examples = conversations(n, length * 3 // 4)
@@ -112,8 +139,16 @@ def path(name: str, size: int) -> dict:
         model = gpt2((128, 256)[size])
         use_attention(model, VARLEN_SDPA)
         collate = PackedCollator(0, attention=VARLEN_SDPA)
-        return {"model": model, "mode": "sft", "batch": len(dataset), "max_length": length, "packing": True,
-                "batches": [collate([dataset[i] for i in range(len(dataset))])], "dataset": dataset, "collate": collate}
+        return {
+            "model": model,
+            "mode": "sft",
+            "batch": len(dataset),
+            "max_length": length,
+            "packing": True,
+            "batches": [collate([dataset[i] for i in range(len(dataset))])],
+            "dataset": dataset,
+            "collate": collate,
+        }
     if name == "dpo-pairs":
         from train.data.chat.pair_batching import PairCollator
 
@@ -136,7 +171,9 @@ def measure(p: dict, precision: str, device: torch.device) -> float:
         from train.core.preference.loss import PreferenceObjective
         from train.core.preference.reference import build_reference
 
-        objective = PreferenceObjective(CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM))
+        objective = PreferenceObjective(
+            CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM)
+        )
     cfg = config.resolve(None, {"learning_rate": 1e-4})
     optimizer, _ = build_optimizer(cfg.optim, model, device)
     scaler = build_scaler(precision, model, device)
@@ -152,7 +189,9 @@ def measure(p: dict, precision: str, device: torch.device) -> float:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    return allocated_peak(step, held_by(model, optimizer)) + (4 * count_params(model) if objective is not None else 0)
+    return allocated_peak(step, held_by(model, optimizer)) + (
+        4 * count_params(model) if objective is not None else 0
+    )
 
 
 def estimate(p: dict, precision: str, device: torch.device) -> float:
@@ -160,8 +199,16 @@ def estimate(p: dict, precision: str, device: torch.device) -> float:
     settings = {k: p[k] for k in ("packing", "reference") if k in p}
     cfg = config.resolve(None, {"mode": p["mode"], "batch_size": p["batch"], **settings})
     shape = row_shape(p.get("dataset"), p.get("collate"), p["max_length"], p["mode"], family_of(model).layout)
-    return estimate_for_run(model.config, count_params(model), cfg, shape["max_length"], precision, device.type,
-                            target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
+    return estimate_for_run(
+        model.config,
+        count_params(model),
+        cfg,
+        shape["max_length"],
+        precision,
+        device.type,
+        target_length=shape.get("target_length"),
+        packed=shape.get("packed"),
+    )["peak"]
 
 
 def main() -> int:
@@ -172,9 +219,12 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)  # steadier on a shared CPU; the bytes do not depend on it
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, the allocator's events (torch.profiler)"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else ("CPU, the allocator's events "
+                                                                              "(torch.profiler)")
     print(f"measured on: {where}; torch {torch.__version__}")
-    print("| path | size | precision | estimate MB | measured MB | error | GPU-only terms the estimate adds |")
+    print(
+        "| path | size | precision | estimate MB | measured MB | error | GPU-only terms the estimate adds |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in args.paths:
         for size in args.sizes:

@@ -72,7 +72,9 @@ def make_inputs(folder: Path) -> None:
     """A text corpus, a tiny model config and alpaca-style SFT pairs of varied length."""
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "." for _ in range(4000)]
+    lines = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "." for _ in range(4000)
+    ]
     (folder / "corpus.txt").write_text("\n".join(lines) + "\n")
     (folder / "tiny.json").write_text(json.dumps(TINY))
     (folder / "t5.json").write_text(json.dumps(TINY_T5))
@@ -80,7 +82,9 @@ def make_inputs(folder: Path) -> None:
     with open(folder / "sft.jsonl", "w") as f:
         for i in range(400):
             words = [rng.choice(WORDS) for _ in range(rng.randint(2, 30))]
-            f.write(json.dumps({"instruction": f"Say {i} things", "input": "", "output": " ".join(words)}) + "\n")
+            f.write(
+                json.dumps({"instruction": f"Say {i} things", "input": "", "output": " ".join(words)}) + "\n"
+            )
     with open(folder / "pairs.jsonl", "w") as f:  # preference pairs: a short right answer, a longer wrong one
         for i in range(64):
             pair = {"prompt": f"Say {i} twice.", "chosen": f"{i} {i}."}
@@ -110,36 +114,129 @@ def commands(scenario: str, inputs: Path, out: Path, cache: Path) -> list[tuple[
     f = flags(inputs, out, cache, scenario)
     s = sft_flags(inputs, out, cache, scenario)
     if scenario == "base":
-        return [(["pretrain", "--preset", "baseline", *f, "--batch_size", "4", "--max_steps", "6", "--save_every", "2"], {})]
+        return [
+            (
+                [
+                    "pretrain",
+                    "--preset",
+                    "baseline",
+                    *f,
+                    "--batch_size",
+                    "4",
+                    "--max_steps",
+                    "6",
+                    "--save_every",
+                    "2",
+                ],
+                {},
+            )
+        ]
     if scenario == "optimized":
-        return [([
-            "pretrain", "--preset", "optimized", *f, "--batch_size", "4", "--gradient_accumulation_steps", "2",
-            "--num_workers", "2", "--max_steps", "6", "--save_every", "3", "--eval_every", "2",
-            "--eval_batches", "2", "--keep_best", "1",
-        ], {})]  # fmt: skip
+        return [
+            (
+                [
+                    "pretrain",
+                    "--preset",
+                    "optimized",
+                    *f,
+                    "--batch_size",
+                    "4",
+                    "--gradient_accumulation_steps",
+                    "2",
+                    "--num_workers",
+                    "2",
+                    "--max_steps",
+                    "6",
+                    "--save_every",
+                    "3",
+                    "--eval_every",
+                    "2",
+                    "--eval_batches",
+                    "2",
+                    "--keep_best",
+                    "1",
+                ],
+                {},
+            )
+        ]
     if scenario == "killed":
-        argv = ["pretrain", "--preset", "baseline", *f, "--batch_size", "4", "--max_steps", "8", "--save_every", "2"]
+        argv = [
+            "pretrain",
+            "--preset",
+            "baseline",
+            *f,
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "8",
+            "--save_every",
+            "2",
+        ]
         # SIGKILL in the 6th training forward: step-4 is saved, step 5's row is written and trimmed
         return [(argv, {"kill_at": 6}), ([*argv, "--resume", "1"], {})]
     if scenario == "oom":
-        argv = ["pretrain", "--preset", "baseline", *f, "--batch_size", "8", "--gradient_accumulation_steps", "2",
-                "--max_steps", "3"]  # fmt: skip
+        argv = [
+            "pretrain",
+            "--preset",
+            "baseline",
+            *f,
+            "--batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "2",
+            "--max_steps",
+            "3",
+        ]
         return [(argv, {"oom_limit": 4})]
     if scenario == "auto_batch":
         base = ["--preset", "baseline", *f, "--batch_size", "8", "--gradient_accumulation_steps", "1"]
-        return [(["find-batch", *base], {"auto_batch": (2, 4)}), (["pretrain", *base, "--max_steps", "3", "--auto_batch", "1"], {})]
+        return [
+            (["find-batch", *base], {"auto_batch": (2, 4)}),
+            (["pretrain", *base, "--max_steps", "3", "--auto_batch", "1"], {}),
+        ]
     if scenario == "sft_grouping":
-        return [(["sft", "--preset", "sft", *s, "--batch_size", "4", "--length_grouping", "1", "--max_steps", "4"], {})]
+        return [
+            (
+                [
+                    "sft",
+                    "--preset",
+                    "sft",
+                    *s,
+                    "--batch_size",
+                    "4",
+                    "--length_grouping",
+                    "1",
+                    "--max_steps",
+                    "4",
+                ],
+                {},
+            )
+        ]
     if scenario == "sft_budget":
         return [([
             "sft", "--preset", "sft", *s, "--token_budget", "160", "--gradient_accumulation_steps", "2",
             "--max_steps", "4", "--save_every", "2",
         ], {})]  # fmt: skip
     if scenario == "sft_effective":
-        return [([
-            "sft", "--preset", "sft", *s, "--batch_size", "2", "--effective_batch", "16", "--lr_scaling", "linear",
-            "--max_steps", "2",
-        ], {})]  # fmt: skip
+        return [
+            (
+                [
+                    "sft",
+                    "--preset",
+                    "sft",
+                    *s,
+                    "--batch_size",
+                    "2",
+                    "--effective_batch",
+                    "16",
+                    "--lr_scaling",
+                    "linear",
+                    "--max_steps",
+                    "2",
+                ],
+                {},
+            )
+        ]
     if scenario == "sft_packing":
         return [(["sft", "--preset", "sft", *s, "--batch_size", "2", "--packing", "1", "--max_steps", "4",
                   "--save_every", "2", "--eval_every", "2", "--eval_batches", "2"], {})]  # fmt: skip
@@ -195,7 +292,11 @@ def child(argv: list[str], options: dict) -> int:
         forwards.append(ids.shape[0])
         if options.get("kill_at") == len(forwards):
             os.kill(os.getpid(), signal.SIGKILL)
-        if options.get("oom_limit") is not None and ids.shape[0] > options["oom_limit"] and len(forwards) >= 2:
+        if (
+            options.get("oom_limit") is not None
+            and ids.shape[0] > options["oom_limit"]
+            and len(forwards) >= 2
+        ):
             raise torch.OutOfMemoryError(f"CUDA out of memory. (fake: micro-batch {ids.shape[0]})")
 
     def build_model(*args, **kwargs):
@@ -228,7 +329,9 @@ def run_tree(tree: Path, out: Path, inputs: Path, scenarios: list[str]) -> dict:
     for scenario in scenarios:
         codes[scenario] = []
         for argv, options in commands(scenario, inputs, out, cache):
-            spec = json.dumps({"argv": argv, "options": {k: v for k, v in options.items() if k != "auto_batch"}})
+            spec = json.dumps(
+                {"argv": argv, "options": {k: v for k, v in options.items() if k != "auto_batch"}}
+            )
             proc = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--child", spec],
                 cwd=tree, env=env, capture_output=True, text=True,
@@ -278,12 +381,16 @@ def with_needs(chosen: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trees", nargs="*", help="BASE_TREE NEW_TREE: two checkouts, each of one commit (git worktree "
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("trees", nargs="*", help="BASE_TREE NEW_TREE: two checkouts, each of one commit (git "
+                                            "worktree "
                    "add, or git archive COMMIT | tar -x -C DIR): one merged into mid-run mixes two versions")
     p.add_argument("--work", help="where the runs go (default: a temporary folder, removed)")
     p.add_argument("--only", help="comma-separated scenarios (default: all): " + ",".join(SCENARIOS))
-    p.add_argument("--expect-diff", default="", help="scenarios whose differences are intended (listed, not failed)")
+    p.add_argument("--expect-diff", default="", help="scenarios whose differences are intended (listed, not "
+                                                     "failed)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

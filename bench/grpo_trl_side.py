@@ -1,6 +1,6 @@
 """TRL 1.16's GRPOTrainer on the prompts bench/grpo_vs_trl.py wrote, run in a scratch venv with TRL (never the
-kit's): the same model folder, NUM_GENERATIONS, completion length, learning rate, loss (dapo, BETA 0), the kit's
-own built-in reward functions (imported from the kit: torch and re only), fp32 on the CPU with bf16 and
+kit's): the same model folder, NUM_GENERATIONS, completion length, learning rate, loss (dapo, BETA 0), the
+kit's own built-in reward functions (imported from the kit: torch and re only), fp32 on the CPU with bf16 and
 gradient checkpointing off. Prints one JSON line: each optimizer step's end time, the seconds spent in
 _generate_and_score_completions (sampling, rewards, advantages: the kit's rollout) and in _generate (sampling
 alone), and the completions' mean length.
@@ -61,11 +61,26 @@ def main() -> None:
     fmt = format_reward(TASK_PATTERN)
     fmt.__name__ = "format"
     args = GRPOConfig(
-        output_dir=str(Path(prompts_file).parent / "trl-out"), per_device_train_batch_size=batch * g, num_generations=g,
-        max_completion_length=length, learning_rate=lr, max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, beta=0.0,
-        loss_type="dapo", temperature=1.0, seed=1337, dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(Path(prompts_file).parent / "trl-out"),
+        per_device_train_batch_size=batch * g,
+        num_generations=g,
+        max_completion_length=length,
+        learning_rate=lr,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        beta=0.0,
+        loss_type="dapo",
+        temperature=1.0,
+        seed=1337,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=[accuracy, fmt], args=args, train_dataset=data,
                           processing_class=tok, callbacks=[clock])  # fmt: skip
@@ -74,7 +89,9 @@ def main() -> None:
     timed(trainer, "_generate", sampling)
     start = time.perf_counter()
     trainer.train()
-    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    lengths = [
+        r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r
+    ]
     print(json.dumps({"start": start, "ends": clock.ends, "rollout_s": rollout, "sampling_s": sampling,
                       "mean_length": sum(lengths) / max(1, len(lengths))}))
 

@@ -1,11 +1,11 @@
-"""The kit's GRPO step against TRL 1.16's GRPOTrainer: the same model folder (a kit SFT run's final/), the same
-built-in arithmetic prompts rendered by the model's chat template (TRL gets the rendered text, which it feeds as
-it is), NUM_GENERATIONS, MAX_COMPLETION_LENGTH, learning rate, loss (dapo, BETA 0) and reward functions (the
-kit's accuracy and format), fp32 on the CPU for both (TRL's bf16 and gradient checkpointing off). The sides run
-in alternation, kit then TRL, PAIRS times, each a process of its own (the kit: `python -m train grpo`; TRL:
-bench/grpo_trl_side.py in a scratch venv). Per side: the median seconds per optimizer step after the first
-SKIP steps, and the share of those steps spent making the completions (the kit's rollout, generation_frac;
-TRL's _generate_and_score_completions, and _generate alone). Results: bench/RESULTS.md.
+"""The kit's GRPO step against TRL 1.16's GRPOTrainer: the same model folder (a kit SFT run's final/), the
+same built-in arithmetic prompts rendered by the model's chat template (TRL gets the rendered text, which it
+feeds as it is), NUM_GENERATIONS, MAX_COMPLETION_LENGTH, learning rate, loss (dapo, BETA 0) and reward
+functions (the kit's accuracy and format), fp32 on the CPU for both (TRL's bf16 and gradient checkpointing
+off). The sides run in alternation, kit then TRL, PAIRS times, each a process of its own (the kit: `python -m
+train grpo`; TRL: bench/grpo_trl_side.py in a scratch venv). Per side: the median seconds per optimizer step
+after the first SKIP steps, and the share of those steps spent making the completions (the kit's rollout,
+generation_frac; TRL's _generate_and_score_completions, and _generate alone). Results: bench/RESULTS.md.
 
     .venv/bin/python bench/grpo_vs_trl.py --model runs/<an SFT run>/final [--steps 10 --batch 2 --g 8
         --length 16 --pairs 3 --trl-python /tmp/venv-trl/bin/python]
@@ -46,11 +46,40 @@ def threads(a) -> dict:
 
 
 def kit_side(a, out: Path, name: str) -> dict:
-    argv = [sys.executable, "-m", "train", "grpo", "--model_path", str(a.model), "--max_steps", str(a.steps),
-            "--batch_size", str(a.batch), "--num_generations", str(a.g), "--max_completion_length", str(a.length),
-            "--learning_rate", str(a.lr), "--loss_type", "dapo", "--precision", "fp32", "--log_every", "1",
-            "--output_dir", str(out), "--cache_dir", str(out / "cache"), "--run_name", name, "--overwrite", "1",
-            "--num_workers", "0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "train",
+        "grpo",
+        "--model_path",
+        str(a.model),
+        "--max_steps",
+        str(a.steps),
+        "--batch_size",
+        str(a.batch),
+        "--num_generations",
+        str(a.g),
+        "--max_completion_length",
+        str(a.length),
+        "--learning_rate",
+        str(a.lr),
+        "--loss_type",
+        "dapo",
+        "--precision",
+        "fp32",
+        "--log_every",
+        "1",
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(out / "cache"),
+        "--run_name",
+        name,
+        "--overwrite",
+        "1",
+        "--num_workers",
+        "0",
+    ]
     proc = subprocess.run(argv, cwd=KIT, capture_output=True, text=True, env=threads(a))
     if proc.returncode:
         sys.exit(f"the kit's side failed:\n{proc.stderr[-3000:]}")
@@ -99,7 +128,8 @@ def main() -> None:
             kit, trl = kit_side(a, out, f"kit-{i}"), trl_side(a, prompts)
             pairs.append((kit, trl))
             print(f"pair {i + 1}: kit {kit['step_s']:.3f} s/step (generation {kit['generation']:.0%}, length "
-                  f"{kit['length']:.1f}); TRL {trl['step_s']:.3f} s/step (generate+score {trl['generation']:.0%}, "
+                  f"{kit['length']:.1f}); TRL {trl['step_s']:.3f} s/step (generate+score "
+                  f"{trl['generation']:.0%}, "
                   f"_generate {trl['sampling']:.0%}, length {trl['length']:.1f}); TRL / kit "
                   f"{trl['step_s'] / kit['step_s']:.2f}x", flush=True)  # fmt: skip
         ratios = [t["step_s"] / k["step_s"] for k, t in pairs]

@@ -2,13 +2,13 @@
 code: loader, collators, step, meter, logging) with the compute made negligible, so that what is
 left of a step is the host's own work, the part a GPU would sit idle through.
 
-The model is one layer of width 8 (GPT-2, or T5 with one encoder and one decoder layer) at the
-real vocabulary (the kit's byte-level BPE, 8192) and the real batch shapes of the launchers:
-pretraining batch 8 x 256 tokens; SFT batch 16 x accumulation 2 at MAX_LENGTH 512 (plain,
-LENGTH_GROUPING=1, PACKING=1, TOKEN_BUDGET=4096); T5 span corruption 8 x 256 and T5 SFT 16 x 2.
-The LM head's (tokens x vocab) matmul is the math that remains (a few ms here); data-wait
-(summary.json's data_wait_frac) is the share of the step spent in the loader and collator. One thread, each path in its own process; figures are the median of
-the runs' steady-state step_time_ms (warm-up excluded, LOG_EVERY=10 as a user would log).
+The model is one layer of width 8 (GPT-2, or T5 with one encoder and one decoder layer) at the real vocabulary
+(the kit's byte-level BPE, 8192) and the real batch shapes of the launchers: pretraining batch 8 x 256 tokens;
+SFT batch 16 x accumulation 2 at MAX_LENGTH 512 (plain, LENGTH_GROUPING=1, PACKING=1, TOKEN_BUDGET=4096); T5
+span corruption 8 x 256 and T5 SFT 16 x 2. The LM head's (tokens x vocab) matmul is the math that remains (a
+few ms here); data-wait (summary.json's data_wait_frac) is the share of the step spent in the loader and
+collator. One thread, each path in its own process; figures are the median of the runs' steady-state
+step_time_ms (warm-up excluded, LOG_EVERY=10 as a user would log).
 
     .venv/bin/python bench/host_overhead.py                    # every path, 3 runs each
     .venv/bin/python bench/host_overhead.py --paths sft_packed --profile /tmp/prof   # + cProfile
@@ -53,7 +53,8 @@ def run(root: Path, args: list[str], profile: Path | None = None) -> dict:
     head = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else []) + ["-m", "train"]
     proc = subprocess.run([*head, *args], cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"error: python -m train {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+        raise SystemExit(f"error: python -m train {' '.join(args)} exited "
+                         f"{proc.returncode}:\n{proc.stdout[-2000:]}"
                          f"{proc.stderr[-2000:]}")
     out = Path(args[args.index("--output_dir") + 1]) / args[args.index("--run_name") + 1]
     return json.loads((out / "summary.json").read_text())
@@ -74,20 +75,61 @@ def prepare(work: Path, root: Path) -> dict[str, Path]:
         made[f"config-{family}"] = folder
         final = work / "base" / family / "final"
         if not (final / "config.json").exists():
-            run(root, ["pretrain", "--model_config", str(folder), "--data_path", str(text), *PRETRAIN,
-                       "--max_steps", "1", "--cache_dir", str(work / "cache"), "--output_dir", str(work / "base"),
-                       "--run_name", family, "--overwrite", "1"])  # fmt: skip
+            run(
+                root,
+                [
+                    "pretrain",
+                    "--model_config",
+                    str(folder),
+                    "--data_path",
+                    str(text),
+                    *PRETRAIN,
+                    "--max_steps",
+                    "1",
+                    "--cache_dir",
+                    str(work / "cache"),
+                    "--output_dir",
+                    str(work / "base"),
+                    "--run_name",
+                    family,
+                    "--overwrite",
+                    "1",
+                ],
+            )
         made[f"base-{family}"] = final
     return made
 
 
 def bench_path(name: str, made: dict, work: Path, root: Path, steps: int, profile: Path | None) -> dict:
     mode, family, flags = PATHS[name]
-    model = (["--model_config", str(made[f"config-{family}"]), "--data_path", str(made["text"])] if mode == "pretrain"
-             else ["--model_path", str(made[f"base-{family}"]), "--data_path", str(made["sft"])])  # fmt: skip
-    return run(root, [mode, *model, *flags, "--max_steps", str(steps), "--log_every", "10", "--num_workers", "0",
-                      "--cache_dir", str(work / "cache"), "--output_dir", str(work / "runs"), "--run_name", name,
-                      "--overwrite", "1"], profile)  # fmt: skip
+    model = (
+        ["--model_config", str(made[f"config-{family}"]), "--data_path", str(made["text"])]
+        if mode == "pretrain"
+        else ["--model_path", str(made[f"base-{family}"]), "--data_path", str(made["sft"])]
+    )
+    return run(
+        root,
+        [
+            mode,
+            *model,
+            *flags,
+            "--max_steps",
+            str(steps),
+            "--log_every",
+            "10",
+            "--num_workers",
+            "0",
+            "--cache_dir",
+            str(work / "cache"),
+            "--output_dir",
+            str(work / "runs"),
+            "--run_name",
+            name,
+            "--overwrite",
+            "1",
+        ],
+        profile,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,11 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trees = {"after": root, **({"before": Path(args.before)} if args.before else {})}
     made = {side: prepare(work / side, tree) for side, tree in trees.items()}
-    print(f"{'path':18}" + "".join(f"{side + ' ms':>11}{'wait':>6}{'syncs':>6}" for side in trees) + "  runs (ms/step)")
+    print(
+        f"{'path':18}"
+        + "".join(f"{side + ' ms':>11}{'wait':>6}{'syncs':>6}" for side in trees)
+        + "  runs (ms/step)"
+    )
     for name in names:
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
-            bench_path(name, made["after"], work / "after", root, args.steps, Path(args.profile) / f"{name}.prof")
+            bench_path(
+                name, made["after"], work / "after", root, args.steps, Path(args.profile) / f"{name}.prof"
+            )
         summaries: dict[str, list] = {side: [] for side in trees}
         for _ in range(args.runs):
             for side, tree in trees.items():
@@ -122,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         for side, got in summaries.items():
             times = [s["step_time_ms"] for s in got]
             wait = statistics.median(s.get("data_wait_frac") or 0 for s in got)
-            line += f"{statistics.median(times):11.1f}{wait:6.0%}{got[-1].get('host_syncs_per_step', 'n/a')!s:>6}"
+            line += (
+                f"{statistics.median(times):11.1f}{wait:6.0%}{got[-1].get('host_syncs_per_step', 'n/a')!s:>6}"
+            )
             runs.append(side + " " + ", ".join(f"{t:.1f}" for t in times))
         print(line + "  " + "; ".join(runs), flush=True)
     return 0

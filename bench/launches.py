@@ -38,11 +38,37 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path("/work/shared/data/tinyshakespeare.txt")
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 256}
-T5 = {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 2,
-      "d_kv": 32, "dropout_rate": 0.0, "feed_forward_proj": "relu", "tie_word_embeddings": True}  # fmt: skip
+T5 = {
+    "model_type": "t5",
+    "d_model": 64,
+    "d_ff": 128,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 2,
+    "d_kv": 32,
+    "dropout_rate": 0.0,
+    "feed_forward_proj": "relu",
+    "tie_word_embeddings": True,
+}
 STEP = 4  # the traced optimizer step (0-based): after the compile trial, step 0 and the sync probe's step 2
-COMMON = ["--max_steps", "6", "--log_every", "100", "--val_fraction", "0", "--save_every", "0", "--num_workers", "1",
-          "--max_length", "64", "--batch_size", "4", "--seed", "1"]  # fmt: skip
+COMMON = [
+    "--max_steps",
+    "6",
+    "--log_every",
+    "100",
+    "--val_fraction",
+    "0",
+    "--save_every",
+    "0",
+    "--num_workers",
+    "1",
+    "--max_length",
+    "64",
+    "--batch_size",
+    "4",
+    "--seed",
+    "1",
+]
 MODES = {"eager": ["--compile", "0"], "compiled": ["--compile", "1", "--compile_mode", "default"],
          "graphs": ["--compile", "1", "--compile_mode", "reduce-overhead"]}  # graphs: CUDA only
 # on a GPU: the host's launch calls themselves (a CUDA graph's replay is one cudaGraphLaunch)
@@ -50,14 +76,66 @@ RUNTIME_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                     "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 # aten ops that change no data: views, metadata, allocation (no kernel on a GPU)
 NO_WORK = {
-    "as_strided", "view", "_unsafe_view", "_reshape_alias", "reshape", "t", "transpose", "permute", "expand",
-    "expand_as", "unsqueeze", "squeeze", "slice", "select", "alias", "detach", "detach_", "resolve_conj",
-    "resolve_neg", "empty", "empty_strided", "empty_like", "lift_fresh", "split", "split_with_sizes", "chunk",
-    "unbind", "narrow", "view_as", "flatten", "unflatten", "contiguous", "to", "linear", "matmul", "numpy_T",
-    "_has_compatible_shallow_copy_type", "is_nonzero", "size", "stride", "dim", "result_type", "_local_scalar_dense",
-    "item", "set_", "unfold", "diagonal", "movedim", "swapaxes", "type_as", "dropout", "scaled_dot_product_attention",
-    "cross_entropy_loss", "layer_norm", "softmax", "log_softmax", "embedding_backward", "real", "imag",
-}  # fmt: skip
+    "as_strided",
+    "view",
+    "_unsafe_view",
+    "_reshape_alias",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "expand_as",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "alias",
+    "detach",
+    "detach_",
+    "resolve_conj",
+    "resolve_neg",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "lift_fresh",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "narrow",
+    "view_as",
+    "flatten",
+    "unflatten",
+    "contiguous",
+    "to",
+    "linear",
+    "matmul",
+    "numpy_T",
+    "_has_compatible_shallow_copy_type",
+    "is_nonzero",
+    "size",
+    "stride",
+    "dim",
+    "result_type",
+    "_local_scalar_dense",
+    "item",
+    "set_",
+    "unfold",
+    "diagonal",
+    "movedim",
+    "swapaxes",
+    "type_as",
+    "dropout",
+    "scaled_dot_product_attention",
+    "cross_entropy_loss",
+    "layer_norm",
+    "softmax",
+    "log_softmax",
+    "embedding_backward",
+    "real",
+    "imag",
+}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
@@ -82,7 +160,11 @@ def count(events) -> dict:
         if parent is None:
             launches += 1
             matmuls += e.name.split("::", 1)[-1] in MATMULS
-    return {"launches": launches, "matmuls": matmuls, "cuda_launch_calls": runtime if torch.cuda.is_available() else None}
+    return {
+        "launches": launches,
+        "matmuls": matmuls,
+        "cuda_launch_calls": runtime if torch.cuda.is_available() else None,
+    }
 
 
 def one(argv: list[str]) -> int:
@@ -103,17 +185,30 @@ def one(argv: list[str]) -> int:
         return code or 1
     out = Path(argv[argv.index("--output_dir") + 1]) / argv[argv.index("--run_name") + 1]
     summary = json.loads((out / "summary.json").read_text())
-    print("LAUNCHES " + json.dumps({**count(hook.prof.events()), "step_ms": hook.result["step_ms"], "compiled_in_step": hook.result["compiled_during_step"],
-                                    "compile": summary["compile"], "host_syncs_per_step": summary["host_syncs_per_step"]}))
+    print(
+        "LAUNCHES "
+        + json.dumps(
+            {
+                **count(hook.prof.events()),
+                "step_ms": hook.result["step_ms"],
+                "compiled_in_step": hook.result["compiled_during_step"],
+                "compile": summary["compile"],
+                "host_syncs_per_step": summary["host_syncs_per_step"],
+            }
+        )
+    )
     return 0
 
 
 def child(args: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, __file__, "--one", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     found = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCHES ")]
     if proc.returncode != 0 or not found:
-        raise SystemExit(f"error: {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        raise SystemExit(f"error: {' '.join(args)} exited "
+                         f"{proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return json.loads(found[-1][len("LAUNCHES "):])
 
 
@@ -122,25 +217,69 @@ def prepare(work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "corpus.txt"
     if not corpus.exists():
-        corpus.write_text(CORPUS.read_text()[:400_000] if CORPUS.exists() else "the quick brown fox. " * 20000)
+        corpus.write_text(
+            CORPUS.read_text()[:400_000] if CORPUS.exists() else "the quick brown fox. " * 20000
+        )
     for name, config in (("gpt2.json", GPT2), ("t5.json", T5)):
         (work / name).write_text(json.dumps(config))
     sft = work / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": f"Item {i}: what next?", "response": "the quick fox " * (1 + i * 7 % 15)})
-                           + "\n" for i in range(400)))  # fmt: skip
+    sft.write_text(
+        "".join(
+            json.dumps({"prompt": f"Item {i}: what next?", "response": "the quick fox " * (1 + i * 7 % 15)})
+            + "\n"
+            for i in range(400)
+        )
+    )
     pairs = work / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Say {i}.", "chosen": f"{i} " * (1 + i % 9),
-                                         "rejected": f"no {i % 5} way " * (1 + i % 4)}) + "\n" for i in range(200)))
-    flags = {"data": ["--data_path", str(corpus), "--vocab_size", "512", "--cache_dir", str(work / "cache")],
-             "sft": ["--data_path", str(sft), "--cache_dir", str(work / "cache"), "--tokenize_workers", "1"],
-             "pairs": ["--data_path", str(pairs), "--cache_dir", str(work / "cache"), "--tokenize_workers", "1"]}
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": f"Say {i}.",
+                    "chosen": f"{i} " * (1 + i % 9),
+                    "rejected": f"no {i % 5} way " * (1 + i % 4),
+                }
+            )
+            + "\n"
+            for i in range(200)
+        )
+    )
+    flags = {
+        "data": ["--data_path", str(corpus), "--vocab_size", "512", "--cache_dir", str(work / "cache")],
+        "sft": ["--data_path", str(sft), "--cache_dir", str(work / "cache"), "--tokenize_workers", "1"],
+        "pairs": ["--data_path", str(pairs), "--cache_dir", str(work / "cache"), "--tokenize_workers", "1"],
+    }
     for family in ("gpt2", "t5"):  # the base models, trained two steps eager
         if not (work / "runs" / f"base-{family}" / "final").is_dir():
-            subprocess.run([sys.executable, "-m", "train", "pretrain", "--model_config", str(work / f"{family}.json"),
-                            *flags["data"], "--max_length", "64", "--batch_size", "4", "--max_steps", "2",
-                            "--output_dir", str(work / "runs"), "--run_name", f"base-{family}", "--compile", "0",
-                            "--overwrite", "1"], cwd=ROOT, check=True, capture_output=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "train",
+                    "pretrain",
+                    "--model_config",
+                    str(work / f"{family}.json"),
+                    *flags["data"],
+                    "--max_length",
+                    "64",
+                    "--batch_size",
+                    "4",
+                    "--max_steps",
+                    "2",
+                    "--output_dir",
+                    str(work / "runs"),
+                    "--run_name",
+                    f"base-{family}",
+                    "--compile",
+                    "0",
+                    "--overwrite",
+                    "1",
+                ],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
     return flags
 
 
@@ -167,7 +306,8 @@ def main() -> int:
     work = Path(args.work)
     table = paths(work, prepare(work))
     rows = []
-    print("| path | mode | launches / step | matmuls | CUDA launch calls | graphs | recompiles | graph breaks | "
+    print("| path | mode | launches / step | matmuls | CUDA launch calls | graphs | recompiles | graph "
+          "breaks | "
           "host syncs / step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.paths.split(","):
@@ -180,7 +320,8 @@ def main() -> int:
             calls = "-" if r["cuda_launch_calls"] is None else r["cuda_launch_calls"]
             print(f"| {name} | {mode} | {r['launches']} | {r['matmuls']} | {calls} | "
                   f"{c['graphs'] if c['enabled'] else '-'} | "
-                  f"{c['recompiles'] if c['enabled'] else '-'} | {c['graph_breaks'] if c['enabled'] else '-'} | "
+                  f"{c['recompiles'] if c['enabled'] else '-'} | "
+                  f"{c['graph_breaks'] if c['enabled'] else '-'} | "
                   f"{r['host_syncs_per_step']} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -43,26 +43,67 @@ def make_folder(folder: Path) -> None:
 def run(folder: Path, out: Path, name: str, extra: list[str], args, dry: bool) -> dict:
     data = out / "pairs.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps({"prompt": f"Explain item {i}.", "response": "It is a thing. " * 20})
-                                + "\n" for i in range(64)))  # fmt: skip
-    argv = [sys.executable, "-m", "train", "sft", "--model_path", str(folder), "--data_path", str(data),
-            "--output_dir", str(out / "runs"), "--cache_dir", str(out / "cache"), "--batch_size", str(args.batch_size),
-            "--max_length", str(args.max_length), "--max_steps", str(max(1, args.steps)), "--num_workers", "0",
-            "--save_every", "0", "--eval_batches", "1", "--run_name", name, *extra]  # fmt: skip
+        data.write_text(
+            "".join(
+                json.dumps({"prompt": f"Explain item {i}.", "response": "It is a thing. " * 20}) + "\n"
+                for i in range(64)
+            )
+        )
+    argv = [
+        sys.executable,
+        "-m",
+        "train",
+        "sft",
+        "--model_path",
+        str(folder),
+        "--data_path",
+        str(data),
+        "--output_dir",
+        str(out / "runs"),
+        "--cache_dir",
+        str(out / "cache"),
+        "--batch_size",
+        str(args.batch_size),
+        "--max_length",
+        str(args.max_length),
+        "--max_steps",
+        str(max(1, args.steps)),
+        "--num_workers",
+        "0",
+        "--save_every",
+        "0",
+        "--eval_batches",
+        "1",
+        "--run_name",
+        name,
+        *extra,
+    ]
     if dry:
-        text = subprocess.run([*argv, "--dry_run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        text = subprocess.run(
+            [*argv, "--dry_run"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
         found = re.search(r"estimated peak ([\d,.]+) MB", text)
         keep = ("  weights", "  activations", "  estimated", "model ")
-        return {"estimate_mb": found and found.group(1), "estimate": [ln for ln in text.splitlines() if ln.startswith(keep)]}
-    done = subprocess.run(["/usr/bin/time", "-v", *argv], cwd=ROOT, capture_output=True, text=True, check=True)
+        return {
+            "estimate_mb": found and found.group(1),
+            "estimate": [ln for ln in text.splitlines() if ln.startswith(keep)],
+        }
+    done = subprocess.run(
+        ["/usr/bin/time", "-v", *argv], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
     summary = json.loads((out / "runs" / name / "summary.json").read_text())
-    return {"peak_rss_mb": rss // 1024, "wall_time_s": summary["wall_time_s"], "final_loss": summary["final_loss"]}
+    return {
+        "peak_rss_mb": rss // 1024,
+        "wall_time_s": summary["wall_time_s"],
+        "final_loss": summary["final_loss"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=0, help="real optimizer steps per setting (0: the estimate only)")
+    parser.add_argument("--steps", type=int, default=0, help="real optimizer steps per setting (0: the "
+                                                             "estimate only)")
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--max_length", type=int, default=128)
     parser.add_argument("--lora_r", type=int, default=16)

@@ -35,12 +35,24 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = Seq2SeqTrainingArguments(**peer_side.training_kwargs(s, a.out, a.compile))
     collator = DataCollatorForSeq2Seq(tok, model=model, label_pad_token_id=-100)
-    trainer = Seq2SeqTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(examples), data_collator=collator,
-                             processing_class=tok)
-    ran = {"batch_size": s["batch_size"], "max_length": s["max_length"], "bf16": cfg.bf16, "fp16": cfg.fp16,
-           "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
-           "attn_implementation": model.config._attn_implementation, "optim": getattr(cfg.optim, "value", cfg.optim),
-           "collator": "DataCollatorForSeq2Seq (longest in the batch)"}
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=Dataset.from_list(examples),
+        data_collator=collator,
+        processing_class=tok,
+    )
+    ran = {
+        "batch_size": s["batch_size"],
+        "max_length": s["max_length"],
+        "bf16": cfg.bf16,
+        "fp16": cfg.fp16,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "torch_compile": cfg.torch_compile,
+        "attn_implementation": model.config._attn_implementation,
+        "optim": getattr(cfg.optim, "value", cfg.optim),
+        "collator": "DataCollatorForSeq2Seq (longest in the batch)",
+    }
     peer_side.run(trainer, s, "transformers Seq2SeqTrainer", ran, a, seq2seq=True)
 
 

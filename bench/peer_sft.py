@@ -25,7 +25,8 @@ import peer_side
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peer_side.add_args(p)
-    p.add_argument("--packing", action="store_true", help="packing=True (bfd) instead of padding-free examples")
+    p.add_argument("--packing", action="store_true", help="packing=True (bfd) instead of padding-free "
+                                                          "examples")
     a = p.parse_args()
     import torch
     from datasets import Dataset
@@ -37,14 +38,30 @@ def main() -> None:
     attn = "flash_attention_2" if flash else None
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = SFTConfig(**peer_side.training_kwargs(s, a.out, a.compile), packing=a.packing, packing_strategy="bfd",
-                    padding_free=True, max_length=s["max_length"] if a.packing else None, dataset_num_proc=None)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(examples), processing_class=tok)
-    ran = {"packing": "bfd" if a.packing else False, "padding_free": True, "batch_size": s["batch_size"],
-           "max_length": s["max_length"], "bf16": cfg.bf16, "fp16": cfg.fp16,
-           "gradient_checkpointing": cfg.gradient_checkpointing, "torch_compile": cfg.torch_compile,
-           "attn_implementation": model.config._attn_implementation, "optim": getattr(cfg.optim, "value", cfg.optim),
-           "train_rows": len(trainer.train_dataset)}
+    cfg = SFTConfig(
+        **peer_side.training_kwargs(s, a.out, a.compile),
+        packing=a.packing,
+        packing_strategy="bfd",
+        padding_free=True,
+        max_length=s["max_length"] if a.packing else None,
+        dataset_num_proc=None,
+    )
+    trainer = SFTTrainer(
+        model=model, args=cfg, train_dataset=Dataset.from_list(examples), processing_class=tok
+    )
+    ran = {
+        "packing": "bfd" if a.packing else False,
+        "padding_free": True,
+        "batch_size": s["batch_size"],
+        "max_length": s["max_length"],
+        "bf16": cfg.bf16,
+        "fp16": cfg.fp16,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "torch_compile": cfg.torch_compile,
+        "attn_implementation": model.config._attn_implementation,
+        "optim": getattr(cfg.optim, "value", cfg.optim),
+        "train_rows": len(trainer.train_dataset),
+    }
     peer_side.run(trainer, s, "TRL SFTTrainer", ran, a)
 
 

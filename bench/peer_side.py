@@ -32,7 +32,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIM = {"adamw": "adamw_torch_fused", "adafactor": "adafactor", "adafactor_relative": "adafactor", "sgd": "sgd"}
+OPTIM = {
+    "adamw": "adamw_torch_fused",
+    "adafactor": "adafactor",
+    "adafactor_relative": "adafactor",
+    "sgd": "sgd",
+}
 
 
 def load_kit(folder: str) -> tuple[dict, list[dict], str]:
@@ -128,13 +133,20 @@ def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: 
     samples, real, padded = (sum(c[i] for c in steady) for i in range(3))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {
-        "trainer": trainer_name, "versions": versions(), "device": torch.cuda.get_device_name(0) if cuda() else "cpu",
-        "settings": settings_ran, "steps": s["steps"], "steady_state_steps": steps,
-        "tokens_per_sec": real / span, "samples_per_sec": samples / span, "step_time_ms": 1000 * span / steps,
+        "trainer": trainer_name,
+        "versions": versions(),
+        "device": torch.cuda.get_device_name(0) if cuda() else "cpu",
+        "settings": settings_ran,
+        "steps": s["steps"],
+        "steady_state_steps": steps,
+        "tokens_per_sec": real / span,
+        "samples_per_sec": samples / span,
+        "step_time_ms": 1000 * span / steps,
         "padding_efficiency": real / padded if padded else None,
         "peak_vram_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda() else None,
         "vram_total_mb": torch.cuda.get_device_properties(0).total_memory / 2**20 if cuda() else None,
-        "final_loss": losses[-1] if losses else None, "threads": torch.get_num_threads(),
+        "final_loss": losses[-1] if losses else None,
+        "threads": torch.get_num_threads(),
     }
     print(json.dumps(result), flush=True)
     if args.json:
@@ -159,7 +171,9 @@ def versions() -> dict:
 
 def add_args(p) -> None:
     """The flags every side takes from bench/peers.py."""
-    p.add_argument("--kit", required=True, help="the folder bench/peers.py wrote (model/, examples, settings)")
+    p.add_argument(
+        "--kit", required=True, help="the folder bench/peers.py wrote (model/, examples, settings)"
+    )
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--profile", help="step 2 under torch.profiler, as train/tools/step_profile.py records it")
     p.add_argument("--compile", action="store_true", help="the trainer's torch_compile (off by default)")

@@ -98,14 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", help="the kit's run of these flags (its summary.json's batch and precision win)")
     p.add_argument("--json", help="the peer's figures (one JSON object)")
     p.add_argument("--profile", help="one step of the peer under torch.profiler (step_profile's record)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps the peer runs (the kit's parts: 30)")
+    p.add_argument(
+        "--steps", type=int, default=30, help="optimizer steps the peer runs (the kit's parts: 30)"
+    )
     p.add_argument("--peer-python", default=sys.executable, help="a Python with the peer (default: this one)")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)  # after it, the kit's COMMAND FLAGS as they are
     a, kit = p.parse_args(argv[:cut]), argv[cut + 1 :]
     side, extra, command = PEERS[a.peer]
     if not kit or kit[0] != command:
-        print(f"error: {a.peer} mirrors the kit's `{command}`; got {' '.join(kit[:1]) or 'no command'}", file=sys.stderr)
+        print(
+            f"error: {a.peer} mirrors the kit's `{command}`; got {' '.join(kit[:1]) or 'no command'}",
+            file=sys.stderr,
+        )
         return 2
     run = Path(a.run) if a.run else None
     if run is not None and not (run / "summary.json").is_file():
@@ -113,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(a.work)
     settings = export(command, kit[1:], work, run, a.steps, lambda line: print(line, flush=True))
-    print(f"peers: {a.peer} on the kit's plan: {settings['n_examples']} examples, batch {settings['batch_size']} x "
-          f"{settings['gradient_accumulation_steps']}, MAX_LENGTH {settings['max_length']}, {settings['precision']}",
+    print(f"peers: {a.peer} on the kit's plan: {settings['n_examples']} examples, batch "
+          f"{settings['batch_size']} x "
+          f"{settings['gradient_accumulation_steps']}, MAX_LENGTH {settings['max_length']}, "
+          f"{settings['precision']}",
           flush=True)
     argv = [a.peer_python, str(ROOT / "bench" / side), "--kit", str(work), *extra,
             *(["--json", a.json] if a.json else []), *(["--profile", a.profile] if a.profile else [])]

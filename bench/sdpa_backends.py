@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--compiled", action="store_true",
-                    help="also a compiled GPT-2 small training step (fused AdamW) with dropout 0.1 (GPT-2's) and 0.0")
+                    help="also a compiled GPT-2 small training step (fused AdamW) with dropout 0.1 (GPT-2's) "
+                         "and 0.0")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     b, h, t, d = args.batch, 12, args.length, 64
     flops = 4 * b * h * t * t * d * 0.5 * 3.5  # causal: half; forward 1x + backward 2.5x
     results: dict = {"shape": [b, h, t, d], "kernel": {}, "gpt2_small_step_ms": {}}
-    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     for name, backend in backends.items():
         def step(backend=backend):
             with sdpa_kernel(backend):
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 model(input_ids=ids, labels=ids).loss.backward()
         ms = _time(step, steps=10, warmup=3)
         results["gpt2_small_step_ms"][name] = ms
-        print(f"GPT-2 small {b} x {t} fwd+bwd, eager, bf16 autocast, {name:>9}: {ms:8.1f} ms  {b * t / ms * 1e3:10,.0f} tokens/s")
+        print(f"GPT-2 small {b} x {t} fwd+bwd, eager, bf16 autocast, {name:>9}: {ms:8.1f} ms  "
+              f"{b * t / ms * 1e3:10,.0f} tokens/s")
     if args.compiled:
         results["compiled"] = {p: compiled_step(b, t, p) for p in (0.1, 0.0)}
     if args.json:
@@ -108,7 +112,8 @@ def compiled_step(b: int, t: int, dropout: float, steps: int = 10) -> dict:
 
     ms = _time(step, steps=steps, warmup=3)
     out = {"ms": ms, "tokens_per_s": b * t / ms * 1e3, "sdpa_kwargs": seen[:1]}
-    print(f"compiled GPT-2 small {b} x {t}, dropout {dropout}: {ms:7.1f} ms/step  {out['tokens_per_s']:10,.0f} tokens/s  "
+    print(f"compiled GPT-2 small {b} x {t}, dropout {dropout}: {ms:7.1f} ms/step  "
+          f"{out['tokens_per_s']:10,.0f} tokens/s  "
           f"sdpa {seen[:1]}")
     return out
 

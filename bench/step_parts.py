@@ -73,7 +73,8 @@ def main() -> int:
             samples[name] += thread_ms(fn, 1)
     samples["forward + backward"] = thread_ms(forward_backward, max(3, args.repeats // 8))
     print(
-        f"{args.model_size}, batch {args.batch_size} x {b.max_length} tokens, 1 thread, thread CPU ms (median, quartiles)"
+        f"{args.model_size}, batch {args.batch_size} x {b.max_length} tokens, 1 thread, thread CPU ms "
+        f"(median, quartiles)"
     )
     for name, values in samples.items():
         q1, _, q3 = statistics.quantiles(values, n=4)

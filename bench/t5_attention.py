@@ -2,10 +2,10 @@
 transformers' sdpa (the kit's path before T5_SDPA), and the kit's T5_SDPA (train/models/t5_attention.py:
 the position bias folded with the mask once per forward).
 
-One optimizer step through the kit's own train_step (forward_loss, backward, build_optimizer's AdamW) on T5-small's
-attention shape (6 + 6 layers, 8 heads; the width narrowed to --d_model, which changes no op count
-and no score-tensor size), at a pretraining batch (span corruption: sources of --source tokens, no
-padding) and an SFT batch (sources and targets right-padded). Counted, not timed:
+One optimizer step through the kit's own train_step (forward_loss, backward, build_optimizer's AdamW) on
+T5-small's attention shape (6 + 6 layers, 8 heads; the width narrowed to --d_model, which changes no op count
+and no score-tensor size), at a pretraining batch (span corruption: sources of --source tokens, no padding)
+and an SFT batch (sources and targets right-padded). Counted, not timed:
 - profiler events: the aten ops torch.profiler records in the step (nested ones counted too);
 - dispatched ops: the ops that reach a kernel (a TorchDispatchMode's count: on a GPU, about one
   launch each);
@@ -82,7 +82,9 @@ def one_step(model, batch: dict, pairs: set, device: torch.device, precision: st
     scaler = torch.amp.GradScaler(device.type, enabled=False)
 
     def step():
-        return train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, device, precision, layout=ENCODER_DECODER)
+        return train_step(
+            model, optimizer, scaler, iter([batch]), 1, 1.0, device, precision, layout=ENCODER_DECODER
+        )
 
     step()  # warm: the optimizer's state exists, lazy inits are done
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -117,13 +119,17 @@ def main() -> int:
                     dropout_rate=0.0))
     pretrain_target = span_lengths(args.source)[1]
     if cfg.d_kv in (args.source, pretrain_target, args.sft_target):
-        raise SystemExit(f"--d_model: a head width of {cfg.d_kv} equals a length: q, k and v would count as scores")
+        raise SystemExit(f"--d_model: a head width of {cfg.d_kv} equals a length: q, k and v would count as "
+                         f"scores")
     kit = build_model(cfg, gradient_checkpointing=False, seed=0)
-    print(f"T5-small's attention shape: {cfg.num_layers} + {cfg.num_decoder_layers} layers, {cfg.num_heads} heads, "
-          f"d_model {args.d_model}; batch {args.batch}; torch {torch.__version__}, {args.threads} thread(s), {args.device}, {args.precision}"
+    print(f"T5-small's attention shape: {cfg.num_layers} + {cfg.num_decoder_layers} layers, {cfg.num_heads} "
+          f"heads, "
+          f"d_model {args.d_model}; batch {args.batch}; torch {torch.__version__}, {args.threads} thread(s), "
+          f"{args.device}, {args.precision}"
           f"{'; bias tables frozen' if args.frozen_bias else ''}")
     device = torch.device(args.device)
-    print("| batch | attention | profiler events | GPU kernels | dispatched ops | score-shaped tensors | MB | loss | "
+    print("| batch | attention | profiler events | GPU kernels | dispatched ops | score-shaped tensors | MB "
+          "| loss | "
           "largest |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, target in (("pretrain", pretrain_target), ("sft", args.sft_target)):
@@ -133,12 +139,14 @@ def main() -> int:
         for name in ("eager", "sdpa", "t5_sdpa"):
             model = copy.deepcopy(kit).to(device)
             if name != "t5_sdpa":
-                model.set_attn_implementation(name)  # the kit's hooks stand aside for any other implementation
+                # the kit's hooks stand aside for any other implementation
+                model.set_attn_implementation(name)
             for key, p in model.named_parameters():
                 p.requires_grad_(not (args.frozen_bias and "relative_attention_bias" in key))
             r = one_step(model, batch, pairs, device, args.precision)
             largest = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in r["by_op"].items())
-            print(f"| {label} | {name} | {r['events']:,} | {r['kernels']} | {r['ops']:,} | {r['scores']} | {r['mb']:.1f} | "
+            print(f"| {label} | {name} | {r['events']:,} | {r['kernels']} | {r['ops']:,} | {r['scores']} | "
+                  f"{r['mb']:.1f} | "
                   f"{r['loss']:.6f} | {largest} |")
     return 0
 

@@ -82,9 +82,24 @@ def all_alone(corpus: Path, tokenizer: Path, units: int, work: Path) -> dict:
     pinned to its core, nothing shared (no pool, no main process, no writes). Where cores are
     hyperthreads or one core alone runs at a higher clock, this is below cores x one core."""
     cores = len(os.sched_getaffinity(0))
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", "one", str(corpus), str(tokenizer), str(units),
-                               str(core), str(work / f"alone-{core}.json")], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for core in range(cores)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "one",
+                str(corpus),
+                str(tokenizer),
+                str(units),
+                str(core),
+                str(work / f"alone-{core}.json"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for core in range(cores)
+    ]
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("tokenize_scaling: a one-core child failed")
     results = [json.loads((work / f"alone-{core}.json").read_text()) for core in range(cores)]
@@ -132,14 +147,16 @@ def section(r: dict, note: str) -> str:
     verdict = "met" if eff >= TARGET else f"missed by {100 * (TARGET - eff):.0f} points"
     lines = [
         SECTION, "",
-        f"**{data_pretrain.device()}**, {time.strftime('%Y-%m-%d')}{', ' + note if note else ''}. One core: the "
+        f"**{data_pretrain.device()}**, {time.strftime('%Y-%m-%d')}{', ' + note if note else ''}. One core: "
+        f"the "
         "workers' own encode (encode_batch, its threads off) over the corpus's first units in a process "
         "pinned to one core. Every core: the whole token cache build (pool start, shard writes, checksums "
         "included), one TOKENIZE_WORKERS process per core; peak resident memory sampled every 0.2 s.", "",
         "| corpus | MB | tokens | workers | tokens/s | x one core | efficiency (target >= 90%) | seconds | "
         "peak RSS: main (all processes) |",
         "|---|---|---|---|---|---|---|---|---|",
-        f"| one core, first units | {one['mb']:,.0f} | {one['tokens']:,} | 1 | {one['tokens_per_s']:,.0f} | 1.00 | | "
+        f"| one core, first units | {one['mb']:,.0f} | {one['tokens']:,} | 1 | {one['tokens_per_s']:,.0f} | "
+        f"1.00 | | "
         f"{one['seconds']:.1f} | {one['peak_main_mb']:,.0f} MB |",
     ]
     x = alone["tokens_per_s"] / one["tokens_per_s"]
@@ -153,7 +170,8 @@ def section(r: dict, note: str) -> str:
                      f"{row['seconds']:.1f} | {row['peak_main_mb']:,.0f} MB ({row['peak_all_mb']:,.0f} MB) |")
     lines += ["", f"Target (>= 90% of {big['workers']} x one core on the whole corpus): **{verdict}** "
               f"({100 * eff:.0f}%); against the machine's own ceiling (one process per core, nothing shared) "
-              f"{100 * big['tokens_per_s'] / alone['tokens_per_s']:.0f}%. Main-process peak {small['peak_main_mb']:,.0f} MB at a tenth, "
+              f"{100 * big['tokens_per_s'] / alone['tokens_per_s']:.0f}%. Main-process peak "
+              f"{small['peak_main_mb']:,.0f} MB at a tenth, "
               f"{big['peak_main_mb']:,.0f} MB at the whole corpus."]
     return "\n".join(lines) + "\n"
 
@@ -174,7 +192,9 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         kind, *args = sys.argv[2:]
         if kind == "one":
-            result = one_core(Path(args[0]), Path(args[1]), int(args[2]), int(args[3]) if len(args) > 4 else 0)
+            result = one_core(
+                Path(args[0]), Path(args[1]), int(args[2]), int(args[3]) if len(args) > 4 else 0
+            )
         else:
             result = build(Path(args[0]), Path(args[1]), Path(args[2]))
         Path(args[-1]).write_text(json.dumps(result))
@@ -197,7 +217,9 @@ def main() -> None:
     r["alone"] = all_alone(corpus, tokenizer, max(4, args.units // 4), work)
     print(f"one process per core, nothing shared: {r['alone']['tokens_per_s']:,.0f} tokens/s", flush=True)
     for name, path in (("tenth", tenth), ("whole", corpus)):
-        r[name] = child("build", str(path), str(tokenizer), str(work / "scaling-cache"), str(work / f"{name}.json"))
+        r[name] = child(
+            "build", str(path), str(tokenizer), str(work / "scaling-cache"), str(work / f"{name}.json")
+        )
         print(f"{name}: {r[name]['tokens_per_s']:,.0f} tokens/s on {r[name]['workers']} workers, "
               f"{r[name]['seconds']:.1f} s, peak main {r[name]['peak_main_mb']:,.0f} MB", flush=True)
     new = section(r, args.note)

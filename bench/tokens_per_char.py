@@ -15,9 +15,10 @@ encoded alone. Usage, from the repository root (any UTF-8 Chinese text files wil
 own test suite ships two small ones):
 
     .venv/bin/python bench/tokens_per_char.py \\
-        $(.venv/bin/python -c "import test, os; print(os.path.dirname(test.__file__))")/cjkencodings/gb2312-utf8.txt \\
-        $(.venv/bin/python -c "import test, os; print(os.path.dirname(test.__file__))")/cjkencodings/gb18030-utf8.txt
-        [--vocab_size 8192] [--cache_dir .cache] [--tokenizer_path FOLDER]
+        $(.venv/bin/python -c "import test, os;
+        print(os.path.dirname(test.__file__))")/cjkencodings/gb2312-utf8.txt \\ $(.venv/bin/python -c "import
+        test, os; print(os.path.dirname(test.__file__))")/cjkencodings/gb18030-utf8.txt [--vocab_size 8192]
+        [--cache_dir .cache] [--tokenizer_path FOLDER]
 """
 
 from __future__ import annotations

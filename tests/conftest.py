@@ -132,8 +132,13 @@ def _reach(root: Path) -> dict:
         import shutil
 
         folder = Path(tempfile.mkdtemp(prefix="kit-forkserver-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the server's kill (atexit runs last first)
-        reach = {"KIT_FORKSERVER": str(folder / "s"), "KIT_FORKSERVER_ROOT": key, "KIT_REAL_PYTHON": sys.executable}
+        # after the server's kill (atexit runs last first)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        reach = {
+            "KIT_FORKSERVER": str(folder / "s"),
+            "KIT_FORKSERVER_ROOT": key,
+            "KIT_REAL_PYTHON": sys.executable,
+        }
         caller = folder / "python"
         script = shlex.join([sys.executable, "-S", str(ROOT / "tests" / "forkserver.py")])
         caller.write_text(f"#!/bin/sh\nexec {script} \"$@\"\n")
@@ -158,7 +163,8 @@ def fork_server(root: Path = ROOT) -> dict:
         server["server"] = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve",
                                              server["env"]["KIT_FORKSERVER"]], cwd=root, env=env,
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
-        (folder / "s.pid").write_text(str(server["server"].pid))  # callers wait for its socket while it starts
+        # callers wait for its socket while it starts
+        (folder / "s.pid").write_text(str(server["server"].pid))
         atexit.register(server["server"].kill)
     return server
 
@@ -202,7 +208,12 @@ def launch(script: str, env: dict, *args: str, timeout: int = 300) -> subprocess
     """Run a launcher as a user would, with only the given variables added to a clean env."""
     base = launcher_env(env)
     return subprocess.run(
-        ["bash", str(ROOT / script), *args], env=base, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        ["bash", str(ROOT / script), *args],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -230,7 +241,8 @@ TESTS = Path(__file__).resolve().parent
 
 @functools.cache
 def _names_of(path: Path) -> tuple[dict[str, frozenset], dict[str, Path]]:
-    """({function: the names its body uses}, {name imported from a module of the tests' folder: that file})."""
+    """({function: the names its body uses}, {name imported from a module of the tests' folder: that
+    file})."""
     tree = ast.parse(path.read_text())
     defs, imported = {}, {}
     for node in ast.walk(tree):
@@ -238,7 +250,11 @@ def _names_of(path: Path) -> tuple[dict[str, frozenset], dict[str, Path]]:
             used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
             defs[node.name] = frozenset(used | defs.get(node.name, frozenset()))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (path.parent / f"{node.module}.py").exists():
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (path.parent / f"{node.module}.py").exists()
+        ):
             imported.update({a.asname or a.name: path.parent / f"{node.module}.py" for a in node.names})
     return defs, imported
 

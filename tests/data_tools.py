@@ -21,7 +21,9 @@ def write_arrow_folder(folder: Path, rows: list[dict], batch_rows: int = 1000) -
     with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for batch in table.cast(schema).to_batches(max_chunksize=batch_rows):
             writer.write_batch(batch)
-    (folder / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": features}))
+    (folder / "dataset_info.json").write_text(
+        json.dumps({"citation": "", "description": "", "features": features})
+    )
     state = {
         "_data_files": [{"filename": name}],
         "_fingerprint": "0123456789abcdef",

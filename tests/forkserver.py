@@ -35,8 +35,28 @@ import sys
 # the kit the server imports: this checkout, or a copy of it (KIT_FORKSERVER_ROOT, conftest's fork_server)
 ROOT = os.environ.get("KIT_FORKSERVER_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what an import may read once and keep: a run whose values differ runs in a fresh interpreter
-SENSITIVE = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA",
-             "NCCL", "TOKENIZERS", "MPL", "XDG_", "LD_", "LC_", "TRITON", "SAFETENSORS", "ACCELERATE", "NVIDIA")  # fmt: skip
+SENSITIVE = (
+    "PYTHON",
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TORCH",
+    "PYTORCH",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "CUDA",
+    "NCCL",
+    "TOKENIZERS",
+    "MPL",
+    "XDG_",
+    "LD_",
+    "LC_",
+    "TRITON",
+    "SAFETENSORS",
+    "ACCELERATE",
+    "NVIDIA",
+)
 SENSITIVE_NAMES = ("HOME", "LANG", "TMPDIR", "USE_TF", "USE_TORCH", "USE_FLAX")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -49,8 +69,11 @@ RANK_SETTINGS = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_")
 
 
 def sensitive(env: dict) -> dict:
-    return {k: v for k, v in env.items()
-            if (k.startswith(SENSITIVE) or k in SENSITIVE_NAMES) and not k.startswith(RANK_SETTINGS)}  # fmt: skip
+    return {
+        k: v
+        for k, v in env.items()
+        if (k.startswith(SENSITIVE) or k in SENSITIVE_NAMES) and not k.startswith(RANK_SETTINGS)
+    }
 
 
 def comparable(env: dict) -> dict:
@@ -61,7 +84,8 @@ def comparable(env: dict) -> dict:
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # whether .pyc files are written, not what is imported
     env.pop("OMP_NUM_THREADS", None)  # the child sets torch's threads from it (child())
     if "TORCHINDUCTOR_CACHE_DIR" in env and env["TORCHINDUCTOR_CACHE_DIR"] == inductor_default():
-        del env["TORCHINDUCTOR_CACHE_DIR"]  # torch writes its default here once inductor is used in the caller's process
+        # torch writes its default here once inductor is used in the caller's process
+        del env["TORCHINDUCTOR_CACHE_DIR"]
     parts = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
     if parts:
         env["PYTHONPATH"] = os.pathsep.join(parts)
@@ -78,12 +102,15 @@ def inductor_default() -> str:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
-    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
+    return os.path.abspath(
+        os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    )
 
 
 # what a caller may have set for its run (a test's preexec_fn): the child takes them as its own
 LIMITS = ("RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CPU")
-IGNORABLE = (signal.SIGXFSZ,)  # ignored by the caller, so by the run: a write past RLIMIT_FSIZE fails with EFBIG
+# ignored by the caller, so by the run: a write past RLIMIT_FSIZE fails with EFBIG
+IGNORABLE = (signal.SIGXFSZ,)
 
 
 def limits() -> dict:
@@ -96,7 +123,10 @@ def within(mine: dict, server: dict) -> bool:
     """Whether a child of the server can take the caller's limits: none above the server's hard one."""
     from resource import RLIM_INFINITY as inf
 
-    return all(server[name][1] == inf or (mine[name][1] != inf and mine[name][1] <= server[name][1]) for name in LIMITS)
+    return all(
+        server[name][1] == inf or (mine[name][1] != inf and mine[name][1] <= server[name][1])
+        for name in LIMITS
+    )
 
 
 # ---------------------------------------------------------------- server
@@ -222,12 +252,18 @@ def child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         unbuffered = request["unbuffered"]
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-            io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=os.isatty(1), write_through=unbuffered
+            io.FileIO(1, "w", closefd=False),
+            encoding="utf-8",
+            line_buffering=os.isatty(1),
+            write_through=unbuffered,
         )
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
+            io.FileIO(2, "w", closefd=False),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
             write_through=unbuffered,
-        )  # fmt: skip
+        )
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -330,15 +366,27 @@ def call(args: list[str]) -> None:
         real_python(args)
     env = dict(os.environ)
     if rest[1] == "train":
-        env.pop("KIT_FORKSERVER", None)  # the run's own subprocesses are the real interpreter's (torchrun's ranks not)
+        # the run's own subprocesses are the real interpreter's (torchrun's ranks not)
+        env.pop("KIT_FORKSERVER", None)
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
     ignored = [int(n) for n in IGNORABLE if signal.getsignal(n) == signal.SIG_IGN]
-    request = json.dumps({"module": rest[1], "argv": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered,
-                          "limits": limits(), "ignored": ignored})  # fmt: skip
+    request = json.dumps(
+        {
+            "module": rest[1],
+            "argv": rest[2:],
+            "env": env,
+            "cwd": os.getcwd(),
+            "unbuffered": unbuffered,
+            "limits": limits(),
+            "ignored": ignored,
+        }
+    )
     import array
 
-    conn.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    conn.sendmsg(
+        [request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))]
+    )
     lines = conn.makefile("r")
     first = lines.readline()
     if not first.startswith("pid "):
@@ -358,7 +406,8 @@ def call(args: list[str]) -> None:
         if not last:  # the server died: the run's status is lost
             sys.exit(1)
     status = int(last.split()[1])
-    log = os.environ.get("KIT_CPU_LOG")  # a test measuring CPU (suite_control.CpuSpent): the run is not our child
+    # a test measuring CPU (suite_control.CpuSpent): the run is not our child
+    log = os.environ.get("KIT_CPU_LOG")
     if log and len(last.split()) > 2:
         with open(log, "a") as f:
             f.write(last.split()[2] + "\n")

@@ -59,8 +59,19 @@ def llama(seed: int):
 
 def t5(seed: int):
     torch.manual_seed(seed)
-    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
-                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        d_kv=8,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     return T5ForConditionalGeneration(cfg)
 
 
@@ -102,8 +113,11 @@ def plain_sums(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed response log-probs, response tokens) per row from the full logits."""
     labels = batch["labels"]
     if model.config.is_encoder_decoder:  # TRL's way: the source once per row
-        logits = model(input_ids=batch["input_ids"].repeat(2, 1), attention_mask=batch["attention_mask"].repeat(2, 1),
-                       labels=labels).logits  # fmt: skip
+        logits = model(
+            input_ids=batch["input_ids"].repeat(2, 1),
+            attention_mask=batch["attention_mask"].repeat(2, 1),
+            labels=labels,
+        ).logits
     else:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         labels = labels[:, 1:]
@@ -139,6 +153,12 @@ def plain_loss(name: str, pol, ref, counts, beta=0.5, label_smoothing=0.0, simpo
         ref0 = ref if ref is not None else torch.zeros_like(pol)
         pc, pr, rc, rr = pol[:p], pol[p:], ref0[:p], ref0[p:]
     wc, wr = beta * (pc - rc), beta * (pr - rr)
-    metrics = {"rewards/chosen": wc.mean(), "rewards/rejected": wr.mean(), "rewards/margins": (wc - wr).mean(),
-               "rewards/accuracies": (wc > wr).float().mean(), "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}  # fmt: skip
+    metrics = {
+        "rewards/chosen": wc.mean(),
+        "rewards/rejected": wr.mean(),
+        "rewards/margins": (wc - wr).mean(),
+        "rewards/accuracies": (wc > wr).float().mean(),
+        "logps/chosen": pc.mean(),
+        "logps/rejected": pr.mean(),
+    }
     return loss, metrics

@@ -69,8 +69,34 @@ def test_twenty_steps_equal_transformers_adafactor_relative_step(family, weight_
     for step in range(20):
         for group in kit_opt.param_groups:  # the loop writes the schedule's lr each step: never read
             group["lr"] = 1e3
-        losses.append(float(train_step(ours, kit_opt, scaler, a, 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER if seq2seq else CAUSAL_LM)[0]))
-        ref = float(train_step(theirs, ref_opt, scaler, b, 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER if seq2seq else CAUSAL_LM)[0])
+        losses.append(
+            float(
+                train_step(
+                    ours,
+                    kit_opt,
+                    scaler,
+                    a,
+                    1,
+                    1.0,
+                    CPU,
+                    "fp32",
+                    layout=ENCODER_DECODER if seq2seq else CAUSAL_LM,
+                )[0]
+            )
+        )
+        ref = float(
+            train_step(
+                theirs,
+                ref_opt,
+                scaler,
+                b,
+                1,
+                1.0,
+                CPU,
+                "fp32",
+                layout=ENCODER_DECODER if seq2seq else CAUSAL_LM,
+            )[0]
+        )
         assert losses[-1] == pytest.approx(ref, abs=1e-6), step
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)  # bit for bit on this CPU, in fact
@@ -90,21 +116,33 @@ def test_the_schedule_is_its_relative_step_and_the_plan_says_the_lr_is_unused():
     said = []
     cfg = config.resolve(None, {"optimizer": "adafactor_relative", "log_every": 1})
     resolve_pacing(cfg, 20, Decisions(said.append))
-    assert any("lr_schedule = relative" in line and "LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused" in line
-               for line in said), said
+    assert any(
+        "lr_schedule = relative" in line and "LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused" in line
+        for line in said
+    ), said
 
 
 def test_warmup_steps_below_one_is_a_share_of_the_run(tiny_flags, capsys):
     assert config.OptimConfig(warmup_steps=100.0).warmup_steps == 100  # whole: steps, kept as an int
-    assert warmup_of(0.1, 25) == 3 and warmup_of(0.05, 1000) == 50 and warmup_of(0, 10) == 0  # ceil, as transformers
+    # ceil, as transformers
+    assert warmup_of(0.1, 25) == 3 and warmup_of(0.05, 1000) == 50 and warmup_of(0, 10) == 0
     said = []
     cfg = config.resolve(None, {"warmup_steps": 0.1, "log_every": 1})
     assert resolve_pacing(cfg, 25, Decisions(said.append)) == 3
-    assert cfg.optim.warmup_steps == 0.1 and any("WARMUP_STEPS=0.1: that share of the run's 25 steps" in s for s in said)
-    for bad, expect in [("2.5", "a whole number of steps, or a share of the run below 1"), ("-0.1", ">= 0.0")]:
+    assert cfg.optim.warmup_steps == 0.1 and any(
+        "WARMUP_STEPS=0.1: that share of the run's 25 steps" in s for s in said
+    )
+    for bad, expect in [
+        ("2.5", "a whole number of steps, or a share of the run below 1"),
+        ("-0.1", ">= 0.0"),
+    ]:
         assert run_cli("pretrain", *tiny_flags, "--max_steps", "2", "--warmup_steps", bad) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and err.startswith("error: WARMUP_STEPS (--warmup_steps)") and expect in err
+        assert (
+            len(err.splitlines()) == 1
+            and err.startswith("error: WARMUP_STEPS (--warmup_steps)")
+            and expect in err
+        )
 
 
 def test_a_warmup_share_sets_the_logged_lr(tiny_flags, tmp_path):

@@ -25,7 +25,13 @@ def dataset(tmp_path):
 
 def decisions(cfg, dataset, host, device=CPU) -> dict:
     made = {}
-    adapt(cfg, device, dataset, lambda setting, value, reason: made.setdefault(setting, (value, reason)), host=host)
+    adapt(
+        cfg,
+        device,
+        dataset,
+        lambda setting, value, reason: made.setdefault(setting, (value, reason)),
+        host=host,
+    )
     return made
 
 

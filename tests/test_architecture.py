@@ -15,7 +15,17 @@ import pytest
 
 KIT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones; packages of one layer do not import each other.
-LAYERS = {"core": 0, "models": 1, "config": 2, "data": 2, "distributed": 2, "observe": 2, "run": 3, "tools": 4, "": 5}
+LAYERS = {
+    "core": 0,
+    "models": 1,
+    "config": 2,
+    "data": 2,
+    "distributed": 2,
+    "observe": 2,
+    "run": 3,
+    "tools": 4,
+    "": 5,
+}
 # run/'s rooms (sub-packages; train.run.loop.meter is in "loop", in folder "run/loop"; "" is run/ itself):
 # each imports its own modules and the rooms below it.
 RUN_ROOMS = {"compile": 0, "checkpoint": 1, "rundir": 2, "plan": 3, "guard": 4, "loop": 5, "": 6}
@@ -106,7 +116,11 @@ def graph(kit: Path) -> dict[str, set[str]]:
 
 
 def unlayered(kit: Path) -> list[str]:
-    return [f"{m}: package {package(m)!r} has no layer" for m in modules(kit) if m != "config" and package(m) not in LAYERS]
+    return [
+        f"{m}: package {package(m)!r} has no layer"
+        for m in modules(kit)
+        if m != "config" and package(m) not in LAYERS
+    ]
 
 
 def upward_imports(kit: Path) -> list[str]:
@@ -135,7 +149,9 @@ def run_room_imports(kit: Path) -> list[str]:
 
 
 def crowded_folders(kit: Path) -> list[str]:
-    counts = Counter(folder(m) for m, path in modules(kit).items() if m != "config" and path.name != "__init__.py")
+    counts = Counter(
+        folder(m) for m, path in modules(kit).items() if m != "config" and path.name != "__init__.py"
+    )
     return sorted(f"train/{name}: {n} modules (at most {MAX_FOLDER_MODULES}; split it into rooms by job)"
                   for name, n in counts.items() if n > MAX_FOLDER_MODULES)
 
@@ -143,8 +159,11 @@ def crowded_folders(kit: Path) -> list[str]:
 def config_misreads(kit: Path) -> list[str]:
     """Who imports the root config.py, and what config.py imports."""
     edges = graph(kit)
-    wrong = [f"{m} imports the root config.py (only {CONFIG_READERS} may; pass values down)"
-             for m, deps in edges.items() if "config" in deps and m != "config" and package(m) not in CONFIG_READERS]
+    wrong = [
+        f"{m} imports the root config.py (only {CONFIG_READERS} may; pass values down)"
+        for m, deps in edges.items()
+        if "config" in deps and m != "config" and package(m) not in CONFIG_READERS
+    ]
     wrong += [f"config.py imports {dep} (only train.{CONFIG_IMPORTS} may be)"
               for dep in edges.get("config", ()) if package(dep) not in CONFIG_IMPORTS]
     return sorted(wrong)
@@ -225,7 +244,11 @@ def layout_listed(kit: Path) -> dict[str, set[str]]:
             texts[current] = rest
         elif indent == 2:  # "  cli.py, __main__.py    what they do"
             current = None
-            texts[""] = texts.get("", "") + ", " + ", ".join(n.strip()[:-3] for n in head.split(",") if n.strip().endswith(".py"))
+            texts[""] = (
+                texts.get("", "")
+                + ", "
+                + ", ".join(n.strip()[:-3] for n in head.split(",") if n.strip().endswith(".py"))
+            )
         elif current is not None and indent >= column:
             texts[current] += " " + line.strip()
         else:
@@ -255,7 +278,8 @@ def map_mismatches(kit: Path) -> list[str]:
     for pkg, names in listed.items():
         for name in names:
             if not (kit / "train" / pkg / f"{name}.py").exists():
-                wrong.append(f"the Layout map (docs/layout.md) lists {pkg + '/' if pkg else ''}{name}, which does not exist")
+                wrong.append(f"the Layout map (docs/layout.md) lists {pkg + '/' if pkg else ''}{name}, which "
+                             f"does not exist")
     return sorted(wrong)
 
 
@@ -271,7 +295,9 @@ def test_imports_point_down():
 
 
 def test_run_rooms_import_only_the_rooms_below_and_no_folder_holds_more_than_15_modules():
-    assert not run_room_imports(KIT) + crowded_folders(KIT), "\n".join(run_room_imports(KIT) + crowded_folders(KIT))
+    assert not run_room_imports(KIT) + crowded_folders(KIT), "\n".join(
+        run_room_imports(KIT) + crowded_folders(KIT)
+    )
 
 
 def test_the_root_config_is_read_by_config_and_run_only():
@@ -319,7 +345,8 @@ def kit(tmp_path) -> Path:
         "train/run/loop.py": "from . import plan\nfrom .sft import x\nimport config\n",
         "train/run/plan.py": "from ..core import step\n",
         "train/run/sft.py": "x = 1\n",
-        "train/run/guard/resume.py": "from ..checkpoint import files\nfrom train.run.checkpoint.files import y\n",
+        "train/run/guard/resume.py": "from ..checkpoint import files\nfrom train.run.checkpoint.files import "
+                                     "y\n",
         "train/run/checkpoint/files.py": "y = 1\n",
         "train/core/__init__.py": "",
         "train/core/step.py": "import math\n",
@@ -349,24 +376,70 @@ def test_the_planted_kit_keeps_every_rule(kit):
 @pytest.mark.parametrize(
     "path, text, rule, expected",
     [
-        ("train/core/step.py", "from train.run import loop\n", upward_imports, "train.core.step imports train.run.loop"),
-        ("train/core/step.py", "from ..run import loop\n", upward_imports, "train.core.step imports train.run.loop"),
-        ("train/core/step.py", "from ..run.loop import x\n", upward_imports, "train.core.step imports train.run.loop"),
-        ("train/core/step.py", "import importlib\nm = importlib.import_module('train.run.plan')\n", upward_imports,
-         "train.core.step imports train.run.plan"),
-        ("train/core/step.py", "M = {'a': 'train.run.sft'}\nm = __import__(M['a'])\n", upward_imports,
-         "train.core.step imports train.run.sft"),
-        ("train/core/step.py", "from config import TrainConfig\n", config_misreads, "train.core.step imports the root config"),
+        (
+            "train/core/step.py",
+            "from train.run import loop\n",
+            upward_imports,
+            "train.core.step imports train.run.loop",
+        ),
+        (
+            "train/core/step.py",
+            "from ..run import loop\n",
+            upward_imports,
+            "train.core.step imports train.run.loop",
+        ),
+        (
+            "train/core/step.py",
+            "from ..run.loop import x\n",
+            upward_imports,
+            "train.core.step imports train.run.loop",
+        ),
+        (
+            "train/core/step.py",
+            "import importlib\nm = importlib.import_module('train.run.plan')\n",
+            upward_imports,
+            "train.core.step imports train.run.plan",
+        ),
+        (
+            "train/core/step.py",
+            "M = {'a': 'train.run.sft'}\nm = __import__(M['a'])\n",
+            upward_imports,
+            "train.core.step imports train.run.sft",
+        ),
+        (
+            "train/core/step.py",
+            "from config import TrainConfig\n",
+            config_misreads,
+            "train.core.step imports the root config",
+        ),
         ("train/cli.py", "import config\n", config_misreads, "train.cli imports the root config"),
         ("config.py", "from train.run import plan\n", config_misreads, "config.py imports train.run.plan"),
         ("train/core/step.py", "def f():\n" + "    x = 1\n" * 90, too_long, "f: 91 lines"),
         ("config.py", "x = 1\n" * 401, too_long, "config.py: 401 lines"),
-        ("train/run/extra.py", "", map_mismatches, "train.run.extra is not in the Layout map (docs/layout.md)"),
-        ("train/run/guard/extra.py", "", map_mismatches, "train.run.guard.extra is not in the Layout map (docs/layout.md)"),
-        ("train/run/checkpoint/files.py", "from train.run.guard import resume\n", run_room_imports,
-         "train.run.checkpoint.files imports train.run.guard.resume"),
-        ("train/run/guard/resume.py", "from train.run import loop\n", run_room_imports,
-         "train.run.guard.resume imports train.run.loop"),
+        (
+            "train/run/extra.py",
+            "",
+            map_mismatches,
+            "train.run.extra is not in the Layout map (docs/layout.md)",
+        ),
+        (
+            "train/run/guard/extra.py",
+            "",
+            map_mismatches,
+            "train.run.guard.extra is not in the Layout map (docs/layout.md)",
+        ),
+        (
+            "train/run/checkpoint/files.py",
+            "from train.run.guard import resume\n",
+            run_room_imports,
+            "train.run.checkpoint.files imports train.run.guard.resume",
+        ),
+        (
+            "train/run/guard/resume.py",
+            "from train.run import loop\n",
+            run_room_imports,
+            "train.run.guard.resume imports train.run.loop",
+        ),
         ("train/run/attic/old.py", "", run_room_imports, "run/attic/ is not in RUN_ROOMS"),
         ("train/weird/x.py", "", unlayered, "package 'weird' has no layer"),
     ],

@@ -31,7 +31,9 @@ def _mentions(node: ast.AST) -> str:
 
 
 def _literal_names(node: ast.AST) -> set[str]:
-    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)} & NAMES
+    return {
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    } & NAMES
 
 
 def nodes_outside_models(kit: Path):
@@ -65,9 +67,17 @@ def layout_branches(kit: Path) -> list[str]:
     that reads the Layout's own switch (LAYOUT_FIELDS) instead of asking it to do the thing."""
     found = []
     for rel, node in nodes_outside_models(kit):
-        test = (node.test if isinstance(node, (ast.If, ast.IfExp, ast.While))
-                else node.value if isinstance(node, ast.Return) and isinstance(node.value, ast.BoolOp) else None)
-        if test is not None and {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)} & LAYOUT_FIELDS:
+        test = (
+            node.test
+            if isinstance(node, (ast.If, ast.IfExp, ast.While))
+            else node.value
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.BoolOp)
+            else None
+        )
+        if (
+            test is not None
+            and {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)} & LAYOUT_FIELDS
+        ):
             found.append(f"{rel}:{node.lineno} {ast.unparse(test)}")
     return found
 
@@ -85,8 +95,13 @@ def impure_sources(kit: Path) -> list[str]:
                                else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
                     for target in targets:
                         for sub in ast.walk(target):
-                            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
-                                found.append(f"{path.name}:{node.lineno} {cls.name}.{method.name} sets self.{sub.attr}")
+                            if (
+                                isinstance(sub, ast.Attribute)
+                                and isinstance(sub.value, ast.Name)
+                                and sub.value.id == "self"
+                            ):
+                                found.append(f"{path.name}:{node.lineno} {cls.name}.{method.name} sets "
+                                             f"self.{sub.attr}")
     return found
 
 
@@ -133,18 +148,25 @@ def test_the_planted_kit_keeps_both_rules(kit):
 
 
 def test_a_branch_on_the_layout_is_counted(kit):
-    (kit / "train/data/chat/cut.py").write_text("def f(layout):\n    return 1 if layout.encoder_decoder else 2\n")
+    (kit / "train/data/chat/cut.py").write_text("def f(layout):\n    return 1 if layout.encoder_decoder else "
+                                                "2\n")
     assert layout_branches(kit) == ["train/data/chat/cut.py:2 layout.encoder_decoder"]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("from train.models.family import is_seq2seq\n", "asks is_seq2seq"),
-    ("def f(m):\n    return m.config.is_encoder_decoder\n", "asks is_encoder_decoder"),
-    ("def f(cfg):\n    return cfg.model.model_family != 'gpt2'\n", "compares cfg.model.model_family != 'gpt2'"),
-    ("def f(c):\n    return c.model_type in ('t5', 'mt5')\n", "compares c.model_type in ('t5', 'mt5')"),
-    ("def f(kind):\n    return kind == 'seq2seq'\n", "compares kind == 'seq2seq'"),
-    ("def f(d):\n    return d.kind != 'causal'\n", "compares d.kind != 'causal'"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("from train.models.family import is_seq2seq\n", "asks is_seq2seq"),
+        ("def f(m):\n    return m.config.is_encoder_decoder\n", "asks is_encoder_decoder"),
+        (
+            "def f(cfg):\n    return cfg.model.model_family != 'gpt2'\n",
+            "compares cfg.model.model_family != 'gpt2'",
+        ),
+        ("def f(c):\n    return c.model_type in ('t5', 'mt5')\n", "compares c.model_type in ('t5', 'mt5')"),
+        ("def f(kind):\n    return kind == 'seq2seq'\n", "compares kind == 'seq2seq'"),
+        ("def f(d):\n    return d.kind != 'causal'\n", "compares d.kind != 'causal'"),
+    ],
+)
 def test_a_family_branch_outside_models_fails(kit, text, expected):
     (kit / "train/run/loop/parts.py").write_text(text)
     assert any(expected in p for p in family_branches(kit)), family_branches(kit)

@@ -21,7 +21,13 @@ MODE_NAMES = {"pretrain", "sft", "dpo", "grpo"}
 MODE_LAYERS = ("train/run/plan/", "train/config/")  # where a mode's name may be compared
 KEYS = {"n_pairs", "n_conversations", "mean_token_accuracy", "rewards/accuracies", "rewards/margins",
         "rewards/", "logps/", "reward", "reward_std", "kl"}  # a mode's batch and metric keys
-KEY_OWNERS = (*MODE_LAYERS, "train/core/step.py", "train/core/preference/", "train/core/reward/", "train/data/")
+KEY_OWNERS = (
+    *MODE_LAYERS,
+    "train/core/step.py",
+    "train/core/preference/",
+    "train/core/reward/",
+    "train/data/",
+)
 
 
 def _literals(node: ast.AST) -> set[str]:

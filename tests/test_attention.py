@@ -92,7 +92,10 @@ def test_packed_varlen_equals_each_conversation_alone_without_a_dense_mask(varle
     with torch.no_grad(), spy:
         out = varlen_model(**_model_inputs(batch), labels=batch["labels"])
     assert spy.square == [], spy.square  # nothing row x row was made: no mask, no score matrix
-    assert "aten._scaled_dot_product_flash_attention_for_cpu" in spy.ops or "aten.scaled_dot_product_attention" in spy.ops
+    assert (
+        "aten._scaled_dot_product_flash_attention_for_cpu" in spy.ops
+        or "aten.scaled_dot_product_attention" in spy.ops
+    )
     reference = tiny_model().eval()  # the same weights (seed 0), transformers' own sdpa
     start, total, count = 0, 0.0, 0
     with torch.no_grad():
@@ -101,7 +104,9 @@ def test_packed_varlen_equals_each_conversation_alone_without_a_dense_mask(varle
             k = ids.shape[1]
             alone = reference(ids).logits[0]
             assert torch.allclose(out.logits[0, start : start + k], alone, atol=1e-5, rtol=0), i
-            total += float(F.cross_entropy(alone[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="sum"))
+            total += float(
+                F.cross_entropy(alone[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="sum")
+            )
             count += int((labels[1:] != IGNORE_INDEX).sum())
             start += k
     assert out.loss.item() == pytest.approx(total / count, abs=1e-5)
@@ -221,15 +226,22 @@ def test_kit_t5_runs_sdpa_and_equals_eager_t5():
     assert got.loss.item() == pytest.approx(want.loss.item(), abs=1e-5)
     got.loss.backward()
     want.loss.backward()
-    names = ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-             "encoder.block.1.layer.0.SelfAttention.q.weight", "decoder.block.1.layer.1.EncDecAttention.k.weight",
-             "shared.weight")
+    names = (
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "encoder.block.1.layer.0.SelfAttention.q.weight",
+        "decoder.block.1.layer.1.EncDecAttention.k.weight",
+        "shared.weight",
+    )
     theirs = dict(eager.named_parameters())
     for name, p in sdpa.named_parameters():
         if name in names:
             assert torch.allclose(p.grad, theirs[name].grad, atol=1e-5, rtol=0), name
     with torch.no_grad():  # generation: the kv cache path, position bias from the cache offset
-        a = sdpa.generate(input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
-        b = eager.generate(input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
+        a = sdpa.generate(
+            input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True
+        )
+        b = eager.generate(
+            input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True
+        )
     assert a.tolist() == b.tolist()

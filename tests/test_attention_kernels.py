@@ -25,6 +25,7 @@ def test_cudnn_attention_off_only_where_shapes_vary_on_cuda(cudnn_flag):
     # the process-wide switch follows each plan: SFT turns it off (and says why), pretraining on again
     why = attention_kernels(torch.device("cuda"), SFTSource.shapes_vary)
     assert "execution plan for each new shape" in why and not torch.backends.cuda.cudnn_sdp_enabled()
-    assert attention_kernels(torch.device("cuda"), DPOSource.shapes_vary) == why  # said again for a second plan
+    # said again for a second plan
+    assert attention_kernels(torch.device("cuda"), DPOSource.shapes_vary) == why
     assert attention_kernels(torch.device("cuda"), PretrainingSource.shapes_vary) is None
     assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -17,7 +17,8 @@ def _one_thread():
 
 def test_preset_candidate_keeps_the_effective_batch():
     assert preset_candidate(128, 8).label() == "32 x 4, 4 workers, fp32 (optimized preset)"
-    assert preset_candidate(48, 2).label() == "24 x 2, 2 workers, fp32 (optimized preset)"  # 32 does not divide 48
+    # 32 does not divide 48
+    assert preset_candidate(48, 2).label() == "24 x 2, 2 workers, fp32 (optimized preset)"
 
 
 def test_winner_at_least_as_fast_as_the_preset_and_written_as_variables(tiny_flags, tmp_path, capsys):

@@ -34,9 +34,16 @@ def world(corpus, tiny_config, cache_dir, tmp_path_factory):
     top = tmp_path_factory.mktemp("bad_input")
     runs = top / "runs"
     env = {
-        "MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512", "CACHE_DIR": str(cache_dir),
-        "OUTPUT_DIR": str(runs), "MAX_LENGTH": "64", "BATCH_SIZE": "4", "MAX_STEPS": "6", "LOG_EVERY": "1",
-    }  # fmt: skip
+        "MODEL_CONFIG": str(tiny_config),
+        "DATA_PATH": str(corpus),
+        "VOCAB_SIZE": "512",
+        "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(runs),
+        "MAX_LENGTH": "64",
+        "BATCH_SIZE": "4",
+        "MAX_STEPS": "6",
+        "LOG_EVERY": "1",
+    }
     flags = [f"--{name.lower()}" for name in env]
     argv = [x for pair in zip(flags, env.values(), strict=True) for x in pair]
     assert run_cli("pretrain", *argv, "--save_every", "3", "--run_name", "good") == 0
@@ -92,32 +99,104 @@ F = "{files}"  # replaced by the files folder
 M = "{marker}"  # replaced by the marker a shell injection would create
 CASES = [
     # id, variables, extra launcher arguments, what the one error line must say, also run for real
-    ("save_every_word", {"SAVE_EVERY": "abc"}, (), "SAVE_EVERY (--save_every): expected a whole number", True),
-    ("save_every_negative", {"SAVE_EVERY": "-1"}, (), "SAVE_EVERY (--save_every): expected a whole number >= 0", True),
+    (
+        "save_every_word",
+        {"SAVE_EVERY": "abc"},
+        (),
+        "SAVE_EVERY (--save_every): expected a whole number",
+        True,
+    ),
+    (
+        "save_every_negative",
+        {"SAVE_EVERY": "-1"},
+        (),
+        "SAVE_EVERY (--save_every): expected a whole number >= 0",
+        True,
+    ),
     ("keep_zero", {"KEEP_CHECKPOINTS": "0"}, (), "KEEP_CHECKPOINTS (--keep_checkpoints)", True),
     ("keep_fraction", {"KEEP_CHECKPOINTS": "1.5"}, (), "KEEP_CHECKPOINTS (--keep_checkpoints)", True),
     ("nan_patience_negative", {"NAN_PATIENCE": "-2"}, (), "NAN_PATIENCE (--nan_patience)", True),
     ("resume_word", {"RESUME": "perhaps"}, (), "RESUME (--resume): expected 1 or 0", True),
-    ("resume_and_overwrite", {"RESUME": "1", "OVERWRITE": "1", "RUN_NAME": "good"}, (), "RESUME=1 and OVERWRITE=1", True),
+    (
+        "resume_and_overwrite",
+        {"RESUME": "1", "OVERWRITE": "1", "RUN_NAME": "good"},
+        (),
+        "RESUME=1 and OVERWRITE=1",
+        True,
+    ),
     ("keep_training_word", {}, ("--is_keep_training", "maybe"), "RESUME (--resume): expected 1 or 0", True),
-    ("keep_training_disagrees", {"RESUME": "0"}, ("--is_keep_training=True",), "--is_keep_training and RESUME", True),
-    ("resume_missing_run", {"RESUME": "1", "RUN_NAME": "nosuch"}, (), "does not exist (RUN_NAME=nosuch)", False),
+    (
+        "keep_training_disagrees",
+        {"RESUME": "0"},
+        ("--is_keep_training=True",),
+        "--is_keep_training and RESUME",
+        True,
+    ),
+    (
+        "resume_missing_run",
+        {"RESUME": "1", "RUN_NAME": "nosuch"},
+        (),
+        "does not exist (RUN_NAME=nosuch)",
+        False,
+    ),
     ("resume_no_run_of_launcher", {"RESUME": "1"}, (), "RESUME=1: no run of run_single_gpu", False),
     ("resume_no_checkpoints", {"RESUME": "1", "RUN_NAME": "nockpt"}, (), "has no checkpoint", False),
-    ("resume_truncated", {"RESUME": "1", "RUN_NAME": "truncated"}, (), "step-00000006: model.safetensors is truncated", False),
-    ("resume_meta_not_json", {"RESUME": "1", "RUN_NAME": "badmeta"}, (), "meta.json is not valid JSON", False),
-    ("resume_pickle", {"RESUME": "1", "RUN_NAME": "pickled"}, (), "state.pt refused by the safe loader", False),
-    ("resume_other_model", {"RESUME": "1", "RUN_NAME": "good", "MODEL_CONFIG": F + "/other.json"}, (), "another model", False),
+    (
+        "resume_truncated",
+        {"RESUME": "1", "RUN_NAME": "truncated"},
+        (),
+        "step-00000006: model.safetensors is truncated",
+        False,
+    ),
+    (
+        "resume_meta_not_json",
+        {"RESUME": "1", "RUN_NAME": "badmeta"},
+        (),
+        "meta.json is not valid JSON",
+        False,
+    ),
+    (
+        "resume_pickle",
+        {"RESUME": "1", "RUN_NAME": "pickled"},
+        (),
+        "state.pt refused by the safe loader",
+        False,
+    ),
+    (
+        "resume_other_model",
+        {"RESUME": "1", "RUN_NAME": "good", "MODEL_CONFIG": F + "/other.json"},
+        (),
+        "another model",
+        False,
+    ),
     ("resume_parent_dir", {"RESUME": "1", "RUN_NAME": "../good"}, (), "RUN_NAME (--run_name)", True),
     ("run_name_exists", {"RUN_NAME": "good"}, (), "RUN_NAME=good: ", False),
     ("run_name_semicolon", {"RUN_NAME": f"x; touch {M}"}, (), "RUN_NAME (--run_name)", True),
     ("run_name_substitution", {"RUN_NAME": f"$(touch {M})"}, (), "RUN_NAME (--run_name)", True),
-    ("data_path_substitution", {"DATA_PATH": f"$(touch {M}).txt"}, (), "DATA_PATH (--data_path): no such file", True),
-    ("data_path_backticks", {"DATA_PATH": f"`touch {M}`; x.txt"}, (), "DATA_PATH (--data_path): no such file", True),
+    (
+        "data_path_substitution",
+        {"DATA_PATH": f"$(touch {M}).txt"},
+        (),
+        "DATA_PATH (--data_path): no such file",
+        True,
+    ),
+    (
+        "data_path_backticks",
+        {"DATA_PATH": f"`touch {M}`; x.txt"},
+        (),
+        "DATA_PATH (--data_path): no such file",
+        True,
+    ),
     ("data_not_utf8", {"DATA_PATH": F + "/binary.txt"}, (), "is not UTF-8 text", False),
     ("data_bad_jsonl", {"DATA_PATH": F + "/bad.jsonl"}, (), "line 2: not valid JSON", False),
     ("data_empty_folder", {"DATA_PATH": F + "/empty"}, (), "holds no .txt", False),
-    ("model_config_garbage", {"MODEL_CONFIG": F + "/garbage.json"}, (), "is not a transformers config.json", False),
+    (
+        "model_config_garbage",
+        {"MODEL_CONFIG": F + "/garbage.json"},
+        (),
+        "is not a transformers config.json",
+        False,
+    ),
     ("batch_size_zero", {"BATCH_SIZE": "0"}, (), "BATCH_SIZE (--batch_size)", True),
     ("fp16_switch_word", {"ENABLE_FP16": "maybe"}, (), "ENABLE_FP16 must be", True),
 ]
@@ -170,7 +249,9 @@ def test_shell_characters_in_a_real_path_reach_python_as_text(world, tmp_path):
     assert planted == []  # launch() runs in the kit's folder: that is where a command would have run
 
 
-@pytest.mark.parametrize("form", [["--is_keep_training=True"], ["--is_keep_training", "True"], ["--resume", "1"]])
+@pytest.mark.parametrize(
+    "form", [["--is_keep_training=True"], ["--is_keep_training", "True"], ["--resume", "1"]]
+)
 def test_the_guides_keep_training_flag_is_resume(form):
     from train.config.flags import parse_training_args
 

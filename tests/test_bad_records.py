@@ -32,7 +32,16 @@ def world(tmp_path, tiny_config, cache_dir):
     runs = tmp_path / "runs"
     (runs / "keep").mkdir(parents=True)
     (runs / "keep" / "summary.json").write_text('{"mode": "pretrain"}')
-    flags = ["--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", "--max_steps", "1"]
+    flags = [
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(runs),
+        "--max_length",
+        "64",
+        "--max_steps",
+        "1",
+    ]
     pretrain = ["--model_config", str(tiny_config), "--vocab_size", "512"]
     return {"runs": runs, "flags": flags, "pretrain": pretrain, "dir": tmp_path}
 
@@ -47,7 +56,9 @@ def train(mode: str, *argv: str, timeout: int = 120, rss_file=None) -> subproces
                 "str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
                 "import runpy, sys; sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')")
         command = [sys.executable, "-c", code]
-    return subprocess.run([*command, mode, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [*command, mode, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def train_here(capsys, mode: str, *argv: str) -> subprocess.CompletedProcess:
@@ -61,7 +72,13 @@ def train_here(capsys, mode: str, *argv: str) -> subprocess.CompletedProcess:
 def refused(world, mode: str, data, *expect: str, extra=(), here=None, **kw) -> subprocess.CompletedProcess:
     """Refused in one line; in a fresh `python -m train` process, or in this one given capsys."""
     before = snapshot(world["runs"])
-    flags = [*world["flags"], *(world["pretrain"] if mode == "pretrain" else ()), "--data_path", str(data), *extra]
+    flags = [
+        *world["flags"],
+        *(world["pretrain"] if mode == "pretrain" else ()),
+        "--data_path",
+        str(data),
+        *extra,
+    ]
     result = train_here(here, mode, *flags) if here else train(mode, *flags, **kw)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
@@ -102,8 +119,15 @@ def test_a_costly_or_undecodable_json_line_is_one_line(world, bad, expect, capsy
 
 def test_a_lone_surrogate_with_a_given_tokenizer(world, base_model, capsys):
     data = jsonl(world["dir"] / "d.jsonl", GOOD, SURROGATE)
-    refused(world, "pretrain", data, f"{data} line 2", "lone surrogate", extra=("--tokenizer_path", str(base_model)),
-            here=capsys)
+    refused(
+        world,
+        "pretrain",
+        data,
+        f"{data} line 2",
+        "lone surrogate",
+        extra=("--tokenizer_path", str(base_model)),
+        here=capsys,
+    )
 
 
 def test_parquet_string_that_is_not_utf8_names_the_row(world):
@@ -160,11 +184,15 @@ def test_a_decompression_bomb_stops_quickly_in_bounded_memory(world, capsys):
     # a bad line first: the kit's imports made, in this process, before the peak is measured
     refused(world, "pretrain", jsonl(world["dir"] / "warm.jsonl", GOOD, "{broken"), "line 2", here=capsys)
     with CpuSpent() as cpu:
-        rise = peak_rise_kb(lambda: refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", here=capsys))
+        rise = peak_rise_kb(
+            lambda: refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", here=capsys)
+        )
         print("peak RSS rise", rise, "kB")
-        if rise is not None:  # the run in this process: ~2 x 64 MB (the line so far, the block read), not 3 GB
+        # the run in this process: ~2 x 64 MB (the line so far, the block read), not 3 GB
+        if rise is not None:
             assert rise < 300_000, rise
-        else:  # a fresh interpreter that writes its own peak: the interpreter and torch, plus at most ~2 x 64 MB
+        # a fresh interpreter that writes its own peak: the interpreter and torch, plus at most ~2 x 64 MB
+        else:
             rss = world["dir"] / "rss"
             refused(world, "pretrain", data, f"{data} line 1", "longer than 64 MB", rss_file=rss)
             assert int(rss.read_text()) < 1_200_000
@@ -206,8 +234,11 @@ def test_a_bad_record_before_the_format_is_known_stops_the_read_there(tmp_path):
     # SKIP_BAD_RECORDS=1: read on to the first good record; the rest stays in the stream
     records = iter([("line 1", BadRecord("x")), ("line 2", {"text": "hi"}), ("line 3", {"text": "after"})])
     fmt, head = first_format(records, detect_format, skip_bad_records=True)
-    assert (fmt, [place for place, _ in head], next(records)[0]) == (detect_format({"text": "hi"}), ["line 1", "line 2"],
-                                                                      "line 3")  # fmt: skip
+    assert (fmt, [place for place, _ in head], next(records)[0]) == (
+        detect_format({"text": "hi"}),
+        ["line 1", "line 2"],
+        "line 3",
+    )
 
 
 def test_a_symlink_loop_under_a_recursive_glob_ends(world):
@@ -237,7 +268,9 @@ def test_a_fifo_in_a_folder_is_skipped_never_opened(world):
 def test_a_glob_skips_a_stray_meta_json_as_the_folder_does(tmp_path):
     (tmp_path / "meta.json").write_text('{"rows": 3}')
     jsonl(tmp_path / "a.jsonl", GOOD, json.dumps(GOOD[0]))
-    assert records.source_files(f"{tmp_path}/*") == records.source_files(str(tmp_path)) == [tmp_path / "a.jsonl"]
+    assert (
+        records.source_files(f"{tmp_path}/*") == records.source_files(str(tmp_path)) == [tmp_path / "a.jsonl"]
+    )
     assert records.source_files(f"{tmp_path}/*.json") == [tmp_path / "meta.json"]  # named: read
 
 
@@ -247,9 +280,28 @@ ROLE_LIST = {"messages": [{"role": ["user"], "content": "q"}, {"role": "assistan
 def test_a_role_that_is_a_list_is_a_bad_record_skipped_with_the_knob(world, base_model, capsys):
     data = jsonl(world["dir"] / "d.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
     sft = ["--model_path", str(base_model), "--batch_size", "2"]
-    refused(world, "sft", data, f"{data} line 2", "turn 1 has role ['user']", "SKIP_BAD_RECORDS", extra=sft, here=capsys)
-    result = train_here(capsys, "sft", *world["flags"], "--data_path", str(data), *sft, "--skip_bad_records", "1",
-                   "--run_name", "skip")
+    refused(
+        world,
+        "sft",
+        data,
+        f"{data} line 2",
+        "turn 1 has role ['user']",
+        "SKIP_BAD_RECORDS",
+        extra=sft,
+        here=capsys,
+    )
+    result = train_here(
+        capsys,
+        "sft",
+        *world["flags"],
+        "--data_path",
+        str(data),
+        *sft,
+        "--skip_bad_records",
+        "1",
+        "--run_name",
+        "skip",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((world["runs"] / "skip" / "summary.json").read_text())["n_skipped"] == 1
 
@@ -258,12 +310,24 @@ TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "functi
     "name": "f", "arguments": "[1, 2]"}}]}
 BAD_SFT = {
     "role dict": {"messages": [{"role": {"r": 1}, "content": "q"}, {"role": "assistant", "content": "a"}]},
-    "observation first": {"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "42"},
-                                            {"from": "gpt", "value": "a"}]},
-    "arguments a list": {"messages": [{"role": "user", "content": "q"}, TOOL_CALL,
-                                      {"role": "tool", "content": "3"}, {"role": "assistant", "content": "a"}]},
+    "observation first": {
+        "conversations": [
+            {"from": "human", "value": "q"},
+            {"from": "observation", "value": "42"},
+            {"from": "gpt", "value": "a"},
+        ]
+    },
+    "arguments a list": {
+        "messages": [
+            {"role": "user", "content": "q"},
+            TOOL_CALL,
+            {"role": "tool", "content": "3"},
+            {"role": "assistant", "content": "a"},
+        ]
+    },
 }
-EXPECT = {"role dict": "turn 1 has role {'r': 1}", "observation first": "turn 2 is a tool result (observation) before any call",
+EXPECT = {"role dict": "turn 1 has role {'r': 1}", "observation first": "turn 2 is a tool result "
+                                                                        "(observation) before any call",
           "arguments a list": "turn 2 tool_calls arguments are a list, expected an object"}
 
 
@@ -299,8 +363,14 @@ def test_bad_val_path_contents_are_named_as_val_path_by_a_real_run(world, base_m
     """E7/E8 through `python -m train`: the data is fine, VAL_PATH's file is not."""
     good = jsonl(world["dir"] / "good.jsonl", GOOD * 8, json.dumps(GOOD[0]))
     val = jsonl(world["dir"] / "val.jsonl", GOOD, "{broken")
-    refused(world, "pretrain", good, f"VAL_PATH: {val} line 2: not valid JSON", extra=["--val_path", str(val)],
-            here=capsys)
+    refused(
+        world,
+        "pretrain",
+        good,
+        f"VAL_PATH: {val} line 2: not valid JSON",
+        extra=["--val_path", str(val)],
+        here=capsys,
+    )
     good_sft = jsonl(world["dir"] / "good_sft.jsonl", GOOD_SFT, json.dumps(GOOD_SFT[0]))
     val_sft = jsonl(world["dir"] / "val_sft.jsonl", GOOD_SFT, json.dumps(ROLE_LIST))
     sft = ["--model_path", str(base_model), "--batch_size", "2", "--val_path", str(val_sft)]
@@ -315,7 +385,8 @@ def test_max_record_mb_sets_the_bound(world, capsys):
     with json_lines.record_limit(1):
         with pytest.raises(UsageError, match="line 2 is longer than 1 MB"):
             list(json_lines.jsonl_blocks(data))
-    assert sum(block.count(b"\n") for _, block in json_lines.jsonl_blocks(data)) == 21  # default 64 MB: read whole
+    # default 64 MB: read whole
+    assert sum(block.count(b"\n") for _, block in json_lines.jsonl_blocks(data)) == 21
 
 
 @pytest.mark.parametrize("indent", [2, None], ids=["pretty", "one_line"])
@@ -325,8 +396,11 @@ def test_a_json_list_saved_as_jsonl_is_said_to_be_one(world, base_model, capsys,
     same line and hint again; the one-line list was "unknown SFT format (no JSON objects)"."""
     data = world["dir"] / "chat.jsonl"
     data.write_text(json.dumps(GOOD_SFT, indent=indent))
-    result = refused(world, "sft", data, extra=["--model_path", str(base_model), "--skip_bad_records", skip], here=capsys)
-    assert result.stderr.strip() == (f"error: DATA_PATH: {data} is a JSON list ('[' on line 1), not JSON lines (one "
+    result = refused(
+        world, "sft", data, extra=["--model_path", str(base_model), "--skip_bad_records", skip], here=capsys
+    )
+    assert result.stderr.strip() == (f"error: DATA_PATH: {data} is a JSON list ('[' on line 1), not JSON "
+                                     f"lines (one "
                                      "record per line): name it .json, or write one record per line")
     if indent and skip == "0":  # pretraining's reader, too
         text = world["dir"] / "text.jsonl"

@@ -98,7 +98,9 @@ def _compile_test_config(tiny_config, tmp_path):
 
 
 def _losses(tmp_path, name):
-    rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
     return [row["loss"] for row in rows if "loss" in row]  # validation rows carry val_loss
 
 

@@ -98,7 +98,9 @@ def test_cache_dir_that_cannot_be_created(kind, tmp_path, corpus, tiny_config, c
     assert not (tmp_path / "runs").exists()
 
 
-def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
+def test_disk_full_while_writing_the_token_cache(
+    fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys
+):
     full_disk(monkeypatch, files, room=10_000)
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 2
     line = error_line(capsys)
@@ -109,7 +111,9 @@ def test_disk_full_while_writing_the_token_cache(fresh_cache, corpus, tiny_confi
     assert pretrain(fresh_cache, corpus, tiny_config, tmp_path) == 0
 
 
-def test_disk_full_while_writing_the_manifest(fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys):
+def test_disk_full_while_writing_the_manifest(
+    fresh_cache, corpus, tiny_config, tmp_path, monkeypatch, capsys
+):
     def full(path, value):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -138,7 +142,9 @@ def test_disk_full_while_saving_the_tokenizer(tmp_path, corpus, tiny_config, mon
     assert list((cache / "tokenizers").iterdir()) == []
 
 
-def test_bad_file_met_while_tokenizing_leaves_no_temp_file(fresh_cache, corpus, tiny_config, tmp_path, capsys):
+def test_bad_file_met_while_tokenizing_leaves_no_temp_file(
+    fresh_cache, corpus, tiny_config, tmp_path, capsys
+):
     folder = tmp_path / "data"
     folder.mkdir()
     shutil.copy(corpus, folder / "a.txt")
@@ -179,7 +185,10 @@ def cut_in_half(path: Path) -> None:
         (lambda bin_path, meta: cut_in_half(bin_path), "token cache"),
         (lambda bin_path, meta: cut_in_half(meta), "token cache"),
         (lambda bin_path, meta: meta.unlink(), "token cache"),
-        (lambda bin_path, meta: cut_in_half(next(bin_path.parents[2].glob("tokenizers/*/tokenizer.json"))), "tokenizer cache"),
+        (
+            lambda bin_path, meta: cut_in_half(next(bin_path.parents[2].glob("tokenizers/*/tokenizer.json"))),
+            "tokenizer cache",
+        ),
     ],
     ids=["bin-truncated", "json-cut", "json-missing", "tokenizer-json-cut"],
 )
@@ -258,8 +267,19 @@ def test_interrupt_while_tokenizing(sig, big_corpus, tiny_config, tmp_path, corp
     tok = data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, cache_dir, print)
     tok.save_pretrained(tmp_path / "tokenizer")
     cache = tmp_path / "cache"
-    argv = ["--model_config", str(tiny_config), "--data_path", str(big_corpus), "--cache_dir", str(cache),
-            "--tokenizer_path", str(tmp_path / "tokenizer"), "--output_dir", str(tmp_path / "runs"), *SMALL_RUN]  # fmt: skip
+    argv = [
+        "--model_config",
+        str(tiny_config),
+        "--data_path",
+        str(big_corpus),
+        "--cache_dir",
+        str(cache),
+        "--tokenizer_path",
+        str(tmp_path / "tokenizer"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        *SMALL_RUN,
+    ]
     result = interrupt_when(argv, "tokenizing 1 file(s) into the token cache", sig)
     assert result.returncode == 128 + sig, result.stderr
     assert "Traceback" not in result.stderr

@@ -28,7 +28,9 @@ def reversed_ids(b: bytearray) -> bytearray:
     return bytearray(ids[::-1].tobytes())
 
 
-def test_a_shard_reversed_in_place_is_caught_by_its_digest(clean, corpus, tiny_config, tmp_path, capsys):  # noqa: F811
+def test_a_shard_reversed_in_place_is_caught_by_its_digest(
+    clean, corpus, tiny_config, tmp_path, capsys  # noqa: F811
+):
     cache, folder = primed(clean, corpus, tmp_path)
     shard = folder / "shard-00000.bin"
     ids = np.fromfile(shard, np.uint16)
@@ -63,7 +65,9 @@ def test_a_cached_tokenizer_with_two_ids_swapped_is_trained_again(corpus, tiny_c
     assert run_with_cache(cache, corpus, tiny_config, tmp_path, "clean") == 0
     (folder,) = (cache / "tokenizers").iterdir()
     assert (folder / cache_files.SEAL).is_file()
-    clean_final = json.loads((tmp_path / "runs" / "clean" / "final" / "tokenizer.json").read_text())["model"]["vocab"]
+    clean_final = json.loads((tmp_path / "runs" / "clean" / "final" / "tokenizer.json").read_text())["model"][
+        "vocab"
+    ]
     tok_json = folder / "tokenizer.json"
 
     def swap(b: bytearray) -> bytearray:  # two ids of three digits exchanged: the same size
@@ -82,9 +86,13 @@ def test_a_cached_tokenizer_with_two_ids_swapped_is_trained_again(corpus, tiny_c
     with CpuSpent() as cpu:
         assert run_with_cache(cache, corpus, tiny_config, tmp_path, "after") == 0
     out = capsys.readouterr().out
-    assert f"tokenizer cache {folder} was damaged (tokenizer.json does not hold the bytes kit-sha256.json" in out
+    assert (
+        f"tokenizer cache {folder} was damaged (tokenizer.json does not hold the bytes kit-sha256.json" in out
+    )
     assert cpu.spent < 120  # CPU seconds, not wall: a loaded machine stretches the wall
-    final = json.loads((tmp_path / "runs" / "after" / "final" / "tokenizer.json").read_text())["model"]["vocab"]
+    final = json.loads((tmp_path / "runs" / "after" / "final" / "tokenizer.json").read_text())["model"][
+        "vocab"
+    ]
     assert final == clean_final
     assert cache_files.unsealed(folder) is None
 

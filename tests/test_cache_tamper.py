@@ -33,7 +33,8 @@ from train.data.chat.formats import load_conversations
 
 FAST = ["--vocab_size", "512", "--max_length", "64", "--batch_size", "4", "--max_steps", "2", "--seed", "3",
         "--log_every", "1", "--overwrite", "1", "--tokenize_workers", "1"]  # fmt: skip
-LINK = "is a symbolic link; the kit never writes or reads through a link in its own folders (remove it and run again)"
+LINK = ("is a symbolic link; the kit never writes or reads through a link in its own folders (remove it and "
+        "run again)")
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(40)]
 
 
@@ -83,7 +84,11 @@ def in_place(path: Path, edit) -> None:
     with open(path, "r+b") as handle:
         handle.write(data)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +96,23 @@ def clean(corpus, tiny_config, cache_dir, tmp_path_factory):
     """A clean run's cache (token cache, sums/) and what it trained on, with a saved tokenizer."""
     root = tmp_path_factory.mktemp("clean")
     files = data.corpus_files(str(corpus))
-    data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, cache_dir, print).save_pretrained(root / "tok")
+    data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, cache_dir, print).save_pretrained(
+        root / "tok"
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cache_files, "SETTLED_NS", 0, raising=False)
-        assert pretrain(root / "cache", corpus, tiny_config, root / "runs", "ref", "--tokenizer_path", str(root / "tok")) == 0
+        assert (
+            pretrain(
+                root / "cache",
+                corpus,
+                tiny_config,
+                root / "runs",
+                "ref",
+                "--tokenizer_path",
+                str(root / "tok"),
+            )
+            == 0
+        )
     return SimpleNamespace(cache=root / "cache", tok=root / "tok", trained=trained(root / "runs" / "ref"))
 
 
@@ -105,7 +123,8 @@ def primed(clean, corpus, tmp_path) -> tuple[Path, Path]:
     shutil.copytree(clean.cache, cache)
     files = data.corpus_files(str(corpus))
     tok = data.load_tokenizer(str(clean.tok), files, "", 512, cache, print)
-    data.token_cache(files, data.corpus_fingerprint(files), tok, cache, print)  # a copy: new inodes, checked once
+    # a copy: new inodes, checked once
+    data.token_cache(files, data.corpus_fingerprint(files), tok, cache, print)
     (folder,) = (cache / "tokens").iterdir()
     assert (folder / "checked.json").is_file()
     return cache, folder
@@ -130,25 +149,40 @@ def test_a_manifest_entry_outside_the_cache_is_never_written_or_read(remembered,
     if remembered:  # the entry and its checked.json line agree with the file outside
         entry.update(max=7, sha256=hashlib.sha256((outside / "x.bin").read_bytes()).hexdigest())
         st = (outside / "x.bin").stat()
-        line = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, *(entry[k] for k in ("tokens", "max", "sha256", "start", "end"))]
+        line = [
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            st.st_ino,
+            *(entry[k] for k in ("tokens", "max", "sha256", "start", "end")),
+        ]
         (folder / "checked.json").write_text(json.dumps({name: line}))
     (folder / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(outside)
     capsys.readouterr()
     assert run_with(clean, cache, corpus, tiny_config, tmp_path) == 0
-    assert "was damaged (manifest.json does not describe this token cache); rebuilding" in capsys.readouterr().out
+    assert (
+        "was damaged (manifest.json does not describe this token cache); rebuilding"
+        in capsys.readouterr().out
+    )
     assert snapshot(outside) == before and sorted(outside.iterdir()) == [outside / "x.bin"]
     assert trained(tmp_path / "runs" / "t") == clean.trained
 
 
 @pytest.mark.parametrize("name", ["tokens", "tokenizers", "sums"])
-def test_cache_folders_that_are_links_are_refused(name, clean, corpus, tiny_config, cache_dir, tmp_path, capsys):
+def test_cache_folders_that_are_links_are_refused(
+    name, clean, corpus, tiny_config, cache_dir, tmp_path, capsys
+):
     cache = tmp_path / "cache"
     shutil.copytree(clean.cache, cache)
     elsewhere = tmp_path / "elsewhere"
     if name == "tokenizers":  # the corpus's trained tokenizer, where the run would load it from
         files = data.corpus_files(str(corpus))
-        found = Path(data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, cache_dir, print).name_or_path)
+        found = Path(
+            data.load_tokenizer(
+                None, files, data.corpus_fingerprint(files), 512, cache_dir, print
+            ).name_or_path
+        )
         shutil.copytree(found, elsewhere / found.name)
     else:
         shutil.move(cache / name, elsewhere)
@@ -190,13 +224,16 @@ def test_sft_cache_folders_that_are_links_are_refused(name, sft_tok, tmp_path):
     assert snapshot(elsewhere) == before
 
 
-def test_data_edited_in_place_with_its_times_put_back_is_read_again(clean, corpus, tiny_config, tmp_path, capsys):
+def test_data_edited_in_place_with_its_times_put_back_is_read_again(
+    clean, corpus, tiny_config, tmp_path, capsys
+):
     """C6: same size, same mtime (`touch -r`), new words: a new key, a new token cache of the
     new words; the old cache is not reused."""
     cache, _ = primed(clean, corpus, tmp_path)
     edited = tmp_path / "corpus.txt"
     shutil.copy2(corpus, edited)
-    assert run_with(clean, cache, edited, tiny_config, tmp_path, "a") == 0  # remembers edited's digest in sums/
+    # remembers edited's digest in sums/
+    assert run_with(clean, cache, edited, tiny_config, tmp_path, "a") == 0
     in_place(edited, lambda b: b.replace(b"quick", b"brown").replace(b"seven", b"eight"))
     capsys.readouterr()
     assert run_with(clean, cache, edited, tiny_config, tmp_path, "b") == 0
@@ -236,13 +273,17 @@ def test_sft_sums_digest_swapped_for_another_files_is_not_taken(sft_tok, tmp_pat
     mine, theirs = write_jsonl(tmp_path / "a.jsonl", PAIRS[:10]), write_jsonl(tmp_path / "b.jsonl", PAIRS)
     sft_cached(theirs, sft_tok, tmp_path / "c")
     sft_cached(mine, sft_tok, tmp_path / "c")
-    memos = {json.loads(p.read_text())["file"][0]: p for p in (tmp_path / "c" / "sft" / "sums").glob("*.json")}
+    memos = {
+        json.loads(p.read_text())["file"][0]: p for p in (tmp_path / "c" / "sft" / "sums").glob("*.json")
+    }
     memos[str(mine.resolve())].write_bytes(memos[str(theirs.resolve())].read_bytes())
     examples, done, _ = sft_cached(mine, sft_tok, tmp_path / "c")
     assert done.startswith("SFT cache: reused") and len(examples) == 10
 
 
-def test_a_shard_edited_in_place_with_its_mtime_put_back_is_rebuilt(clean, corpus, tiny_config, tmp_path, capsys):
+def test_a_shard_edited_in_place_with_its_mtime_put_back_is_rebuilt(
+    clean, corpus, tiny_config, tmp_path, capsys
+):
     """C5: out-of-vocabulary ids written into a remembered shard, times put back."""
     cache, folder = primed(clean, corpus, tmp_path)
 
@@ -258,7 +299,9 @@ def test_a_shard_edited_in_place_with_its_mtime_put_back_is_rebuilt(clean, corpu
     assert trained(tmp_path / "runs" / "t") == clean.trained
 
 
-def test_a_manifest_claiming_more_tokens_than_its_shard_holds_is_rebuilt(clean, corpus, tiny_config, tmp_path, capsys):
+def test_a_manifest_claiming_more_tokens_than_its_shard_holds_is_rebuilt(
+    clean, corpus, tiny_config, tmp_path, capsys
+):
     """C8: the manifest says 4x the tokens and checked.json's line was made to agree."""
     cache, folder = primed(clean, corpus, tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -299,13 +342,21 @@ def sft_clean(base_model, tmp_path_factory):
             "--max_length", "64", "--batch_size", "4", "--max_steps", "2", "--seed", "3", "--log_every", "1",
             "--tokenize_workers", "1", "--overwrite", "1"]  # fmt: skip
     assert run_cli("sft", *argv, "--cache_dir", str(root / "cache"), "--run_name", "ref") == 0
-    return SimpleNamespace(argv=argv, cache=root / "cache", runs=root / "runs", trained=trained(root / "runs" / "ref"))
+    return SimpleNamespace(
+        argv=argv, cache=root / "cache", runs=root / "runs", trained=trained(root / "runs" / "ref")
+    )
 
 
-@pytest.mark.parametrize("file, damage, forged", [
-    ("trained.bin", zero, False), ("lengths.bin", keep_sum, False), ("ids.bin", out_of_vocabulary, False),
-    ("ids.bin", out_of_vocabulary, True),
-], ids=["SC5-trained-zeroed", "SC3-lengths-sum-kept", "SC4-ids-out-of-vocab", "SC4-meta-json-rehashed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "file, damage, forged",
+    [
+        ("trained.bin", zero, False),
+        ("lengths.bin", keep_sum, False),
+        ("ids.bin", out_of_vocabulary, False),
+        ("ids.bin", out_of_vocabulary, True),
+    ],
+    ids=["SC5-trained-zeroed", "SC3-lengths-sum-kept", "SC4-ids-out-of-vocab", "SC4-meta-json-rehashed"],
+)
 def test_a_tampered_sft_cache_is_rebuilt_never_trained_on(file, damage, forged, sft_clean, tmp_path, capsys):
     cache = tmp_path / "cache"
     shutil.copytree(sft_clean.cache, cache)
@@ -350,7 +401,10 @@ def signed_ids(folder: Path) -> None:
     ids[3] = 0xFFFF
     ids.tofile(folder / "ids.bin")
     meta = json.loads((folder / "meta.json").read_text())
-    meta["dtype"], meta["sha256"]["ids.bin"] = "int16", hashlib.sha256((folder / "ids.bin").read_bytes()).hexdigest()
+    meta["dtype"], meta["sha256"]["ids.bin"] = (
+        "int16",
+        hashlib.sha256((folder / "ids.bin").read_bytes()).hexdigest(),
+    )
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -363,8 +417,11 @@ def negative_lengths(folder: Path) -> None:
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("forge, note", [(signed_ids, "ids of type int16"), (negative_lengths, "lengths.bin")],
-                         ids=["signed-id-type", "negative-lengths"])
+@pytest.mark.parametrize(
+    "forge, note",
+    [(signed_ids, "ids of type int16"), (negative_lengths, "lengths.bin")],
+    ids=["signed-id-type", "negative-lengths"],
+)
 def test_a_forged_sft_meta_json_cannot_smuggle_bad_ids_or_lengths(forge, note, sft_clean, tmp_path, capsys):
     cache = tmp_path / "cache"
     shutil.copytree(sft_clean.cache, cache)

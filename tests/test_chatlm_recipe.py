@@ -1,13 +1,13 @@
 """docs/coming-from.md's ChatLM-mini-Chinese recipe reproduces ChatLM's own pretraining, step for
 step, from the same init.
 
-ChatLM's side is written here from its code (charent/ChatLM-mini-Chinese: model/trainer.py at
-2696eb8, model/dataset.py at f21f4b3, config.py at 782f92e, utils/functions.py at f21f4b3) as plain
-torch + transformers, and the kit's side is the recipe's first command as the doc writes it, with
-only what a test must change (paths, size, precision, length) changed, each for a stated reason.
-Both start from one tiny T5 shaped as ChatLM builds its own (get_T5_config: T5Config() with the
-widths changed, here one layer each side; vocab = len(tokenizer), decoder start = pad, eos 1) and one tokenizer with ChatLM's
-special tokens ([PAD] 0, [EOS] 1 ...), and train on one prompt/response parquet in one order.
+ChatLM's side is written here from its code (charent/ChatLM-mini-Chinese: model/trainer.py at 2696eb8,
+model/dataset.py at f21f4b3, config.py at 782f92e, utils/functions.py at f21f4b3) as plain torch +
+transformers, and the kit's side is the recipe's first command as the doc writes it, with only what a test
+must change (paths, size, precision, length) changed, each for a stated reason. Both start from one tiny T5
+shaped as ChatLM builds its own (get_T5_config: T5Config() with the widths changed, here one layer each side;
+vocab = len(tokenizer), decoder start = pad, eos 1) and one tokenizer with ChatLM's special tokens ([PAD] 0,
+[EOS] 1 ...), and train on one prompt/response parquet in one order.
 
 What ChatLM's trainer does, and so what its side here does:
 - batches: MyDataset.__getitem__ returns f"{prompt[:max_seq_len - 5]}[EOS]" and the same for the
@@ -25,14 +25,14 @@ What ChatLM's trainer does, and so what its side here does:
   the recipe's GRAD_CLIP (Adafactor does not see the remaining uniform 1 / accumulation_steps:
   its update is the gradient over the root of its own running square).
 - optimizer: torch_optimizer.Adafactor(params, lr=learn_rate): its defaults are relative_step
-  True, scale_parameter True, warmup_init False, eps2 (1e-30, 1e-3), clip_threshold 1.0,
-  decay_rate -0.8, beta1 None, weight_decay 0, and with relative_step the lr it is given is never
-  read: each step is min(1e-2, 1 / sqrt(step)) x max(1e-3, the parameter's RMS). transformers'
-  Adafactor(lr=None, relative_step=True, scale_parameter=True, warmup_init=False) has the same
-  defaults and the same update (both are fairseq's; torch_optimizer 0.3.0 and transformers 5.23.0
-  gave the same weights bit for bit over these 20 steps, checked once outside the suite); it stands
-  in for torch_optimizer here, which is not a dependency of the kit. OneCycleLR(max_lr=div_factor x learn_rate, div_factor=50,
-  cycle_momentum=False) runs as ChatLM's does: it writes the groups' lr, which neither reads.
+  True, scale_parameter True, warmup_init False, eps2 (1e-30, 1e-3), clip_threshold 1.0, decay_rate -0.8,
+  beta1 None, weight_decay 0, and with relative_step the lr it is given is never read: each step is min(1e-2,
+  1 / sqrt(step)) x max(1e-3, the parameter's RMS). transformers' Adafactor(lr=None, relative_step=True,
+  scale_parameter=True, warmup_init=False) has the same defaults and the same update (both are fairseq's;
+  torch_optimizer 0.3.0 and transformers 5.23.0 gave the same weights bit for bit over these 20 steps, checked
+  once outside the suite); it stands in for torch_optimizer here, which is not a dependency of the kit.
+  OneCycleLR(max_lr=div_factor x learn_rate, div_factor=50, cycle_momentum=False) runs as ChatLM's does: it
+  writes the groups' lr, which neither reads.
 - dropout: T5Config()'s dropout_rate 0.1 is ChatLM's; both sides here run at 0, since two
   programs never draw the same dropout masks. Precision fp32 on both (ChatLM's bf16, the recipe's
   PRECISION, rounds differently in two programs' op orders).
@@ -72,15 +72,23 @@ def pairs() -> list[dict]:
     out = []
     for i in range(STEPS * BATCH * 8 // 2):
         a, b = words[i % 8], words[(3 * i + 1) % 8]
-        out.append({"prompt": f"什么是{a}{b}？第{i}个问题", "response": f"{a}和{b}：" + "好" * (i % 5) + f"答案{i * 7}。"})
-        out.append({"prompt": f"What is {i} plus {i % 9}?", "response": f"{i} plus {i % 9} is {i + i % 9}." + " yes" * (i % 4)})
+        response = f"{a}和{b}：" + "好" * (i % 5) + f"答案{i * 7}。"
+        out.append({"prompt": f"什么是{a}{b}？第{i}个问题", "response": response})
+        out.append(
+            {
+                "prompt": f"What is {i} plus {i % 9}?",
+                "response": f"{i} plus {i % 9} is {i + i % 9}." + " yes" * (i % 4),
+            }
+        )
     return out
 
 
 def recipe() -> tuple[dict, str, str]:
     """The first command of the ChatLM recipe block: (VARIABLE -> value, launcher, its argument)."""
     text = DOC.read_text(encoding="utf-8")
-    block = text.split("Its whole recipe, as launcher lines", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = (
+        text.split("Its whole recipe, as launcher lines", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    )
     first = re.split(r"(?<!\\)\n", block)[0].replace("\\\n", " ")
     *assignments, launcher, batch = shlex.split(first)
     return dict(a.split("=", 1) for a in assignments), launcher, batch
@@ -98,12 +106,18 @@ def make_init(folder: Path, records: list[dict]):
     trainer = trainers.BpeTrainer(vocab_size=448, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     bpe.train_from_iterator([r[k] for r in records for k in ("prompt", "response")], trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]"
+    )
     assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
     config = T5Config()
     config.d_ff, config.d_kv, config.d_model, config.num_heads = 64, 16, 32, 2
     config.num_layers = config.num_decoder_layers = 1
-    config.vocab_size, config.decoder_start_token_id, config.eos_token_id = len(tok), tok.pad_token_id, tok.eos_token_id
+    config.vocab_size, config.decoder_start_token_id, config.eos_token_id = (
+        len(tok),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
     config.dropout_rate = 0.0  # ChatLM's is T5Config()'s 0.1: off here, on both sides (see the module doc)
     torch.manual_seed(0)
     T5ForConditionalGeneration(config).save_pretrained(folder)
@@ -119,7 +133,12 @@ def where(tmp_path_factory) -> dict:
     records = pairs()
     pq.write_table(pa.Table.from_pylist(records), root / "my_train_dataset.parquet")
     make_init(root / "init", records)
-    return {"root": root, "records": records, "init": root / "init", "data": root / "my_train_dataset.parquet"}
+    return {
+        "root": root,
+        "records": records,
+        "init": root / "init",
+        "data": root / "my_train_dataset.parquet",
+    }
 
 
 def chatlm_losses(where: dict, accumulation_steps: int) -> dict:
@@ -132,7 +151,9 @@ def chatlm_losses(where: dict, accumulation_steps: int) -> dict:
     tok = PreTrainedTokenizerFast.from_pretrained(where["init"])
     model = T5ForConditionalGeneration.from_pretrained(where["init"])
     model.train()
-    optimizer = Adafactor(model.parameters(), lr=None, relative_step=True, scale_parameter=True, warmup_init=False)
+    optimizer = Adafactor(
+        model.parameters(), lr=None, relative_step=True, scale_parameter=True, warmup_init=False
+    )
     learn_rate, div_factor, epochs = 1e-4, 50, 8  # TrainConfig's
     records = where["records"]
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -146,11 +167,16 @@ def chatlm_losses(where: dict, accumulation_steps: int) -> dict:
     for step in range(STEPS * accumulation_steps):
         batch = [records[i] for i in order[step * BATCH : (step + 1) * BATCH]]
         prompt = tok([f"{r['prompt'][:cut]}[EOS]" for r in batch], padding=True, return_token_type_ids=False)
-        response = tok([f"{r['response'][:cut]}[EOS]" for r in batch], padding=True, return_token_type_ids=False)
+        response = tok(
+            [f"{r['response'][:cut]}[EOS]" for r in batch], padding=True, return_token_type_ids=False
+        )
         target_ids = torch.tensor(response.input_ids)
         target_ids[target_ids == model.config.decoder_start_token_id] = -100
-        outputs = model(input_ids=torch.tensor(prompt.input_ids), attention_mask=torch.tensor(prompt.attention_mask),
-                        labels=target_ids)  # fmt: skip
+        outputs = model(
+            input_ids=torch.tensor(prompt.input_ids),
+            attention_mask=torch.tensor(prompt.attention_mask),
+            labels=target_ids,
+        )
         loss = outputs.loss.mean() / accumulation_steps
         (loss / accumulation_steps).backward()  # accelerator.backward's own division
         means.append(outputs.loss.item())
@@ -172,7 +198,9 @@ def kit_losses(where: dict, knobs: dict, launcher: str) -> list[float]:
     flags = [f for k, v in knobs.items() for f in (f"--{k.lower()}", v)]
     run = knobs["RUN_NAME"]
     assert run_cli("sft", "--preset", "sft", "--launcher", "train_sft_custom", *flags) == 0
-    rows = [r for r in read_jsonl(where["root"] / "runs" / run / "metrics.jsonl") if "loss" in r and "step" in r]
+    rows = [
+        r for r in read_jsonl(where["root"] / "runs" / run / "metrics.jsonl") if "loss" in r and "step" in r
+    ]
     return [r["loss"] for r in rows]
 
 
@@ -190,12 +218,29 @@ def test_the_recipe_reproduces_chatlm_step_20_loss(where):
     }
     assert set(changed) <= set(knobs) and batch == "16", (knobs, batch)
     as_written = {k: v for k, v in knobs.items() if k not in changed}
-    assert {"TEMPLATE", "TRUNCATION", "MAX_LENGTH", "OPTIMIZER", "WEIGHT_DECAY", "GRADIENT_ACCUM", "GRAD_CLIP",
-            "LOSS_MEAN"} <= set(as_written), as_written  # fmt: skip
+    assert {
+        "TEMPLATE",
+        "TRUNCATION",
+        "MAX_LENGTH",
+        "OPTIMIZER",
+        "WEIGHT_DECAY",
+        "GRADIENT_ACCUM",
+        "GRAD_CLIP",
+        "LOSS_MEAN",
+    } <= set(as_written), as_written
     knobs = {k: v for k, v in {**knobs, **changed}.items() if v is not None}
-    knobs.update(MODEL_PATH=str(where["init"]), BATCH_SIZE=str(BATCH), MAX_STEPS=str(STEPS), SEED=str(SEED),
-                 OUTPUT_DIR=str(where["root"] / "runs"), CACHE_DIR=str(where["root"] / "cache"), VAL_FRACTION="0",
-                 LOG_EVERY="1", NUM_WORKERS="0", TOKENIZE_WORKERS="1")  # fmt: skip
+    knobs.update(
+        MODEL_PATH=str(where["init"]),
+        BATCH_SIZE=str(BATCH),
+        MAX_STEPS=str(STEPS),
+        SEED=str(SEED),
+        OUTPUT_DIR=str(where["root"] / "runs"),
+        CACHE_DIR=str(where["root"] / "cache"),
+        VAL_FRACTION="0",
+        LOG_EVERY="1",
+        NUM_WORKERS="0",
+        TOKENIZE_WORKERS="1",
+    )
     theirs = chatlm_losses(where, accumulation)
     ours = kit_losses(where, knobs, launcher)
     assert len(ours) == len(theirs["loss"]) == STEPS

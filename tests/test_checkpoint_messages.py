@@ -37,7 +37,8 @@ def test_safe_loader_refusal_is_one_clean_line(tmp_path):
     blob = io.BytesIO()
     torch.save({"optimizer": Payload(marker)}, blob)
     line = refused(blob.getvalue(), tmp_path)
-    assert line == "state.pt refused by the safe loader: it holds a Python object (io.open) that could run code"
+    assert line == ("state.pt refused by the safe loader: it holds a Python object (io.open) that could run "
+                    "code")
     assert not marker.exists()
     # a truncated file: torch's first sentence, without its advice
     line = refused(blob.getvalue()[:60], tmp_path)
@@ -51,7 +52,9 @@ def test_safe_loader_refusal_is_one_clean_line(tmp_path):
         EOFError(),
     ]:
         reason = safe_load.refusal(err)
-        assert "\n" not in reason and "weights_only" not in reason and len(reason) <= safe_load.REASON_CHARS + 4
+        assert (
+            "\n" not in reason and "weights_only" not in reason and len(reason) <= safe_load.REASON_CHARS + 4
+        )
     assert safe_load.refusal(EOFError()) == "EOFError"
     assert safe_load.refusal(RuntimeError("words " * 60)).endswith("words words ...")  # cut between words
 
@@ -103,7 +106,8 @@ def test_resume_with_another_model_size_names_model_size(flags, tiny_config, tmp
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert errors == [
-            f"error: RESUME=1: checkpoint step-00000002 was saved by a MODEL_SIZE=nano run, this run has {has}; "
+            f"error: RESUME=1: checkpoint step-00000002 was saved by a MODEL_SIZE=nano run, this run has "
+            f"{has}; "
             "resume with MODEL_SIZE=nano"
         ], err[-2000:]
         assert "optimizer" not in err and "Traceback" not in err
@@ -113,7 +117,17 @@ def test_resume_with_another_model_size_names_model_size(flags, tiny_config, tmp
 def test_resume_with_another_model_config_names_the_saved_one(flags, tiny_config, tmp_path, capsys):
     """Both runs custom (MODEL_CONFIG), another shape: named as another model, not as an
     optimizer state that does not fit, with the MODEL_CONFIG the checkpoint was saved with."""
-    argv = [*flags, "--model_config", str(tiny_config), "--max_steps", "2", "--save_every", "1", "--run_name", "c"]
+    argv = [
+        *flags,
+        "--model_config",
+        str(tiny_config),
+        "--max_steps",
+        "2",
+        "--save_every",
+        "1",
+        "--run_name",
+        "c",
+    ]
     assert run_cli("pretrain", *argv) == 0
     run = tmp_path / "runs" / "c"
     shutil.rmtree(run / "final")
@@ -128,14 +142,27 @@ def test_resume_with_another_model_config_names_the_saved_one(flags, tiny_config
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err
-    assert errors[0].startswith("error: RESUME=1: checkpoint step-00000002 holds another model than this run builds (")
+    assert errors[0].startswith("error: RESUME=1: checkpoint step-00000002 holds another model than this run "
+                                "builds (")
     assert errors[0].endswith(f"resume with MODEL_CONFIG={tiny_config}") and "optimizer" not in errors[0]
     assert tree(run) == before
 
 
-def test_disk_full_before_the_first_checkpoint_suggests_running_again(flags, tiny_config, monkeypatch, capsys):
+def test_disk_full_before_the_first_checkpoint_suggests_running_again(
+    flags, tiny_config, monkeypatch, capsys
+):
     monkeypatch.setattr(on_disk.CheckpointFolder, "free_bytes", lambda self: 4096)
-    argv = [*flags, "--model_config", str(tiny_config), "--max_steps", "4", "--save_every", "2", "--run_name", "full"]
+    argv = [
+        *flags,
+        "--model_config",
+        str(tiny_config),
+        "--max_steps",
+        "4",
+        "--save_every",
+        "2",
+        "--run_name",
+        "full",
+    ]
     assert run_cli("pretrain", *argv) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]

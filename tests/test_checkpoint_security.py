@@ -20,8 +20,20 @@ from conftest import TINY_CONFIG, read_jsonl, run_cli
 from train.distributed import safe_load
 from train.run.checkpoint import on_disk
 
-STEPS = ["--batch_size", "2", "--max_steps", "6", "--save_every", "2", "--sharding", "zero2", "--log_every", "1",
-         "--keep_checkpoints", "5"]
+STEPS = [
+    "--batch_size",
+    "2",
+    "--max_steps",
+    "6",
+    "--save_every",
+    "2",
+    "--sharding",
+    "zero2",
+    "--log_every",
+    "1",
+    "--keep_checkpoints",
+    "5",
+]
 ENTRY = "optimizer.param_groups.0.lr"  # a non-tensor entry: DCP itself would torch.load it unrestricted
 
 
@@ -39,8 +51,21 @@ class Payload:
 def ref(corpus, tiny_config, cache_dir, tmp_path_factory):
     """A finished zero2 run with checkpoints at steps 2, 4 and 6, and the flags that made it."""
     runs = tmp_path_factory.mktemp("security") / "runs"
-    flags = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-             "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", *STEPS]  # fmt: skip
+    flags = [
+        "--model_config",
+        str(tiny_config),
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(runs),
+        "--max_length",
+        "64",
+        *STEPS,
+    ]
     assert run_cli("pretrain", *flags, "--run_name", "ref") == 0
     return runs, flags
 
@@ -164,7 +189,9 @@ def test_no_usable_checkpoint_left_exit_2_one_line_nothing_touched(ref, tmp_path
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
     assert errors[0].startswith("error: RESUME=1: no usable checkpoint in")
     assert "step-00000004: shards/.metadata refused by the safe loader" in errors[0]
-    assert "step-00000002: state.pt refused by the safe loader: it holds a Python object (io.open)" in errors[0]
+    assert (
+        "step-00000002: state.pt refused by the safe loader: it holds a Python object (io.open)" in errors[0]
+    )
     assert "weights_only" not in errors[0]
     assert not marker.exists()
     assert tree(runs) == before
@@ -187,7 +214,8 @@ def test_stock_dcp_load_runs_the_payload_the_safe_reader_refuses(craft, ref, tmp
     def wanted():
         return {"optimizer": {"param_groups": [{"lr": 0.0}]}}  # reads ENTRY alone
 
-    with pytest.raises(safe_load.Refused, match=r"refused by the safe loader: it holds a Python object \(io.open\)"):
+    with pytest.raises(safe_load.Refused, match=r"refused by the safe loader: it holds a Python object "
+                                                r"\(io.open\)"):
         safe_load.dcp_load(wanted(), folder / "shards")
     reader, planner = safe_load.SafeReader(str(folder / "shards")), safe_load.SafePlanner()
     with pytest.raises(dcp.api.CheckpointException, match="refused by the safe loader"):
@@ -257,14 +285,16 @@ def test_checkpoint_files_are_read_inside_the_checkpoint_only(ref, tmp_path):
     outside.write_text("a file outside the run folder\n")
     escaping = {**meta["files"], "shards/../../hostname": {"bytes": outside.stat().st_size,
                 "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}}  # fmt: skip
-    with pytest.raises(BadCheckpoint, match=r"lists 'shards/\.\./\.\./hostname', which is not a file of the checkpoint"):
+    with pytest.raises(BadCheckpoint, match=r"lists 'shards/\.\./\.\./hostname', which is not a file of the "
+                                            r"checkpoint"):
         check_files(folder, {**meta, "files": escaping})
     shard = sorted((folder / "shards").glob("*.distcp"))[0]
     copy = tmp_path / "copy.distcp"
     shutil.copyfile(shard, copy)
     shard.unlink()
     shard.symlink_to(copy)  # the same bytes: only the link gives it away
-    with pytest.raises(BadCheckpoint, match=f"lists 'shards/{shard.name}', which is not a file of the checkpoint"):
+    with pytest.raises(BadCheckpoint, match=f"lists 'shards/{shard.name}', which is not a file of the "
+                                            f"checkpoint"):
         check_files(folder, meta)
     with pytest.raises(safe_load.Refused, match="points outside the shard files"):
         safe_load.check_shards(folder / "shards", None)

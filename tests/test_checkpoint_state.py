@@ -47,7 +47,9 @@ def test_feed_saves_and_reopens_its_data_position():
             pass
 
     cfg = types.SimpleNamespace(optim=types.SimpleNamespace(batch_size=4, gradient_accumulation_steps=2))
-    plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), world=types.SimpleNamespace(world_size=3))
+    plan = types.SimpleNamespace(
+        cfg=cfg, device=torch.device("cpu"), world=types.SimpleNamespace(world_size=3)
+    )
     opened = []
 
     def open_stream(batch_size, epoch, start):

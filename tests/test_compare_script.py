@@ -53,7 +53,12 @@ def kit(tmp_path):
     """A copy of the kit's shell side with the recording python."""
     root = tmp_path / "kit"
     (root / "scripts").mkdir(parents=True)
-    for name in ("run_single_gpu.sh", "run_single_gpu_optimized.sh", "scripts/common.sh", "scripts/compare.sh"):
+    for name in (
+        "run_single_gpu.sh",
+        "run_single_gpu_optimized.sh",
+        "scripts/common.sh",
+        "scripts/compare.sh",
+    ):
         shutil.copy2(ROOT / name, root / name)
     for name in ("train", "config.py"):
         (root / name).symlink_to(ROOT / name)
@@ -90,7 +95,12 @@ def test_repeats_alternate_and_only_the_optimized_side_is_tuned(kit):
         ("baseline", "compare-baseline-r2"), ("optimized", "compare-optimized-r2"),
     ]
     for f in flags:  # shared: model, seed, budget; every run replaces its previous folder
-        assert (f["--model_size"], f["--seed"], f["--max_samples"], f["--overwrite"]) == ("nano", "7", "256", "1")
+        assert (f["--model_size"], f["--seed"], f["--max_samples"], f["--overwrite"]) == (
+            "nano",
+            "7",
+            "256",
+            "1",
+        )
     base, opt = flags[0], flags[1]
     assert base["--batch_size"] == "8" and "--precision" not in base  # the guides' "before"
     assert opt["--batch_size"] == "16" and opt["--precision"] == "bf16"
@@ -123,7 +133,8 @@ def test_sft_needs_the_sft_launchers_then_runs_batch_1_first(kit):
         script = kit / name
         script.write_text(
             "#!/usr/bin/env bash\nset -euo pipefail\n"
-            f"BATCH_SIZE=${{BATCH_SIZE:-{batch or '${1:-8}'}}}\nGRADIENT_ACCUM=${{GRADIENT_ACCUM:-{accum or 1}}}\n"
+            f"BATCH_SIZE=${{BATCH_SIZE:-{batch or '${1:-8}'}}}\n"
+            f"GRADIENT_ACCUM=${{GRADIENT_ACCUM:-{accum or 1}}}\n"
             'source "$(dirname "$0")/scripts/common.sh"\n'
             f'kit_launch sft {preset} "${{@:2}}"\n'
         )

@@ -15,8 +15,20 @@ from train.data.text import EpochSampler
 from train.observe.compare import compare_runs, render_markdown
 from train.observe.curves import comparison_panels, throughput_label
 
-BASE = dict(device="cpu", device_name="x86_64", world_size=1, model_size="nano", max_length=64, precision="fp32",
-            num_workers=0, peak_vram_mb=None, vram_total_mb=None, avg_gpu_util=None, mfu=None, exit_reason="completed")
+BASE = dict(
+    device="cpu",
+    device_name="x86_64",
+    world_size=1,
+    model_size="nano",
+    max_length=64,
+    precision="fp32",
+    num_workers=0,
+    peak_vram_mb=None,
+    vram_total_mb=None,
+    avg_gpu_util=None,
+    mfu=None,
+    exit_reason="completed",
+)
 
 
 def run_folder(tmp_path, name, **summary):
@@ -29,12 +41,34 @@ def run_folder(tmp_path, name, **summary):
 
 
 def pretrain_pair(tmp_path, a_steady, b_steady, b_steps=2, b_tokens=16_384):
-    a = run_folder(tmp_path, "baseline", mode="pretrain", batch_size=8, gradient_accumulation_steps=1, steps=32,
-                   samples=256, tokens=16_384, steady_state_steps=a_steady, samples_per_sec=10.0,
-                   tokens_per_sec=640.0, final_loss=5.0)
-    b = run_folder(tmp_path, "optimized", mode="pretrain", batch_size=32, gradient_accumulation_steps=4,
-                   steps=b_steps, samples=256, tokens=b_tokens, steady_state_steps=b_steady, samples_per_sec=20.5,
-                   tokens_per_sec=1312.0, final_loss=6.0)
+    a = run_folder(
+        tmp_path,
+        "baseline",
+        mode="pretrain",
+        batch_size=8,
+        gradient_accumulation_steps=1,
+        steps=32,
+        samples=256,
+        tokens=16_384,
+        steady_state_steps=a_steady,
+        samples_per_sec=10.0,
+        tokens_per_sec=640.0,
+        final_loss=5.0,
+    )
+    b = run_folder(
+        tmp_path,
+        "optimized",
+        mode="pretrain",
+        batch_size=32,
+        gradient_accumulation_steps=4,
+        steps=b_steps,
+        samples=256,
+        tokens=b_tokens,
+        steady_state_steps=b_steady,
+        samples_per_sec=20.5,
+        tokens_per_sec=1312.0,
+        final_loss=6.0,
+    )
     return a, b
 
 
@@ -42,13 +76,16 @@ def test_few_steady_steps_and_different_steps_are_said(tmp_path, capsys):
     a, b = pretrain_pair(tmp_path, a_steady=29, b_steady=1, b_tokens=15_000)
     result = compare_runs([a, b])
     notes = result["notes"]
-    assert result["metric"] == "samples_per_sec" and result["verdict"] == "optimized is 2.05x baseline (samples/s)"
+    assert result["metric"] == "samples_per_sec" and result["verdict"] == ("optimized is 2.05x baseline "
+                                                                           "(samples/s)")
     guesses = [n for n in notes if "steady-state step" in n]
     assert guesses == [
         "optimized has 1 steady-state step(s), fewer than 5: its samples/s and the speed-up are a guess; "
         "train longer (COMPARE_SAMPLES, MAX_STEPS)"]  # the baseline's 29 are enough
-    assert "the sides trained different numbers of optimizer steps (32 vs 2): their final losses are not comparable" in notes
-    assert "the sides trained different numbers of tokens (16,384 vs 15,000): their final losses are not comparable" in notes
+    assert ("the sides trained different numbers of optimizer steps (32 vs 2): their final losses are not "
+            "comparable") in notes
+    assert ("the sides trained different numbers of tokens (16,384 vs 15,000): their final losses are not "
+            "comparable") in notes
     table = render_markdown(result)
     assert "| optimizer steps / tokens | 32 / 16,384 | 2 / 15,000 |" in table
     assert "note: optimized has 1 steady-state step(s)" in table
@@ -68,7 +105,10 @@ def test_like_for_like_sides_get_no_warning(tmp_path):
     assert result["notes"] == []
     gpu = {**result, "runs": [{**e, "peak_vram_mb": 900.0} for e in result["runs"]]}
     assert comparison_panels(gpu) == ("throughput", "memory", "loss")
-    assert throughput_label({**result, "runs": [{**e, "n": 3} for e in result["runs"]]}) == "samples/s (median of 3 runs)"
+    assert (
+        throughput_label({**result, "runs": [{**e, "n": 3} for e in result["runs"]]})
+        == "samples/s (median of 3 runs)"
+    )
 
 
 def test_sft_leads_with_tokens_per_second(tmp_path):
@@ -102,7 +142,9 @@ def test_length_grouping_under_a_budget_trains_the_plain_order_samples():
     assert int(lengths[taken].sum()) == int(lengths[plain].sum())
     batches = [taken[i : i + 16] for i in range(0, budget, 16)]
     spread = np.mean([np.ptp(lengths[b]) for b in batches])
-    assert spread < np.mean([np.ptp(lengths[plain[i : i + 16]]) for i in range(0, budget, 16)]) / 2  # still grouped
+    # still grouped
+    assert spread < np.mean([np.ptp(lengths[plain[i : i + 16]]) for i in range(0, budget, 16)]) / 2
     rest = list(grouped)[budget:]
     assert len(rest) == 1000 // 16 * 16 - budget and not set(rest) & set(taken)  # the epoch goes on past it
-    assert len(list(GroupedSampler(lengths, 16, seed=1337))) == len(rest) + budget  # no budget: the same epoch size
+    # no budget: the same epoch size
+    assert len(list(GroupedSampler(lengths, 16, seed=1337))) == len(rest) + budget

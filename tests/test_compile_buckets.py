@@ -47,8 +47,15 @@ def compiled_run(tmp_path, monkeypatch, *argv, backend: str = "eager") -> dict:
     return summary
 
 
-ONE_GRAPH = {"enabled": True, "mode": "default", "graph_breaks": 0, "recompiles": 0, "graphs": 1, "cuda_graphs": None,
-             "cudagraph_skips": None}
+ONE_GRAPH = {
+    "enabled": True,
+    "mode": "default",
+    "graph_breaks": 0,
+    "recompiles": 0,
+    "graphs": 1,
+    "cuda_graphs": None,
+    "cudagraph_skips": None,
+}
 
 
 def test_bucket_widths():
@@ -100,9 +107,22 @@ def test_t5_sft_is_one_graph_over_both_sides_buckets(t5_folder, tmp_path, monkey
 def test_t5_pretraining_is_one_graph(tiny_flags, tmp_path, monkeypatch):
     t5 = tmp_path / "t5"
     t5.mkdir()
-    (t5 / "config.json").write_text(json.dumps({
-        "model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 1, "num_decoder_layers": 1, "num_heads": 2,
-        "d_kv": 16, "n_positions": 512, "dropout_rate": 0.0, "feed_forward_proj": "relu"}))  # fmt: skip
+    (t5 / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "t5",
+                "d_model": 32,
+                "d_ff": 64,
+                "num_layers": 1,
+                "num_decoder_layers": 1,
+                "num_heads": 2,
+                "d_kv": 16,
+                "n_positions": 512,
+                "dropout_rate": 0.0,
+                "feed_forward_proj": "relu",
+            }
+        )
+    )
     flags = [f for f in tiny_flags if f not in ("--output_dir", str(tmp_path / "runs"))]
     at = flags.index("--model_config")
     flags[at + 1] = str(t5)

@@ -52,7 +52,11 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
             "--log_every", "2"]  # fmt: skip
     assert run_cli("pretrain", *argv, "--run_name", "c") == 0
     summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
-    assert summary["compile"]["enabled"] is True and summary["compile_error"] is None and summary["compile_s"] > 0
+    assert (
+        summary["compile"]["enabled"] is True
+        and summary["compile_error"] is None
+        and summary["compile_s"] > 0
+    )
     assert summary["compile"]["graph_breaks"] == 0 and summary["compile"]["recompiles"] == 0
     # the probed step (eager, under the sync counter) takes the compiled step's inputs: no look at
     # position_ids (find_packed_sequence_indices, traced away compiled) counted as two syncs a step
@@ -62,7 +66,9 @@ def test_compile_that_works_is_used(tiny_flags, tmp_path, monkeypatch):
     # transformers' traced look for packing in position_ids made a dense (T x T) mask every step for
     # the kit's models (use_cache=False; a model with a cache skips that look, so a bare GPT2Config
     # would not show it)
-    assert sdpa_calls and all(c.get("attn_mask") is None and c.get("is_causal") is True for c in sdpa_calls), sdpa_calls
+    assert sdpa_calls and all(
+        c.get("attn_mask") is None and c.get("is_causal") is True for c in sdpa_calls
+    ), sdpa_calls
 
 
 def test_a_later_compiled_failure_switches_to_eager_for_good():

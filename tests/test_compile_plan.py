@@ -100,7 +100,9 @@ def test_kept_gradients_train_as_set_to_none_does():
             keep_grads(model, opt)
             storage = [p.grad.data_ptr() for p in model.parameters()]
         for _ in range(3):
-            train_step(model, opt, scaler, iter([{"input_ids": x}] * 2), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM)
+            train_step(
+                model, opt, scaler, iter([{"input_ids": x}] * 2), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM
+            )
         if kept:
             assert [p.grad.data_ptr() for p in model.parameters()] == storage
             assert all(not p.grad.any() for p in model.parameters())  # zeroed after the step, in place

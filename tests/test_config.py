@@ -63,7 +63,9 @@ def test_unknown_flag_is_one_line():
 
 
 def test_switch_flags_and_bool_values():
-    cfg = parse_training_args("pretrain", ["--fp16", "--gradient_checkpointing", "--pin_memory", "0", "--tf32"])
+    cfg = parse_training_args(
+        "pretrain", ["--fp16", "--gradient_checkpointing", "--pin_memory", "0", "--tf32"]
+    )
     assert cfg.system.precision == "fp16"
     assert cfg.model.gradient_checkpointing and not cfg.data.pin_memory and cfg.system.tf32
 

@@ -153,7 +153,19 @@ def _sgd_step(model, loader, accum, sync, total=None):
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(loader), accum, 0.0, torch.device("cpu"), "fp32", sync, total, layout=CAUSAL_LM)
+    train_step(
+        model,
+        optimizer,
+        scaler,
+        iter(loader),
+        accum,
+        0.0,
+        torch.device("cpu"),
+        "fp32",
+        sync,
+        total,
+        layout=CAUSAL_LM,
+    )
 
 
 def _ddp_token_mean_over_uneven_ranks(world):
@@ -172,7 +184,8 @@ def _ddp_token_mean_over_uneven_ranks(world):
     cpu = torch.device("cpu")
     loader, _ = make_loader(rows, DataConfig(), 2, 5, cpu, rank=world.rank, world_size=world.world_size)
     mine = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in loader)
-    assert process_group.max_across(world, [mine])[0] * 2 != process_group.sum_across(world, [mine])[0]  # uneven ranks
+    # uneven ranks
+    assert process_group.max_across(world, [mine])[0] * 2 != process_group.sum_across(world, [mine])[0]
     ddp = parallel.wrap(tiny_model(), world, "none", False, cpu)
     _sgd_step(ddp, loader, 2, parallel.sync_context(ddp), process_group.step_total(world))
     if world.rank == 0:
@@ -238,7 +251,17 @@ def _sharded_checkpoint_round_trip(world, folder, sharding, offload):
     def steps(model, optimizer, chunk):
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_step(
-            model, optimizer, scaler, iter(chunk), 2, 1.0, cpu, "fp32", parallel.sync_context(model), layout=CAUSAL_LM)
+            model,
+            optimizer,
+            scaler,
+            iter(chunk),
+            2,
+            1.0,
+            cpu,
+            "fp32",
+            parallel.sync_context(model),
+            layout=CAUSAL_LM,
+        )
 
     a = parallel.wrap(tiny_model(0), world, sharding, offload, cpu)
     assert parallel.is_sharded(a)

@@ -29,7 +29,8 @@ TIMEOUT = 420
 @pytest.fixture(scope="module")
 def env(corpus, tiny_config, cache_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp("ddp_resume") / "runs"
-    base = launcher_env({})  # the ranks through the tests' fork server (KIT_PYTHON): torchrun's children are its callers
+    # the ranks through the tests' fork server (KIT_PYTHON): torchrun's children are its callers
+    base = launcher_env({})
     base.update(
         NPROC_PER_NODE="2", MODEL_CONFIG=str(tiny_config), DATA_PATH=str(corpus), VOCAB_SIZE="512",
         CACHE_DIR=str(cache_dir), OUTPUT_DIR=str(runs), MAX_LENGTH="64", BATCH_SIZE="4", GRADIENT_ACCUM="2",
@@ -87,7 +88,11 @@ def losses(run: Path) -> list[dict]:
 def assert_same_run(run: Path, reference: Path, resumed_from: int) -> None:
     rows, ref = losses(run), losses(reference)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step: none lost or repeated
-    assert [r["samples"] for r in rows] == [r["samples"] for r in ref] == [EFFECTIVE * s for s in range(1, STEPS + 1)]
+    assert (
+        [r["samples"] for r in rows]
+        == [r["samples"] for r in ref]
+        == [EFFECTIVE * s for s in range(1, STEPS + 1)]
+    )
     after = [(a["loss"], b["loss"]) for a, b in zip(rows, ref, strict=True) if a["step"] > resumed_from]
     assert len(after) == STEPS - resumed_from > 0
     np.testing.assert_allclose([a for a, _ in after], [b for _, b in after], rtol=0, atol=1e-5)
@@ -160,7 +165,9 @@ def test_two_process_run_writes_one_set_of_outputs(stopped):
     runs, base, results, _ = stopped
     assert results["ref"]["rc"] == 0, results["ref"]["err"][-3000:]
     s = summary(runs / "ref")
-    assert s["world_size"] == 2 and s["effective_batch_size"] == EFFECTIVE and s["samples"] == EFFECTIVE * STEPS
+    assert (
+        s["world_size"] == 2 and s["effective_batch_size"] == EFFECTIVE and s["samples"] == EFFECTIVE * STEPS
+    )
     assert [r["rank"] for r in s["per_rank"]] == [0, 1] and all(r["peak_rss_mb"] > 0 for r in s["per_rank"])
     assert "x 2 processes = effective 16" in (runs / "ref" / "train.log").read_text()
     assert results["ref"]["out"].count("done:") == 1  # rank 0 alone prints

@@ -16,7 +16,10 @@ from test_sft_data import make_tokenizer
 from conftest import read_jsonl, run_cli
 from train.models.family import set_dropout
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(16)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(16)
+]
 
 
 def _folder(root: Path, family: str, **rates) -> Path:
@@ -27,8 +30,11 @@ def _folder(root: Path, family: str, **rates) -> Path:
     tok = make_tokenizer()
     tok.pad_token = tok.eos_token
     cfg = build_config("nano", None, padded_vocab(len(tok)), tok.eos_token_id, family)
-    shape = (dict(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16) if family == "t5"
-             else dict(n_layer=2, n_embd=32, n_head=2, n_positions=64))
+    shape = (
+        dict(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16)
+        if family == "t5"
+        else dict(n_layer=2, n_embd=32, n_head=2, n_positions=64)
+    )
     for key, value in {**shape, **rates}.items():
         setattr(cfg, key, value)
     folder = root / family
@@ -39,10 +45,35 @@ def _folder(root: Path, family: str, **rates) -> Path:
 
 def _first_dpo_step(root: Path, folder: Path, capsys) -> tuple[dict, str]:
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    argv = ["dpo", "--model_path", str(folder), "--data_path", str(root / "pairs.jsonl"), "--reference", "copy",
-            "--template", "none", "--output_dir", str(root / "runs"), "--cache_dir", str(root / "cache"),
-            "--max_length", "64", "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0",
-            "--learning_rate", "1e-3", "--run_name", folder.name]  # fmt: skip
+    argv = [
+        "dpo",
+        "--model_path",
+        str(folder),
+        "--data_path",
+        str(root / "pairs.jsonl"),
+        "--reference",
+        "copy",
+        "--template",
+        "none",
+        "--output_dir",
+        str(root / "runs"),
+        "--cache_dir",
+        str(root / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--learning_rate",
+        "1e-3",
+        "--run_name",
+        folder.name,
+    ]
     assert run_cli(*argv) == 0
     rows = [r for r in read_jsonl(root / "runs" / folder.name / "metrics.jsonl") if "loss" in r]
     return rows[0], capsys.readouterr().out
@@ -69,10 +100,29 @@ def test_gpt2_with_attn_pdrop_starts_dpo_at_ln2(tmp_path, capsys):
 def test_set_dropout_counts_layers_and_rates_and_leaves_none_on():
     from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_decoder_layers=1,
-                                             num_heads=2, d_kv=8, dropout_rate=0.2))
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.3))
+    t5 = T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=64,
+            d_model=16,
+            d_ff=32,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=2,
+            d_kv=8,
+            dropout_rate=0.2,
+        )
+    )
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            attention_dropout=0.3,
+        )
+    )
     assert set_dropout(t5, 0.0) == 9 + 3  # layers: 3 + 4 in the blocks, 1 per stack; rates: 3 attentions
     assert set_dropout(llama, 0.0) == 2  # no dropout modules at all: only the attention rate
     for model in (t5, llama):

@@ -13,7 +13,10 @@ import config
 from train.core.units import MIB
 from train.run.plan.dpo import copy_room, decide_reference, tightest
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(24)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(24)
+]
 
 
 def wide_gpt2():
@@ -31,7 +34,9 @@ def dpo_cfg(**overrides) -> config.TrainConfig:
 
 def choose(cfg, room, trained: int = 8, pairs: int = 40) -> tuple[str, str]:
     said = []
-    kind = decide_reference(cfg, pairs, trained, lambda setting, value, why: said.append((setting, value, why)), room)
+    kind = decide_reference(
+        cfg, pairs, trained, lambda setting, value, why: said.append((setting, value, why)), room
+    )
     assert said[0][:2] == ("reference", kind) and cfg.model.reference == kind
     return kind, said[0][2]
 
@@ -40,7 +45,8 @@ def test_a_copy_that_does_not_fit_beside_the_run_is_not_chosen():
     model, device = wide_gpt2(), torch.device("cpu")
     room = copy_room(dpo_cfg(), model, device, "fp32", 64)
     n_params = sum(p.numel() for p in model.parameters())
-    assert room["copy"] == 4 * n_params and room["run"] > room["copy"]  # weights, gradients, AdamW state and more
+    # weights, gradients, AdamW state and more
+    assert room["copy"] == 4 * n_params and room["run"] > room["copy"]
     # A budget with room for the run and half the copy: the short run's copy no longer fits.
     tight = int((room["run"] + room["copy"] / 2) / MIB)
     cfg = dpo_cfg(max_memory_mb=tight)
@@ -70,11 +76,16 @@ def test_the_earlier_reasons_hold_whatever_the_memory():
     assert choose(dpo_cfg(lora_r=4), room)[0] == "adapters"
     assert choose(dpo_cfg(), None)[0] == "copy"  # memory unknown: as before
     asked = dpo_cfg(reference="copy", max_memory_mb=1)
-    assert decide_reference(asked, 40, 8, lambda *a: pytest.fail("an asked REFERENCE is no decision"), room) == "copy"
+    assert (
+        decide_reference(asked, 40, 8, lambda *a: pytest.fail("an asked REFERENCE is no decision"), room)
+        == "copy"
+    )
     assert decide_reference(dpo_cfg(dpo_loss="simpo"), 40, 8, lambda *a: None, room) is None
 
 
-def test_a_dpo_run_on_a_tight_budget_precomputes_and_leaves_its_data_alone(base_model, tmp_path, capsys, monkeypatch):
+def test_a_dpo_run_on_a_tight_budget_precomputes_and_leaves_its_data_alone(
+    base_model, tmp_path, capsys, monkeypatch
+):
     """End to end: MAX_MEMORY_MB below the estimate (the run warns, not refuses) and a short run that
     would take a copy: the plan chooses precomputed, says the figures, and trains; the precomputed
     pass's Data is a new one (the source's Data keeps its plain collator)."""
@@ -91,15 +102,38 @@ def test_a_dpo_run_on_a_tight_budget_precomputes_and_leaves_its_data_alone(base_
 
     monkeypatch.setattr(dpo_reference, "with_precomputed", spy)  # a spy only: the real function runs
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    argv = ["dpo", "--model_path", str(base_model), "--data_path", str(tmp_path / "pairs.jsonl"),
-            "--output_dir", str(tmp_path / "runs"), "--cache_dir", str(tmp_path / "cache"), "--max_length", "64",
-            "--batch_size", "2", "--max_steps", "2", "--num_workers", "0", "--run_name", "tight",
-            "--max_memory_mb", "1"]  # fmt: skip
+    argv = [
+        "dpo",
+        "--model_path",
+        str(base_model),
+        "--data_path",
+        str(tmp_path / "pairs.jsonl"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "2",
+        "--num_workers",
+        "0",
+        "--run_name",
+        "tight",
+        "--max_memory_mb",
+        "1",
+    ]
     assert run_cli(*argv) == 0
     out = capsys.readouterr().out
     assert "reference = precomputed" in out and "do not fit beside the run" in out
     (given, new), = made
-    assert new is not given and new.collate is not given.collate and type(given.collate).__name__ != "WithReference"
+    assert (
+        new is not given
+        and new.collate is not given.collate
+        and type(given.collate).__name__ != "WithReference"
+    )
     assert "reference" not in given.summary
     summary = json.loads((tmp_path / "runs" / "tight" / "summary.json").read_text())
     assert summary["reference"] == "precomputed"
@@ -116,8 +150,17 @@ def weighty_model(base_model, folder):
     tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
     vocab = json.loads((base_model / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=64, vocab_size=vocab,
-                                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=6,
+            n_embd=512,
+            n_head=8,
+            n_positions=64,
+            vocab_size=vocab,
+            bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    )
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters()) * 4
@@ -157,17 +200,54 @@ def test_precomputed_and_adapters_hold_about_one_set_of_weights_less_than_a_copy
     not their time, is what it reads."""
     weights = weighty_model(base_model, tmp_path / "model") / MIB
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS[:12]))
-    common = ["dpo", "--model_path", str(tmp_path / "model"), "--data_path", str(tmp_path / "pairs.jsonl"),
-              "--output_dir", str(tmp_path / "runs"), "--max_length", "32", "--batch_size", "2", "--max_steps", "2",
-              "--num_workers", "0", "--precision", "fp32", "--eval_batches", "1", "--save_every", "0",
-              "--log_every", "1"]  # fmt: skip
-    ways = {"copy": ["--reference", "copy"], "precomputed": ["--reference", "precomputed"],
-            "lora-copy": ["--reference", "copy", "--lora_r", "4"], "adapters": ["--reference", "adapters", "--lora_r", "4"]}
+    common = [
+        "dpo",
+        "--model_path",
+        str(tmp_path / "model"),
+        "--data_path",
+        str(tmp_path / "pairs.jsonl"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "32",
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "2",
+        "--num_workers",
+        "0",
+        "--precision",
+        "fp32",
+        "--eval_batches",
+        "1",
+        "--save_every",
+        "0",
+        "--log_every",
+        "1",
+    ]
+    ways = {
+        "copy": ["--reference", "copy"],
+        "precomputed": ["--reference", "precomputed"],
+        "lora-copy": ["--reference", "copy", "--lora_r", "4"],
+        "adapters": ["--reference", "adapters", "--lora_r", "4"],
+    }
     # each its own cache: two processes never write one preference cache at once
-    peaks = peak_rss_mb({name: [*common, *more, "--run_name", name, "--cache_dir", str(tmp_path / f"cache-{name}")]
-                         for name, more in ways.items()}, tmp_path)  # fmt: skip
-    saved = {"precomputed": peaks["copy"] - peaks["precomputed"], "adapters": peaks["lora-copy"] - peaks["adapters"]}
-    print(f"weights {weights:.0f} MB; peak RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in peaks.items())
-          + "; below the copy: " + ", ".join(f"{k} {v:.0f} MB ({v / weights:.0%} of the weights)" for k, v in saved.items()))
+    peaks = peak_rss_mb(
+        {
+            name: [*common, *more, "--run_name", name, "--cache_dir", str(tmp_path / f"cache-{name}")]
+            for name, more in ways.items()
+        },
+        tmp_path,
+    )
+    saved = {
+        "precomputed": peaks["copy"] - peaks["precomputed"],
+        "adapters": peaks["lora-copy"] - peaks["adapters"],
+    }
+    print(
+        f"weights {weights:.0f} MB; peak RSS "
+        + ", ".join(f"{k} {v:.0f} MB" for k, v in peaks.items())
+        + "; below the copy: "
+        + ", ".join(f"{k} {v:.0f} MB ({v / weights:.0%} of the weights)" for k, v in saved.items())
+    )
     for way, mb in saved.items():
         assert 0.4 * weights <= mb <= 1.6 * weights, (way, mb, weights, peaks)

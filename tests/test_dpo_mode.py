@@ -19,7 +19,10 @@ import pytest
 
 from conftest import ROOT, launch, read_jsonl, run_cli, train_python
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(40)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(40)
+]
 TRL_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected")  # fmt: skip
 
@@ -28,7 +31,9 @@ def sft_and_pairs(base_model: Path, root: Path, output_dir: str, n: int) -> Path
     """root with a completed SFT run (root/output_dir/sft) of the tiny pretrained GPT-2 on n conversations
     (DPO's default MODEL_PATH) and root/pairs.jsonl."""
     data = root / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(n)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(n))
+    )
     argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / output_dir),
             "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "2",
             "--run_name", "sft", "--num_workers", "0"]  # fmt: skip
@@ -44,9 +49,30 @@ def sft_runs(base_model, tmp_path_factory) -> Path:
 
 
 def dpo_argv(root: Path, name: str, *more: str) -> list[str]:
-    return ["dpo", "--data_path", str(root / "pairs.jsonl"), "--output_dir", str(root / "runs"),
-            "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "5",
-            "--log_every", "1", "--num_workers", "0", "--run_name", name, "--overwrite", "1", *more]  # fmt: skip
+    return [
+        "dpo",
+        "--data_path",
+        str(root / "pairs.jsonl"),
+        "--output_dir",
+        str(root / "runs"),
+        "--cache_dir",
+        str(root / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "5",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--run_name",
+        name,
+        "--overwrite",
+        "1",
+        *more,
+    ]
 
 
 def train_rows(run: Path) -> list[dict]:
@@ -104,7 +130,9 @@ def test_accumulation_4_x_2_equals_a_batch_of_8(sft_runs):
                                  "--learning_rate", "1e-3")) == 0  # fmt: skip
         runs[name] = train_rows(sft_runs / "runs" / name)
     for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
-        np.testing.assert_allclose([r[key] for r in runs["accum"]], [r[key] for r in runs["big"]], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(
+            [r[key] for r in runs["accum"]], [r[key] for r in runs["big"]], rtol=0, atol=1e-5
+        )
     assert [r["samples"] for r in runs["accum"]] == [8, 16, 24]
 
 
@@ -114,27 +142,57 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     assert run_cli(*dpo_argv(sft_runs, "auto", "--max_steps", "1", "--dry_run", "1")) == 0
     assert "reference = copy  (a short run reads 4 of" in capsys.readouterr().out
     assert run_cli(*dpo_argv(sft_runs, "auto", "--epochs", "1", "--max_steps", "", "--dry_run", "1")) == 0
-    said = re.search(r"reference = precomputed  \(the run reads (\d+) pairs, every one of the (\d+) at least once: one "
+    said = re.search(r"reference = precomputed  \(the run reads (\d+) pairs, every one of the (\d+) at least "
+                     r"once: one "
                      r"forward pass over the \2 before training \(cached\)", capsys.readouterr().out)
-    assert said and int(said[1]) >= int(said[2])  # was "the run reads 120 pair(s) of 108: one forward pass over them"
+    # was "the run reads 120 pair(s) of 108: one forward pass over them"
+    assert said and int(said[1]) >= int(said[2])
 
 
-@pytest.mark.parametrize("mode, argv, message", [
-    ("dpo", ["--beta", "0"], "BETA=0: preference training's beta scales the log-ratios; above 0"),  # GRPO's 0: none
-    ("dpo", ["--dpo_loss", "kto"], "DPO_LOSS (--dpo_loss): expected sigmoid | ipo | hinge | simpo | orpo"),
-    ("dpo", ["--label_smoothing", "0.5"], "LABEL_SMOOTHING (--label_smoothing): expected a number from 0 to below 0.5"),
-    ("dpo", ["--reference", "adapters"], "REFERENCE=adapters: the reference is the base model"),
-    ("dpo", ["--dpo_loss", "simpo", "--reference", "copy"], "REFERENCE=copy: DPO_LOSS=simpo is reference-free"),
-    ("dpo", ["--dpo_loss", "ipo", "--label_smoothing", "0.1"], "LABEL_SMOOTHING=0.1: DPO_LOSS=ipo ignores it"),
-    ("dpo", ["--simpo_gamma", "0.3"], "SIMPO_GAMMA=0.3: DPO_LOSS=sigmoid ignores it (it reads BETA, LABEL_SMOOTHING)"),
-    ("dpo", ["--dpo_loss", "orpo", "--simpo_gamma", "0"], "SIMPO_GAMMA=0: DPO_LOSS=orpo ignores it"),
-    ("dpo", ["--model_size", "nano"], "MODEL_SIZE (--model_size) does not apply to preference training"),
-    ("dpo", ["--loss_mean", "tokens"], "LOSS_MEAN (--loss_mean) does not apply to preference training"),
-    ("dpo", ["--text_field", "body"], "TEXT_FIELD (--text_field) does not apply to preference training"),
-    ("sft", ["--beta", "0.2"], "BETA (--beta) does not apply to SFT (`python -m train sft`): it is read by "
-                               "preference training and reward training only"),
-    ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) does not apply to pretraining"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, argv, message",
+    [
+        # GRPO's 0: none
+        ("dpo", ["--beta", "0"], "BETA=0: preference training's beta scales the log-ratios; above 0"),
+        (
+            "dpo",
+            ["--dpo_loss", "kto"],
+            "DPO_LOSS (--dpo_loss): expected sigmoid | ipo | hinge | simpo | orpo",
+        ),
+        (
+            "dpo",
+            ["--label_smoothing", "0.5"],
+            "LABEL_SMOOTHING (--label_smoothing): expected a number from 0 to below 0.5",
+        ),
+        ("dpo", ["--reference", "adapters"], "REFERENCE=adapters: the reference is the base model"),
+        (
+            "dpo",
+            ["--dpo_loss", "simpo", "--reference", "copy"],
+            "REFERENCE=copy: DPO_LOSS=simpo is reference-free",
+        ),
+        (
+            "dpo",
+            ["--dpo_loss", "ipo", "--label_smoothing", "0.1"],
+            "LABEL_SMOOTHING=0.1: DPO_LOSS=ipo ignores it",
+        ),
+        (
+            "dpo",
+            ["--simpo_gamma", "0.3"],
+            "SIMPO_GAMMA=0.3: DPO_LOSS=sigmoid ignores it (it reads BETA, LABEL_SMOOTHING)",
+        ),
+        ("dpo", ["--dpo_loss", "orpo", "--simpo_gamma", "0"], "SIMPO_GAMMA=0: DPO_LOSS=orpo ignores it"),
+        ("dpo", ["--model_size", "nano"], "MODEL_SIZE (--model_size) does not apply to preference training"),
+        ("dpo", ["--loss_mean", "tokens"], "LOSS_MEAN (--loss_mean) does not apply to preference training"),
+        ("dpo", ["--text_field", "body"], "TEXT_FIELD (--text_field) does not apply to preference training"),
+        (
+            "sft",
+            ["--beta", "0.2"],
+            "BETA (--beta) does not apply to SFT (`python -m train sft`): it is read by "
+            "preference training and reward training only",
+        ),
+        ("pretrain", ["--reference", "copy"], "REFERENCE (--reference) does not apply to pretraining"),
+    ],
+)
 def test_a_bad_dpo_knob_is_one_line_exit_2(sft_runs, capsys, mode, argv, message):
     base = dpo_argv(sft_runs, "bad")[1:] if mode == "dpo" else ["--output_dir", str(sft_runs / "runs"),
                                                                  "--run_name", "bad"]  # fmt: skip
@@ -145,9 +203,17 @@ def test_a_bad_dpo_knob_is_one_line_exit_2(sft_runs, capsys, mode, argv, message
 
 
 def test_the_launcher_trains_pairs_with_its_micro_batch(sft_runs):
-    env = {"DATA_PATH": str(sft_runs / "pairs.jsonl"), "OUTPUT_DIR": str(sft_runs / "runs"), "RUN_NAME": "launched",
-           "CACHE_DIR": str(sft_runs / "cache"), "MAX_LENGTH": "64", "MAX_STEPS": "2", "NUM_WORKERS": "0",
-           "DPO_LOSS": "ipo", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        "DATA_PATH": str(sft_runs / "pairs.jsonl"),
+        "OUTPUT_DIR": str(sft_runs / "runs"),
+        "RUN_NAME": "launched",
+        "CACHE_DIR": str(sft_runs / "cache"),
+        "MAX_LENGTH": "64",
+        "MAX_STEPS": "2",
+        "NUM_WORKERS": "0",
+        "DPO_LOSS": "ipo",
+        "OMP_NUM_THREADS": "1",
+    }
     proc = launch("train_dpo.sh", env, "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((sft_runs / "runs" / "launched" / "summary.json").read_text())
@@ -163,8 +229,15 @@ def test_sigkill_then_resume_repeats_the_losses(sft_runs):
     whole = train_rows(sft_runs / "runs" / "whole")
     killed = [a if a != "whole" else "killed" for a in argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([train_python(), "-m", "train", *killed], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [train_python(), "-m", "train", *killed],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics, deadline = sft_runs / "runs" / "killed" / "metrics.jsonl", time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
@@ -201,8 +274,25 @@ def t5_root(tmp_path_factory) -> Path:
 
 
 def test_t5_dpo_runs_its_encoder_once_and_starts_at_ln2(t5_root):
-    assert run_cli(*dpo_argv(t5_root, "t5", "--model_path", str(t5_root / "model"), "--reference", "copy",
-                             "--template", "none", "--max_steps", "3", "--learning_rate", "1e-3")) == 0  # fmt: skip
+    assert (
+        run_cli(
+            *dpo_argv(
+                t5_root,
+                "t5",
+                "--model_path",
+                str(t5_root / "model"),
+                "--reference",
+                "copy",
+                "--template",
+                "none",
+                "--max_steps",
+                "3",
+                "--learning_rate",
+                "1e-3",
+            )
+        )
+        == 0
+    )
     run = t5_root / "runs" / "t5"
     rows = train_rows(run)
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -211,7 +301,11 @@ def test_t5_dpo_runs_its_encoder_once_and_starts_at_ln2(t5_root):
     assert summary["mode"] == "dpo" and summary["model_kind"] == "seq2seq" and summary["samples"] == 12
     from transformers import AutoModelForSeq2SeqLM
 
-    assert AutoModelForSeq2SeqLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "t5"
-    resolved = next(line for line in (run / "train.log").read_text().splitlines() if line.startswith("  model: "))
+    assert (
+        AutoModelForSeq2SeqLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "t5"
+    )
+    resolved = next(
+        line for line in (run / "train.log").read_text().splitlines() if line.startswith("  model: ")
+    )
     assert " MODEL_FAMILY=t5 " in resolved, resolved  # the folder's family, not MODEL_FAMILY's default gpt2
     assert json.loads((run / "config.json").read_text())["resolved"]["model_family"] == "t5"

@@ -33,7 +33,10 @@ from train.data.chat.packing import SDPA, VARLEN
 from train.data.chat.pair_batching import MicroPackedPairCollator, PackedPairCollator, PairCollator
 from train.models.family import CAUSAL_LM
 
-KNOBS = {"sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3), "simpo": dict(beta=2.0, simpo_gamma=0.7)}
+KNOBS = {
+    "sigmoid": dict(beta=0.5, label_smoothing=0.1, sft_weight=0.3),
+    "simpo": dict(beta=2.0, simpo_gamma=0.7),
+}
 FAMILIES = {"gpt2": gpt2, "llama": llama}
 
 
@@ -42,8 +45,15 @@ def examples(n: int, seed: int) -> list[dict]:
     as a template's header token would be)."""
     out = []
     for prompt, chosen, rejected in pairs_of(n, seed):
-        out.append({"prompt_ids": prompt.tolist(), "chosen_ids": chosen.tolist(), "rejected_ids": rejected.tolist(),
-                    "chosen_labels": [-100, *chosen.tolist()[1:]], "rejected_labels": rejected.tolist()})  # fmt: skip
+        out.append(
+            {
+                "prompt_ids": prompt.tolist(),
+                "chosen_ids": chosen.tolist(),
+                "rejected_ids": rejected.tolist(),
+                "chosen_labels": [-100, *chosen.tolist()[1:]],
+                "rejected_labels": rejected.tolist(),
+            }
+        )
     return out
 
 
@@ -52,7 +62,9 @@ def grads(model) -> dict:
 
 
 CASES = [(family, loss, VARLEN) for family in ("gpt2", "llama") for loss in KNOBS] + [
-    ("gpt2", "sigmoid", SDPA), ("llama", "simpo", SDPA)]  # the masked form: a block-diagonal (rows, 1, T, T) mask
+    ("gpt2", "sigmoid", SDPA),
+    ("llama", "simpo", SDPA),
+]  # the masked form: a block-diagonal (rows, 1, T, T) mask
 
 
 def losses_and_grads(family: str, loss_name: str, attention: str, batches: list[dict]) -> list[tuple]:
@@ -94,7 +106,10 @@ def test_a_packed_micro_batch_equals_the_padded_one(family, loss_name, attention
     real = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
     assert batch["n_pairs"] == 5 and batch["n_real_tokens"] == real
     if attention == VARLEN:
-        assert batch["labels"].shape == (1, batch["n_padded_tokens"]) and batch["n_padded_tokens"] == -(-real // 8) * 8
+        assert (
+            batch["labels"].shape == (1, batch["n_padded_tokens"])
+            and batch["n_padded_tokens"] == -(-real // 8) * 8
+        )
     else:
         assert batch["labels"].shape[0] == 5  # a row per pair
     assert_same(losses_and_grads(family, loss_name, attention, [PairCollator(0)(pairs), batch]))
@@ -195,7 +210,10 @@ def test_no_host_sync_in_a_packed_micro_step(attention):
 
 # ---- whole runs --------------------------------------------------------------------------
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(12)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(12)
+]
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +239,19 @@ def test_a_packed_run_gives_the_losses_of_an_unpacked_one(base_model, pairs_root
     out = capsys.readouterr().out
     rows = int(out.split("packing = ")[1].split(" rows")[0])
     assert rows < len(PAIRS)  # pairs share rows
-    runs = {"padded": dpo(pairs_root, base_model, "padded", "--packing", "0", "--reference", "copy", "--batch_size",
-                          str(len(PAIRS)))}  # fmt: skip
+    runs = {
+        "padded": dpo(
+            pairs_root,
+            base_model,
+            "padded",
+            "--packing",
+            "0",
+            "--reference",
+            "copy",
+            "--batch_size",
+            str(len(PAIRS)),
+        )
+    }
     for reference in ("copy", "precomputed"):
         runs[reference] = dpo(pairs_root, base_model, f"packed-{reference}", "--packing", "1", "--reference",
                               reference, "--batch_size", str(rows))  # fmt: skip
@@ -242,12 +271,30 @@ def test_a_packed_run_gives_the_losses_of_an_unpacked_one(base_model, pairs_root
 
 
 def test_t5_pairs_are_not_packed(t5_root, capsys):  # noqa: F811
-    argv = ["dpo", "--model_path", str(t5_root / "model"), "--data_path", str(t5_root / "pairs.jsonl"),
-            "--output_dir", str(t5_root / "runs"), "--cache_dir", str(t5_root / "cache"), "--template", "none",
-            "--packing", "1", "--max_steps", "1", "--run_name", "packed"]  # fmt: skip
+    argv = [
+        "dpo",
+        "--model_path",
+        str(t5_root / "model"),
+        "--data_path",
+        str(t5_root / "pairs.jsonl"),
+        "--output_dir",
+        str(t5_root / "runs"),
+        "--cache_dir",
+        str(t5_root / "cache"),
+        "--template",
+        "none",
+        "--packing",
+        "1",
+        "--max_steps",
+        "1",
+        "--run_name",
+        "packed",
+    ]
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "PACKING=1" in err[0] and "encoder-decoder" in err[0] and "not built" in err[0], err
+    assert (
+        len(err) == 1 and "PACKING=1" in err[0] and "encoder-decoder" in err[0] and "not built" in err[0]
+    ), err
     assert not (t5_root / "runs" / "packed").exists()
 
 
@@ -286,4 +333,6 @@ def test_the_default_packing_takes_the_other_samplers(base_model, pairs_root, mo
     without padding."""
     run = dpo(pairs_root, base_model, "micro-" + more[0].strip("-"), "--reference", "copy", *more)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["packing"] == "micro-batch" and summary["padding_efficiency"] == 1.0 and summary["steps"] == 3
+    assert (
+        summary["packing"] == "micro-batch" and summary["padding_efficiency"] == 1.0 and summary["steps"] == 3
+    )

@@ -30,12 +30,17 @@ def one_thread_here():
 
 def test_the_dpo_launcher_leaves_out_what_the_mode_refuses_and_says_its_own_model_path():
     dpo = next(lw for lw in knob_docs.launchers() if lw.path.name == "train_dpo.sh")
-    block = {line.split("=")[0]: line for line in knob_docs.launcher_block(dpo) if knob_docs.KNOB_LINE.match(line)}
+    block = {
+        line.split("=")[0]: line for line in knob_docs.launcher_block(dpo) if knob_docs.KNOB_LINE.match(line)
+    }
     new_model = {"MODEL_SIZE", "MODEL_CONFIG", "VOCAB_SIZE", "MODEL_FAMILY", "TEXT_FIELD",
                  "TOKENIZER_SAMPLE_MB"}
     assert not new_model & set(block) and "PACKING" in block
     assert "pairs per micro-batch" in block["BATCH_SIZE"] and "built-in pairs" in block["DATA_PATH"]
-    assert "the newest completed SFT run's final/" in block["MODEL_PATH"] and "pretraining" not in block["MODEL_PATH"]
+    assert (
+        "the newest completed SFT run's final/" in block["MODEL_PATH"]
+        and "pretraining" not in block["MODEL_PATH"]
+    )
     sft = next(lw for lw in knob_docs.launchers() if lw.path.name == "train_sft_custom.sh")
     sft_block = "\n".join(knob_docs.launcher_block(sft))
     assert "MODEL_SIZE=" in sft_block and "VOCAB_SIZE=" in sft_block
@@ -53,28 +58,54 @@ def test_the_marker_and_the_mode_parts_of_a_docstring():
     assert knob_docs.applies(replace(knob, modes=frozenset({"dpo"})), "dpo")
     doc = "SFT: the model. Empty: a new one. DPO: the chat model. Empty: the newest SFT run."
     assert knob_docs.mode_doc(doc, "dpo") == "DPO: the chat model. Empty: the newest SFT run."
-    assert knob_docs.mode_doc(doc, "sft") == knob_docs.mode_doc(doc, "pretrain") == "SFT: the model. Empty: a new one."
+    assert knob_docs.mode_doc(doc, "sft") == knob_docs.mode_doc(doc, "pretrain") == ("SFT: the model. Empty: "
+                                                                                     "a new one.")
     path = replace(knob, name="model_path", doc=doc, modes=frozenset({"sft", "dpo"}), default=None,
                    choices=())
-    assert knob_docs.summary(path, "dpo") == "the chat model" and knob_docs.summary(path, "sft") == "the model"
+    assert (
+        knob_docs.summary(path, "dpo") == "the chat model" and knob_docs.summary(path, "sft") == "the model"
+    )
     assert knob_docs.empty_means(path, None, "dpo") == "empty: the newest SFT run"
     assert knob_docs.empty_means(path, None, "sft") == "empty: a new one"
 
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(24)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(24)
+]
 
 
 @pytest.fixture
 def pairs_flags(base_model, tmp_path) -> list[str]:
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    return ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
-            "--cache_dir", str(tmp_path / "cache"), "--max_length", "64", "--num_workers", "0", "--max_steps", "2",
-            "--batch_size", "2", "--gradient_accumulation_steps", "4", "--max_memory_mb", "100000"]  # fmt: skip
+    return [
+        "--model_path",
+        str(base_model),
+        "--data_path",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--max_length",
+        "64",
+        "--num_workers",
+        "0",
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+        "--max_memory_mb",
+        "100000",
+    ]
 
 
-def test_find_batch_in_dpo_mode_times_the_preference_step_and_auto_batch_takes_its_answer(pairs_flags, tmp_path,
-                                                                                          capsys):
+def test_find_batch_in_dpo_mode_times_the_preference_step_and_auto_batch_takes_its_answer(
+    pairs_flags, tmp_path, capsys
+):
     with one_thread_here():
         assert run_cli("find-batch", "dpo", *pairs_flags) == 0
     out = capsys.readouterr().out
@@ -112,7 +143,10 @@ def test_autotune_in_dpo_mode_starts_from_the_dpo_preset_and_times_the_preferenc
     assert all(o.loss == pytest.approx(math.log(2), abs=1e-5) for o in outcomes if o.status == "ok")
     assert "effective batch 8 pairs" in capsys.readouterr().out
     with one_thread_here():
-        assert run_cli("autotune", "dpo", *pairs_flags, "--steps", "1", "--skip", "precision,workers,compile") == 0
+        assert (
+            run_cli("autotune", "dpo", *pairs_flags, "--steps", "1", "--skip", "precision,workers,compile")
+            == 0
+        )
     out = capsys.readouterr().out
     env = (tmp_path / "runs" / ENV_FILE).read_text()
     assert env.startswith("# python -m train autotune dpo,") and "pairs/s" in env.splitlines()[0]
@@ -131,6 +165,8 @@ def test_the_doctor_profiles_a_dpo_run_and_offers_the_precomputed_reference_for_
     run = next((tmp_path / "runs").glob("doctor-before*"))
     record = json.loads((run / "doctor.json").read_text())
     assert record["before"]["mode"] == "dpo" and record["before"]["reference"] == "copy"
-    assert record["verdict"]["kind"] == "memory-bound" and record["verdict"]["changes"] == {"reference": "precomputed"}
+    assert record["verdict"]["kind"] == "memory-bound" and record["verdict"]["changes"] == {
+        "reference": "precomputed"
+    }
     row = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r][-1]  # one log line, at step 2
     assert "rewards/accuracies" in row and 0 < row["loss"] < 1  # DPO's, near ln 2 (the token loss: about 6)

@@ -24,7 +24,12 @@ FIELDS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attent
 
 def tiny(family: str, dropout: float | None):
     cfg = build_config("nano", None, 128, 0, family, dropout)
-    for name, value in (("n_layer", 1), ("num_hidden_layers", 1), ("num_layers", 1), ("num_decoder_layers", 1)):
+    for name, value in (
+        ("n_layer", 1),
+        ("num_hidden_layers", 1),
+        ("num_layers", 1),
+        ("num_decoder_layers", 1),
+    ):
         if hasattr(cfg, name):
             setattr(cfg, name, value)
     if getattr(cfg, "layer_types", None):  # Qwen3's: one entry per layer
@@ -47,7 +52,9 @@ def train_equals_eval(model) -> bool:
 def module_values(model, family: str) -> set[float]:
     values = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
     for m in model.modules():
-        values |= {getattr(m, n) for n in FAMILIES[family].dropout_modules if isinstance(getattr(m, n, None), float)}
+        values |= {
+            getattr(m, n) for n in FAMILIES[family].dropout_modules if isinstance(getattr(m, n, None), float)
+        }
     return values
 
 
@@ -60,7 +67,8 @@ def test_a_new_model_carries_dropout_in_every_setting(family):
     assert module_values(model, family) == {0.25} and dropout_of(model) == 0.25
     assert not train_equals_eval(model)  # it drops
 
-    empty = tiny(family, None)  # DROPOUT empty: a MODEL_SIZE model has none (transformers' own is 0.1 for gpt2, t5)
+    # DROPOUT empty: a MODEL_SIZE model has none (transformers' own is 0.1 for gpt2, t5)
+    empty = tiny(family, None)
     assert [getattr(empty, n) for n in FIELDS[family]] == [0.0] * len(FIELDS[family])
     assert train_equals_eval(build_model(empty, gradient_checkpointing=False, seed=0))
 
@@ -80,10 +88,29 @@ def test_a_loaded_model_takes_dropout_where_set(family, tmp_path):
 def test_sft_sets_dropout_on_the_loaded_model_and_says_it(base_model, tmp_path, capsys):
     assert json.loads((base_model / "config.json").read_text())["resid_pdrop"] == 0.1  # MODEL_CONFIG's own
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(16)))
-    argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
-            "--cache_dir", str(tmp_path / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "1",
-            "--num_workers", "0", "--val_fraction", "0"]  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(16))
+    )
+    argv = [
+        "--model_path",
+        str(base_model),
+        "--data_path",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "1",
+        "--num_workers",
+        "0",
+        "--val_fraction",
+        "0",
+    ]
     assert run_cli("sft", *argv, "--dropout", "0.2", "--run_name", "set") == 0
     out = capsys.readouterr().out
     assert "dropout = 0.2  (DROPOUT=0.2 in every dropout setting of MODEL_PATH's model (its own: 0.1))" in out

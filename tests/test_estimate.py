@@ -75,7 +75,16 @@ def test_estimate_matches_a_tracked_step(checkpointing, chunked, monkeypatch):
             for _ in range(2):  # the second step has AdamW's state
                 batches = iter([{"input_ids": ids}])
                 train_step(
-                    model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches, 1, 1.0, cpu, "fp32", layout=CAUSAL_LM)
+                    model,
+                    optimizer,
+                    torch.amp.GradScaler("cpu", enabled=False),
+                    batches,
+                    1,
+                    1.0,
+                    cpu,
+                    "fp32",
+                    layout=CAUSAL_LM,
+                )
                 tracker.reset_mod_stats()
         measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(

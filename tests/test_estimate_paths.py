@@ -54,8 +54,17 @@ def measured_peak(model, batches: list[dict], precision: str, layout=CAUSAL_LM, 
     return allocated_peak(step, held_by(model, optimizer))
 
 
-def estimated(model, mode: str, batch_size: int, precision: str, dataset=None, collate=None, max_length: int = 0,
-              accum: int = 1, **settings) -> float:
+def estimated(
+    model,
+    mode: str,
+    batch_size: int,
+    precision: str,
+    dataset=None,
+    collate=None,
+    max_length: int = 0,
+    accum: int = 1,
+    **settings,
+) -> float:
     cfg = config.resolve(None, {"mode": mode, "batch_size": batch_size, "gradient_accumulation_steps": accum,
                                 **settings})
     shape = row_shape(dataset, collate, max_length, mode, family_of(model).layout)
@@ -76,7 +85,9 @@ def tiny_t5(dropout: float = 0.1):
     return build_model(hf, False, 0)
 
 
-@pytest.mark.parametrize(("batch", "source", "precision", "accum"), [(8, 128, "bf16", 1), (4, 256, "fp32", 2)])
+@pytest.mark.parametrize(
+    ("batch", "source", "precision", "accum"), [(8, 128, "bf16", 1), (4, 256, "fp32", 2)]
+)
 def test_t5_pretraining(batch, source, precision, accum):
     """Span corruption's shapes: a MAX_LENGTH source and its shorter target (256 -> 58 tokens)."""
     model = tiny_t5()
@@ -97,8 +108,14 @@ def test_t5_sft(rows, longest, precision):
     rng = np.random.default_rng(0)
     examples = []
     for i in range(rows):
-        s, t = (longest, longest // 2) if i == 0 else (int(rng.integers(8, longest)), int(rng.integers(4, longest)))
-        examples.append({"input_ids": rng.integers(1, VOCAB, s).tolist(), "labels": rng.integers(1, VOCAB, t).tolist()})
+        s, t = (
+            (longest, longest // 2)
+            if i == 0
+            else (int(rng.integers(8, longest)), int(rng.integers(4, longest)))
+        )
+        examples.append(
+            {"input_ids": rng.integers(1, VOCAB, s).tolist(), "labels": rng.integers(1, VOCAB, t).tolist()}
+        )
     dataset, collate = SFTDataset(examples, ENCODER_DECODER), Seq2SeqCollator(0)
     batch = collate(examples)
     peak = measured_peak(model, [batch, batch], precision, layout=ENCODER_DECODER)
@@ -123,7 +140,9 @@ def tiny_gpt2(dropout: float = 0.1):
     return build_model(hf, False, 0)
 
 
-@pytest.mark.parametrize(("n", "max_length", "longest", "precision"), [(24, 128, 100, "fp32"), (40, 256, 160, "bf16")])
+@pytest.mark.parametrize(
+    ("n", "max_length", "longest", "precision"), [(24, 128, 100, "fp32"), (40, 256, 160, "bf16")]
+)
 def test_packed_sft(n, max_length, longest, precision):
     """PACKING=1: rows of conversations through the varlen attention, whose q, k, v and output take
     conversations x longest slots (estimate_terms.PackedGrid); every row in one micro-batch, so the
@@ -136,7 +155,9 @@ def test_packed_sft(n, max_length, longest, precision):
     collate = PackedCollator(0, attention=VARLEN_SDPA)
     batch = collate([dataset[i] for i in range(len(dataset))])
     peak = measured_peak(model, [batch, batch], precision)
-    est = estimated(model, "sft", len(dataset), precision, dataset, collate, max_length=max_length, packing=True)
+    est = estimated(
+        model, "sft", len(dataset), precision, dataset, collate, max_length=max_length, packing=True
+    )
     within_10_percent(est, peak)
 
 
@@ -146,8 +167,17 @@ def test_llama(batch, length, precision, family):
     import transformers
 
     config_class = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
-    hf = config_class(vocab_size=VOCAB, hidden_size=128, intermediate_size=352, num_hidden_layers=2, head_dim=64,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
+    hf = config_class(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        head_dim=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     model = build_model(hf, False, 0)
     ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
     peak = measured_peak(model, [{"input_ids": ids}] * 2, precision)
@@ -175,7 +205,9 @@ def test_preference_pairs(pairs, length, precision):
         data.append({"prompt_ids": rng.integers(1, VOCAB, prompt).tolist(), "chosen_ids": chosen,
                      "chosen_labels": chosen, "rejected_ids": rejected, "rejected_labels": rejected})
     batch = PairCollator(0)(data)
-    objective = PreferenceObjective(CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM))
+    objective = PreferenceObjective(
+        CAUSAL_LM, "sigmoid", reference=build_reference("copy", model, layout=CAUSAL_LM)
+    )
     peak = measured_peak(model, [batch, batch], precision, objective=objective)
     copy_bytes = 4 * count_params(model)  # the frozen copy, made before the tracked step: held throughout
     est = estimated(model, "dpo", pairs, precision, max_length=length, reference="copy")

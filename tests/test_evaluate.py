@@ -33,7 +33,9 @@ def test_held_out_split_does_not_depend_on_batch_size():
 
     def split(batch_size):
         cfg = parse_training_args("pretrain", ["--batch_size", str(batch_size), "--val_fraction", "0.001"])
-        _, val = split_pretraining(cfg.data, cfg.run.eval_batches, list(range(5000)), None, None, 64, print, lambda *a: None)
+        _, val = split_pretraining(
+            cfg.data, cfg.run.eval_batches, list(range(5000)), None, None, 64, print, lambda *a: None
+        )
         return list(val)
 
     assert split(4) == split(8) == split(32) == list(range(5000 - 160, 5000))  # 20 x 8 rows
@@ -176,8 +178,9 @@ def test_a_resumed_keep_best_run_remembers_the_best_before_it(tiny_flags, tmp_pa
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # step 1's pass made the best by far: what a resume must not forget
         row["val_loss"] = 0.001 if row.get("step") == 1 and "val_loss" in row else row.get("val_loss")
-    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
-                                               for r in rows))  # fmt: skip
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows)
+    )
     shutil.rmtree(list_checkpoints(run / "checkpoints")[-1])  # resume from step 2
     shutil.rmtree(run / "final")
     (run / "summary.json").unlink()

@@ -77,28 +77,44 @@ def base_model():
 
 
 def test_the_rule_follows_calls_fixtures_and_imports(tmp_path):
-    (tmp_path / "test_planted.py").write_text(PLANTED + "\n\n@pytest.fixture\ndef spawned():\n    twice([])\n")
+    (tmp_path / "test_planted.py").write_text(
+        PLANTED + "\n\n@pytest.fixture\ndef spawned():\n    twice([])\n"
+    )
     (tmp_path / "helpers.py").write_text(HELPERS)
     (tmp_path / "conftest.py").write_text(CONFTEST)
     path = tmp_path / "test_planted.py"
     assert not is_integration(path, "test_pure", ["tmp_path"])
     for test in ("test_direct", "test_through_two_calls", "test_a_whole_run", "test_imported_helper"):
         assert is_integration(path, test, []), test
-    assert is_integration(path, "test_a_fixture", ["spawned"]) and not is_integration(path, "test_a_fixture", [])
+    assert is_integration(path, "test_a_fixture", ["spawned"]) and not is_integration(
+        path, "test_a_fixture", []
+    )
     assert is_integration(path, "test_a_conftest_fixture", ["base_model"])
     assert is_integration(path, "test_compiled", []) and is_integration(path, "test_pure", ["tiny_flags"])
 
 
 def test_the_kits_own_tests_are_split_by_it():
-    assert is_integration(TESTS / "test_launchers.py", "test_baseline_defaults_are_the_guides", [])  # via launch()
-    assert is_integration(TESTS / "test_knob_added.py", "test_one_field_in_config_py_is_a_knob_everywhere", [])
+    # via launch()
+    assert is_integration(TESTS / "test_launchers.py", "test_baseline_defaults_are_the_guides", [])
+    assert is_integration(
+        TESTS / "test_knob_added.py", "test_one_field_in_config_py_is_a_knob_everywhere", []
+    )
     # a module fixture over the session's pretraining run (conftest's base_model)
-    assert is_integration(TESTS / "test_sft.py", "test_each_format_trains", ["fmt", "sft_flags", "base_model", "tmp_path"])
-    assert is_integration(TESTS / "test_knob_lists.py", "test_the_knobs_command", ["capsys"])  # the command line
+    assert is_integration(
+        TESTS / "test_sft.py", "test_each_format_trains", ["fmt", "sft_flags", "base_model", "tmp_path"]
+    )
+    # the command line
+    assert is_integration(TESTS / "test_knob_lists.py", "test_the_knobs_command", ["capsys"])
     assert not is_integration(TESTS / "test_knob_lists.py", "test_the_comment_rules", [])
-    assert is_integration(TESTS / "test_t5_measure.py", "test_estimate_matches_a_tracked_t5_step", [])  # MemTracker
-    assert not is_integration(TESTS / "test_loss.py", "test_chunked_equals_plain_loss_and_gradients", ["chunk"])
-    assert "test-fast" in (ROOT / "Makefile").read_text() and '-m "not integration"' in (ROOT / "Makefile").read_text()
+    # MemTracker
+    assert is_integration(TESTS / "test_t5_measure.py", "test_estimate_matches_a_tracked_t5_step", [])
+    assert not is_integration(
+        TESTS / "test_loss.py", "test_chunked_equals_plain_loss_and_gradients", ["chunk"]
+    )
+    assert (
+        "test-fast" in (ROOT / "Makefile").read_text()
+        and '-m "not integration"' in (ROOT / "Makefile").read_text()
+    )
 
 
 def planted_suite(tmp_path: Path) -> None:
@@ -111,7 +127,8 @@ def test_pytest_marks_a_planted_folder(tmp_path):
     """The hook as pytest runs it: -m picks the marked tests."""
     planted_suite(tmp_path)
     units = "".join(f"def test_unit_{i}():\n    assert True\n\n\n" for i in range(5))
-    (tmp_path / "test_planted.py").write_text(f"import subprocess\n\n\n{units}def test_a_process():\n    subprocess.run(['true'])\n")
+    (tmp_path / "test_planted.py").write_text(f"import subprocess\n\n\n{units}def test_a_process():\n    "
+                                              f"subprocess.run(['true'])\n")
 
     def collected(*args: str) -> set[str]:
         out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
@@ -132,11 +149,15 @@ def test_make_tests_workers_run_each_module_once_on_one_worker_longest_first(tmp
     (tmp_path / "module_seconds.json").write_text(json.dumps(seconds))
     for m in range(6):
         tests = "".join(f"def test_{m}_{i}():\n    ran('{m}_{i}')\n\n\n" for i in range(3))
-        (tmp_path / f"test_m{m}.py").write_text(  # the first module's first test waits for the other worker's start
+        (
+            tmp_path / f"test_m{m}.py"
+        ).write_text(  # the first module's first test waits for the other worker's start
             "import os\nimport time\n\n\ndef ran(name):\n    deadline = time.monotonic() + 60\n"
             f"    log = {str(tmp_path / 'ran.txt')!r}\n"
-            "    while name == '5_0' and os.environ.get('PYTEST_XDIST_WORKER_COUNT') == '2' and time.monotonic() < deadline:\n"
-            "        if os.path.exists(log) and any(line.split()[0] != str(os.getpid()) for line in open(log)):\n"
+            "    while name == '5_0' and os.environ.get('PYTEST_XDIST_WORKER_COUNT') == '2' and "
+            "time.monotonic() < deadline:\n"
+            "        if os.path.exists(log) and any(line.split()[0] != str(os.getpid()) for line in "
+            "open(log)):\n"
             "            break\n"
             "        time.sleep(0.05)\n"
             "    with open(log, 'a') as f:\n"
@@ -147,7 +168,15 @@ def test_make_tests_workers_run_each_module_once_on_one_worker_longest_first(tmp
 
     def run(workers: int) -> list[list[str]]:
         (tmp_path / "ran.txt").unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[a.format(n=workers) for a in args]]
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *[a.format(n=workers) for a in args],
+        ]
         out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         return [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]

@@ -34,7 +34,9 @@ def meta_model(size: str, family: str = "gpt2", vocab: int = 50304):
 def conversations(n: int, longest: int) -> SFTDataset:
     rng = np.random.default_rng(0)
     lengths = [longest, *rng.integers(32, longest, n - 1)]
-    return SFTDataset([{"input_ids": np.zeros(k, np.int32), "labels": np.zeros(k, np.int32)} for k in lengths])
+    return SFTDataset(
+        [{"input_ids": np.zeros(k, np.int32), "labels": np.zeros(k, np.int32)} for k in lengths]
+    )
 
 
 def fake_gpu(monkeypatch, gb: int) -> float:
@@ -52,13 +54,18 @@ def filled(cfg, model, dataset, layout=CAUSAL_LM, max_length=1024):
 
 
 def peak(cfg, model, batch: int, accum: int, max_length: int, **shape) -> float:
-    sized = config.resolve(None, {"mode": cfg.run.mode, "batch_size": batch, "gradient_accumulation_steps": accum})
-    return estimate_for_run(model.config, sum(p.numel() for p in model.parameters()), sized, max_length, "bf16",
-                            "cuda", **shape)["peak"]
+    sized = config.resolve(
+        None, {"mode": cfg.run.mode, "batch_size": batch, "gradient_accumulation_steps": accum}
+    )
+    return estimate_for_run(
+        model.config, sum(p.numel() for p in model.parameters()), sized, max_length, "bf16", "cuda", **shape
+    )["peak"]
 
 
 @pytest.mark.parametrize(("mode", "size", "family"), [("sft", "small", "gpt2"), ("pretrain", "small", "t5")])
-def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_batch(monkeypatch, mode, size, family):
+def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_batch(
+    monkeypatch, mode, size, family
+):
     model = meta_model(size, family, 32128 if family == "t5" else 50304)
     seq2seq = family == "t5"
     dataset = conversations(4000, 1024) if mode == "sft" else range(100_000)  # pretraining: windows, counted
@@ -67,7 +74,9 @@ def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_ba
         capacity = fake_gpu(monkeypatch, gb)
         cfg = config.resolve("sft" if mode == "sft" else "optimized", {"mode": mode, "batch_size": 16,
                                                                         "gradient_accumulation_steps": 16})
-        batch, accum, why = filled(cfg, model, dataset, FAMILIES[family].layout, 1024 if mode == "sft" else 512)
+        batch, accum, why = filled(
+            cfg, model, dataset, FAMILIES[family].layout, 1024 if mode == "sft" else 512
+        )
         allowed = int(re.search(r"TARGET_VRAM=0.8 allows (\d+)", why["batch_size"]).group(1))
         got[gb] = allowed
         # as close to 256 as whole numbers allow, and said where it is not exact
@@ -79,7 +88,10 @@ def test_24_and_80_gb_take_proportionate_micro_batches_and_keep_the_effective_ba
         length = 512 if seq2seq else 1024
         # accumulation (held gradients) counted below the effective batch only, as the fill counts it
         assert peak(cfg, model, allowed, 1 if allowed >= 256 else 2, length, **shape) <= 0.8 * capacity * MIB
-        assert peak(cfg, model, allowed + 1, 1 if allowed + 1 >= 256 else 2, length, **shape) > 0.8 * capacity * MIB
+        assert (
+            peak(cfg, model, allowed + 1, 1 if allowed + 1 >= 256 else 2, length, **shape)
+            > 0.8 * capacity * MIB
+        )
     assert 3 <= got[80] / got[24] <= 5, got  # 80 / 24 = 3.3, more where weights and state are a fixed cost
 
 
@@ -88,13 +100,17 @@ def test_effective_batch_is_kept_exactly_and_few_rows_are_said(monkeypatch):
     fake_gpu(monkeypatch, 80)
     cfg = config.resolve("sft", {"mode": "sft", "effective_batch": 96})
     batch, accum, why = filled(cfg, model, conversations(4000, 1024))
-    assert batch * accum == 96 and 96 % batch == 0 and "EFFECTIVE_BATCH=96" in why["gradient_accumulation_steps"]
+    assert (
+        batch * accum == 96 and 96 % batch == 0 and "EFFECTIVE_BATCH=96" in why["gradient_accumulation_steps"]
+    )
     # short conversations: the estimate at the longest the data gives (120 tokens), not MAX_LENGTH
     cfg = config.resolve("sft", {"mode": "sft", "batch_size": 16, "gradient_accumulation_steps": 16})
     batch, accum, why = filled(cfg, model, conversations(40, 120))
-    assert (batch, accum) == (37, 7) and "rows of 120 tokens" in why["batch_size"]  # 37 x 7 = 259, 36 x 7 = 252
+    # 37 x 7 = 259, 36 x 7 = 252
+    assert (batch, accum) == (37, 7) and "rows of 120 tokens" in why["batch_size"]
     assert "the data gives only 40 rows per process an epoch" in why["batch_size"]
-    assert why["gradient_accumulation_steps"] == "effective batch 256: 37 x 7 = 259 (+3), as close as whole numbers allow"
+    assert why["gradient_accumulation_steps"] == ("effective batch 256: 37 x 7 = 259 (+3), as close as whole "
+                                                  "numbers allow")
 
 
 def test_a_model_too_large_for_the_target_takes_one_and_says_so(monkeypatch):
@@ -115,11 +131,13 @@ def test_a_users_batch_size_is_never_taken_for_the_launchers_default():
         return fill.batch_set_by_user("sft", flags, cfg, environ or {})
 
     assert not user([])  # the preset's 16
-    assert user(["--batch_size", "16"])  # python -m train sft --batch_size 16: the user's, even at the preset's value
+    # python -m train sft --batch_size 16: the user's, even at the preset's value
+    assert user(["--batch_size", "16"])
     # train_sft_custom.sh passes its own default (BATCH_SIZE=${BATCH_SIZE:-16}) as a flag: not the user's ...
     assert not user(["--batch_size", "16"], launcher="train_sft_custom")
     assert not user(["--batch_size", "16"], launcher="compare-train_sft_custom")  # KIT_MADE_BY's prefix
-    # ... unless the user set it: in the environment (the launchers export a first argument too) or another value
+    # ... unless the user set it: in the environment (the launchers export a first argument too) or another
+    # value
     assert user(["--batch_size", "16"], {"BATCH_SIZE": "16"}, launcher="train_sft_custom")
     assert user(["--batch_size", "20"], launcher="train_sft_custom")
     assert user(["--token_budget", "4096"])  # TOKEN_BUDGET sizes the batches itself
@@ -141,8 +159,13 @@ def test_the_command_line_asks_the_plan_to_fill_only_without_a_users_batch(tiny_
     cfg = parse_training_args("sft", tiny_flags)
     assert isinstance(_ahead_of_the_run(cfg, print, None, fill=True), fill.Fill)
     assert _ahead_of_the_run(cfg, print, None, fill=False) is None
-    assert fill.applies("sft", CAUSAL_LM) and fill.applies("dpo", CAUSAL_LM) and fill.applies("pretrain", ENCODER_DECODER)
-    assert not fill.applies("pretrain", CAUSAL_LM)  # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
+    assert (
+        fill.applies("sft", CAUSAL_LM)
+        and fill.applies("dpo", CAUSAL_LM)
+        and fill.applies("pretrain", ENCODER_DECODER)
+    )
+    # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
+    assert not fill.applies("pretrain", CAUSAL_LM)
 
 
 def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_rank(monkeypatch):
@@ -151,13 +174,26 @@ def test_several_processes_size_from_the_cards_whole_memory_the_same_on_every_ra
     every process."""
     from train.core import device as device_lib
 
-    monkeypatch.setattr(device_lib, "memory_capacity", lambda device, cap: (24 * 1000**3, "this GPU (a fake)"))
+    monkeypatch.setattr(
+        device_lib, "memory_capacity", lambda device, cap: (24 * 1000**3, "this GPU (a fake)")
+    )
     cfg = config.resolve("sft", {"mode": "sft", "batch_size": 16, "gradient_accumulation_steps": 16})
     said = []
-    assert fill.fill_memory(cfg, meta_model("small"), conversations(4000, 1024), None, 1024, "bf16", CUDA, 2, CAUSAL_LM,
-                            lambda setting, value, why: said.append(why))
+    assert fill.fill_memory(
+        cfg,
+        meta_model("small"),
+        conversations(4000, 1024),
+        None,
+        1024,
+        "bf16",
+        CUDA,
+        2,
+        CAUSAL_LM,
+        lambda setting, value, why: said.append(why),
+    )
     batch, accum = cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps
-    # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits loss)
+    # 16 x 16 x 2 processes = 512 kept; fewer than one process's 20 (DDP takes transformers' whole-logits
+    # loss)
     assert (batch, accum) == (12, 22) and abs(batch * accum * 2 - 512) < 2 * accum  # 11 x 24 with dropout 0.1
     assert "this GPU (a fake), the same on every rank" in said[0] and " x 2 processes" in said[1]
 
@@ -173,9 +209,11 @@ def test_through_the_launchers_a_first_argument_or_a_variable_is_the_users(tmp_p
     judge = tmp_path / "judge"
     judge.write_text(
         "#!/bin/sh\nexec " + sys.executable + " -c '\nimport os, sys\nsys.path.insert(0, sys.argv[1])\n"
-        "from train.config.flags import parse_training_args\nfrom train.run.plan.fill import batch_set_by_user\n"
+        "from train.config.flags import parse_training_args\nfrom train.run.plan.fill import "
+        "batch_set_by_user\n"
         "mode = sys.argv[4]; argv = sys.argv[5:]\n"
-        "print(\"USER\" if batch_set_by_user(mode, argv, parse_training_args(mode, argv), os.environ) else \"DEFAULT\")\n"
+        "print(\"USER\" if batch_set_by_user(mode, argv, parse_training_args(mode, argv), os.environ) else "
+        "\"DEFAULT\")\n"
         "' " + str(ROOT) + " \"$@\"\n")
     os.chmod(judge, 0o755)
 

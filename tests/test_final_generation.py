@@ -39,7 +39,9 @@ def test_generate_without_tokenizer_files_is_one_line(base_model, tmp_path, caps
         shutil.copy(base_model / name, folder / name)
     assert run_cli("generate", "--model", str(folder), "--prompt", "hi") == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"error: --model {folder}") and "tokenizer" in err, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --model {folder}") and "tokenizer" in err, (
+        err
+    )
 
 
 def test_generate_of_an_empty_prompt_is_one_line(base_model, capsys):

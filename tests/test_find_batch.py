@@ -33,15 +33,26 @@ def test_fake_oom_gives_largest_safe_size_below_it_with_the_margin(tiny_flags, m
     assert result.largest_safe == 15
     assert result.batch_size <= 15 and result.batch_size * result.gradient_accumulation_steps == 120
     safe = [t for t in trials.values() if t["status"] == "fits" and t["batch_size"] <= 15]
-    assert result.samples_per_sec >= (1 - TIE) * max(t["samples_per_sec"] for t in safe)  # the fastest, not the largest
+    # the fastest, not the largest
+    assert result.samples_per_sec >= (1 - TIE) * max(t["samples_per_sec"] for t in safe)
     assert any("out of memory" in line for line in lines)
 
 
-def test_cpu_budget_recommendation_trains_within_it_and_auto_batch_reuses_it(tiny_flags, tmp_path, monkeypatch):
+def test_cpu_budget_recommendation_trains_within_it_and_auto_batch_reuses_it(
+    tiny_flags, tmp_path, monkeypatch
+):
     # A budget the process's own RSS nearly fills: room for a few MB of activations, not 64 sequences.
     rss = adapt._status_mb("VmRSS")
     budget = int((rss + 40) / 0.8)
-    flags = [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "8", "--max_memory_mb", str(budget)]
+    flags = [
+        *tiny_flags,
+        "--batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "8",
+        "--max_memory_mb",
+        str(budget),
+    ]
     assert run_cli("find-batch", *flags) == 0
     saved = json.loads((tmp_path / "runs" / RESULT_FILE).read_text())
     size, accum = saved["batch_size"], saved["gradient_accumulation_steps"]
@@ -68,7 +79,10 @@ def test_saved_result_is_validated_not_trusted(tmp_path):
         (json.dumps({"batch_size": "4; rm -rf ~", "gradient_accumulation_steps": 4, "key": key}), "no valid"),
         (json.dumps({"batch_size": True, "gradient_accumulation_steps": 16, "key": key}), "no valid"),
         (json.dumps({"batch_size": 3, "gradient_accumulation_steps": 5, "key": key}), "no valid"),
-        (json.dumps({"batch_size": 4, "gradient_accumulation_steps": 4, "key": {"model": "other"}}), "changed"),
+        (
+            json.dumps({"batch_size": 4, "gradient_accumulation_steps": 4, "key": {"model": "other"}}),
+            "changed",
+        ),
     ]
     for text, reason in cases:
         path.write_text(text)
@@ -93,16 +107,34 @@ def test_make_targets_take_the_launchers_variables():
     env = {"SHOW_COMMAND": "1", "MODEL_SIZE": "nano", "MAX_LENGTH": "128", "PRECISION": "bf16",
            "MAX_MEMORY_MB": "900", "TARGET_VRAM": "0.7", "EFFECTIVE_BATCH": "64"}
     argv = shlex.split(launch("scripts/kit.sh", env, "find-batch").stdout)
-    assert argv[:4] == [KIT_PY, "-m", "train", "find-batch"] and argv[argv.index("--preset") + 1] == "optimized"
+    assert (
+        argv[:4] == [KIT_PY, "-m", "train", "find-batch"] and argv[argv.index("--preset") + 1] == "optimized"
+    )
     for flag, value in [("--model_size", "nano"), ("--max_length", "128"), ("--precision", "bf16"),
                         ("--max_memory_mb", "900"), ("--target_vram", "0.7"), ("--effective_batch", "64")]:
         assert argv[argv.index(flag) + 1] == value
-    argv = shlex.split(launch("scripts/kit.sh", {"SHOW_COMMAND": "1"}, "doctor", "baseline", "--apply").stdout)
+    argv = shlex.split(
+        launch("scripts/kit.sh", {"SHOW_COMMAND": "1"}, "doctor", "baseline", "--apply").stdout
+    )
     assert argv[argv.index("--preset") + 1] == "baseline" and argv[-1] == "--apply"
     argv = shlex.split(launch("run_single_gpu_optimized.sh", {"SHOW_COMMAND": "1", "AUTO_BATCH": "1"}).stdout)
     assert argv[argv.index("--auto_batch") + 1] == "1"
-    make = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "find-batch", "doctor", "autotune", "ARGS=--apply"],
-                          cwd=ROOT, capture_output=True, text=True)
+    make = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "-n",
+            "-o",
+            ".venv/.installed",
+            "find-batch",
+            "doctor",
+            "autotune",
+            "ARGS=--apply",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert make.returncode == 0, make.stderr
     assert [line.split()[:3] for line in make.stdout.splitlines()] == [
         ["bash", "scripts/kit.sh", cmd] for cmd in ("find-batch", "doctor", "autotune")]
@@ -111,7 +143,15 @@ def test_make_targets_take_the_launchers_variables():
 def test_a_run_says_when_the_saved_answer_beat_its_own_micro_batch(tiny_flags, tmp_path):
     """The kit's own answer, offered: a real find-batch, then a run at another micro-batch says
     (or not) what find-batch measured against it, from the saved trials; AUTO_BATCH=1 takes it."""
-    flags = [*tiny_flags, "--batch_size", "1", "--gradient_accumulation_steps", "8", "--max_memory_mb", "100000"]
+    flags = [
+        *tiny_flags,
+        "--batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "8",
+        "--max_memory_mb",
+        "100000",
+    ]
     assert run_cli("find-batch", *flags) == 0
     path = tmp_path / "runs" / RESULT_FILE
     saved = json.loads(path.read_text())
@@ -131,14 +171,25 @@ def test_a_run_says_when_the_saved_answer_beat_its_own_micro_batch(tiny_flags, t
         return (tmp_path / "runs" / name / "train.log").read_text()
 
     log = run("own", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other))
-    assert (f"find-batch measured BATCH_SIZE={answer} GRADIENT_ACCUM={8 // answer} at {rate[answer]:.1f} samples/s"
-            f" on {saved['key']['device']}, 2.00x this run's {other} x {8 // other}") in log and "AUTO_BATCH=1 takes it" in log
+    assert (
+        f"find-batch measured BATCH_SIZE={answer} GRADIENT_ACCUM={8 // answer} at {rate[answer]:.1f} "
+        f"samples/s"
+        f" on {saved['key']['device']}, 2.00x this run's {other} x {8 // other}"
+    ) in log and "AUTO_BATCH=1 takes it" in log
     log = run("same", "--batch_size", str(answer), "--gradient_accumulation_steps", str(8 // answer))
     assert "find-batch measured" not in log  # already the answer: nothing to offer
     log = run("other_length", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other),
               "--max_length", "32")
     assert "find-batch measured" not in log  # another MAX_LENGTH: the saved answer does not hold
-    log = run("auto", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other), "--auto_batch", "1")
+    log = run(
+        "auto",
+        "--batch_size",
+        str(other),
+        "--gradient_accumulation_steps",
+        str(8 // other),
+        "--auto_batch",
+        "1",
+    )
     assert f"AUTO_BATCH=1: BATCH_SIZE={answer}" in log and "find-batch measured" not in log
 
 

@@ -16,9 +16,18 @@ from conftest import ROOT, run_cli, train_python
 from train.run.plan.sft_model import choose_pretrained, model_source
 
 TINY_T5 = {
-    "model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 2,
-    "d_kv": 16, "n_positions": 512, "dropout_rate": 0.0, "feed_forward_proj": "relu", "tie_word_embeddings": True,
-}  # fmt: skip
+    "model_type": "t5",
+    "d_model": 32,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 2,
+    "d_kv": 16,
+    "n_positions": 512,
+    "dropout_rate": 0.0,
+    "feed_forward_proj": "relu",
+    "tie_word_embeddings": True,
+}
 FAST = ["--batch_size", "4", "--max_steps", "2", "--num_workers", "0"]
 
 
@@ -59,7 +68,18 @@ def test_sft_default_skips_compare_doctor_unfinished_and_t5_runs(tiny_flags, tmp
     assert choose_pretrained(runs).final == mine / "final"
 
     capsys.readouterr()
-    argv = ["--output_dir", str(runs), "--max_length", "64", "--log_every", "1", "--run_name", "chat", "--max_steps", "1"]
+    argv = [
+        "--output_dir",
+        str(runs),
+        "--max_length",
+        "64",
+        "--log_every",
+        "1",
+        "--run_name",
+        "chat",
+        "--max_steps",
+        "1",
+    ]
     assert run_cli("sft", *argv, "--batch_size", "4", "--num_workers", "0") == 0
     out = capsys.readouterr()
     text = out.out + out.err
@@ -115,25 +135,65 @@ def test_a_dry_run_over_the_memory_warns_and_one_that_cannot_fit_is_refused(tiny
     lines = [line for line in text.splitlines() if "warning: the memory estimate" in line]
     assert code == 0 and len(lines) == 1, text[-3000:]
     assert "over the 64 MB this run can use (MAX_MEMORY_MB)" in lines[0] and "warned, not refused" in lines[0]
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # a dry run writes nothing
+    # a dry run writes nothing
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
     capsys.readouterr()  # a real start warns the same way and trains
-    assert run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "1", "--max_memory_mb", "1", "--run_name", "r") == 0
+    assert (
+        run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "1", "--max_memory_mb", "1", "--run_name", "r")
+        == 0
+    )
     out = capsys.readouterr()
     assert "warning: the memory estimate is" in out.out + out.err and "over the 1 MB" in out.out + out.err
     huge = tmp_path / "huge.json"  # ~155B parameters: even one sequence cannot fit this machine
-    huge.write_text(json.dumps({"model_type": "gpt2", "n_layer": 48, "n_embd": 16384, "n_head": 64, "n_positions": 64, "vocab_size": 512}))
+    huge.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 48,
+                "n_embd": 16384,
+                "n_head": 64,
+                "n_positions": 64,
+                "vocab_size": 512,
+            }
+        )
+    )
     flags = [*tiny_flags]
     flags[flags.index("--model_config") + 1] = str(huge)
     code, text = dry(capsys, *flags)
-    assert code == 2 and "cannot fit" in text.strip().splitlines()[-1] and "warning: the memory estimate" not in text
+    assert (
+        code == 2
+        and "cannot fit" in text.strip().splitlines()[-1]
+        and "warning: the memory estimate" not in text
+    )
 
 
 def test_the_cpu_demo_is_eight_steps_of_32_unless_a_budget_is_set(corpus, cache_dir, tmp_path, capsys):
     """No GPU, no MODEL_SIZE, no budget: `make train` is a ~2 minute demo, not 16 steps of 32 x 4."""
-    flags = ["--data_path", str(corpus), "--vocab_size", "512", "--cache_dir", str(cache_dir), "--output_dir",
-             str(tmp_path / "runs"), "--device", "cpu", "--batch_size", "32", "--gradient_accumulation_steps", "4"]
+    flags = [
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "32",
+        "--gradient_accumulation_steps",
+        "4",
+    ]
     code, text = dry(capsys, *flags)
     assert code == 0 and "max_samples = 256  (CPU demo budget" in text, text[-3000:]
-    assert "gradient_accumulation_steps = 1  (CPU demo" in text and "plan: 8 optimizer steps" in text, text[-3000:]
+    assert "gradient_accumulation_steps = 1  (CPU demo" in text and "plan: 8 optimizer steps" in text, text[
+        -3000:
+    ]
     code, text = dry(capsys, *flags, "--max_steps", "3")
-    assert code == 0 and "CPU demo budget" not in text and "GRADIENT_ACCUM 4" in text and "plan: 3 optimizer" in text
+    assert (
+        code == 0
+        and "CPU demo budget" not in text
+        and "GRADIENT_ACCUM 4" in text
+        and "plan: 3 optimizer" in text
+    )

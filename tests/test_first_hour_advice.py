@@ -17,7 +17,9 @@ FAST = ["--batch_size", "4", "--num_workers", "0", "--max_steps", "2"]
 
 def dpo_warning(runs) -> list[str]:
     said = []
-    cfg = SimpleNamespace(model=SimpleNamespace(model_path=None), run=SimpleNamespace(output_dir=str(runs), mode="dpo"))
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(model_path=None), run=SimpleNamespace(output_dir=str(runs), mode="dpo")
+    )
     model_source(cfg, lambda *a: None, said.append)
     return said
 
@@ -36,11 +38,16 @@ def test_a_short_sft_runs_advice_runs_as_printed(tiny_flags, tmp_path, cache_dir
     assert f"trained only 2 optimizer steps (under {FEW_STEPS})" in warning, warning
     command = warning.split("train it longer (`", 1)[1].split("`", 1)[0]
     assert "<" not in command and "chat.jsonl" not in command and "latest" not in command, command
-    assert command == f"MAX_STEPS={FEW_STEPS} ./train_sft_custom.sh"  # MODEL_PATH: SFT's default, the base run
+    # MODEL_PATH: SFT's default, the base run
+    assert command == f"MAX_STEPS={FEW_STEPS} ./train_sft_custom.sh"
 
     # as printed, from the kit's folder (OUTPUT_DIR and CACHE_DIR: where this test keeps its runs)
-    env = launcher_env({"OUTPUT_DIR": str(runs), "CACHE_DIR": str(cache_dir), "MAX_LENGTH": "64", "NUM_WORKERS": "0"})
-    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    env = launcher_env(
+        {"OUTPUT_DIR": str(runs), "CACHE_DIR": str(cache_dir), "MAX_LENGTH": "64", "NUM_WORKERS": "0"}
+    )
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     longer_run = (runs / "latest").resolve()
     summary = json.loads((longer_run / "summary.json").read_text())

@@ -48,14 +48,23 @@ def folder(base_model, tmp_path):
     return copy
 
 
-@pytest.mark.parametrize("settings,named", [
-    ({"forced_eos_token_id": 99999}, "forced_eos_token_id: 99999 is outside the model's"),
-    ({"bad_words_ids": 5}, "bad_words_ids: expected token ids"),
-    ({"bad_words_ids": [[1, "x"]]}, "bad_words_ids: expected token ids"),
-    ({"eos_token_id": [1, "a"]}, "eos_token_id: expected token ids"),
-    ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha: contrastive search runs as code fetched from the Hub"),
-    ({"do_sample": True, "num_return_sequences": 100_000_000}, "num_return_sequences: expected a whole number from 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "settings,named",
+    [
+        ({"forced_eos_token_id": 99999}, "forced_eos_token_id: 99999 is outside the model's"),
+        ({"bad_words_ids": 5}, "bad_words_ids: expected token ids"),
+        ({"bad_words_ids": [[1, "x"]]}, "bad_words_ids: expected token ids"),
+        ({"eos_token_id": [1, "a"]}, "eos_token_id: expected token ids"),
+        (
+            {"penalty_alpha": 0.6, "top_k": 4},
+            "penalty_alpha: contrastive search runs as code fetched from the Hub",
+        ),
+        (
+            {"do_sample": True, "num_return_sequences": 100_000_000},
+            "num_return_sequences: expected a whole number from 1",
+        ),
+    ],
+)
 def test_a_bad_generation_config_json_is_one_line(folder, capsys, settings, named):
     saved = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**saved, **settings}))
@@ -85,24 +94,31 @@ def test_a_fifo_or_device_in_the_model_folder_or_as_tools_is_one_line(folder, tm
     fifo = tmp_path / "tools.json"
     os.mkfifo(fifo)
     done = run("generate", "--model", str(folder), "--prompt", "Hi", "--tools", str(fifo))
-    assert done.returncode == 2 and done.stderr.strip() == f"error: --tools: {fifo} is a FIFO, not a regular file; name a file"
+    assert done.returncode == 2 and done.stderr.strip() == (f"error: --tools: {fifo} is a FIFO, not a "
+                                                            f"regular "
+                                                            f"file; name a file")
     (folder / "generation_config.json").unlink()
     os.mkfifo(folder / "generation_config.json")
     done = run("generate", "--model", str(folder), "--prompt", "Hi")
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == f"error: --model {folder}: generation_config.json is a FIFO, not a regular file"
+    assert done.stderr.strip() == (f"error: --model {folder}: generation_config.json is a FIFO, not a "
+                                   f"regular "
+                                   f"file")
 
 
 def test_a_chat_template_that_loops_is_one_line(folder):
     with_template(folder, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     done = run("generate", "--model", str(folder), "--prompt", "Hi", "--max_new_tokens", "2")
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (f"error: --model {folder}: its chat template cannot render the chat: it runs past "
+    assert done.stderr.strip() == (f"error: --model {folder}: its chat template cannot render the chat: it "
+                                   f"runs past "
                                    "3 s (a loop without end?)")  # fmt: skip
 
 
 def test_piped_chat_shows_the_prompt_and_where_the_reply_starts(base_model):
-    done = run("generate", "--model", str(base_model), "--max_new_tokens", "3", "--greedy", stdin="Hello\nAgain\n")
+    done = run(
+        "generate", "--model", str(base_model), "--max_new_tokens", "3", "--greedy", stdin="Hello\nAgain\n"
+    )
     assert done.returncode == 0, done.stderr
     assert "you> Hello\nmodel> " in done.stderr and "you> Again\nmodel> " in done.stderr, done.stderr
     assert len(done.stdout.strip().splitlines()) <= 2 and "you>" not in done.stdout  # the replies alone

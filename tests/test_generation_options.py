@@ -29,7 +29,9 @@ def reference(folder, seq2seq: bool = False, **options) -> str:
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(folder, local_files_only=True)
+    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(
+        folder, local_files_only=True
+    )
     ids = tok(PROMPT, add_special_tokens=seq2seq)["input_ids"]
     if seq2seq:
         ids = ids + [tok.eos_token_id]  # an untemplated encoder's source ends with end-of-text
@@ -49,8 +51,18 @@ def t5_folder(base_model, tmp_path_factory):
 
     tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
     eos = tok.eos_token_id
-    config = T5Config(vocab_size=448, d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2, dropout_rate=0.0,
-                      pad_token_id=eos, eos_token_id=eos, decoder_start_token_id=eos)  # fmt: skip
+    config = T5Config(
+        vocab_size=448,
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=eos,
+        eos_token_id=eos,
+        decoder_start_token_id=eos,
+    )
     torch.manual_seed(1)  # a seed whose greedy reply is not end-of-text at once
     folder = tmp_path_factory.mktemp("t5") / "final"
     T5ForConditionalGeneration(config).save_pretrained(folder)
@@ -100,7 +112,9 @@ def test_a_bad_value_in_the_folders_generation_config_is_one_line(base_model, tm
     (folder / "generation_config.json").write_text(json.dumps({**saved, "num_beams": 0}))
     assert run_cli("generate", "--model", str(folder), "--prompt", PROMPT) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: --model {folder}: generation_config.json's num_beams"), err
+    assert len(err) == 1 and err[0].startswith(
+        f"error: --model {folder}: generation_config.json's num_beams"
+    ), err
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +159,8 @@ def test_generation_config_is_saved_and_followed(chatlm_run, capsys):
     ({"max_length": -5}, "max_length in"),  # was accepted and shipped in final/generation_config.json
     ({"max_new_tokens": 10**12}, "max_new_tokens in"),
     ({"max_new_tokens": 1e12}, "max_new_tokens in"),
-    ({"max_new_tokens": 100}, "max_new_tokens 100 in"),  # past the tiny model's 64 positions: checked once it is built
+    # past the tiny model's 64 positions: checked once it is built
+    ({"max_new_tokens": 100}, "max_new_tokens 100 in"),
 ])  # fmt: skip
 def test_bad_generation_config_is_one_line(tiny_flags, tmp_path, capsys, settings, named):
     path = tmp_path / "gen.json"

@@ -34,9 +34,29 @@ def sft_runs(base_model, tmp_path_factory) -> Path:
 
 
 def grpo_argv(root: Path, name: str, *more: str, fresh: bool = True) -> list[str]:
-    return ["grpo", "--output_dir", str(root / "runs"), "--cache_dir", str(root / "cache"), "--batch_size", "2",
-            "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "3", "--log_every", "1",
-            "--learning_rate", "1e-4", "--run_name", name, *(("--overwrite", "1") if fresh else ()), *more]  # fmt: skip
+    return [
+        "grpo",
+        "--output_dir",
+        str(root / "runs"),
+        "--cache_dir",
+        str(root / "cache"),
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "6",
+        "--max_steps",
+        "3",
+        "--log_every",
+        "1",
+        "--learning_rate",
+        "1e-4",
+        "--run_name",
+        name,
+        *(("--overwrite", "1") if fresh else ()),
+        *more,
+    ]
 
 
 def rows_of(run: Path) -> list[dict]:
@@ -50,7 +70,9 @@ def test_a_grpo_run_from_the_newest_sft_run_logs_trls_metrics_and_saves_a_model(
     assert "reference = copy" in out and "step 3/3 loss" in out and " reward " in out and "generation " in out
     run = sft_runs / "runs" / "g"
     rows = rows_of(run)
-    assert len(rows) == 3 and all(name in row for row in rows for name in (*TRL_NAMES, "kl", "generation_frac"))
+    assert len(rows) == 3 and all(
+        name in row for row in rows for name in (*TRL_NAMES, "kl", "generation_frac")
+    )
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the copy is the policy before its first step
     assert all(0 < r["generation_frac"] <= 1 and r["completions/mean_length"] <= 6 for r in rows)
     assert rows[-1]["samples"] == 3 * 2  # prompts, not completions
@@ -61,14 +83,18 @@ def test_a_grpo_run_from_the_newest_sft_run_logs_trls_metrics_and_saves_a_model(
     assert 0 < summary["generation_frac"] <= 1 and summary["generation_s"] > 0
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "gpt2"
+    assert (
+        AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True).config.model_type == "gpt2"
+    )
 
 
 def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(sft_runs):
     same = ("--lr_schedule", "constant", "--warmup_steps", "1", "--save_every", "2")
     assert run_cli(*grpo_argv(sft_runs, "whole", *same, "--max_steps", "4")) == 0
     assert run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "2")) == 0
-    assert run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "4", "--resume", "1", fresh=False)) == 0
+    assert (
+        run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "4", "--resume", "1", fresh=False)) == 0
+    )
     whole, split = rows_of(sft_runs / "runs" / "whole"), rows_of(sft_runs / "runs" / "split")
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     for a, b in zip(whole, split, strict=True):  # the completions drawn again: the same rewards and losses
@@ -78,14 +104,36 @@ def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(sft_runs):
 
 def test_lora_adapters_accumulation_iterations_bf16_and_a_users_reward_file(sft_runs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(12)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(12))
+    )
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text("def short(completions, answer, **kwargs):\n"
                        "    return [1.0 if a in c else -len(c) / 100 for c, a in zip(completions, answer)]\n")
-    argv = grpo_argv(sft_runs, "lora", "--data_path", str(prompts), "--reward_funcs", f"{rewards}:short,format",
-                     "--reward_weights", "1,0.5", "--reward_pattern", r"\A\s*\d", "--lora_r", "4", "--beta", "0.1",
-                     "--gradient_accumulation_steps",
-                     "2", "--num_iterations", "2", "--precision", "bf16", "--max_steps", "2")  # fmt: skip
+    argv = grpo_argv(
+        sft_runs,
+        "lora",
+        "--data_path",
+        str(prompts),
+        "--reward_funcs",
+        f"{rewards}:short,format",
+        "--reward_weights",
+        "1,0.5",
+        "--reward_pattern",
+        r"\A\s*\d",
+        "--lora_r",
+        "4",
+        "--beta",
+        "0.1",
+        "--gradient_accumulation_steps",
+        "2",
+        "--num_iterations",
+        "2",
+        "--precision",
+        "bf16",
+        "--max_steps",
+        "2",
+    )
     assert run_cli(*argv) == 0
     run = sft_runs / "runs" / "lora"
     rows = rows_of(run)
@@ -97,13 +145,25 @@ def test_lora_adapters_accumulation_iterations_bf16_and_a_users_reward_file(sft_
     assert (run / "final" / "adapter").is_dir()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--reference", "precomputed", "--beta", "0.1"), "REFERENCE=precomputed: GRPO's completions are sampled"),
-    (("--reference", "copy",), "REFERENCE=copy: BETA is 0"),
-    (("--model_size", "nano"), "MODEL_SIZE (--model_size) does not apply to reward training"),
-    (("--reward_funcs", "nope"), "REWARD_FUNCS: unknown reward 'nope'"),
-    (("--loss_mean", "tokens"), "LOSS_MEAN (--loss_mean) does not apply to reward training"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--reference", "precomputed", "--beta", "0.1"),
+            "REFERENCE=precomputed: GRPO's completions are sampled",
+        ),
+        (
+            (
+                "--reference",
+                "copy",
+            ),
+            "REFERENCE=copy: BETA is 0",
+        ),
+        (("--model_size", "nano"), "MODEL_SIZE (--model_size) does not apply to reward training"),
+        (("--reward_funcs", "nope"), "REWARD_FUNCS: unknown reward 'nope'"),
+        (("--loss_mean", "tokens"), "LOSS_MEAN (--loss_mean) does not apply to reward training"),
+    ],
+)
 def test_what_grpo_cannot_do_is_one_line_exit_2_and_no_run_folder(sft_runs, capsys, flags, message):
     try:
         code = run_cli(*grpo_argv(sft_runs, "refused", *flags))
@@ -129,9 +189,14 @@ def test_the_memory_estimate_counts_num_generations_rows_and_sampling_s_kv_cache
         return estimate_for_run(model.config, n, cfg, 64, "fp32", "cpu")
 
     four, eight = estimate(4), estimate(8)
-    assert four["kv_cache"] == kv_cache_bytes(model.config, 2 * 4, 64) and eight["kv_cache"] == 2 * four["kv_cache"]
+    assert (
+        four["kv_cache"] == kv_cache_bytes(model.config, 2 * 4, 64)
+        and eight["kv_cache"] == 2 * four["kv_cache"]
+    )
     assert eight["activations"] > four["activations"]  # 16 rows in the step's forward, not 2
-    sft = estimate_for_run(model.config, n, config.resolve(None, {"mode": "sft", "batch_size": 8}), 64, "fp32", "cpu")
+    sft = estimate_for_run(
+        model.config, n, config.resolve(None, {"mode": "sft", "batch_size": 8}), 64, "fp32", "cpu"
+    )
     assert four["activations"] == sft["activations"] and "kv_cache" not in sft
 
 
@@ -156,7 +221,8 @@ def test_an_encoder_decoder_is_refused_in_one_line(sft_runs, tmp_path, capsys):
 
     folder = tmp_path / "t5"
     config = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128)
-    T5ForConditionalGeneration(config).save_pretrained(folder)  # refused from its config, before the weights load
+    # refused from its config, before the weights load
+    T5ForConditionalGeneration(config).save_pretrained(folder)
     capsys.readouterr()  # save_pretrained's progress bar
     assert run_cli(*grpo_argv(sft_runs, "t5", "--model_path", str(folder))) == 2
     err = capsys.readouterr().err.strip()
@@ -169,17 +235,33 @@ def test_an_encoder_decoder_is_refused_in_one_line(sft_runs, tmp_path, capsys):
     ("return [float('nan')] * len(completions)", "returned nan at completion 0: not a finite number"),
     ("import time; time.sleep(5)", "did not return within REWARD_TIMEOUT=0.5 s"),
 ])  # fmt: skip
-def test_a_reward_that_raises_returns_nan_or_hangs_stops_the_run_in_one_line(sft_runs, tmp_path, capsys, body, said):
+def test_a_reward_that_raises_returns_nan_or_hangs_stops_the_run_in_one_line(
+    sft_runs, tmp_path, capsys, body, said
+):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(f"def score(completions, **kwargs):\n    {body}\n")
-    argv = grpo_argv(sft_runs, "bad-reward", "--reward_funcs", f"{rewards}:score", "--reward_timeout", "0.5",
-                     "--max_steps", "1", "--num_generations", "2", "--max_completion_length", "2")  # fmt: skip
+    argv = grpo_argv(
+        sft_runs,
+        "bad-reward",
+        "--reward_funcs",
+        f"{rewards}:score",
+        "--reward_timeout",
+        "0.5",
+        "--max_steps",
+        "1",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "2",
+    )
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"REWARD_FUNCS: reward '{rewards}:score' {said}" in err, err
 
 
-def test_a_dry_run_says_the_plan_and_the_estimate_with_sampling_s_kv_cache_and_makes_no_run_folder(sft_runs, capsys):
+def test_a_dry_run_says_the_plan_and_the_estimate_with_sampling_s_kv_cache_and_makes_no_run_folder(
+    sft_runs, capsys
+):
     assert run_cli(*grpo_argv(sft_runs, "dry", "--dry_run", "1", "--beta", "0.1")) == 0
     out = capsys.readouterr().out
     assert "reference = copy" in out and "sampling's KV cache" in out and "estimated peak" in out

@@ -25,7 +25,9 @@ def rows_of(seed: int) -> list[list[dict]]:
         ids = [rng.randrange(8192) for _ in range(n)]
         return {"input_ids": ids, "labels": [t if k > n // 3 else IGNORE_INDEX for k, t in enumerate(ids)]}
 
-    return [[conv(rng.choice([0, 1, rng.randint(2, 90)])) for _ in range(rng.randint(1, 5))] for _ in range(7)]
+    return [
+        [conv(rng.choice([0, 1, rng.randint(2, 90)])) for _ in range(rng.randint(1, 5))] for _ in range(7)
+    ]
 
 
 def per_token(rows):
@@ -48,7 +50,9 @@ def test_flat_row_equals_the_per_token_construction(seed):
     assert got["position_ids"].tolist() == [positions] and got["input_ids"].dtype == torch.long
     index, place = varlen_indices(lengths)
     assert torch.equal(got["varlen_index"], index) and torch.equal(got["varlen_place"], place)
-    assert got["n_real_tokens"] == got["n_padded_tokens"] == len(ids) and got["n_conversations"] == len(lengths)
+    assert got["n_real_tokens"] == got["n_padded_tokens"] == len(ids) and got["n_conversations"] == len(
+        lengths
+    )
     flash = PackedCollator(0, attention="flash_attention_2")(rows)
     starts = [sum(lengths[:k]) for k in range(len(lengths) + 1)]
     assert flash["cu_seq_lens_q"].tolist() == starts and flash["cu_seq_lens_q"].dtype == torch.int32
@@ -59,6 +63,7 @@ def test_bench_refuses_an_unknown_path_in_one_line():
     proc = subprocess.run([sys.executable, "bench/host_overhead.py", "--paths", "sft_fast"], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: --paths: unknown sft_fast (known: pretrain, sft_plain, sft_grouped, sft_packed, sft_token_budget, "
+        "error: --paths: unknown sft_fast (known: pretrain, sft_plain, sft_grouped, sft_packed, "
+        "sft_token_budget, "
         "t5_pretrain, t5_sft)"
     ], proc.stderr

@@ -52,7 +52,8 @@ def test_counter_catches_planted_syncs_and_names_the_line():
         y[y > 0]
         y.tolist()
         y.repeat_interleave(torch.ones(2, dtype=torch.long), dim=0)  # repeats on the device
-        y.repeat_interleave(torch.ones(2, dtype=torch.long), dim=0, output_size=2)  # the host said the size: no sync
+        # the host said the size: no sync
+        y.repeat_interleave(torch.ones(2, dtype=torch.long), dim=0, output_size=2)
     assert host_count == 8
     ops = [sync.op for sync in s.syncs]
     assert len(ops) == 6, s.summary()
@@ -68,13 +69,24 @@ def test_train_step_counts_a_sync_planted_in_the_loss(monkeypatch):
     import train.core.step as step
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-    opt, _ = build_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1), model, torch.device("cpu"))  # the kit's (fused) AdamW
+    # the kit's (fused) AdamW
+    opt, _ = build_optimizer(OptimConfig(learning_rate=1e-3, weight_decay=0.1), model, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     x = torch.randint(0, 64, (2, 8))
 
     def run():
         with HostSyncs("cpu") as s:
-            train_step(model, opt, scaler, s.host_batches(batches_of(x)), 2, 1.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
+            train_step(
+                model,
+                opt,
+                scaler,
+                s.host_batches(batches_of(x)),
+                2,
+                1.0,
+                torch.device("cpu"),
+                "fp32",
+                layout=CAUSAL_LM,
+            )
         return s
 
     assert run().count == 0, run().summary()

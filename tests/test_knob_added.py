@@ -43,8 +43,14 @@ def kit_with_new_knobs(tmp_path: Path) -> Path:
 
 def generate(kit: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m train knobs ...` in the copy (config.py, the launchers and docs of the copy)."""
-    return subprocess.run([sys.executable, "-m", "train", "knobs", *args], cwd=kit, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(kit)})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "train", "knobs", *args],
+        cwd=kit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(kit)},
+    )
 
 
 def digests(kit: Path) -> dict[str, str]:
@@ -57,13 +63,19 @@ def digests(kit: Path) -> dict[str, str]:
 
 def launch(kit: Path, script: str, env: dict) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    return subprocess.run(["bash", str(kit / script)], env={**base, **env}, capture_output=True, text=True, cwd=kit, timeout=300)
+    return subprocess.run(
+        ["bash", str(kit / script)], env={**base, **env}, capture_output=True, text=True, cwd=kit, timeout=300
+    )
 
 
 def test_one_field_in_config_py_is_a_knob_everywhere(tmp_path, corpus, tiny_config, cache_dir):
     kit = kit_with_new_knobs(tmp_path)
     before = digests(kit)
-    original = {name: hashlib.sha256((ROOT / name).read_bytes()).hexdigest() for name in before if (ROOT / name).is_file()}
+    original = {
+        name: hashlib.sha256((ROOT / name).read_bytes()).hexdigest()
+        for name in before
+        if (ROOT / name).is_file()
+    }
     assert {name for name in before if before[name] != original.get(name)} == {"config.py"}
 
     # the launchers: a variable of the kit (no misspelling warning), its flag where its mode reads it
@@ -105,10 +117,18 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
 
     # a real run saves it; RESUME=1 says it changed
     env = {
-        "MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512", "CACHE_DIR": str(cache_dir),
-        "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "dummy", "MAX_LENGTH": "64", "BATCH_SIZE": "4",
-        "MAX_STEPS": "2", "EVAL_BATCHES": "1", "DUMMY_KNOB": "7",
-    }  # fmt: skip
+        "MODEL_CONFIG": str(tiny_config),
+        "DATA_PATH": str(corpus),
+        "VOCAB_SIZE": "512",
+        "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(tmp_path / "runs"),
+        "RUN_NAME": "dummy",
+        "MAX_LENGTH": "64",
+        "BATCH_SIZE": "4",
+        "MAX_STEPS": "2",
+        "EVAL_BATCHES": "1",
+        "DUMMY_KNOB": "7",
+    }
     if forking():  # the runs forks of a warm server that imported this copy (its config.py as edited above)
         server = fork_server(kit)
         env.update(KIT_PYTHON=server["python"], **server["env"])
@@ -127,7 +147,10 @@ for argv in (["--dummy_knob", "abc"], ["--dummy_sft", "1"]):
     (kit / "config.py").write_text((kit / "config.py").read_text().replace('knob(3, "compared")', "knob(3, "))
     broken = launch(kit, "train_sft_custom.sh", {"SHOW_COMMAND": "1"})
     assert broken.returncode == 2 and broken.stdout == ""
-    assert broken.stderr.startswith("error: config.py cannot be read: SyntaxError") and broken.stderr.count("\n") == 1
+    assert (
+        broken.stderr.startswith("error: config.py cannot be read: SyntaxError")
+        and broken.stderr.count("\n") == 1
+    )
 
 
 NEW_LAUNCHER = """#!/usr/bin/env bash
@@ -157,22 +180,32 @@ def test_the_generator_writes_a_new_field_into_the_docs_and_the_launchers_of_its
     assert written.returncode == 0, written.stderr
     after = digests(kit)
     changed = {name for name in after if after[name] != before.get(name)}
-    launchers = {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh",
-                 "train_dpo.sh", "train_grpo.sh"}
+    launchers = {
+        "run_single_gpu.sh",
+        "run_single_gpu_optimized.sh",
+        "train_sft_custom.sh",
+        "quick_start_sft_fast.sh",
+        "train_dpo.sh",
+        "train_grpo.sh",
+    }
     assert changed == {"docs/knobs.md"} | launchers
     assert all(os.access(kit / name, os.X_OK) for name in launchers)  # still executable
     assert generate(kit, "--check").stdout.strip() == "knob docs up to date"
 
     doc = (kit / "docs" / "knobs.md").read_text()
     every, sft = doc.split("\n## Every mode\n")[1].split("\n## SFT\n")
-    assert "| DUMMY_KNOB | --dummy_knob | a whole number |" in every and "A knob the test adds: a whole number" in every
+    assert "| DUMMY_KNOB | --dummy_knob | a whole number |" in every and ("A knob the test adds: a whole "
+                                                                          "number") in every
     assert "| DUMMY_SFT | --dummy_sft |" in sft.split("<!-- END knobs")[0] and "DUMMY_SFT" not in every
     for name in launchers:
         block = block_of(kit / name)
-        assert block["DUMMY_KNOB"].endswith("# a knob the test adds: a whole number that a resume compares; empty: 3")
+        assert block["DUMMY_KNOB"].endswith("# a knob the test adds: a whole number that a resume compares; "
+                                            "empty: 3")
         assert ("DUMMY_SFT" in block) == name.startswith(("train_sft", "quick_start_sft"))
     # the launchers' own defaults and lines outside the block are kept
-    assert block_of(kit / "quick_start_sft_fast.sh")["GRADIENT_ACCUM"].startswith("GRADIENT_ACCUM=${GRADIENT_ACCUM:-2} ")
+    assert block_of(kit / "quick_start_sft_fast.sh")["GRADIENT_ACCUM"].startswith(
+        "GRADIENT_ACCUM=${GRADIENT_ACCUM:-2} "
+    )
     assert "effective batch = BATCH_SIZE" in (kit / "quick_start_sft_fast.sh").read_text()
 
 
@@ -197,18 +230,31 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     written = generate(kit, "--write")
     assert written.returncode == 0 and "train_ppo.sh" in written.stdout, written.stderr
     ppo = block_of(kit / "train_ppo.sh")
-    assert "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()]) in (kit / "train_ppo.sh").read_text()
+    assert (
+        "\n".join(["# BEGIN knobs" + shown.stdout.split("# BEGIN knobs", 1)[1].rstrip()])
+        in (kit / "train_ppo.sh").read_text()
+    )
     assert "DUMMY_SFT" in ppo and "DUMMY_KNOB" in ppo and "SEED" in ppo and "NPROC_PER_NODE" in ppo
     assert not {"MODEL_SIZE", "MODEL_PATH", "PACKING", "BETA"} & set(ppo)  # their modes do not name it
-    assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(kit / "run_single_gpu.sh")
+    assert "DUMMY_SFT" not in block_of(kit / "train_sft_custom.sh") and "DUMMY_SFT" not in block_of(
+        kit / "run_single_gpu.sh"
+    )
     text = (kit / "train_ppo.sh").read_text()
-    assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index("source ") and text.endswith('"$@"\n')
+    assert text.index("set -euo pipefail") < text.index("# BEGIN knobs") < text.index(
+        "source "
+    ) and text.endswith('"$@"\n')
     doc = (kit / "docs" / "knobs.md").read_text()
     assert "\n\nRead by `python -m train ppo` only (launchers: `train_ppo.sh`); the other modes" in doc
     # the launcher passes its knobs as flags (scripts/common.sh reads the same fields)
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    out = subprocess.run(["bash", str(kit / "train_ppo.sh")], env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
-                         capture_output=True, text=True, timeout=120, cwd=kit)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(kit / "train_ppo.sh")],
+        env={**env, "SHOW_COMMAND": "1", "DUMMY_SFT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=kit,
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
     argv = shlex.split(out.stdout)
     assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["train", "ppo"] and "--dummy_sft" in argv

@@ -34,7 +34,9 @@ def shell_lists() -> dict[str, list[str]]:
              'KIT_MODE_KNOBS KIT_MODE_NAMES; do declare -n list=$a; IFS="|"; echo "$a|${list[*]}"; ' \
              'done'  # fmt: skip
     env = {"KIT_NAMES_CHECKED": "1", "PATH": os.environ["PATH"]}
-    out = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=True, env=env
+    )
     lists = {line.split("|")[0]: line.split("|")[1:] for line in out.stdout.splitlines()}
     return {name: items if name == "KIT_MODE_NAMES" else " ".join(items).split()
             for name, items in lists.items()}
@@ -56,7 +58,11 @@ def test_the_launchers_know_every_config_field_by_its_one_name():
     assert all(config.env_name(f) == v for v, f in {**values, **switches}.items() if f in FIELDS)
     # the guides' names (DESIGN's table) where a variable is not the field in upper case
     assert values["GRADIENT_ACCUM"] == "gradient_accumulation_steps"
-    assert switches == {"ENABLE_FP16": "fp16", "ENABLE_BF16": "bf16", "ENABLE_GRAD_CKPT": "gradient_checkpointing"}
+    assert switches == {
+        "ENABLE_FP16": "fp16",
+        "ENABLE_BF16": "bf16",
+        "ENABLE_GRAD_CKPT": "gradient_checkpointing",
+    }
     flags = {a.dest for a in training_parser("pretrain")._actions}
     assert set(values.values()) | set(switches.values()) <= flags
     # the launcher-only variables the generated blocks add are the kit's own (no misspelling warning)
@@ -89,7 +95,12 @@ def test_every_launchers_block_is_what_config_py_generates(launcher):
 def test_the_launchers_are_found_by_what_they_run():
     found = {lw.path.name: (lw.mode, lw.preset) for lw in LAUNCHERS}
     # the design card's four (a new one joins by calling kit_launch, as train_dpo.sh will)
-    assert {"run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"} <= set(found)
+    assert {
+        "run_single_gpu.sh",
+        "run_single_gpu_optimized.sh",
+        "train_sft_custom.sh",
+        "quick_start_sft_fast.sh",
+    } <= set(found)
     assert found["run_single_gpu.sh"] == ("pretrain", "baseline") and found["train_sft_custom.sh"][0] == "sft"
     assert all(mode in config.MODES and preset in config.PRESETS for mode, preset in found.values())
     assert not any(p.name in found for p in ROOT.glob("scripts/*.sh"))  # only the root's scripts
@@ -128,7 +139,8 @@ def test_the_modes_of_a_knob_are_said_once_and_read_alike():
     assert all(set(group) <= set(config.MODES) for group in (config.EVERY, config.FINE_TUNING,
                                                               config.FROM_SCRATCH))
     assert knobs.modes("text_field") == {"pretrain", "sft"} and knobs.modes("packing") == {"sft", "dpo"}
-    assert knobs.modes("loss_on") == {"sft"} and knobs.modes("beta") == {"dpo", "grpo"}  # one field, two defaults
+    # one field, two defaults
+    assert knobs.modes("loss_on") == {"sft"} and knobs.modes("beta") == {"dpo", "grpo"}
     assert knobs.modes("seed") == config.EVERY
     by_name = {k.name: k for k in knob_docs.all_knobs()}
     for mode in config.MODES:
@@ -169,7 +181,8 @@ def test_a_knob_its_mode_does_not_read_is_refused_when_set():
         "read by pretraining and SFT only; leave it empty")
 
 
-DPO_REFUSAL = ("error: TEXT_FIELD does not apply to preference training (train_dpo.sh): it is read by pretraining "
+DPO_REFUSAL = ("error: TEXT_FIELD does not apply to preference training (train_dpo.sh): it is read by "
+               "pretraining "
                "and SFT only; leave it empty\n")
 
 
@@ -251,7 +264,11 @@ def test_a_misspelled_mode_stops_at_import(tmp_path):
 def test_markers_pick_the_lists_and_their_fields_fit_them():
     assert set(AUTO_FIELDS) == set(knobs.marked("auto")) and AUTO_FIELDS
     for name in AUTO_FIELDS:  # empty / auto / none: the run decides, so the field defaults to None
-        assert FIELDS[name].default is None and parse_value(name, "auto") is None and parse_value(name, "none") is None
+        assert (
+            FIELDS[name].default is None
+            and parse_value(name, "auto") is None
+            and parse_value(name, "none") is None
+        )
     assert set(COMPARED) == set(knobs.marked("compared")) and COMPARED
     assert not set(COMPARED) & set(knobs.marked("command"))
     assert all(FIELDS[name].type == "bool" for name in knobs.marked("switch"))
@@ -287,7 +304,8 @@ def test_the_knobs_command(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == knob_docs.SH_END
     with pytest.raises(UsageError, match="--launcher: expected one of .*run_single_gpu.sh"):
         main(["knobs", "--launcher", "nope.sh"])
-    with pytest.raises(UsageError, match=r"^knobs: expected --markdown \| --launcher NAME \| --write \| --check, got '--bogus'$"):
+    with pytest.raises(UsageError, match=r"^knobs: expected --markdown \| --launcher NAME \| --write \| "
+                                         r"--check, got '--bogus'$"):
         main(["knobs", "--bogus"])
     assert main(["knobs"]) == 0 and "--write" in capsys.readouterr().out
 
@@ -296,8 +314,11 @@ def test_the_knobs_command(capsys):
 def test_a_launcher_written_before_the_markers_gets_its_block_in_place_of_its_knob_lines(launcher, tmp_path):
     text = launcher.path.read_text()
     # as the launchers were written by hand: no BEGIN/END lines, other comments on the knob lines
-    old = "\n".join(line.split("  #")[0].rstrip() + "  # said by hand" if knob_docs.KNOB_LINE.match(line) else line
-                    for line in text.splitlines() if not line.startswith(("# BEGIN knobs", "# END knobs")))  # fmt: skip
+    old = "\n".join(
+        line.split("  #")[0].rstrip() + "  # said by hand" if knob_docs.KNOB_LINE.match(line) else line
+        for line in text.splitlines()
+        if not line.startswith(("# BEGIN knobs", "# END knobs"))
+    )
     copy = tmp_path / launcher.path.name
     copy.write_text(old + "\n")
     block = knob_docs.launcher_block(knob_docs.Launcher(copy, launcher.mode, launcher.preset))

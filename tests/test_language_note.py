@@ -14,7 +14,8 @@ from test_bad_records import train_here
 from conftest import TINY_CONFIG, make_text
 from train.data import text as data
 
-HAN = ("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可她里后小么心多天而能"
+HAN = ("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得"
+       "就那要下以生会自着去之过家学对可她里后小么心多天而能"
        "好都然没日于起还发成事只作当想看文无开手十用主行方又如前所本见经头面公同三已老从动两长知民样现分将外但身些与高意")
 
 
@@ -24,8 +25,13 @@ def chinese(n: int, seed: int) -> str:
 
 
 def chinese_sft(path, n: int = 60):
-    path.write_text("".join(json.dumps({"prompt": chinese(3, i), "response": chinese(8, i + 1000)}, ensure_ascii=False)
-                            + "\n" for i in range(n)), encoding="utf-8")  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": chinese(3, i), "response": chinese(8, i + 1000)}, ensure_ascii=False) + "\n"
+            for i in range(n)
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -44,14 +50,34 @@ def test_chinese_data_on_an_english_bpe_gets_a_note_english_does_not(base_model,
 
 def test_the_note_in_a_real_sft_run_and_none_for_a_bpe_trained_on_the_data(base_model, tmp_path, capsys):
     rows = chinese_sft(tmp_path / "zh.jsonl")
-    common = ["--data_path", str(rows), "--max_length", "64", "--batch_size", "2", "--max_steps", "1",
-              "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"), "--tokenize_workers", "1"]  # fmt: skip
+    common = [
+        "--data_path",
+        str(rows),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "1",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--tokenize_workers",
+        "1",
+    ]
     result = train_here(capsys, "sft", *common, "--model_path", str(base_model), "--run_name", "given")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "note: the tokenizer spends" in result.stdout and "tokens per character on DATA_PATH's first records" in result.stdout
+    assert "note: the tokenizer spends" in result.stdout and ("tokens per character on DATA_PATH's first "
+                                                              "records") in result.stdout
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_CONFIG))
-    result = train_here(capsys, "sft", *common, "--model_config", str(config), "--vocab_size", "1024", "--run_name", "own")
+    result = train_here(
+        capsys, "sft", *common, "--model_config", str(config), "--vocab_size", "1024", "--run_name", "own"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "training a byte-level BPE tokenizer (vocab 1024) on the SFT data; cached for next time" in result.stdout
+    assert (
+        "training a byte-level BPE tokenizer (vocab 1024) on the SFT data; cached for next time"
+        in result.stdout
+    )
     assert "note: the tokenizer spends" not in result.stdout  # it learned the characters

@@ -51,7 +51,9 @@ def test_every_knob_of_config_py_is_at_the_top(launcher):
     assert [name for name, comment in lines.items() if not comment] == []  # every knob says what it does
     assert set(lines) == expected(launcher.mode)  # and no knob of another mode (it would be refused)
     # the launcher's style: set -euo pipefail, a usage line, "$@" passed last
-    assert "set -euo pipefail" in text and re.search(r"^# Usage: .*" + re.escape(launcher.path.name), text, re.M)
+    assert "set -euo pipefail" in text and re.search(
+        r"^# Usage: .*" + re.escape(launcher.path.name), text, re.M
+    )
     assert re.search(r'^kit_launch \S+ \S+ "\$@"$', text, re.M)
 
 
@@ -62,7 +64,8 @@ def test_a_knob_missing_at_the_top_is_named():
     ungrouped = text.replace("# ---- ", "# ")  # lines outside the groups do not count
     assert "MODEL_SIZE" in missing(ungrouped, "pretrain")
     assert "PACKING" in expected("sft") and "PACKING" not in expected("pretrain")
-    assert "MODEL_SIZE" in expected("sft") and "MODEL_SIZE" not in expected("dpo")  # dpo trains MODEL_PATH's model
+    # dpo trains MODEL_PATH's model
+    assert "MODEL_SIZE" in expected("sft") and "MODEL_SIZE" not in expected("dpo")
     assert {knobs.env_name(n) for n in config.FIELD_SECTION if "pretrain" not in knobs.modes(n)} & expected(
         "pretrain") == set()
     assert {"TEXT_FIELD", "TOKENIZER_SAMPLE_MB", "MODEL_FAMILY"} & expected("dpo") == set()

@@ -30,7 +30,10 @@ def test_baseline_defaults_are_the_guides():
 
 def test_optimized_defaults_and_overrides():
     argv = command("run_single_gpu_optimized.sh", {})
-    assert (flag_value(argv, "--batch_size"), flag_value(argv, "--gradient_accumulation_steps")) == ("32", "4")
+    assert (flag_value(argv, "--batch_size"), flag_value(argv, "--gradient_accumulation_steps")) == (
+        "32",
+        "4",
+    )
     assert flag_value(argv, "--num_workers") == "4"
     env = {
         "MODEL_SIZE": "medium",
@@ -94,7 +97,8 @@ def warnings_of(script, env, *args):
 
 
 @pytest.mark.parametrize(
-    "script", ["run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"]
+    "script",
+    ["run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh"],
 )
 def test_misspelled_variable_is_named_with_the_right_one(script):
     lines, argv = warnings_of(script, {"BACH_SIZE": "3"})
@@ -113,7 +117,10 @@ def test_near_misses_of_every_kind():
         "NPROC_PER_NOD": "2",  # a variable outside the knob lists
     }
     lines, _ = warnings_of("run_single_gpu.sh", env)
-    suggested = dict(line.removeprefix("warning: ").split(" is not a variable of this kit; did you mean ") for line in lines)
+    suggested = dict(
+        line.removeprefix("warning: ").split(" is not a variable of this kit; did you mean ")
+        for line in lines
+    )
     assert suggested == {
         "BACTH_SIZE": "BATCH_SIZE?",
         "LEARING_RATE": "LEARNING_RATE?",
@@ -129,7 +136,8 @@ def test_no_warning_for_known_or_unrelated_variables():
     env = {
         # the kit's own names, spelled right
         "BATCH_SIZE": "4", "NPROC_PER_NODE": "1", "SHOW_COMMAND": "1", "TF32": "1", "SEED": "1",
-        # other tools' names, some a couple of letters from a knob (LANG/RANK, USER/SEED, NODE_PATH/MODEL_PATH)
+        # other tools' names, some a couple of letters from a knob (LANG/RANK, USER/SEED,
+        # NODE_PATH/MODEL_PATH)
         "USER": "me", "SHELL": "/bin/bash", "TERM": "xterm", "PWD": "/", "CUDA_VISIBLE_DEVICES": "0",
         "OMP_NUM_THREADS": "1", "HF_HOME": "/tmp", "PYTHONPATH": "/x", "NODE_PATH": "/n", "LOCAL_SIZE": "1",
         "VIRTUAL_ENV": "/v", "MAKEFLAGS": "-j", "SLURM_NNODES": "1", "batch_sise": "lower case: not ours",

@@ -34,22 +34,28 @@ def test_a_causal_lms_targets_are_shifted_an_encoder_decoders_are_not():
 
 
 def test_a_preference_batchs_responses_follow_the_same_shift():
-    labels = torch.tensor([[IGNORE_INDEX, 3, 4], [IGNORE_INDEX, 5, IGNORE_INDEX]])  # one pair: chosen, rejected
+    # one pair: chosen, rejected
+    labels = torch.tensor([[IGNORE_INDEX, 3, 4], [IGNORE_INDEX, 5, IGNORE_INDEX]])
     batch = {"input_ids": torch.zeros_like(labels), "labels": labels}
     causal, t5 = CAUSAL_LM.responses(batch), ENCODER_DECODER.responses(batch)
     assert (causal.pairs, causal.chosen_tokens, causal.counts.tolist()) == (1, 2, [2, 1])
     assert (t5.pairs, t5.chosen_tokens, t5.counts.tolist()) == (1, 2, [2, 1])
-    assert causal.targets.tolist() == [3, 4, 5] and causal.index.tolist() == [0, 1, 3]  # position t predicts t+1
+    # position t predicts t+1
+    assert causal.targets.tolist() == [3, 4, 5] and causal.index.tolist() == [0, 1, 3]
     assert t5.targets.tolist() == [3, 4, 5] and t5.index.tolist() == [1, 2, 4]
 
 
 def test_generation_inputs_and_the_reply_are_the_layouts():
     tok = make_tokenizer()
     text = "def f(x): return x"
-    assert CAUSAL_LM.prompt_ids(tok, text, templated=False) == tok(text, add_special_tokens=False)["input_ids"]
+    assert (
+        CAUSAL_LM.prompt_ids(tok, text, templated=False) == tok(text, add_special_tokens=False)["input_ids"]
+    )
     source = ENCODER_DECODER.prompt_ids(tok, text, templated=False)
-    assert source[-1] == tok.eos_token_id and source[:-1] == tok(text)["input_ids"]  # span corruption's sources
-    assert ENCODER_DECODER.prompt_ids(tok, text, templated=True) == tok(text)["input_ids"]  # the template ends it
+    # span corruption's sources
+    assert source[-1] == tok.eos_token_id and source[:-1] == tok(text)["input_ids"]
+    # the template ends it
+    assert ENCODER_DECODER.prompt_ids(tok, text, templated=True) == tok(text)["input_ids"]
     assert CAUSAL_LM.new_tokens(100, 64, 10) == 54 and ENCODER_DECODER.new_tokens(100, 64, 10) == 64
     assert CAUSAL_LM.reply_start(10) == 10 and ENCODER_DECODER.reply_start(10) == 1
 

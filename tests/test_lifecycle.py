@@ -26,8 +26,15 @@ GPT = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positio
 
 
 def launcher_env(corpus, tiny_config, cache_dir, runs: Path, **more) -> dict:
-    env = {"MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512",
-           "CACHE_DIR": str(cache_dir), "OUTPUT_DIR": str(runs), "MAX_LENGTH": "64", "BATCH_SIZE": "4"}  # fmt: skip
+    env = {
+        "MODEL_CONFIG": str(tiny_config),
+        "DATA_PATH": str(corpus),
+        "VOCAB_SIZE": "512",
+        "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(runs),
+        "MAX_LENGTH": "64",
+        "BATCH_SIZE": "4",
+    }
     env.update({k: str(v) for k, v in more.items()})
     return env
 
@@ -41,8 +48,10 @@ def test_non_finite_weights_are_never_final_nor_latest(corpus, tiny_config, cach
     end 'completed' (exit 0) with a final/ of NaN weights that became runs/latest."""
     runs = tmp_path / "runs"
     # a misspelled knob: the warning of the first line is said again at the end (it scrolled away)
-    good = launch("run_single_gpu.sh", launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=2, RUN_NAME="good",
-                                                    BACTH_SIZE=2))  # fmt: skip
+    good = launch(
+        "run_single_gpu.sh",
+        launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=2, RUN_NAME="good", BACTH_SIZE=2),
+    )
     assert good.returncode == 0, good.stderr
     warning = "warning: BACTH_SIZE is not a variable of this kit; did you mean BATCH_SIZE?"
     assert good.stderr.splitlines()[0] == warning
@@ -64,9 +73,30 @@ def test_interrupted_run_is_never_latest(corpus, tiny_config, cache_dir, tmp_pat
     """Ctrl+C: exit 130, exit_reason interrupted, final/ of the step; runs/latest stays where it was
     (the README: it moves only when a run completes)."""
     runs = tmp_path / "runs"
-    assert run_cli("pretrain", "--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-                   "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", "--batch_size", "4",
-                   "--max_steps", "1", "--run_name", "done") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "pretrain",
+            "--model_config",
+            str(tiny_config),
+            "--data_path",
+            str(corpus),
+            "--vocab_size",
+            "512",
+            "--cache_dir",
+            str(cache_dir),
+            "--output_dir",
+            str(runs),
+            "--max_length",
+            "64",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "1",
+            "--run_name",
+            "done",
+        )
+        == 0
+    )
     env = launcher_env(corpus, tiny_config, cache_dir, runs, MAX_STEPS=10000, RUN_NAME="cut", LOG_EVERY=1)
     proc = start_launcher(env)
     wait_for_rows(runs / "cut" / "metrics.jsonl", 2, proc)
@@ -171,8 +201,24 @@ def test_model_path_with_a_nan_tensor_is_refused_at_load(tmp_path, capsys):
     data.write_text("".join(json.dumps({"prompt": f"{i}?", "response": f"{i}."}) + "\n" for i in range(16)))
     runs = tmp_path / "runs"
     capsys.readouterr()  # transformers' own loading bars above
-    assert run_cli("sft", "--model_path", str(tmp_path / "hf"), "--data_path", str(data), "--output_dir", str(runs),
-                   "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1", "--max_length", "32") == 2  # fmt: skip
+    assert (
+        run_cli(
+            "sft",
+            "--model_path",
+            str(tmp_path / "hf"),
+            "--data_path",
+            str(data),
+            "--output_dir",
+            str(runs),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            "--max_steps",
+            "1",
+            "--max_length",
+            "32",
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"MODEL_PATH={tmp_path / 'hf'}" in err, err
     assert "transformer.h.0.ln_1.weight holds 1 non-finite value(s)" in err
@@ -193,7 +239,8 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     eta = [
         x for x in reference.stdout.splitlines() if x.startswith("about ")
     ]  # after the warm-up steps, once
-    assert len(eta) == 1 and re.fullmatch(r"about \d+\.\d\d s per step on this machine \(the first 2 steps\), "
+    assert len(eta) == 1 and re.fullmatch(r"about \d+\.\d\d s per step on this machine \(the first 2 "
+                                          r"steps\), "
                                           r"18 steps to go: ETA \d+:\d\d", eta[0]), eta  # fmt: skip
     proc = start_launcher({**env, "RUN_NAME": "cut"})
     wait_for_rows(runs / "cut" / "metrics.jsonl", 3, proc)
@@ -203,7 +250,8 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
     cut = summary_of(runs / "cut")["steps"]
     assert cut < 20
     line = next(x for x in (out + err).splitlines() if x.startswith("interrupted: to continue"))
-    command = re.fullmatch(r"interrupted: to continue from the last checkpoint, run (.*) \./run_single_gpu\.sh "
+    command = re.fullmatch(r"interrupted: to continue from the last checkpoint, run (.*) "
+                           r"\./run_single_gpu\.sh "
                            r"\(its other settings are kept\)", line)  # fmt: skip
     assert command, line
     assigned = dict(item.split("=", 1) for item in shlex.split(command.group(1)))
@@ -228,8 +276,14 @@ def test_the_printed_resume_command_continues_the_run_as_it_was(corpus, tiny_con
 def test_python_m_train_without_torch_is_one_line():
     """`python -m train` with a Python that lacks the kit's packages (outside .venv): one line naming
     .venv/bin/python and make setup, not a 12-line ModuleNotFoundError traceback."""
-    bare = subprocess.run([sys.executable, "-S", "-m", "train", "pretrain", "--max_steps", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})  # fmt: skip
+    bare = subprocess.run(
+        [sys.executable, "-S", "-m", "train", "pretrain", "--max_steps", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert bare.returncode == 2 and not bare.stdout
     assert (
         bare.stderr.startswith("error: torch is not installed in this Python (")
@@ -238,8 +292,16 @@ def test_python_m_train_without_torch_is_one_line():
     assert ".venv/bin/python -m train" in bare.stderr and "make setup" in bare.stderr
 
 
-LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 512}  # fmt: skip
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "vocab_size": 512,
+}
 
 
 def llama_run(tmp_path, corpus, cache_dir, name: str, **change) -> list[str]:
@@ -256,7 +318,8 @@ def test_settings_final_cannot_save_are_refused_before_training(tmp_path, corpus
     argv = llama_run(tmp_path, corpus, cache_dir, "pad", pad_token_id=-5)
     assert run_cli("pretrain", *argv) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("[transformers]")]
-    assert len(err) == 1 and err[0].startswith(f"error: MODEL_CONFIG={tmp_path / 'pad.json'}: final/ could not be "), err
+    assert len(err) == 1 and err[0].startswith(f"error: MODEL_CONFIG={tmp_path / 'pad.json'}: final/ could "
+                                               f"not be "), err
     assert "pad_token_id" in err[0] and "-5" in err[0]
     assert not (tmp_path / "runs").exists()
 

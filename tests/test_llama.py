@@ -37,7 +37,8 @@ def _one_thread():
 
 
 def tiny_llama(vocab: int = 512, seed: int = 0, family: str = "llama"):
-    # The family's own make_config at TINY's shape: Qwen3's layer_types has one entry per layer from the start.
+    # The family's own make_config at TINY's shape: Qwen3's layer_types has one entry per layer from the
+    # start.
     cfg = FAMILIES[family].make_config(TINY, vocab, 0)
     set_dropout(cfg, 0.0)  # as build_config does for MODEL_SIZE
     return cfg, build_model(cfg, False, seed)
@@ -46,7 +47,11 @@ def tiny_llama(vocab: int = 512, seed: int = 0, family: str = "llama"):
 @pytest.mark.parametrize("family", BLOCKS)
 def test_llama_is_one_entry_with_the_published_shape(family):
     llama = FAMILIES[family]
-    assert not llama.layout.encoder_decoder and llama.auto == "AutoModelForCausalLM" and llama.peft_task_type == "CAUSAL_LM"
+    assert (
+        not llama.layout.encoder_decoder
+        and llama.auto == "AutoModelForCausalLM"
+        and llama.peft_task_type == "CAUSAL_LM"
+    )
     counts = {}
     for size in ("nano", "tiny", "small", "medium"):
         cfg = llama.config_for(size, 8192, 0)
@@ -54,7 +59,8 @@ def test_llama_is_one_entry_with_the_published_shape(family):
         assert cfg.head_dim == 64 and cfg.rope_parameters["rope_theta"] == 10000.0
         assert cfg.num_attention_heads == 2 * cfg.num_key_value_heads or size in ("small",)  # grouped-query
         counts[size] = round(count_params(cfg) / 1e6, 1)
-    assert counts == {"nano": 5.0, "tiny": 27.8, "small": 81.8, "medium": 291.6}  # llama.py's (qwen3.py's) docstring
+    # llama.py's (qwen3.py's) docstring
+    assert counts == {"nano": 5.0, "tiny": 27.8, "small": 81.8, "medium": 291.6}
     cfg, model = tiny_llama(family=family)
     assert family_of(model) is llama and type(model).__name__ == BLOCKS[family]
 
@@ -84,7 +90,17 @@ def test_estimate_matches_a_tracked_llama_step(checkpointing, chunked, family, m
         with tracker:
             for _ in range(2):  # the second step has AdamW's state
                 scaler = torch.amp.GradScaler("cpu", enabled=False)
-                train_step(model, optimizer, scaler, iter([{"input_ids": ids}]), 1, 1.0, CPU, "fp32", layout=CAUSAL_LM)
+                train_step(
+                    model,
+                    optimizer,
+                    scaler,
+                    iter([{"input_ids": ids}]),
+                    1,
+                    1.0,
+                    CPU,
+                    "fp32",
+                    layout=CAUSAL_LM,
+                )
                 tracker.reset_mod_stats()
         measured = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
     est = estimate_memory(hf, count_params(hf), batch_size=16, max_length=128, precision="fp32",
@@ -116,9 +132,34 @@ def test_flops_per_token_match_torch_flop_counter(family):
 @pytest.fixture(scope="module", params=BLOCKS)
 def llama_runs(request, corpus, cache_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp(request.param) / "runs"
-    flags = ["--model_family", request.param, "--model_size", "nano", "--data_path", str(corpus), "--vocab_size", "512",
-             "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", "--batch_size", "4",
-             "--max_steps", "8", "--save_every", "4", "--keep_checkpoints", "5", "--log_every", "1", "--seed", "3"]
+    flags = [
+        "--model_family",
+        request.param,
+        "--model_size",
+        "nano",
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(runs),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "8",
+        "--save_every",
+        "4",
+        "--keep_checkpoints",
+        "5",
+        "--log_every",
+        "1",
+        "--seed",
+        "3",
+    ]
     assert run_cli("pretrain", *flags, "--run_name", "ref") == 0
     return runs, flags, request.param
 
@@ -135,7 +176,9 @@ def test_llama_pretrains_and_resumes_exactly(llama_runs):
     assert run_cli("pretrain", *flags, "--run_name", "resumed", "--resume", "1") == 0
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    torch.testing.assert_close([r["loss"] for r in rows[4:]], [r["loss"] for r in reference[4:]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        [r["loss"] for r in rows[4:]], [r["loss"] for r in reference[4:]], rtol=0, atol=1e-5
+    )
     from transformers import AutoModelForCausalLM
 
     assert type(AutoModelForCausalLM.from_pretrained(runs / "ref" / "final")).__name__ == BLOCKS[family]
@@ -143,13 +186,26 @@ def test_llama_pretrains_and_resumes_exactly(llama_runs):
 
 def test_llama_sft_from_scratch_and_lora_on_a_saved_llama(llama_runs, tmp_path):
     runs, _, family = llama_runs
-    common = ["--output_dir", str(tmp_path / "runs"), "--max_length", "64", "--max_steps", "2", "--batch_size", "4",
-              "--cache_dir", str(tmp_path / "cache")]
+    common = [
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "64",
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "4",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    ]
     assert run_cli("sft", "--model_family", family, "--model_size", "nano", "--vocab_size", "512", *common,
                    "--run_name", "scratch") == 0
     scratch = json.loads((tmp_path / "runs" / "scratch" / "summary.json").read_text())
     assert (scratch["model_kind"], scratch["exit_reason"]) == ("causal", "completed")
-    assert json.loads((tmp_path / "runs" / "scratch" / "final" / "config.json").read_text())["model_type"] == family
+    assert (
+        json.loads((tmp_path / "runs" / "scratch" / "final" / "config.json").read_text())["model_type"]
+        == family
+    )
     assert run_cli("sft", "--model_path", str(runs / "ref" / "final"), "--lora_r", "4", *common,
                    "--run_name", "lora") == 0
     lora_run = tmp_path / "runs" / "lora"
@@ -182,8 +238,17 @@ def _ddp_worker(rank, world_size, port, family):
         if world.rank == 0:
             reference = tiny_llama(family=family)[1]
             big, _ = make_loader(rows, DataConfig(), 8, 5, CPU)
-            train_step(reference, torch.optim.SGD(reference.parameters(), lr=1.0), scaler, iter(big), 1, 0.0, CPU,
-                       "fp32", layout=CAUSAL_LM)
+            train_step(
+                reference,
+                torch.optim.SGD(reference.parameters(), lr=1.0),
+                scaler,
+                iter(big),
+                1,
+                0.0,
+                CPU,
+                "fp32",
+                layout=CAUSAL_LM,
+            )
             torch.testing.assert_close(flat(ddp.module), flat(reference), rtol=1e-5, atol=1e-6)
         dist.barrier()
     finally:

@@ -75,10 +75,29 @@ def runs(root):
     """The shared runs: GPT-2 4 x 2 (STEPS, a checkpoint every step) with a copy of it killed by
     SIGKILL in a child process, then resumed; GPT-2 8 x 1; T5 4 x 2 and 8 x 1."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    ref = flags(root, "gpt2", "--batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", str(STEPS),
-                "--save_every", "1", "--keep_checkpoints", "20")  # fmt: skip
-    child = subprocess.Popen([train_python(), "-m", "train", "sft", *ref, "--run_name", "killed"], cwd=ROOT, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ref = flags(
+        root,
+        "gpt2",
+        "--batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_steps",
+        str(STEPS),
+        "--save_every",
+        "1",
+        "--keep_checkpoints",
+        "20",
+    )
+    child = subprocess.Popen(
+        [train_python(), "-m", "train", "sft", *ref, "--run_name", "killed"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert run_cli("sft", *ref, "--run_name", "ref") == 0  # while the child imports
     metrics, deadline = root / "runs" / "killed" / "metrics.jsonl", time.monotonic() + 120
     while child.poll() is None and time.monotonic() < deadline:
@@ -89,10 +108,26 @@ def runs(root):
     _, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGKILL, err[-2000:]
     assert run_cli("sft", *ref, "--run_name", "killed", "--resume", "1") == 0
-    assert run_cli("sft", *flags(root, "gpt2", "--batch_size", "8", "--max_steps", "2", "--run_name", "b8")) == 0
+    assert (
+        run_cli("sft", *flags(root, "gpt2", "--batch_size", "8", "--max_steps", "2", "--run_name", "b8")) == 0
+    )
     for name, batch, accum in (("t5", "4", "2"), ("t5b8", "8", "1")):
-        argv = flags(root, "t5", "--batch_size", batch, "--gradient_accumulation_steps", accum, "--max_steps", "3",
-                     "--save_every", "1", "--keep_checkpoints", "5", "--run_name", name)  # fmt: skip
+        argv = flags(
+            root,
+            "t5",
+            "--batch_size",
+            batch,
+            "--gradient_accumulation_steps",
+            accum,
+            "--max_steps",
+            "3",
+            "--save_every",
+            "1",
+            "--keep_checkpoints",
+            "5",
+            "--run_name",
+            name,
+        )
         assert run_cli("sft", *argv) == 0
     return root / "runs"
 
@@ -132,7 +167,11 @@ def batch_of(tok, seq2seq: bool) -> dict:
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, IGNORE_INDEX)
     labels[:, :3] = IGNORE_INDEX  # the prompt
     if seq2seq:
-        return {"input_ids": enc["input_ids"][:, :5], "attention_mask": enc["attention_mask"][:, :5], "labels": labels}
+        return {
+            "input_ids": enc["input_ids"][:, :5],
+            "attention_mask": enc["attention_mask"][:, :5],
+            "labels": labels,
+        }
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
 
 
@@ -183,8 +222,24 @@ def test_t5_resumes_from_a_checkpoint_to_the_same_losses(runs):
         shutil.rmtree(path)
     shutil.rmtree(again / "final")
     (again / "summary.json").unlink()
-    argv = flags(runs.parent, "t5", "--batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "3",
-                 "--save_every", "1", "--keep_checkpoints", "5", "--run_name", "t5again", "--resume", "1")
+    argv = flags(
+        runs.parent,
+        "t5",
+        "--batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_steps",
+        "3",
+        "--save_every",
+        "1",
+        "--keep_checkpoints",
+        "5",
+        "--run_name",
+        "t5again",
+        "--resume",
+        "1",
+    )
     assert run_cli("sft", *argv) == 0
     np.testing.assert_allclose(losses(again), losses(runs / "t5"), rtol=0, atol=1e-5)
 
@@ -210,7 +265,8 @@ def test_final_is_the_merged_model_and_adapter_plus_base_gives_its_logits(runs, 
     plain = auto.from_pretrained(adapter["base_model_name_or_path"], local_files_only=True).eval()
     plain.resize_token_embeddings(merged.config.vocab_size)
     with torch.no_grad():
-        assert (plain(input_ids=ids, **extra).logits[..., :300] - a[..., :300]).abs().max() > 1e-3  # it trained
+        # it trained
+        assert (plain(input_ids=ids, **extra).logits[..., :300] - a[..., :300]).abs().max() > 1e-3
 
 
 def test_peft_auto_loader_takes_final_adapter_offline(runs, monkeypatch):
@@ -222,21 +278,38 @@ def test_peft_auto_loader_takes_final_adapter_offline(runs, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     final = runs / "ref" / "final"
     adapter = json.loads((final / "adapter" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == str(final.absolute() / "adapter" / "base")  # not the temporary name
+    # not the temporary name
+    assert adapter["base_model_name_or_path"] == str(final.absolute() / "adapter" / "base")
     with_adapter = AutoPeftModelForCausalLM.from_pretrained(final / "adapter", local_files_only=True).eval()
     merged = AutoModelForCausalLM.from_pretrained(final, local_files_only=True).eval()
     ids = torch.randint(0, 360, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5
+        )
 
 
 def test_two_ddp_processes_equal_one(runs):
     """2 processes x batch 4 (gloo, through the launcher) take the step's 8 rows one process takes."""
     root = runs.parent
-    env = {"NPROC_PER_NODE": "2", "MODEL_PATH": str(root / "gpt2"), "DATA_PATH": str(root / "d.jsonl"),
-           "OUTPUT_DIR": str(root / "runs"), "CACHE_DIR": str(root / "cache"), "RUN_NAME": "ddp", "MAX_LENGTH": "64",
-           "MAX_STEPS": "2", "NUM_WORKERS": "0", "LOG_EVERY": "1", "SEED": "7", "LORA_R": "4", "LORA_DROPOUT": "0",
-           "WARMUP_STEPS": "1", "LEARNING_RATE": "1e-2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        "NPROC_PER_NODE": "2",
+        "MODEL_PATH": str(root / "gpt2"),
+        "DATA_PATH": str(root / "d.jsonl"),
+        "OUTPUT_DIR": str(root / "runs"),
+        "CACHE_DIR": str(root / "cache"),
+        "RUN_NAME": "ddp",
+        "MAX_LENGTH": "64",
+        "MAX_STEPS": "2",
+        "NUM_WORKERS": "0",
+        "LOG_EVERY": "1",
+        "SEED": "7",
+        "LORA_R": "4",
+        "LORA_DROPOUT": "0",
+        "WARMUP_STEPS": "1",
+        "LEARNING_RATE": "1e-2",
+        "OMP_NUM_THREADS": "1",
+    }
     result = launch("train_sft_custom.sh", env, "4", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((runs / "ddp" / "summary.json").read_text())["world_size"] == 2
@@ -246,11 +319,14 @@ def test_two_ddp_processes_equal_one(runs):
 @pytest.mark.parametrize(
     "extra, line",
     [
-        (["--lora_targets", "c_attn,nope"], "LORA_TARGETS=c_attn,nope: 'nope' names no layer of this gpt2 model"),
+        (["--lora_targets", "c_attn,nope"], "LORA_TARGETS=c_attn,nope: 'nope' names no layer of this gpt2 "
+                                            "model"),
         (["--lora_targets", "ln_1"], "LORA_TARGETS=ln_1:"),
-        (["--lora_targets", "wte"], "LORA_TARGETS=wte: 'wte' is the token embeddings"),  # once failed at the save
+        # once failed at the save
+        (["--lora_targets", "wte"], "LORA_TARGETS=wte: 'wte' is the token embeddings"),
         (["--lora_targets", "c_attn,lm_head"], "LORA_TARGETS=c_attn,lm_head: 'lm_head' is the output head"),
-        (["--lora_r", "100000"], "LORA_R=100000: above the rank of every adapted layer (at most "),  # once an OOM
+        # once an OOM
+        (["--lora_r", "100000"], "LORA_R=100000: above the rank of every adapted layer (at most "),
         (["--lora_dropout", "1"], "LORA_DROPOUT=1.0: expected a probability below 1"),
         (["--sharding", "zero2"], "LORA_R=4 with SHARDING=zero2: not built"),
         (["--lora_r", "-1"], "LORA_R (--lora_r): expected a whole number >= 0"),
@@ -266,10 +342,26 @@ def test_bad_lora_settings_are_one_line_exit_2(root, extra, line, capsys):
 def test_a_resume_with_another_lora_r_is_one_line(runs, capsys):
     before = (runs / "ref" / "metrics.jsonl").read_text()
     for extra, now in ((["--lora_r", "8"], "8"), (["--lora_r", "0"], "(empty)")):
-        argv = flags(runs.parent, "gpt2", "--batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps",
-                     str(STEPS + 2), "--run_name", "ref", "--resume", "1", *extra)  # fmt: skip
+        argv = flags(
+            runs.parent,
+            "gpt2",
+            "--batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+            "--max_steps",
+            str(STEPS + 2),
+            "--run_name",
+            "ref",
+            "--resume",
+            "1",
+            *extra,
+        )
         assert run_cli("sft", *argv) == 2
-        assert f"holds LoRA adapters of LORA_R=4, this run has LORA_R={now}; resume with LORA_R=4" in capsys.readouterr().err
+        assert (
+            f"holds LoRA adapters of LORA_R=4, this run has LORA_R={now}; resume with LORA_R=4"
+            in capsys.readouterr().err
+        )
     assert (runs / "ref" / "metrics.jsonl").read_text() == before
 
 
@@ -283,13 +375,22 @@ def test_lora_on_a_model_sft_builds_new_is_refused_before_any_work(tmp_path, cap
 
 
 def test_freeze_over_every_adapter_is_one_line(root, capsys):
-    assert run_cli("sft", *flags(root, "gpt2", "--run_name", "frozen", "--max_steps", "1", "--freeze", "decoder")) == 2
+    assert (
+        run_cli(
+            "sft", *flags(root, "gpt2", "--run_name", "frozen", "--max_steps", "1", "--freeze", "decoder")
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "FREEZE=decoder: that freezes every parameter still trained (with LORA_R: the adapters too)" in err
     assert "Traceback" not in err and not (root / "runs" / "frozen").exists()
 
 
 def test_lora_settings_without_lora_r_are_one_line(root, capsys):
-    argv = [a for a in flags(root, "gpt2", "--run_name", "stray", "--max_steps", "1") if a not in ("--lora_r", "4")]
+    argv = [
+        a
+        for a in flags(root, "gpt2", "--run_name", "stray", "--max_steps", "1")
+        if a not in ("--lora_r", "4")
+    ]
     assert run_cli("sft", *argv, "--lora_targets", "c_attn") == 2
     assert "LORA_TARGETS set but LORA_R is empty" in capsys.readouterr().err

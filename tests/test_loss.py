@@ -135,7 +135,9 @@ def test_accumulation_is_token_correct():
     total = step_targets(micro)
 
     def loss_of(batch):
-        hidden, weight = lm_hidden_and_head(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        hidden, weight = lm_hidden_and_head(
+            model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        )
         return chunked_cross_entropy(hidden, weight, batch["labels"], chunk_tokens=17)
 
     model.zero_grad()

@@ -25,15 +25,33 @@ SHAPES = {
     "llama_odd_width": ({"model_type": "llama", "hidden_size": 65, "num_attention_heads": 2}, "multiple"),
     # Round 5: each was a traceback (storage overflow, KeyError, AssertionError), a NaN run that made a
     # run folder and exited 1, or a run that trained and shipped final/.
-    "gpt2_width_1e9": ({"n_embd": 1_000_000_000, "n_head": 1}, "transformers cannot build this model (RuntimeError"),
-    "rope_type": ({**LLAMA, "rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "rope_type 'bogus' is not one"),
+    "gpt2_width_1e9": (
+        {"n_embd": 1_000_000_000, "n_head": 1},
+        "transformers cannot build this model (RuntimeError",
+    ),
+    "rope_type": (
+        {**LLAMA, "rope_scaling": {"rope_type": "bogus", "factor": 2.0}},
+        "rope_type 'bogus' is not one",
+    ),
     "hidden_act": ({**LLAMA, "hidden_act": "bogus_act"}, "hidden_act 'bogus_act' is not an activation"),
-    "pad_id": ({**LLAMA, "pad_token_id": 99_999_999}, "pad_token_id 99999999 is not one of the model's 512 token ids"),
+    "pad_id": (
+        {**LLAMA, "pad_token_id": 99_999_999},
+        "pad_token_id 99999999 is not one of the model's 512 token ids",
+    ),
     "rope_theta_0": ({**LLAMA, "rope_theta": 0}, "rope_theta is 0; it must be a number above 0"),
     "rope_theta_neg": ({**LLAMA, "rope_theta": -1}, "rope_theta is -1; it must be a number above 0"),
-    "rope_factor_neg": ({**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": -1.0}}, "the rope_scaling factor is -1.0"),
-    "qwen3_moe": ({**MOE, "model_type": "qwen3_moe", "moe_intermediate_size": 32}, "a mixture-of-experts model (qwen3_moe, 4"),
-    "mixtral": ({**MOE, "model_type": "mixtral"}, "a mixture-of-experts model (mixtral, 4 experts): the kit's loss"),
+    "rope_factor_neg": (
+        {**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": -1.0}},
+        "the rope_scaling factor is -1.0",
+    ),
+    "qwen3_moe": (
+        {**MOE, "model_type": "qwen3_moe", "moe_intermediate_size": 32},
+        "a mixture-of-experts model (qwen3_moe, 4",
+    ),
+    "mixtral": (
+        {**MOE, "model_type": "mixtral"},
+        "a mixture-of-experts model (mixtral, 4 experts): the kit's loss",
+    ),
 }
 
 
@@ -53,9 +71,23 @@ def test_model_config_that_cannot_work_is_one_line(case, dry_run, corpus, tmp_pa
 
     monkeypatch.setattr(train.models.build, "build_model", no_build)
     change, expect = SHAPES[case]
-    argv = ["pretrain", "--model_config", str(write_config(tmp_path, change)), "--data_path", str(corpus),
-            "--vocab_size", "512", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"),
-            "--max_length", "64", "--max_steps", "1"]  # fmt: skip
+    argv = [
+        "pretrain",
+        "--model_config",
+        str(write_config(tmp_path, change)),
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "64",
+        "--max_steps",
+        "1",
+    ]
     with CpuSpent() as cpu:
         assert run_cli(*argv, *(["--dry_run"] if dry_run else [])) == 2
     assert cpu.spent < 20  # CPU seconds; was more than 5 minutes for 100,000 layers
@@ -92,15 +124,31 @@ def test_dry_run_of_a_model_too_big_says_it_cannot_fit(corpus, tmp_path):
 DEEP = "[" * 200_000 + "]" * 200_000  # past the interpreter's recursion limit: a RecursionError traceback
 
 
-@pytest.mark.parametrize("text", [DEEP, '{"model_type": "gpt2", "n_layer": ' + DEEP + "}"], ids=["list", "in_object"])
+@pytest.mark.parametrize(
+    "text", [DEEP, '{"model_type": "gpt2", "n_layer": ' + DEEP + "}"], ids=["list", "in_object"]
+)
 def test_a_model_config_nested_200k_deep_is_one_line(text, corpus, tmp_path, capsys):
     path = tmp_path / "model.json"
     path.write_text(text)
-    argv = ["pretrain", "--model_config", str(path), "--data_path", str(corpus), "--vocab_size", "512",
-            "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"), "--max_steps", "1"]  # fmt: skip
+    argv = [
+        "pretrain",
+        "--model_config",
+        str(path),
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_steps",
+        "1",
+    ]
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: MODEL_CONFIG: {path} is not a transformers config.json (nested too deep to be a model config)"
+    assert err == (f"error: MODEL_CONFIG: {path} is not a transformers config.json (nested too deep to be a "
+                   f"model config)")
     assert not (tmp_path / "runs").exists()
 
 
@@ -141,28 +189,66 @@ TERABYTES = {"n_layer": 4000, "n_embd": 8192, "n_head": 64}  # 3.2T parameters: 
 MODEL_PATHS = {
     "2TB": (TERABYTES, None, "cannot fit: training it needs at least"),
     "deep": (None, None, "no model config could be read"),
-    "qwen3_moe": (None, {**MOE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_hidden_layers": 1,
-                         "vocab_size": 512}, "a mixture-of-experts model (qwen3_moe, 4 experts)"),
+    "qwen3_moe": (
+        None,
+        {
+            **MOE,
+            "model_type": "qwen3_moe",
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "vocab_size": 512,
+        },
+        "a mixture-of-experts model (qwen3_moe, 4 experts)",
+    ),
     "rope_theta_0": (None, {**LLAMA, "num_hidden_layers": 1, "vocab_size": 512}, "rope_theta is 0;"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(MODEL_PATHS))
-def test_a_model_path_that_cannot_work_is_one_line_before_loading(case, base_model, tmp_path, capsys, monkeypatch):
+def test_a_model_path_that_cannot_work_is_one_line_before_loading(
+    case, base_model, tmp_path, capsys, monkeypatch
+):
     change, config, expect = MODEL_PATHS[case]
     folder = model_folder(base_model, tmp_path / "model", change, config)
     if case == "deep":
         (folder / "config.json").write_text('{"model_type": "gpt2", "n_layer": ' + DEEP + "}")
     if case == "rope_theta_0":  # saved sound, then edited as a user would
         raw = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}))
+        (folder / "config.json").write_text(
+            json.dumps({**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 0}})
+        )
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                                     {"role": "assistant", "content": f"a{i}"}]}) + "\n" for i in range(8)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{i}"},
+                        {"role": "assistant", "content": f"a{i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
     no_loading(monkeypatch)
     capsys.readouterr()
-    argv = ["sft", "--model_path", str(folder), "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"),
-            "--output_dir", str(tmp_path / "runs"), "--max_length", "32", "--max_steps", "1"]  # fmt: skip
+    argv = [
+        "sft",
+        "--model_path",
+        str(folder),
+        "--data_path",
+        str(data),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "32",
+        "--max_steps",
+        "1",
+    ]
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"error: MODEL_PATH={folder}") and expect in err, err
@@ -185,14 +271,18 @@ def bare(base_model, folder, change: dict | None = None, dtype=None, nan: bool =
     return folder
 
 
-def test_import_of_a_config_asking_for_terabytes_is_one_line_before_building(base_model, tmp_path, capsys, monkeypatch):
+def test_import_of_a_config_asking_for_terabytes_is_one_line_before_building(
+    base_model, tmp_path, capsys, monkeypatch
+):
     src = bare(base_model, tmp_path / "src", TERABYTES)
     no_loading(monkeypatch)
     assert run_cli("import", str(src), str(tmp_path / "dest")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("error: SRC: config.json: this model (3,221.6") and ("B parameters) cannot be built here: its "
-                                                                            "float32 weights alone take 12,00") in err, err
+    assert (
+        err.startswith("error: SRC: config.json: this model (3,221.6")
+        and ("B parameters) cannot be built here: its float32 weights alone take 12,00") in err
+    ), err
     assert err.endswith(" GiB") and "this machine's RAM has " in err, err
     assert not (tmp_path / "dest").exists()
 
@@ -203,20 +293,26 @@ def test_float8_weights_are_checked_for_nan_and_imported_as_bfloat16(base_model,
 
     f8 = torch.float8_e4m3fn
     src = bare(base_model, tmp_path / "nan", dtype=f8, nan=True)
-    assert run_cli("import", str(src), str(tmp_path / "bad")) == 2  # was: "isfinite" not implemented for Float8_e4m3fn
+    # was: "isfinite" not implemented for Float8_e4m3fn
+    assert run_cli("import", str(src), str(tmp_path / "bad")) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: SRC: weights.safetensors: transformer.h.0.mlp.c_fc.weight holds 3 non-finite value(s) (NaN "
+    assert err == ("error: SRC: weights.safetensors: transformer.h.0.mlp.c_fc.weight holds 3 non-finite "
+                   "value(s) (NaN "
                    "or inf); these weights cannot be trained or used"), err
     src = bare(base_model, tmp_path / "f8", dtype=f8)
     assert run_cli("import", str(src), str(tmp_path / "dest")) == 0
     assert "float8_e4m3fn weights are written as bfloat16" in capsys.readouterr().out
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dest", local_files_only=True)  # a float8 folder did not load
+    # a float8 folder did not load
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dest", local_files_only=True)
     assert model.dtype == torch.bfloat16
     from safetensors.torch import load_file
 
     exact = load_file(src / "weights.safetensors")
-    assert all(torch.equal(v.to(torch.float32), exact[k].to(torch.float32)) for k, v in model.state_dict().items()
-               if k in exact)
+    assert all(
+        torch.equal(v.to(torch.float32), exact[k].to(torch.float32))
+        for k, v in model.state_dict().items()
+        if k in exact
+    )
 
 
 def test_a_pad_id_of_the_files_vocabulary_past_the_tokenizers_is_dropped_not_a_traceback(tmp_path):
@@ -230,4 +326,5 @@ def test_a_pad_id_of_the_files_vocabulary_past_the_tokenizers_is_dropped_not_a_t
     assert cfg.vocab_size == 512 and cfg.pad_token_id is None
     build_model(cfg, gradient_checkpointing=False, seed=0)
     path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 1, "vocab_size": 32000, "pad_token_id": -1}))
-    assert build_config("nano", str(path), 512, 0).pad_token_id == -1  # torch's padding index counts from the end
+    # torch's padding index counts from the end
+    assert build_config("nano", str(path), 512, 0).pad_token_id == -1

@@ -336,7 +336,9 @@ def test_python_m_train_monitor_once(monkeypatch, capsys):
     monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(names=("NVIDIA A100-SXM4-80GB",)))
     assert run_cli("monitor", "--once") == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("Device") and lines[1].startswith("0 NVIDIA A100-SXM4-80GB") and len(lines) == 2
+    assert (
+        lines[0].startswith("Device") and lines[1].startswith("0 NVIDIA A100-SXM4-80GB") and len(lines) == 2
+    )
     monkeypatch.setattr(monitor, "_load_nvml", lambda: FakeNvml(init_error="Driver Not Loaded"))
     assert run_cli("monitor", "--once") == 0
     assert capsys.readouterr().out.startswith("no GPU found (no NVIDIA driver / NVML (Driver Not Loaded))")

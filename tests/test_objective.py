@@ -29,7 +29,12 @@ from train.run.plan import dpo_reference
 
 GRPO = GRPOObjective(False, GrpoKnobs(), Sampler(SamplingSettings(), eos_ids=[0], pad_id=0, device="cpu"),
                      RewardSet(()), [[1]], lambda index, repeat: ([], {}))  # fmt: skip
-OBJECTIVES = (TokenObjective(False), TokenObjective(True, micro_batch_mean=True), PreferenceObjective(False), GRPO)
+OBJECTIVES = (
+    TokenObjective(False),
+    TokenObjective(True, micro_batch_mean=True),
+    PreferenceObjective(False),
+    GRPO,
+)
 
 
 def protocol_members() -> set[str]:
@@ -83,9 +88,17 @@ def _pairs(n: int) -> list[dict]:
     out = []
     for i in range(n):
         prompt, chosen, rejected = [5] * (2 + i), [6] * (1 + i % 2), [7] * (3 - i % 2)
-        out.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected,
-                    "chosen_labels": chosen, "rejected_labels": rejected, dpo_reference.PRECOMPUTED[0]: -1.0 - i,
-                    dpo_reference.PRECOMPUTED[1]: -10.0 - i})
+        out.append(
+            {
+                "prompt_ids": prompt,
+                "chosen_ids": chosen,
+                "rejected_ids": rejected,
+                "chosen_labels": chosen,
+                "rejected_labels": rejected,
+                dpo_reference.PRECOMPUTED[0]: -1.0 - i,
+                dpo_reference.PRECOMPUTED[1]: -10.0 - i,
+            }
+        )
     return out
 
 

@@ -35,11 +35,35 @@ def test_smaller_micro_batch_divides_the_effective_batch():
 
 def test_oom_mid_step_halves_batch_keeps_effective_and_trains_same_samples(tiny_flags, tmp_path, monkeypatch):
     common = [*tiny_flags, "--max_steps", "3", "--seed", "5"]
-    assert run_cli("pretrain", *common, "--batch_size", "4", "--gradient_accumulation_steps", "4", "--run_name", "ref") == 0
+    assert (
+        run_cli(
+            "pretrain",
+            *common,
+            "--batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "4",
+            "--run_name",
+            "ref",
+        )
+        == 0
+    )
     # micro-batches over 4 run out of memory from the 2nd forward on: the 1st micro-step of step 1
     # has already accumulated gradients when the step fails
     calls = patch_fake_oom(monkeypatch, limit=4, from_call=2)
-    assert run_cli("pretrain", *common, "--batch_size", "8", "--gradient_accumulation_steps", "2", "--run_name", "oom") == 0
+    assert (
+        run_cli(
+            "pretrain",
+            *common,
+            "--batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "2",
+            "--run_name",
+            "oom",
+        )
+        == 0
+    )
     runs = tmp_path / "runs"
     s = summary(runs / "oom")
     assert s["oom_retries"] == 1 and s["oom_events"][0]["step"] == 1
@@ -48,7 +72,10 @@ def test_oom_mid_step_halves_batch_keeps_effective_and_trains_same_samples(tiny_
     assert calls[:3] == [8, 8, 4]
     assert "out of memory at step 1 with micro-batch 8" in (runs / "oom" / "train.log").read_text()
     # no lost step: the same losses and the same weights as a run that used 4 x 4 from the start
-    losses = [[row["loss"] for row in read_jsonl(runs / name / "metrics.jsonl") if "loss" in row] for name in ("ref", "oom")]
+    losses = [
+        [row["loss"] for row in read_jsonl(runs / name / "metrics.jsonl") if "loss" in row]
+        for name in ("ref", "oom")
+    ]
     assert len(losses[1]) == 3
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     ref, oom = (load_file(runs / name / "final" / "model.safetensors") for name in ("ref", "oom"))
@@ -58,7 +85,17 @@ def test_oom_mid_step_halves_batch_keeps_effective_and_trains_same_samples(tiny_
 
 def test_third_oom_stops_with_the_remedies_and_a_saved_model(tiny_flags, tmp_path, monkeypatch):
     patch_fake_oom(monkeypatch, limit=0)  # nothing fits
-    argv = [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "1", "--max_steps", "2", "--run_name", "x"]
+    argv = [
+        *tiny_flags,
+        "--batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "1",
+        "--max_steps",
+        "2",
+        "--run_name",
+        "x",
+    ]
     assert run_cli("pretrain", *argv) == 1
     run = tmp_path / "runs" / "x"
     s = summary(run)

@@ -54,9 +54,15 @@ def test_onecycle_is_torch_onecyclelr_step_for_step(warmup, total):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=3e-3, total_steps=total, pct_start=warmup / total, anneal_strategy="cos", cycle_momentum=False,
-        div_factor=25.0, final_div_factor=1e4,
-    )  # fmt: skip
+        opt,
+        max_lr=3e-3,
+        total_steps=total,
+        pct_start=warmup / total,
+        anneal_strategy="cos",
+        cycle_momentum=False,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    )
     theirs = []
     for step in range(total):
         theirs.append(opt.param_groups[0]["lr"])
@@ -81,16 +87,26 @@ def lm_batches(seed: int = 0):
 def run_steps(model, optim, steps: int = 4):
     optimizer, kind = build_optimizer(optim, model, CPU)
     scaler, batches = torch.amp.GradScaler("cpu", enabled=False), lm_batches()
-    losses = [float(train_step(model, optimizer, scaler, batches, 1, 1.0, CPU, "fp32", layout=CAUSAL_LM)[0]) for _ in range(steps)]
+    losses = [
+        float(train_step(model, optimizer, scaler, batches, 1, 1.0, CPU, "fp32", layout=CAUSAL_LM)[0])
+        for _ in range(steps)
+    ]
     return losses, optimizer, kind
 
 
-@pytest.mark.parametrize("name, lr, state", [
-    ("adamw", 3e-3, {"exp_avg", "exp_avg_sq"}), ("sgd", 0.3, {"momentum_buffer"}), ("adafactor", 3e-2, {"row_var"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, lr, state",
+    [
+        ("adamw", 3e-3, {"exp_avg", "exp_avg_sq"}),
+        ("sgd", 0.3, {"momentum_buffer"}),
+        ("adafactor", 3e-2, {"row_var"}),
+    ],
+)
 def test_each_optimizer_trains_a_tiny_model_with_its_own_state(name, lr, state):
     model = tiny_model()
-    losses, optimizer, kind = run_steps(model, config.OptimConfig(optimizer=name, learning_rate=lr, weight_decay=0.1))
+    losses, optimizer, kind = run_steps(
+        model, config.OptimConfig(optimizer=name, learning_rate=lr, weight_decay=0.1)
+    )
     assert losses[-1] < losses[0] - 0.05, losses
     assert kind.lower().startswith(name[:4])
     matrix = model.transformer.h[0].mlp.c_fc.weight  # (64, 256)
@@ -130,15 +146,23 @@ def test_freeze_leaves_frozen_weights_unchanged_and_out_of_the_optimizer():
     why = apply_freeze(model, "embeddings,transformer.h.0.*")
     assert "tied, so frozen together: transformer.wte.weight=lm_head.weight" in why
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight"} <= set(frozen)
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight"} <= set(
+        frozen
+    )
     assert all(p.requires_grad for n, p in model.named_parameters() if n.startswith("transformer.h.1."))
     losses, optimizer, _ = run_steps(model, config.OptimConfig(learning_rate=3e-3))
     assert losses[-1] < losses[0]
     after = dict(model.named_parameters())
     assert all(torch.equal(after[n], before) for n, before in frozen.items())
-    assert not torch.equal(after["transformer.h.1.mlp.c_fc.weight"], tiny_model().transformer.h[1].mlp.c_fc.weight)
+    assert not torch.equal(
+        after["transformer.h.1.mlp.c_fc.weight"], tiny_model().transformer.h[1].mlp.c_fc.weight
+    )
     held = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    assert held == trainable_of(model).params == count_params(model.config) - sum(p.numel() for p in frozen.values())
+    assert (
+        held
+        == trainable_of(model).params
+        == count_params(model.config) - sum(p.numel() for p in frozen.values())
+    )
 
 
 def tiny_t5():
@@ -153,12 +177,17 @@ def test_freeze_encoder_of_a_t5_trains_only_the_rest_and_the_estimate_shrinks():
     model = build_model(hf, False, 0)
     apply_freeze(model, "embeddings,encoder")  # ChatLM's fine-tuning: the shared table and the encoder
     encoder = {n: p.detach().clone() for n, p in model.encoder.named_parameters()}
-    assert all(not p.requires_grad for p in model.encoder.parameters()) and not model.shared.weight.requires_grad
+    assert (
+        all(not p.requires_grad for p in model.encoder.parameters()) and not model.shared.weight.requires_grad
+    )
     assert model.decoder.block[0].layer[0].SelfAttention.q.weight.requires_grad
     optimizer, _ = build_optimizer(config.OptimConfig(learning_rate=1e-2), model, CPU)
     gen = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(2, 512, (4, 16), generator=gen),
-             "attention_mask": torch.ones(4, 16, dtype=torch.long), "labels": torch.randint(2, 512, (4, 8), generator=gen)}
+    batch = {
+        "input_ids": torch.randint(2, 512, (4, 16), generator=gen),
+        "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        "labels": torch.randint(2, 512, (4, 8), generator=gen),
+    }
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for _ in range(2):
         train_step(model, optimizer, scaler, iter([batch]), 1, 1.0, CPU, "fp32", layout=ENCODER_DECODER)
@@ -168,7 +197,9 @@ def test_freeze_encoder_of_a_t5_trains_only_the_rest_and_the_estimate_shrinks():
     assert counted == trainable_of(model)
     n = count_params(hf)
     whole = estimate_memory(hf, n, batch_size=4, max_length=16, precision="fp32")
-    part = estimate_memory(hf, n, batch_size=4, max_length=16, precision="fp32", trainable_params=counted.params)
+    part = estimate_memory(
+        hf, n, batch_size=4, max_length=16, precision="fp32", trainable_params=counted.params
+    )
     assert part["gradients"] == 4 * counted.params < whole["gradients"] == 4 * n
     assert part["optimizer"] == 8 * counted.params and part["peak"] < whole["peak"]
     assert part["weights"] == whole["weights"]  # frozen weights still live on the device
@@ -185,7 +216,10 @@ def test_bad_values_stop_in_one_line(tiny_flags, capsys):
         (["--lr_schedule", "step"], "LR_SCHEDULE (--lr_schedule)"),
         (["--optimizer", "adafactor", "--sharding", "zero2"], "OPTIMIZER=adafactor and SHARDING=zero2"),
         (["--freeze", "encoder"], "FREEZE=encoder: encoder names an encoder-decoder's encoder"),
-        (["--freeze", "embeddings,no.such.*"], "FREEZE=embeddings,no.such.*: 'no.such.*' matches no parameter"),
+        (
+            ["--freeze", "embeddings,no.such.*"],
+            "FREEZE=embeddings,no.such.*: 'no.such.*' matches no parameter",
+        ),
     ]
     for flags, expect in cases:
         assert run_cli("pretrain", *tiny_flags, "--max_steps", "2", *flags) == 2, flags
@@ -193,9 +227,28 @@ def test_bad_values_stop_in_one_line(tiny_flags, capsys):
         assert len(err.splitlines()) == 1 and expect in err and err.startswith("error: "), err
 
 
-RUN = ["--batch_size", "4", "--max_steps", "4", "--save_every", "2", "--keep_checkpoints", "5", "--seed", "3",
-       "--optimizer", "adafactor", "--lr_schedule", "onecycle", "--warmup_steps", "2", "--learning_rate", "2e-2",
-       "--freeze", "transformer.h.0.*"]  # fmt: skip
+RUN = [
+    "--batch_size",
+    "4",
+    "--max_steps",
+    "4",
+    "--save_every",
+    "2",
+    "--keep_checkpoints",
+    "5",
+    "--seed",
+    "3",
+    "--optimizer",
+    "adafactor",
+    "--lr_schedule",
+    "onecycle",
+    "--warmup_steps",
+    "2",
+    "--learning_rate",
+    "2e-2",
+    "--freeze",
+    "transformer.h.0.*",
+]
 
 
 def test_adafactor_onecycle_freeze_resume_gives_the_uninterrupted_losses(tiny_flags, tmp_path, capsys):
@@ -203,7 +256,10 @@ def test_adafactor_onecycle_freeze_resume_gives_the_uninterrupted_losses(tiny_fl
     assert run_cli("pretrain", *tiny_flags, *RUN, "--run_name", "ref") == 0
     ref = [r for r in read_jsonl(runs / "ref" / "metrics.jsonl") if "loss" in r]
     record = json.loads((runs / "ref" / "config.json").read_text())
-    assert record["config"]["optim"]["optimizer"] == "adafactor" and record["config"]["model"]["freeze"] == "transformer.h.0.*"
+    assert (
+        record["config"]["optim"]["optimizer"] == "adafactor"
+        and record["config"]["model"]["freeze"] == "transformer.h.0.*"
+    )
     assert any(d["setting"] == "freeze" and "trainable" in d["reason"] for d in record["decisions"])
     summary = json.loads((runs / "ref" / "summary.json").read_text())
     assert 0 < summary["n_trainable_params"] < summary["n_params"] == record["resolved"]["n_params"]
@@ -214,7 +270,10 @@ def test_adafactor_onecycle_freeze_resume_gives_the_uninterrupted_losses(tiny_fl
         if int(path.name.split("-")[1]) > 2:
             shutil.rmtree(path)
     capsys.readouterr()
-    assert run_cli("pretrain", *tiny_flags, *RUN, "--run_name", "cut", "--resume", "1", "--optimizer", "sgd") == 2
+    assert (
+        run_cli("pretrain", *tiny_flags, *RUN, "--run_name", "cut", "--resume", "1", "--optimizer", "sgd")
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "OPTIMIZER=adafactor, this run has OPTIMIZER=sgd" in err and len(err.splitlines()) == 1
     assert run_cli("pretrain", *tiny_flags, *RUN, "--run_name", "cut", "--resume", "1") == 0

@@ -135,7 +135,9 @@ def test_transformers_detects_packing_from_position_ids_alone(model):
     2D/4D mask is given; the explicit mask does not depend on that."""
     _, _, batch = _packed_batch()
     with torch.no_grad():
-        explicit = model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        explicit = model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        )
         implicit = model(batch["input_ids"], position_ids=batch["position_ids"])
     assert torch.allclose(explicit.logits, implicit.logits, atol=1e-5, rtol=0)
 
@@ -186,13 +188,17 @@ def test_attention_for_names_the_path_and_why(model, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a)
+    )
     # this machine has no GPU: a cuda device is only named, never touched
     flash = attention_for("cuda", "bf16")
     assert flash.kind == FLASH and "varlen" in flash.why
     fp32 = attention_for("cuda", "fp32")
     assert fp32.kind == VARLEN and "bf16/fp16" in fp32.why
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a)
+    )
     assert "not installed" in attention_for("cuda", "bf16").why
 
 
@@ -205,7 +211,9 @@ def test_forward_loss_hands_flash_its_varlen_lengths(model):
     _, _, batch = _packed_batch(FLASH)
     seen = {}
     # the base model: the kit's chunked loss calls it, not the LM head's forward
-    hook = model.base_model.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    hook = model.base_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             loss = forward_loss(model, dict(batch), torch.device("cpu"), "fp32", layout=CAUSAL_LM)

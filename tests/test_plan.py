@@ -12,8 +12,24 @@ from conftest import run_cli
 from train.config.flags import parse_training_args
 from train.run.plan.build import build
 
-SAME_BATCH = ["--batch_size", "2", "--effective_batch", "16", "--lr_scaling", "linear", "--lr_reference_batch", "8",
-              "--learning_rate", "1e-4", "--num_workers", "0", "--max_length", "64", "--pin_memory", "1"]  # fmt: skip
+SAME_BATCH = [
+    "--batch_size",
+    "2",
+    "--effective_batch",
+    "16",
+    "--lr_scaling",
+    "linear",
+    "--lr_reference_batch",
+    "8",
+    "--learning_rate",
+    "1e-4",
+    "--num_workers",
+    "0",
+    "--max_length",
+    "64",
+    "--pin_memory",
+    "1",
+]
 
 
 def decided(plan) -> dict:
@@ -72,7 +88,9 @@ def test_oom_guard_holds_the_smaller_micro_batch_and_leaves_the_plan_alone(tiny_
 
     from train.run.loop.oom import OomGuard
 
-    cfg = parse_training_args("pretrain", [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "2"])
+    cfg = parse_training_args(
+        "pretrain", [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "2"]
+    )
     plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), max_length=64, precision="fp32")
     opened = []
 
@@ -89,7 +107,9 @@ def test_oom_guard_holds_the_smaller_micro_batch_and_leaves_the_plan_alone(tiny_
         opened.append((batch_size, epoch, start))
         return Stream()
 
-    guard = OomGuard(plan, open_stream, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, print)
+    guard = OomGuard(
+        plan, open_stream, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, print
+    )
     guard.open()
     failures = iter([torch.OutOfMemoryError("CUDA out of memory. (fake)")])
 

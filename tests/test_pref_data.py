@@ -46,13 +46,19 @@ def test_llamafactory_sharegpt_records_their_own_demo(tmp_path):
     # The shape of LLaMA-Factory's data/dpo_en_demo.json and dpo_zh_demo.json (records 2 of each, the
     # texts abridged): conversations (system, human) and one gpt message per side.
     en = {"conversations": [
-        {"from": "system", "value": "You are a teacher. Given a task, you explain in simple steps what the task is asking."},
-        {"from": "human", "value": "Q: In this task, you need to provide the parts-of-speech tag of a word.\nA:"}],
-        "chosen": {"from": "gpt", "value": "In this task, you are asked to identify the part-of-speech (POS) tag."},
-        "rejected": {"from": "gpt", "value": "Sure, I'd be happy to help! Here are the steps to find the part of speech."}}
+        {"from": "system", "value": "You are a teacher. Given a task, you explain in simple steps what the "
+                                    "task is asking."},
+        {"from": "human", "value": "Q: In this task, you need to provide the parts-of-speech tag of a "
+                                   "word.\nA:"}],
+        "chosen": {"from": "gpt", "value": "In this task, you are asked to identify the part-of-speech (POS) "
+                                           "tag."},
+        "rejected": {"from": "gpt", "value": "Sure, I'd be happy to help! Here are the steps to find the "
+                                             "part of speech."}}
     zh = {"conversations": [{"from": "human", "value": "请提供一下对香港银行业的分析以及目前面临的挑战。"}],
-          "chosen": {"from": "gpt", "value": "香港银行业长期以来一直是该城市金融服务业和整体经济的重要组成部分。"},
-          "rejected": {"from": "gpt", "value": "香港的银行业面临着诸多挑战，如低利率、高房价和经济疲软。"}}  # fmt: skip
+          "chosen": {"from": "gpt", "value": "香港银行业长期以来一直是该城市"
+                                                "金融服务业和整体经济的重要组成部分。"},
+          "rejected": {"from": "gpt", "value": "香港的银行业面临着诸多挑战，"
+                                                  "如低利率、高房价和经济疲软。"}}  # fmt: skip
     pairs, fmt = read(tmp_path, [en, zh])
     assert fmt == "sharegpt"
     assert pairs[0] == {
@@ -60,7 +66,8 @@ def test_llamafactory_sharegpt_records_their_own_demo(tmp_path):
                    {"role": "user", "content": en["conversations"][1]["value"]}],
         "chosen": [{"role": "assistant", "content": en["chosen"]["value"]}],
         "rejected": [{"role": "assistant", "content": en["rejected"]["value"]}]}  # fmt: skip
-    assert pairs[1]["prompt"] == [{"role": "user", "content": "请提供一下对香港银行业的分析以及目前面临的挑战。"}]
+    asked = "请提供一下对香港银行业的分析以及目前面临的挑战。"
+    assert pairs[1]["prompt"] == [{"role": "user", "content": asked}]
     assert pairs[1]["rejected"][0]["content"].startswith("香港的银行业")
 
 
@@ -71,29 +78,49 @@ def test_llamafactory_alpaca_record_of_their_readme(tmp_path):
     pairs, fmt = read(tmp_path, [record, with_history])
     assert fmt == "alpaca"
     user = {"role": "user", "content": "human instruction (required)\nhuman input (optional)"}
-    assert pairs[0] == {"prompt": [user], "chosen": [{"role": "assistant", "content": "chosen answer (required)"}],
-                        "rejected": [{"role": "assistant", "content": "rejected answer (required)"}]}  # fmt: skip
-    assert pairs[1]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                  {"role": "assistant", "content": "Hello!"}, user]  # fmt: skip
+    assert pairs[0] == {
+        "prompt": [user],
+        "chosen": [{"role": "assistant", "content": "chosen answer (required)"}],
+        "rejected": [{"role": "assistant", "content": "rejected answer (required)"}],
+    }
+    assert pairs[1]["prompt"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        user,
+    ]
 
 
 def test_llamafactory_v1_messages_with_typed_parts_and_loss_weight(tmp_path, tok):
     # LLaMA-Factory v1's DPOSample: chosen_messages / rejected_messages, whole conversations of typed
     # parts, a loss_weight each (0 on the system and user turns, as its converters write them).
     def side(answer):
-        return [{"role": "system", "content": [{"type": "text", "value": "Be brief."}], "loss_weight": 0.0},
-                {"role": "user", "content": [{"type": "text", "value": "What color is the sky?"}], "loss_weight": 0.0},
-                {"role": "assistant", "content": [{"type": "text", "value": answer}], "loss_weight": 1.0}]  # fmt: skip
+        return [
+            {"role": "system", "content": [{"type": "text", "value": "Be brief."}], "loss_weight": 0.0},
+            {
+                "role": "user",
+                "content": [{"type": "text", "value": "What color is the sky?"}],
+                "loss_weight": 0.0,
+            },
+            {"role": "assistant", "content": [{"type": "text", "value": answer}], "loss_weight": 1.0},
+        ]
 
-    pairs, fmt = read(tmp_path, [{"chosen_messages": side("It is blue."), "rejected_messages": side("It is green.")}])
+    pairs, fmt = read(
+        tmp_path, [{"chosen_messages": side("It is blue."), "rejected_messages": side("It is green.")}]
+    )
     assert fmt == "chosen_messages"
     system = {"role": "system", "content": "Be brief.", "loss_weight": 0.0}
     assert pairs == [{"prompt": [system, {**SKY["prompt"][0], "loss_weight": 0.0}],
                       "chosen": [{**SKY["chosen"][0], "loss_weight": 1.0}],
                       "rejected": [{**SKY["rejected"][0], "loss_weight": 1.0}]}]  # fmt: skip
     (example,), _, _ = encode(pairs, tok, 64)
-    assert tok.decode(example["prompt_ids"]) == "<|system|>\nBe brief.<|end|>\n<|user|>\nWhat color is the sky?<|end|>\n<|assistant|>\n"
-    trained = [i for i, label in zip(example["chosen_ids"], example["chosen_labels"], strict=True) if label != IGNORE_INDEX]
+    assert tok.decode(example["prompt_ids"]) == ("<|system|>\nBe brief.<|end|>\n<|user|>\nWhat color is the "
+                                                 "sky?<|end|>\n<|assistant|>\n")
+    trained = [
+        i
+        for i, label in zip(example["chosen_ids"], example["chosen_labels"], strict=True)
+        if label != IGNORE_INDEX
+    ]
     assert tok.decode(trained) == "It is blue.<|end|>"
 
 
@@ -102,26 +129,51 @@ def test_trl_documented_shapes_read_into_the_same_pairs(tmp_path):
     standard = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
                 {"chosen": "The sky is blue.", "rejected": "The sky is green."}]  # fmt: skip
     conversational = [
-        {"prompt": [{"role": "user", "content": "What color is the sky?"}],
-         "chosen": [{"role": "assistant", "content": "It is blue."}],
-         "rejected": [{"role": "assistant", "content": "It is green."}]},
-        {"chosen": [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "It is blue."}],
-         "rejected": [{"role": "user", "content": "What color is the sky?"},
-                      {"role": "assistant", "content": "It is green."}]}]  # fmt: skip
-    sky_is = {"prompt": [{"role": "user", "content": "The sky is"}], "chosen": [{"role": "assistant", "content": " blue."}],
-              "rejected": [{"role": "assistant", "content": " green."}]}  # fmt: skip
+        {
+            "prompt": [{"role": "user", "content": "What color is the sky?"}],
+            "chosen": [{"role": "assistant", "content": "It is blue."}],
+            "rejected": [{"role": "assistant", "content": "It is green."}],
+        },
+        {
+            "chosen": [
+                {"role": "user", "content": "What color is the sky?"},
+                {"role": "assistant", "content": "It is blue."},
+            ],
+            "rejected": [
+                {"role": "user", "content": "What color is the sky?"},
+                {"role": "assistant", "content": "It is green."},
+            ],
+        },
+    ]
+    sky_is = {
+        "prompt": [{"role": "user", "content": "The sky is"}],
+        "chosen": [{"role": "assistant", "content": " blue."}],
+        "rejected": [{"role": "assistant", "content": " green."}],
+    }
     for k, record in enumerate(standard):
         assert read(tmp_path, [record])[0] == [sky_is], k
     for k, record in enumerate(conversational):
         assert read(tmp_path, [record])[0] == [SKY], k
-    assert [read(tmp_path, [r])[1] for r in standard + conversational] == ["prompt", "implicit", "prompt", "implicit"]
+    assert [read(tmp_path, [r])[1] for r in standard + conversational] == [
+        "prompt",
+        "implicit",
+        "prompt",
+        "implicit",
+    ]
 
 
 def test_minimind_dpo_jsonl_and_a_multi_turn_implicit_prompt(tmp_path):
     # MiniMind's dataset/dpo.jsonl: chosen and rejected whole conversations, content before role.
-    minimind = {"chosen": [{"content": "What color is the sky?", "role": "user"}, {"content": "It is blue.", "role": "assistant"}],
-                "rejected": [{"content": "What color is the sky?", "role": "user"},
-                             {"content": "It is green.", "role": "assistant"}]}  # fmt: skip
+    minimind = {
+        "chosen": [
+            {"content": "What color is the sky?", "role": "user"},
+            {"content": "It is blue.", "role": "assistant"},
+        ],
+        "rejected": [
+            {"content": "What color is the sky?", "role": "user"},
+            {"content": "It is green.", "role": "assistant"},
+        ],
+    }
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     multi = {"chosen": history + minimind["chosen"], "rejected": history + minimind["rejected"]}
     pairs, fmt = read(tmp_path, [minimind, multi])
@@ -133,8 +185,13 @@ def test_chosen_row_is_sfts_conversation_with_the_prompt_untrained(tok):
     """The same template and ids as SFT: the chosen row equals SFT's encoding of the conversation, with
     the labels of the history's assistant turn masked; tools and system go through the same template."""
     tools = [{"type": "function", "function": {"name": "color", "parameters": {"type": "object"}}}]
-    prompt = [{"role": "tools", "tools": tools}, {"role": "system", "content": "Be brief."},
-              {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, *SKY["prompt"]]  # fmt: skip
+    prompt = [
+        {"role": "tools", "tools": tools},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        *SKY["prompt"],
+    ]
     pair = {**SKY, "prompt": prompt}
     (example,), n_cut, n_reply = encode([pair], tok, 256)
     (sft,), _ = encode_conversations([prompt + SKY["chosen"]], tok, 256)
@@ -142,13 +199,16 @@ def test_chosen_row_is_sfts_conversation_with_the_prompt_untrained(tok):
     labels = [IGNORE_INDEX] * len(example["prompt_ids"]) + example["chosen_labels"]
     reply_starts = len(example["prompt_ids"])
     assert labels[reply_starts:] == sft["labels"][reply_starts:]
-    assert any(label != IGNORE_INDEX for label in sft["labels"][:reply_starts])  # SFT trains "Hello!"; a pair does not
+    # SFT trains "Hello!"; a pair does not
+    assert any(label != IGNORE_INDEX for label in sft["labels"][:reply_starts])
     rejected = encode_conversations([prompt + SKY["rejected"]], tok, 256)[0][0]["input_ids"]
     assert example["prompt_ids"] + example["rejected_ids"] == rejected and (n_cut, n_reply) == (0, 0)
     tally = Tally()  # a prompt cut keeps the tools list and system turn, and says so
     (cut,), n_cut, n_reply = encode([pair], tok, len(example["prompt_ids"]), tally=tally)
     kept = tok.decode(cut["prompt_ids"])
-    assert kept.startswith("<|tools|>\n[{") and "<|system|>\nBe brief.<|end|>" in kept and "Hello!" not in kept
+    assert (
+        kept.startswith("<|tools|>\n[{") and "<|system|>\nBe brief.<|end|>" in kept and "Hello!" not in kept
+    )
     assert (n_cut, n_reply, tally.tools_kept) == (1, 0, 1) and cut["chosen_ids"] == example["chosen_ids"]
 
 

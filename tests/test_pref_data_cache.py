@@ -36,7 +36,9 @@ RECORDS = [pair_record(i) for i in range(30)]
 
 def cached(path, tok, cache, max_length=64, workers=1, skip=False, kind="causal"):  # noqa: F811
     lines: list[str] = []
-    pairs, done = preference_cache(str(path), None, tok, max_length, skip, cache, workers, lines.append, KINDS[kind].layout)
+    pairs, done = preference_cache(
+        str(path), None, tok, max_length, skip, cache, workers, lines.append, KINDS[kind].layout
+    )
     return pairs, done, lines
 
 
@@ -47,10 +49,14 @@ def every(pairs) -> list[dict]:
 def test_pairs_are_tokenized_once_and_reused(tmp_path, tok):  # noqa: F811
     data = write_jsonl(tmp_path / "pairs.jsonl", RECORDS)
     first, done, lines = cached(data, tok, tmp_path / "c")
-    assert done.startswith("preference cache: built") and any("tokenizing 30 preference records" in x for x in lines)
+    assert done.startswith("preference cache: built") and any(
+        "tokenizing 30 preference records" in x for x in lines
+    )
     expected, _, _ = encode(load_pairs(data)[0], tok, 64)
     assert every(first) == expected and first.meta.format == "prompt" and first.meta.kind == "causal"
-    assert first.sides.tolist() == [[len(e["prompt_ids"]), len(e["chosen_ids"]), len(e["rejected_ids"])] for e in expected]
+    assert first.sides.tolist() == [
+        [len(e["prompt_ids"]), len(e["chosen_ids"]), len(e["rejected_ids"])] for e in expected
+    ]
     again, done, lines = cached(data, tok, tmp_path / "c")
     assert done.startswith("preference cache: reused") and lines == [] and again.folder == first.folder
     assert every(first[25:]) == expected[25:]  # a slice is a view of the same files
@@ -67,8 +73,10 @@ def test_parquet_arrow_and_workers_give_the_same_bytes(tmp_path, tok, monkeypatc
     jsonl = write_jsonl(tmp_path / "pairs.jsonl", RECORDS)
     want = every(cached(jsonl, tok, tmp_path / "c")[0])
     parquet = write_parquet(tmp_path / "pairs.parquet", RECORDS, row_group_rows=7)
-    arrow = write_arrow_folder(tmp_path / "saved", [{"prompt": f"Count to {i}.", "chosen": str(i), "rejected": "no"}
-                                                    for i in range(12)])  # fmt: skip
+    arrow = write_arrow_folder(
+        tmp_path / "saved",
+        [{"prompt": f"Count to {i}.", "chosen": str(i), "rejected": "no"} for i in range(12)],
+    )
     assert every(cached(parquet, tok, tmp_path / "c")[0]) == want
     from_arrow = cached(arrow, tok, tmp_path / "c")[0]
     assert len(from_arrow) == 12 and from_arrow.meta.format == "prompt"
@@ -100,8 +108,11 @@ def test_a_tampered_cache_is_refused_and_rebuilt(tmp_path, tok):  # noqa: F811
 
 
 def test_a_prompt_that_fills_max_length_is_one_line_or_skipped(tmp_path, tok):  # noqa: F811
-    long_system = {"prompt": [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hi"}],
-                   "chosen": "Hello", "rejected": "Go away"}  # fmt: skip
+    long_system = {
+        "prompt": [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hi"}],
+        "chosen": "Hello",
+        "rejected": "Go away",
+    }
     data = write_jsonl(tmp_path / "pairs.jsonl", [RECORDS[1], long_system, RECORDS[2]])
     with pytest.raises(UsageError) as err:
         cached(data, tok, tmp_path / "c", max_length=32)
@@ -119,9 +130,18 @@ def data_config(tmp_path, data, **more) -> DataConfig:
 
 def front_door(d, tok, kind="causal", max_length=64):  # noqa: F811
     said, decided = [], {}
-    data = preference_data(d, tok, layout=KINDS[kind].layout, max_length=max_length, device=torch.device("cpu"), precision="fp32",
-                           eval_batches=1, set_attention=lambda kind: None, say=said.append,
-                           decide=lambda name, value, why: decided.update({name: value}))  # fmt: skip
+    data = preference_data(
+        d,
+        tok,
+        layout=KINDS[kind].layout,
+        max_length=max_length,
+        device=torch.device("cpu"),
+        precision="fp32",
+        eval_batches=1,
+        set_attention=lambda kind: None,
+        say=said.append,
+        decide=lambda name, value, why: decided.update({name: value}),
+    )
     return data, said, decided
 
 
@@ -130,19 +150,31 @@ def test_front_door_holds_out_pairs_and_batches_them_through_the_samplers(tmp_pa
     d = data_config(tmp_path, data_path, val_fraction=0.1, length_grouping=True, packing=False)  # padded rows
     data, said, decided = front_door(d, tok)
     assert len(data.dataset) + len(data.val_dataset) == 30 and len(data.val_dataset) == 3
-    assert data.summary["n_pairs"] == 30 and data.summary["n_val_pairs"] == 3 and data.summary["data_format"] == "prompt"
+    assert (
+        data.summary["n_pairs"] == 30
+        and data.summary["n_val_pairs"] == 3
+        and data.summary["data_format"] == "prompt"
+    )
     assert decided["validation"] == "3 pairs" and decided["template"] == "builtin"
     assert any("preference data:" in line and "30 pairs" in line for line in said)
     assert data.val_dataset[0] == encode(load_pairs(data_path)[0], tok, 64)[0][27]  # the last 10 %
-    loader, sampler = make_loader(data.dataset, d, 4, seed=0, device=torch.device("cpu"), collate_fn=data.collate)
+    loader, sampler = make_loader(
+        data.dataset, d, 4, seed=0, device=torch.device("cpu"), collate_fn=data.collate
+    )
     batch = next(iter(loader))
     assert batch["input_ids"].shape[0] == 8 and batch["n_pairs"] == 4  # 4 pairs -> 8 rows
     assert type(sampler).__name__ == "GroupedSampler"
     val = next(iter(make_val_loader(data.val_dataset, 2, torch.device("cpu"), data.val_collate)))
     assert val["labels"].shape[0] == 4
     budget = data_config(tmp_path, data_path, val_fraction=0.0, token_budget=400)
-    loader, sampler = make_loader(front_door(budget, tok)[0].dataset, budget, 4, seed=0, device=torch.device("cpu"),
-                                  collate_fn=data.collate)  # fmt: skip
+    loader, sampler = make_loader(
+        front_door(budget, tok)[0].dataset,
+        budget,
+        4,
+        seed=0,
+        device=torch.device("cpu"),
+        collate_fn=data.collate,
+    )
     for batch in loader:  # a budget counts the padded rows: 2 per pair, prompt + longer reply wide
         assert batch["n_padded_tokens"] <= 400 or batch["n_pairs"] == 1
 
@@ -154,13 +186,15 @@ def test_front_door_val_path_and_one_line_refusals(tmp_path, tok):  # noqa: F811
     assert len(data.dataset) == 30 and len(data.val_dataset) == 5 and decided["validation"] == "5 pairs"
     bad_val = tmp_path / "bad_val.jsonl"
     bad_val.write_text(json.dumps({"prompt": "Hi", "chosen": "Same", "rejected": "Same"}) + "\n")
-    with pytest.raises(UsageError, match=r"^VAL_PATH: .*bad_val.jsonl line 1: chosen and rejected are the same"):
+    with pytest.raises(UsageError, match=r"^VAL_PATH: .*bad_val.jsonl line 1: chosen and rejected are the "
+                                         r"same"):
         front_door(data_config(tmp_path, data_path, val_path=str(bad_val)), tok)
     with pytest.raises(UsageError, match="^LOSS_ON=all: preference training scores the replies only"):
         front_door(data_config(tmp_path, data_path, loss_on="all"), tok)
     with pytest.raises(UsageError, match="^PACKING=1: an encoder-decoder"):
         front_door(data_config(tmp_path, data_path, packing=True), tok, kind="seq2seq")
-    with pytest.raises(UsageError, match="^LOSS_ON=all"):  # DATA_PATH empty is the built-in pairs, not an error
+    # DATA_PATH empty is the built-in pairs, not an error
+    with pytest.raises(UsageError, match="^LOSS_ON=all"):
         front_door(DataConfig(cache_dir=str(tmp_path / "cache"), loss_on="all"), tok)
 
 

@@ -61,7 +61,9 @@ def test_loss_metrics_and_gradients_equal_the_plain_computation(family, name):
     batch = collate(pairs_of(3, seed=5), seq2seq)
     knobs = CASES[name]
     reference = build_reference("copy", other) if name in ("sigmoid", "ipo", "hinge") else None
-    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=reference, chunk_tokens=4, loss=name, **knobs)
+    loss, metrics = preference_loss(
+        policy, batch, CPU, "fp32", reference=reference, chunk_tokens=4, loss=name, **knobs
+    )
     loss.backward()
 
     twin = copy.deepcopy(policy)
@@ -74,7 +76,9 @@ def test_loss_metrics_and_gradients_equal_the_plain_computation(family, name):
     assert loss.item() == pytest.approx(plain.item(), abs=TOL)
     assert_same({k: metrics[k] for k in expected}, {k: v.detach() for k, v in expected.items()})
     if name == "orpo" or knobs.get("sft_weight"):
-        assert metrics["nll_loss"].item() == pytest.approx((-pol[:3].sum() / counts[:3].sum()).item(), abs=TOL)
+        assert metrics["nll_loss"].item() == pytest.approx(
+            (-pol[:3].sum() / counts[:3].sum()).item(), abs=TOL
+        )
     assert_same(grads(policy), grads(twin))
 
 
@@ -124,7 +128,9 @@ def test_accumulation_and_ranks_equal_one_big_batch(family):
     rank_losses, rank_grads = [], []
     for half in halves:
         policy.zero_grad(set_to_none=True)
-        loss, _ = preference_loss(policy, collate(half, seq2seq), CPU, "fp32", n, 2, chosen_tokens=tokens, **kw)
+        loss, _ = preference_loss(
+            policy, collate(half, seq2seq), CPU, "fp32", n, 2, chosen_tokens=tokens, **kw
+        )
         loss.backward()
         rank_losses.append(loss.item())
         rank_grads.append(grads(policy))
@@ -137,7 +143,9 @@ def lora_policy(base):
     adapters moved off their zero start so the policy and its base differ."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True
+    )
     with warnings.catch_warnings():  # peft asks the deprecated is_gradient_checkpointing (as lora.wrap says)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         model = get_peft_model(copy.deepcopy(base), config).base_model.model
@@ -150,7 +158,11 @@ def lora_policy(base):
 
 def with_reference(batch: dict, chosen, rejected) -> dict:
     """The batch with the cached reference columns the precomputed reference reads."""
-    return {**batch, "ref_chosen_logps": torch.as_tensor(chosen), "ref_rejected_logps": torch.as_tensor(rejected)}
+    return {
+        **batch,
+        "ref_chosen_logps": torch.as_tensor(chosen),
+        "ref_rejected_logps": torch.as_tensor(rejected),
+    }
 
 
 def test_precomputed_and_adapters_equal_a_copy():
@@ -161,8 +173,15 @@ def test_precomputed_and_adapters_equal_a_copy():
     results = {}
     for kind, b in (("copy", batch), ("precomputed", stored), ("adapters", batch)):
         policy.zero_grad(set_to_none=True)
-        loss, metrics = preference_loss(policy, b, CPU, "fp32", reference=build_reference(kind, base if kind == "copy"
-                                        else policy), loss="sigmoid", beta=0.5)  # fmt: skip
+        loss, metrics = preference_loss(
+            policy,
+            b,
+            CPU,
+            "fp32",
+            reference=build_reference(kind, base if kind == "copy" else policy),
+            loss="sigmoid",
+            beta=0.5,
+        )
         loss.backward()
         results[kind] = (loss.detach(), metrics, grads(policy))
     assert abs(results["copy"][1]["rewards/margins"].item()) > 1e-3  # the adapters do change the policy
@@ -227,7 +246,9 @@ def test_t5_runs_its_encoder_once_per_pair_and_saves_flops():
     policy = t5(0)
     batch = collate(pairs_of(4, seed=1), seq2seq=True)
     calls = []
-    policy.encoder.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape[0]), with_kwargs=True)
+    policy.encoder.register_forward_pre_hook(
+        lambda m, a, k: calls.append(k["input_ids"].shape[0]), with_kwargs=True
+    )
     with FlopCounterMode(display=False) as ours:
         preference_loss(policy, batch, CPU, "fp32", loss="simpo")[0].backward()
     assert calls == [4]  # the P sources, once
@@ -286,7 +307,9 @@ def _ddp_worker(rank, world_size, port):
         totals = torch.tensor(step_counts([mine], CAUSAL_LM))
         dist.all_reduce(totals)
         ddp = DistributedDataParallel(policy)
-        loss, _ = preference_loss(ddp, mine, CPU, "fp32", int(totals[0]), world_size, chosen_tokens=int(totals[1]), **kw)
+        loss, _ = preference_loss(
+            ddp, mine, CPU, "fp32", int(totals[0]), world_size, chosen_tokens=int(totals[1]), **kw
+        )
         loss.backward()
         assert_same(grads(policy), grads(alone))
     finally:
@@ -317,7 +340,8 @@ def test_autograd_keeps_nothing_of_the_logits_size(head_trained):
     def largest(fn) -> int:  # the largest activation saved (the head's weight is a parameter)
         saved = [0]
         with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(0 if t.untyped_storage().data_ptr() in params else t.numel()) or t, lambda t: t
+            lambda t: saved.append(0 if t.untyped_storage().data_ptr() in params else t.numel()) or t,
+            lambda t: t,
         ):
             fn()
         return max(saved)
@@ -334,8 +358,12 @@ def test_t5_precomputed_equals_a_copy():
     assert chosen.shape == rejected.shape == (4,)
     for i, batch in enumerate(batches):
         stored = with_reference(batch, chosen[2 * i : 2 * i + 2], rejected[2 * i : 2 * i + 2])
-        a, ma = preference_loss(policy, batch, CPU, "fp32", loss="ipo", reference=build_reference("copy", other))
-        b, mb = preference_loss(policy, stored, CPU, "fp32", loss="ipo", reference=build_reference("precomputed", policy))
+        a, ma = preference_loss(
+            policy, batch, CPU, "fp32", loss="ipo", reference=build_reference("copy", other)
+        )
+        b, mb = preference_loss(
+            policy, stored, CPU, "fp32", loss="ipo", reference=build_reference("precomputed", policy)
+        )
         assert a.item() == pytest.approx(b.item(), abs=TOL)
         assert_same(ma, mb)
 
@@ -349,13 +377,15 @@ def test_ipo_logs_dpo_trainers_sums_and_simpo_the_means():
               torch.randint(2, VOCAB, (1,), generator=g)) for _ in range(8)]  # fmt: skip
     policy, other = gpt2(0), gpt2(1)
     batch = collate(pairs, False)
-    loss, metrics = preference_loss(policy, batch, CPU, "fp32", reference=build_reference("copy", other), loss="ipo",
-                                    beta=0.5)  # fmt: skip
+    loss, metrics = preference_loss(
+        policy, batch, CPU, "fp32", reference=build_reference("copy", other), loss="ipo", beta=0.5
+    )
     with torch.no_grad():
         pol, counts = plain_sums(policy, batch)
         ref = plain_sums(other, batch)[0]
     c, r, rc, rr = pol[:8], pol[8:], ref[:8], ref[8:]
-    ipo = (((c - rc) / counts[:8] - (r - rr) / counts[8:] - 1 / (2 * 0.5)) ** 2).mean()  # dpo_trainer.py's ipo branch
+    # dpo_trainer.py's ipo branch
+    ipo = (((c - rc) / counts[:8] - (r - rr) / counts[8:] - 1 / (2 * 0.5)) ** 2).mean()
     assert loss.item() == pytest.approx(ipo.item(), abs=TOL)
     wc, wr = 0.5 * (c - rc), 0.5 * (r - rr)
     expected = {"logps/chosen": c.mean(), "logps/rejected": r.mean(), "rewards/chosen": wc.mean(),

@@ -29,9 +29,32 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def qwen3_run(corpus, cache_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp("qwen3") / "runs"
-    assert run_cli("pretrain", "--model_family", "qwen3", "--model_size", "nano", "--data_path", str(corpus),
-                   "--vocab_size", "512", "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length",
-                   "64", "--batch_size", "4", "--max_steps", "4", "--run_name", "base") == 0
+    assert (
+        run_cli(
+            "pretrain",
+            "--model_family",
+            "qwen3",
+            "--model_size",
+            "nano",
+            "--data_path",
+            str(corpus),
+            "--vocab_size",
+            "512",
+            "--cache_dir",
+            str(cache_dir),
+            "--output_dir",
+            str(runs),
+            "--max_length",
+            "64",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "4",
+            "--run_name",
+            "base",
+        )
+        == 0
+    )
     return runs / "base" / "final"
 
 
@@ -46,7 +69,8 @@ def test_the_kits_qwen3_is_transformers_qwen3_to_the_bit(qwen3_run, tmp_path):
     Qwen3ForCausalLM.from_pretrained of the same saved folder: equal logits in fp32, exactly."""
     from transformers import Qwen3ForCausalLM
 
-    ids = torch.randint(0, 448, (2, 48), generator=torch.Generator().manual_seed(0))  # the run's vocabulary: 448
+    # the run's vocabulary: 448
+    ids = torch.randint(0, 448, (2, 48), generator=torch.Generator().manual_seed(0))
     _, built = tiny_llama(family="qwen3", seed=5)
     built.save_pretrained(tmp_path / "built")
     plain = Qwen3ForCausalLM.from_pretrained(tmp_path / "built", local_files_only=True)
@@ -75,10 +99,32 @@ def test_the_saved_folder_holds_trained_q_and_k_norms(qwen3_run):
 
 def test_dpo_on_a_saved_qwen3_and_generate_from_it(qwen3_run, tmp_path, capsys):
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    assert run_cli("dpo", "--model_path", str(qwen3_run), "--data_path", str(tmp_path / "pairs.jsonl"),
-                   "--output_dir", str(tmp_path / "runs"), "--cache_dir", str(tmp_path / "cache"), "--max_length",
-                   "64", "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--val_fraction", "0",
-                   "--run_name", "dpo") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "dpo",
+            "--model_path",
+            str(qwen3_run),
+            "--data_path",
+            str(tmp_path / "pairs.jsonl"),
+            "--output_dir",
+            str(tmp_path / "runs"),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            "--max_length",
+            "64",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "2",
+            "--log_every",
+            "1",
+            "--val_fraction",
+            "0",
+            "--run_name",
+            "dpo",
+        )
+        == 0
+    )
     run = tmp_path / "runs" / "dpo"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit_reason"] == "completed" and summary["steps"] == 2

@@ -34,7 +34,11 @@ BASE = {
     "MAX_LENGTH": "64", "VOCAB_SIZE": "512", "NUM_WORKERS": "0",
     "TOKENIZE_WORKERS": "1", "EVAL_BATCHES": "2", "LOG_EVERY": "1",
 }  # fmt: skip
-SFT_PAIRS = [("Add two numbers.", "def add(a, b):\n    return a + b"), ("Say hi.", "Hi!"), ("Name a colour.", "Blue.")]
+SFT_PAIRS = [
+    ("Add two numbers.", "def add(a, b):\n    return a + b"),
+    ("Say hi.", "Hi!"),
+    ("Name a colour.", "Blue."),
+]
 
 
 @dataclass
@@ -58,8 +62,15 @@ def blocks_of(path: Path, root: Path | None = None) -> list[Block]:
             if lines[i].strip() in SHELL_FENCES:
                 before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
                 mark = MARKER.match(before)
-                found.append(Block(path.relative_to(root or path.parent).as_posix(), i + 1, "\n".join(lines[i + 1 : end]),
-                                   mark.group(1) if mark else None, mark.group(2).strip() if mark else ""))  # fmt: skip
+                found.append(
+                    Block(
+                        path.relative_to(root or path.parent).as_posix(),
+                        i + 1,
+                        "\n".join(lines[i + 1 : end]),
+                        mark.group(1) if mark else None,
+                        mark.group(2).strip() if mark else "",
+                    )
+                )
             i = end
         i += 1
     return found
@@ -71,8 +82,10 @@ ALL = [b for doc in DOCS for b in blocks_of(doc, ROOT)]
 def test_every_shell_block_is_tested_or_says_why_not():
     assert len(ALL) >= 5
     unmarked = [str(b) for b in ALL if b.kind is None]
-    assert not unmarked, f"shell blocks without <!-- cpu-test: ... --> or <!-- no-test: reason -->: {unmarked}"
-    assert not [str(b) for b in ALL if b.kind == "no-test" and len(b.detail) < 10], "a no-test marker needs a reason"
+    assert not unmarked, (f"shell blocks without <!-- cpu-test: ... --> or <!-- no-test: reason -->: "
+                          f"{unmarked}")
+    assert not [str(b) for b in ALL if b.kind == "no-test" and len(b.detail) < 10], ("a no-test marker needs "
+                                                                                     "a reason")
     for doc in DOCS:  # a marker that precedes no shell block marks nothing
         lines = doc.read_text().splitlines()
         for n, line in enumerate(lines):
@@ -112,9 +125,17 @@ def test_links_resolve_and_the_readme_reaches_every_doc():
 
 def test_the_first_hour_comes_first():
     lines = (ROOT / "README.md").read_text().splitlines()
-    at = {name: next(i for i, line in enumerate(lines) if needle in line) for name, needle in [
-        ("make train", "make train   #"), ("pretrain", "./run_single_gpu.sh   #"), ("sft", "MODEL_PATH=runs/latest/final"),
-        ("chat", "make chat MODEL="), ("compare", "make compare"), ("outputs", "## What a run writes")]}  # fmt: skip
+    at = {
+        name: next(i for i, line in enumerate(lines) if needle in line)
+        for name, needle in [
+            ("make train", "make train   #"),
+            ("pretrain", "./run_single_gpu.sh   #"),
+            ("sft", "MODEL_PATH=runs/latest/final"),
+            ("chat", "make chat MODEL="),
+            ("compare", "make compare"),
+            ("outputs", "## What a run writes"),
+        ]
+    }
     assert list(at) == sorted(at, key=at.get), at  # in that order
     assert at["compare"] < 92, "the first-hour path should fit the README's first screens"
 
@@ -145,10 +166,12 @@ def test_the_model_size_table_is_what_the_models_count():
 def test_the_parser_finds_an_unmarked_block_and_the_marker_cuts_the_run(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# T\n\n```bash\nmake train\n```\n\n<!-- cpu-test: MAX_STEPS=2 exit=2 -->\n```bash\n"
-                    "MAX_STEPS=100 ./run_single_gpu.sh  # NO_MAX_STEPS=100 stays\n```\n\n```\ntree, not run\n```\n")  # fmt: skip
+                    "MAX_STEPS=100 ./run_single_gpu.sh  # NO_MAX_STEPS=100 stays\n```\n\n```\ntree, not "
+                    "run\n```\n")  # fmt: skip
     found = blocks_of(page)
     assert [(b.line, b.kind) for b in found] == [(3, None), (8, "cpu-test")]
-    assert script(found[1]).splitlines()[1:] == ["export MAX_STEPS=2", "MAX_STEPS=2 ./run_single_gpu.sh  # NO_MAX_STEPS=100 stays"]
+    assert script(found[1]).splitlines()[1:] == ["export MAX_STEPS=2", "MAX_STEPS=2 ./run_single_gpu.sh  # "
+                                                                       "NO_MAX_STEPS=100 stays"]
     assert slug("T5 fine-tuning (SFT)") == "t5-fine-tuning-sft"
 
 
@@ -159,11 +182,14 @@ def kit_copy(dest: Path) -> Path:
     """The kit as a fresh clone has it, with a .venv that is this interpreter (make's stamp newer
     than requirements.txt, so no make target installs anything): its `python -m train` runs are
     forks of a warm server of the copy's own (fork_server; anything else is the interpreter itself)."""
-    skip = shutil.ignore_patterns(".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache", "compare")
+    skip = shutil.ignore_patterns(
+        ".git", ".venv", "runs", ".cache", "__pycache__", ".pytest_cache", ".ruff_cache", "compare"
+    )
     shutil.copytree(ROOT, dest, ignore=skip)
     (dest / ".venv" / "bin").mkdir(parents=True)
     python = dest / ".venv" / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{fork_server(dest)["python"] if forking() else sys.executable}" "$@"\n')
+    python.write_text(f'#!/bin/sh\nexec "{fork_server(dest)["python"] if forking() else sys.executable}" '
+                      f'"$@"\n')
     python.chmod(0o755)
     (dest / ".venv" / ".installed").touch()
     return dest
@@ -194,13 +220,22 @@ def ran(tmp_path_factory) -> dict:
     with open(top / "pairs.jsonl", "w") as f:  # preference pairs for the first hour's DPO step
         for i in range(24):
             prompt, answer = SFT_PAIRS[i % len(SFT_PAIRS)]
-            f.write(json.dumps({"instruction": prompt, "input": "", "chosen": answer, "rejected": "No."}) + "\n")
+            f.write(
+                json.dumps({"instruction": prompt, "input": "", "chosen": answer, "rejected": "No."}) + "\n"
+            )
     # PATH, HOME, LANG, TMPDIR and where the copy's fork server is (the launchers take .venv/bin/python)
     env = {k: v for k, v in os.environ.items() if k in CLEAN_ENV}
     if forking():
         env.update(fork_server(kit)["env"])
-    (top / "tiny.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 64}))  # the run sets the vocabulary
-    env.update(BASE, DATA_PATH=str(top / "corpus.txt"), SFT_DATA=str(top / "sft.jsonl"), PREF_DATA=str(top / "pairs.jsonl"), TINY_MODEL=str(top / "tiny.json"))
+    # the run sets the vocabulary
+    (top / "tiny.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 64}))
+    env.update(
+        BASE,
+        DATA_PATH=str(top / "corpus.txt"),
+        SFT_DATA=str(top / "sft.jsonl"),
+        PREF_DATA=str(top / "pairs.jsonl"),
+        TINY_MODEL=str(top / "tiny.json"),
+    )
     results = {}
     for block in (b for b in ALL if b.kind == "cpu-test"):
         expected = int(dict(s.partition("=")[::2] for s in block.detail.split()).get("exit", 0))
@@ -226,7 +261,16 @@ def test_the_run_folders_hold_what_the_readme_says(ran):
     readme = (ROOT / "README.md").read_text()
     written = readme[readme.index("## What a run writes") : readme.index("## Model sizes")]
     pretrain = next(p for p in runs.iterdir() if p.name.startswith("run_single_gpu-"))
-    made = ("config.json", "metrics.jsonl", "train.log", "summary.json", "curves.png", "tensorboard", "checkpoints", "final")
+    made = (
+        "config.json",
+        "metrics.jsonl",
+        "train.log",
+        "summary.json",
+        "curves.png",
+        "tensorboard",
+        "checkpoints",
+        "final",
+    )
     for name in made:  # the tested pretraining block runs with REPORT_TO=tensorboard
         assert (pretrain / name).exists(), name
         assert name in written, name

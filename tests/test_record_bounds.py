@@ -46,18 +46,28 @@ def words(n: int, seed: int) -> str:
 
 
 def thinking(chars_words: int, seed: int = 0) -> list[dict]:
-    return [{"role": "system", "content": "Think first."}, {"role": "user", "content": words(2000, seed)},
-            {"role": "assistant", "content": words(3000, seed + 1), "reasoning_content": words(chars_words, seed + 2)}]  # fmt: skip
+    return [
+        {"role": "system", "content": "Think first."},
+        {"role": "user", "content": words(2000, seed)},
+        {
+            "role": "assistant",
+            "content": words(3000, seed + 1),
+            "reasoning_content": words(chars_words, seed + 2),
+        },
+    ]
 
 
 @pytest.mark.parametrize("truncation", ["keep_end", "keep_start"])
 def test_a_long_piece_encoded_by_its_ends_gives_the_same_example(tok, truncation, monkeypatch):
-    conversations = [thinking(20_000, s) for s in range(3)] + [[{"role": "user", "content": "hi"},
-                                                                {"role": "assistant", "content": "yo"}]]  # fmt: skip
+    conversations = [thinking(20_000, s) for s in range(3)] + [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ]
     r = Rendering(truncation=truncation)
     got = encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r)
     # the reference: every piece encoded whole, then cut (what the kit did before)
-    monkeypatch.setattr(chat_encode, "_encode_bounded", lambda t, pieces, _: chat_encode._encode_pieces(t, pieces))
+    monkeypatch.setattr(
+        chat_encode, "_encode_bounded", lambda t, pieces, _: chat_encode._encode_pieces(t, pieces)
+    )
     assert got == (encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r))
     assert got[0][1] == 3  # three of them were cut
 
@@ -72,8 +82,8 @@ ensure_special_tokens(tok)
 part = ("so then we check the sum of it " * 2_000_000)[: 60 << 20]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 began = time.process_time()  # CPU seconds: the wall stretches on busy cores
-(example,), cut = encode_conversations([[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                          "reasoning_content": part}]], tok, 256)
+turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": part}]
+(example,), cut = encode_conversations([turns], tok, 256)
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 print(len(example["input_ids"]), cut, grew // 1024, round(time.process_time() - began, 2))
 """
@@ -81,7 +91,9 @@ print(len(example["input_ids"]), cut, grew // 1024, round(time.process_time() - 
 
 def test_a_60_mb_reasoning_part_costs_megabytes_not_gigabytes():
     """Before: 6.5 GB of encodings then SIGABRT (and minutes); now its ends: a few MB, a CPU second."""
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     n, cut, grew_mb, seconds = out.stdout.split()
     assert (int(n), int(cut)) == (256, 1)
@@ -102,7 +114,8 @@ def test_a_small_zstd_parquet_of_one_huge_row_is_refused_from_its_metadata(world
     before = pool.bytes_allocated()
     with CpuSpent() as cpu, json_lines.record_limit(1):
         for read in (records.iter_texts, lambda p: records.iter_records(p)):
-            with pytest.raises(UsageError, match=re.escape(f"{data} row 1 is 6.0 MB decompressed, over MAX_RECORD_MB=1")):
+            with pytest.raises(UsageError, match=re.escape(f"{data} row 1 is 6.0 MB decompressed, over "
+                                                           f"MAX_RECORD_MB=1")):
                 list(read(data))
     assert pool.bytes_allocated() - before < 1 << 20 and cpu.spent < 5  # CPU seconds
     refused(world, "pretrain", data, f"{data} row 1 is 6.0 MB decompressed, over MAX_RECORD_MB=1",
@@ -112,7 +125,8 @@ def test_a_small_zstd_parquet_of_one_huge_row_is_refused_from_its_metadata(world
 def test_a_huge_row_among_small_ones_is_refused_before_python_holds_it(world, tmp_path, tok):  # noqa: F811
     data = zstd_row(tmp_path / "mixed.parquet", 3, small=40)
     with json_lines.record_limit(1):
-        with pytest.raises(UsageError, match=re.escape(f"{data} row 41 is 3.0 MB decompressed, over MAX_RECORD_MB=1")):
+        with pytest.raises(UsageError, match=re.escape(f"{data} row 41 is 3.0 MB decompressed, over "
+                                                       f"MAX_RECORD_MB=1")):
             list(records.iter_texts(data))
     assert len([p for p in records.iter_texts(data) if p]) == 81  # the default bound (64 MB) reads it
 
@@ -135,21 +149,27 @@ def test_skip_bad_records_reads_past_a_line_over_max_record_mb(tmp_path):
 def test_skip_bad_records_with_a_huge_line_trains_in_a_real_run(world, base_model, capsys):  # noqa: F811
     rows = [json.dumps(r) for r in GOOD_SFT * 3]
     data = world["dir"] / "d.jsonl"
-    data.write_text("\n".join([*rows[:5], json.dumps({"messages": [{"role": "user", "content": "z" * (3 << 20)}]}),
-                               *rows[5:]]) + "\n")  # fmt: skip
+    data.write_text(
+        "\n".join(
+            [*rows[:5], json.dumps({"messages": [{"role": "user", "content": "z" * (3 << 20)}]}), *rows[5:]]
+        )
+        + "\n"
+    )
     from test_bad_records import train_here
 
     flags = [*world["flags"], "--data_path", str(data), "--model_path", str(base_model), "--batch_size", "2",
              "--max_record_mb", "1", "--skip_bad_records", "1", "--run_name", "skip"]  # fmt: skip
     result = train_here(capsys, "sft", *flags)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"skipped 1 bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {data} line 6: is longer than 1 MB" in result.stdout
+    assert (f"skipped 1 bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {data} line 6: is "
+            f"longer than 1 MB") in result.stdout
 
 
 @pytest.mark.parametrize("column, expect", [
     (pa.array([1, 2, 2**62], pa.timestamp("us")), 'row 3 column "when": holds a timestamp[us] value outside '
      "Python's range (date value out of range)"),
-    (pa.array([1, 2, 2**31 - 1], pa.int32()).cast(pa.date32()), 'row 3 column "when": holds a date32[day] value '
+    (pa.array([1, 2, 2**31 - 1], pa.int32()).cast(pa.date32()), 'row 3 column "when": holds a date32[day] '
+                                                                'value '
      "outside Python's range (days=2147483647"),
 ], ids=["timestamp", "date"])  # fmt: skip
 def test_dates_out_of_python_range_name_the_file_and_column(world, column, expect, capsys):  # noqa: F811
@@ -158,8 +178,12 @@ def test_dates_out_of_python_range_name_the_file_and_column(world, column, expec
     pq.write_table(table, data)
     with pytest.raises(UsageError, match=re.escape(f"DATA_PATH: {data} {expect}")):
         load_conversations(data)
-    arrow = write_arrow_folder(world["dir"] / "arrow", [{"prompt": "a", "response": "x"}])  # then holding the dates:
-    with pa.OSFile(str(arrow / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+    # then holding the dates:
+    arrow = write_arrow_folder(world["dir"] / "arrow", [{"prompt": "a", "response": "x"}])
+    with (
+        pa.OSFile(str(arrow / "data-00000-of-00001.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
         w.write_table(table)
     with pytest.raises(UsageError, match=re.escape(f"DATA_PATH: {arrow} {expect}")):
         load_conversations(arrow)

@@ -81,7 +81,12 @@ def test_folders_and_globs_mix_formats(tmp_path):
     (folder / ".hidden").mkdir()
     (folder / ".hidden" / "x.txt").write_text("no")
     found = records.source_files(str(folder))
-    assert [p.relative_to(folder).as_posix() for p in found] == ["a.txt", "b.jsonl", "sub/c.parquet", "sub/saved"]
+    assert [p.relative_to(folder).as_posix() for p in found] == [
+        "a.txt",
+        "b.jsonl",
+        "sub/c.parquet",
+        "sub/saved",
+    ]
     docs = [doc for path in found for doc in texts(path)]
     assert docs == ["plain text\n"] + [row["text"] for row in ROWS[:7]]
     assert records.source_files(str(folder / "**" / "*.parquet")) == [folder / "sub" / "c.parquet"]
@@ -116,18 +121,27 @@ def test_bad_files_are_one_line_naming_the_file(tmp_path):
     assert 'p.parquet has no column "text"' in message and "prompt, response" in message
     corrupt = tmp_path / "c.parquet"
     corrupt.write_bytes(parquet.read_bytes()[:-30] + b"\0" * 30)
-    assert "c.parquet: not a readable parquet file" in one_line_error(lambda: list(records.iter_records(corrupt)))
+    assert "c.parquet: not a readable parquet file" in one_line_error(
+        lambda: list(records.iter_records(corrupt))
+    )
     numbers = write_parquet(tmp_path / "n.parquet", [{"text": 1}])
     assert "holds int64, not text" in one_line_error(lambda: list(records.iter_texts(numbers)))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": \n')
     assert "bad.jsonl line 2: not valid JSON" in one_line_error(lambda: list(records.iter_texts(bad)))
-    assert [type(r).__name__ for _, r in records.iter_records(bad, keep_bad_lines=True)] == ["dict", "BadLine"]
+    assert [type(r).__name__ for _, r in records.iter_records(bad, keep_bad_lines=True)] == [
+        "dict",
+        "BadLine",
+    ]
     notext = write_jsonl(tmp_path / "q.jsonl", [{"body": "x"}])
-    assert 'q.jsonl line 1: expected an object with a "text" string' in one_line_error(lambda: list(records.iter_texts(notext)))
+    assert 'q.jsonl line 1: expected an object with a "text" string' in one_line_error(
+        lambda: list(records.iter_texts(notext))
+    )
     latin = tmp_path / "l.txt"
     latin.write_bytes(b"caf\xe9\n")
-    assert "l.txt is not UTF-8 text (bad byte at offset 3)" in one_line_error(lambda: list(records.iter_texts(latin)))
+    assert "l.txt is not UTF-8 text (bad byte at offset 3)" in one_line_error(
+        lambda: list(records.iter_texts(latin))
+    )
     gz = tmp_path / "g.jsonl.gz"
     gz.write_bytes(gzip.compress(b'{"text": "x"}\n' * 1000)[:40])
     assert "g.jsonl.gz" in one_line_error(lambda: list(records.iter_texts(gz)))

@@ -17,7 +17,10 @@ import pytest
 
 from conftest import read_jsonl, run_cli
 
-PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)} for i in range(24)]
+PAIRS = [
+    {"prompt": f"Say {i}.", "chosen": f"{i} {i}.", "rejected": f"no {i % 5} way" * (1 + i % 3)}
+    for i in range(24)
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,9 @@ def root(base_model, tmp_path_factory) -> Path:
     model of the same shape, for the copied cache), and preference pairs."""
     root = tmp_path_factory.mktemp("refcache")
     data = root / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(16)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}."}) + "\n" for i in range(16))
+    )
     argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / "runs"),
             "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--max_steps", "2",
             "--learning_rate", "1e-2", "--run_name", "sft", "--num_workers", "0"]  # fmt: skip
@@ -37,11 +42,38 @@ def root(base_model, tmp_path_factory) -> Path:
 
 
 def dpo(root: Path, name: str, model: str = "runs/sft/final", *more: str) -> int:
-    return run_cli("dpo", "--model_path", str(root / model), "--data_path", str(root / "pairs.jsonl"),
-                   "--output_dir", str(root / "runs"), "--cache_dir", str(root / "cache"), "--max_length", "64",
-                   "--batch_size", "4", "--max_steps", "2", "--log_every", "1", "--num_workers", "0",
-                   "--reference", "precomputed", "--val_fraction", "0", "--learning_rate", "1e-3",
-                   "--run_name", name, "--overwrite", "1", *more)  # fmt: skip
+    return run_cli(
+        "dpo",
+        "--model_path",
+        str(root / model),
+        "--data_path",
+        str(root / "pairs.jsonl"),
+        "--output_dir",
+        str(root / "runs"),
+        "--cache_dir",
+        str(root / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--reference",
+        "precomputed",
+        "--val_fraction",
+        "0",
+        "--learning_rate",
+        "1e-3",
+        "--run_name",
+        name,
+        "--overwrite",
+        "1",
+        *more,
+    )
 
 
 def first_loss(root: Path, name: str) -> float:
@@ -122,8 +154,14 @@ def test_another_models_cache_copied_under_the_key_is_not_taken(root, capsys):
     shutil.copytree(other, mine)
     assert dpo(root, "copied") == 0
     out = capsys.readouterr().out
-    assert f"reference log-probs cache {mine} was damaged (it was made for another reference model than this run's" in out
-    assert first_loss(root, "copied") == pytest.approx(math.log(2), abs=1e-5) == pytest.approx(mine_loss, abs=1e-6)
+    assert (f"reference log-probs cache {mine} was damaged (it was made for another reference model than "
+            f"this "
+            f"run's") in out
+    assert (
+        first_loss(root, "copied")
+        == pytest.approx(math.log(2), abs=1e-5)
+        == pytest.approx(mine_loss, abs=1e-6)
+    )
     meta = json.loads((mine / "meta.json").read_text())
     assert meta["identity"] != json.loads((other / "meta.json").read_text())["identity"]
 
@@ -140,5 +178,9 @@ def test_a_reference_with_non_finite_log_probs_is_refused_and_nothing_is_cached(
     before = cache_folders(root)
     assert dpo(root, "nan", str(broken)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "non-finite log-probs for 24 of 24 pairs" in err[0] and "LEARNING_RATE" not in err[0]
+    assert (
+        len(err) == 1
+        and "non-finite log-probs for 24 of 24 pairs" in err[0]
+        and "LEARNING_RATE" not in err[0]
+    )
     assert cache_folders(root) == before and not (root / "runs" / "nan").exists()

@@ -35,14 +35,17 @@ def train(*argv: str, fsize: int | None = None) -> subprocess.CompletedProcess:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    env = launcher_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # the limit and SIGXFSZ pass to a fork
+    # the limit and SIGXFSZ pass to a fork
+    env = launcher_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     return subprocess.run([train_python(), "-m", "train", *argv], cwd=ROOT, env=env, preexec_fn=limit,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 def one_line(proc, code: int = 2) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == code and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == code and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[
+        -3000:
+    ]
     return errors[0]
 
 
@@ -66,12 +69,16 @@ def test_file_size_limit_inside_a_checkpoint_write_is_one_line(file, done):
     proc = train("pretrain", *flags, "--max_steps", "6", "--resume", "1", fsize=limit)
     line = one_line(proc)
     assert line == (
-        f"error: disk full: writing checkpoint step-00000004 failed at {file} in {run / 'checkpoints'} (File too "
-        f"large); the previous checkpoint step-00000002 is intact; free space or lower KEEP_CHECKPOINTS, then "
+        f"error: disk full: writing checkpoint step-00000004 failed at {file} in {run / 'checkpoints'} (File "
+        f"too "
+        f"large); the previous checkpoint step-00000002 is intact; free space or lower KEEP_CHECKPOINTS, "
+        f"then "
         f"RESUME=1 RUN_NAME={run.name} continues the run"
     )
     assert not list((run / "checkpoints").glob(".*")) and not list(run.glob(".*tmp*"))
-    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-00000002"]
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")] == [
+        "step-00000002"
+    ]
     assert snapshot(saved) == before and snapshot(run.parent / "done") == outside
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit_reason"] == "write_failed" and summary["write_error"] == line.removeprefix("error: ")
@@ -83,8 +90,17 @@ def test_file_size_limit_inside_a_checkpoint_write_is_one_line(file, done):
     assert json.loads((run / "summary.json").read_text())["exit_reason"] == "completed"
 
 
-T5_TINY = {"model_type": "t5", "num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_ff": 64, "num_heads": 2,
-           "d_kv": 16, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32}  # fmt: skip
+T5_TINY = {
+    "model_type": "t5",
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "d_model": 32,
+    "d_ff": 64,
+    "num_heads": 2,
+    "d_kv": 16,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 32,
+}
 GPT2_TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
 BAD_CONFIGS = [
     ("T3 d_kv 0", {**T5_TINY, "d_kv": 0}, "d_kv must be a whole number >= 1, got 0"),
@@ -98,7 +114,8 @@ BAD_CONFIGS = [
     ("inf T5 epsilon", {**T5_TINY, "layer_norm_epsilon": float("inf")},
      "layer_norm_epsilon is inf; a model config's numbers must be finite"),
     ("T11 unknown type", {**GPT2_TINY, "model_type": "gpt3-turbo"},
-     "unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, qwen2 ...) and encoder-decoders "
+     "unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, qwen2 ...) and "
+     "encoder-decoders "
      "(t5, bart ...)"),
 ]  # fmt: skip
 
@@ -112,7 +129,10 @@ def test_a_model_config_that_cannot_train_is_one_line_before_any_run_folder(labe
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))  # json writes NaN and Infinity, and reads them back
     out = tmp_path / "runs"
-    assert run_cli("pretrain", *flags, "--model_config", str(path), "--output_dir", str(out), "--max_steps", "2") == 2
+    assert (
+        run_cli("pretrain", *flags, "--model_config", str(path), "--output_dir", str(out), "--max_steps", "2")
+        == 2
+    )
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
@@ -151,7 +171,9 @@ def test_run_name_latest_is_refused_and_a_failed_latest_swap_leaves_no_link(done
     (made by an older kit), a run leaves no temporary link behind."""
     runs, flags = done
     out = tmp_path / "runs"
-    assert run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "2", "--run_name", "latest") == 2
+    assert (
+        run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "2", "--run_name", "latest") == 2
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "error: RUN_NAME=latest: that name is the link to the newest run (OUTPUT_DIR/latest); pick another"
@@ -159,7 +181,9 @@ def test_run_name_latest_is_refused_and_a_failed_latest_swap_leaves_no_link(done
     assert not out.exists()
     (out / "latest").mkdir(parents=True)
     (out / "latest" / "keep.txt").write_text("an older kit's run\n")
-    assert run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "1", "--run_name", "next") == 0
+    assert (
+        run_cli("pretrain", *flags, "--output_dir", str(out), "--max_steps", "1", "--run_name", "next") == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == ["latest", "next"]
     assert not list((out / "next" / "checkpoints").glob(".latest.*"))
     assert (out / "latest" / "keep.txt").read_text() == "an older kit's run\n"
@@ -174,15 +198,21 @@ def test_resume_with_a_data_path_that_trains_another_tokenizer_is_refused(size, 
     if size == "same":  # other sentences of the same words: as many tokens, their ids in another order
         other.write_text(make_text(9, 6000))
     else:  # the words spelled backwards: more merges
-        other.write_text("".join(" ".join(w[::-1] for w in line.split()) + "\n" for line in make_text(5, 4000).splitlines()))
+        other.write_text(
+            "".join(
+                " ".join(w[::-1] for w in line.split()) + "\n" for line in make_text(5, 4000).splitlines()
+            )
+        )
     before = snapshot(run)
     argv = [*flags, "--data_path", str(other), "--max_steps", "4", "--resume", "1"]
     assert run_cli("pretrain", *argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         f"error: RESUME=1: checkpoint step-00000002 was trained with another tokenizer than this run's "
-        f"(DATA_PATH={flags[flags.index('--data_path') + 1]}); a new DATA_PATH or TOKENIZER_PATH gives the same "
-        "text other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
+        f"(DATA_PATH={flags[flags.index('--data_path') + 1]}); a new DATA_PATH or TOKENIZER_PATH gives the "
+        f"same "
+        "text other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the "
+        "new data"
     )
     assert snapshot(run) == before
     if size == "other":
@@ -229,7 +259,8 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
     folder = disk / "full" / "checkpoints"
     assert errors[0].startswith("error: disk full: writing checkpoint step-00000004 failed at ")
     assert errors[0].endswith(
-        f"in {folder} (No space left on device); the previous checkpoint step-00000002 is intact; free space or "
+        f"in {folder} (No space left on device); the previous checkpoint step-00000002 is intact; free space "
+        f"or "
         "lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME=full continues the run"
     )
     assert [p.name for p in on_disk.list_checkpoints(folder)] == ["step-00000002"]
@@ -251,7 +282,8 @@ def test_sft_from_a_model_of_an_unknown_type_is_one_short_line(base_model, tmp_p
     assert run_cli("sft", "--model_path", str(folder), "--output_dir", str(out), "--max_steps", "1") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
-        f"error: MODEL_PATH={folder}: unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, llama, "
+        f"error: MODEL_PATH={folder}: unknown model_type 'gpt3-turbo'; this kit trains causal LMs (gpt2, "
+        f"llama, "
         "qwen2 ...) and encoder-decoders (t5, bart ...); if it ships its own model code and you trust it: "
         "TRUST_REMOTE_CODE=1"
     )

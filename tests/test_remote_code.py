@@ -43,7 +43,9 @@ def planted(base_model, tmp_path):
     marker = tmp_path / "marker"
     (folder / "payload.py").write_text(PAYLOAD.format(marker=str(marker)))
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg.update(tokenizer_class="PayloadTokenizer", auto_map={"AutoTokenizer": [None, "payload.PayloadTokenizer"]})
+    tok_cfg.update(
+        tokenizer_class="PayloadTokenizer", auto_map={"AutoTokenizer": [None, "payload.PayloadTokenizer"]}
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     cfg = json.loads((folder / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "payload.PayloadConfig", "AutoModelForCausalLM": "payload.PayloadModel"}
@@ -72,7 +74,9 @@ def test_the_payload_runs_when_trusted(planted, tmp_path):
     assert marker.read_text() == "the folder's code ran"
 
 
-def test_tokenizer_path_with_code_is_refused_by_the_launcher(planted, corpus, tiny_config, cache_dir, tmp_path):
+def test_tokenizer_path_with_code_is_refused_by_the_launcher(
+    planted, corpus, tiny_config, cache_dir, tmp_path
+):
     folder, marker = planted
     env = {"TOKENIZER_PATH": str(folder), "MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus),
            "CACHE_DIR": str(cache_dir), "OUTPUT_DIR": str(tmp_path / "runs"), "MAX_STEPS": "1",
@@ -88,7 +92,9 @@ def test_tokenizer_path_with_code_is_refused_by_the_launcher(planted, corpus, ti
 
 
 @pytest.mark.parametrize("where", ["sft_model", "sft_tokenizer", "model_config", "generate"])
-def test_a_folder_with_code_is_refused_in_one_line(where, planted, base_model, corpus, tmp_path, capsys, monkeypatch):
+def test_a_folder_with_code_is_refused_in_one_line(
+    where, planted, base_model, corpus, tmp_path, capsys, monkeypatch
+):
     folder, marker = planted
     monkeypatch.setattr("sys.stdin", io.StringIO(YES))
     runs = ["--output_dir", str(tmp_path / "runs"), "--max_steps", "1"]
@@ -105,7 +111,11 @@ def test_a_folder_with_code_is_refused_in_one_line(where, planted, base_model, c
             "MODEL_CONFIG",
             "does not run code from a folder",
         ),
-        "generate": (["generate", "--model", str(folder), "--prompt", "hi"], "--model", "--trust_remote_code"),
+        "generate": (
+            ["generate", "--model", str(folder), "--prompt", "hi"],
+            "--model",
+            "--trust_remote_code",
+        ),
     }[where]
     assert run_cli(*argv) == 2
     assert hint in one_error_line(capsys.readouterr().err, variable)
@@ -132,7 +142,9 @@ def test_every_auto_load_passes_trust_remote_code():
                     break
             explicit = "trust_remote_code" in call[: end + 1]
             # an `offline` dict of the keyword arguments, defined with trust_remote_code in it
-            shared = "**offline" in call[: end + 1] and re.search(r"offline = dict\([^)]*trust_remote_code=", text)
+            shared = "**offline" in call[: end + 1] and re.search(
+                r"offline = dict\([^)]*trust_remote_code=", text
+            )
             if not (explicit or shared):
                 missing.append(f"{path.relative_to(ROOT)}: {call.splitlines()[0]}")
     assert not missing, missing

@@ -21,15 +21,21 @@ WITH_TOOLS = "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}" + 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HOSTILE = {
     "a loop without end": (LOOP, "runs past"),
-    "a loop that writes": ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "runs past|writes more"),
+    "a loop that writes": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        "runs past|writes more",
+    ),
     "a string multiplied": ("{{ 'x' * 10**10 }}", "writes more"),
     "a huge power": ("{{ 10 ** 100000000 }}", "too large"),
     "a filter's width": ("{{ 'x' | center(10**10) }}", "writes more"),
     "tojson's indent": ("{{ messages | tojson(indent=10**9) }}", "writes more"),
     "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses"),
-    "a namespace doubled": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                            "{% endfor %}{{ ns.s | length }}", "writes more"),
-}  # fmt: skip
+    "a namespace doubled": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s | length }}",
+        "writes more",
+    ),
+}
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
@@ -63,7 +69,9 @@ def test_a_fair_template_renders_as_transformers_does(tok):
         assert ours == theirs
 
 
-def _sft(tmp_path, base_model, cache_dir, records: list[dict], template: str, *flags: str) -> tuple[int, list[str]]:
+def _sft(
+    tmp_path, base_model, cache_dir, records: list[dict], template: str, *flags: str
+) -> tuple[int, list[str]]:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     path = tmp_path / "t.jinja"
@@ -85,14 +93,17 @@ def test_a_looping_template_file_is_refused_at_start(tmp_path, base_model, cache
         code, errors = _sft(tmp_path, base_model, cache_dir, [_chat(2)], LOOP)
     assert code == 2 and len(errors) == 1, errors
     assert errors[0].startswith("error: TEMPLATE (--template)") and "runs past" in errors[0], errors
-    assert cpu.spent < 90 and not (tmp_path / "runs").exists()  # CPU seconds: a wall bound fails on busy cores
+    # CPU seconds: a wall bound fails on busy cores
+    assert cpu.spent < 90 and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("case", ["turns", "tools"])
 def test_a_conversation_of_many_turns_renders_a_few_times_and_trains(tmp_path, base_model, cache_dir, case):
     # 4000 turns; a tools list of 400 kB with 600 turns: rendered twice per trained turn (the
     # square of the turns) these ran past the bound; a bounded number of renders fit it.
-    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 400}} for i in range(1000)]
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "d" * 400}} for i in range(1000)
+    ]
     big = _chat(4000, 4) if case == "turns" else {**_chat(600, 2), "tools": tools}
     with CpuSpent() as cpu:
         code, errors = _sft(tmp_path, base_model, cache_dir, [_chat(2), big], WITH_TOOLS)
@@ -102,14 +113,26 @@ def test_a_conversation_of_many_turns_renders_a_few_times_and_trains(tmp_path, b
 
 def test_a_template_that_grows_quadratically_is_a_bad_record(tmp_path, base_model, cache_dir):
     # The tools list (400 kB) written again in each of 600 turns: 240 MB from one render.
-    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 400}} for i in range(1000)]
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "d" * 400}} for i in range(1000)
+    ]
     each_turn = CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}{{ tools | tojson }}")
     with CpuSpent() as cpu:
-        code, errors = _sft(tmp_path, base_model, cache_dir, [_chat(2), {**_chat(600, 2), "tools": tools}], each_turn)
+        code, errors = _sft(
+            tmp_path, base_model, cache_dir, [_chat(2), {**_chat(600, 2), "tools": tools}], each_turn
+        )
         assert code == 2 and len(errors) == 1, errors
-        assert re.search("line 2: cannot be rendered by the chat template: it (writes more than|runs past)", errors[0])
-        code, errors = _sft(tmp_path, base_model, cache_dir, [_chat(2), {**_chat(600, 2), "tools": tools}], each_turn,
-                            "--skip_bad_records")  # fmt: skip
+        assert re.search(
+            "line 2: cannot be rendered by the chat template: it (writes more than|runs past)", errors[0]
+        )
+        code, errors = _sft(
+            tmp_path,
+            base_model,
+            cache_dir,
+            [_chat(2), {**_chat(600, 2), "tools": tools}],
+            each_turn,
+            "--skip_bad_records",
+        )
         assert code == 0 and not errors, errors  # skipped, the rest trains
     assert cpu.spent < 240  # two runs of a few CPU seconds each
 
@@ -117,7 +140,10 @@ def test_a_template_that_grows_quadratically_is_a_bad_record(tmp_path, base_mode
 def test_a_record_that_loops_in_a_worker_process_is_a_bad_record(tmp_path, base_model, cache_dir):
     # The tokenizing runs in TOKENIZE_WORKERS processes: the timer works in each one's main thread.
     template = "{% if messages[0]['content'] == 'loop' %}" + LOOP + "{% endif %}" + CHATML
-    records = [_chat(2), {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "x"}]}]
+    records = [
+        _chat(2),
+        {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "x"}]},
+    ]
     code, errors = _sft(tmp_path, base_model, cache_dir, records, template, "--tokenize_workers", "2")
     assert code == 2 and len(errors) == 1 and "line 2: cannot be rendered" in errors[0], errors
     assert "runs past" in errors[0], errors
@@ -128,7 +154,10 @@ def test_a_fifo_as_template_is_one_line(tmp_path, capsys):
     import os
 
     os.mkfifo(fifo)
-    assert run_cli("sft", "--template", str(fifo), "--output_dir", str(tmp_path / "runs"), "--max_steps", "1") == 2
+    assert (
+        run_cli("sft", "--template", str(fifo), "--output_dir", str(tmp_path / "runs"), "--max_steps", "1")
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: TEMPLATE (--template)"), err
     assert not (tmp_path / "runs").exists()

@@ -20,22 +20,37 @@ from train.data.chat.templates import BUILTIN_CHAT_TEMPLATE
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")  # fmt: skip
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 THINKS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['reasoning_content'] %}<think>\n"
           "{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
-BRACKETS = ("{% for m in messages %}[{{ m['role'] }}]{% if m['reasoning_content'] %}({{ m['reasoning_content'] }})"
-            "{% endif %}{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")  # fmt: skip
+BRACKETS = (
+    "{% for m in messages %}[{{ m['role'] }}]{% if m['reasoning_content'] %}({{ "
+    "m['reasoning_content'] }})"
+    "{% endif %}{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
 NUMBERED = ("{% for m in messages %}#{{ loop.index }} {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}#{{ messages | length + 1 }} assistant: {% endif %}")  # fmt: skip
 LAST_EOS = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if loop.last %}</s>{% endif %}\n"
             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
-GROWING = ("{% for m in messages %}<{{ m['role'] }}{{ '!' * (messages | length - loop.index) }}>{{ m['content'] }}\n"
+GROWING = ("{% for m in messages %}<{{ m['role'] }}{{ '!' * (messages | length - loop.index) }}>{{ "
+           "m['content'] }}\n"
            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
-TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "thinks": THINKS, "brackets": BRACKETS, "numbered": NUMBERED,
-             "tools": OWN_TEMPLATE, "builtin_file": BUILTIN_CHAT_TEMPLATE, "last_eos": LAST_EOS, "growing": GROWING}  # fmt: skip
+TEMPLATES = {
+    "chatml": CHATML,
+    "llama3": LLAMA3,
+    "thinks": THINKS,
+    "brackets": BRACKETS,
+    "numbered": NUMBERED,
+    "tools": OWN_TEMPLATE,
+    "builtin_file": BUILTIN_CHAT_TEMPLATE,
+    "last_eos": LAST_EOS,
+    "growing": GROWING,
+}
 
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 TOOLS = {"role": "tools", "tools": [{"name": "get_weather", "parameters": {"type": "object"}}]}
@@ -44,7 +59,10 @@ TOOLS = {"role": "tools", "tools": [{"name": "get_weather", "parameters": {"type
 def pairs(n: int, **extra) -> list[dict]:
     turns = []
     for k in range(n):
-        turns += [{"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": f"Answer {k}.", **extra}]
+        turns += [
+            {"role": "user", "content": f"Question {k}?"},
+            {"role": "assistant", "content": f"Answer {k}.", **extra},
+        ]
     return turns
 
 
@@ -52,13 +70,26 @@ CONVERSATIONS = {
     "plain": pairs(3),
     "system": [{"role": "system", "content": "Be brief."}, *pairs(4)],
     "weighted": [*pairs(1), *pairs(1, loss_weight=0), *pairs(3)],
-    "reasoning": [*pairs(2, reasoning_content="Think it over."), *pairs(1), *pairs(1, reasoning_content="Again.")],
+    "reasoning": [
+        *pairs(2, reasoning_content="Think it over."),
+        *pairs(1),
+        *pairs(1, reasoning_content="Again."),
+    ],
     "spaces": [{"role": "user", "content": " Hi "}, {"role": "assistant", "content": " Hello \n"}, *pairs(3)],
-    "calls": [TOOLS, {"role": "system", "content": "Use tools."}, *pairs(1), {"role": "user", "content": "Paris?"},
-              {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": '{"t": 21}'},
-              {"role": "assistant", "content": "It is 21.", "tool_calls": [CALL]}, {"role": "user", "content": "Again?"},
-              {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "content": "{}"}, *pairs(2)],
-}  # fmt: skip
+    "calls": [
+        TOOLS,
+        {"role": "system", "content": "Use tools."},
+        *pairs(1),
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": '{"t": 21}'},
+        {"role": "assistant", "content": "It is 21.", "tool_calls": [CALL]},
+        {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "{}"},
+        *pairs(2),
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +119,9 @@ def test_segments_equal_the_per_turn_prefixes(tokenizer, name, monkeypatch):
         slow, fast = [], []
         monkeypatch.setattr(chat_template, "render_chat", counted(chat_template.render_chat, slow))
         expected = outcome(lambda c=conversation: template_segments(tokenizer, c, per_turn=True))
-        monkeypatch.setattr(chat_template, "render_chat", counted(chat_template.render_chat.__wrapped__, fast))
+        monkeypatch.setattr(
+            chat_template, "render_chat", counted(chat_template.render_chat.__wrapped__, fast)
+        )
         assert outcome(lambda c=conversation: template_segments(tokenizer, c)) == expected, (name, key)
         fewer.append(len(fast) < len(slow))
     if name in ("chatml", "numbered", "brackets", "builtin_file", "thinks"):

@@ -23,8 +23,25 @@ def test_the_resolved_config_shows_what_the_run_uses(corpus, cache_dir, base_mod
     assert "model_size = nano" in out and " MODEL_SIZE=nano MODEL_FAMILY=gpt2 " in resolved(out, "model")
     assert " VAL_FRACTION=0.01 " in resolved(out, "data")  # used: no VAL_PATH
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                                     {"role": "assistant", "content": f"a{i}"}]}) + "\n" for i in range(8)))
-    assert run_cli("sft", *flags, "--model_path", str(base_model), "--data_path", str(data), "--val_path", str(data)) == 0
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{i}"},
+                        {"role": "assistant", "content": f"a{i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
+    assert (
+        run_cli(
+            "sft", *flags, "--model_path", str(base_model), "--data_path", str(data), "--val_path", str(data)
+        )
+        == 0
+    )
     data_line = resolved(capsys.readouterr().out, "data")
     assert " VAL_FRACTION=(unused:VAL_PATH) " in data_line and f" VAL_PATH={data}" in data_line, data_line

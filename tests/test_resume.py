@@ -26,7 +26,18 @@ from train.run.checkpoint import on_disk
 from train.run.guard import signals as signals_module
 
 STEPS = 40
-RUN = ["--batch_size", "4", "--max_steps", str(STEPS), "--save_every", "3", "--keep_checkpoints", "20", "--seed", "7"]
+RUN = [
+    "--batch_size",
+    "4",
+    "--max_steps",
+    str(STEPS),
+    "--save_every",
+    "3",
+    "--keep_checkpoints",
+    "20",
+    "--seed",
+    "7",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,8 +89,15 @@ def assert_same_run(rows, reference, resumed_from):
 def start_child(flags, name, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     argv = [train_python(), "-m", "train", "pretrain", *flags, *RUN, *extra, "--run_name", name]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +117,8 @@ def stopped(base, request):
         for name in sorted(pending):
             sig, at, _ = plan[name]
             if procs[name].poll() is not None:
-                pytest.fail(f"{name} ended (exit {procs[name].returncode}) before step {at}: {procs[name].stderr.read()[-2000:]}")
+                pytest.fail(f"{name} ended (exit {procs[name].returncode}) before step {at}: "
+                            f"{procs[name].stderr.read()[-2000:]}")
             metrics = runs / name / "metrics.jsonl"
             if metrics.exists() and len(metrics.read_text().splitlines()) >= at:
                 os.killpg(procs[name].pid, sig)
@@ -154,7 +173,12 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(base, reference,
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     capsys.readouterr()
 
-    assert run_cli("pretrain", *flags, *RUN, "--run_name", "truncated", "--resume", "1", "--keep_checkpoints", "2") == 0
+    assert (
+        run_cli(
+            "pretrain", *flags, *RUN, "--run_name", "truncated", "--resume", "1", "--keep_checkpoints", "2"
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "checkpoint step-00000040 cannot be used: model.safetensors is truncated" in out
     assert "step-00000040 cannot be used" in (run / "train.log").read_text()
@@ -182,7 +206,10 @@ def test_planted_pickle_is_not_executed_on_resume(base, reference, tmp_path, cap
     folder = run / "checkpoints" / "step-00000040"
     torch.save({"optimizer": Payload(marker), "scaler": {}, "rng": {}}, folder / "state.pt")
     meta = json.loads((folder / "meta.json").read_text())  # the checksum matches: only the loader guards
-    meta["files"]["state.pt"] = {"bytes": (folder / "state.pt").stat().st_size, "sha256": on_disk.sha256_of(folder / "state.pt")}
+    meta["files"]["state.pt"] = {
+        "bytes": (folder / "state.pt").stat().st_size,
+        "sha256": on_disk.sha256_of(folder / "state.pt"),
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
     torch.save(Payload(marker), folder / "evil.pkl")  # extra files are never read
     capsys.readouterr()
@@ -199,14 +226,20 @@ def test_planted_pickle_is_not_executed_on_resume(base, reference, tmp_path, cap
 def test_changed_batch_size_keeps_sample_position_and_schedule(base, reference):
     runs, flags = base
     run = copy_run(runs, "rebatched", keep_up_to=12)
-    assert run_cli("pretrain", *flags, *RUN, "--run_name", "rebatched", "--resume", "1", "--batch_size", "8") == 0
+    assert (
+        run_cli("pretrain", *flags, *RUN, "--run_name", "rebatched", "--resume", "1", "--batch_size", "8")
+        == 0
+    )
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     summary = summary_of(run)
     assert summary["steps"] == 12 + math.ceil((STEPS * 4 - 48) / 8) and summary["samples"] == STEPS * 4
-    lr_at_samples = {r["samples"] - 4: r["lr"] for r in reference if "lr" in r}  # lr by samples seen before the step
+    # lr by samples seen before the step
+    lr_at_samples = {r["samples"] - 4: r["lr"] for r in reference if "lr" in r}
     for row in rows[12:]:
         assert row["lr"] == pytest.approx(lr_at_samples[row["samples"] - 8], rel=1e-12, abs=0)
-    final = json.loads((run / "checkpoints" / on_disk.checkpoint_name(summary["steps"]) / "meta.json").read_text())
+    final = json.loads(
+        (run / "checkpoints" / on_disk.checkpoint_name(summary["steps"]) / "meta.json").read_text()
+    )
     assert final["data"]["position"] == STEPS * 4 and final["data"]["epoch"] == 0
     log = (run / "train.log").read_text()
     assert "changed since the checkpoint: BATCH_SIZE 4 -> 8" in log and "effective batch 4 -> 8" in log
@@ -254,8 +287,25 @@ def test_batch_stream_continues_the_permutation_across_batch_sizes():
 
 @pytest.mark.parametrize("precision, lr", [("fp32", "1e3"), ("fp16", "1e2")])
 def test_non_finite_loss_stops_with_a_checkpoint_from_before(precision, lr, tiny_flags, tmp_path):
-    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "12", "--learning_rate", lr, "--warmup_steps", "4",
-            "--save_every", "2", "--nan_patience", "3", "--precision", precision, "--run_name", "nan"]  # fmt: skip
+    argv = [
+        *tiny_flags,
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "12",
+        "--learning_rate",
+        lr,
+        "--warmup_steps",
+        "4",
+        "--save_every",
+        "2",
+        "--nan_patience",
+        "3",
+        "--precision",
+        precision,
+        "--run_name",
+        "nan",
+    ]
     assert run_cli("pretrain", *argv) == 1
     run = tmp_path / "runs" / "nan"
     summary = summary_of(run)
@@ -315,13 +365,24 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_flags, tmp_path):
 
     presser = threading.Thread(target=press_ctrl_c, daemon=True)
     presser.start()
-    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "1000", "--save_every", "500", "--run_name", "ctrl_c"]
+    argv = [
+        *tiny_flags,
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "1000",
+        "--save_every",
+        "500",
+        "--run_name",
+        "ctrl_c",
+    ]
     assert run_cli("pretrain", *argv) == 130
     presser.join()
     summary = summary_of(run)
     assert summary["exit_reason"] == "interrupted" and summary["stop_signal"] == "SIGINT"
     assert 3 <= summary["steps"] < 1000 and summary["checkpoint"] == on_disk.checkpoint_name(summary["steps"])
-    assert len(read_jsonl(run / "metrics.jsonl")) == summary["steps"]  # the step in progress finished and logged
+    # the step in progress finished and logged
+    assert len(read_jsonl(run / "metrics.jsonl")) == summary["steps"]
     assert (run / "final" / "model.safetensors").exists()
 
 

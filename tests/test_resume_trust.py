@@ -58,9 +58,14 @@ def finished(tiny_flags, tmp_path) -> tuple[list[str], Path]:
         tmp_path / "runs" / "r"  # fmt: skip
 
 
-@pytest.mark.parametrize("section, field, variable", [
-    ("data", "cache_dir", "CACHE_DIR"), ("data", "data_path", "DATA_PATH"), ("model", "model_config", "MODEL_CONFIG"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "section, field, variable",
+    [
+        ("data", "cache_dir", "CACHE_DIR"),
+        ("data", "data_path", "DATA_PATH"),
+        ("model", "model_config", "MODEL_CONFIG"),
+    ],
+)
 def test_an_edited_config_json_is_refused_in_one_line(finished, tmp_path, capsys, section, field, variable):
     resume, run = finished
     record = json.loads((run / "config.json").read_text())
@@ -104,15 +109,31 @@ def dpo_root(base_model, tmp_path_factory) -> Path:
 
 
 def dpo_env(root: Path, **more: str) -> dict:
-    return launcher_env({"MODEL_PATH": str(root / "sft" / "sft" / "final"), "DATA_PATH": str(root / "pairs.jsonl"),
-                         "OUTPUT_DIR": str(root / "runs"), "CACHE_DIR": str(root / "cache"), "MAX_LENGTH": "64",
-                         "NUM_WORKERS": "0", "REFERENCE": "copy", "LEARNING_RATE": "1e-3", "OMP_NUM_THREADS": "1",
-                         **more})  # fmt: skip
+    return launcher_env(
+        {
+            "MODEL_PATH": str(root / "sft" / "sft" / "final"),
+            "DATA_PATH": str(root / "pairs.jsonl"),
+            "OUTPUT_DIR": str(root / "runs"),
+            "CACHE_DIR": str(root / "cache"),
+            "MAX_LENGTH": "64",
+            "NUM_WORKERS": "0",
+            "REFERENCE": "copy",
+            "LEARNING_RATE": "1e-3",
+            "OMP_NUM_THREADS": "1",
+            **more,
+        }
+    )
 
 
 def dpo_launch(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "train_dpo.sh"), *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(ROOT / "train_dpo.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_sigkill_then_the_documented_resume_repeats_the_run(dpo_root):
@@ -120,14 +141,21 @@ def test_sigkill_then_the_documented_resume_repeats_the_run(dpo_root):
     first = {"MAX_STEPS": "6", "SAVE_EVERY": "2", "LOG_EVERY": "1"}
     whole = dpo_launch(dpo_env(dpo_root, RUN_NAME="whole", **first), "2")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    proc = subprocess.Popen(["bash", str(ROOT / "train_dpo.sh"), "2"], env=dpo_env(dpo_root, RUN_NAME="x", **first),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "train_dpo.sh"), "2"],
+        env=dpo_env(dpo_root, RUN_NAME="x", **first),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     kill_when(proc, runs / "x" / "metrics.jsonl", 3, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and not (runs / "x" / "summary.json").exists()
 
-    # carry.py's form: no micro-batch argument, no MAX_STEPS (the launcher's BATCH_SIZE=${BATCH_SIZE:-8} was 8)
+    # carry.py's form: no micro-batch argument, no MAX_STEPS (the launcher's BATCH_SIZE=${BATCH_SIZE:-8} was
+    # 8)
     resumed = dpo_launch(dpo_env(dpo_root, RESUME="1", RUN_NAME="x"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads((runs / "x" / "summary.json").read_text())
@@ -153,7 +181,11 @@ def test_a_micro_batch_given_on_resume_is_taken(dpo_root):
     env = dpo_env(dpo_root, RUN_NAME="given", MAX_STEPS="2", LOG_EVERY="1")
     assert dpo_launch(env, "2").returncode == 0
     shown = dpo_launch({**env, "RESUME": "1", "MAX_STEPS": "3", "SHOW_COMMAND": "1"}, "4").stdout
-    assert "--batch_size 4" in shown and "--gradient_accumulation_steps" not in shown and "--max_steps 3" in shown
+    assert (
+        "--batch_size 4" in shown
+        and "--gradient_accumulation_steps" not in shown
+        and "--max_steps 3" in shown
+    )
     shown = dpo_launch({**env, "RESUME": "1", "SHOW_COMMAND": "1", "BATCH_SIZE": ""}).stdout
     assert "--batch_size" not in shown  # empty is not set: the run's own
     again = dpo_launch({**env, "RESUME": "1", "MAX_STEPS": "3"}, "4")
@@ -167,17 +199,26 @@ def test_a_micro_batch_given_on_resume_is_taken(dpo_root):
 def test_an_interrupted_runs_final_loss_is_its_last_steps(tiny_flags, tmp_path):
     runs = tmp_path / "runs"
     steps = ["--max_steps", "70", "--batch_size", "2", "--max_length", "32", "--val_fraction", "0"]
-    assert run_cli("pretrain", *tiny_flags, *steps, "--run_name", "whole") == 0  # LOG_EVERY=1: every step's loss
+    # LOG_EVERY=1: every step's loss
+    assert run_cli("pretrain", *tiny_flags, *steps, "--run_name", "whole") == 0
     every = dict(losses(runs / "whole"))
     flags = [a if a != "1" or tiny_flags[i - 1] != "--log_every" else "25" for i, a in enumerate(tiny_flags)]
     flags += ["--save_every", "28"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([train_python(), "-m", "train", "pretrain", *flags, *steps, "--run_name", "cut"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [train_python(), "-m", "train", "pretrain", *flags, *steps, "--run_name", "cut"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     log = runs / "cut" / "train.log"
     # after step 28's checkpoint: between the log lines of steps 25 and 50
-    signal_when(proc, lambda: log.exists() and "saved checkpoint step-00000028" in log.read_text(), signal.SIGTERM)
+    signal_when(
+        proc, lambda: log.exists() and "saved checkpoint step-00000028" in log.read_text(), signal.SIGTERM
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     summary = json.loads((runs / "cut" / "summary.json").read_text())
@@ -193,19 +234,39 @@ def test_an_interrupted_runs_final_loss_is_its_last_steps(tiny_flags, tmp_path):
 
 
 def test_an_interrupted_make_compare_says_a_command_that_works(corpus, tiny_config, tmp_path):
-    env = launcher_env({"MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512",
-                        "CACHE_DIR": str(tmp_path / "cache"), "OUTPUT_DIR": str(tmp_path / "runs"), "MAX_LENGTH": "32",
-                        "DEVICE": "cpu", "SAVE_EVERY": "4", "LOG_EVERY": "1", "OMP_NUM_THREADS": "1",
-                        "NUM_WORKERS": "0", "BATCH_SIZE": "16", "GRADIENT_ACCUM": "1"})  # fmt: skip
+    env = launcher_env(
+        {
+            "MODEL_CONFIG": str(tiny_config),
+            "DATA_PATH": str(corpus),
+            "VOCAB_SIZE": "512",
+            "CACHE_DIR": str(tmp_path / "cache"),
+            "OUTPUT_DIR": str(tmp_path / "runs"),
+            "MAX_LENGTH": "32",
+            "DEVICE": "cpu",
+            "SAVE_EVERY": "4",
+            "LOG_EVERY": "1",
+            "OMP_NUM_THREADS": "1",
+            "NUM_WORKERS": "0",
+            "BATCH_SIZE": "16",
+            "GRADIENT_ACCUM": "1",
+        }
+    )
     budget = {"COMPARE_SAMPLES": "256"}  # 32 baseline steps of 8, 16 of 16
-    proc = subprocess.Popen(["make", "--no-print-directory", "compare", *(f"{k}={v}" for k, v in budget.items())],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["make", "--no-print-directory", "compare", *(f"{k}={v}" for k, v in budget.items())],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     baseline = tmp_path / "runs" / "compare-baseline"
     kill_when(proc, baseline / "metrics.jsonl", 6, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     line = out.strip().splitlines()[-1]
-    assert line == ("interrupted: to continue from the last checkpoint, run make compare RESUME=1 COMPARE_SAMPLES=256 "
+    assert line == ("interrupted: to continue from the last checkpoint, run make compare RESUME=1 "
+                    "COMPARE_SAMPLES=256 "
                     "(with the other variables you gave it)"), (out[-1500:], err[-1500:])  # fmt: skip
     stopped_at = json.loads((baseline / "summary.json").read_text())["steps"]
     command = re.search(r"run (make .*) \(with", line).group(1).split()
@@ -215,7 +276,11 @@ def test_an_interrupted_make_compare_says_a_command_that_works(corpus, tiny_conf
     assert f"-> {baseline} (256 samples, resumed)" in again.stdout
     assert "compare-optimized (256 samples)" in again.stdout and "comparison written to" in again.stdout
     summary = json.loads((baseline / "summary.json").read_text())
-    assert summary["resumed_from_step"] == stopped_at and summary["steps"] == 32 and summary["batch_size"] == 8
+    assert (
+        summary["resumed_from_step"] == stopped_at and summary["steps"] == 32 and summary["batch_size"] == 8
+    )
     assert [s for s, _ in losses(baseline)] == list(range(1, 33))
-    assert math.isfinite(json.loads((tmp_path / "runs" / "compare-optimized" / "summary.json").read_text())["final_loss"])
+    assert math.isfinite(
+        json.loads((tmp_path / "runs" / "compare-optimized" / "summary.json").read_text())["final_loss"]
+    )
     shutil.rmtree(tmp_path / "runs")

@@ -78,7 +78,9 @@ def test_nan_validation_loss_is_a_clean_non_finite_stop(tiny_flags, tmp_path, ca
     assert "Traceback" not in err and "error:" not in err
     run = tmp_path / "runs" / "nan"
     s = summary(run)
-    assert s["exit_reason"] == "non_finite_loss" and s["final_val_loss"] is None and s["best_val_loss"] is None
+    assert (
+        s["exit_reason"] == "non_finite_loss" and s["final_val_loss"] is None and s["best_val_loss"] is None
+    )
     assert "validation loss is nan at step 1" in s["stop_detail"] and "no checkpoint yet" in s["stop_detail"]
     assert "eval step 1: val_loss nan val_ppl n/a" in out and "stopping: validation loss is nan" in out
     assert not (run / "final").exists() and not list_checkpoints(run / "checkpoints")
@@ -87,7 +89,18 @@ def test_nan_validation_loss_is_a_clean_non_finite_stop(tiny_flags, tmp_path, ca
 
 
 def test_nan_patience_zero_keeps_training_through_a_nan_validation_loss(tiny_flags, tmp_path, capsys):
-    argv = [*tiny_flags, *FAST, "--max_steps", "1", "--learning_rate", "1e9", "--nan_patience", "0", "--run_name", "on"]
+    argv = [
+        *tiny_flags,
+        *FAST,
+        "--max_steps",
+        "1",
+        "--learning_rate",
+        "1e9",
+        "--nan_patience",
+        "0",
+        "--run_name",
+        "on",
+    ]
     assert run_cli("pretrain", *argv) == 0  # NAN_PATIENCE=0: the user asked for no stop
     assert "val_ppl n/a" in capsys.readouterr().out
     assert summary(tmp_path / "runs" / "on")["exit_reason"] == "completed"
@@ -102,7 +115,8 @@ def test_disk_full_writing_final_then_resume_finishes_the_run(tiny_flags, tmp_pa
     assert run_cli("pretrain", *argv) == 2
     line, _ = one_error(capsys)
     run = tmp_path / "runs" / "full"
-    assert calls and line.startswith(f"error: disk full: writing {run / 'final'} failed (No space left on device)")
+    assert calls and line.startswith(f"error: disk full: writing {run / 'final'} failed (No space left on "
+                                     f"device)")
     assert "checkpoint step-00000004 is intact" in line
     assert line.endswith("free space, then RESUME=1 RUN_NAME=full writes final/ and summary.json")
     assert not (run / "final").exists() and not list(run.glob(".final.*"))  # no half folder left
@@ -128,7 +142,9 @@ def test_disk_full_writing_final_then_resume_finishes_the_run(tiny_flags, tmp_pa
     assert files_of(run) == before
 
 
-def test_a_full_disk_keeps_the_previous_final_and_resume_replaces_it(tiny_flags, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_keeps_the_previous_final_and_resume_replaces_it(
+    tiny_flags, tmp_path, monkeypatch, capsys
+):
     """The real write path: safetensors (Rust) hits a file-size limit (EFBIG, as a full disk
     gives ENOSPC) while writing the weights of a longer run; the first final/ stays whole."""
     argv = [*tiny_flags, *FAST, "--save_every", "2", "--run_name", "grow"]
@@ -175,14 +191,29 @@ def test_resume_rewrites_a_final_without_its_marker(tiny_flags, tmp_path, capsys
 
 
 def test_disk_full_writing_best_keeps_the_previous_best(tiny_flags, tmp_path, monkeypatch, capsys):
-    argv = [*tiny_flags, *FAST, "--max_steps", "6", "--save_every", "2", "--eval_every", "2", "--keep_best", "1",
-            "--run_name", "best"]  # fmt: skip
+    argv = [
+        *tiny_flags,
+        *FAST,
+        "--max_steps",
+        "6",
+        "--save_every",
+        "2",
+        "--eval_every",
+        "2",
+        "--keep_best",
+        "1",
+        "--run_name",
+        "best",
+    ]
     fail_final_save(monkeypatch, "best", after=1)  # the first best/ (step 2) is written, the next fails
     assert run_cli("pretrain", *argv) == 2
     line, _ = one_error(capsys)
     run = tmp_path / "runs" / "best"
     assert line.startswith(f"error: disk full: writing {run / 'best'} failed")
-    assert "is intact and so is the previous best/" in line and "RESUME=1 RUN_NAME=best continues the run" in line
+    assert (
+        "is intact and so is the previous best/" in line
+        and "RESUME=1 RUN_NAME=best continues the run" in line
+    )
     assert json.loads((run / "best" / folder.COMPLETE).read_text()) == {"step": 2}
     assert not list(run.glob(".best.*"))
 
@@ -208,7 +239,9 @@ def test_runs_started_in_the_same_second_get_different_folders(tmp_path, monkeyp
         thread.join()
     assert not errors
     names = sorted(c.path.name for c in claims)
-    assert names == sorted(["pretrain-20250101-000000", *(f"pretrain-20250101-000000-{n}" for n in range(2, 9))])
+    assert names == sorted(
+        ["pretrain-20250101-000000", *(f"pretrain-20250101-000000-{n}" for n in range(2, 9))]
+    )
     for c in claims:
         c.release()  # each folder was still empty: removed again (OUTPUT_DIR too, which a claim made)
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
@@ -228,7 +261,16 @@ def test_bad_input_after_the_claim_leaves_nothing(tiny_flags, tmp_path, capsys):
     """The folder (and a missing OUTPUT_DIR) is made before the build; bad input found by the
     build removes them again."""
     out = tmp_path / "new" / "deeper" / "runs"
-    argv = [*tiny_flags, *FAST, "--max_steps", "1", "--output_dir", str(out), "--data_path", str(tmp_path / "none.txt")]
+    argv = [
+        *tiny_flags,
+        *FAST,
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(out),
+        "--data_path",
+        str(tmp_path / "none.txt"),
+    ]
     assert run_cli("pretrain", *argv) == 2
     assert "DATA_PATH" in one_error(capsys)[0]
     assert not (tmp_path / "new").exists()
@@ -248,7 +290,9 @@ def test_output_dir_that_cannot_be_made_is_one_line(where, tiny_flags, tmp_path,
 def start_run(flags, name, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     argv = [train_python(), "-m", "train", "pretrain", *flags, *FAST, *extra, "--run_name", name]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_for(predicate, proc, what, limit=240):
@@ -267,9 +311,12 @@ def test_a_folder_in_use_is_refused_and_freed_when_its_run_dies(tiny_flags, tmp_
         wait_for(lambda: list_checkpoints(run / "checkpoints"), proc, "a checkpoint")
         config = (run / "config.json").read_bytes()
         for extra in (["--overwrite", "1"], ["--resume", "1"], []):
-            assert run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "3", "--run_name", "busy", *extra) == 2
+            assert (
+                run_cli("pretrain", *tiny_flags, *FAST, "--max_steps", "3", "--run_name", "busy", *extra) == 2
+            )
             line, _ = one_error(capsys)
-            holder = int(re.search(r"\(pid (\d+)\)", line)[1])  # the run's process: proc, or the fork server's child for it
+            # the run's process: proc, or the fork server's child for it
+            holder = int(re.search(r"\(pid (\d+)\)", line)[1])
             assert line == (
                 f"error: RUN_NAME=busy: {run} is in use by another run (pid {holder}); "
                 "wait for it or pick another RUN_NAME"
@@ -300,15 +347,29 @@ def test_holder_pid_reads_proc_locks(tmp_path):
     assert claims_module.holder_pid(tmp_path) == "unknown"
 
 
-def test_two_processes_claim_once_save_best_and_resume_writes_a_missing_final(corpus, tiny_config, cache_dir, tmp_path):
+def test_two_processes_claim_once_save_best_and_resume_writes_a_missing_final(
+    corpus, tiny_config, cache_dir, tmp_path
+):
     """Under torchrun rank 0 alone claims and writes the folder; best/ and final/ are saved by
     rank 0 with every rank agreeing; RESUME=1 of a run without final/ writes it on 2 ranks."""
     from conftest import launch
 
     runs = tmp_path / "runs"
-    env = {"MODEL_CONFIG": str(tiny_config), "DATA_PATH": str(corpus), "VOCAB_SIZE": "512", "CACHE_DIR": str(cache_dir),
-           "OUTPUT_DIR": str(runs), "MAX_LENGTH": "64", "BATCH_SIZE": "4", "MAX_STEPS": "2", "EVAL_EVERY": "1",
-           "KEEP_BEST": "1", "RUN_NAME": "two", "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        "MODEL_CONFIG": str(tiny_config),
+        "DATA_PATH": str(corpus),
+        "VOCAB_SIZE": "512",
+        "CACHE_DIR": str(cache_dir),
+        "OUTPUT_DIR": str(runs),
+        "MAX_LENGTH": "64",
+        "BATCH_SIZE": "4",
+        "MAX_STEPS": "2",
+        "EVAL_EVERY": "1",
+        "KEEP_BEST": "1",
+        "RUN_NAME": "two",
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
     first = launch("run_single_gpu.sh", env)
     assert first.returncode == 0, first.stderr[-3000:]
     run = runs / "two"

@@ -74,7 +74,18 @@ def test_each_format_trains(fmt, sft_flags, tmp_path):
 
 def test_sft_validation_rows(sft_flags, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [FORMATS["messages"](i) for i in range(40)])
-    argv = ["--data_path", path, "--max_steps", "4", "--eval_every", "2", "--val_fraction", "0.1", "--run_name", "v"]
+    argv = [
+        "--data_path",
+        path,
+        "--max_steps",
+        "4",
+        "--eval_every",
+        "2",
+        "--val_fraction",
+        "0.1",
+        "--run_name",
+        "v",
+    ]
     assert run_cli("sft", *sft_flags, *argv) == 0
     rows = read_jsonl(tmp_path / "runs" / "v" / "metrics.jsonl")
     val = [r for r in rows if "val_loss" in r]
@@ -104,10 +115,16 @@ def test_loss_mask_through_forward_loss(base_model):
     assert a["input_ids"].shape != b["input_ids"].shape  # the prompt tail really differs
     cpu = torch.device("cpu")
     with torch.no_grad():
-        masked = abs(forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM) - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM))
+        masked = abs(
+            forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM)
+            - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM)
+        )
         for x in (a, b):  # the control: train on every real token
             x["labels"] = x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)
-        unmasked = abs(forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM) - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM))
+        unmasked = abs(
+            forward_loss(model, a, cpu, "fp32", layout=CAUSAL_LM)
+            - forward_loss(model, b, cpu, "fp32", layout=CAUSAL_LM)
+        )
     assert masked < 1e-5 and unmasked > 1e-4, (masked, unmasked)
 
 
@@ -120,8 +137,23 @@ def test_chinese_round_trips_through_tokenization_and_generation(base_model, sft
     for text in (prompt, reply, "混合 mixed 文本"):
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     data = write_jsonl(tmp_path / "zh.jsonl", [{"prompt": prompt, "response": reply}] * 8)
-    argv = [*sft_flags, "--data_path", data, "--max_steps", "24", "--learning_rate", "1e-2", "--warmup_steps", "2",
-            "--weight_decay", "0", "--run_name", "zh", "--log_every", "24"]  # fmt: skip
+    argv = [
+        *sft_flags,
+        "--data_path",
+        data,
+        "--max_steps",
+        "24",
+        "--learning_rate",
+        "1e-2",
+        "--warmup_steps",
+        "2",
+        "--weight_decay",
+        "0",
+        "--run_name",
+        "zh",
+        "--log_every",
+        "24",
+    ]
     assert run_cli("sft", *argv) == 0
     capsys.readouterr()
     final = str(tmp_path / "runs" / "zh" / "final")
@@ -145,7 +177,8 @@ def test_length_grouping_raises_padding_efficiency(sft_flags, tmp_path):
             data,
             "--batch_size",
             "8",
-            "--epochs",  # grouping draws from the samples the run trains (a plain order's, under a budget): all
+            # grouping draws from the samples the run trains (a plain order's, under a budget): all
+            "--epochs",
             "1",
             "--run_name",
             f"g{grouping}",
@@ -248,12 +281,22 @@ def test_custom_launcher_takes_the_micro_batch_first():
 
 def test_quick_start_trains_and_prints_the_effective_batch(base_model, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [FORMATS["messages"](i) for i in range(24)])
-    env = {"MODEL_PATH": str(base_model), "DATA_PATH": data, "OUTPUT_DIR": str(tmp_path / "runs"), "RUN_NAME": "q",
-           "BATCH_SIZE": "4", "MAX_STEPS": "2", "MAX_LENGTH": "64"}  # fmt: skip
+    env = {
+        "MODEL_PATH": str(base_model),
+        "DATA_PATH": data,
+        "OUTPUT_DIR": str(tmp_path / "runs"),
+        "RUN_NAME": "q",
+        "BATCH_SIZE": "4",
+        "MAX_STEPS": "2",
+        "MAX_LENGTH": "64",
+    }
     result = launch("quick_start_sft_fast.sh", env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "effective batch = BATCH_SIZE 4 x GRADIENT_ACCUM 2 = 8" in result.stdout
     summary = summary_of(tmp_path, "q")
     assert (summary["mode"], summary["batch_size"], summary["gradient_accumulation_steps"]) == ("sft", 4, 2)
     assert summary["effective_batch_size"] == 8 and summary["num_workers"] == 2 and summary["length_grouping"]
-    assert summary["samples"] == 16 and len([r for r in read_jsonl(tmp_path / "runs" / "q" / "metrics.jsonl") if "loss" in r]) == 2
+    assert (
+        summary["samples"] == 16
+        and len([r for r in read_jsonl(tmp_path / "runs" / "q" / "metrics.jsonl") if "loss" in r]) == 2
+    )

@@ -23,7 +23,10 @@ from train.data.chat.encode import encode_conversations, ensure_special_tokens
 from train.data.chat.formats import load_conversations
 
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(40)]
-ALPACA = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i + 1)))} for i in range(30)]
+ALPACA = [
+    {"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i + 1)))}
+    for i in range(30)
+]
 
 
 @pytest.fixture
@@ -66,7 +69,11 @@ def test_second_start_reuses_the_cache_and_max_length_or_template_rebuild_it(tmp
     assert done.startswith("SFT cache: reused") and lines == []
     assert again.folder == first.folder
     shorter, done, _ = cached(data, tok, tmp_path / "c", max_length=8)
-    assert done.startswith("SFT cache: built") and shorter.folder != first.folder and shorter.meta.n_truncated > 0
+    assert (
+        done.startswith("SFT cache: built")
+        and shorter.folder != first.folder
+        and shorter.meta.n_truncated > 0
+    )
     assert max(shorter.lengths) == 8
     tok.chat_template = tok.chat_template.replace("<|end|>\n", "<|end|>\n\n")
     _, done, _ = cached(data, tok, tmp_path / "c")
@@ -133,14 +140,17 @@ def test_bad_records_skipped_or_refused_and_nothing_cached(tmp_path, tok):
     data = write_parquet(tmp_path / "d.parquet", rows)
     with pytest.raises(UsageError, match=r"d\.parquet row 4: no response .*SKIP_BAD_RECORDS=1"):
         cached(data, tok, tmp_path / "c")
-    assert [p.name for p in (tmp_path / "c" / "sft").iterdir() if p.name != "sums"] == []  # digests of the data only
+    # digests of the data only
+    assert [p.name for p in (tmp_path / "c" / "sft").iterdir() if p.name != "sums"] == []
     examples, _, _ = cached(data, tok, tmp_path / "c", skip=True)
     assert (len(examples), examples.meta.n_skipped) == (6, 1)
     assert "row 4" in examples.meta.first_error
 
 
 def test_builtin_conversations_go_through_the_cache(tmp_path, tok):
-    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)]
+    convs = [
+        [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)
+    ]
     examples, done, _ = cached(None, tok, tmp_path / "c", builtin=convs)
     assert examples[2] == encode_conversations(convs, tok, 64)[0][2]
     _, done, _ = cached(None, tok, tmp_path / "c", builtin=convs)
@@ -150,7 +160,8 @@ def test_builtin_conversations_go_through_the_cache(tmp_path, tok):
 BAD_PARQUET = {
     "no_usable_column": (lambda p: write_parquet(p, [{"question": "a", "answer": "b"}]),
                          ["unknown SFT format", "keys: answer, question", "prompt_response"]),
-    "corrupt": (lambda p: p.write_bytes(b"PAR1 this is not parquet at all PAR1"), ["not a readable parquet file"]),
+    "corrupt": (lambda p: p.write_bytes(b"PAR1 this is not parquet at all PAR1"), ["not a readable parquet "
+                                                                                   "file"]),
 }
 
 
@@ -162,7 +173,9 @@ def test_bad_parquet_is_one_line_exit_2(case, base_model, tmp_path, capsys):
             str(tmp_path / "c"), "--data_path", str(tmp_path / "bad.parquet"), "--max_steps", "1"]
     assert run_cli("sft", *argv) == 2
     # transformers' "Loading weights" bar (on when no earlier test turned it off) is not the error
-    err = "\n".join(line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line)
+    err = "\n".join(
+        line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line
+    )
     assert len(err.splitlines()) == 1 and "bad.parquet" in err and all(e in err for e in expect), err
 
 

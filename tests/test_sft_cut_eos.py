@@ -40,10 +40,14 @@ def test_cut_conversation_closes_only_a_trained_run_that_ends_in_an_end_token():
     ids = [5, 6, 7, 8, 9, 2, 10, 11]
     labels = [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 9, 2, IGNORE_INDEX, IGNORE_INDEX]
     assert cut_conversation(ids, labels, 0, 4, "keep_end", ends={2}) == ([5, 6, 7, 2], labels[:3] + [2])
-    assert cut_conversation(ids, labels, 0, 4, "keep_end") == (ids[:4], labels[:4])  # no end known: a plain cut
-    assert cut_conversation(ids, labels, 0, 7, "keep_end", ends={2}) == (ids[:7], labels[:7])  # outside a reply
+    # no end known: a plain cut
+    assert cut_conversation(ids, labels, 0, 4, "keep_end") == (ids[:4], labels[:4])
+    # outside a reply
+    assert cut_conversation(ids, labels, 0, 7, "keep_end", ends={2}) == (ids[:7], labels[:7])
     # the source cut (the reply starts past the window) keeps the reply's end too
-    kept = cut_conversation([1, 1, 1, 1, 1, 7, 8, 9, 2], [IGNORE_INDEX] * 5 + [7, 8, 9, 2], 0, 6, "keep_end", 1, {2})
+    kept = cut_conversation(
+        [1, 1, 1, 1, 1, 7, 8, 9, 2], [IGNORE_INDEX] * 5 + [7, 8, 9, 2], 0, 6, "keep_end", 1, {2}
+    )
     assert kept[0][-1] == kept[1][-1] == 2 and len(kept[0]) == 6
 
 

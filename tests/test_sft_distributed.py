@@ -194,7 +194,11 @@ def test_two_process_sft_through_the_launcher(batching, base_model, tmp_path):
     assert json.loads((again / "summary.json").read_text())["resumed_from_step"] == 1
 
     def rows(folder):
-        return [(r["step"], r["samples"], r["tokens"]) for r in read_jsonl(folder / "metrics.jsonl") if "loss" in r]
+        return [
+            (r["step"], r["samples"], r["tokens"])
+            for r in read_jsonl(folder / "metrics.jsonl")
+            if "loss" in r
+        ]
 
     def losses(folder):
         return [r["loss"] for r in read_jsonl(folder / "metrics.jsonl") if "loss" in r]

@@ -22,7 +22,9 @@ def test_small_sft_run_says_what_it_changed(base_model, tmp_path, capfd):
     model.save_pretrained(exact)
     tok.save_pretrained(exact)
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i}."}) + "\n" for i in range(40)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i}."}) + "\n" for i in range(40))
+    )
     capfd.readouterr()
     argv = ["--model_path", str(exact), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
             "--max_length", "64", "--batch_size", "4", "--max_steps", "1", "--run_name", "s"]  # fmt: skip
@@ -32,9 +34,15 @@ def test_small_sft_run_says_what_it_changed(base_model, tmp_path, capfd):
     assert (f"resized embeddings {rows} -> {(rows + 7 + 63) // 64 * 64} for 7 token(s) beyond its vocabulary "
             "(TEMPLATE's chat tokens)") in out
     assert "mean_resizing" not in out and "multivariate" not in out and "Loading weights" not in out
-    decisions = {d["setting"]: d for d in json.loads((tmp_path / "runs" / "s" / "config.json").read_text())["decisions"]}
+    decisions = {
+        d["setting"]: d
+        for d in json.loads((tmp_path / "runs" / "s" / "config.json").read_text())["decisions"]
+    }
     # the fine-tuned model generates with the KV cache too (SFT turns it off for training)
-    assert json.loads((tmp_path / "runs" / "s" / "final" / "generation_config.json").read_text())["use_cache"] is True
+    assert (
+        json.loads((tmp_path / "runs" / "s" / "final" / "generation_config.json").read_text())["use_cache"]
+        is True
+    )
     raised = decisions["val_fraction"]
     assert raised["value"] == 0.1 and "VAL_FRACTION=0.01 holds out 1 of 40 conversations" in raised["reason"]
 

@@ -17,8 +17,10 @@ def write_jsonl(path, records) -> str:
 @pytest.fixture
 def mixed(tmp_path):
     """Alpaca records from a few tokens to most of MAX_LENGTH."""
-    records = [{"instruction": f"Item {i}.", "input": "", "output": "fox " * (1 + (i * 7) % 10) if i % 4 else "ok"}
-               for i in range(96)]
+    records = [
+        {"instruction": f"Item {i}.", "input": "", "output": "fox " * (1 + (i * 7) % 10) if i % 4 else "ok"}
+        for i in range(96)
+    ]
     return write_jsonl(tmp_path / "alpaca.jsonl", records)
 
 
@@ -26,7 +28,9 @@ def test_packing_fills_rows_and_trains(base_model, mixed, tmp_path, capsys):
     common = ["--model_path", str(base_model), "--output_dir", str(tmp_path / "runs"), "--data_path", mixed,
               "--max_length", "64", "--batch_size", "4", "--max_steps", "3", "--log_every", "1"]
     assert run_cli("sft", *common, "--run_name", "plain") == 0
-    assert run_cli("sft", *common, "--packing", "1", "--report_to", "tensorboard", "--run_name", "packed") == 0
+    assert (
+        run_cli("sft", *common, "--packing", "1", "--report_to", "tensorboard", "--run_name", "packed") == 0
+    )
     out = capsys.readouterr().out
     assert "packed attention: varlen_sdpa" in out and "no (T x T) mask" in out  # the log names the path
     plain = json.loads((tmp_path / "runs/plain/summary.json").read_text())

@@ -22,10 +22,16 @@ from train.data.chat.formats import load_conversations, open_records, to_convers
 # The shapes of LLaMA-Factory's own demo files (data/v1_sft_demo.jsonl, data/reason_tool_use_demo_50.jsonl),
 # written here by hand with short texts: before typed parts, both stopped at line 1 with "no response
 # (assistant turn 2 is empty)".
-V1_SFT = {"messages": [
-    {"role": "user", "content": [{"type": "text", "value": "hi"}], "loss_weight": 0.0},
-    {"role": "assistant", "content": [{"type": "text", "value": "Hello! I am {{name}}."}], "loss_weight": 1.0},
-]}  # fmt: skip
+V1_SFT = {
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "value": "hi"}], "loss_weight": 0.0},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "value": "Hello! I am {{name}}."}],
+            "loss_weight": 1.0,
+        },
+    ]
+}
 V1_MULTI = {"messages": [
     {"role": "user", "content": [{"type": "text", "value": "Who are you?"}], "loss_weight": 0.0},
     {"role": "assistant", "content": [{"type": "text", "value": "An old answer."}], "loss_weight": 0.0},
@@ -34,8 +40,18 @@ V1_MULTI = {"messages": [
     {"role": "user", "content": [{"type": "text", "value": "Thanks"}], "loss_weight": 0.0},
     {"role": "assistant", "content": [{"type": "text", "value": "Not trained."}], "loss_weight": 0},
 ]}  # fmt: skip
-SCHEMA = {"type": "function", "function": {"name": "circle_area", "description": "Area of a circle.", "parameters": {
-    "type": "object", "properties": {"radius": {"type": "number"}}, "required": ["radius"]}}}
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "circle_area",
+        "description": "Area of a circle.",
+        "parameters": {
+            "type": "object",
+            "properties": {"radius": {"type": "number"}},
+            "required": ["radius"],
+        },
+    },
+}
 REASON_TOOL = {
     "messages": [
         {"role": "system", "content": [{"type": "text", "value": "Reason before you answer."}]},
@@ -118,7 +134,8 @@ def test_reasoning_and_tool_call_parts(tmp_path):
         {"role": "assistant", "content": "", "reasoning_content": "Two radii: call circle_area twice.",
          "tool_calls": [call(1.5), call(3)]},
         {"role": "tool", "content": '[{"area": 7.07}, {"area": 28.27}]'},
-        {"role": "assistant", "content": "7.07 and 28.27 square meters.", "reasoning_content": "Both results are in."},
+        {"role": "assistant", "content": "7.07 and 28.27 square meters.", "reasoning_content": "Both results "
+                                                                                               "are in."},
     ]  # fmt: skip
 
 
@@ -134,8 +151,14 @@ def test_parquet_parts_read_as_jsonl(tmp_path):
 
 @pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])
 def test_openai_style_reasoning_keys(key):
-    record = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", key: "Add."}]}
-    assert to_conversation(record, "messages")[1] == {"role": "assistant", "content": "5", "reasoning_content": "Add."}
+    record = {
+        "messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", key: "Add."}]
+    }
+    assert to_conversation(record, "messages")[1] == {
+        "role": "assistant",
+        "content": "5",
+        "reasoning_content": "Add.",
+    }
     # A trace alone is a reply (the thinking is trained), not an empty turn.
     record["messages"][1]["content"] = ""
     assert to_conversation(record, "messages")[1]["reasoning_content"] == "Add."
@@ -144,7 +167,10 @@ def test_openai_style_reasoning_keys(key):
 def test_plain_text_records_and_text_field(tmp_path):
     conversations, fmt, _ = loaded(tmp_path, {"text": "One whole document.", "id": 1}, {"text": "Another."})
     assert fmt == "text"
-    assert conversations == [[{"role": "text", "content": "One whole document."}], [{"role": "text", "content": "Another."}]]
+    assert conversations == [
+        [{"role": "text", "content": "One whole document."}],
+        [{"role": "text", "content": "Another."}],
+    ]
     both = {"text": "the text field", "body": "the body field"}
     conversations, fmt, _ = loaded(tmp_path, both, text_field="body")
     assert (fmt, conversations) == ("text:body", [[{"role": "text", "content": "the body field"}]])
@@ -160,25 +186,49 @@ def test_plain_text_records_and_text_field(tmp_path):
 
 
 def turn2(content, **extra):
-    return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content, **extra}]}
+    return {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content, **extra}]
+    }
 
 
 WRONG = {
-    "empty text parts": (turn2([{"type": "text", "value": " "}, {"type": "text", "text": ""}]),
-                         "no response (assistant turn 2 is empty: its 2 content part(s), of type text, hold no text)"),
+    "empty text parts": (
+        turn2([{"type": "text", "value": " "}, {"type": "text", "text": ""}]),
+        "no response (assistant turn 2 is empty: its 2 content part(s), of type text, hold no text)",
+    ),
     "no parts": (turn2([]), "no response (assistant turn 2 is empty: its content is an empty list of parts)"),
-    "unknown type": (turn2([{"type": "summary", "value": "x"}]), "turn 2 content part 1 has type 'summary'; read: text"),
-    "no value": (turn2([{"type": "reasoning"}]), "turn 2 content part 1 (reasoning) has no 'reasoning' or 'value'"),
-    "user reasoning": ({"messages": [{"role": "user", "content": [{"type": "reasoning", "value": "hm"}]},
-                                     {"role": "assistant", "content": "a"}]},
-                       "turn 1 (user) has reasoning parts; only an assistant turn carries them"),
-    "bad call": (turn2([{"type": "tool_call", "value": "{oops"}]), "turn 2 content part 1 (tool_call) is not JSON"),
-    "weight": (turn2("a", loss_weight=-1), "turn 2 loss_weight is -1, expected 0 (not trained) or 1 (trained)"),
+    "unknown type": (
+        turn2([{"type": "summary", "value": "x"}]),
+        "turn 2 content part 1 has type 'summary'; read: text",
+    ),
+    "no value": (
+        turn2([{"type": "reasoning"}]),
+        "turn 2 content part 1 (reasoning) has no 'reasoning' or 'value'",
+    ),
+    "user reasoning": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "reasoning", "value": "hm"}]},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        "turn 1 (user) has reasoning parts; only an assistant turn carries them",
+    ),
+    "bad call": (
+        turn2([{"type": "tool_call", "value": "{oops"}]),
+        "turn 2 content part 1 (tool_call) is not JSON",
+    ),
+    "weight": (
+        turn2("a", loss_weight=-1),
+        "turn 2 loss_weight is -1, expected 0 (not trained) or 1 (trained)",
+    ),
     "half_weight": (turn2("a", loss_weight=0.5), "turn 2 loss_weight is 0.5, expected 0 (not trained) or 1"),
     "weight 0": (turn2("a", loss_weight=0.0), "nothing to train (every assistant turn has loss_weight 0)"),
-    "audio": (turn2([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]),
-              "turn 2 content part 1 is an audio part: this kit trains text models"),
-}  # fmt: skip
+    "audio": (
+        turn2([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]),
+        "turn 2 content part 1 is an audio part: this kit trains text models",
+    ),
+}
 
 
 @pytest.mark.parametrize("label", list(WRONG))
@@ -190,14 +240,32 @@ def test_wrong_parts_say_what_was_found(tmp_path, label):
 
 
 def test_an_image_part_is_refused_in_one_line_or_skipped(world, base_model, capsys):  # noqa: F811
-    good = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"q{i}"}]},
-                          {"role": "assistant", "content": [{"type": "text", "text": f"a{i}"}]}]} for i in range(4)]
+    good = [
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": f"q{i}"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": f"a{i}"}]},
+            ]
+        }
+        for i in range(4)
+    ]
     data = jsonl(world["dir"] / "d.jsonl", [good[0], IMAGE, *good[1:]])
     sft = ["--model_path", str(base_model), "--batch_size", "2"]
-    refused(world, "sft", data, f"{data} line 2: turn 1 content part 2 is an image part: this kit trains text models",
+    refused(world, "sft", data, f"{data} line 2: turn 1 content part 2 is an image part: this kit trains "
+                                f"text models",
             "SKIP_BAD_RECORDS=1", extra=sft, here=capsys)
-    result = train_here(capsys, "sft", *world["flags"], "--data_path", str(data), *sft, "--skip_bad_records", "1",
-                        "--run_name", "skip")
+    result = train_here(
+        capsys,
+        "sft",
+        *world["flags"],
+        "--data_path",
+        str(data),
+        *sft,
+        "--skip_bad_records",
+        "1",
+        "--run_name",
+        "skip",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((world["runs"] / "skip" / "summary.json").read_text())
     assert (summary["n_skipped"], summary["n_conversations"]) == (1, 4)

@@ -29,13 +29,23 @@ def tok():
     [
         (OPENAI_PARTS, ["5<|end|>"], ["Add 2 and 3."]),
         (V1_MULTI, ["A new answer.<|end|>"], ["<|assistant|>\nAn old answer.<|end|>"]),
-        (REASON_TOOL,
-         ["<think>\nTwo radii: call circle_area twice.\n</think>\n" + CALL.format(1.5) + CALL.format(3) + "<|end|>",
-          "<think>\nBoth results are in.\n</think>\n7.07 and 28.27 square meters.<|end|>"],
-         ['<|tools|>\n[{"type": "function", "function": {"name": "circle_area"', '<|tool|>\n[{"area": 7.07}']),
+        (
+            REASON_TOOL,
+            [
+                "<think>\nTwo radii: call circle_area twice.\n</think>\n"
+                + CALL.format(1.5)
+                + CALL.format(3)
+                + "<|end|>",
+                "<think>\nBoth results are in.\n</think>\n7.07 and 28.27 square meters.<|end|>",
+            ],
+            [
+                '<|tools|>\n[{"type": "function", "function": {"name": "circle_area"',
+                '<|tool|>\n[{"area": 7.07}',
+            ],
+        ),
     ],
     ids=["openai_parts", "v1_loss_weight_0", "reasoning_tool_call"],
-)  # fmt: skip
+)
 def test_records_train_exactly_their_replies(record, trained, untrained, tok, tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(record) + "\n")
@@ -55,9 +65,17 @@ def test_llama_factory_history_and_record_system_are_turns(tmp_path):
     alpaca = {"system": "Be kind.", "instruction": "And 3?", "input": "", "output": "Odd.",
               "history": [["Is 2 even?", "Yes."]]}  # fmt: skip
     assert [(t["role"], t["content"]) for t in to_conversation(alpaca, "alpaca")] == [
-        ("system", "Be kind."), ("user", "Is 2 even?"), ("assistant", "Yes."), ("user", "And 3?"), ("assistant", "Odd.")]
-    share = {"system": "Be brief.", "tools": "[]",
-             "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}  # fmt: skip
+        ("system", "Be kind."),
+        ("user", "Is 2 even?"),
+        ("assistant", "Yes."),
+        ("user", "And 3?"),
+        ("assistant", "Odd."),
+    ]
+    share = {
+        "system": "Be brief.",
+        "tools": "[]",
+        "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}],
+    }
     assert [t["role"] for t in to_conversation(share, "sharegpt")] == ["system", "user", "assistant"]
     with pytest.raises(ValueError, match="'history' is not a list of"):
         to_conversation({**alpaca, "history": ["loose"]}, "alpaca")
@@ -67,7 +85,10 @@ def test_trl_prompt_completion_records_are_read():
     from train.data.chat.formats import detect_format, to_conversation
 
     plain = {"prompt": "2 + 2 =", "completion": " 4"}
-    chat = {"prompt": [{"role": "user", "content": "2 + 2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+    chat = {
+        "prompt": [{"role": "user", "content": "2 + 2?"}],
+        "completion": [{"role": "assistant", "content": "4"}],
+    }
     for record in (plain, chat):
         assert detect_format(record) == "prompt_completion"
         assert [t["role"] for t in to_conversation(record, "prompt_completion")] == ["user", "assistant"]

@@ -36,15 +36,38 @@ def where(tmp_path_factory) -> dict:
 
 
 def sft(where: dict, run: str, *more: str) -> int:
-    return run_cli("sft", "--data_path", where["data"], "--output_dir", str(where["root"] / "runs"), "--run_name", run,
-                   "--cache_dir", str(where["root"] / "cache"), "--vocab_size", "300", "--max_length", "32",
-                   "--batch_size", "4", "--max_steps", "2", "--val_fraction", "0", "--num_workers", "0",
-                   "--tokenize_workers", "1", *more)  # fmt: skip
+    return run_cli(
+        "sft",
+        "--data_path",
+        where["data"],
+        "--output_dir",
+        str(where["root"] / "runs"),
+        "--run_name",
+        run,
+        "--cache_dir",
+        str(where["root"] / "cache"),
+        "--vocab_size",
+        "300",
+        "--max_length",
+        "32",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--val_fraction",
+        "0",
+        "--num_workers",
+        "0",
+        "--tokenize_workers",
+        "1",
+        *more,
+    )
 
 
 @pytest.fixture(scope="module")
 def t5_final(where) -> Path:
-    assert sft(where, "t5", "--model_config", where["config"], "--template", "none") == 0  # ChatLM: raw source
+    # ChatLM: raw source
+    assert sft(where, "t5", "--model_config", where["config"], "--template", "none") == 0
     return where["root"] / "runs" / "t5" / "final"
 
 
@@ -64,7 +87,9 @@ def test_chatlm_shaped_t5_trains_from_scratch_and_generates(t5_final, where):
     assert (summary["mode"], summary["model_kind"], summary["model_size"], summary["steps"]) == (
         "sft", "seq2seq", "custom", 2)
     assert summary["model_path"] is None and summary["final_loss"] < 10
-    decisions = {d["setting"]: d for d in json.loads((t5_final.parent / "config.json").read_text())["decisions"]}
+    decisions = {
+        d["setting"]: d for d in json.loads((t5_final.parent / "config.json").read_text())["decisions"]
+    }
     assert decisions["model"]["value"] == "new t5" and "tokenizer_specials" in decisions
     # TEMPLATE=none: the encoder saw the raw prompt + eos, as ChatLM's own demo feeds it (tokenizer([txt]))
     inputs = tok("What is 3 plus 3?" + tok.eos_token, return_tensors="pt", add_special_tokens=False)
@@ -86,7 +111,9 @@ def test_causal_model_size_nano_trains_from_scratch(where):
     assert (summary["model_kind"], summary["model_size"], summary["steps"]) == ("causal", "nano", 2)
 
 
-def bare_folder(t5_final: Path, folder: Path, prefix: str = "", config_name: str = "model_config.json") -> dict:
+def bare_folder(
+    t5_final: Path, folder: Path, prefix: str = "", config_name: str = "model_config.json"
+) -> dict:
     """ChatLM's way: torch.save(model.state_dict()) beside the T5Config dict and the tokenizer."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -106,12 +133,17 @@ def test_chatlm_state_dict_imports_by_command_and_as_model_path(t5_final, where,
     assert run_cli("import", str(tmp_path / "chatlm"), str(tmp_path / "hf")) == 0
     imported = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["T5ForConditionalGeneration"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [
+        "T5ForConditionalGeneration"
+    ]
     assert all(torch.equal(v, weights[k]) for k, v in imported.state_dict().items())
     # ChatLM's hub folder: transformers' file names, but config.json's auto_map names its own
     # class over a plain T5: imported as T5 without running anything.
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config.update(auto_map={"AutoModelForSeq2SeqLM": "modeling_chat_model.TextToTextModel"}, architectures=["TextToTextModel"])
+    config.update(
+        auto_map={"AutoModelForSeq2SeqLM": "modeling_chat_model.TextToTextModel"},
+        architectures=["TextToTextModel"],
+    )
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert run_cli("import", str(tmp_path / "hf"), str(tmp_path / "plain")) == 0
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())
@@ -119,7 +151,8 @@ def test_chatlm_state_dict_imports_by_command_and_as_model_path(t5_final, where,
     # As MODEL_PATH, with the config named config.json and DDP's "module." on every key: the
     # folder that once got a hint about remote code.
     bare_folder(t5_final, tmp_path / "ddp", prefix="module.", config_name="config.json")
-    assert sft(where, "ft", "--model_path", str(tmp_path / "ddp"), "--lora_r", "2") == 0  # LoRA on imported weights
+    # LoRA on imported weights
+    assert sft(where, "ft", "--model_path", str(tmp_path / "ddp"), "--lora_r", "2") == 0
     summary = json.loads((where["root"] / "runs" / "ft" / "summary.json").read_text())
     assert (summary["steps"], summary["model_kind"]) == (2, "seq2seq")
     assert 0 < summary["n_trainable_params"] < summary["n_params"] / 4
@@ -146,14 +179,20 @@ def _keys(folder: Path) -> list[str]:
 
 
 BAD = {
-    "both": (lambda f: ["sft", "--model_path", str(f), "--model_config", str(f / "config.json")],
-             ["MODEL_PATH and MODEL_CONFIG are both set", "set one of them"]),
+    "both": (
+        lambda f: ["sft", "--model_path", str(f), "--model_config", str(f / "config.json")],
+        ["MODEL_PATH and MODEL_CONFIG are both set", "set one of them"],
+    ),
     "no_weights": (lambda f: ["sft", "--model_path", str(f)], ["MODEL_PATH=", "no weights file"]),
-    "no_config": (lambda f: (torch.save({"a": torch.zeros(1)}, f / "w.bin"), ["import", str(f), str(f.parent / "d")])[1],
-                  ["SRC=", "no config.json or model_config.json"]),
+    "no_config": (
+        lambda f: (torch.save({"a": torch.zeros(1)}, f / "w.bin"), ["import", str(f), str(f.parent / "d")])[
+            1
+        ],
+        ["SRC=", "no config.json or model_config.json"],
+    ),
     "pickle": (_pickle, ["SRC: ", "weights_only=True"]),
     "keys": (_keys, ["missing encoder.final_layer_norm.weight", "unexpected extra.bias"]),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -174,11 +213,39 @@ def test_bad_input_is_one_line_exit_2(case, where, tmp_path, capsys):
 def test_plain_text_from_scratch_reads_text_field(where, tmp_path):
     """TEXT_FIELD reaches the tokenizer's sample and the records of a new model's run (review finding)."""
     data = tmp_path / "body.jsonl"
-    data.write_text("".join(json.dumps({"body": f"The number {i} plus one is {i + 1}."}) + "\n" for i in range(24)))
-    assert run_cli("sft", "--data_path", str(data), "--text_field", "body", "--model_size", "nano",
-                   "--output_dir", str(where["root"] / "runs"), "--run_name", "body", "--cache_dir",
-                   str(where["root"] / "cache"), "--vocab_size", "300", "--max_length", "32", "--batch_size", "4",
-                   "--max_steps", "1", "--val_fraction", "0", "--tokenize_workers", "1") == 0  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"body": f"The number {i} plus one is {i + 1}."}) + "\n" for i in range(24))
+    )
+    assert (
+        run_cli(
+            "sft",
+            "--data_path",
+            str(data),
+            "--text_field",
+            "body",
+            "--model_size",
+            "nano",
+            "--output_dir",
+            str(where["root"] / "runs"),
+            "--run_name",
+            "body",
+            "--cache_dir",
+            str(where["root"] / "cache"),
+            "--vocab_size",
+            "300",
+            "--max_length",
+            "32",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "1",
+            "--val_fraction",
+            "0",
+            "--tokenize_workers",
+            "1",
+        )
+        == 0
+    )
     summary = json.loads((where["root"] / "runs" / "body" / "summary.json").read_text())
     assert (summary["data_format"], summary["n_conversations"]) == ("text:body", 24)
     from transformers import (

@@ -33,13 +33,18 @@ TOOL_RECORD = {
     "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Let me look.",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "content": '{"temp_c": 21}'},
         {"role": "assistant", "content": "It is 21 degrees."},
     ],
     "tools": [SCHEMA],
-}  # fmt: skip
+}
 MULTI = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Say hello."},
@@ -88,12 +93,15 @@ def test_none_is_source_eos_then_target_eos(raw_tok):
     assert example["input_ids"] == source + target
     assert example["labels"] == [IGNORE_INDEX] * len(source) + target
     (multi,), _ = encode_conversations([MULTI], raw_tok, 512, none)
-    assert multi["input_ids"] == ids_of(raw_tok, "You are terse.\nSay hello.<|endoftext|>Hello world.<|endoftext|>"
+    assert multi["input_ids"] == ids_of(raw_tok, "You are terse.\nSay hello.<|endoftext|>Hello "
+                                                 "world.<|endoftext|>"
                                                  "And the fox?<|endoftext|>The quick brown fox.<|endoftext|>")
-    assert trained_runs(multi) == [ids_of(raw_tok, "Hello world.") + [eos], ids_of(raw_tok, "The quick brown fox.") + [eos]]
+    assert trained_runs(multi) == [ids_of(raw_tok, "Hello world.") + [eos], ids_of(raw_tok, "The quick brown "
+                                                                                            "fox.") + [eos]]
     pairs, _ = encode_pairs([MULTI], raw_tok, 512, none)
     assert [p["input_ids"] for p in pairs] == [ids_of(raw_tok, "You are terse.\nSay hello.") + [eos],
-                                               ids_of(raw_tok, "You are terse.\nSay hello.\nHello world.\nAnd the fox?") + [eos]]
+                                               ids_of(raw_tok, "You are terse.\nSay hello.\nHello "
+                                                               "world.\nAnd the fox?") + [eos]]
     assert pairs[1]["labels"] == ids_of(raw_tok, "The quick brown fox.") + [eos]
     t5_like = make_tokenizer()  # tokenizer(text) ends in eos, as T5's does
     t5_like.backend_tokenizer.post_processor = TemplateProcessing(single=f"$A {t5_like.eos_token}",
@@ -122,12 +130,18 @@ def test_reasoning_and_loss_weight_spans(tok):
     assert trained_runs(example) == [ids_of(tok, "<think>\nFoxes are quick.\n</think>\nThe fox.<|end|>")]
     assert ids_of(tok, "Hello.<|end|>")[0] in example["input_ids"]
     (dropped,), _ = encode_conversations([THINKING], tok, 512, Rendering(reasoning="drop"))
-    assert trained_runs(dropped) == [ids_of(tok, "The fox.<|end|>")] and "think" not in tok.decode(dropped["input_ids"])
+    assert trained_runs(dropped) == [ids_of(tok, "The fox.<|end|>")] and "think" not in tok.decode(
+        dropped["input_ids"]
+    )
     pairs, _ = encode_pairs([THINKING], tok, 512)
-    assert [p["labels"] for p in pairs] == [ids_of(tok, "<think>\nFoxes are quick.\n</think>\nThe fox.") + [tok.eos_token_id]]
+    assert [p["labels"] for p in pairs] == [
+        ids_of(tok, "<think>\nFoxes are quick.\n</think>\nThe fox.") + [tok.eos_token_id]
+    ]
     own = make_tokenizer()  # a tokenizer's own template that reads reasoning_content (as Qwen3's does)
-    own.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{% if m['reasoning_content'] %}({{ m['reasoning_content'] }})"
-                         "{% endif %}{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    own.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{% if m['reasoning_content'] %}({{ "
+                         "m['reasoning_content'] }})"
+                         "{% endif %}{{ m['content'] }}.{% endfor %}{% if add_generation_prompt "
+                         "%}[assistant]{% endif %}")
     ensure_special_tokens(own)
     (mine,), _ = encode_conversations([THINKING], own, 512)
     assert trained_runs(mine) == [ids_of(own, "(Foxes are quick.)The fox..")]
@@ -140,10 +154,20 @@ def test_reasoning_and_loss_weight_spans(tok):
 def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
     """A record with tools whose prompt fills MAX_LENGTH: the tools list and system turn stay, the
     history is cut at its end (keep_end) or start (keep_start), then the reply's start; causal and
-    encoder-decoder. A tools list that alone fills MAX_LENGTH: the record cannot fit (counted, not trained)."""
+    encoder-decoder. A tools list that alone fills MAX_LENGTH: the record cannot fit (counted, not trained).
+    """
     long_user, long_reply = " ".join(f"word{i}" for i in range(60)), " ".join(["Fine thanks."] * 40)
-    conv = to_conversation({**TOOL_RECORD, "messages": [TOOL_RECORD["messages"][0],
-                                                        {"role": "user", "content": long_user}, {"role": "assistant", "content": long_reply}]}, "messages")  # fmt: skip
+    conv = to_conversation(
+        {
+            **TOOL_RECORD,
+            "messages": [
+                TOOL_RECORD["messages"][0],
+                {"role": "user", "content": long_user},
+                {"role": "assistant", "content": long_reply},
+            ],
+        },
+        "messages",
+    )
     tools, _ = split_tools(conv)
     pinned = ids_of(tok, f"<|tools|>\n{json.dumps(tools)}<|end|>\n<|system|>\nBe brief.<|end|>\n")
     history = ids_of(tok, f"<|user|>\n{long_user}<|end|>\n<|assistant|>\n")
@@ -152,7 +176,8 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
     assert whole["input_ids"] == pinned + history + reply + ids_of(tok, "\n")
     marker = ids_of(tok, "<|end|>\n<|assistant|>\n")  # "reply now": every cut keeps it before the reply
     assert history[-len(marker) :] == marker
-    for m in (2 * len(pinned) + 20, len(pinned) + 6):  # half the window is source; or the tools list needs more
+    # half the window is source; or the tools list needs more
+    for m in (2 * len(pinned) + 20, len(pinned) + 6):
         keep = max(m // 2, len(pinned) + len(marker))
         assert len(pinned) + len(history) > m and len(reply) > m - keep
         expect = {"keep_end": pinned + history[len(history) - (keep - len(pinned)) :],
@@ -167,12 +192,18 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
             (pair,), n = encode_pairs([conv], tok, m, Rendering(truncation=mode), tally)
             seq2seq = {"keep_end": pinned + history[len(history) - (m - len(pinned)) :],
                        "keep_start": (pinned + history)[: m - len(marker)] + marker}  # fmt: skip
-            assert n == 1 and pair["input_ids"] == seq2seq[mode] and pair["labels"] == reply[:-1][: m - 1] + [tok.eos_token_id]
+            assert (
+                n == 1
+                and pair["input_ids"] == seq2seq[mode]
+                and pair["labels"] == reply[:-1][: m - 1] + [tok.eos_token_id]
+            )
             assert tally.tools_kept == 2  # the pair too: its history cut, its tools list kept
     tally = Tally()
     assert encode_conversations([conv], tok, len(pinned), tally=tally)[0] == []
-    assert tally.unfit[0][1] == (f"cannot fit MAX_LENGTH={len(pinned)} tokens: its tools list and system turn "
-                                 f"take {len(pinned)} tokens, leaving no room for a reply (shorten it, or train a "
+    assert tally.unfit[0][1] == (f"cannot fit MAX_LENGTH={len(pinned)} tokens: its tools list and system "
+                                 f"turn "
+                                 f"take {len(pinned)} tokens, leaving no room for a reply (shorten it, or "
+                                 f"train a "
                                  "model with a longer context)")  # fmt: skip
 
 
@@ -182,7 +213,11 @@ def test_plain_text_records_train_whole(tok, tmp_path):
     conversations, fmt, _ = load_conversations(data)
     assert fmt == "text" and conversations[0] == [{"role": "text", "content": "The quick brown fox 0."}]
     (example, *_), _ = encode_conversations(conversations, tok, 512)
-    assert example["input_ids"] == example["labels"] == ids_of(tok, "The quick brown fox 0.") + [tok.eos_token_id]
+    assert (
+        example["input_ids"]
+        == example["labels"]
+        == ids_of(tok, "The quick brown fox 0.") + [tok.eos_token_id]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -193,17 +228,48 @@ def runs(base_model, tmp_path_factory):
     data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     out = {}
     for name, flags in {"none": ["--template", "none"], "all": ["--loss_on", "all"]}.items():
-        argv = ["sft", "--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(root / "runs"),
-                "--cache_dir", str(root / "cache"), "--max_length", "64", "--batch_size", "4", "--log_every", "1",
-                "--num_workers", "0", "--tokenize_workers", "1", "--max_steps", "3", "--seed", "7",
-                "--learning_rate", "3e-3", "--val_fraction", "0", "--run_name", name, *flags]  # fmt: skip
+        argv = [
+            "sft",
+            "--model_path",
+            str(base_model),
+            "--data_path",
+            str(data),
+            "--output_dir",
+            str(root / "runs"),
+            "--cache_dir",
+            str(root / "cache"),
+            "--max_length",
+            "64",
+            "--batch_size",
+            "4",
+            "--log_every",
+            "1",
+            "--num_workers",
+            "0",
+            "--tokenize_workers",
+            "1",
+            "--max_steps",
+            "3",
+            "--seed",
+            "7",
+            "--learning_rate",
+            "3e-3",
+            "--val_fraction",
+            "0",
+            "--run_name",
+            name,
+            *flags,
+        ]
         assert run_cli(*argv) == 0
         out[name] = root / "runs" / name
     return out
 
 
 def test_golden_losses_for_none_and_all(runs):
-    got = {name: [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] for name, run in runs.items()}
+    got = {
+        name: [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+        for name, run in runs.items()
+    }
     if os.environ.get("UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())
@@ -212,7 +278,10 @@ def test_golden_losses_for_none_and_all(runs):
         np.testing.assert_allclose(got[key], golden[key], rtol=2e-4, err_msg=key)
     assert got["none"] != got["all"]
     config = json.loads((runs["all"] / "config.json").read_text())
-    assert "template = builtin" in (runs["all"] / "train.log").read_text() and config["config"]["data"]["loss_on"] == "all"
+    assert (
+        "template = builtin" in (runs["all"] / "train.log").read_text()
+        and config["config"]["data"]["loss_on"] == "all"
+    )
 
 
 def test_final_template_mask_equals_the_trained_tokens(runs):
@@ -222,8 +291,12 @@ def test_final_template_mask_equals_the_trained_tokens(runs):
 
     saved = AutoTokenizer.from_pretrained(runs["all"] / "final", local_files_only=True)
     raw = AutoTokenizer.from_pretrained(runs["none"] / "final", local_files_only=True)
-    records = [to_conversation({"instruction": "Name a fruit.", "input": "Red.", "output": "An apple."}, "alpaca"),
-               MULTI, to_conversation(TOOL_RECORD, "messages"), THINKING]  # fmt: skip
+    records = [
+        to_conversation({"instruction": "Name a fruit.", "input": "Red.", "output": "An apple."}, "alpaca"),
+        MULTI,
+        to_conversation(TOOL_RECORD, "messages"),
+        THINKING,
+    ]
     for tokenizer, rendering in ((saved, Rendering()), (raw, Rendering(template="none"))):
         for conversation in records:
             tools, turns = split_tools(conversation)
@@ -242,7 +315,10 @@ def test_a_bad_template_is_one_line(base_model, tmp_path, capsys):
             "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1", "--template"]  # fmt: skip
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m['content'] }")
-    for template, words in ((str(tmp_path / "missing.jinja"), "no such file"), (str(broken), "does not render")):
+    for template, words in (
+        (str(tmp_path / "missing.jinja"), "no such file"),
+        (str(broken), "does not render"),
+    ):
         assert run_cli(*argv, template) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "TEMPLATE" in err and words in err, err
@@ -265,9 +341,16 @@ def test_a_template_file_renders_and_is_said_to_lack_markers(tmp_path):
     assert trained_runs(example) == [ids_of(tokenizer, "Hello world.</s>")]
     said, decided = [], {}
     d = SimpleNamespace(template=str(path), loss_on=None, truncation=None, reasoning=None)
-    template_decision(d, tokenizer, CAUSAL_LM, said.append, lambda name, value, why: decided.update({name: value}))
+    template_decision(
+        d, tokenizer, CAUSAL_LM, said.append, lambda name, value, why: decided.update({name: value})
+    )
     assert decided == {} and "no {% generation %} markers" in said[0]
     said.clear()
-    template_decision(SimpleNamespace(**{**vars(d), "template": None}), make_tokenizer(), CAUSAL_LM, said.append,
-                      lambda name, value, why: decided.update({name: value}))
+    template_decision(
+        SimpleNamespace(**{**vars(d), "template": None}),
+        make_tokenizer(),
+        CAUSAL_LM,
+        said.append,
+        lambda name, value, why: decided.update({name: value}),
+    )
     assert decided == {"template": "builtin"} and said == []

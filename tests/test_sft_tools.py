@@ -93,7 +93,8 @@ def test_glaive_trains_on_the_call_and_the_reply_only(tok):
     tools, turns = split_tools(conversation)
     assert tok.chat_template == BUILTIN_CHAT_TEMPLATE
     assert tok.apply_chat_template(turns, tools=tools, tokenize=False) == tok.decode(example["input_ids"])
-    assert prompt_for_generation(tok, conversation[:2]) == tools_block + "<|user|>\nWeather in Paris?<|end|>\n<|assistant|>\n"
+    assert prompt_for_generation(tok, conversation[:2]) == tools_block + ("<|user|>\nWeather in "
+                                                                          "Paris?<|end|>\n<|assistant|>\n")
 
 
 def test_openai_trains_on_text_calls_and_reply(tok):
@@ -118,9 +119,12 @@ def test_parallel_calls_are_one_trained_turn(tok):
     calls = [json.loads(c) for c in (CALL, second)]
     openai = {**OPENAI, "messages": [*OPENAI["messages"]]}
     openai["messages"][2] = {
-        "role": "assistant", "content": None,
-        "tool_calls": [{"type": "function", "function": {**c, "arguments": json.dumps(c["arguments"])}} for c in calls],
-    }  # fmt: skip
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"type": "function", "function": {**c, "arguments": json.dumps(c["arguments"])}} for c in calls
+        ],
+    }
     for record, fmt in ((glaive, "sharegpt"), (openai, "messages")):
         example = encode_one(tok, to_conversation(record, fmt))
         assert trained_runs(example) == [
@@ -166,12 +170,26 @@ def test_own_template_with_tools_masks_the_same_spans():
     [
         ({"tools": "[{not json"}, "'tools' is not JSON"),
         ({"tools": [{"description": "nameless"}]}, "tool 1 has no name"),
-        ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "get it"}]},
-         r"turn 2 \(function_call\) is not JSON"),
-        ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"arguments": {}}'}]},
-         r"turn 2 \(function_call\) is not a call"),
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "x"},
+                    {"from": "function_call", "value": "get it"},
+                ]
+            },
+            r"turn 2 \(function_call\) is not JSON",
+        ),
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "x"},
+                    {"from": "function_call", "value": '{"arguments": {}}'},
+                ]
+            },
+            r"turn 2 \(function_call\) is not a call",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_records_say_what_is_wrong(change, match):
     with pytest.raises(BadRecord, match=match):
         to_conversation({**GLAIVE, **change}, "sharegpt")
@@ -179,7 +197,9 @@ def test_bad_tool_records_say_what_is_wrong(change, match):
 
 def test_earlier_builtin_template_is_brought_up_to_date():
     tokenizer = make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]}
+    )
     tokenizer.chat_template = (  # what an SFT run's final/ carried before tool calls
         "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -199,7 +219,10 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
         record["tools"] = json.dumps([{"name": "f"}])
         records.append(record if i % 3 else {**record, "tools": [{"name": "f"}]})  # a string and a list
     # As in LLaMA-Factory's demo file: plain exchanges with "tools": "[]" among the calls.
-    records[1] = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "tools": "[]"}
+    records[1] = {
+        "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}],
+        "tools": "[]",
+    }
     data = tmp_path / "glaive_toolcall.jsonl"
     write_jsonl(data, records)
     conversations, fmt, skipped = load_conversations(data)
@@ -210,7 +233,11 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
     assert run_cli("sft", *sft_argv) == 0
     run = tmp_path / "runs" / "tools"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["n_conversations"] == 12 and summary["data_format"] == "sharegpt" and summary["final_loss"] > 0
+    assert (
+        summary["n_conversations"] == 12
+        and summary["data_format"] == "sharegpt"
+        and summary["final_loss"] > 0
+    )
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(run / "final", local_files_only=True)
@@ -219,7 +246,16 @@ def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_pat
         t for t, _ in render(saved, conversations[0])
     )
     capsys.readouterr()
-    argv = ["--model", str(run / "final"), "--prompt", "Weather?", "--temperature", "0", "--max_new_tokens", "4"]
+    argv = [
+        "--model",
+        str(run / "final"),
+        "--prompt",
+        "Weather?",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "4",
+    ]
     assert run_cli("generate", *argv) == 0
     assert capsys.readouterr().err == ""
     (tmp_path / "tools.json").write_text(json.dumps([{"name": "f"}]))  # the tiny model has a context of 64

@@ -34,7 +34,9 @@ def test_help_says_what_each_command_does_and_only_its_flags(capsys):
     assert "causal LM from scratch" not in top and "T5 (encoder-decoder)" in top and ".venv/bin/python" in top
     pretrain = help_of(capsys, "pretrain")
     assert "Train (pretrain)." not in pretrain and "Pretrain a model from scratch on text" in pretrain
-    assert "--packing" not in pretrain and "--model_path" not in pretrain and "{baseline,optimized}" in pretrain
+    assert (
+        "--packing" not in pretrain and "--model_path" not in pretrain and "{baseline,optimized}" in pretrain
+    )
     sft = help_of(capsys, "sft")
     assert "--packing" in sft and "--model_path" in sft and "{baseline,optimized,sft}" in sft
     doctor = help_of(capsys, "doctor")
@@ -52,12 +54,15 @@ def test_a_decision_confirmed_later_prints_once():
     decide("num_workers", 2, "NUM_WORKERS=4 but only 2 CPU cores")
     decide("num_workers", 2, "kept: RAM covers 2 workers")
     decide("num_workers", 1, "RAM covers 1 worker")  # a further change is its own line
-    assert said == ["  num_workers = 2  (NUM_WORKERS=4 but only 2 CPU cores)", "  num_workers = 1  (RAM covers 1 worker)"]
+    assert said == ["  num_workers = 2  (NUM_WORKERS=4 but only 2 CPU cores)", "  num_workers = 1  (RAM "
+                                                                               "covers 1 worker)"]
     assert decide.items[0]["reason"] == "NUM_WORKERS=4 but only 2 CPU cores; kept: RAM covers 2 workers"
 
 
 def test_short_runs_evaluate_what_they_trained_the_same_for_any_batch(tiny_flags, tmp_path):
-    assert run_cli("pretrain", *tiny_flags, "--batch_size", "4", "--max_steps", "2", "--run_name", "short") == 0
+    assert (
+        run_cli("pretrain", *tiny_flags, "--batch_size", "4", "--max_steps", "2", "--run_name", "short") == 0
+    )
     run = tmp_path / "runs" / "short"
     decisions = {d["setting"]: d for d in json.loads((run / "config.json").read_text())["decisions"]}
     assert decisions["eval_size"]["value"].startswith("8 of ")  # 2 steps x 4 sequences, not 20 batches of 4
@@ -70,7 +75,8 @@ def test_short_runs_evaluate_what_they_trained_the_same_for_any_batch(tiny_flags
         kept.append(list(sized_validation(cfg, held_out, steps, SINGLE, Decisions(lambda line: None))))
     assert kept[0] == kept[1] == kept[2] == list(range(32))  # the same 32 sequences, whatever the batch
     cfg = resolve(None, {"batch_size": 8})
-    assert sized_validation(cfg, held_out, 1000, SINGLE, Decisions(print)) is held_out  # a long run: all of it
+    # a long run: all of it
+    assert sized_validation(cfg, held_out, 1000, SINGLE, Decisions(print)) is held_out
 
 
 def test_ctrl_c_ends_with_the_command_that_resumes(tiny_flags, tmp_path, capsys):
@@ -87,12 +93,23 @@ def test_ctrl_c_ends_with_the_command_that_resumes(tiny_flags, tmp_path, capsys)
 
     presser = threading.Thread(target=press_ctrl_c, daemon=True)
     presser.start()
-    argv = [*tiny_flags, "--batch_size", "4", "--max_steps", "1000", "--run_name", "stopped", "--launcher", "run_single_gpu"]
+    argv = [
+        *tiny_flags,
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "1000",
+        "--run_name",
+        "stopped",
+        "--launcher",
+        "run_single_gpu",
+    ]
     assert run_cli("pretrain", *argv) == 130
     presser.join()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     # a command that runs as it is: where the run is, and the launcher default it did not use
-    assert last == (f"interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped OUTPUT_DIR="
+    assert last == (f"interrupted: to continue from the last checkpoint, run RESUME=1 RUN_NAME=stopped "
+                    f"OUTPUT_DIR="
                     f"{tmp_path / 'runs'} BATCH_SIZE=4 ./run_single_gpu.sh (its other settings are kept)")
     assert read_jsonl(run / "metrics.jsonl")
 
@@ -109,7 +126,8 @@ run = Path(flags.get("--output_dir", "runs")) / flags["--run_name"]
 run.mkdir(parents=True, exist_ok=True)
 (run / "flags.json").write_text(json.dumps(flags))
 (run / "summary.json").write_text(json.dumps({{
-    "run_name": run.name, "mode": args[2], "samples_per_sec": 2.0, "tokens_per_sec": 100.0, "step_time_ms": 5.0,
+    "run_name": run.name, "mode": args[2], "samples_per_sec": 2.0, "tokens_per_sec": 100.0,
+    "step_time_ms": 5.0,
     "padding_efficiency": 0.5, "final_loss": 4.0, "steps": 4, "tokens": 400, "steady_state_steps": 3,
     "exit_reason": "completed"}}))
 print("a fake run of", flags["--run_name"])
@@ -119,8 +137,15 @@ print("a fake run of", flags["--run_name"])
 def test_cpu_compare_budget_is_small_and_sft_bench_logs_under_runs(tmp_path):
     kit = tmp_path / "kit"
     (kit / "scripts").mkdir(parents=True)
-    for name in ("run_single_gpu.sh", "run_single_gpu_optimized.sh", "train_sft_custom.sh", "quick_start_sft_fast.sh",
-                 "scripts/common.sh", "scripts/compare.sh", "scripts/bench_sft.sh"):
+    for name in (
+        "run_single_gpu.sh",
+        "run_single_gpu_optimized.sh",
+        "train_sft_custom.sh",
+        "quick_start_sft_fast.sh",
+        "scripts/common.sh",
+        "scripts/compare.sh",
+        "scripts/bench_sft.sh",
+    ):
         shutil.copy2(ROOT / name, kit / name)
     for name in ("train", "config.py"):
         (kit / name).symlink_to(ROOT / name)
@@ -143,8 +168,11 @@ def test_cpu_compare_budget_is_small_and_sft_bench_logs_under_runs(tmp_path):
     assert "a fake run of sft-bench-" in logs[2].read_text() and f"logs: {kit / 'runs'}" in out
 
     env.pop("MAX_STEPS")
-    run("scripts/compare.sh", "sft")  # CPU: 256 single conversations (8 steady-enough steps of 32 on the fast side)
-    assert json.loads((kit / "runs" / "compare-sft-batch1" / "flags.json").read_text())["--max_samples"] == "256"
+    # CPU: 256 single conversations (8 steady-enough steps of 32 on the fast side)
+    run("scripts/compare.sh", "sft")
+    assert (
+        json.loads((kit / "runs" / "compare-sft-batch1" / "flags.json").read_text())["--max_samples"] == "256"
+    )
 
 
 def test_the_resume_line_keeps_the_custom_launchers_micro_batch():

@@ -32,7 +32,17 @@ def one_update(model, batches: list[dict]) -> tuple[torch.Tensor, float]:
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss, _, _ = step.train_step(model, optimizer, scaler, iter(batches), len(batches), 0.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
+    loss, _, _ = step.train_step(
+        model,
+        optimizer,
+        scaler,
+        iter(batches),
+        len(batches),
+        0.0,
+        torch.device("cpu"),
+        "fp32",
+        layout=CAUSAL_LM,
+    )
     return torch.cat([p.detach().flatten() for p in model.parameters()]), loss.item()
 
 

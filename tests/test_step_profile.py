@@ -66,7 +66,8 @@ def test_a_gpu_step_summarized_from_its_timeline():
     assert r["device_busy_ms"] == 6.0 and r["device_busy_frac"] == 0.6
     assert [c["name"] for c in r["kernel_categories"]] == ["matmul", "attention", "copy / set", "optimizer"]
     assert r["kernel_categories"][0]["share"] == 4 / 9
-    assert [op["name"] for op in r["top_ops"]] == ["aten::mm", "aten::_fused_adamw_"]  # zero device time left out
+    # zero device time left out
+    assert [op["name"] for op in r["top_ops"]] == ["aten::mm", "aten::_fused_adamw_"]
     assert r["ranked_by"] == "self device time"
 
 

@@ -136,13 +136,17 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     def broken_plot(run_dir):
         raise RuntimeError("no display")
 
-    monkeypatch.setattr(train.observe.curves, "_plot_curves", broken_plot)  # a chart failure must not fail the run
+    # a chart failure must not fail the run
+    monkeypatch.setattr(train.observe.curves, "_plot_curves", broken_plot)
     # One worker per batch of the run, all sleeping at once during the (excluded) first step: a
     # loader that waits on I/O, not CPU, is what extra workers fix. The kit caps NUM_WORKERS at the
     # core count; this stands in for a machine with the cores (on 2 cores, 2 workers only halve
     # the wait, and the share stays ~0.9 when a step computes in 10 ms).
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert run_cli("pretrain", *common, "--num_workers", "10", "--prefetch_factor", "1", "--run_name", "w10") == 0
+    assert (
+        run_cli("pretrain", *common, "--num_workers", "10", "--prefetch_factor", "1", "--run_name", "w10")
+        == 0
+    )
     w0 = json.loads((runs / "w0" / "summary.json").read_text())
     w10 = json.loads((runs / "w10" / "summary.json").read_text())
 
@@ -150,7 +154,9 @@ def test_slow_dataset_is_input_bound_and_workers_help(slow_data, tiny_flags, tmp
     assert w0["data_wait_frac"] > 0.75 and w0["input_bound"] is True, (w0["data_wait_s"], w0["compute_s"])
     log = (runs / "w0" / "train.log").read_text()
     assert "the run was input-bound" in log and "(input-bound)" in log
-    assert all(row["data_wait_frac"] > 0.5 for row in read_jsonl(runs / "w0" / "metrics.jsonl") if "loss" in row)
+    assert all(
+        row["data_wait_frac"] > 0.5 for row in read_jsonl(runs / "w0" / "metrics.jsonl") if "loss" in row
+    )
     assert w0["data_wait_s"] + w0["compute_s"] <= w0["wall_time_s"]
     assert (runs / "w0" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -21,7 +21,7 @@ from suite_control import descendants
 
 from conftest import ROOT, TESTS
 
-FORKED = '''
+FORKED = """
 import os
 import socket
 import subprocess
@@ -35,9 +35,9 @@ def test_a_run_forked_by_the_fork_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run = subprocess.Popen([train_python(), "-m", "train.distributed.torchrun", "--nnodes", "2", "--nproc_per_node",
-                            "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--module", "train",
-                            "pretrain"], cwd=ROOT)
+    rendezvous = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"]
+    run = subprocess.Popen([train_python(), "-m", "train.distributed.torchrun", "--nnodes", "2",
+                            "--nproc_per_node", "1", *rendezvous, "--module", "train", "pretrain"], cwd=ROOT)
     server = fork_server()["server"].pid
     deadline = time.monotonic() + 300  # a hang guard: the server's imports, on a loaded machine
     while not descendants(server) and time.monotonic() < deadline:
@@ -45,7 +45,7 @@ def test_a_run_forked_by_the_fork_server():
     with open(os.environ["PLANTED_READY"], "a") as f:
         f.write(f"forked {server} {' '.join(map(str, descendants(server)))}\\n")
     run.wait()
-'''
+"""
 STUBBORN = '''
 import os
 import subprocess
@@ -119,13 +119,16 @@ def test_ctrl_c_and_sigterm_stop_every_process_of_make_test(tmp_path, how):
                 break
             time.sleep(0.2)
         assert make.poll() is None, (tmp_path / "make.log").read_text()
-        planted = {line.split()[0]: [int(p) for p in line.split()[1:]] for line in ready.read_text().splitlines()}
+        planted = {
+            line.split()[0]: [int(p) for p in line.split()[1:]] for line in ready.read_text().splitlines()
+        }
         suite = descendants(make.pid)
         pids = {pid: start_time(pid) for pid in suite}
         server, *runs = planted["forked"]
         assert server in suite and runs and set(runs) <= set(suite), (planted, suite)
         assert set(planted["stubborn"]) <= set(suite)
-        assert len(suite) >= 8  # the controller, 2 workers, the server, its run, the caller, sleep, bash (+ sleep)
+        # the controller, 2 workers, the server, its run, the caller, sleep, bash (+ sleep)
+        assert len(suite) >= 8
 
         if how == "ctrl-c":
             os.killpg(make.pid, signal.SIGINT)  # as a terminal does: the foreground group, not other sessions

@@ -29,8 +29,19 @@ TOL = 1e-5
 
 def tiny_t5(layers: int = 2, checkpointing: bool = False, dropout: float = 0.0):
     cfg = build_config("nano", None, VOCAB, 1, "t5")
-    cfg.update(dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=layers, num_decoder_layers=layers,
-                    relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=dropout))
+    cfg.update(
+        dict(
+            d_model=32,
+            d_ff=64,
+            d_kv=8,
+            num_heads=4,
+            num_layers=layers,
+            num_decoder_layers=layers,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            dropout_rate=dropout,
+        )
+    )
     return build_model(cfg, gradient_checkpointing=checkpointing, seed=0)
 
 
@@ -151,7 +162,9 @@ def test_the_cross_attention_takes_the_padding_mask_alone(monkeypatch):
     real = t5_attention.F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
-        seen.append((q.shape[2], k.shape[2], None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[1])))
+        seen.append(
+            (q.shape[2], k.shape[2], None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[1]))
+        )
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(t5_attention.F, "scaled_dot_product_attention", spy)

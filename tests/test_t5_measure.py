@@ -64,8 +64,17 @@ def test_estimate_matches_a_tracked_t5_step(dropout, checkpointing, tolerance, s
     tracker.track_external(model)
     with tracker:
         for _ in range(2):  # the second step has AdamW's state
-            train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), iter([data]), 1, 1.0, cpu, "fp32",
-                       layout=ENCODER_DECODER)
+            train_step(
+                model,
+                optimizer,
+                torch.amp.GradScaler("cpu", enabled=False),
+                iter([data]),
+                1,
+                1.0,
+                cpu,
+                "fp32",
+                layout=ENCODER_DECODER,
+            )
             tracker.reset_mod_stats()
     measured = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     est = estimate_memory(
@@ -87,7 +96,9 @@ def test_t5_estimate_lengths_follow_the_mode():
     short = estimate_memory(hf, 60_000_000, batch_size=8, max_length=512, target_length=114, precision="bf16")
     assert short["loss_logits"] == 12 * 32128 * 8 * 114
     assert short["source_length"] == 512 and short["target_length"] == 114
-    longer = estimate_memory(hf, 60_000_000, batch_size=8, max_length=512, target_length=512, precision="bf16")
+    longer = estimate_memory(
+        hf, 60_000_000, batch_size=8, max_length=512, target_length=512, precision="bf16"
+    )
     assert longer["activations"] > short["activations"]
 
 
@@ -142,7 +153,10 @@ def _t5_worker(rank, world_size, port):
         whole = seq2seq_batch(8, 24, 8, seed=5, pad=4)
         # the same padding on both ranks: DDP averages the ranks' gradients, so each rank's
         # token mean equals the whole batch's only with equal target counts
-        whole["attention_mask"][4], whole["labels"][4] = whole["attention_mask"][0], whole["labels"][0].clone()
+        whole["attention_mask"][4], whole["labels"][4] = (
+            whole["attention_mask"][0],
+            whole["labels"][0].clone(),
+        )
         mine = [{k: v[rank * 4 + i * 2: rank * 4 + i * 2 + 2] for k, v in whole.items()} for i in range(2)]
         reference = build_model(tiny_t5_config(0.0), False, 0)
         _sgd(reference, [whole], 1, None)
@@ -155,7 +169,9 @@ def _t5_worker(rank, world_size, port):
                 assert len(blocks) == 4 and all(parallel.is_sharded(m) for m in blocks)
             _sgd(model, mine, 2, parallel.sync_context(model))
             got = flat(model.module if sharding == "none" else model)
-            torch.testing.assert_close(got, flat(reference), rtol=1e-4, atol=1e-5, msg=lambda m, s=sharding: f"{s}: {m}")
+            torch.testing.assert_close(
+                got, flat(reference), rtol=1e-4, atol=1e-5, msg=lambda m, s=sharding: f"{s}: {m}"
+            )
             inner = model.module if sharding == "none" else model
             assert inner.lm_head.weight is inner.shared.weight  # the tied head stays tied
         dist.barrier()
@@ -167,7 +183,18 @@ def _t5_worker(rank, world_size, port):
 def _sgd(model, batches, accum, sync):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, optimizer, scaler, iter(batches), accum, 0.0, torch.device("cpu"), "fp32", sync, layout=ENCODER_DECODER)
+    train_step(
+        model,
+        optimizer,
+        scaler,
+        iter(batches),
+        accum,
+        0.0,
+        torch.device("cpu"),
+        "fp32",
+        sync,
+        layout=ENCODER_DECODER,
+    )
 
 
 def test_two_ranks_ddp_and_fsdp2_train_t5_as_one_process():

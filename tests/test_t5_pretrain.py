@@ -29,11 +29,31 @@ from train.models.family import ENCODER_DECODER
 GOLDEN = ROOT / "tests" / "golden" / "t5_span_losses.json"
 STEPS = 40
 TINY_T5 = {
-    "model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 2,
-    "d_kv": 16, "n_positions": 512, "dropout_rate": 0.0, "feed_forward_proj": "relu", "tie_word_embeddings": True,
-}  # fmt: skip
+    "model_type": "t5",
+    "d_model": 32,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 2,
+    "d_kv": 16,
+    "n_positions": 512,
+    "dropout_rate": 0.0,
+    "feed_forward_proj": "relu",
+    "tie_word_embeddings": True,
+}
 # One process at 4 x accumulation 2 and two processes at 4 each take the same 8 samples a step.
-RUN = ["--max_steps", str(STEPS), "--save_every", "4", "--keep_checkpoints", "20", "--seed", "7", "--log_every", "1"]
+RUN = [
+    "--max_steps",
+    str(STEPS),
+    "--save_every",
+    "4",
+    "--keep_checkpoints",
+    "20",
+    "--seed",
+    "7",
+    "--log_every",
+    "1",
+]
 ONE = ["--batch_size", "4", "--gradient_accumulation_steps", "2"]
 
 
@@ -66,16 +86,44 @@ def runs(base):
     # The shared token cache and tokenizer first, so the children find them built.
     assert run_cli("pretrain", *flags, "--max_steps", "1", "--batch_size", "4", "--run_name", "warm") == 0
     argv = [train_python(), "-m", "train", "pretrain", *flags, *RUN, *ONE, "--run_name", "killed"]
-    killed = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)  # fmt: skip
+    killed = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     config, data, cache = flags[1], flags[3], flags[7]
-    ddp_env = launcher_env(dict(  # torchrun and its ranks forks of the tests' server (KIT_PYTHON)
-        OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MODEL_CONFIG=config, DATA_PATH=data, VOCAB_SIZE="512", CACHE_DIR=cache,
-        OUTPUT_DIR=str(runs), MAX_LENGTH="32", BATCH_SIZE="4", GRADIENT_ACCUM="1", NUM_WORKERS="0",
-        MAX_STEPS=str(STEPS), SEED="7", LOG_EVERY="1", RUN_NAME="ddp",
-    ))  # fmt: skip
-    ddp = subprocess.Popen(["bash", str(ROOT / "run_single_gpu_optimized.sh")], env=ddp_env, cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    ddp_env = launcher_env(
+        dict(  # torchrun and its ranks forks of the tests' server (KIT_PYTHON)
+            OMP_NUM_THREADS="1",
+            NPROC_PER_NODE="2",
+            MODEL_CONFIG=config,
+            DATA_PATH=data,
+            VOCAB_SIZE="512",
+            CACHE_DIR=cache,
+            OUTPUT_DIR=str(runs),
+            MAX_LENGTH="32",
+            BATCH_SIZE="4",
+            GRADIENT_ACCUM="1",
+            NUM_WORKERS="0",
+            MAX_STEPS=str(STEPS),
+            SEED="7",
+            LOG_EVERY="1",
+            RUN_NAME="ddp",
+        )
+    )
+    ddp = subprocess.Popen(
+        ["bash", str(ROOT / "run_single_gpu_optimized.sh")],
+        env=ddp_env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     at, metrics = random.randint(6, STEPS - 20), runs / "killed" / "metrics.jsonl"
 
     def kill_at_step() -> None:  # beside the reference run: on a loaded machine the child can finish first
@@ -159,19 +207,32 @@ def test_accumulation_on_uneven_targets_equals_one_big_batch():
     from train.core.step import train_step
 
     gen = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(2, 128, (int(s),), generator=gen), "labels": torch.randint(2, 128, (int(t),), generator=gen)}
-            for s, t in zip(torch.randint(3, 12, (8,), generator=gen), torch.randint(1, 9, (8,), generator=gen), strict=True)]  # fmt: skip
+    rows = [
+        {
+            "input_ids": torch.randint(2, 128, (int(s),), generator=gen),
+            "labels": torch.randint(2, 128, (int(t),), generator=gen),
+        }
+        for s, t in zip(
+            torch.randint(3, 12, (8,), generator=gen), torch.randint(1, 9, (8,), generator=gen), strict=True
+        )
+    ]
     collate = Seq2SeqCollator(0)
     assert len({len(r["labels"]) for r in rows}) > 3
     big = collate(rows)
-    assert big["labels"].eq(-100).any() and big["attention_mask"].eq(0).any() and big["n_real_tokens"] < big["n_padded_tokens"]
+    assert (
+        big["labels"].eq(-100).any()
+        and big["attention_mask"].eq(0).any()
+        and big["n_real_tokens"] < big["n_padded_tokens"]
+    )
     weights = []
     for micro, accum in ((8, 1), (2, 4)):
         model = tiny_t5()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter(collate(rows[i : i + micro]) for i in range(0, 8, micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=ENCODER_DECODER)
+        train_step(
+            model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=ENCODER_DECODER
+        )
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in tiny_t5().parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
@@ -188,7 +249,11 @@ def test_seeded_run_matches_golden_losses_and_final_generates(runs, capsys):
         np.testing.assert_allclose(got[key], golden[key], rtol=2e-4, err_msg=key)
     assert got["losses"][-1] < got["losses"][0]
     summary = json.loads((ref / "summary.json").read_text())
-    assert summary["max_length"] == 32 and summary["samples"] == STEPS * 8 and summary["tokens"] == STEPS * 8 * (32 + 8)  # source + target tokens
+    assert (
+        summary["max_length"] == 32
+        and summary["samples"] == STEPS * 8
+        and summary["tokens"] == STEPS * 8 * (32 + 8)
+    )  # source + target tokens
     decided = {d["setting"]: d for d in json.loads((ref / "config.json").read_text())["decisions"]}
     assert "raw windows of 34 tokens -> source 32, target 8" in decided["objective"]["reason"]
 
@@ -206,8 +271,20 @@ def test_seeded_run_matches_golden_losses_and_final_generates(runs, capsys):
     out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape == (1, 7) and out[0, 0] == model.config.decoder_start_token_id
     capsys.readouterr()
-    assert run_cli("generate", "--model", str(final), "--prompt", "the quick <extra_id_0> dog", "--temperature", "0",
-                   "--max_new_tokens", "5") == 0  # fmt: skip
+    assert (
+        run_cli(
+            "generate",
+            "--model",
+            str(final),
+            "--prompt",
+            "the quick <extra_id_0> dog",
+            "--temperature",
+            "0",
+            "--max_new_tokens",
+            "5",
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "encoder's source" in captured.err and captured.out.strip()
 
@@ -236,9 +313,17 @@ def test_two_process_ddp_run_equals_one_process(runs):
 
 def test_bert_config_is_refused_in_one_line(tmp_path, tiny_flags, capsys):
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps(
-        {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
-    ))  # fmt: skip
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 128,
+            }
+        )
+    )
     flags = [*tiny_flags]
     flags[flags.index("--model_config") + 1] = str(tmp_path / "bert")
     capsys.readouterr()

@@ -23,7 +23,9 @@ from train.data.chat.encode import encode_pairs, ensure_special_tokens, prompt_f
 from train.models import KINDS
 
 GOLDEN = Path(__file__).parent / "golden" / "t5_sft_losses.json"
-TINY_T5 = dict(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, dropout_rate=0.0)
+TINY_T5 = dict(
+    num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, dropout_rate=0.0
+)
 PAIRS = [{"prompt": f"Say {i} twice.", "response": f"{i} {i}." * (1 + i % 4)} for i in range(24)]
 MULTI = [
     {"role": "system", "content": "Be brief."},
@@ -70,9 +72,28 @@ def write_jsonl(path: Path, records) -> str:
 
 
 def sft_argv(t5_folder, tmp_path, data: str, *more: str) -> list[str]:
-    return ["sft", "--model_path", str(t5_folder), "--data_path", data, "--output_dir", str(tmp_path / "runs"),
-            "--cache_dir", str(tmp_path / "cache"), "--max_length", "64", "--batch_size", "4", "--log_every", "1",
-            "--num_workers", "0", "--tokenize_workers", "1", *more]  # fmt: skip
+    return [
+        "sft",
+        "--model_path",
+        str(t5_folder),
+        "--data_path",
+        data,
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--tokenize_workers",
+        "1",
+        *more,
+    ]
 
 
 def test_pairs_hold_the_exact_source_and_target_tokens(tok):
@@ -84,7 +105,8 @@ def test_pairs_hold_the_exact_source_and_target_tokens(tok):
     (pair,), cut = encode_pairs([one], tok, 64)
     assert cut == 0
     assert pair["input_ids"] == ids(tok, "<|user|>\nSay 1.<|end|>\n<|assistant|>\n")
-    assert pair["input_ids"] == ids(tok, prompt_for_generation(tok, one[:1]))  # what inference feeds the encoder
+    # what inference feeds the encoder
+    assert pair["input_ids"] == ids(tok, prompt_for_generation(tok, one[:1]))
     assert pair["labels"] == ids(tok, "1 it is.") + [eos]
     first, second = encode_pairs([MULTI], tok, 64)[0]
     system = "<|system|>\nBe brief.<|end|>\n<|user|>\nCount to 2.<|end|>\n<|assistant|>\n"
@@ -95,7 +117,9 @@ def test_pairs_hold_the_exact_source_and_target_tokens(tok):
     batch = Seq2SeqCollator(tok.pad_token_id)([first, second])
     assert set(batch) == {"input_ids", "attention_mask", "labels", "n_real_tokens", "n_padded_tokens"}
     assert batch["attention_mask"].sum(1).tolist() == [len(first["input_ids"]), len(second["input_ids"])]
-    assert batch["labels"][0].tolist() == first["labels"] + [IGNORE_INDEX] * (len(second["labels"]) - len(first["labels"]))
+    assert batch["labels"][0].tolist() == first["labels"] + [IGNORE_INDEX] * (
+        len(second["labels"]) - len(first["labels"])
+    )
     assert batch["n_padded_tokens"] == 2 * (len(second["input_ids"]) + len(second["labels"]))
 
 
@@ -105,7 +129,8 @@ def test_truncation_keeps_the_end_of_a_source_and_the_start_of_a_target(tok):
     whole, _ = encode_pairs([long], tok, 10_000)
     assert cut == 1 and len(pair["input_ids"]) == len(pair["labels"]) == 16
     assert pair["input_ids"] == whole[0]["input_ids"][-16:]  # ends with the assistant marker
-    assert pair["labels"] == whole[0]["labels"][:15] + [tok.eos_token_id]  # the start, and the eos: the reply ends
+    # the start, and the eos: the reply ends
+    assert pair["labels"] == whole[0]["labels"][:15] + [tok.eos_token_id]
 
 
 def test_cache_is_keyed_by_model_kind_max_length_and_template(tmp_path, tok):
@@ -113,21 +138,37 @@ def test_cache_is_keyed_by_model_kind_max_length_and_template(tmp_path, tok):
     lines: list[str] = []
 
     def cached(kind, max_length=64):
-        return sft_cache(data, None, tok, max_length, False, tmp_path / "c", 1, lines.append, KINDS[kind].layout)
+        return sft_cache(
+            data, None, tok, max_length, False, tmp_path / "c", 1, lines.append, KINDS[kind].layout
+        )
 
     pairs, done = cached("seq2seq")
     assert done.startswith("SFT cache: built") and pairs.meta.kind == "seq2seq"
-    expected, _ = encode_pairs([[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
-                                for r in PAIRS], tok, 64)  # fmt: skip
+    expected, _ = encode_pairs(
+        [
+            [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
+            for r in PAIRS
+        ],
+        tok,
+        64,
+    )
     assert [pairs[i] for i in range(len(pairs))] == expected
     assert list(pairs.source_lengths) == [len(e["input_ids"]) for e in expected]
     assert list(pairs.lengths) == [len(e["input_ids"]) + len(e["labels"]) for e in expected]
     assert pairs[3:5][1] == expected[4]  # a slice (the validation split) maps the same files
     assert cached("seq2seq")[1].startswith("SFT cache: reused")
     causal, done = cached("causal")  # a GPT-2 cache is never read for T5, and back
-    assert done.startswith("SFT cache: built") and causal.folder != pairs.folder and causal.source_lengths is None
+    assert (
+        done.startswith("SFT cache: built")
+        and causal.folder != pairs.folder
+        and causal.source_lengths is None
+    )
     shorter, done = cached("seq2seq", max_length=8)
-    assert done.startswith("SFT cache: built") and shorter.meta.n_truncated > 0 and max(shorter.source_lengths) == 8
+    assert (
+        done.startswith("SFT cache: built")
+        and shorter.meta.n_truncated > 0
+        and max(shorter.source_lengths) == 8
+    )
     tok.chat_template = tok.chat_template.replace("<|end|>\n", "<|end|>\n\n")
     assert cached("seq2seq")[1].startswith("SFT cache: built")
 
@@ -151,8 +192,15 @@ def test_length_grouping_and_token_budget_on_source_and_target():
 
 def test_t5_sft_matches_golden_losses(t5_folder, tmp_path):
     """A seeded run with accumulation over uneven pairs, token budgets and a validation split."""
-    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
-             for r in PAIRS]  # fmt: skip
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["response"]},
+            ]
+        }
+        for r in PAIRS
+    ]
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI}] * 4 + chats)
     argv = sft_argv(t5_folder, tmp_path, data, "--token_budget", "160", "--gradient_accumulation_steps", "2",
                     "--max_steps", "6", "--seed", "1234", "--val_fraction", "0.2", "--eval_every", "3",
@@ -160,7 +208,10 @@ def test_t5_sft_matches_golden_losses(t5_folder, tmp_path):
     assert run_cli(*argv) == 0
     run = tmp_path / "runs" / "g"
     rows = read_jsonl(run / "metrics.jsonl")
-    got = {"losses": [r["loss"] for r in rows if "loss" in r], "val_losses": [r["val_loss"] for r in rows if "val_loss" in r]}
+    got = {
+        "losses": [r["loss"] for r in rows if "loss" in r],
+        "val_losses": [r["val_loss"] for r in rows if "val_loss" in r],
+    }
     if os.environ.get("UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())
@@ -189,7 +240,9 @@ def test_packing_and_a_bert_folder_are_refused_in_one_line(t5_folder, tmp_path, 
     from transformers import BertConfig
 
     bert = tmp_path / "bert"
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(bert)
+    BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(bert)
     err = refused(capsys, *sft_argv(bert, tmp_path, data, "--max_steps", "1"))
     assert "MODEL_PATH" in err and "'bert'" in err and "causal LM" in err and "t5" in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
@@ -198,13 +251,26 @@ def test_packing_and_a_bert_folder_are_refused_in_one_line(t5_folder, tmp_path, 
 def test_launcher_run_ends_with_a_final_that_seq2seq_loads_and_generates(t5_folder, tmp_path):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    env = {"MODEL_PATH": str(t5_folder), "OUTPUT_DIR": str(tmp_path / "runs"), "CACHE_DIR": str(tmp_path / "cache"),
-           "RUN_NAME": "l", "MAX_STEPS": "2", "MAX_LENGTH": "48", "NUM_WORKERS": "0", "TOKENIZE_WORKERS": "1"}  # fmt: skip
+    env = {
+        "MODEL_PATH": str(t5_folder),
+        "OUTPUT_DIR": str(tmp_path / "runs"),
+        "CACHE_DIR": str(tmp_path / "cache"),
+        "RUN_NAME": "l",
+        "MAX_STEPS": "2",
+        "MAX_LENGTH": "48",
+        "NUM_WORKERS": "0",
+        "TOKENIZE_WORKERS": "1",
+    }
     result = launch("train_sft_custom.sh", env, "20")
     assert result.returncode == 0, result.stderr[-2000:]
     run = tmp_path / "runs" / "l"
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["mode"], summary["steps"], summary["batch_size"], summary["model_kind"]) == ("sft", 2, 20, "seq2seq")
+    assert (summary["mode"], summary["steps"], summary["batch_size"], summary["model_kind"]) == (
+        "sft",
+        2,
+        20,
+        "seq2seq",
+    )
     assert "format built-in" in (run / "train.log").read_text()
     model = AutoModelForSeq2SeqLM.from_pretrained(run / "final", local_files_only=True)
     tok = AutoTokenizer.from_pretrained(run / "final", local_files_only=True)
@@ -228,7 +294,9 @@ def test_a_decoder_without_a_start_token_starts_from_pad(t5_folder):
         model.config.decoder_start_token_id = None
         if not config_pad:
             model.config.pad_token_id = None
-        fit_tokenizer(model, tok, [tok.eos_token_id], lambda name, value, why, d=decided: d.update({name: value}))
+        fit_tokenizer(
+            model, tok, [tok.eos_token_id], lambda name, value, why, d=decided: d.update({name: value})
+        )
         assert model.config.decoder_start_token_id == decided["decoder_start_token_id"] == tok.pad_token_id
         loss = model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[8, 9]])).loss
         assert torch.isfinite(loss)

@@ -36,8 +36,17 @@ def test_rows_and_summary_read_back(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     acc = _read(tmp_path / "run" / "tensorboard")
     scalars = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/samples", "val/loss", "val/ppl", "summary/samples_per_sec"} <= scalars
-    assert "train/step" not in scalars and "summary/mfu" not in scalars and "summary/input_bound" not in scalars
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/samples",
+        "val/loss",
+        "val/ppl",
+        "summary/samples_per_sec",
+    } <= scalars
+    assert (
+        "train/step" not in scalars and "summary/mfu" not in scalars and "summary/input_bound" not in scalars
+    )
 
     def points(tag):
         return [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars(tag)]
@@ -59,9 +68,12 @@ def test_none_writes_nothing_and_bad_values_name_the_variable(tmp_path, monkeypa
     log.summary({})
     log.close()
     assert not (tmp_path / "run").exists()
-    with pytest.raises(UsageError, match=r"REPORT_TO \(--report_to\): expected none \| tensorboard, got 'wandb'"):
+    with pytest.raises(UsageError, match=r"REPORT_TO \(--report_to\): expected none \| tensorboard, got "
+                                         r"'wandb'"):
         parse_training_args("pretrain", ["--report_to", "wandb"])
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
+    )
     with pytest.raises(UsageError, match="REPORT_TO=tensorboard: the tensorboard package is not installed"):
         parse_training_args("pretrain", ["--report_to", "tensorboard"])

@@ -58,16 +58,22 @@ def test_every_causal_path_equals_a_plain_forward(model, monkeypatch):
         expected = plain_accuracy(model(**tensors).logits, shift_targets(batch["labels"]))
         assert 0.2 < expected < 0.8
         # the chunked loss counts inside its chunks (several chunks per row, and one token each)
-        hidden, weight = lm_hidden_and_head(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        hidden, weight = lm_hidden_and_head(
+            model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        )
         targets = int((shift_targets(batch["labels"]) != IGNORE_INDEX).sum())
         for chunk in (1, 7, 1000):
-            _, count, hits = chunked_cross_entropy(hidden, weight, batch["labels"], chunk_tokens=chunk, correct=True)
+            _, count, hits = chunked_cross_entropy(
+                hidden, weight, batch["labels"], chunk_tokens=chunk, correct=True
+            )
             assert count.item() == targets and hits.item() / targets == pytest.approx(expected, abs=1e-9)
         assert step.chunkable(model)
         _, chunked = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, layout=CAUSAL_LM)
         monkeypatch.setattr(step, "chunkable", lambda m: False)  # transformers' loss (DDP, FSDP2, compile)
         _, plain = step.forward_loss(model, dict(batch), CPU, "fp32", accuracy=True, layout=CAUSAL_LM)
-    assert chunked.item() == pytest.approx(expected, abs=1e-6) and plain.item() == pytest.approx(expected, abs=1e-6)
+    assert chunked.item() == pytest.approx(expected, abs=1e-6) and plain.item() == pytest.approx(
+        expected, abs=1e-6
+    )
 
 
 def test_packed_rows_count_each_conversation_alone(model):
@@ -91,14 +97,26 @@ def test_t5_counts_its_decoder_labels():
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    config = T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2, dropout_rate=0.0,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    config = T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     t5 = T5ForConditionalGeneration(config).eval()
     source = torch.randint(2, 128, (3, 11))
     labels = torch.randint(2, 128, (3, 7))
     with torch.no_grad():
         predicted = t5(input_ids=source, labels=labels).logits.argmax(-1)
-    labels = torch.where(torch.rand(labels.shape, generator=torch.Generator().manual_seed(0)) < 0.5, predicted, labels)
+    labels = torch.where(
+        torch.rand(labels.shape, generator=torch.Generator().manual_seed(0)) < 0.5, predicted, labels
+    )
     labels[0, 5:] = IGNORE_INDEX  # padding of a shorter target
     batch = {"input_ids": source, "attention_mask": torch.ones_like(source), "labels": labels}
     with torch.no_grad():
@@ -109,8 +127,18 @@ def test_t5_counts_its_decoder_labels():
     optimizer = torch.optim.SGD(t5.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with HostSyncs("cpu") as syncs:
-        out = step.train_step(t5, optimizer, scaler, syncs.host_batches(iter([dict(batch)])), 1, 0.0, CPU, "fp32",
-                              accuracy=True, layout=ENCODER_DECODER)  # fmt: skip
+        out = step.train_step(
+            t5,
+            optimizer,
+            scaler,
+            syncs.host_batches(iter([dict(batch)])),
+            1,
+            0.0,
+            CPU,
+            "fp32",
+            accuracy=True,
+            layout=ENCODER_DECODER,
+        )
     assert syncs.count == 0, syncs.summary()
     assert len(out) == 4 and out[3].item() == pytest.approx(expected, abs=1e-6)
 
@@ -135,7 +163,10 @@ def test_accumulated_step_is_the_token_mean_and_takes_no_sync(model):
                               accuracy=True, layout=CAUSAL_LM)  # fmt: skip
     assert syncs.count == 0, syncs.summary()
     assert out[3].item() == pytest.approx(expected_hits / expected_total, abs=1e-6)
-    assert len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM)) == 3  # not asked: none
+    assert (
+        len(step.train_step(model, optimizer, scaler, iter(micro), 2, 1.0, CPU, "fp32", layout=CAUSAL_LM))
+        == 3
+    )  # not asked: none
 
 
 def test_sft_metrics_row_equals_a_plain_forward_on_its_batch(base_model, cache_dir, tmp_path):
@@ -147,16 +178,39 @@ def test_sft_metrics_row_equals_a_plain_forward_on_its_batch(base_model, cache_d
     folder = tmp_path / "base"
     shutil.copytree(base_model, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    )
     # A barely trained model with tied embeddings tends to predict the token it reads: a repeated
     # word gives an accuracy well above 0 (the check is not 0 == 0).
     records = [{"prompt": f"Sing {w} of the river.", "response": f" {w}" * (4 + i)}
                for i, w in enumerate(("summer", "winter", "bread", "wine", "light", "kings"))]  # fmt: skip
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    argv = ["--model_path", str(folder), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
-            "--max_length", "64", "--batch_size", str(len(records)), "--max_steps", "1", "--log_every", "1",
-            "--num_workers", "0", "--val_fraction", "0", "--cache_dir", str(cache_dir), "--run_name", "a"]  # fmt: skip
+    argv = [
+        "--model_path",
+        str(folder),
+        "--data_path",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "64",
+        "--batch_size",
+        str(len(records)),
+        "--max_steps",
+        "1",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--val_fraction",
+        "0",
+        "--cache_dir",
+        str(cache_dir),
+        "--run_name",
+        "a",
+    ]
     assert run_cli("sft", *argv) == 0
     row = read_jsonl(tmp_path / "runs" / "a" / "metrics.jsonl")[0]
     assert "acc " in (tmp_path / "runs" / "a" / "train.log").read_text()

@@ -40,7 +40,9 @@ def docs_corpus(tmp_path_factory):
 def tok(docs_corpus, tmp_path_factory):
     # Its own cache: the shared one holds only the corpus fixture's tokenizer (test_cache picks it).
     files = data.corpus_files(str(docs_corpus))
-    return data.load_tokenizer(None, files, data.corpus_fingerprint(files), 512, tmp_path_factory.mktemp("tok"), print)
+    return data.load_tokenizer(
+        None, files, data.corpus_fingerprint(files), 512, tmp_path_factory.mktemp("tok"), print
+    )
 
 
 def build(folder, tok, cache, workers=1):
@@ -78,7 +80,9 @@ def test_workers_build_the_same_stream_as_one_process(small_shards, docs_corpus,
     assert len(ds) == len(one) // 64 and ds[100]["input_ids"].tolist() == one[6400:6464].tolist()
 
 
-def test_interrupted_build_continues_to_the_same_bytes(small_shards, docs_corpus, tok, tmp_path, monkeypatch, capsys):
+def test_interrupted_build_continues_to_the_same_bytes(
+    small_shards, docs_corpus, tok, tmp_path, monkeypatch, capsys
+):
     whole, shards = build(docs_corpus, tok, tmp_path / "whole")
     want = [p.read_bytes() for p in shards]
     real, calls = token_shards._ShardFile.__init__, []
@@ -125,7 +129,14 @@ def test_sigkilled_build_keeps_its_shards(small_shards, docs_corpus, tok, tmp_pa
     saved = AutoTokenizer.from_pretrained(tmp_path / "tok")
     _, shards = build(docs_corpus, saved, tmp_path / "whole")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-c", KILL_AFTER_FIRST_SHARD, str(docs_corpus), str(tmp_path / "tok"), str(tmp_path / "cut")]
+    argv = [
+        sys.executable,
+        "-c",
+        KILL_AFTER_FIRST_SHARD,
+        str(docs_corpus),
+        str(tmp_path / "tok"),
+        str(tmp_path / "cut"),
+    ]
     result = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
     manifest = json.loads(next((tmp_path / "cut" / "tokens").glob("*/manifest.json")).read_text())
@@ -154,7 +165,9 @@ def test_damaged_shard_is_rebuilt_alone(damage, small_shards, docs_corpus, tok, 
     assert all(p.stat().st_mtime_ns == t for p, t in times.items())  # the others untouched
 
 
-def test_a_settled_shard_is_checked_once_then_remembered(small_shards, docs_corpus, tok, tmp_path, monkeypatch):
+def test_a_settled_shard_is_checked_once_then_remembered(
+    small_shards, docs_corpus, tok, tmp_path, monkeypatch
+):
     """A warm start does not read every shard again: one checked and older than SETTLED_NS is
     remembered (checked.json) by size, mtime, ctime and inode; a shard changed since is read again."""
     want, shards = build(docs_corpus, tok, tmp_path / "c")
@@ -165,7 +178,11 @@ def test_a_settled_shard_is_checked_once_then_remembered(small_shards, docs_corp
     monkeypatch.setattr(cache_files, "SETTLED_NS", 0)
     reads = []
     real = token_shards._checked
-    monkeypatch.setattr(token_shards, "_checked", lambda folder, entry, *a: reads.append(entry["file"]) or real(folder, entry, *a))
+    monkeypatch.setattr(
+        token_shards,
+        "_checked",
+        lambda folder, entry, *a: reads.append(entry["file"]) or real(folder, entry, *a),
+    )
     build(docs_corpus, tok, tmp_path / "c")
     assert len(reads) == len(shards) > 2 and (shards[0].parent / token_shards.CHECKED).is_file()
     reads.clear()
@@ -182,9 +199,28 @@ def test_pretraining_on_parquet_and_arrow_with_text_field(tmp_path, tiny_config,
     folder.mkdir()
     write_parquet(folder / "a.parquet", rows[:150])
     write_arrow_folder(folder / "saved", rows[150:])
-    argv = ["--model_config", str(tiny_config), "--data_path", str(folder), "--text_field", "body",
-            "--vocab_size", "512", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "runs"),
-            "--max_length", "32", "--batch_size", "4", "--max_steps", "1", "--tokenizer_sample_mb", "0.01"]  # fmt: skip
+    argv = [
+        "--model_config",
+        str(tiny_config),
+        "--data_path",
+        str(folder),
+        "--text_field",
+        "body",
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--max_length",
+        "32",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "1",
+        "--tokenizer_sample_mb",
+        "0.01",
+    ]
     assert run_cli("pretrain", *argv, "--run_name", "a") == 0
     out = capsys.readouterr().out
     assert "on a 0.01 MB sample of the" in out and "cached " in out
@@ -217,7 +253,8 @@ def test_one_process_builds_while_the_others_wait(docs_corpus, tok, tmp_path):
         waiter = threading.Thread(target=other_rank)
         waiter.start()
         waiter.join(timeout=1.0)
-        assert waiter.is_alive() and said == [f"waiting for another process building a token cache in {cache / 'tokens'}"]
+        assert waiter.is_alive() and said == [f"waiting for another process building a token cache in "
+                                              f"{cache / 'tokens'}"]
     waiter.join(timeout=60)
     assert not waiter.is_alive() and any(line.startswith("cached ") for line in said)
     said.clear()
@@ -244,7 +281,8 @@ def test_full_disk_after_two_shards_keeps_them(small_shards, docs_corpus, tok, t
         build(docs_corpus, tok, tmp_path / "full")
     message = str(caught.value)
     assert message.startswith("CACHE_DIR: cannot write the token cache ") and "\n" not in message
-    assert message.endswith("shard-00002.bin: No space left on device; 2 finished shard(s) kept: the next run continues from there")
+    assert message.endswith("shard-00002.bin: No space left on device; 2 finished shard(s) kept: the next "
+                            "run continues from there")
     monkeypatch.setattr(token_shards._ShardFile, "add", real)
     _, resumed = build(docs_corpus, tok, tmp_path / "full")
     assert [p.read_bytes() for p in resumed] == [p.read_bytes() for p in shards]

@@ -29,7 +29,9 @@ def test_accumulation_4x8_equals_one_batch_of_32():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old - grad
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         stream = iter({"input_ids": chunk} for chunk in batch.split(micro))
-        train_step(model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM)
+        train_step(
+            model, optimizer, scaler, stream, accum, 0.0, torch.device("cpu"), "fp32", layout=CAUSAL_LM
+        )
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
 
@@ -37,7 +39,10 @@ def test_accumulation_4x8_equals_one_batch_of_32():
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cpu(precision, tiny_flags, tmp_path):
     flag = f"--{precision}"
-    assert run_cli("pretrain", *tiny_flags, flag, "--batch_size", "4", "--max_steps", "4", "--run_name", "p") == 0
+    assert (
+        run_cli("pretrain", *tiny_flags, flag, "--batch_size", "4", "--max_steps", "4", "--run_name", "p")
+        == 0
+    )
     summary = json.loads((tmp_path / "runs" / "p" / "summary.json").read_text())
     assert summary["precision"] == precision
     losses = [row["loss"] for row in read_jsonl(tmp_path / "runs" / "p" / "metrics.jsonl") if "loss" in row]
@@ -125,7 +130,8 @@ def test_run_folder_contract_and_final_loads_offline(tiny_flags, tmp_path):
     run = tmp_path / "runs" / "r"
     summary = json.loads((run / "summary.json").read_text())
     required = (
-        "mode device device_name world_size model_size n_params precision batch_size gradient_accumulation_steps "
+        "mode device device_name world_size model_size n_params precision batch_size "
+        "gradient_accumulation_steps "
         "effective_batch_size max_length num_workers steps samples tokens wall_time_s samples_per_sec "
         "tokens_per_sec data_wait_frac peak_vram_mb avg_gpu_util mfu final_loss exit_reason"
     ).split()

@@ -37,9 +37,28 @@ def children(pid: int) -> list[int]:
 def kill_a_worker_of(mode: str, argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     runs = tmp_path / "runs"
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    proc = subprocess.Popen([sys.executable, "-m", "train", mode, *argv, "--output_dir", str(runs),
-                             "--tokenize_workers", "2", "--max_steps", "1", "--batch_size", "2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            mode,
+            *argv,
+            "--output_dir",
+            str(runs),
+            "--tokenize_workers",
+            "2",
+            "--max_steps",
+            "1",
+            "--batch_size",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline, killed = time.monotonic() + 120, None
         while killed is None and time.monotonic() < deadline and proc.poll() is None:
@@ -61,16 +80,32 @@ def kill_a_worker_of(mode: str, argv: list[str], tmp_path: Path) -> subprocess.C
 def one_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, (
+        result.stderr[-3000:]
+    )
     return lines[0]
 
 
 def test_a_killed_sft_tokenize_worker_fails_the_run_in_one_line(base_model, tmp_path):
-    rows = [{"prompt": f"Question {i}: " + make_text(i, 3), "response": make_text(i + 1, 4)} for i in range(30000)]
+    rows = [
+        {"prompt": f"Question {i}: " + make_text(i, 3), "response": make_text(i + 1, 4)} for i in range(30000)
+    ]
     data = tmp_path / "big.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = kill_a_worker_of("sft", ["--model_path", str(base_model), "--data_path", str(data), "--cache_dir",
-                                      str(tmp_path / "cache"), "--max_length", "64"], tmp_path)  # fmt: skip
+    result = kill_a_worker_of(
+        "sft",
+        [
+            "--model_path",
+            str(base_model),
+            "--data_path",
+            str(data),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            "--max_length",
+            "64",
+        ],
+        tmp_path,
+    )
     assert WORKER_DIED in one_line(result)
     assert [p.name for p in (tmp_path / "cache" / "sft").iterdir() if p.name != "sums"] == []  # no half cache
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("summary.json"))
@@ -80,9 +115,22 @@ def test_a_killed_pretraining_tokenize_worker_fails_the_run_in_one_line(base_mod
     corpus = tmp_path / "big.txt"
     corpus.write_text(make_text(5, 170_000))  # ~9 MB: over the 8 MB below which one process encodes
     assert corpus.stat().st_size > 8 << 20
-    result = kill_a_worker_of("pretrain", ["--model_config", str(tiny_config), "--tokenizer_path", str(base_model),
-                                           "--data_path", str(corpus), "--cache_dir", str(tmp_path / "cache"),
-                                           "--max_length", "64"], tmp_path)  # fmt: skip
+    result = kill_a_worker_of(
+        "pretrain",
+        [
+            "--model_config",
+            str(tiny_config),
+            "--tokenizer_path",
+            str(base_model),
+            "--data_path",
+            str(corpus),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            "--max_length",
+            "64",
+        ],
+        tmp_path,
+    )
     assert WORKER_DIED in one_line(result)
     leftovers = [p for p in (tmp_path / "cache" / "tokens").rglob("*") if p.is_file()]
     assert leftovers == [], leftovers  # no shard was finished: nothing half written stays

@@ -30,8 +30,21 @@ def _one_thread():
 def finished(corpus, tiny_config, cache_dir, tmp_path_factory):
     """A finished 2-step run with a checkpoint at step 2, and the flags that made it."""
     runs = tmp_path_factory.mktemp("safety") / "runs"
-    flags = ["--model_config", str(tiny_config), "--data_path", str(corpus), "--vocab_size", "512",
-             "--cache_dir", str(cache_dir), "--output_dir", str(runs), "--max_length", "64", *FAST]  # fmt: skip
+    flags = [
+        "--model_config",
+        str(tiny_config),
+        "--data_path",
+        str(corpus),
+        "--vocab_size",
+        "512",
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(runs),
+        "--max_length",
+        "64",
+        *FAST,
+    ]
     assert run_cli("pretrain", *flags, "--max_steps", "2", "--run_name", "done") == 0
     return runs, flags
 
@@ -69,7 +82,11 @@ def test_resume_never_writes_through_links_planted_at_temporary_names(finished, 
     pid = os.getpid()  # run_cli trains in this process: these are the names it would have used
     for name in (".summary.json.tmp", ".config.json.tmp", f".final.tmp-{pid}"):
         os.symlink(secret, run / name)
-    for name in (f".final.old-{pid}", f"checkpoints/.tmp-step-00000002-{pid}", f"checkpoints/.old-step-00000002-{pid}"):
+    for name in (
+        f".final.old-{pid}",
+        f"checkpoints/.tmp-step-00000002-{pid}",
+        f"checkpoints/.old-step-00000002-{pid}",
+    ):
         os.symlink(secret.parent, run / name)  # a folder outside: a tree removal there would empty it
     os.symlink(secret, run / "summary.json")
     assert run_cli("pretrain", *flags, "--max_steps", "2", "--resume", "1") == 0
@@ -90,7 +107,8 @@ def test_resume_refuses_an_append_file_that_is_a_link(name, finished, secret, ca
     os.symlink(secret, run / name)
     assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 2
     line = one_error(capsys)
-    assert line.startswith(f"error: {run / name} is a symbolic link; the kit never writes or reads through a link")
+    assert line.startswith(f"error: {run / name} is a symbolic link; the kit never writes or reads through a "
+                           f"link")
     assert (run / name).is_symlink()
 
 
@@ -105,7 +123,8 @@ def test_checkpoint_folders_that_are_links_are_not_checkpoints(finished, secret,
     os.symlink(elsewhere, run / "checkpoints")
     assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 2
     assert one_error(capsys) == (
-        f"error: {run / 'checkpoints'} is a symbolic link; the kit never writes or reads through a link in its "
+        f"error: {run / 'checkpoints'} is a symbolic link; the kit never writes or reads through a link in "
+        f"its "
         "own folders (remove it and run again)"
     )
 
@@ -138,7 +157,8 @@ def test_full_disk_while_appending_metrics_keeps_whole_rows_and_says_resume(fini
     line = one_error(capsys)
     assert code == 2
     assert line == (
-        f"error: disk full: appending to {run / 'metrics.jsonl'} failed (File too large); its rows are whole; "
+        f"error: disk full: appending to {run / 'metrics.jsonl'} failed (File too large); its rows are "
+        f"whole; "
         "checkpoint step-00000002 is intact; free space, then RESUME=1 RUN_NAME=full continues the run"
     )
     text = (run / "metrics.jsonl").read_text()
@@ -152,7 +172,9 @@ def test_full_disk_while_appending_metrics_keeps_whole_rows_and_says_resume(fini
     assert json.loads((run / "summary.json").read_text())["exit_reason"] == "completed"
 
 
-def test_full_disk_while_saving_the_trained_tokenizer_is_one_line(finished, corpus, tiny_config, tmp_path, capsys):
+def test_full_disk_while_saving_the_trained_tokenizer_is_one_line(
+    finished, corpus, tiny_config, tmp_path, capsys
+):
     """tokenizers (Rust) reports the failed write as a plain Exception ("... (os error 27)")."""
     cache = tmp_path / "cache"
     runs, flags = finished
@@ -213,7 +235,8 @@ def test_links_at_cache_names_are_removed_and_the_cache_built_again(corpus, cach
         os.symlink(elsewhere / f"copy-{name}", cache / "tokens" / shared.name / name)
     before = {p.name: p.read_bytes() for p in elsewhere.glob("copy-*")}
     again = data.token_cache(sources, key, tok, cache, notes.append)
-    assert any("is a symbolic link" in note and note.endswith(".bin in CACHE_DIR is a symbolic link, not a cache "
+    assert any("is a symbolic link" in note and note.endswith(".bin in CACHE_DIR is a symbolic link, not a "
+                                                              "cache "
                                                               "this kit wrote; removed, building it again")
                for note in notes)  # fmt: skip
     assert (again == tokens).all() and not any(p.is_symlink() for p in (cache / "tokens").rglob("*"))

@@ -22,10 +22,14 @@ TOOL_COMMANDS = {
 USAGE = """usage: python -m train <command> [--flags]
 
 commands:
-  pretrain   train a model from scratch on text: GPT-2 (causal LM) or T5 (encoder-decoder) (run_single_gpu*.sh)
-  sft        fine-tune a trained model on chat or instruction data (train_sft_custom.sh, quick_start_sft_fast.sh)
-  dpo        preference training (DPO, IPO, hinge, SimPO, ORPO) of a chat model on chosen / rejected pairs (train_dpo.sh)
-  grpo       reward training (GRPO) of a chat model: sampled completions scored by reward functions (train_grpo.sh)
+  pretrain   train a model from scratch on text: GPT-2 (causal LM) or T5 (encoder-decoder)
+             (run_single_gpu*.sh)
+  sft        fine-tune a trained model on chat or instruction data (train_sft_custom.sh,
+             quick_start_sft_fast.sh)
+  dpo        preference training (DPO, IPO, hinge, SimPO, ORPO) of a chat model on chosen / rejected
+             pairs (train_dpo.sh)
+  grpo       reward training (GRPO) of a chat model: sampled completions scored by reward functions
+             (train_grpo.sh)
   generate   sample from a trained model with its chat template: generate --model DIR --prompt TEXT
   compare    compare run folders side by side: compare RUN_A RUN_B ...
   monitor    live GPU table (--once: one row)
@@ -112,5 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         module, function = TOOL_COMMANDS[command]
         return getattr(importlib.import_module(module), function)(rest)
     raise UsageError(
-        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, monitor, bench, import, knobs, {', '.join(TOOL_COMMANDS)}"
+        f"unknown command {command!r}; expected one of: {', '.join(TRAIN_COMMANDS)}, generate, compare, "
+        f"monitor, bench, import, knobs, {', '.join(TOOL_COMMANDS)}"
     )

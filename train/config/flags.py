@@ -79,22 +79,31 @@ class ArgParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-FLAGS_NOTE = (" Each flag is a config.py field; [VARIABLE] is its launcher variable. Precedence: config.py's default <"
+FLAGS_NOTE = (" Each flag is a config.py field; [VARIABLE] is its launcher variable. Precedence: config.py's "
+              "default <"
               " --preset < the flag.")
 DESCRIPTIONS = {
-    "pretrain": "Pretrain a model from scratch on text: a GPT-2-style causal LM, or a T5 encoder-decoder on span "
+    "pretrain": "Pretrain a model from scratch on text: a GPT-2-style causal LM, or a T5 encoder-decoder on "
+                "span "
                 "corruption (--model_family t5, or a T5 --model_config). The launchers run_single_gpu.sh and "
                 "run_single_gpu_optimized.sh start it with the guides' baseline and optimized presets.",
-    "sft": "Fine-tune a trained model (--model_path: a causal LM or an encoder-decoder folder; in full or with LoRA, "
-           "--lora_r) on chat, instruction or plain-text data, or train a new one from scratch on it (--model_size / "
+    "sft": "Fine-tune a trained model (--model_path: a causal LM or an encoder-decoder folder; in full or "
+           "with LoRA, "
+           "--lora_r) on chat, instruction or plain-text data, or train a new one from scratch on it "
+           "(--model_size / "
            "--model_config). The loss is on the assistant's replies (--loss_on all: every token). "
            "train_sft_custom.sh and quick_start_sft_fast.sh start it.",
-    "dpo": "Preference training (the third stage: pretrain -> SFT -> DPO) of a chat model (--model_path; default the "
-           "newest completed SFT run's final/) on pairs of chosen and rejected replies (--data_path): --dpo_loss "
-           "sigmoid | ipo | hinge | simpo | orpo, --beta, a reference model (--reference copy | precomputed | "
+    "dpo": "Preference training (the third stage: pretrain -> SFT -> DPO) of a chat model (--model_path; "
+           "default the "
+           "newest completed SFT run's final/) on pairs of chosen and rejected replies (--data_path): "
+           "--dpo_loss "
+           "sigmoid | ipo | hinge | simpo | orpo, --beta, a reference model (--reference copy | precomputed "
+           "| "
            "adapters). train_dpo.sh starts it; docs/dpo.md.",
-    "grpo": "Reward training (GRPO, the fourth stage) of a chat model (--model_path; default the newest completed SFT "
-            "or DPO run's final/) on prompts (--data_path; default a built-in arithmetic task): --num_generations "
+    "grpo": "Reward training (GRPO, the fourth stage) of a chat model (--model_path; default the newest "
+            "completed SFT "
+            "or DPO run's final/) on prompts (--data_path; default a built-in arithmetic task): "
+            "--num_generations "
             "completions per prompt, scored by --reward_funcs. train_grpo.sh starts it; docs/grpo.md.",
 }
 
@@ -113,7 +122,8 @@ def training_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=presets, help="named preset applied under the flags")
     parser.add_argument("--fp16", action="store_true", help="shorthand for --precision fp16 (ENABLE_FP16)")
     parser.add_argument("--bf16", action="store_true", help="shorthand for --precision bf16 (ENABLE_BF16)")
-    parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume (RESUME)")
+    parser.add_argument("--is_keep_training", nargs="?", const="1", help="the guides' name for --resume "
+                                                                         "(RESUME)")
     for name in config.FIELD_SECTION:
         if name == "mode":  # the command itself
             continue

@@ -29,7 +29,8 @@ from train.core.errors import UsageError
 MD_BEGIN = "<!-- BEGIN knobs: generated from config.py by `make knobs`; edit the field docstrings there -->"
 MD_END = "<!-- END knobs -->"
 SH_BEGIN_PREFIX, MD_BEGIN_PREFIX = "# BEGIN knobs", "<!-- BEGIN knobs"
-SH_BEGIN = "# BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: config.py)"
+SH_BEGIN = ("# BEGIN knobs: generated from config.py by `make knobs` (defaults: edit them here; comments: "
+            "config.py)")
 SH_END = "# END knobs"
 KNOB_LINE = re.compile(r"^([A-Z][A-Z0-9_]*)=\$\{\1:-([^}]*)\}")
 LAUNCH = re.compile(r"^\s*kit_launch\s+([\w-]+)\s+([\w-]+)", re.M)
@@ -42,7 +43,8 @@ SECTION_TITLES = {
 # NPROC_PER_NODE is torchrun's (scripts/common.sh).
 LAUNCHER_ONLY = (
     ("ENABLE_FP16", "precision", "`--fp16`, `1` or `0`", '"--fp16" (or 1): fp16 autocast + GradScaler'),
-    ("ENABLE_BF16", "precision", "`--bf16`, `1` or `0`", '"--bf16" (or 1): bf16 autocast (Ampere+ GPUs, modern CPUs)'),
+    ("ENABLE_BF16", "precision", "`--bf16`, `1` or `0`", '"--bf16" (or 1): bf16 autocast (Ampere+ GPUs, '
+                                                         'modern CPUs)'),
     ("NPROC_PER_NODE", "sharding", "a whole number >= 1",
      "processes (GPUs) on this machine; above 1 starts torchrun (DDP): docs/multi-gpu.md"),
 )
@@ -158,7 +160,8 @@ def summary(knob: Knob, mode: str | None = None) -> str:
 
 def empty_means(knob: Knob, preset: str | None, mode: str | None = None) -> str:
     """What an empty variable gives ("empty: ..."): the preset's value, else config.py's default,
-    else what `mode`'s part of its docstring says ("Empty: ..." / "Empty or 0: ..." / "keep_end (empty: ...)")."""
+    else what `mode`'s part of its docstring says ("Empty: ..." / "Empty or 0: ..." / "keep_end (empty:
+    ...)")."""
     values = config.PRESETS.get(preset, {}) if preset else {}
     if knob.name in values:
         return f"empty: {shown(values[knob.name])} (preset {preset})"
@@ -191,8 +194,13 @@ def block_span(lines: list[str]) -> tuple[int, int] | None:
     if not knob_lines:
         return None
     first = knob_lines[0]
-    while first > 0 and (lines[first - 1].startswith(("#", "KIT_GIVEN=")) and not lines[first - 1].startswith("#!")
-                         or not lines[first - 1] and first > 1 and lines[first - 2].startswith("KIT_GIVEN=")):
+    while first > 0 and (
+        lines[first - 1].startswith(("#", "KIT_GIVEN="))
+        and not lines[first - 1].startswith("#!")
+        or not lines[first - 1]
+        and first > 1
+        and lines[first - 2].startswith("KIT_GIVEN=")
+    ):
         first -= 1
     return first, knob_lines[-1] + 1
 
@@ -213,8 +221,10 @@ def knob_line(variable: str, default: str, comment: str) -> str:
 # The variables set (not empty) before the defaults below, the user's own: with RESUME=1 the launcher
 # passes only these, so a default of the launcher's never overrides the resumed run's own setting
 # (scripts/common.sh kit_launch; train/run/guard/carry.py).
-GIVEN_LINE = ('''KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"'''
-              "  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest")
+GIVEN_LINE = (
+    '''KIT_GIVEN=" $(compgen -v | while read -r v; do [ -z "${!v:-}" ] || printf '%s ' "$v"; done)"'''
+    "  # set before the defaults below: RESUME=1 keeps the run's own settings for the rest"
+)
 
 
 def launcher_block(launcher: Launcher) -> list[str]:
@@ -224,7 +234,8 @@ def launcher_block(launcher: Launcher) -> list[str]:
     for variable, before, _, comment in LAUNCHER_ONLY:
         extra[before].append((variable, comment))
     out = [SH_BEGIN,
-           f"# Every knob of config.py that applies to `python -m train {launcher.mode}`, as VARIABLE=${{VARIABLE:-default}}",
+           f"# Every knob of config.py that applies to `python -m train {launcher.mode}`, as "
+           f"VARIABLE=${{VARIABLE:-default}}",
            f"# (docs/knobs.md). Empty: the launcher's preset ({launcher.preset}), else config.py's default.",
            GIVEN_LINE]  # fmt: skip
     section = None
@@ -276,7 +287,9 @@ def takes(name: str) -> str:
         said = f"`--{name}`, `1` or `0`" if has_mark(f, "switch") else "`1` or `0`"
     elif kind in ("int", "float"):
         number = "a whole number" if kind == "int" else "a number"
-        bound = f" > {shown(above)}" if above is not None else f" >= {shown(least)}" if least is not None else ""
+        bound = (
+            f" > {shown(above)}" if above is not None else f" >= {shown(least)}" if least is not None else ""
+        )
         below = f.metadata.get("below")
         said = number + bound + (f" and < {shown(below)}" if below is not None else "")
     else:
@@ -388,5 +401,6 @@ def knobs_main(argv: list[str]) -> int:
     elif argv in ([], ["-h"], ["--help"]):
         print(KNOBS_USAGE)
     else:
-        raise UsageError(f"knobs: expected --markdown | --launcher NAME | --write | --check, got {' '.join(argv)!r}")
+        raise UsageError(f"knobs: expected --markdown | --launcher NAME | --write | --check, got "
+                         f"{' '.join(argv)!r}")
     return 0

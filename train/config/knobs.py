@@ -26,7 +26,12 @@ def marked(mark: str) -> tuple[str, ...]:
 
 
 # What a mode is called where a knob is refused; a mode not named here is `python -m train MODE`.
-MODE_NAMES = {"pretrain": "pretraining", "sft": "SFT", "dpo": "preference training", "grpo": "reward training"}
+MODE_NAMES = {
+    "pretrain": "pretraining",
+    "sft": "SFT",
+    "dpo": "preference training",
+    "grpo": "reward training",
+}
 
 
 def _field(name: str) -> dataclasses.Field:

@@ -36,9 +36,17 @@ def knob(default=None, *marks: str, modes=None, least=None, above=None, below=No
     if modes is not None and (isinstance(modes, str) or not modes
                               or not all(isinstance(m, str) for m in modes)):
         raise ValueError(f"knob modes: expected a set of mode names (modes={{'sft', 'dpo'}}), got {modes!r}")
-    return dataclasses.field(default=default, metadata={"marks": frozenset(marks), "least": least, "above": above,
-                                                        "below": below, "choices": tuple(choices),
-                                                        "modes": None if modes is None else frozenset(modes)})
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "marks": frozenset(marks),
+            "least": least,
+            "above": above,
+            "below": below,
+            "choices": tuple(choices),
+            "modes": None if modes is None else frozenset(modes),
+        },
+    )
 
 
 def check_fields(obj) -> None:
@@ -54,8 +62,14 @@ def check_fields(obj) -> None:
         if str(f.type).startswith("int"):
             check_int(obj, f.name, least, optional)
         else:
-            check_float(obj, f.name, above if above is not None else least, optional, strict=above is not None,
-                        below=f.metadata.get("below"))
+            check_float(
+                obj,
+                f.name,
+                above if above is not None else least,
+                optional,
+                strict=above is not None,
+                below=f.metadata.get("below"),
+            )
 
 
 def has_mark(field: dataclasses.Field, mark: str) -> bool:

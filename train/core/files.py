@@ -1,12 +1,12 @@
 """Writes into a user's folder (a run folder, CACHE_DIR) that never follow a link, and reads
 that stay inside the folder they were given.
 
-Whole files: `atomic_write` / `write_json` (or `writing`, to stream one) write a fresh temporary name in the same folder,
-opened with O_CREAT|O_EXCL|O_NOFOLLOW (a link or file planted at that name makes the open fail
-instead of being written through; another fresh name is tried), fsync it, rename it over the
-target (a rename replaces a link at the target, it never writes where the link points) and
-fsync the folder, so a power cut or a kill leaves the old file or the new one, never half of
-one and never a temporary file behind (it is removed on any failure).
+Whole files: `atomic_write` / `write_json` (or `writing`, to stream one) write a fresh temporary name in the
+same folder, opened with O_CREAT|O_EXCL|O_NOFOLLOW (a link or file planted at that name makes the open fail
+instead of being written through; another fresh name is tried), fsync it, rename it over the target (a rename
+replaces a link at the target, it never writes where the link points) and fsync the folder, so a power cut or
+a kill leaves the old file or the new one, never half of one and never a temporary file behind (it is removed
+on any failure).
 
 Appends (metrics.jsonl, train.log): `open_append` opens with O_APPEND|O_NOFOLLOW, so a link at
 the name is refused (LinkRefused, one line naming the file), and `Appender.write` writes each

@@ -61,8 +61,18 @@ def value_problem(key: str, value) -> str | None:
 
 
 # Settings that hold token ids: an int, or lists of them (bad_words_ids: lists of lists).
-ID_SETTINGS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
-               "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "force_words_ids")
+ID_SETTINGS = (
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "force_words_ids",
+)
 # transformers 5 runs these decodings as code fetched from the Hub (a custom_generate repository):
 # the kit runs no downloaded code, so they are refused rather than tried.
 REMOTE_DECODING = {"penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding",
@@ -70,7 +80,8 @@ REMOTE_DECODING = {"penalty_alpha": "contrastive search", "dola_layers": "DoLa d
                    "constraints": "constrained beam search"}
 
 
-ID_LISTS = {"suppress_tokens": 1, "begin_suppress_tokens": 1, "bad_words_ids": 2, "force_words_ids": 2}  # list depth
+# list depth
+ID_LISTS = {"suppress_tokens": 1, "begin_suppress_tokens": 1, "bad_words_ids": 2, "force_words_ids": 2}
 
 
 def _shaped(value, depth: int) -> bool:
@@ -98,8 +109,13 @@ def settings_problem(settings: dict, vocab: int | None = None) -> tuple[str, str
         problem = value_problem(key, value)
         if problem:
             return key, problem
-        if key in REMOTE_DECODING and value not in (None, False, 0, []) and not (key == "num_beam_groups" and value == 1):
-            return key, (f"{REMOTE_DECODING[key]} runs as code fetched from the Hub in transformers 5, which the kit "
+        if (
+            key in REMOTE_DECODING
+            and value not in (None, False, 0, [])
+            and not (key == "num_beam_groups" and value == 1)
+        ):
+            return key, (f"{REMOTE_DECODING[key]} runs as code fetched from the Hub in transformers 5, which "
+                         f"the kit "
                          "never runs; leave it out")
         if key in ID_SETTINGS and value is not None:
             ids = _ids(value)
@@ -112,7 +128,8 @@ def settings_problem(settings: dict, vocab: int | None = None) -> tuple[str, str
             ok = pairs is not None and all(isinstance(p, list) and len(p) == 2 and _ids(p[0]) for p in pairs)
             bad = not ok or (vocab is not None and any(i >= vocab for p in pairs for i in _ids(p[0])))
             if bad:
-                return key, f"expected [[token ids], bias] pairs of the model's {vocab or ''} tokens, got {value!r}"
+                return key, (f"expected [[token ids], bias] pairs of the model's {vocab or ''} tokens, got "
+                             f"{value!r}")
     return None
 
 
@@ -152,17 +169,20 @@ def read_generation_config(path: str | None) -> dict:
     except ValueError as err:
         raise UsageError(f"{VARIABLE}: {path} is not JSON ({err})") from None
     if not isinstance(settings, dict):
-        raise UsageError(f"{VARIABLE}: {path} must hold a JSON object of generate() settings, e.g. {{\"num_beams\": 4}}")
+        raise UsageError(f"{VARIABLE}: {path} must hold a JSON object of generate() settings, e.g. "
+                         f"{{\"num_beams\": 4}}")
     # a model's own generation_config.json is accepted as it is: its bookkeeping fields dropped
     settings = {k: v for k, v in settings.items() if not k.startswith("_") and k != "transformers_version"}
     unknown = sorted(set(settings) - known_settings())
     if unknown:
-        raise UsageError(f"{VARIABLE}: {unknown[0]!r} in {path} is not a generate() setting of transformers' GenerationConfig")
+        raise UsageError(f"{VARIABLE}: {unknown[0]!r} in {path} is not a generate() setting of transformers' "
+                         f"GenerationConfig")
     problem = settings_problem(settings)
     if problem:
         raise UsageError(f"{VARIABLE}: {problem[0]} in {path}: {problem[1]}")
     if settings.get("use_cache") is False:  # final/ generates at full speed: the kit's contract
-        raise UsageError(f"{VARIABLE}: use_cache false in {path} makes generate() many times slower; leave it out")
+        raise UsageError(f"{VARIABLE}: use_cache false in {path} makes generate() many times slower; leave "
+                         f"it out")
     _validate(settings, path)
     return settings
 
@@ -193,7 +213,9 @@ def apply_generation_config(model, settings: dict, decide, path: str | None) -> 
         raise UsageError(f"{VARIABLE}: {path}: {problem[0]} {problem[1]}")
     # A position table ends there: GPT-2 indexes past it (an IndexError mid-generate), a rotary model
     # reads positions it never trained on. T5's relative positions have no such end.
-    name = next((n for n in ("n_positions", "max_position_embeddings") if getattr(model.config, n, None)), None)
+    name = next(
+        (n for n in ("n_positions", "max_position_embeddings") if getattr(model.config, n, None)), None
+    )
     context = getattr(model.config, name) if name else None
     for key in ("max_length", "max_new_tokens", "min_length", "min_new_tokens"):
         if context and isinstance(settings.get(key), int) and settings[key] > context:
@@ -201,4 +223,5 @@ def apply_generation_config(model, settings: dict, decide, path: str | None) -> 
                              f"{context:,} tokens ({name}); generate() cannot go past it")
     model.generation_config.update(**settings)
     model.generation_config._from_model_config = False  # its own settings now, not config.json's copies
-    decide("generation_config", dict(settings), f"GENERATION_CONFIG={path}, saved in final/generation_config.json")
+    decide("generation_config", dict(settings), f"GENERATION_CONFIG={path}, saved in "
+                                                f"final/generation_config.json")

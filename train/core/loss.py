@@ -147,9 +147,14 @@ def seq2seq_loss_sum(model, unwrapped, input_ids, attention_mask, labels, correc
     forward (DDP, FSDP2 or compiled); `unwrapped` the transformers model it wraps. correct: also
     the count of decoder labels the argmax predicts, as (sum, count)."""
     decoder_input_ids = unwrapped.prepare_decoder_input_ids_from_labels(labels=labels)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids
+    ).logits
     total = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     return (total, correct_predictions(logits, labels)) if correct else total
 

@@ -18,7 +18,12 @@ from pathlib import Path
 from train.core.errors import UsageError
 
 # The files from which transformers' Auto classes read an auto_map.
-CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+CODE_NAMING_FILES = (
+    "config.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
 
 
 def names_code(path: str | Path) -> str | None:

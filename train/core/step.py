@@ -80,10 +80,19 @@ def forward_loss(
              if torch.is_tensor(v) or k in VARLEN_INTS}
     labels = batch.pop("labels", batch["input_ids"])
     add_mask_of_ones(batch)
-    with autocast(device, precision), host_padding(padded, maskless) if padded is not None else contextlib.nullcontext():
-        if layout.encoder_decoder:  # source -> target: input_ids and attention_mask are the source, labels the target
+    with (
+        autocast(device, precision),
+        host_padding(padded, maskless) if padded is not None else contextlib.nullcontext(),
+    ):
+        # source -> target: input_ids and attention_mask are the source, labels the target
+        if layout.encoder_decoder:
             out = seq2seq_loss_sum(
-                model, unwrapped(model), batch["input_ids"], batch.get("attention_mask"), labels, correct=accuracy
+                model,
+                unwrapped(model),
+                batch["input_ids"],
+                batch.get("attention_mask"),
+                labels,
+                correct=accuracy,
             )
             total, hits = out if accuracy else (out, None)
             loss = token_mean_share(total, targets, world_size)
@@ -175,8 +184,20 @@ def _host_padded(batch: dict) -> bool | None:
 
 
 def train_step(
-    model, optimizer, scaler, batches, accum: int, grad_clip: float, device, precision, gradient_sync=None, step_total=None,
-    accuracy: bool = False, *, layout, objective=None,
+    model,
+    optimizer,
+    scaler,
+    batches,
+    accum: int,
+    grad_clip: float,
+    device,
+    precision,
+    gradient_sync=None,
+    step_total=None,
+    accuracy: bool = False,
+    *,
+    layout,
+    objective=None,
 ):
     """One optimizer step: micro-steps (autocast, backward of each micro-batch's share of the
     step's token-mean loss) -> unscale -> clip -> step -> zero_grad. The step's micro-batches
@@ -218,4 +239,6 @@ def train_step(
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return (loss_sum, grad_norm, waited, objective.returned(sums)) if accuracy else (loss_sum, grad_norm, waited)
+    return (
+        (loss_sum, grad_norm, waited, objective.returned(sums)) if accuracy else (loss_sum, grad_norm, waited)
+    )

@@ -39,7 +39,8 @@ def refuse_link(*paths: Path) -> None:
     in run folders are: everything under it would be written and read wherever it points."""
     for path in paths:
         if path.is_symlink():
-            raise UsageError(f"CACHE_DIR: {path} is a symbolic link; the kit never writes or reads through a link "
+            raise UsageError(f"CACHE_DIR: {path} is a symbolic link; the kit never writes or reads through a "
+                             f"link "
                              "in its own folders (remove it and run again)")  # fmt: skip
 
 
@@ -103,7 +104,10 @@ def building(activity: str, thing: str, final: Path) -> Iterator[list[Path]]:
     # SIGTERM is taken over only where nothing else handles it: the training loop installs its
     # own handlers later (train/run/guard/signals.py) and restores what was there before, which is this
     # default again by then.
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield temps
@@ -202,7 +206,9 @@ def unsealed(folder: Path) -> str | None:
         return f"{SEAL} is missing or unreadable (a cache of an older kit, or edited)"
     if not isinstance(sums, dict) or sorted(sums) != names:
         return f"its files are not the ones {SEAL} lists"
-    changed = [name for name in names if (folder / name).is_symlink() or files.sha256_of(folder / name) != sums[name]]
+    changed = [
+        name for name in names if (folder / name).is_symlink() or files.sha256_of(folder / name) != sums[name]
+    ]
     return f"{changed[0]} does not hold the bytes {SEAL} describes" if changed else None
 
 
@@ -329,5 +335,6 @@ def file_digest(path: Path, sums: Path | None, variable: str = "DATA_PATH") -> t
         # only a shortcut: where it cannot be written, the next start reads the file again
         with contextlib.suppress(OSError):
             memo.parent.mkdir(parents=True, exist_ok=True)
-            files.write_json(memo, {"file": ident, "sha256": digest.hexdigest(), "lines": lines})  # no temp left
+            # no temp left
+            files.write_json(memo, {"file": ident, "sha256": digest.hexdigest(), "lines": lines})
     return digest.hexdigest(), lines

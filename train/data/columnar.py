@@ -26,7 +26,9 @@ def _arrow_files(path: Path) -> list[Path]:
         state = json.loads((path / "state.json").read_text())
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
-        names = sorted(p.name for p in path.glob("data-*.arrow")) or sorted(p.name for p in path.glob("*.arrow"))
+        names = sorted(p.name for p in path.glob("data-*.arrow")) or sorted(
+            p.name for p in path.glob("*.arrow")
+        )
     counts = Counter(map(str, names))
     twice = next((name for name, n in counts.items() if n > 1), None)
     if twice is not None:  # each of its records would train once per listing, without a word
@@ -62,7 +64,8 @@ def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> N
     for column in columns or ():
         if column not in names:
             raise _fail(
-                path, "", f'has no column "{column}" (TEXT_FIELD names the text column); columns: {", ".join(names)}'
+                path, "", f'has no column "{column}" (TEXT_FIELD names the text column); columns: '
+                          f'{", ".join(names)}'
             )
 
 
@@ -127,7 +130,11 @@ def record_batches(path: Path, columns: list[str] | None = None, batch_rows: int
             else:
                 batches = _arrow_batches(file, columns)
             for batch in batches:
-                for part in [batch] if isinstance(batch, SkippedRows) else _rows_within(file, batch, row, limit, skip_long):
+                for part in (
+                    [batch]
+                    if isinstance(batch, SkippedRows)
+                    else _rows_within(file, batch, row, limit, skip_long)
+                ):
                     row += part.rows if isinstance(part, SkippedRows) else part.num_rows
                     yield part
         except (pa.ArrowException, OSError, ValueError) as err:
@@ -150,7 +157,9 @@ def as_python(path: Path, values, first_row: int = 1) -> list:
         return values.to_pylist()
     except UnicodeDecodeError:
         row = next(i for i in range(len(values)) if not _converts(values.slice(i, 1)))
-        raise _fail(path, f"row {first_row + row}", "holds a string that is not UTF-8; save the text as UTF-8") from None
+        raise _fail(
+            path, f"row {first_row + row}", "holds a string that is not UTF-8; save the text as UTF-8"
+        ) from None
     except (OverflowError, ValueError) as err:  # a date, time or duration outside Python's range
         raise _out_of_range(path, values, first_row, err) from None
 

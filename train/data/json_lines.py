@@ -96,12 +96,15 @@ def record_bytes() -> int:
 def too_long(limit: int, found: str = "") -> str:
     """Why a record over MAX_RECORD_MB is refused; found: its size where it is known (a row)."""
     mb = f"{limit / (1 << 20):g}"
-    what = f"is {found} decompressed, over MAX_RECORD_MB={mb}" if found else f"is longer than {mb} MB (decompressed)"
+    what = f"is {found} decompressed, over MAX_RECORD_MB={mb}" if found else (f"is longer than {mb} MB "
+                                                                              f"(decompressed)")
     return (f"{what}: one record that large is a mistake or a decompression bomb; split it, or raise "
             f"MAX_RECORD_MB={mb} if it is real")
 
 
-def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES, skip_long: bool = False) -> Iterator[tuple[int, bytes]]:
+def jsonl_blocks(
+    path: Path, block_bytes: int = BLOCK_BYTES, skip_long: bool = False
+) -> Iterator[tuple[int, bytes]]:
     """(number of the block's first line, whole lines of about block_bytes): a JSONL file (or
     .jsonl.gz, decompressed as it goes) in pieces that can be parsed apart, in parallel. A line
     longer than MAX_RECORD_MB stops the read as soon as that much of it has been read; with
@@ -140,7 +143,8 @@ def jsonl_blocks(path: Path, block_bytes: int = BLOCK_BYTES, skip_long: bool = F
             if parts:
                 yield line, b"".join(parts)
     except (OSError, EOFError, zlib.error) as err:
-        raise fail(path, f"near line {line}", f"cannot be read ({getattr(err, 'strerror', None) or short(err)})") from None
+        raise fail(path, f"near line {line}", f"cannot be read "
+                                              f"({getattr(err, 'strerror', None) or short(err)})") from None
 
 
 def loads(raw: str) -> object:
@@ -159,7 +163,8 @@ def loads(raw: str) -> object:
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as err:
-            raise ValueError(f"holds a lone surrogate (\\u{ord(err.object[err.start]):04x}), which is not text") from None
+            raise ValueError(f"holds a lone surrogate (\\u{ord(err.object[err.start]):04x}), which is not "
+                             f"text") from None
     return value
 
 
@@ -173,7 +178,9 @@ def parse_jsonl_block(path: Path, first_line: int, block: bytes, keep_bad_lines:
         try:
             text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as err:
-            raise fail(path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
+            raise fail(
+                path, where, f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8"
+            ) from None
         try:
             value = loads(text)
         except ValueError as err:
@@ -243,8 +250,14 @@ def row_groups_bounded(path: Path, meta, columns: list[str] | None, first_row: i
         size = sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
                    if columns is None or group.column(j).path_in_schema.split(".")[0] in columns)  # fmt: skip
         if group.num_rows and size > limit * group.num_rows:
-            where = f"row {first_row}" if group.num_rows == 1 else f"rows {first_row}-{first_row + group.num_rows - 1}"
-            found = f"{size / (1 << 20) / group.num_rows:,.1f} MB" + (" a row on average" if group.num_rows > 1 else "")
+            where = (
+                f"row {first_row}"
+                if group.num_rows == 1
+                else f"rows {first_row}-{first_row + group.num_rows - 1}"
+            )
+            found = f"{size / (1 << 20) / group.num_rows:,.1f} MB" + (
+                " a row on average" if group.num_rows > 1 else ""
+            )
             if not skip:
                 raise fail(path, where, too_long(limit, found))
             over[k] = (where, too_long(limit, found))
@@ -275,7 +288,8 @@ def out_of_range(path: Path, values, first_row: int, err: Exception) -> UsageErr
         if not converts(column):
             row = next(i for i in range(len(column)) if not converts(column.slice(i, 1)))
             named = f' column "{name}"' if name is not None else ""
-            return fail(path, f"row {first_row + row}{named}", f"holds a {column.type} value outside Python's range "
+            return fail(path, f"row {first_row + row}{named}", f"holds a {column.type} value outside "
+                                                               f"Python's range "
                          f"({short(err)}); fix or drop the column, or store it as text")  # fmt: skip
     return fail(path, "", f"cannot be read ({short(err)})")
 

@@ -34,8 +34,16 @@ class Data:
     conversations: object = None
 
 
-def _data_loader(dataset, device: torch.device, data_cfg=None, collate_fn=None, *, batch_size: int | None = None,
-                 sampler=None, batch_sampler=None) -> DataLoader:
+def _data_loader(
+    dataset,
+    device: torch.device,
+    data_cfg=None,
+    collate_fn=None,
+    *,
+    batch_size: int | None = None,
+    sampler=None,
+    batch_sampler=None,
+) -> DataLoader:
     """data_cfg: the training knobs; batch_sampler: whole batches (sizes vary); else batch_size
     rows in sampler's order, the last partial batch dropped (every micro-batch the same size).
     No data_cfg: validation (see make_val_loader)."""
@@ -55,7 +63,14 @@ def _data_loader(dataset, device: torch.device, data_cfg=None, collate_fn=None, 
 
 
 def make_loader(
-    dataset, data_cfg, batch_size: int, seed: int, device: torch.device, collate_fn=None, rank: int = 0, world_size: int = 1,
+    dataset,
+    data_cfg,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    collate_fn=None,
+    rank: int = 0,
+    world_size: int = 1,
     budget: int | None = None,
 ):
     """(loader, sampler) for training at a micro-batch: batches by TOKEN_BUDGET, length-grouped
@@ -69,9 +84,13 @@ def make_loader(
         return _data_loader(dataset, device, data_cfg, collate_fn, batch_sampler=sampler), sampler
     if getattr(data_cfg, "length_grouping", False) and not data_cfg.packing:
         sampler = GroupedSampler(dataset.lengths, batch_size, seed=seed, budget=budget, **share)
-        return _data_loader(dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler), sampler
+        return _data_loader(
+            dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler
+        ), sampler
     sampler = EpochSampler(len(dataset), seed, rank, world_size)
-    return _data_loader(dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler), sampler
+    return _data_loader(
+        dataset, device, data_cfg, collate_fn, batch_size=batch_size, sampler=sampler
+    ), sampler
 
 
 def make_val_loader(dataset, batch_size: int, device: torch.device, collate_fn=None) -> DataLoader:

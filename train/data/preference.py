@@ -91,5 +91,6 @@ def longer(max_length: int, context: int | None) -> str:
     if context is not None and max_length >= context:
         return (f"MAX_LENGTH={max_length} is already the model's context, so only shorter pairs (or a model "
                 "with a longer context) score whole replies")
-    up_to = f" (up to the model's context, {context})" if context is not None else " (up to the model's context)"
+    up_to = f" (up to the model's context, {context})" if context is not None else (" (up to the model's "
+                                                                                    "context)")
     return f"raise MAX_LENGTH{up_to} to score whole replies"

@@ -22,10 +22,13 @@ from train.data.json_lines import record_limit, suffix_of
 from train.data.loader import Data
 
 
-def pretraining_data(d, tok, *, max_length: int, objective: str, eval_batches: int, seed: int, say, decide) -> Data:
+def pretraining_data(
+    d, tok, *, max_length: int, objective: str, eval_batches: int, seed: int, say, decide
+) -> Data:
     """Token cache and the packed train / held-out datasets of data config `d`, tokenized by `tok`
-    (train/data/tokenizer.py's corpus_tokenizer). objective: the family's (Family.objective): an encoder-decoder's (T5, BART ...) span_corruption trains
-    on T5's span corruption of raw windows a little longer than MAX_LENGTH; its sentinels are
+    (train/data/tokenizer.py's corpus_tokenizer). objective: the family's (Family.objective): an
+    encoder-decoder's (T5, BART ...) span_corruption trains on T5's span corruption of raw windows a little
+    longer than MAX_LENGTH; its sentinels are
     added to the tokenizer here. NUM_WORKERS above the CPU cores is lowered in `d` (a decision)."""
     cache_dir = Path(d.cache_dir)
     with record_limit(d.max_record_mb):
@@ -36,19 +39,26 @@ def pretraining_data(d, tok, *, max_length: int, objective: str, eval_batches: i
         tokens = data.token_cache(files, key, tok, cache_dir, say, d.text_field, d.tokenize_workers)
     cores = cpu_cores()
     if d.num_workers > cores:
-        decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers only contend")
+        decide("num_workers", cores, f"NUM_WORKERS={d.num_workers} but only {cores} CPU cores: more workers "
+                                     f"only contend")
         d.num_workers = cores
     span = objective == span_corruption.OBJECTIVE
     window = span_lengths(max_length)[0] if span else max_length
     dataset = data.PackedDataset(tokens, window)
-    dataset, val_dataset = split_pretraining(d, eval_batches, dataset, tok, cache_dir, max_length, say, decide, window)
+    dataset, val_dataset = split_pretraining(
+        d, eval_batches, dataset, tok, cache_dir, max_length, say, decide, window
+    )
     if not span:
         return Data(tokenizer=tok, dataset=dataset, val_dataset=val_dataset)
     # Sentinels after every token cache is built: the caches' key is the tokenizer GPT-2 runs share.
     sentinels, added = data.sentinel_ids(tok, span_corruption.sentinels_needed(window))
     source, target = corrupted_lengths(window)
-    decide("objective", "span corruption", f"T5's: raw windows of {window} tokens -> source {source}, target "
-           f"{target} (15 % noise in spans of 3{f'; {added} sentinel tokens added' if added else ''})")  # fmt: skip
+    decide(
+        "objective",
+        "span corruption",
+        f"T5's: raw windows of {window} tokens -> source {source}, target "
+        f"{target} (15 % noise in spans of 3{f'; {added} sentinel tokens added' if added else ''})",
+    )
     # The ids the model's config takes from this tokenizer: an encoder-decoder without a pad pads
     # (and starts its decoder) with end-of-text, as T5 does.
     eos = tok.convert_tokens_to_ids(tok.eos_token)
@@ -74,7 +84,8 @@ def note_plain_text(files: list[Path], variable: str, text_field: str, decide) -
     kinds = ", ".join(sorted({suffix_of(f) or "no suffix" for f in other}))
     more = f" and {len(other) - 1} more" if len(other) > 1 else ""
     decide(f"{variable.lower()}_format", f"plain text ({kinds})",
-           f"{variable}: {other[0].name}{more} is not .txt/.md/.jsonl/.parquet/Arrow, so it is read as plain text and "
+           f"{variable}: {other[0].name}{more} is not .txt/.md/.jsonl/.parquet/Arrow, so it is read as plain "
+           f"text and "
            f"every character trained on: a CSV's commas, quotes and header line too; to train on one column, "
            f"convert it to JSONL or parquet with a {text_field} field (TEXT_FIELD)")  # fmt: skip
 
@@ -94,7 +105,8 @@ def split_pretraining(d, eval_batches: int, dataset, tok, cache_dir: Path, max_l
         val = data.PackedDataset(tokens, window)
         if len(val) == 0:
             raw = f" (a raw window of {window} before span corruption)" if window != max_length else ""
-            raise UsageError(f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} sequence{raw}")
+            raise UsageError(f"VAL_PATH: {len(tokens)} tokens are fewer than one MAX_LENGTH={max_length} "
+                             f"sequence{raw}")
         decide("validation", f"{len(val)} sequences", f"VAL_PATH={d.val_path}")
         return dataset, val
     want = eval_batches * VAL_ROWS

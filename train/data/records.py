@@ -147,7 +147,8 @@ def source_files(data_path: str) -> list[Path]:
         return [path]
     if not path.is_dir():
         if not _regular(path):
-            raise UsageError(f"DATA_PATH: {path} is not a regular file (a FIFO, socket or device); name a file")
+            raise UsageError(f"DATA_PATH: {path} is not a regular file (a FIFO, socket or device); name a "
+                             f"file")
         return [path]
     found = _walk(path)
     if not found:
@@ -169,7 +170,9 @@ def iter_records(path: Path, keep_bad_lines: bool = False) -> Iterator[tuple[str
     if path.is_dir() or suffix in (".parquet", ".arrow"):
         row = 0
         for batch in record_batches(path, skip_long=keep_bad_lines):
-            for record in [batch] * batch.rows if isinstance(batch, SkippedRows) else as_python(path, batch, row + 1):
+            for record in (
+                [batch] * batch.rows if isinstance(batch, SkippedRows) else as_python(path, batch, row + 1)
+            ):
                 row += 1
                 yield f"row {row}", record
         return
@@ -218,7 +221,9 @@ def text_file_pieces(path: Path) -> Iterator[str]:
                 try:
                     buffer += decoder.decode(block)
                 except UnicodeDecodeError as err:
-                    raise _fail(path, "", f"is not UTF-8 text (bad byte at offset {offset + err.start})") from None
+                    raise _fail(
+                        path, "", f"is not UTF-8 text (bad byte at offset {offset + err.start})"
+                    ) from None
                 offset += len(block)
                 buffer = yield from _emit_ready(buffer)
             try:

@@ -74,7 +74,9 @@ class SpanCorruptionDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         window = self.windows[index]["input_ids"].numpy()
         rng = np.random.default_rng([self.seed, index])  # SEED and the index: the same sample on resume
-        source, target = corrupt(window, random_spans_noise_mask(len(window), rng), self.sentinels, self.eos_id)
+        source, target = corrupt(
+            window, random_spans_noise_mask(len(window), rng), self.sentinels, self.eos_id
+        )
         return {"input_ids": torch.from_numpy(source), "labels": torch.from_numpy(target)}
 
 

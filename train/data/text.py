@@ -76,12 +76,21 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
     total, budget = sum(token_shards.source_size(p) for p in files), int(sample_mb * (1 << 20))
     stride = max(1, -(-total // max(budget, 1)))
     if stride == 1:
-        say(f"training the tokenizer on the whole corpus ({total / 1e6:,.1f} MB; TOKENIZER_SAMPLE_MB={sample_mb:g})")
+        say(f"training the tokenizer on the whole corpus ({total / 1e6:,.1f} MB; "
+            f"TOKENIZER_SAMPLE_MB={sample_mb:g})")
     else:
-        say(f"training the tokenizer on a {sample_mb:g} MB sample of the {total / 1e6:,.1f} MB corpus: one part in "
+        say(f"training the tokenizer on a {sample_mb:g} MB sample of the {total / 1e6:,.1f} MB corpus: one "
+            f"part in "
             f"{stride}, spread through it (TOKENIZER_SAMPLE_MB)")  # fmt: skip
     taken = 0
-    with tqdm(total=min(total, budget), desc="tokenizer sample", unit="B", unit_scale=True, leave=False, disable=None) as bar:
+    with tqdm(
+        total=min(total, budget),
+        desc="tokenizer sample",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        disable=None,
+    ) as bar:
         for index, (_, unit, size) in enumerate(tokenize.iter_units(files, text_field)):
             if index % stride:
                 continue
@@ -92,9 +101,18 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
                 return
 
 
-def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, vocab_size: int, cache_dir: Path, say,
-                   text_field: str = "text", sample_mb: float = DEFAULT_SAMPLE_MB, texts=None,
-                   specials: tuple[str, ...] = (EOS,)):  # fmt: skip
+def load_tokenizer(
+    tokenizer_path: str | None,
+    files: list[Path],
+    key: str,
+    vocab_size: int,
+    cache_dir: Path,
+    say,
+    text_field: str = "text",
+    sample_mb: float = DEFAULT_SAMPLE_MB,
+    texts=None,
+    specials: tuple[str, ...] = (EOS,),
+):
     """A local AutoTokenizer folder, or a byte-level BPE trained on (a sample of) the corpus and
     cached. texts: a callable giving the texts to train on instead of sample_pieces' (SFT's
     turns); specials: the special tokens at ids 0, 1 ... (special_layout), EOS among them."""
@@ -104,9 +122,13 @@ def load_tokenizer(tokenizer_path: str | None, files: list[Path], key: str, voca
         # Pretraining has no TRUST_REMOTE_CODE: a tokenizer folder never runs its own code here.
         refuse_custom_code(tokenizer_path, "TOKENIZER_PATH")
         try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True, trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(
+                tokenizer_path, local_files_only=True, trust_remote_code=False
+            )
         except (OSError, ValueError) as err:
-            raise UsageError(f"TOKENIZER_PATH: cannot load a tokenizer from {tokenizer_path}: {err}") from None
+            raise UsageError(
+                f"TOKENIZER_PATH: cannot load a tokenizer from {tokenizer_path}: {err}"
+            ) from None
         if tok.eos_token is None:
             tok.add_special_tokens({"eos_token": EOS})
         return tok
@@ -143,7 +165,8 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
     cache_files.drop_link(folder, say)
     if folder.is_dir() and any(p.is_symlink() for p in folder.iterdir()):
         # a file of it linked elsewhere would be read by transformers: not a folder this kit saved
-        say(f"tokenizer cache {folder} holds a symbolic link, not a cache this kit wrote; removed, building it again")
+        say(f"tokenizer cache {folder} holds a symbolic link, not a cache this kit wrote; removed, building "
+            f"it again")
         cache_files.remove(folder)
     if folder.exists():
         try:  # its files as they were saved (kit-sha256.json), then loadable
@@ -157,7 +180,9 @@ def _cached_or_trained(folder: Path, texts, vocab_size: int, say, specials: tupl
                 raise UsageError(f"CACHE_DIR: cannot remove the damaged tokenizer cache {folder}") from None
     with cache_files.building("training the tokenizer", "the tokenizer", folder) as temps:
         tok = _train_tokenizer(json_lines.carried(texts()), vocab_size, say, specials, source)
-        if not cache_files.save_folder(folder, lambda tmp: (tok.save_pretrained(tmp), cache_files.seal(tmp)), temps):
+        if not cache_files.save_folder(
+            folder, lambda tmp: (tok.save_pretrained(tmp), cache_files.seal(tmp)), temps
+        ):
             # Another run on the same corpus (same key) saved it first: use that one, so every
             # run of this corpus tokenizes with the same files.
             return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
@@ -191,7 +216,8 @@ def _train_tokenizer(pieces: Iterator[str], vocab_size: int, say, specials: tupl
 # 1.0 a byte, 4x its rate on its own text), fitting a third of the text into MAX_LENGTH.
 FIT_SAMPLE_CHARS = 64 << 10
 FIT_RATIO = 2.5
-OWN_RATE_CAP = 0.35  # tokens per byte: a tokenizer made for other text than Python is held to what a BPE spends there
+# tokens per byte: a tokenizer made for other text than Python is held to what a BPE spends there
+OWN_RATE_CAP = 0.35
 
 
 def language_note(tok, texts, say, variable: str = "DATA_PATH") -> None:
@@ -217,9 +243,12 @@ def language_note(tok, texts, say, variable: str = "DATA_PATH") -> None:
     if rate[0] > FIT_RATIO * rate[1]:
         per_char = rate[0] * len(data.encode("utf-8")) / len(data)
         say(f"note: the tokenizer spends {per_char:.2f} tokens per character on {variable}'s first records, "
-            f"{rate[0] / rate[1]:.1f}x its rate on English and code: it knows little of this language (bytes, not "
-            "words), so a third as much text fits MAX_LENGTH and long records are cut. Train a BPE on the data "
-            "(leave TOKENIZER_PATH empty; raise VOCAB_SIZE for a language of thousands of characters) or give one "
+            f"{rate[0] / rate[1]:.1f}x its rate on English and code: it knows little of this language "
+            f"(bytes, not "
+            "words), so a third as much text fits MAX_LENGTH and long records are cut. Train a BPE on the "
+            "data "
+            "(leave TOKENIZER_PATH empty; raise VOCAB_SIZE for a language of thousands of characters) or "
+            "give one "
             "that knows the language (TOKENIZER_PATH, or a MODEL_PATH made for it); see docs/data.md")
 
 
@@ -263,14 +292,22 @@ class PackedDataset(Dataset):
     def __init__(self, tokens: np.memmap | token_shards.TokenStream, max_length: int):
         self.tokens, self.max_length = tokens, max_length
         # A TokenStream pickles as its file names; a memmap as (file, dtype, length).
-        self._source = tokens if isinstance(tokens, token_shards.TokenStream) else (tokens.filename, tokens.dtype.name, len(tokens))
+        self._source = (
+            tokens
+            if isinstance(tokens, token_shards.TokenStream)
+            else (tokens.filename, tokens.dtype.name, len(tokens))
+        )
 
     def __getstate__(self):
         # Workers reopen the memmap rather than receiving a pickled copy of every token.
         return {"max_length": self.max_length, "_source": self._source, "tokens": None}
 
     def __len__(self) -> int:
-        return len(self._source) // self.max_length if isinstance(self._source, token_shards.TokenStream) else self._source[2] // self.max_length
+        return (
+            len(self._source) // self.max_length
+            if isinstance(self._source, token_shards.TokenStream)
+            else self._source[2] // self.max_length
+        )
 
     def __getitem__(self, index: int) -> dict:
         if self.tokens is None:

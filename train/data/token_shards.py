@@ -138,9 +138,16 @@ def _sound_entry(index: int, entry) -> bool:
     def sha(v) -> bool:
         return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
-    return (isinstance(entry, dict) and entry.get("file") == f"shard-{index:05d}.bin" and count(entry.get("tokens"))
-            and sha(entry.get("sha256")) and type(entry.get("max")) is int and entry["max"] >= -1
-            and place(entry.get("start")) and place(entry.get("end")))  # fmt: skip
+    return (
+        isinstance(entry, dict)
+        and entry.get("file") == f"shard-{index:05d}.bin"
+        and count(entry.get("tokens"))
+        and sha(entry.get("sha256"))
+        and type(entry.get("max")) is int
+        and entry["max"] >= -1
+        and place(entry.get("start"))
+        and place(entry.get("end"))
+    )
 
 
 def _read_checked(folder: Path) -> dict:
@@ -164,7 +171,9 @@ def _read_manifest(folder: Path, dtype: np.dtype, vocab: int, n_files: int) -> t
         # Shards follow one another through the data, and a complete cache's count is theirs:
         # a manifest cut short (entries deleted) must not serve part of the corpus as the whole.
         ok = ok and all(e["start"] == (shards[i - 1]["end"] if i else [0, 0]) for i, e in enumerate(shards))
-        ok = ok and (not manifest.get("complete") or manifest.get("n_tokens") == sum(e["tokens"] for e in shards))
+        ok = ok and (
+            not manifest.get("complete") or manifest.get("n_tokens") == sum(e["tokens"] for e in shards)
+        )
     except (ValueError, KeyError, TypeError, RecursionError) as err:
         return None, f"{MANIFEST} cannot be read: {cache_files.short(err)}"
     except OSError as err:
@@ -211,7 +220,13 @@ def _built(folder, manifest, sources, text_field, tok, dtype, workers, say) -> d
     fresh cache)."""
     if manifest is None:
         cache_files.remove(folder)
-        manifest = {"format": FORMAT, "dtype": dtype.name, "vocab": len(tok), "files": len(sources), "shards": []}
+        manifest = {
+            "format": FORMAT,
+            "dtype": dtype.name,
+            "vocab": len(tok),
+            "files": len(sources),
+            "shards": [],
+        }
     build = _Build(folder, manifest, sources, text_field, tok, dtype, workers, say)
     build.mend()
     if not manifest.get("complete"):
@@ -254,7 +269,8 @@ class _Build:
         wanted = tokenize.all_cores() if workers is None else workers
         self.workers = wanted if self.source_bytes >= tokenize.POOL_MIN_BYTES else 1
         if not hasattr(tok, "backend_tokenizer"):
-            raise UsageError("TOKENIZER_PATH: the token cache needs a fast tokenizer (a folder with tokenizer.json)")
+            raise UsageError("TOKENIZER_PATH: the token cache needs a fast tokenizer (a folder with "
+                             "tokenizer.json)")
         self.tokenizer_json = tok.backend_tokenizer.to_str()
         self.eos_id = tok.convert_tokens_to_ids(tok.eos_token)
 
@@ -280,7 +296,9 @@ class _Build:
             self.say(f"token cache shard {path} was damaged ({damage}); rebuilding it alone")
             with self.encoder() as encoder, self._guard(path), ExitStack() as stack:
                 shard = _ShardFile(path, entry["start"], stack)
-                units = _until(tokenize.iter_units(self.files, self.field, tuple(entry["start"])), tuple(entry["end"]))
+                units = _until(
+                    tokenize.iter_units(self.files, self.field, tuple(entry["start"])), tuple(entry["end"])
+                )
                 for _, ids in encoder.map((None, unit) for _, unit, _ in units):
                     shard.add(ids)
                 rebuilt = shard.close(entry["end"])
@@ -299,7 +317,8 @@ class _Build:
         self.say(f"tokenizing {len(self.files)} file(s) into the token cache (once per corpus and tokenizer; "
                  f"{self.workers} worker(s), TOKENIZE_WORKERS)")  # fmt: skip
         cache_files.cache_folder(self.folder)
-        for stray in [*self.folder.glob(".*.tmp"), *self.folder.glob("*.tmp*")]:  # a killed build's; we hold the lock
+        # a killed build's; we hold the lock
+        for stray in [*self.folder.glob(".*.tmp"), *self.folder.glob("*.tmp*")]:
             files.remove(stray)
         began, before = time.perf_counter(), sum(s["tokens"] for s in shards)
         with self.encoder() as encoder, tokenize.Progress(self.source_bytes) as bar:
@@ -341,7 +360,8 @@ class _Build:
         self.manifest.update(complete=True, n_tokens=n_tokens)
         with self._guard(self.folder / MANIFEST):
             cache_files.write_json(self.folder / MANIFEST, self.manifest)
-        rate = f"{self.source_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, {new_tokens / max(seconds, 1e-9):,.0f} tokens/s"
+        rate = (f"{self.source_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
+                f"{new_tokens / max(seconds, 1e-9):,.0f} tokens/s")
         self.say(f"cached {n_tokens:,} tokens from {len(self.files)} file(s) in {self.folder} "
                  f"({len(self.manifest['shards'])} shard(s); {rate})")  # fmt: skip
 

@@ -55,7 +55,11 @@ def _columns(path: Path, field: str) -> Iterator[tuple[list, int, int]]:
             column = column.dictionary_decode()
         # A batch may be a slice of a whole decoded row group, and a slice pickles with its
         # parent's buffers (120 MB for 1 MB of text): a compact copy goes to the worker.
-        arrays.append(pa.concat_arrays([column]) if column.offset or column.get_total_buffer_size() > 2 * column.nbytes else column)
+        arrays.append(
+            pa.concat_arrays([column])
+            if column.offset or column.get_total_buffer_size() > 2 * column.nbytes
+            else column
+        )
         size += column.nbytes
         row += len(column)
         if size >= UNIT_SIZE:
@@ -91,7 +95,9 @@ def file_units(path: Path, field: str) -> Iterator[tuple[tuple, int]]:
             yield ("jsonl", str(path), first_line, block, field), len(block)
 
 
-def iter_units(files: list[Path], field: str, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[tuple, tuple, int]]:
+def iter_units(
+    files: list[Path], field: str, start: tuple[int, int] = (0, 0)
+) -> Iterator[tuple[tuple, tuple, int]]:
     """((file index, unit index), unit, size) for every unit of the corpus from `start` on.
     Units before it are read but not returned (cheap next to encoding them)."""
     for file_index, path in enumerate(files):
@@ -187,7 +193,9 @@ def workers_pool(workers: int, context, initializer, initargs: tuple) -> Process
     return ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs)
 
 
-def in_order(pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int) -> Iterator[tuple]:
+def in_order(
+    pool: ProcessPoolExecutor, fn, items: Iterable[tuple[object, object]], limit: int
+) -> Iterator[tuple]:
     """(tag, fn(arg)) for each (tag, arg) of items, in order, at most `limit` in flight (memory
     stays flat). A worker that dies fails the run in one line (WORKER_DIED), never a hang."""
     pending: deque = deque()
@@ -213,7 +221,9 @@ class Encoder:
     """Encodes units in order, in `workers` processes (or in this one for small corpora or one
     worker). A context manager: the processes end with it, whatever happened."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, workers: int, temp_dir: Path | None = None):
+    def __init__(
+        self, tokenizer_json: str, eos_id: int, dtype: np.dtype, workers: int, temp_dir: Path | None = None
+    ):
         self.args = (tokenizer_json, eos_id, np.dtype(dtype).name)
         self.workers = workers
         self.temp_dir = temp_dir  # the cache folder, whose *.tmp strays a later build sweeps (a SIGKILL's)
@@ -231,7 +241,9 @@ class Encoder:
                     out.write(self.args[0])
                 # spawn: lean workers (no copy of torch), and no fork of a process with threads.
                 context = multiprocessing.get_context("spawn")
-                self.pool = workers_pool(self.workers, context, _start_worker, (self.tokenizer_file, *self.args[1:]))
+                self.pool = workers_pool(
+                    self.workers, context, _start_worker, (self.tokenizer_file, *self.args[1:])
+                )
             except BaseException:  # no pool (too many files, Ctrl+C while starting): no file left
                 Path(self.tokenizer_file).unlink(missing_ok=True)
                 raise
@@ -248,7 +260,10 @@ class Encoder:
         """(tag, ids) for each (tag, unit), in order; `items` is read only a few units ahead."""
         if self.pool is None:
             for tag, unit in items:
-                yield tag, encode_pieces(self.backend, unit_pieces(unit), self.args[1], np.dtype(self.args[2]))
+                yield (
+                    tag,
+                    encode_pieces(self.backend, unit_pieces(unit), self.args[1], np.dtype(self.args[2])),
+                )
             return
         yield from in_order(self.pool, _encode_unit, items, self.workers * IN_FLIGHT_PER_WORKER)
 

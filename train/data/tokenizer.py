@@ -34,7 +34,11 @@ def corpus_tokenizer(d, say):
         tok = text_lib.load_tokenizer(d.tokenizer_path, files, key, d.vocab_size, Path(d.cache_dir), say,
                                       d.text_field, d.tokenizer_sample_mb)
         if d.data_path is not None:  # a tokenizer far costlier on this text than on its own: a note
-            first = (p for _, unit, _ in tokenize.iter_units(files, d.text_field) for p in tokenize.unit_pieces(unit))
+            first = (
+                p
+                for _, unit, _ in tokenize.iter_units(files, d.text_field)
+                for p in tokenize.unit_pieces(unit)
+            )
             text_lib.language_note(tok, (p for p in first if p), say)
     return tok
 
@@ -43,10 +47,13 @@ def folder_tokenizer(folder, variable: str, trust_remote_code: bool, bare: bool 
     """A saved model's tokenizer (its folder, or TOKENIZER_PATH), offline; one line on failure."""
     from transformers import AutoTokenizer
 
-    allow = "TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain folder)"
+    allow = ("TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain "
+             "folder)")
     refuse_custom_code(folder, variable.split("=")[0], trust_remote_code, allow=allow)
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a bad folder
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         also = "; a bare checkpoint's tokenizer is given with TOKENIZER_PATH" if bare else ""
@@ -69,9 +76,17 @@ def turns_tokenizer(d, declared: dict, variable: str, say, decide):
     specials = layout or (text_lib.EOS,)
     if layout and layout != (text_lib.EOS,):
         decide("tokenizer_specials", list(layout), f"{variable}'s pad / eos ids, so its ids hold")
-    return text_lib.load_tokenizer(None, files, key, d.vocab_size, cache, say, sample_mb=d.tokenizer_sample_mb,
-                                   specials=specials,
-                                   texts=lambda: turn_texts(d.data_path, d.tokenizer_sample_mb, d.text_field))
+    return text_lib.load_tokenizer(
+        None,
+        files,
+        key,
+        d.vocab_size,
+        cache,
+        say,
+        sample_mb=d.tokenizer_sample_mb,
+        specials=specials,
+        texts=lambda: turn_texts(d.data_path, d.tokenizer_sample_mb, d.text_field),
+    )
 
 
 def chat_tokens(tok, template: str | None = None) -> int:

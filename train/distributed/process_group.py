@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from train.core.errors import UsageError
-from train.distributed.world import SINGLE, Dist, from_env, needs_group, quiet_errors  # noqa: F401 (the kit's names)
+
+# (the kit's names)
+from train.distributed.world import SINGLE, Dist, from_env, needs_group, quiet_errors  # noqa: F401
 
 # Host-side agreement (stop signals, non-finite streaks) runs on gloo: with NCCL the default
 # group's collectives would need a CUDA tensor and a device sync each step.
@@ -55,7 +57,8 @@ def launch(train_fn, cfg, world: Dist) -> int:
         if backend == "nccl":
             if world.local_rank >= torch.cuda.device_count():
                 raise UsageError(
-                    f"NPROC_PER_NODE: LOCAL_RANK {world.local_rank} but only {torch.cuda.device_count()} GPU(s) visible"
+                    f"NPROC_PER_NODE: LOCAL_RANK {world.local_rank} but only {torch.cuda.device_count()} "
+                    f"GPU(s) visible"
                 )
             torch.cuda.set_device(world.local_rank)
         if world.world_size == 1:
@@ -79,7 +82,10 @@ def launch(train_fn, cfg, world: Dist) -> int:
                 raise
             # Another rank died: a traceback per survivor says nothing more than this line.
             if world.is_main:
-                print(f"error: lost contact with another process of the run ({type(err).__name__})", file=sys.stderr)
+                print(
+                    f"error: lost contact with another process of the run ({type(err).__name__})",
+                    file=sys.stderr,
+                )
             return 1
         finally:
             _host_group = None
@@ -110,7 +116,8 @@ def _lost_peer(err: Exception) -> bool:
     DistError)."""
     text = str(err)
     return isinstance(err, dist.DistError) or (
-        isinstance(err, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset by peer"))
+        isinstance(err, RuntimeError)
+        and any(k in text for k in ("Connection closed by peer", "Connection reset by peer"))
     )
 
 

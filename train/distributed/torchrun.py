@@ -1,4 +1,5 @@
-"""`python -m train.distributed.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the launchers
+"""`python -m train.distributed.torchrun <torchrun arguments>`: torchrun (torch.distributed.run) as the
+launchers
 start it with NPROC_PER_NODE > 1, except that bad input stays what it is with one process: one
 line from rank 0 and exit code 2, not torchrun's report of a failed child with a traceback.
 
@@ -51,7 +52,8 @@ def _what_failed(failures: dict) -> str:
     ranks that then failed talking to it; a rank's own Python error is printed above by it."""
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
     rank, failure = min((killed or failures).items(), key=lambda item: item[1].timestamp)
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else (f"exited with code "
+                                                                                 f"{failure.exitcode}")
     return (
         f"rank {rank} {how}; torchrun stopped the other ranks. Checkpoints already written are intact: "
         "RESUME=1 with the same RUN_NAME continues from the newest one"

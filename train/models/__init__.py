@@ -1,4 +1,5 @@
-"""The model families, one registry entry each (family.py's Family; gpt2.py, t5.py, llama.py: llama, qwen3), and
+"""The model families, one registry entry each (family.py's Family; gpt2.py, t5.py, llama.py: llama, qwen3),
+and
 the two doors every model goes through: build.py makes every new model (pretraining, SFT from
 scratch), load.py loads every saved one (SFT's MODEL_PATH, generate, import; state_dict.py reads a
 bare checkpoint). Imports train/core only. The family is decided once (family_of / FAMILIES) and
@@ -16,5 +17,16 @@ DEFAULT_FAMILY = GPT2.name
 SIZES = ("nano", "tiny", "small", "medium")
 """MODEL_SIZE's names: every family has each."""
 
-__all__ = ["CAUSAL", "CAUSAL_LM", "DEFAULT_FAMILY", "ENCODER_DECODER", "FAMILIES", "KINDS", "SEQ2SEQ", "SIZES", "Family", "Layout",
-           "family_of"]
+__all__ = [
+    "CAUSAL",
+    "CAUSAL_LM",
+    "DEFAULT_FAMILY",
+    "ENCODER_DECODER",
+    "FAMILIES",
+    "KINDS",
+    "SEQ2SEQ",
+    "SIZES",
+    "Family",
+    "Layout",
+    "family_of",
+]

@@ -18,8 +18,14 @@ from train.models.checks import check_raw, check_shape, load_json, refuse_other_
 from train.models.family import Family, family_of, set_dropout
 
 
-def build_config(model_size: str, model_config: str | None, vocab_size: int, eos_id: int, model_family: str = "gpt2",
-                 dropout: float | None = None):
+def build_config(
+    model_size: str,
+    model_config: str | None,
+    vocab_size: int,
+    eos_id: int,
+    model_family: str = "gpt2",
+    dropout: float | None = None,
+):
     """MODEL_CONFIG's config (vocab and special ids replaced by the tokenizer's), else MODEL_SIZE's
     shape in MODEL_FAMILY's table. dropout (DROPOUT) in every dropout setting of it; None: 0 for
     MODEL_SIZE's (transformers' own 0.1 for GPT-2 and T5 cost nanoGPT's +11 % tokens/s on an H200),
@@ -37,7 +43,8 @@ def build_config(model_size: str, model_config: str | None, vocab_size: int, eos
         raw = load_json(config_file_of(model_config).read_text())
         model_type = raw.pop("model_type")
         refuse_unknown_type(model_type, f"MODEL_CONFIG={model_config}")
-        check_raw(raw, f"MODEL_CONFIG={model_config}")  # ids within its own vocabulary, before the tokenizer's
+        # ids within its own vocabulary, before the tokenizer's
+        check_raw(raw, f"MODEL_CONFIG={model_config}")
         raw.update(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
         cfg = AutoConfig.for_model(model_type, **raw)
     except UsageError:

@@ -27,8 +27,10 @@ def refuse_other_kinds(cfg, variable: str) -> None:
     list of every config class."""
     if family_of(cfg) is None:
         raise UsageError(
-            f"{variable}: model type {getattr(cfg, 'model_type', None)!r} is neither a causal LM (gpt2, llama, "
-            "qwen2, mistral ...) nor an encoder-decoder LM (t5, mt5, bart ...); this kit trains those two kinds"
+            f"{variable}: model type {getattr(cfg, 'model_type', None)!r} is neither a causal LM (gpt2, "
+            f"llama, "
+            "qwen2, mistral ...) nor an encoder-decoder LM (t5, mt5, bart ...); this kit trains those two "
+            "kinds"
         )
 
 
@@ -39,7 +41,8 @@ def refuse_unknown_type(model_type, variable: str, hint: str = "") -> None:
 
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise UsageError(
-            f"{variable}: unknown model_type {str(model_type)[:80]!r}; this kit trains causal LMs (gpt2, llama, "
+            f"{variable}: unknown model_type {str(model_type)[:80]!r}; this kit trains causal LMs (gpt2, "
+            f"llama, "
             f"qwen2 ...) and encoder-decoders (t5, bart ...){hint}"
         )
 
@@ -61,7 +64,8 @@ def check_shape(cfg, variable: str) -> None:
     whole("the width (n_embd / hidden_size)", hidden)
     whole("the number of heads (n_head / num_attention_heads)", heads)
     if getattr(cfg, "head_dim", None) is None and getattr(cfg, "d_kv", None) is None and hidden % heads:
-        raise UsageError(f"{variable}: the width {hidden} (n_embd / hidden_size) is not divisible by the {heads} heads")
+        raise UsageError(f"{variable}: the width {hidden} (n_embd / hidden_size) is not divisible by the "
+                         f"{heads} heads")
     kv = getattr(cfg, "num_key_value_heads", None)
     if kv is not None and heads % whole("num_key_value_heads", kv):
         raise UsageError(f"{variable}: {heads} attention heads are not divisible by num_key_value_heads {kv}")
@@ -92,7 +96,8 @@ def check_buckets(cfg, variable: str) -> None:
     if buckets is None:
         return
     if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 4:
-        raise UsageError(f"{variable}: relative_attention_num_buckets must be a whole number >= 4, got {buckets!r}")
+        raise UsageError(f"{variable}: relative_attention_num_buckets must be a whole number >= 4, got "
+                         f"{buckets!r}")
     if distance is not None and distance <= buckets // 2:
         raise UsageError(
             f"{variable}: relative_attention_max_distance ({distance}) must be larger than half of "
@@ -124,7 +129,8 @@ def check_layers(cfg, variable: str) -> None:
     experts = max((n for name in EXPERTS if isinstance(n := getattr(cfg, name, None), int)), default=0)
     if experts > 1 or hasattr(cfg, "output_router_logits"):
         raise UsageError(
-            f"{variable}: a mixture-of-experts model ({cfg.model_type}{f', {experts} experts' if experts > 1 else ''}): "
+            f"{variable}: a mixture-of-experts model "
+            f"({cfg.model_type}{f', {experts} experts' if experts > 1 else ''}): "
             "the kit's loss is the language model's alone, without its router's load-balancing loss "
             "(router_aux_loss_coef), so its experts would train unbalanced; this kit trains dense models"
         )
@@ -145,7 +151,10 @@ def check_raw(raw: dict, variable: str) -> None:
     from types import SimpleNamespace
 
     check_ids(raw, variable)
-    check_rope(SimpleNamespace(**{k: raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}), variable)
+    check_rope(
+        SimpleNamespace(**{k: raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}),
+        variable,
+    )
 
 
 # The ids the model itself indexes with: the pad row of the embeddings (Llama's padding_idx), an
@@ -165,7 +174,11 @@ def check_ids(values: dict, variable: str) -> None:
         for i in ids if isinstance(ids, list) else [ids]:
             if i is None:
                 continue
-            if isinstance(i, bool) or not isinstance(i, int) or (vocab is not None and not -vocab <= i < vocab):
+            if (
+                isinstance(i, bool)
+                or not isinstance(i, int)
+                or (vocab is not None and not -vocab <= i < vocab)
+            ):
                 raise UsageError(f"{variable}: {name} {i!r} is not one of the model's {vocab} token ids "
                                  "(a whole number from 0 to vocab_size - 1)")  # fmt: skip
 
@@ -177,8 +190,11 @@ def check_rope(cfg, variable: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
-    sets = {"": rope} if not isinstance(rope, dict) or not all(isinstance(v, dict) for v in rope.values()) else {
-        f"{layer}.": values for layer, values in rope.items()}
+    sets = (
+        {"": rope}
+        if not isinstance(rope, dict) or not all(isinstance(v, dict) for v in rope.values())
+        else {f"{layer}.": values for layer, values in rope.items()}
+    )
     theta = getattr(cfg, "rope_theta", None)
     for layer, values in sets.items():
         values = values if isinstance(values, dict) else {}
@@ -186,11 +202,18 @@ def check_rope(cfg, variable: str) -> None:
         if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
             raise UsageError(f"{variable}: {layer}rope_type {kind!r} is not one transformers has "
                              f"(default, {', '.join(ROPE_INIT_FUNCTIONS)})")  # fmt: skip
-        for name, value in (("rope_theta", values.get("rope_theta", theta)), ("factor", values.get("factor"))):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        for name, value in (
+            ("rope_theta", values.get("rope_theta", theta)),
+            ("factor", values.get("factor")),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            ):
                 what = f"{layer}{name}" if name == "rope_theta" else f"the rope_scaling {layer}{name}"
-                raise UsageError(f"{variable}: {what} is {value!r}; it must be a number above 0 "
-                                 f"({'10000 is usual' if name == 'rope_theta' else '1 leaves positions as they are'})")
+                raise UsageError(
+                    f"{variable}: {what} is {value!r}; it must be a number above 0 "
+                    f"({'10000 is usual' if name == 'rope_theta' else '1 leaves positions as they are'})"
+                )
 
 
 # The model a config describes, on the meta device: shapes and parameter counts with nothing allocated
@@ -204,7 +227,8 @@ def count_params(hf_cfg) -> int:
     Every block has the same shape, so a deep model is counted from its one- and two-block
     versions: 100,000 layers take milliseconds instead of minutes of building modules."""
     layers = hf_cfg.num_hidden_layers
-    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder:  # an encoder-decoder has two stacks: counted whole
+    # an encoder-decoder has two stacks: counted whole
+    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder:
         try:
             one, two = (meta_count(with_layers(hf_cfg, n)) for n in (1, 2))
             return one + (layers - 1) * (two - one)
@@ -245,9 +269,12 @@ def refuse_unbuilt(hf_cfg, variable: str, capacity: tuple[int | None, str] | Non
         raise
     except Exception as err:  # RuntimeError (storage size overflow), KeyError, AssertionError ...
         why = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        raise UsageError(f"{variable}: transformers cannot build this model ({type(err).__name__}: {why})") from None
+        raise UsageError(
+            f"{variable}: transformers cannot build this model ({type(err).__name__}: {why})"
+        ) from None
     have, what = capacity or (None, "")
     if have is not None and n * 4 > have:
-        raise UsageError(f"{variable}: this model ({n / 1e9:,.2f}B parameters) cannot be built here: its float32 "
+        raise UsageError(f"{variable}: this model ({n / 1e9:,.2f}B parameters) cannot be built here: its "
+                         f"float32 "
                          f"weights alone take {n * 4 / 2**30:,.1f} GiB, {what} has {have / 2**30:,.1f} GiB")
     return n

@@ -2,22 +2,23 @@
 gradients and optimizer state by precision, plus activations by batch, length and
 gradient checkpointing. Plain functions of a transformers config and the settings.
 
-The kit keeps parameters in fp32 (they are the master weights); fp16/bf16 autocast adds a
-half-precision copy of each matmul weight for the step. Gradients and optimizer state exist
-only for trainable parameters (FREEZE, or an adapter's own count: trainable_params): AdamW
-holds two fp32 states per parameter, SGD one (momentum), Adafactor one per row and per column
-of each matrix (and a whole vector's), plus, in its foreach step, an fp32 update per parameter. Activations are the tensors autograd saves for the backward pass, counted per
-token for the kit's GPT-2 block (transformers' implementation: its Python tanh-GELU saves
-five tensors of the MLP width, the guides' fused-GELU formula assumes two). The peak comes at
-the start of the backward pass, when every activation is alive and the loss adds its part:
-with transformers' loss three fp32 tensors of batch x length x vocab (log-softmax output, its
-gradient and the logits' gradient); with the kit's chunked loss (train/core/loss.py, on a bare
-model) the gradient of the hidden states and of the LM head's weight, kept from the forward
-pass, plus one chunk's logits and their gradient while it runs; with one micro-step per optimizer step the gradients are allocated only as the
-activations are freed, so they count at the peak only with accumulation.
+The kit keeps parameters in fp32 (they are the master weights); fp16/bf16 autocast adds a half-precision copy
+of each matmul weight for the step. Gradients and optimizer state exist only for trainable parameters (FREEZE,
+or an adapter's own count: trainable_params): AdamW holds two fp32 states per parameter, SGD one (momentum),
+Adafactor one per row and per column of each matrix (and a whole vector's), plus, in its foreach step, an fp32
+update per parameter. Activations are the tensors autograd saves for the backward pass, counted per token for
+the kit's GPT-2 block (transformers' implementation: its Python tanh-GELU saves five tensors of the MLP width,
+the guides' fused-GELU formula assumes two). The peak comes at the start of the backward pass, when every
+activation is alive and the loss adds its part: with transformers' loss three fp32 tensors of batch x length x
+vocab (log-softmax output, its gradient and the logits' gradient); with the kit's chunked loss
+(train/core/loss.py, on a bare model) the gradient of the hidden states and of the LM head's weight, kept from
+the forward pass, plus one chunk's logits and their gradient while it runs; with one micro-step per optimizer
+step the gradients are allocated only as the activations are freed, so they count at the peak only with
+accumulation.
 
-Checked without a GPU against the allocator's peak of real CPU steps of every path (tests/test_estimate_paths.py,
-bench/estimate_memory.py); what only a GPU adds is estimate_terms.py's, each term with its assumption.
+Checked without a GPU against the allocator's peak of real CPU steps of every path
+(tests/test_estimate_paths.py, bench/estimate_memory.py); what only a GPU adds is estimate_terms.py's, each
+term with its assumption.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from train.core.objective import mode_of
 from train.core.optim.registry import OPTIMIZERS
 from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
 from train.models import estimate_seq2seq, estimate_terms, lora
-from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401 (count_params: read here too)
+
+# (count_params: read here too)
+from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401
 from train.models.estimate_terms import PackedGrid
 from train.models.family import family_of
 from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
@@ -63,7 +66,9 @@ def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
     return _meta_trainable(hf_cfg, freeze)
 
 
-def optimizer_bytes(optimizer: str, trainable_params: int, factored_state: int | None = None) -> tuple[int, int]:
+def optimizer_bytes(
+    optimizer: str, trainable_params: int, factored_state: int | None = None
+) -> tuple[int, int]:
     """(state, the step's own temporaries) in bytes. factored_state: Adafactor's state elements
     (Trainable.factored); without it, one per parameter (an upper bound). Each optimizer's own
     count is its OPTIMIZERS entry's (train/core/optim/registry.py)."""
@@ -134,8 +139,8 @@ def layer_bytes_per_token(hf_cfg, precision: str) -> float:
     layer = (30 * h + 4 * kv + 8 * f if half else 32 * h + 8 * kv + 16 * f) + masks
     family = family_of(hf_cfg)
     if family is not None and family.qk_norm:
-        # Qwen3's q/k norms keep their fp32 input and normalised copy (under autocast the copy is cast to half):
-        # 8 bytes an element of q and k, 6 under autocast (measured, tests/test_estimate_paths.py).
+        # Qwen3's q/k norms keep their fp32 input and normalised copy (under autocast the copy is cast to
+        # half): 8 bytes an element of q and k, 6 under autocast (measured, tests/test_estimate_paths.py).
         q = s["heads"] * (getattr(hf_cfg, "head_dim", None) or h // s["heads"])
         layer += (6 if half else 8) * (q + kv)
     return layer
@@ -242,16 +247,29 @@ def estimate_memory(
         )  # fmt: skip
     else:
         acts = activation_bytes(
-            hf_cfg, batch_size, max_length, precision, gradient_checkpointing, attention_kind(hf_cfg, device_type),
-            chunked_loss, packed,
+            hf_cfg,
+            batch_size,
+            max_length,
+            precision,
+            gradient_checkpointing,
+            attention_kind(hf_cfg, device_type),
+            chunked_loss,
+            packed,
         )
     held_grads = gradients if gradient_accumulation_steps > 1 else 0
     backward_peak = weights + copies + state + held_grads + acts["peak"]
     step_peak = weights + gradients + state + step_temporaries
     workspace = estimate_terms.CUBLAS_WORKSPACE_BYTES if device_type == "cuda" else 0
-    parts = {"weights": weights, "weight_copies": copies, "gradients": gradients, "optimizer": state,
-             "activations": acts["peak"], "activations_per_layer": acts["per_layer"], "loss_logits": acts["loss"],
-             "workspace": workspace}
+    parts = {
+        "weights": weights,
+        "weight_copies": copies,
+        "gradients": gradients,
+        "optimizer": state,
+        "activations": acts["peak"],
+        "activations_per_layer": acts["per_layer"],
+        "loss_logits": acts["loss"],
+        "workspace": workspace,
+    }
     if seq2seq:
         parts.update(source_length=max_length, target_length=target)
     return {**parts, "peak": max(backward_peak, step_peak) + workspace, "n_params": n_params}
@@ -262,10 +280,10 @@ def estimate_for_run(
     trainable: Trainable | None = None, *, target_length: int | None = None, packed: PackedGrid | None = None,
 ) -> dict:
     """estimate_memory with a run's settings. The chunked loss runs on a bare causal model: not
-    under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable).
-    An encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths).
-    trainable: the built model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE. max_length
-    (and target_length): the longest rows the data gives (default: the mode's bound); packed: PACKING=1's grid."""
+    under DDP (several processes), FSDP2 (SHARDING) or torch.compile (core/step.py chunkable). An
+    encoder-decoder: source and target lengths from the mode (estimate_seq2seq.lengths). trainable: the built
+    model's (freeze.trainable_of: FREEZE, adapters); None: from FREEZE. max_length (and target_length): the
+    longest rows the data gives (default: the mode's bound); packed: PACKING=1's grid."""
     seq2seq = family_of(hf_cfg).layout.encoder_decoder
     target = estimate_seq2seq.lengths(cfg.run.mode, max_length, target_length)[1] if seq2seq else None
     trainable = trainable or _trainable_of_run(hf_cfg, n_params, cfg)
@@ -281,7 +299,10 @@ def estimate_for_run(
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
         device_type=device_type,
-        chunked_loss=world_size == 1 and cfg.system.sharding == "none" and not cfg.model.compile and not seq2seq,
+        chunked_loss=world_size == 1
+        and cfg.system.sharding == "none"
+        and not cfg.model.compile
+        and not seq2seq,
         target_length=target,
         packed=packed,
         **_optimizer_args(cfg, trainable),
@@ -299,13 +320,16 @@ def estimate_for_run(
             est["peak"] = max(est["peak"], moment)
         est["peak"] += est["reference"]
     if mode.sampled:  # sampling's cache, before the step's forwards: no activations or gradients beside it
-        est["kv_cache"] = kv_cache_bytes(hf_cfg, rows * cfg.optim.batch_size, max_length, cache_dtype(hf_cfg, precision))
+        est["kv_cache"] = kv_cache_bytes(
+            hf_cfg, rows * cfg.optim.batch_size, max_length, cache_dtype(hf_cfg, precision)
+        )
         est["peak"] = max(est["peak"], est["peak"] - est["activations"] - est["gradients"] + est["kv_cache"])
     return est
 
 
 def _trainable_of_run(hf_cfg, n_params: int, cfg) -> Trainable:
-    if not cfg.model.freeze and not OPTIMIZERS[cfg.optim.optimizer].factored:  # all; the state needs no shapes
+    # all; the state needs no shapes
+    if not cfg.model.freeze and not OPTIMIZERS[cfg.optim.optimizer].factored:
         return Trainable(n_params, n_params)
     return trainable_for(hf_cfg, cfg.model.freeze)
 
@@ -333,7 +357,11 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
     micro-batch (where out-of-memory retries end), no accumulation; under SHARDING the weights,
     gradients and optimizer state are split over the processes. adapters: LoRA's (lora_of_run),
     the only parameters with gradients and optimizer state."""
-    target = estimate_seq2seq.lengths(cfg.run.mode, max_length)[1] if family_of(hf_cfg).layout.encoder_decoder else None
+    target = (
+        estimate_seq2seq.lengths(cfg.run.mode, max_length)[1]
+        if family_of(hf_cfg).layout.encoder_decoder
+        else None
+    )
     trainable = adapters or _trainable_of_run(hf_cfg, n_params, cfg)
     est = estimate_memory(
         hf_cfg, n_params + (adapters.params if adapters else 0), batch_size=1, max_length=max_length,
@@ -346,8 +374,9 @@ def least_bytes(hf_cfg, n_params: int, cfg, max_length: int, precision: str, dev
 
 
 def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_size: int, variable: str) -> int:
-    """Stop before any allocation when even the smallest step cannot fit the memory the run has (memory_capacity),
-    LoRA's adapters with their gradients and state counted (a large LORA_R ran out of memory). Returns n_params."""
+    """Stop before any allocation when even the smallest step cannot fit the memory the run has
+    (memory_capacity), LoRA's adapters with their gradients and state counted (a large LORA_R ran out of
+    memory). Returns n_params."""
     n_params = refuse_unbuilt(hf_cfg, variable)
     if cfg.system.offload_optimizer:  # the state lives in host memory: the device holds little
         return n_params
@@ -359,9 +388,12 @@ def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_siz
     optimizer, have, need = cfg.optim.optimizer, _size(capacity), _size(need)
     if adapters is not None:
         raise UsageError(
-            f"LORA_R={cfg.model.lora_r}: the adapters ({_count(adapters.params)} parameters: r x (in + out) on each "
-            f"of {layers} layers) with their gradients and {optimizer} state, beside the {_count(n_params)} frozen "
-            f"parameters of {variable}, need at least {need} (one sequence of {max_length} tokens); {what} has {have}; "
+            f"LORA_R={cfg.model.lora_r}: the adapters ({_count(adapters.params)} parameters: r x (in + out) "
+            f"on each "
+            f"of {layers} layers) with their gradients and {optimizer} state, beside the {_count(n_params)} "
+            f"frozen "
+            f"parameters of {variable}, need at least {need} (one sequence of {max_length} tokens); {what} "
+            f"has {have}; "
             "lower LORA_R (8 to 64 is usual)"
         )
     raise UsageError(

@@ -124,15 +124,25 @@ def _block_params(s: dict, cross: bool) -> int:
     return (8 if cross else 4) * h * a + (3 if s["gated"] else 2) * h * f + (3 if cross else 2) * h
 
 
-def _recompute(s: dict, half: bool, part: dict, layer: float, tokens: int, scores: int, pairs: int, stack: str,
-               per_score: float = 0, math: bool = False):
+def _recompute(
+    s: dict,
+    half: bool,
+    part: dict,
+    layer: float,
+    tokens: int,
+    scores: int,
+    pairs: int,
+    stack: str,
+    per_score: float = 0,
+    math: bool = False,
+):
     """One checkpointed block 0 in the backward pass, above what stays alive around it: its saved
-    tensors recomputed (layer, with the position bias's own) plus
-    the largest of three moments: the feed-forward's backward (wo's input gradient, and relu's
-    without dropout, with the residual stream's fp32 gradients); the attention's backward (one
-    score-sized gradient, of the probabilities or of the position-bias mask, which T5 trains,
-    once the feed-forward's tensors are freed; on sdpa's math path, CPU's for T5 because its bias
-    requires grad, the forward's softmax moment instead where larger); the position buckets' temporaries while the
+    tensors recomputed (layer, with the position bias's own) plus the largest of three moments: the
+    feed-forward's backward (wo's input gradient, and relu's without dropout, with the residual stream's fp32
+    gradients); the attention's backward (one score-sized gradient, of the probabilities or of the
+    position-bias mask, which T5 trains, once the feed-forward's tensors are freed; on sdpa's math path, CPU's
+    for T5 because its bias requires grad, the forward's softmax moment instead where larger); the position
+    buckets' temporaries while the
     recompute starts (before the block's own tensors exist)."""
     h, a, f = s["hidden"], s["attn"], s["width"]
     ab = 2 if half else 4
@@ -147,8 +157,17 @@ def _recompute(s: dict, half: bool, part: dict, layer: float, tokens: int, score
     return layer + max(ff, attention, buckets)
 
 
-def _checkpointed_backward(s: dict, half: bool, device_type: str, sizes: dict, part: dict, enc_layer, dec_layer,
-                           score: float = 0, math: bool = False):
+def _checkpointed_backward(
+    s: dict,
+    half: bool,
+    device_type: str,
+    sizes: dict,
+    part: dict,
+    enc_layer,
+    dec_layer,
+    score: float = 0,
+    math: bool = False,
+):
     """The peaks of a checkpointed backward pass after the loss's: decoder block 0 (the encoder's
     tensors all alive, the encoder output's gradient growing) and encoder block 0 (every other
     block's gradients allocated). Each stack's block 0 also holds the position bias's gradient
@@ -174,9 +193,14 @@ def _checkpointed_backward(s: dict, half: bool, device_type: str, sizes: dict, p
     enc_bias = 4 * heads * source**2 if n_enc > 1 else 0
     dec_bias = 4 * heads * target**2 if n_dec > 1 else 0
     encoder = (
-        grads(enc_params) + (4 * h + drop) * src + upper(n_enc, 4 * h * src, enc_params) + cross_leaf + enc_bias
-        + _recompute(s, half, part, enc_layer, src, batch * heads * source**2, source**2, "encoder",
-                     score, math)
+        grads(enc_params)
+        + (4 * h + drop) * src
+        + upper(n_enc, 4 * h * src, enc_params)
+        + cross_leaf
+        + enc_bias
+        + _recompute(
+            s, half, part, enc_layer, src, batch * heads * source**2, source**2, "encoder", score, math
+        )
     )
     # the encoder: its blocks' inputs, embedding mask, final norm and dropout, output's gradient
     kept_encoder = (4 * h * n_enc + drop + 12 * h + 2 * drop + 4 * h) * src
@@ -205,7 +229,9 @@ def activation_bytes(
     score = _per_score(s, half, kind, device_type)
     enc_layer = part["encoder"] * src + score * batch_size * heads * source**2
     dec_layer = (
-        part["decoder"] * tgt + part["cross_kv"] * src + score * batch_size * heads * (target**2 + target * source)
+        part["decoder"] * tgt
+        + part["cross_kv"] * src
+        + score * batch_size * heads * (target**2 + target * source)
     )
     drop_mask = (1 if device_type == "cuda" else (2 if half else 4)) if s["dropout"] > 0 else 0
     # Each stack's embedding and final norm (and their dropout masks); the encoder's output is

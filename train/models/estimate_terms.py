@@ -45,8 +45,15 @@ def packed_grid_of(dataset) -> PackedGrid | None:
     return PackedGrid(per_row=sum(len(r) for r in rows) / len(rows), longest=max(1, longest))
 
 
-def packed_extra(grid: PackedGrid, batch_size: int, max_length: int, hidden: int, heads: int, precision_half: bool,
-                 per_score: float) -> float:
+def packed_extra(
+    grid: PackedGrid,
+    batch_size: int,
+    max_length: int,
+    hidden: int,
+    heads: int,
+    precision_half: bool,
+    per_score: float,
+) -> float:
     """Bytes per layer the grid adds over the row-shaped count: the gathered q, k, v and sdpa's
     output (what the kernel saves) at the grid's slots in place of the rows' tokens, and on the
     math path (per_score > 0) the scores at the grid's pairs in place of rows x MAX_LENGTH^2."""

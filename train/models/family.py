@@ -15,7 +15,8 @@ from types import MappingProxyType
 
 from train.core.model import unwrapped
 
-# Dropout settings of other types' configs (Qwen, Mistral: attention_dropout; BART: dropout, activation_dropout).
+# Dropout settings of other types' configs (Qwen, Mistral: attention_dropout; BART: dropout,
+# activation_dropout).
 GENERIC_DROPOUT = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "dropout_rate", "dropout",
                    "activation_dropout", "hidden_dropout")
 
@@ -272,7 +273,11 @@ def dropout_of(model_or_config) -> float | None:
     """The largest dropout setting of a model's config (None where its family names none it has)."""
     cfg = getattr(unwrapped(model_or_config), "config", model_or_config)
     family = family_of(cfg)
-    values = [getattr(cfg, n) for n in (family.dropout if family else ()) if isinstance(getattr(cfg, n, None), float)]
+    values = [
+        getattr(cfg, n)
+        for n in (family.dropout if family else ())
+        if isinstance(getattr(cfg, n, None), float)
+    ]
     return max(values) if values else None
 
 

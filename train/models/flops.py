@@ -34,9 +34,12 @@ def seq2seq_flops_per_token(model, source: int, target: int) -> float:
 
     def weights(module, cross: bool | None = None) -> int:
         return sum(
-            p.numel() for name, p in module.named_parameters()
-            if p.dim() >= 2 and id(p) not in embed and (cross is None or cross == any(k in name for k in CROSS_KV))
-        )  # fmt: skip
+            p.numel()
+            for name, p in module.named_parameters()
+            if p.dim() >= 2
+            and id(p) not in embed
+            and (cross is None or cross == any(k in name for k in CROSS_KV))
+        )
 
     head = model.get_output_embeddings().weight.numel()
     heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads

@@ -61,7 +61,13 @@ def _part(model, part: str, spec: str) -> list[torch.nn.Parameter]:
             f"FREEZE={spec}: encoder names an encoder-decoder's encoder, and this model is a causal LM "
             "(decoder only); use decoder, embeddings, lm_head or name patterns"
         )
-    stack = model.get_encoder() if part == "encoder" else model.get_decoder() if family_of(model).layout.encoder_decoder else model.base_model
+    stack = (
+        model.get_encoder()
+        if part == "encoder"
+        else model.get_decoder()
+        if family_of(model).layout.encoder_decoder
+        else model.base_model
+    )
     tables = {id(p) for p in _embedding_tables(model)}
     return [p for p in stack.parameters() if id(p) not in tables]
 
@@ -73,7 +79,11 @@ def _chosen(model, spec: str) -> dict[int, torch.nn.Parameter]:
     for item in (i.strip() for i in spec.split(",")):
         if not item:
             continue
-        params = _part(model, item, spec) if item in PARTS else [p for n, p in named if fnmatch.fnmatchcase(n, item)]
+        params = (
+            _part(model, item, spec)
+            if item in PARTS
+            else [p for n, p in named if fnmatch.fnmatchcase(n, item)]
+        )
         if not params:
             example = named[min(1, len(named) - 1)][0] if named else "?"
             raise UsageError(
@@ -91,7 +101,8 @@ def apply_freeze(model: torch.nn.Module, spec: str | None) -> str | None:
         return None
     chosen = _chosen(model, spec)
     if all(id(p) in chosen or not p.requires_grad for p in model.parameters()):  # LoRA froze the rest already
-        raise UsageError(f"FREEZE={spec}: that freezes every parameter still trained (with LORA_R: the adapters "
+        raise UsageError(f"FREEZE={spec}: that freezes every parameter still trained (with LORA_R: the "
+                         f"adapters "
                          "too); nothing would train")
     for p in chosen.values():
         p.requires_grad_(False)

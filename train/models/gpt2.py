@@ -19,8 +19,18 @@ SIZES = MappingProxyType({
 def make_config(shape, vocab_size: int, eos_id: int):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, use_cache=False, **shape)
+    return GPT2Config(
+        vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, use_cache=False, **shape
+    )
 
 
-GPT2 = Family("gpt2", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
-              make_config=make_config, dropout=("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout_modules=())
+GPT2 = Family(
+    "gpt2",
+    layout=CAUSAL_LM,
+    auto="AutoModelForCausalLM",
+    peft_task_type="CAUSAL_LM",
+    sizes=SIZES,
+    make_config=make_config,
+    dropout=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    dropout_modules=(),
+)

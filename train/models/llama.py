@@ -47,8 +47,24 @@ def make_qwen3_config(shape, vocab_size: int, eos_id: int):
                        head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape)
 
 
-LLAMA = Family("llama", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
-               make_config=make_config, dropout=("attention_dropout",), dropout_modules=("attention_dropout",))
-QWEN3 = Family("qwen3", layout=CAUSAL_LM, auto="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", sizes=SIZES,
-               make_config=make_qwen3_config, dropout=("attention_dropout",), dropout_modules=("attention_dropout",),
-               qk_norm=True)
+LLAMA = Family(
+    "llama",
+    layout=CAUSAL_LM,
+    auto="AutoModelForCausalLM",
+    peft_task_type="CAUSAL_LM",
+    sizes=SIZES,
+    make_config=make_config,
+    dropout=("attention_dropout",),
+    dropout_modules=("attention_dropout",),
+)
+QWEN3 = Family(
+    "qwen3",
+    layout=CAUSAL_LM,
+    auto="AutoModelForCausalLM",
+    peft_task_type="CAUSAL_LM",
+    sizes=SIZES,
+    make_config=make_qwen3_config,
+    dropout=("attention_dropout",),
+    dropout_modules=("attention_dropout",),
+    qk_norm=True,
+)

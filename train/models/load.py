@@ -44,7 +44,8 @@ def family_of_folder(path: Path, trust_remote_code: bool) -> Family | None:
     config = SimpleNamespace(model_type=raw.get("model_type"), is_decoder=bool(raw.get("is_decoder")),
                              is_encoder_decoder=bool(raw.get("is_encoder_decoder")))
     if config.model_type not in CONFIG_MAPPING_NAMES:
-        if isinstance(config.model_type, str) and "auto_map" not in raw:  # not a type of the folder's own code
+        # not a type of the folder's own code
+        if isinstance(config.model_type, str) and "auto_map" not in raw:
             hint = "; if it ships its own model code and you trust it: TRUST_REMOTE_CODE=1"
             refuse_unknown_type(config.model_type, f"MODEL_PATH={path}", "" if trust_remote_code else hint)
         return None
@@ -66,7 +67,8 @@ def read_config(path: Path, trust_remote_code: bool):
     bare = bare_of(path)
     if bare:
         return state_dict.read_config(bare.config, "MODEL_PATH")
-    allow = "TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain folder)"
+    allow = ("TRUST_REMOTE_CODE=1 lets it run (or `python -m train import` writes its weights as a plain "
+             "folder)")
     refuse_custom_code(path, "MODEL_PATH", trust_remote_code, allow=allow)
     try:
         raw = state_dict.raw_config(Path(path) / "config.json")
@@ -79,7 +81,8 @@ def read_config(path: Path, trust_remote_code: bool):
     except Exception as err:
         raise UsageError(f"MODEL_PATH={path}: no model config could be read: {first_line(err)}") from None
     if not (trust_remote_code and getattr(config, "auto_map", None)):  # a trusted folder's own classes decide
-        check_shape(config, f"MODEL_PATH={path}")  # what would fail in the build, or train NaN (MoE, rope ...)
+        # what would fail in the build, or train NaN (MoE, rope ...)
+        check_shape(config, f"MODEL_PATH={path}")
     return config
 
 
@@ -124,7 +127,8 @@ def _decoder_ids(model, tok, decide) -> None:
         decide("pad_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the tokenizer's")
     if c.decoder_start_token_id is None:
         c.decoder_start_token_id = model.generation_config.decoder_start_token_id = c.pad_token_id
-        decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as T5 starts its decoder")
+        decide("decoder_start_token_id", c.pad_token_id, "MODEL_PATH's config.json has none: the pad id, as "
+                                                         "T5 starts its decoder")
 
 
 def fit_tokenizer(model, tok, stop_ids: list[int], decide) -> None:
@@ -146,8 +150,10 @@ def fit_tokenizer(model, tok, stop_ids: list[int], decide) -> None:
         decide(
             "vocab_size",
             model.get_input_embeddings().num_embeddings,
-            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for {len(tok) - rows} token(s) "
-            "beyond its vocabulary (TEMPLATE's chat tokens) (a multiple of 64; new rows drawn around the mean of the old)",
+            f"resized embeddings {rows} -> {model.get_input_embeddings().num_embeddings} for "
+            f"{len(tok) - rows} token(s) "
+            "beyond its vocabulary (TEMPLATE's chat tokens) (a multiple of 64; new rows drawn around the "
+            "mean of the old)",
         )
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -175,7 +181,8 @@ def load_folder(path: Path, variable: str, trust_remote_code: bool):
     offline = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, **offline)
-        trusted = trust_remote_code and getattr(config, "auto_map", None)  # a trusted model's own classes decide
+        # a trusted model's own classes decide
+        trusted = trust_remote_code and getattr(config, "auto_map", None)
         if not trusted:
             refuse_other_kinds(config, variable)
         family = family_of(config) or KINDS["causal"]

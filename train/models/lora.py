@@ -23,7 +23,8 @@ from train.models.family import family_of
 from train.models.freeze import Trainable, trainable_of
 
 ADAPTER = "default"  # peft's adapter name: its keys carry it in the model, not in the saved files
-DROPOUT = 0.05  # LORA_DROPOUT's default (peft's examples use 0.05 to 0.1; peft's and LLaMA-Factory's own default is 0)
+# LORA_DROPOUT's default (peft's examples use 0.05 to 0.1; peft's and LLaMA-Factory's own default is 0)
+DROPOUT = 0.05
 ADAPTER_FOLDER = "adapter"
 BASE_FOLDER = "base"  # in the adapter folder: the resized base it applies to (save_adapter)
 GPT2 = ("c_attn", "c_proj", "c_fc")  # Conv1D layers: weights stored (in, out), so fan_in_fan_out
@@ -54,7 +55,8 @@ def default_targets(model) -> tuple[list[str] | str, str]:
     present = [name for name in LLAMA_STYLE if _has(model, name)]
     if {"q_proj", "v_proj"} <= set(present):
         return present, f"{config.model_type}'s attention and MLP projections (Llama/Qwen-style names)"
-    return "all-linear", f"{config.model_type}: no known layer names, so every linear layer but the output head"
+    return "all-linear", (f"{config.model_type}: no known layer names, so every linear layer but the output "
+                          f"head")
 
 
 def parse_targets(text: str | None, model) -> tuple[list[str] | str, str]:
@@ -62,20 +64,23 @@ def parse_targets(text: str | None, model) -> tuple[list[str] | str, str]:
     if text is None or not text.strip():
         return default_targets(model)
     if text.strip() == "all-linear":
-        return "all-linear", "LORA_TARGETS=all-linear: every linear layer but the output head (peft's shortcut)"
+        return "all-linear", ("LORA_TARGETS=all-linear: every linear layer but the output head (peft's "
+                              "shortcut)")
     names = [t.strip() for t in text.split(",") if t.strip()]
     defaults = f"(its defaults: {','.join(t) if isinstance(t := default_targets(model)[0], list) else t})"
     head = model.get_output_embeddings()
     for name in names:
         if not _has(model, name):
-            raise UsageError(f"LORA_TARGETS={text}: {name!r} names no layer of this {model.config.model_type} model {defaults}")
+            raise UsageError(f"LORA_TARGETS={text}: {name!r} names no layer of this "
+                             f"{model.config.model_type} model {defaults}")
         for module in _named(model, name):
             # peft's embedding adapter failed at the save after training ('Embedding' object has no
             # attribute 'num_embeddings'); the head is tied to the frozen embeddings ("does not require grad")
             what = "the token embeddings" if isinstance(module, torch.nn.Embedding) else \
                 "the output head (tied to the embeddings)" if module is head else None
             if what:
-                raise UsageError(f"LORA_TARGETS={text}: {name!r} is {what}; LoRA here adapts the attention and "
+                raise UsageError(f"LORA_TARGETS={text}: {name!r} is {what}; LoRA here adapts the attention "
+                                 f"and "
                                  f"MLP layers {defaults}")  # fmt: skip
     return names, "LORA_TARGETS"
 
@@ -100,8 +105,10 @@ def check_rank(model, r: int, chosen) -> None:
     (LORA_R=100000 went on to an out-of-memory traceback). Low rank is the point: 8 to 64."""
     ranks = [min(m.weight.shape) for m in _layers(model, chosen)]
     if ranks and r > max(ranks):
-        raise UsageError(f"LORA_R={r}: above the rank of every adapted layer (at most {max(ranks)} here), so each "
-                         f"adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most {max(ranks)}")
+        raise UsageError(f"LORA_R={r}: above the rank of every adapted layer (at most {max(ranks)} here), so "
+                         f"each "
+                         f"adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most "
+                         f"{max(ranks)}")
 
 
 def adapter_count(model, r: int, targets: str | None) -> tuple[Trainable, int]:
@@ -119,22 +126,34 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
          sharding: str = "none"):
     """The model with LoRA adapters on `targets`, everything else frozen (r empty or 0: the model
     as it is). Call after the model is loaded and resized, before the optimizer and DDP."""
-    if not r:  # 0: LoRA turned off on purpose, its other settings kept; empty: they were never meant for this run
-        stray = [] if r == 0 else [name for name, v in (("LORA_ALPHA", alpha), ("LORA_DROPOUT", dropout), ("LORA_TARGETS", targets))
-                 if v is not None]  # fmt: skip
+    # 0: LoRA turned off on purpose, its other settings kept; empty: they were never meant for this run
+    if not r:
+        stray = (
+            []
+            if r == 0
+            else [
+                name
+                for name, v in (("LORA_ALPHA", alpha), ("LORA_DROPOUT", dropout), ("LORA_TARGETS", targets))
+                if v is not None
+            ]
+        )
         if stray:  # set for a LoRA run that is not one: the user meant LoRA, or left a variable behind
-            raise UsageError(f"{', '.join(stray)} set but LORA_R is empty: set LORA_R (e.g. 16) to train LoRA "
+            raise UsageError(f"{', '.join(stray)} set but LORA_R is empty: set LORA_R (e.g. 16) to train "
+                             f"LoRA "
                              "adapters, or unset them for full fine-tuning")
         return model
     if sharding != "none":  # FSDP2's gathered state and the merge of final/ are not joined up
-        raise UsageError(f"LORA_R={r} with SHARDING={sharding}: not built; LoRA's frozen weights need no sharded "
+        raise UsageError(f"LORA_R={r} with SHARDING={sharding}: not built; LoRA's frozen weights need no "
+                         f"sharded "
                          "optimizer state, so use SHARDING=none (DDP with several processes)")
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
     if not getattr(model, "name_or_path", ""):  # from_config: no folder, random weights
-        raise UsageError(f"LORA_R={r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA would keep "
-                         "its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave LORA_R empty")
+        raise UsageError(f"LORA_R={r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA would "
+                         f"keep "
+                         "its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave "
+                         "LORA_R empty")
     if dropout is not None and dropout >= 1:
         raise UsageError(f"LORA_DROPOUT={dropout}: expected a probability below 1 (e.g. 0.05)")
     chosen, why = parse_targets(targets, model)
@@ -155,11 +174,20 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
         raise UsageError(f"LORA_TARGETS={targets or ','.join(chosen)}: {str(err).splitlines()[0]}") from None
     model = wrapped.base_model.model  # the same modules: the run trains the transformers model itself
     adapted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")})
-    decide("lora_targets", ",".join(adapted), why + (" (Conv1D: fan_in_fan_out)" if config.fan_in_fan_out else ""))
-    decide("lora_alpha", alpha, f"scale LORA_ALPHA / LORA_R = {alpha / r:g}" + (" (2 x LORA_R)" if alpha == 2 * r else ""))
+    decide(
+        "lora_targets",
+        ",".join(adapted),
+        why + (" (Conv1D: fan_in_fan_out)" if config.fan_in_fan_out else ""),
+    )
+    decide(
+        "lora_alpha",
+        alpha,
+        f"scale LORA_ALPHA / LORA_R = {alpha / r:g}" + (" (2 x LORA_R)" if alpha == 2 * r else ""),
+    )
     decide("lora_dropout", dropout, "LORA_DROPOUT" if dropout != DROPOUT else "the default")
     n = trainable_of(model).params
-    decide("trainable_params", n, f"LoRA r={r}: {n:,} of {total:,} parameters trained ({100 * n / total:.2f} %); "
+    decide("trainable_params", n, f"LoRA r={r}: {n:,} of {total:,} parameters trained ({100 * n / total:.2f} "
+                                  f"%); "
            "the rest frozen, without gradients or optimizer state")  # fmt: skip
     return model
 
@@ -231,7 +259,8 @@ def save_adapter(model, folder: Path, final: Path | None = None) -> None:
     if resized:
         model.save_pretrained(folder / BASE_FOLDER, state_dict=merged_state(model, delta=False))
         config.base_model_name_or_path = str(Path(final or folder).absolute() / BASE_FOLDER)
-    elif base and Path(base).is_dir():  # found from anywhere (AutoPeftModel), not only from where the run started
+    # found from anywhere (AutoPeftModel), not only from where the run started
+    elif base and Path(base).is_dir():
         config.base_model_name_or_path = str(Path(base).resolve())
     config.save_pretrained(str(folder))
 

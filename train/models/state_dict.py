@@ -24,7 +24,12 @@ from train.models import build, checks
 from train.models.checks import refuse_unbuilt
 
 # transformers' own weight names: a folder with one of these loads with from_pretrained.
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+HF_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 CONFIG_NAMES = ("config.json", "model_config.json")
 # Wrappers' prefixes on every key: DDP's module., a wrapper nn.Module's model., torch.compile's _orig_mod.
@@ -105,7 +110,9 @@ def read_config(file: Path, variable: str):
     try:
         cfg = AutoConfig.for_model(model_type, **raw)
     except Exception as err:  # ValueError, TypeError, huggingface_hub's validation errors
-        raise UsageError(f"{variable}: {file} is not a {model_type} config ({str(err).splitlines()[0]})") from None
+        raise UsageError(
+            f"{variable}: {file} is not a {model_type} config ({str(err).splitlines()[0]})"
+        ) from None
     checks.refuse_other_kinds(cfg, f"{variable}: {file.name}")
     checks.check_shape(cfg, f"{variable}: {file.name}")
     return cfg
@@ -126,8 +133,10 @@ def read_weights(file: Path, variable: str) -> dict[str, torch.Tensor]:
         except Exception as err:  # UnpicklingError, RuntimeError, EOFError ...
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
             raise UsageError(
-                f"{variable}: {file} is refused by torch.load(weights_only=True), which the kit uses so that no "
-                f"code in a pickle runs ({first}); save the weights with torch.save(model.state_dict()) or as "
+                f"{variable}: {file} is refused by torch.load(weights_only=True), which the kit uses so that "
+                f"no "
+                f"code in a pickle runs ({first}); save the weights with torch.save(model.state_dict()) or "
+                f"as "
                 "safetensors"
             ) from None
     return _tensors_of(tensors, file, variable)
@@ -138,7 +147,9 @@ def _tensors_of(obj, file: Path, variable: str) -> dict[str, torch.Tensor]:
         inner = next((obj[k] for k in NESTED if isinstance(obj.get(k), dict)), None)
         obj = inner if inner is not None else obj
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UsageError(f"{variable}: {file} does not hold a state_dict (a dict of parameter name -> tensor)")
+        raise UsageError(
+            f"{variable}: {file} does not hold a state_dict (a dict of parameter name -> tensor)"
+        )
     return obj
 
 
@@ -172,8 +183,12 @@ def check_keys(model, tensors: dict, file: Path, variable: str) -> None:
     missing = [k for k in own if k not in tensors and storage[k] not in given]
     unexpected = [k for k in tensors if k not in own]
     if missing or unexpected:
-        parts = [f"missing {_shown(missing)}" if missing else "", f"unexpected {_shown(unexpected)}" if unexpected else ""]
-        raise UsageError(f"{variable}: {file.name}'s keys do not match its config ({'; '.join(p for p in parts if p)})")
+        parts = [
+            f"missing {_shown(missing)}" if missing else "",
+            f"unexpected {_shown(unexpected)}" if unexpected else "",
+        ]
+        raise UsageError(f"{variable}: {file.name}'s keys do not match its config "
+                         f"({'; '.join(p for p in parts if p)})")
     for key, value in tensors.items():
         if tuple(value.shape) != tuple(own[key].shape):
             raise UsageError(
@@ -183,8 +198,10 @@ def check_keys(model, tensors: dict, file: Path, variable: str) -> None:
         if own[key].is_floating_point() and not value.is_floating_point():
             # load_state_dict would cast int64 / complex to float without a word (complex: its real part)
             raise UsageError(
-                f"{variable}: {file.name}: {key} is {str(value.dtype).removeprefix('torch.')}, not a floating-point "
-                "tensor: not the weights of this model (save them as they were trained, float32/16 or bfloat16)"
+                f"{variable}: {file.name}: {key} is {str(value.dtype).removeprefix('torch.')}, not a "
+                f"floating-point "
+                "tensor: not the weights of this model (save them as they were trained, float32/16 or "
+                "bfloat16)"
             )
     refuse_non_finite(tensors, f"{variable}: {file.name}")
 
@@ -226,7 +243,8 @@ def load_bare(found: SimpleNamespace, variable: str, say=print):
     check_keys(model, tensors, found.weights, variable)
     model.load_state_dict(tensors, strict=False)  # tied copies absent from the file are tied below
     model.tie_weights()
-    model.name_or_path = str(found.weights.parent)  # trained weights from a folder (LoRA adapts only such models)
+    # trained weights from a folder (LoRA adapts only such models)
+    model.name_or_path = str(found.weights.parent)
     took = f", key prefix {prefix!r} taken off" if prefix else ""
     say(f"{variable}: imported {found.weights.name} with {found.config.name} as {type(model).__name__}{took}")
     floats = [v.dtype for v in tensors.values() if v.is_floating_point()]

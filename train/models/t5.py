@@ -21,8 +21,15 @@ SIZES = MappingProxyType({
 def make_config(shape, vocab_size: int, eos_id: int):
     from transformers import T5Config
 
-    return T5Config(vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=eos_id, decoder_start_token_id=eos_id,
-                    use_cache=False, n_positions=CONTEXT, **shape)
+    return T5Config(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        decoder_start_token_id=eos_id,
+        use_cache=False,
+        n_positions=CONTEXT,
+        **shape,
+    )
 
 
 def attention(model) -> None:
@@ -33,6 +40,16 @@ def attention(model) -> None:
     install(model)
 
 
-T5 = Family("t5", layout=ENCODER_DECODER, auto="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", sizes=SIZES,
-            make_config=make_config, context=CONTEXT, objective="span_corruption", dropout=("dropout_rate",),
-            dropout_modules=("dropout",), attention=attention)
+T5 = Family(
+    "t5",
+    layout=ENCODER_DECODER,
+    auto="AutoModelForSeq2SeqLM",
+    peft_task_type="SEQ_2_SEQ_LM",
+    sizes=SIZES,
+    make_config=make_config,
+    context=CONTEXT,
+    objective="span_corruption",
+    dropout=("dropout_rate",),
+    dropout_modules=("dropout",),
+    attention=attention,
+)

@@ -50,7 +50,11 @@ def additive_mask(*args, **kwargs):
     if mask is None or mask.dtype != torch.bool or not getattr(kwargs.get("config"), "is_decoder", False):
         return mask
     kind = mask.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else kwargs.get("dtype", torch.float32)
+    dtype = (
+        torch.get_autocast_dtype(kind)
+        if torch.is_autocast_enabled(kind)
+        else kwargs.get("dtype", torch.float32)
+    )
     return torch.full_like(mask, torch.finfo(dtype).min, dtype=dtype).masked_fill_(mask, 0.0)
 
 
@@ -59,7 +63,9 @@ def _folded_bias(module, hidden_states, mask):
     length = hidden_states.shape[1]
     bias = module.compute_bias(length, length, device=hidden_states.device)  # (1, H, T, T)
     if mask is not None:  # (B, 1, T, T), the causal pattern included in the decoder's
-        bias = bias + mask if mask.is_floating_point() else torch.where(mask, bias, torch.finfo(bias.dtype).min)
+        bias = (
+            bias + mask if mask.is_floating_point() else torch.where(mask, bias, torch.finfo(bias.dtype).min)
+        )
     elif module.is_decoder:  # no padding: only the causal pattern, the same for every row
         keep = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
         bias = bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
@@ -90,8 +96,17 @@ def _fold_hook(module, args, kwargs):
     return args, {**kwargs, FOLDED: True}
 
 
-def t5_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      position_bias=None, **kwargs):
+def t5_sdpa_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_bias=None,
+    **kwargs,
+):
     """transformers' attention-interface signature, as its sdpa_attention_forward: returns
     ((batch, tokens, heads, dim), None)."""
     folded = kwargs.pop(FOLDED, False)
@@ -102,8 +117,17 @@ def t5_sdpa_attention(module, query, key, value, attention_mask, dropout: float 
     else:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      position_bias=position_bias, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            position_bias=position_bias,
+            **kwargs,
+        )
     if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
         mask = mask.to(query.dtype)  # a query in another dtype than autocast's (sdpa takes no mix)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,

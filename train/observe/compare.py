@@ -1,10 +1,10 @@
 """`python -m train compare RUN_A RUN_B [...]`: a side-by-side table of finished runs.
 
-Reporting code: reads run folders (summary.json, metrics.jsonl), never imports the loop.
-Every comparison is a comparison of groups: a single run is a group of one, and with
-`--group N` each side is N repeated runs, summarised by the median with its min-max spread.
-On a shared 2-core CPU, runs of one config vary about +-9 % (bench/RESULTS.md, reference figures), so a speed-up only
-counts when the two sides' throughput ranges do not overlap.
+Reporting code: reads run folders (summary.json, metrics.jsonl), never imports the loop. Every comparison is a
+comparison of groups: a single run is a group of one, and with `--group N` each side is N repeated runs,
+summarised by the median with its min-max spread. On a shared 2-core CPU, runs of one config vary about +-9 %
+(bench/RESULTS.md, reference figures), so a speed-up only counts when the two sides' throughput ranges do not
+overlap.
 
 Units, as the run folder writes them: data_wait_frac and mfu are fractions (0-1) and are shown
 as percentages; avg_gpu_util is already a percentage (NVML reports 0-100).
@@ -195,7 +195,8 @@ def verdict(entries: list[dict], metric: str = "samples_per_sec") -> str:
         return f"no speed-up: {base['name']} has 0 {unit}"
     many = len(entries) > 2
     parts = [
-        f"{e['name']} is {e['speedup']:.2f}x {base['name']}" + (" (within noise)" if many and e["within_noise"] else "")
+        f"{e['name']} is {e['speedup']:.2f}x {base['name']}"
+        + (" (within noise)" if many and e["within_noise"] else "")
         for e in entries[1:]
     ]
     line = "; ".join(parts) + f" ({unit})"
@@ -204,7 +205,8 @@ def verdict(entries: list[dict], metric: str = "samples_per_sec") -> str:
         return f"{fastest['name']} is fastest: {line}"
     other = entries[1]
     if other["within_noise"]:
-        return f"within noise: {line}, but the {unit} ranges overlap ({_range(base, metric)} vs {_range(other, metric)})"
+        return (f"within noise: {line}, but the {unit} ranges overlap ({_range(base, metric)} vs "
+                f"{_range(other, metric)})")
     if metric != "samples_per_sec" and other["samples_per_sec"] and base["samples_per_sec"]:
         line += f"; {other['samples_per_sec'] / base['samples_per_sec']:.2f}x in samples/s"
     return line if fastest is other else f"{base['name']} is fastest: {line}"
@@ -223,13 +225,16 @@ def notes(entries: list[dict], metric: str = "samples_per_sec") -> list[str]:
             out.append(f"runs differ in {key} ({' vs '.join(values)}): {UNITS[metric]} are not like for like")
     for e in entries:
         if e["steady_steps"] is not None and e["steady_steps"] < MIN_STEADY_STEPS:
-            out.append(f"{e['name']} has {fmt_int(e['steady_steps'])} steady-state step(s), fewer than {MIN_STEADY_STEPS}: its "
-                       f"{UNITS[metric]} and the speed-up are a guess; train longer (COMPARE_SAMPLES, MAX_STEPS)")
+            out.append(f"{e['name']} has {fmt_int(e['steady_steps'])} steady-state step(s), fewer than "
+                       f"{MIN_STEADY_STEPS}: its "
+                       f"{UNITS[metric]} and the speed-up are a guess; train longer (COMPARE_SAMPLES, "
+                       f"MAX_STEPS)")
     for key, what in (("steps", "optimizer steps"), ("tokens", "tokens")):
         values = [e[key] for e in entries]
         if len(set(values)) > 1 and all(v is not None for v in values):
             shown = " vs ".join(fmt_count(v) for v in values)
-            out.append(f"the sides trained different numbers of {what} ({shown}): their final losses are not comparable")
+            out.append(f"the sides trained different numbers of {what} ({shown}): their final losses are not "
+                       f"comparable")
     for e in entries:
         for key in ("precision", *LIKE_FOR_LIKE):
             if e[key] and "/" in e[key] and e["n"] > 1:
@@ -319,7 +324,11 @@ def render_markdown(result: dict) -> str:
     entries = result["runs"]
     header = [""] + [e["name"] + (f" (x{e['n']})" if e["n"] > 1 else "") for e in entries]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(entries) + "|"]
-    rows = ROWS if result.get("metric", "samples_per_sec") == "samples_per_sec" else (ROWS[1], ROWS[0], *ROWS[2:])
+    rows = (
+        ROWS
+        if result.get("metric", "samples_per_sec") == "samples_per_sec"
+        else (ROWS[1], ROWS[0], *ROWS[2:])
+    )
     for label, cell in rows:
         lines.append("| " + " | ".join([label] + [cell(e) for e in entries]) + " |")
     lines += ["", result["verdict"]]
@@ -353,10 +362,13 @@ def default_out_dir(result: dict) -> Path:
 def compare_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train compare",
-        description="Compare finished run folders side by side and write the table as compare.md, compare.json and "
-        "compare.png. The first run (or group) is the baseline of every speed-up; SFT runs are compared in tokens/s.",
+        description="Compare finished run folders side by side and write the table as compare.md, "
+                    "compare.json and "
+        "compare.png. The first run (or group) is the baseline of every speed-up; SFT runs are compared in "
+        "tokens/s.",
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/baseline runs/optimized")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/baseline "
+                                                               "runs/optimized")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: <parent of first run>/compare/<A>_vs_<B>)")
     parser.add_argument("--group", type=int, default=1, metavar="N",

@@ -111,9 +111,9 @@ def _plot_curves(run_dir: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # Fixed margins, not layout="constrained": that lays the figure out by drawing it once more,
-    # 0.44 s of a 0.24 s chart on the 2-core host, at the end of every run.
-    # a run whose rows carry TRL's reward metrics (GRPO) gets a third panel: the reward and the completions' length
+    # Fixed margins, not layout="constrained": that lays the figure out by drawing it once more, 0.44 s of a
+    # 0.24 s chart on the 2-core host, at the end of every run. a run whose rows carry TRL's reward metrics
+    # (GRPO) gets a third panel: the reward and the completions' length
     reward_x, reward_y = series(rows, REWARD_PANEL[0], xkey)
     fig = Figure(figsize=(15 if reward_x else 10, 4))
     fig.subplots_adjust(left=0.07, right=0.95 if reward_x else 0.98, bottom=0.13, top=0.85, wspace=0.28)
@@ -217,10 +217,12 @@ def plot_comparison(result: dict, curves: dict[str, list[list[dict]]], path: Pat
         mem = [e["peak_vram_mb"] or 0.0 for e in entries]
         bars = axes["memory"].bar(names, mem, color=colors)
         labels = [
-            "n/a" if e["peak_vram_mb"] is None
-            else f"{e['peak_vram_mb']:,.0f}" + (f"\n{e['vram_pct']:.0f} %" if e["vram_pct"] is not None else "")
+            "n/a"
+            if e["peak_vram_mb"] is None
+            else f"{e['peak_vram_mb']:,.0f}"
+            + (f"\n{e['vram_pct']:.0f} %" if e["vram_pct"] is not None else "")
             for e in entries
-        ]  # fmt: skip
+        ]
         axes["memory"].bar_label(bars, labels=labels, label_type="edge")
         axes["memory"].set_ylabel("peak VRAM MB")
         axes["memory"].set_title("memory")

@@ -341,7 +341,10 @@ def monitor_main(argv: list[str]) -> int:
 
     --device is the physical index nvidia-smi shows (not affected by CUDA_VISIBLE_DEVICES).
     """
-    parser = argparse.ArgumentParser(prog="python -m train monitor", description="Show a live table of every GPU (utilisation, memory, power, clocks, temperature) until Ctrl-C.")
+    parser = argparse.ArgumentParser(prog="python -m train monitor", description="Show a live table of every "
+                                                                                 "GPU (utilisation, memory, "
+                                                                                 "power, clocks, "
+                                                                                 "temperature) until Ctrl-C.")
     parser.add_argument("--once", action="store_true", help="print one set of rows and exit")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between rows (default 1)")
     parser.add_argument("--device", type=int, default=None, help="only this GPU (index as in nvidia-smi)")

@@ -44,7 +44,11 @@ TRIAL_STEPS = 2
 CONFIRM = 3  # side-by-side re-measurements of the leader against the preset
 DIMENSIONS = ("precision", "batch", "workers", "compile")
 ENV_FILE = "autotune.env"  # in OUTPUT_DIR: VAR=value lines this module writes (ints and fixed words only)
-LAUNCHER_OF = {"pretrain": "run_single_gpu_optimized.sh", "sft": "quick_start_sft_fast.sh", "dpo": "train_dpo.sh"}
+LAUNCHER_OF = {
+    "pretrain": "run_single_gpu_optimized.sh",
+    "sft": "quick_start_sft_fast.sh",
+    "dpo": "train_dpo.sh",
+}
 PRESET_OF = {"pretrain": "optimized", "sft": "sft", "dpo": "dpo"}  # the first trial's settings, by mode
 WRITTEN = ("batch_size", "gradient_accumulation_steps", "num_workers", "prefetch_factor", "pin_memory",
            "persistent_workers", "precision", "compile", "tf32")
@@ -60,8 +64,11 @@ class Candidate:
     preset: str = ""  # the preset it is (PRESET_OF's): its other DataLoader and TF32 settings apply too
 
     def label(self) -> str:
-        name = f"{self.batch_size} x {self.gradient_accumulation_steps}, {self.num_workers} workers, {self.precision}"
-        return name + (", compile" if self.compile else "") + (f" ({self.preset} preset)" if self.preset else "")
+        name = (f"{self.batch_size} x {self.gradient_accumulation_steps}, {self.num_workers} workers, "
+                f"{self.precision}")
+        return (
+            name + (", compile" if self.compile else "") + (f" ({self.preset} preset)" if self.preset else "")
+        )
 
 
 @dataclass
@@ -84,9 +91,16 @@ def trial_config(cfg, cand: Candidate):
     if cand.preset:
         for name, value in knobs.preset(cand.preset).items():
             knobs.set_value(new, name, value)
-    new.optim.batch_size, new.optim.gradient_accumulation_steps = cand.batch_size, cand.gradient_accumulation_steps
+    new.optim.batch_size, new.optim.gradient_accumulation_steps = (
+        cand.batch_size,
+        cand.gradient_accumulation_steps,
+    )
     new.optim.effective_batch, new.optim.auto_batch, new.optim.lr_scaling = None, False, "none"
-    new.data.num_workers, new.system.precision, new.model.compile = cand.num_workers, cand.precision, cand.compile
+    new.data.num_workers, new.system.precision, new.model.compile = (
+        cand.num_workers,
+        cand.precision,
+        cand.compile,
+    )
     if cand.num_workers == 0:
         new.data.prefetch_factor, new.data.persistent_workers = None, False
     return new
@@ -115,9 +129,18 @@ def measure(cfg, cand: Candidate, steps: int, limit: float | None) -> Outcome:
         for i in range(1 + steps):
             synchronize(device)
             start = time.perf_counter()
-            loss, _, wait = train_step(step_model, optimizer, scaler, batches, cand.gradient_accumulation_steps,
-                                    plan.cfg.optim.grad_clip, device, plan.precision, layout=plan.family.layout,
-                                    objective=plan.objective)
+            loss, _, wait = train_step(
+                step_model,
+                optimizer,
+                scaler,
+                batches,
+                cand.gradient_accumulation_steps,
+                plan.cfg.optim.grad_clip,
+                device,
+                plan.precision,
+                layout=plan.family.layout,
+                objective=plan.objective,
+            )
             synchronize(device)
             if i:  # the first step pays for worker start-up and compilation
                 spent, waited = spent + time.perf_counter() - start, waited + wait
@@ -156,8 +179,12 @@ def neighbours(cur: Candidate, dim: str, effective: int, device, cores: int) -> 
     if dim == "precision":
         found = [replace(base, precision=p) for p in ("fp32", "bf16", "fp16") if supports(device, p)]
     elif dim == "batch":
-        sizes = {max(d for d in divisors(effective) if d <= max(1, cur.batch_size * f)) for f in (0.25, 0.5, 2, 4)}
-        found = [replace(base, batch_size=s, gradient_accumulation_steps=effective // s) for s in sorted(sizes)]
+        sizes = {
+            max(d for d in divisors(effective) if d <= max(1, cur.batch_size * f)) for f in (0.25, 0.5, 2, 4)
+        }
+        found = [
+            replace(base, batch_size=s, gradient_accumulation_steps=effective // s) for s in sorted(sizes)
+        ]
     elif dim == "workers":
         found = [replace(base, num_workers=w) for w in sorted({0, 2, 4, cores}) if w <= cores]
     else:
@@ -184,7 +211,8 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
     def faster(a: Outcome, b: Outcome) -> Outcome:
         return a if (a.samples_per_sec or -1) > (b.samples_per_sec or -1) else b
 
-    say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg.run.mode)}, {steps} timed steps per trial, on "
+    say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg.run.mode)}, {steps} timed steps "
+        f"per trial, on "
         f"{device_name(device)}")
     preset = run(preset_candidate(effective, cores, PRESET_OF[cfg.run.mode]))
     o = cfg.optim
@@ -219,11 +247,14 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
     best = max(confirmed, key=lambda x: x.samples_per_sec or -1)
     best = faster(best, preset)  # a tie goes to the preset
     if best.samples_per_sec is None:
-        raise UsageError("autotune: no trial completed (all ran out of memory or over TARGET_VRAM); try make find-batch")
+        raise UsageError("autotune: no trial completed (all ran out of memory or over TARGET_VRAM); try make "
+                         "find-batch")
     return best, preset, list(seen.values())
 
 
-def table(outcomes: list[Outcome], winner: Outcome, preset: Outcome, limit_note: str, unit: str = "samples") -> list[str]:
+def table(
+    outcomes: list[Outcome], winner: Outcome, preset: Outcome, limit_note: str, unit: str = "samples"
+) -> list[str]:
     """Ranked by mean samples (pairs) /s; the winner is the top among those measured twice (or the preset)."""
     ranked = sorted(outcomes, key=lambda x: (x is not winner, -(x.samples_per_sec or -1)))
     ref = preset.samples_per_sec
@@ -251,11 +282,16 @@ def write_env(path: Path, cfg, winner: Outcome, preset: Outcome) -> list[str]:
         if value is not None:
             pairs.append(f"{knobs.env_name(name)}={int(value) if isinstance(value, bool) else value}")
     ref = preset.samples_per_sec
-    head = (f"# python -m train autotune {cfg.run.mode}, {time.strftime('%Y-%m-%d %H:%M')}: "
-            f"{winner.samples_per_sec:.1f} {unit_of(cfg.run.mode)}/s"
-            + (f", {winner.samples_per_sec / ref:.2f}x the {preset.candidate.preset} preset ({ref:.1f})" if ref
-               else ", the preset failed")
-            + f"; effective batch {full.effective_batch_size()}")
+    head = (
+        f"# python -m train autotune {cfg.run.mode}, {time.strftime('%Y-%m-%d %H:%M')}: "
+        f"{winner.samples_per_sec:.1f} {unit_of(cfg.run.mode)}/s"
+        + (
+            f", {winner.samples_per_sec / ref:.2f}x the {preset.candidate.preset} preset ({ref:.1f})"
+            if ref
+            else ", the preset failed"
+        )
+        + f"; effective batch {full.effective_batch_size()}"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     files.atomic_write(path, "\n".join([head, *pairs]) + "\n")
     return pairs
@@ -265,10 +301,12 @@ def autotune_main(argv: list[str]) -> int:
     """`python -m train autotune [--steps N] [--skip compile,workers] [training flags]`."""
     from train.config.flags import parse_training_args
 
-    if wants_help("autotune", "time short trials of batch x accumulation, workers, precision and compile, rank them "
+    if wants_help("autotune", "time short trials of batch x accumulation, workers, precision and compile, "
+                              "rank them "
                   "and write the winner to OUTPUT_DIR/autotune.env", argv, (
                       ("--steps N", f"optimizer steps per trial (default {TRIAL_STEPS})"),
-                      ("--skip LIST", f"dimensions to leave as they are, comma-separated: {','.join(DIMENSIONS)}"))):
+                      ("--skip LIST", f"dimensions to leave as they are, comma-separated: "
+                                      f"{','.join(DIMENSIONS)}"))):
         return 0
     parser = argparse.ArgumentParser(prog="python -m train autotune", add_help=False, allow_abbrev=False)
     parser.add_argument("--steps", default=str(TRIAL_STEPS))
@@ -276,11 +314,13 @@ def autotune_main(argv: list[str]) -> int:
     mine, rest = parser.parse_known_args(argv)
     skip = tuple(s for s in mine.skip.split(",") if s)
     if not mine.steps.isdigit() or int(mine.steps) < 1 or set(skip) - set(DIMENSIONS):
-        raise UsageError(f"autotune: --steps takes a whole number >= 1 and --skip some of {','.join(DIMENSIONS)}")
+        raise UsageError(f"autotune: --steps takes a whole number >= 1 and --skip some of "
+                         f"{','.join(DIMENSIONS)}")
     mode, rest = mode_of(rest)
     cfg = parse_training_args(mode, rest)
     winner, preset, outcomes = tune(cfg, print, int(mine.steps), skip)
-    note = f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never wins)"
+    note = (f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never "
+            f"wins)")
     print("\n".join(table(outcomes, winner, preset, note, unit_of(cfg.run.mode))))
     path = Path(cfg.run.output_dir) / ENV_FILE
     pairs = write_env(path, cfg, winner, preset)

@@ -1,14 +1,13 @@
 """`python -m train bench`: throughput of the real training loop, optionally against a plain loop.
 
 The kit side is train.run.loop.trainer.run_loop itself (the code the launchers run: same optimizer, step,
-DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in
-the figure (nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
-pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step();
-opt.zero_grad()` with torch's default AdamW, on a copy of the same initial model and the same
-batches, in the same process. Rounds alternate kit/plain (ABBA order) because a shared machine's
-load drifts; figures are medians over rounds and the ratio is the median of the per-round
-kit/plain ratios. Nothing is written to runs/: each kit round logs into a temporary folder that
-is deleted.
+DataLoader over the token cache, tqdm, logging), not a copy, so every overhead a user pays is in the figure
+(nanoGPT's bench.py idea: no second, faster copy of the loop). `--vs-plain` times the simplest correct loop,
+pre-made tensors already in memory, `model(x, labels=x).loss.backward(); opt.step(); opt.zero_grad()` with
+torch's default AdamW, on a copy of the same initial model and the same batches, in the same process. Rounds
+alternate kit/plain (ABBA order) because a shared machine's load drifts; figures are medians over rounds and
+the ratio is the median of the per-round kit/plain ratios. Nothing is written to runs/: each kit round logs
+into a temporary folder that is deleted.
 """
 
 from __future__ import annotations
@@ -224,7 +223,8 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
     )
     plain_model = copy.deepcopy(plan.model) if vs_plain else None  # same initial weights as the kit's
     say(
-        f"bench: {plan.model_size} ({n_params / 1e6:.1f}M params), {plan.precision}, batch {o.batch_size} x accum {accum}, "
+        f"bench: {plan.model_size} ({n_params / 1e6:.1f}M params), {plan.precision}, batch {o.batch_size} x "
+        f"accum {accum}, "
         f"max_length {plan.max_length}, workers {cfg.data.num_workers}, compile {int(cfg.model.compile)}, "
         f"{torch.get_num_threads()} thread(s), {device} ({result_device_name(device)}); "
         f"{rounds} round(s) of {steps} steps, {skip} warm-up step(s) excluded per round"
@@ -268,8 +268,16 @@ def run_bench(cfg, rounds: int, vs_plain: bool, threads: int | None, say=print) 
 
 
 
-def bench_result(plan: Plan, rounds: int, skip: int, fpt: float, startup: dict, kit_rounds: list, plain_rounds: list,
-                 peak: float | None) -> dict:
+def bench_result(
+    plan: Plan,
+    rounds: int,
+    skip: int,
+    fpt: float,
+    startup: dict,
+    kit_rounds: list,
+    plain_rounds: list,
+    peak: float | None,
+) -> dict:
     """Every figure of a bench: the setting, the kit's rounds and, with --vs-plain, the plain
     loop's and the ratios."""
     import torch
@@ -278,7 +286,11 @@ def bench_result(plan: Plan, rounds: int, skip: int, fpt: float, startup: dict, 
     from train.tools.dryrun import tokens_per_sample
 
     cfg, o, device, steps = plan.cfg, plan.cfg.optim, plan.device, plan.total_steps
-    effective, accum, n_params = cfg.effective_batch_size(), o.gradient_accumulation_steps, count_params(plan.model)
+    effective, accum, n_params = (
+        cfg.effective_batch_size(),
+        o.gradient_accumulation_steps,
+        count_params(plan.model),
+    )
     result = {
         "model_size": plan.model_size,
         "n_params": n_params,

@@ -108,26 +108,39 @@ def diagnose(r: Reading, cfg) -> Verdict:
     d, o, m = cfg.data, cfg.optim, cfg.model
     device, _ = resolve_device(cfg.system.device)
     frac = r.memory_frac
-    memory = f"peak {r.peak_mb:.0f} MB = {_pct(frac)} of {r.capacity_mb:.0f} MB ({r.capacity_source})" if frac else "memory n/a"
+    memory = (
+        f"peak {r.peak_mb:.0f} MB = {_pct(frac)} of {r.capacity_mb:.0f} MB ({r.capacity_source})"
+        if frac
+        else "memory n/a"
+    )
     ram, swap = r.ram_used_pct or 0.0, r.swap_used_pct or 0.0
     if (ram >= RAM_PRESSURE_PCT or swap >= SWAP_PRESSURE_PCT) and (d.num_workers > 0 or d.pin_memory):
         why = f"host RAM {ram:.0f} % used, swap {swap:.0f} %: each worker is a copy of the process"
         change = {"num_workers": d.num_workers // 2} if d.num_workers > 0 else {"pin_memory": False}
         return Verdict("host-RAM pressure", why, change)
     if r.exit_reason == "out_of_memory" or (frac is not None and frac >= MEMORY_BOUND):
-        why = "ran out of memory" if r.exit_reason == "out_of_memory" else f"{memory}, over {MEMORY_BOUND:.0%}"
+        why = "ran out of memory" if r.exit_reason == "out_of_memory" else (f"{memory}, over "
+                                                                            f"{MEMORY_BOUND:.0%}")
         if r.reference == "copy":
-            return Verdict("memory-bound", why + ": a frozen copy of the model sits beside it; precomputed reference "
+            return Verdict("memory-bound", why + ": a frozen copy of the model sits beside it; precomputed "
+                                                 "reference "
                            "log-probs give the same losses with one model", {"reference": "precomputed"})
         if r.precision == "fp32" and supports(device, "bf16"):
             return Verdict("memory-bound", why + ": bf16 halves activation memory", {"precision": "bf16"})
         if r.precision == "fp32" and supports(device, "fp16"):
             return Verdict("memory-bound", why + ": fp16 halves activation memory", {"precision": "fp16"})
         if not m.gradient_checkpointing:
-            return Verdict("memory-bound", why + ": recompute activations in backward", {"gradient_checkpointing": True})
-        return Verdict("memory-bound", why + ": attention memory grows with length", {"max_length": max(2, r.max_length // 2)})
+            return Verdict(
+                "memory-bound", why + ": recompute activations in backward", {"gradient_checkpointing": True}
+            )
+        return Verdict(
+            "memory-bound",
+            why + ": attention memory grows with length",
+            {"max_length": max(2, r.max_length // 2)},
+        )
     if r.data_wait_frac is not None and r.data_wait_frac >= INPUT_BOUND_FRAC:
-        why = f"{r.data_wait_frac:.0%} of step time waiting for data (over {INPUT_BOUND_FRAC:.0%}); GPU {_pct_util(r)}"
+        why = (f"{r.data_wait_frac:.0%} of step time waiting for data (over {INPUT_BOUND_FRAC:.0%}); GPU "
+               f"{_pct_util(r)}")
         cores = cpu_cores()
         if d.num_workers < cores:
             change = {"num_workers": min(cores, max(2, 2 * d.num_workers))}
@@ -138,19 +151,25 @@ def diagnose(r: Reading, cfg) -> Verdict:
             return Verdict("input-bound", why, change)
         if not d.persistent_workers:
             return Verdict("input-bound", why, {"persistent_workers": True})
-        return Verdict("input-bound", why + f"; workers already at the {cores} CPU cores: the dataset itself is slow", {})
+        return Verdict("input-bound", why + f"; workers already at the {cores} CPU cores: the dataset itself "
+                                            f"is slow", {})
     if frac is not None and frac < ROOM:
         change = {"batch_size": 2 * o.batch_size}
         why = f"{memory}, under {ROOM:.0%}"
         if o.gradient_accumulation_steps % 2 == 0:
             change["gradient_accumulation_steps"] = o.gradient_accumulation_steps // 2
         else:
-            why += f"; the effective batch doubles to {2 * o.batch_size * o.gradient_accumulation_steps} (LR_SCALING adjusts the LR)"
-        return Verdict("compute-bound, memory to spare", why + "; make find-batch finds the largest that fits", change)
+            why += (f"; the effective batch doubles to {2 * o.batch_size * o.gradient_accumulation_steps} "
+                    f"(LR_SCALING adjusts the LR)")
+        return Verdict(
+            "compute-bound, memory to spare", why + "; make find-batch finds the largest that fits", change
+        )
     if r.precision == "fp32" and supports(device, "bf16"):
-        return Verdict("compute-bound", f"{memory}; GPU {_pct_util(r)}: mixed precision is the largest single win",
+        return Verdict("compute-bound", f"{memory}; GPU {_pct_util(r)}: mixed precision is the largest "
+                                        f"single win",
                        {"precision": "bf16"})
-    return Verdict("balanced", f"{memory}; GPU {_pct_util(r)}; data wait {_pct(r.data_wait_frac)}: nothing to change")
+    return Verdict("balanced", f"{memory}; GPU {_pct_util(r)}; data wait {_pct(r.data_wait_frac)}: nothing "
+                               f"to change")
 
 
 def _pct_util(r: Reading) -> str:
@@ -205,7 +224,8 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
     if verdict.kind == "memory-bound":
         if before.exit_reason == "out_of_memory" or (after.memory_frac or 1) < (before.memory_frac or 0):
             return lines, f"memory {_pct(before.memory_frac)} -> {_pct(after.memory_frac)}: keep {fix}"
-        return lines, f"memory did not drop ({_pct(before.memory_frac)} -> {_pct(after.memory_frac)}): try the next remedy"
+        return lines, (f"memory did not drop ({_pct(before.memory_frac)} -> {_pct(after.memory_frac)}): try "
+                       f"the next remedy")
     speedup = (after.samples_per_sec or 0) / before.samples_per_sec if before.samples_per_sec else None
     if speedup is not None and speedup >= FASTER:
         return lines, f"{speedup:.2f}x {unit_of(before.mode)}/s: keep {fix}"
@@ -217,14 +237,22 @@ def doctor_main(argv: list[str]) -> int:
     from train.config.flags import parse_training_args
     from train.tools.find_batch import mode_of, wants_help
 
-    if wants_help("doctor", "profile a short run of your settings, say what limits it and what to change, and with "
-                  "--apply try the change", argv, (
-                      ("--apply", "run the suggested change as a second profiled run and show before/after"),
-                      ("--steps N", f"optimizer steps per profiled run (default {DOCTOR_STEPS}, at least 2)"))):
+    if wants_help(
+        "doctor",
+        "profile a short run of your settings, say what limits it and what to change, "
+        "and with "
+        "--apply try the change",
+        argv,
+        (
+            ("--apply", "run the suggested change as a second profiled run and show before/after"),
+            ("--steps N", f"optimizer steps per profiled run (default {DOCTOR_STEPS}, at least 2)"),
+        ),
+    ):
         return 0
     parser = argparse.ArgumentParser(prog="python -m train doctor", add_help=False, allow_abbrev=False)
     parser.add_argument("--apply", action="store_true", help="run the suggested fix and show before/after")
-    parser.add_argument("--steps", default=str(DOCTOR_STEPS), help=f"optimizer steps per profiled run ({DOCTOR_STEPS})")
+    parser.add_argument("--steps", default=str(DOCTOR_STEPS), help=f"optimizer steps per profiled run "
+                                                                   f"({DOCTOR_STEPS})")
     mine, rest = parser.parse_known_args(argv)
     if not mine.steps.isdigit() or int(mine.steps) < 2:
         raise UsageError(f"doctor --steps: expected a whole number >= 2, got {mine.steps!r}")

@@ -71,7 +71,8 @@ def dry_run(cfg, say) -> int:
     from train.run.rundir.claim import plan_run_dir
 
     say(
-        f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing trains"
+        f"{cfg.run.mode}: dry run (DRY_RUN=1): settings, derived numbers and a memory estimate; nothing "
+        f"trains"
     )
     try:
         run_path = plan_run_dir(cfg.run.output_dir, cfg.run.run_name, cfg.run.launcher, cfg.run.overwrite)
@@ -102,14 +103,24 @@ def dry_run(cfg, say) -> int:
         f"plan: {n['total_steps']:,} optimizer steps ({n['warmup_steps']} warm-up), "
         f"{n['samples']:,} samples, {n['tokens']:,} tokens, {n['flops_per_token'] / 1e9:.2f} GFLOPs per token"
     )
-    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.layout)  # the data's rows
-    est = estimate_for_run(plan.model.config, n["n_params"], cfg, shape["max_length"], plan.precision, plan.device.type,
-                           trainable=trainable_of(plan.model), target_length=shape.get("target_length"),
-                           packed=shape.get("packed"))
+    # the data's rows
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.layout)
+    est = estimate_for_run(
+        plan.model.config,
+        n["n_params"],
+        cfg,
+        shape["max_length"],
+        plan.precision,
+        plan.device.type,
+        trainable=trainable_of(plan.model),
+        target_length=shape.get("target_length"),
+        packed=shape.get("packed"),
+    )
     say("peak device memory estimate:")
     for line in describe(est):
         say(line)
-    warning = over_memory(plan)  # over the device's memory: warned; the fit check in build() refused what cannot fit
+    # over the device's memory: warned; the fit check in build() refused what cannot fit
+    warning = over_memory(plan)
     if warning:
         say(warning)
     total = device_total_mb(plan.device)
@@ -123,7 +134,8 @@ def dry_run(cfg, say) -> int:
             )
     say(where)
     say(
-        f"dry run: no model on the device, no run folder; the token cache in {cfg.data.cache_dir} was reused or built"
+        f"dry run: no model on the device, no run folder; the token cache in {cfg.data.cache_dir} was reused "
+        f"or built"
     )
     return 0
 
@@ -135,7 +147,8 @@ def describe(estimate: dict) -> list[str]:
         return f"{estimate[key] / MIB:,.0f} MB"
 
     lines = [] if "source_length" not in estimate else [
-        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} tokens"
+        f"  encoder-decoder: source {estimate['source_length']} tokens, target {estimate['target_length']} "
+        f"tokens"
     ]
     lines += [
         f"  weights (fp32 master) {mb('weights')}, autocast copies {mb('weight_copies')}, "
@@ -145,7 +158,8 @@ def describe(estimate: dict) -> list[str]:
         f"{mb('activations_per_layer')} per layer)",
     ]
     if "kv_cache" in estimate:  # a sampled mode's (GRPO's): its generation's cache, before the forwards
-        lines.append(f"  sampling's KV cache {mb('kv_cache')} (BATCH_SIZE x NUM_GENERATIONS rows at MAX_LENGTH)")
+        lines.append(f"  sampling's KV cache {mb('kv_cache')} (BATCH_SIZE x NUM_GENERATIONS rows at "
+                     f"MAX_LENGTH)")
     lines += [
         f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
         "allocator's cache come on top)",

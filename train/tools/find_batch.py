@@ -40,7 +40,9 @@ from train.core.units import MIB
 from train.distributed.process_group import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
 from train.run.plan.adapt import PeakMeter, capacity_mb
-from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401 (RESULT_FILE, read_saved: the tests' names)
+
+# (RESULT_FILE, read_saved: the tests' names)
+from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401
 from train.run.plan.fill import estimated_fit
 from train.run.plan.make import Chosen
 
@@ -125,7 +127,8 @@ def _longest_pairs(dataset, collate):
 
 
 def objective_of(plan: Plan) -> str:
-    """What a trial step runs, in words (the Result's and the log's): the objective's, and its reference model."""
+    """What a trial step runs, in words (the Result's and the log's): the objective's, and its reference
+    model."""
     reference = plan.cfg.model.reference
     return plan.objective.describe() + (f", reference {reference}" if reference else "")
 
@@ -142,8 +145,18 @@ def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: 
             batch = sample(size)
             synchronize(device)
             start = time.perf_counter()
-            loss, *_ = train_step(step_model, optimizer, scaler, iter([batch]), 1, plan.cfg.optim.grad_clip, device,
-                                  precision, layout=plan.family.layout, objective=plan.objective)
+            loss, *_ = train_step(
+                step_model,
+                optimizer,
+                scaler,
+                iter([batch]),
+                1,
+                plan.cfg.optim.grad_clip,
+                device,
+                precision,
+                layout=plan.family.layout,
+                objective=plan.objective,
+            )
             synchronize(device)
             times.append(time.perf_counter() - start)
             first = loss.detach() if first is None else first
@@ -157,12 +170,20 @@ def _trial(step_model, optimizer, scaler, plan: Plan, sample, size: int, steps: 
             scaler._per_optimizer_states.clear()
         return Trial(size, "out of memory")
     value = float(first)  # read once the timed steps are done: no sync among them
-    return Trial(size, "fits", meter.peak_mb(), size / statistics.median(times[1:]), value if math.isfinite(value) else None)
+    return Trial(
+        size,
+        "fits",
+        meter.peak_mb(),
+        size / statistics.median(times[1:]),
+        value if math.isfinite(value) else None,
+    )
 
 
 def _predict(trials: list[Trial], size: int) -> float | None:
     """Peak memory at `size` from the two largest sizes that ran (memory is linear in the batch)."""
-    ran = sorted((t for t in trials if t.peak_mb is not None and t.status != "skipped"), key=lambda t: t.batch_size)
+    ran = sorted(
+        (t for t in trials if t.peak_mb is not None and t.status != "skipped"), key=lambda t: t.batch_size
+    )
     if len(ran) < 2:
         return None
     a, c = ran[-2], ran[-1]
@@ -170,7 +191,9 @@ def _predict(trials: list[Trial], size: int) -> float | None:
     return c.peak_mb + max(0.0, slope) * (size - c.batch_size)
 
 
-def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS) -> tuple[int, list[Trial]]:
+def search(
+    plan: Plan, effective: int, limit: float, capacity: float, say, steps: int = TRIAL_STEPS
+) -> tuple[int, list[Trial]]:
     """Trials over the divisors of `effective` (per process); returns (largest safe size, trials).
     The largest safe size is 0 when even a micro-batch of 1 does not fit."""
     from train.core.optim.registry import build_optimizer
@@ -183,7 +206,8 @@ def search(plan: Plan, effective: int, limit: float, capacity: float, say, steps
     if plan.objective.trial_on_longest:  # e.g. preference pairs, through the run's collator
         sample = _longest_pairs(plan.dataset, plan.collate)
     else:
-        lengths = plan.family.layout.pick(None, run_lengths(plan))  # an encoder-decoder: the run's two lengths
+        # an encoder-decoder: the run's two lengths
+        lengths = plan.family.layout.pick(None, run_lengths(plan))
         sample = _sampler(plan.dataset, plan.cfg.system.seed, lengths, plan.model.config.vocab_size,
                           plan.max_length)
     meter = PeakMeter(plan.device)
@@ -269,15 +293,30 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         say(f"find-batch: {why}; searching")
     unit, objective = unit_of(plan.cfg.run.mode), objective_of(plan)
     say(
-        f"find-batch: {plan.model_size} model, MAX_LENGTH {plan.max_length}, {plan.precision} on {device_name(plan.device)}, "
-        f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = {limit:.0f} MB; "
+        f"find-batch: {plan.model_size} model, MAX_LENGTH {plan.max_length}, {plan.precision} on "
+        f"{device_name(plan.device)}, "
+        f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = "
+        f"{limit:.0f} MB; "
         f"effective batch {effective} {unit} kept"
     )
-    # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes (train/run/plan/fill.py)
-    estimated, _, _ = estimated_fit(plan.cfg, plan.model, plan.dataset, plan.collate, plan.max_length, plan.precision, plan.device.type,
-                                    world, plan.family.layout, limit * MIB, per_rank)
+    # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes
+    # (train/run/plan/fill.py)
+    estimated, _, _ = estimated_fit(
+        plan.cfg,
+        plan.model,
+        plan.dataset,
+        plan.collate,
+        plan.max_length,
+        plan.precision,
+        plan.device.type,
+        world,
+        plan.family.layout,
+        limit * MIB,
+        per_rank,
+    )
     largest, trials = search(plan, per_rank, limit, capacity, say, steps)
-    say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the memory "
+    say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the "
+        f"memory "
         "estimate's, which a run without BATCH_SIZE fills a GPU to)")
     device, fixes = plan.device, remedies(trial_cfg, plan.max_length, plan.precision, hint=False)
     del plan
@@ -290,8 +329,20 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
             f"raise MAX_MEMORY_MB or TARGET_VRAM, or try: {fixes}"
         )
     best = choose(trials, largest)
-    result = Result(best.batch_size, per_rank // best.batch_size, effective, largest, limit, capacity, source,
-                    best.samples_per_sec, best.peak_mb, [asdict(t) for t in trials], unit=unit, objective=objective)
+    result = Result(
+        best.batch_size,
+        per_rank // best.batch_size,
+        effective,
+        largest,
+        limit,
+        capacity,
+        source,
+        best.samples_per_sec,
+        best.peak_mb,
+        [asdict(t) for t in trials],
+        unit=unit,
+        objective=objective,
+    )
     write(path, key, result)
     return result
 
@@ -321,7 +372,8 @@ def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
     result = find_everywhere(cfg, say, world, reuse=True)
     gc.collect()
     why = f"was {before[0]} x {before[1]}; effective batch {result.effective_batch} kept; {result.source}"
-    say(f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} ({why})")
+    say(f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} "
+        f"({why})")
     return Chosen(result.batch_size, result.gradient_accumulation_steps, f"AUTO_BATCH=1: {why}")
 
 
@@ -334,7 +386,8 @@ def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -
 
     parser = training_parser(command)
     parser.description = f"{usage[0].upper()}{usage[1:]}. {parser.description}"
-    parser.usage = "%(prog)s " + "".join(f"[{flag}] " for flag, _ in options) + "[training flags]"  # its own first
+    # its own first
+    parser.usage = "%(prog)s " + "".join(f"[{flag}] " for flag, _ in options) + "[training flags]"
     if options:
         own = parser.add_argument_group(f"{command}'s own flags")
         for flag, text in options:
@@ -349,18 +402,25 @@ MODES = ("pretrain", "sft", "dpo")  # the training commands a tool's first word 
 
 
 def mode_of(argv: list[str]) -> tuple[str, list[str]]:
-    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), else pretrain."""
+    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), else
+    pretrain."""
     if argv and argv[0] in MODES:
         return argv[0], argv[1:]
     return "pretrain", argv
 
 
 def find_batch_main(argv: list[str]) -> int:
-    """`python -m train find-batch [pretrain|sft|dpo] [training flags]`: search, print the variables, save them."""
+    """`python -m train find-batch [pretrain|sft|dpo] [training flags]`: search, print the variables, save
+    them."""
     from train.config.flags import parse_training_args
 
-    if wants_help("find-batch", "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective batch, "
-                  "and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)", argv):
+    if wants_help(
+        "find-batch",
+        "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective "
+        "batch, "
+        "and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)",
+        argv,
+    ):
         return 0
     mode, argv = mode_of(argv)
     cfg = parse_training_args(mode, argv)

@@ -47,8 +47,17 @@ TOOL_DEFAULTS = {"max_new_tokens": 128, "do_sample": True, "temperature": 0.7, "
                  "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}  # fmt: skip
 # Settings that say how to decode: where the folder's generation_config.json names any, it decides
 # sampling too, as plain generate() reads it (do_sample off unless it says on: ChatLM's beams).
-DECODING = {"do_sample", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram_size"}
-SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")  # ignored (and warned of) by greedy/beams
+DECODING = {
+    "do_sample",
+    "num_beams",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+}
+# ignored (and warned of) by greedy/beams
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")
 # What AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 # The folder's JSON files that Python's json reads (tokenizer.json is read by the Rust tokenizer).
@@ -76,10 +85,16 @@ def parser() -> ArgParser:
     # run's GENERATION_CONFIG), else the tool's own (TOOL_DEFAULTS).
     p.add_argument("--max_new_tokens", type=int, help="most tokens in one reply (default 128)")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--do_sample", dest="do_sample", action="store_const", const=True,
-                     help="sample the reply (the default, unless the folder's generation_config.json decides)")
+    how.add_argument(
+        "--do_sample",
+        dest="do_sample",
+        action="store_const",
+        const=True,
+        help="sample the reply (the default, unless the folder's generation_config.json decides)",
+    )
     how.add_argument("--greedy", dest="do_sample", action="store_const", const=False,
-                     help="no sampling: the likeliest token each step (or the likeliest beam, with --num_beams)")
+                     help="no sampling: the likeliest token each step (or the likeliest beam, with "
+                          "--num_beams)")
     p.add_argument("--temperature", type=float, help="sampling temperature (default 0.7); 0: greedy")
     p.add_argument("--top_k", type=int, help="sample among the k likeliest tokens (default 50)")
     p.add_argument("--num_beams", type=int, help="beam search over this many beams (default 1: none)")
@@ -130,7 +145,8 @@ class Chat:
         self.turns: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         if args.tools:
             if not self.templated:
-                raise UsageError(f"--tools: {args.model} has no chat template to put tools in (a pretraining or TEMPLATE=none run)")
+                raise UsageError(f"--tools: {args.model} has no chat template to put tools in (a pretraining "
+                                 f"or TEMPLATE=none run)")
             self.turns.insert(0, {"role": TOOLS_ROLE, "tools": read_tools(args.tools)})
         # Turns kept however long the chat grows: the tools list and the system message.
         self.fixed = len(self.turns)
@@ -142,7 +158,8 @@ class Chat:
             try:
                 text = prompt_for_generation(self.tok, self.turns)
             except RenderFailed as err:  # a template that loops, recurses or grows past the bound
-                raise UsageError(f"--model {self.args.model}: its chat template cannot render the chat: {err.reason}") from None
+                raise UsageError(f"--model {self.args.model}: its chat template cannot render the chat: "
+                                 f"{err.reason}") from None
         else:
             text = "\n".join(t["content"] for t in self.turns)
         return self.layout.prompt_ids(self.tok, text, self.templated)
@@ -216,7 +233,11 @@ def read_tools(value: str) -> list[dict]:
     """--tools: a JSON file's path, or the JSON itself (what starts like JSON: a long JSON text is
     no file name)."""
     try:
-        text = value if value.lstrip().startswith(("[", "{")) else read_user_file(value, "--tools").decode("utf-8")
+        text = (
+            value
+            if value.lstrip().startswith(("[", "{"))
+            else read_user_file(value, "--tools").decode("utf-8")
+        )
         return parse_tools(text)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"--tools: cannot read {value}: {err}") from None
@@ -229,8 +250,10 @@ def saved_decoding(model, folder: str) -> dict:
     GENERATION_CONFIG): those that differ from transformers' defaults, checked as the flags are."""
     saved = model.generation_config.to_diff_dict()
     # Every setting generate() would follow, not only the decoding ones: beams, ids, remote decodings.
-    problem = settings_problem({k: v for k, v in saved.items() if not k.startswith("_") and k != "temperature"},
-                               model.get_input_embeddings().num_embeddings)  # fmt: skip
+    problem = settings_problem(
+        {k: v for k, v in saved.items() if not k.startswith("_") and k != "temperature"},
+        model.get_input_embeddings().num_embeddings,
+    )
     if problem:
         raise UsageError(f"--model {folder}: generation_config.json's {problem[0]}: {problem[1]}")
     found = {k: saved[k] for k in DECODING | {"max_new_tokens"} if saved.get(k) is not None}
@@ -274,7 +297,9 @@ def check_flags(args) -> None:
     try:
         resolve_device(args.device)
     except RuntimeError:  # torch.device("bogus")
-        raise UsageError(f"--device: expected auto | cpu | cuda | cuda:N | mps, got {args.device!r}") from None
+        raise UsageError(
+            f"--device: expected auto | cpu | cuda | cuda:N | mps, got {args.device!r}"
+        ) from None
     except UsageError as err:
         raise UsageError(str(err).replace(f"DEVICE={args.device}", f"--device {args.device}")) from None
 
@@ -307,7 +332,8 @@ def generate_main(argv: list[str]) -> int:
     if not chat.templated:
         how = chat.layout.pick(
             "continuing the prompt as plain text",
-            "the prompt + eos is the encoder's source (as TEMPLATE=none SFT trains it; for a span-corruption model "
+            "the prompt + eos is the encoder's source (as TEMPLATE=none SFT trains it; for a span-corruption "
+            "model "
             "write <extra_id_0> ... where it should fill in text)",
         )
         print(f"note: {args.model} has no chat template: {how}", file=sys.stderr)

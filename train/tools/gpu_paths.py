@@ -58,8 +58,11 @@ def collect_paths(out: Path, doctor_json: Path | None) -> dict:
             note = next((m.group(0) for m in NOTE.finditer((out / f"{part}.log").read_text())), None)
         except OSError:
             pass
-        found[part] = {"summary": _json(folder / "summary.json"), "profile": _json(out / f"{part}.profile.json"),
-                       "note": note}
+        found[part] = {
+            "summary": _json(folder / "summary.json"),
+            "profile": _json(out / f"{part}.profile.json"),
+            "note": note,
+        }
     return found
 
 
@@ -98,7 +101,9 @@ def _busy(p: dict | None) -> str:
     if p is None or "step_ms" not in p:
         return "not profiled"
     share = _fmt(p.get("device_busy_frac"), ".0%") if p.get("device") != "cpu" else "n/a (CPU)"
-    return f"{share} of {p['step_ms']:.0f} ms" + (" (compiled in it)" if p.get("compiled_during_step") else "")
+    return f"{share} of {p['step_ms']:.0f} ms" + (
+        " (compiled in it)" if p.get("compiled_during_step") else ""
+    )
 
 
 def _settings(s: dict) -> str:
@@ -107,7 +112,8 @@ def _settings(s: dict) -> str:
 
 
 def path_rows(found: dict, took) -> list[str]:
-    lines = ["", "Every path, one run each (GPU busy: the share of one profiled step's wall time with a kernel "
+    lines = ["", "Every path, one run each (GPU busy: the share of one profiled step's wall time with a "
+                 "kernel "
              "or copy running; tokens/s are real tokens, steady state):", "",
              "| path | settings | tokens/s | MFU | peak VRAM vs estimate | host syncs/step | compile | "
              "compute share | GPU busy | took |",
@@ -121,8 +127,11 @@ def path_rows(found: dict, took) -> list[str]:
                  _memory(s), _fmt(s.get("host_syncs_per_step"), ".2f"), _compile(s),
                  _fmt(s.get("compute_frac"), ".0%"), _busy(found[part]["profile"]), took(part)]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- {part}: the run said: \"{found[part]['note']}\"" for part in ("pretrain-preset", "pretrain-auto")
-             if found[part]["note"]]
+    notes = [
+        f'- {part}: the run said: "{found[part]["note"]}"'
+        for part in ("pretrain-preset", "pretrain-auto")
+        if found[part]["note"]
+    ]
     return lines + ([""] + notes if notes else [])
 
 
@@ -136,9 +145,16 @@ def peer_mfu(kit: dict, result: dict):
 def _peer_settings(r: dict) -> str:
     ran = r.get("settings", {})
     precision = "bf16" if ran.get("bf16") else "fp16" if ran.get("fp16") else "fp32"
-    shape = f"packing {ran['packing']}, " if ran.get("packing") else "padding-free, " if ran.get("padding_free") else ""
+    shape = (
+        f"packing {ran['packing']}, "
+        if ran.get("packing")
+        else "padding-free, "
+        if ran.get("padding_free")
+        else ""
+    )
     return (f"{precision}, {shape}batch {ran.get('batch_size', '?')}, T={ran.get('max_length', '?')}, "
-            f"checkpointing {int(bool(ran.get('gradient_checkpointing')))}, compile {int(bool(ran.get('torch_compile')))}, "
+            f"checkpointing {int(bool(ran.get('gradient_checkpointing')))}, compile "
+            f"{int(bool(ran.get('torch_compile')))}, "
             f"{ran.get('attn_implementation', '?')}")
 
 
@@ -146,9 +162,11 @@ def peer_rows(found: dict, peers: dict, took) -> list[str]:
     """The peers on the kit's plans, beside the kit's row they ran against."""
     if not any(took(peer) != "not run" for peer, *_ in PEERS):
         return []
-    lines = ["", "Peers on the same GPU in the same call (bench/peers.py: the kit part's model, token ids, MAX_LENGTH, "
+    lines = ["", "Peers on the same GPU in the same call (bench/peers.py: the kit part's model, token ids, "
+                 "MAX_LENGTH, "
              "batch and precision; the peer's own defaults otherwise; MFU by the kit's FLOPs per token):", "",
-             "| peer | on the plan of | settings | real tokens/s | MFU | peak VRAM | GPU busy | the kit's tokens/s "
+             "| peer | on the plan of | settings | real tokens/s | MFU | peak VRAM | GPU busy | the kit's "
+             "tokens/s "
              "| kit / peer | took |", "|---|---|---|---|---|---|---|---|---|---|"]
     for peer, kit, what, trainer in PEERS:
         r, s = peers[peer]["result"], found[kit]["summary"] or {}
@@ -216,7 +234,8 @@ def _fill(part: str, s: dict, profile: dict | None) -> dict:
     share = peak / total if peak is not None and total else None
     busy = (profile or {}).get("device_busy_frac")
     met = None if share is None and busy is None else (share or 0) >= FILL_MEMORY or (busy or 0) >= FILL_BUSY
-    return {"part": part, "target": f"{dict(PATHS)[part]}: peak memory >= {FILL_MEMORY:.0%} of the device or GPU "
+    return {"part": part, "target": f"{dict(PATHS)[part]}: peak memory >= {FILL_MEMORY:.0%} of the device or "
+                                    f"GPU "
             f"busy >= {FILL_BUSY:.0%}", "value": {"memory_share": share, "gpu_busy": busy},
             "goal": {"memory_share": FILL_MEMORY, "gpu_busy": FILL_BUSY}, "unit": "share", "met": met,
             "measured": f"memory {_fmt(share, '.0%')}, GPU busy {_fmt(busy, '.0%')}"}
@@ -238,20 +257,38 @@ def goals(found: dict, peers: dict | None = None) -> list[dict]:
                       _fmt(packed, ",.0f")))
     grouped, eff = s["sft-grouped"].get("tokens_per_sec"), s["sft-grouped"].get("padding_efficiency")
     goal = GROUPED_FACTOR * eff * pre if pre and eff else None
-    rows.append(_goal("sft-grouped", f"grouped SFT tokens/s >= {GROUPED_FACTOR} x padding efficiency "
-                      f"({_fmt(eff, '.1%')}) x pretraining's = {_fmt(goal, ',.0f')}", grouped, goal, "tokens/s",
-                      _fmt(grouped, ",.0f")))
+    rows.append(
+        _goal(
+            "sft-grouped",
+            f"grouped SFT tokens/s >= {GROUPED_FACTOR} x padding efficiency "
+            f"({_fmt(eff, '.1%')}) x pretraining's = {_fmt(goal, ',.0f')}",
+            grouped,
+            goal,
+            "tokens/s",
+            _fmt(grouped, ",.0f"),
+        )
+    )
     dpo = s["dpo"].get("tokens_per_sec")
-    rows.append(_goal("dpo", f"DPO real tokens/s >= {DPO_OF_PACKED} x packed SFT's ({_fmt(packed, ',.0f')})", dpo,
-                      DPO_OF_PACKED * packed if packed else None, "tokens/s", _fmt(dpo, ",.0f")))
+    rows.append(
+        _goal(
+            "dpo",
+            f"DPO real tokens/s >= {DPO_OF_PACKED} x packed SFT's ({_fmt(packed, ',.0f')})",
+            dpo,
+            DPO_OF_PACKED * packed if packed else None,
+            "tokens/s",
+            _fmt(dpo, ",.0f"),
+        )
+    )
     for part, goal in (("t5-pretrain", T5_MFU), ("t5-sft", T5_SFT_MFU)):
         mfu = s[part].get("mfu")
         rows.append(_goal(part, f"{dict(PATHS)[part]} MFU >= {goal:.0%}", mfu, goal, "%", _fmt(mfu, ".1%")))
     for part in ("t5-pretrain", "t5-sft"):
         peak, est = s[part].get("peak_vram_mb"), s[part].get("estimate_peak_mb")
         off = abs(est - peak) / peak if peak and est is not None else None
-        shown = "n/a" if off is None else f"estimate {est:,.0f} MB vs peak {peak:,.0f} MB ({(est - peak) / peak:+.0%})"
-        rows.append(_goal(part, f"{dict(PATHS)[part]}: memory estimate within {ESTIMATE_WITHIN:.0%} of the peak", off,
+        shown = "n/a" if off is None else (f"estimate {est:,.0f} MB vs peak {peak:,.0f} MB "
+                                           f"({(est - peak) / peak:+.0%})")
+        rows.append(_goal(part, f"{dict(PATHS)[part]}: memory estimate within {ESTIMATE_WITHIN:.0%} of the "
+                                f"peak", off,
                           ESTIMATE_WITHIN, "%", shown, at_most=True))
     rows += [_fill(part, s[part], found[part]["profile"]) for part, _ in PATHS if found[part]["summary"]]
     for peer, kit, what, trainer in PEERS:
@@ -274,7 +311,9 @@ def _where(p: dict | None) -> str:
     if p is None or "step_ms" not in p:
         return "not profiled" if p is None else f"not profiled ({p.get('error', '?')})"
     cats = ", ".join(f"{c['name']} {c['share']:.0%}" for c in (p.get("kernel_categories") or [])[:3])
-    return f"GPU busy {_fmt(p.get('device_busy_frac'), '.0%')} of the step" + (f"; kernel time: {cats}" if cats else "")
+    return f"GPU busy {_fmt(p.get('device_busy_frac'), '.0%')} of the step" + (
+        f"; kernel time: {cats}" if cats else ""
+    )
 
 
 def target_rows(found: dict, peers: dict | None = None) -> list[str]:
@@ -290,14 +329,19 @@ def profile_rows(found: dict) -> list[str]:
     """Where one step's time went, per path (python -m train.tools.step_profile)."""
     lines = ["", "One step of each path under torch.profiler (step 2, inside the warm-up the throughput "
              "leaves out; a device sync at both ends):", "",
-             "| path | step ms | GPU busy | kernel time by category | top ops by self device time (CPU time on a CPU) |",
+             "| path | step ms | GPU busy | kernel time by category | top ops by self device time (CPU time "
+             "on a CPU) |",
              "|---|---|---|---|---|"]
     for part, label in PATHS:
         p = found[part]["profile"]
         if p is None or "step_ms" not in p:
             continue
-        cats = ", ".join(f"{c['name']} {c['share']:.0%}" for c in (p.get("kernel_categories") or [])[:4]) or "n/a"
+        cats = (
+            ", ".join(f"{c['name']} {c['share']:.0%}" for c in (p.get("kernel_categories") or [])[:4])
+            or "n/a"
+        )
         key = "device_ms" if p.get("device_busy_frac") is not None else "cpu_ms"
         ops = ", ".join(f"{o['name'][:40]} {o[key]:.1f} ms" for o in p.get("top_ops", [])[:4]) or "n/a"
-        lines.append(f"| {label} | {p['step_ms']:.1f} | {_fmt(p.get('device_busy_frac'), '.0%')} | {cats} | {ops} |")
+        lines.append(f"| {label} | {p['step_ms']:.1f} | {_fmt(p.get('device_busy_frac'), '.0%')} | {cats} | "
+                     f"{ops} |")
     return lines if len(lines) > 5 else []

@@ -122,9 +122,15 @@ def _tool_rows(fig: dict) -> list[str]:
     lines = ["", "| tool | result | took |", "|---|---|---|"]
     fb, doc = fig["find_batch"], fig["doctor"]
     # the doctor's run is the pretrain-preset path's (profiled) where the script ran it that way
-    doctor = "doctor" if "doctor" in fig["parts"] or "pretrain-preset" not in fig["parts"] else "pretrain-preset"
+    doctor = (
+        "doctor" if "doctor" in fig["parts"] or "pretrain-preset" not in fig["parts"] else "pretrain-preset"
+    )
     # find-batch's search runs inside pretrain-auto (AUTO_BATCH=1) where it is no part of its own
-    search = "find-batch" if "find-batch" in fig["parts"] or "pretrain-auto" not in fig["parts"] else "pretrain-auto"
+    search = (
+        "find-batch"
+        if "find-batch" in fig["parts"] or "pretrain-auto" not in fig["parts"]
+        else "pretrain-auto"
+    )
     if fb:
         label = f"find-batch ({fb.get('key', {}).get('precision', '?')})"
         rate = "" if fb.get("samples_per_sec") is None else f", {fb['samples_per_sec']:.1f} samples/s"
@@ -161,7 +167,8 @@ def _sft_rows(fig: dict) -> list[str]:
                  _fmt(s.get("step_time_ms"), ".0f"), _fmt(s.get("final_loss"), ".4f"), _took(fig, f"sft-{p}")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(s is not None and "packing" not in s for s in sft.values()):
-        lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both SFT "
+        lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both "
+                      "SFT "
                   "runs used one conversation per row."]
     return lines
 
@@ -217,10 +224,13 @@ def device_label() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.tools.gpu_report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m train.tools.gpu_report", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", required=True, help="the folder scripts/gpu_report.sh wrote")
     parser.add_argument("--results", default="bench/RESULTS.md")
-    parser.add_argument("--table", default=None, help="the JSON table (default: gpu_table.json beside --results)")
+    parser.add_argument("--table", default=None, help="the JSON table (default: gpu_table.json beside "
+                                                      "--results)")
     parser.add_argument("--device", default=None, help="device name for the heading (default: torch's)")
     parser.add_argument("--date", default=None, help="date for the heading (default: today)")
     args = parser.parse_args(argv)

@@ -28,11 +28,15 @@ from train.tools.generate import TOKENIZER_FILES  # what AutoTokenizer reads a t
 
 def parser() -> ArgParser:
     p = ArgParser(prog="python -m train import",
-                  description="Write a bare state_dict checkpoint (ChatLM-mini-Chinese's) as a transformers folder.")
-    p.add_argument("src", metavar="SRC", help="a folder with a state_dict file and config.json / model_config.json, "
+                  description="Write a bare state_dict checkpoint (ChatLM-mini-Chinese's) as a transformers "
+                              "folder.")
+    p.add_argument("src", metavar="SRC", help="a folder with a state_dict file and config.json / "
+                                              "model_config.json, "
                    "or the state_dict file itself")  # fmt: skip
     p.add_argument("dest", metavar="DEST", help="the transformers folder to write (must not exist)")
-    p.add_argument("--tokenizer_path", help="the tokenizer folder (default: SRC's folder, where it holds one)")
+    p.add_argument(
+        "--tokenizer_path", help="the tokenizer folder (default: SRC's folder, where it holds one)"
+    )
     return p
 
 
@@ -55,7 +59,9 @@ def load_tokenizer(src_folder: Path, tokenizer_path: str | None):
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # OSError, ValueError ... of a bad folder
-        raise UsageError(f"{name}={folder}: no tokenizer could be loaded: {str(err).strip().splitlines()[0]}") from None
+        raise UsageError(
+            f"{name}={folder}: no tokenizer could be loaded: {str(err).strip().splitlines()[0]}"
+        ) from None
 
 
 def check_pair(model, tok, say) -> None:
@@ -71,11 +77,13 @@ def check_pair(model, tok, say) -> None:
         if not isinstance(mine, int) or theirs is None or mine == theirs:
             continue
         if mine < rows:
-            say(f"note: the config's {what}_token_id is {mine}, the tokenizer's {theirs}; the config's is kept")
+            say(f"note: the config's {what}_token_id is {mine}, the tokenizer's {theirs}; the config's is "
+                f"kept")
             continue
         for holder in (c, model.generation_config):  # an id past the embeddings can only be wrong
             setattr(holder, f"{what}_token_id", theirs)
-        say(f"note: the config's {what}_token_id {mine} is past the {rows} embedding rows: the tokenizer's {theirs}")
+        say(f"note: the config's {what}_token_id {mine} is past the {rows} embedding rows: the tokenizer's "
+            f"{theirs}")
 
 
 def check_dest(dest: Path) -> None:
@@ -98,7 +106,8 @@ def write_folder(model, tok, dest: Path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = files.fresh_folder(dest.parent, f".{dest.name}.import-")
     except OSError as err:  # /proc, a read-only disk, a path through a file
-        raise UsageError(f"DEST={dest}: no folder can be made there ({err.strerror or err}); name a folder you can write") from None
+        raise UsageError(f"DEST={dest}: no folder can be made there ({err.strerror or err}); name a folder "
+                         f"you can write") from None
     try:
         with quiet_saving():  # one file: no "Writing model shards" bar
             model.save_pretrained(tmp)
@@ -128,13 +137,15 @@ def import_main(argv: list[str], say=print) -> int:
     model, dtype = load_bare(found, "SRC", say)
     check_pair(model, tok, say)
     if dtype not in NATIVE:  # float8: from_pretrained cannot load a float8 folder (no float8 default dtype)
-        say(f"note: the {str(dtype).removeprefix('torch.')} weights are written as bfloat16, which holds every one "
+        say(f"note: the {str(dtype).removeprefix('torch.')} weights are written as bfloat16, which holds "
+            f"every one "
             "of their values exactly and which from_pretrained loads")
         dtype = torch.bfloat16
     model.to(dtype)  # the weights as they were saved: fp16 stays half the size
     model.config.use_cache = model.generation_config.use_cache = True  # plain generate() at full speed
     write_folder(model, tok, dest)
     n = model_lib.count_params(model)
-    say(f"wrote {dest}: {type(model).__name__} ({n / 1e6:,.1f}M parameters, {str(dtype).removeprefix('torch.')}) "
+    say(f"wrote {dest}: {type(model).__name__} ({n / 1e6:,.1f}M parameters, "
+        f"{str(dtype).removeprefix('torch.')}) "
         f"and its tokenizer; fine-tune it with MODEL_PATH={dest}")  # fmt: skip
     return 0

@@ -88,12 +88,21 @@ def host_ops(prof) -> list[dict]:
     CPU time; the kernels themselves are ranked by category."""
     from torch.autograd import DeviceType
 
-    return [{"name": a.key, "device_ms": a.self_device_time_total / 1e3, "cpu_ms": a.self_cpu_time_total / 1e3,
-             "calls": a.count} for a in prof.key_averages()
-            if a.key != MARK and getattr(a, "device_type", DeviceType.CPU) == DeviceType.CPU]
+    return [
+        {
+            "name": a.key,
+            "device_ms": a.self_device_time_total / 1e3,
+            "cpu_ms": a.self_cpu_time_total / 1e3,
+            "calls": a.count,
+        }
+        for a in prof.key_averages()
+        if a.key != MARK and getattr(a, "device_type", DeviceType.CPU) == DeviceType.CPU
+    ]
 
 
-def summarize(window, work: list, ops: list[dict], wall_s: float, compiled: bool, step: int, device: str) -> dict:
+def summarize(
+    window, work: list, ops: list[dict], wall_s: float, compiled: bool, step: int, device: str
+) -> dict:
     """The JSON record of one traced step (see the module docstring)."""
     busy = cats = None
     if work and window is not None:
@@ -102,7 +111,10 @@ def summarize(window, work: list, ops: list[dict], wall_s: float, compiled: bool
         for name, start, end in work:
             per[category(name)] = per.get(category(name), 0.0) + (end - start) / 1e6
         total = sum(per.values()) or 1.0
-        cats = [{"name": k, "device_ms": v, "share": v / total} for k, v in sorted(per.items(), key=lambda kv: -kv[1])]
+        cats = [
+            {"name": k, "device_ms": v, "share": v / total}
+            for k, v in sorted(per.items(), key=lambda kv: -kv[1])
+        ]
     key = "device_ms" if work else "cpu_ms"
     top = [op for op in sorted(ops, key=lambda op: op[key], reverse=True)[:TOP] if op[key] > 0]
     step_ms = (window[1] - window[0]) / 1e6 if window is not None else 1000 * wall_s
@@ -157,8 +169,9 @@ class OneStep:
             self.prof.stop()
             device = "cuda" if self.cuda else "cpu"
             window, work = timeline(self.prof)
-            self.result = summarize(window, work, host_ops(self.prof), wall, _graphs() != self.graphs, self.step,
-                                    device)
+            self.result = summarize(
+                window, work, host_ops(self.prof), wall, _graphs() != self.graphs, self.step, device
+            )
 
 
 def run(command: str, rest: list[str]) -> int:
@@ -172,7 +185,8 @@ def run(command: str, rest: list[str]) -> int:
 
     cfg = parse_training_args(command, rest)
     if cfg.optim.auto_batch or cfg.run.dry_run:
-        raise UsageError("step_profile: AUTO_BATCH=1 and DRY_RUN=1 are not profiled (find-batch's trial steps "
+        raise UsageError("step_profile: AUTO_BATCH=1 and DRY_RUN=1 are not profiled (find-batch's trial "
+                         "steps "
                          "would be counted as the run's; a dry run has no step)")
     return train(cfg)
 
@@ -193,7 +207,9 @@ def lines(r: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.tools.step_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m train.tools.step_profile", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", required=True, help="where the step's record goes")
     parser.add_argument("--step", default="1", help="the optimizer step to trace, 0-based (>= 1; default 1)")
     parser.add_argument("command", help="pretrain, sft, dpo or doctor")
@@ -215,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         handle.remove()
-    record = hook.result or {"step": hook.step, "error": f"the run ended after {hook.done} optimizer step(s), "
+    record = hook.result or {"step": hook.step, "error": f"the run ended after {hook.done} optimizer "
+                                                         f"step(s), "
                              f"before step {hook.step} was over"}
     write_json(Path(args.json), {"command": args.command, **record})
     print("\n".join(lines(record)) if hook.result else f"step_profile: {record['error']}")

@@ -24,9 +24,15 @@ def storages(tensors) -> dict[int, int]:
 def held_by(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
     """What a training step finds allocated: the model's parameters, buffers and gradients, and the
     optimizer's state."""
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors = [
+        *model.parameters(),
+        *model.buffers(),
+        *(p.grad for p in model.parameters() if p.grad is not None),
+    ]
     if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [
+            v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        ]
     return tensors
 
 

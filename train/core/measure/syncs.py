@@ -98,7 +98,9 @@ class _Functions(TorchFunctionMode):
 
 def _names_device(args, kwargs) -> bool:
     targets = [*args, kwargs.get("device")]
-    return any(isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor)) for a in targets if a is not None)
+    return any(
+        isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor)) for a in targets if a is not None
+    )
 
 
 class HostSyncs(TorchDispatchMode):
@@ -169,7 +171,9 @@ class HostSyncs(TorchDispatchMode):
         # torch.tensor(python data) (aten.lift_fresh) is host data until moved: the host
         # all-reduces of a few ints (train/distributed) never touch the device
         made_on_host = func is aten.lift_fresh.default
-        if self.simulated and (self._in_host or made_on_host or (inputs and all(self.is_host(t) for t in inputs))):
+        if self.simulated and (
+            self._in_host or made_on_host or (inputs and all(self.is_host(t) for t in inputs))
+        ):
             self.mark_host(out)
         return out
 

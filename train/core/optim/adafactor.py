@@ -82,7 +82,8 @@ class RelativeAdafactor(torch.optim.Optimizer):
         update.div_((_rms(update) / group["clip_threshold"]).clamp_(min=1.0))
         update.mul_(lr)
         if group["weight_decay"] != 0:
-            weights.addcmul_(weights, -group["weight_decay"] * lr)  # transformers' add_(p, alpha=-wd x lr), no sync
+            # transformers' add_(p, alpha=-wd x lr), no sync
+            weights.addcmul_(weights, -group["weight_decay"] * lr)
         weights.sub_(update)
         if weights is not p:
             p.copy_(weights)

@@ -62,7 +62,8 @@ def _sgd(groups, lr: float):
 def _adafactor(groups, lr: float):
     import torch
 
-    return torch.optim.Adafactor(groups, lr=lr, foreach=True), "Adafactor (foreach)"  # one kernel per op over all
+    # one kernel per op over all
+    return torch.optim.Adafactor(groups, lr=lr, foreach=True), "Adafactor (foreach)"
 
 
 def _adafactor_relative(groups, lr: float):
@@ -81,16 +82,20 @@ OPTIMIZERS = {
     "adamw": Optimizer(_adamw, "AdamW, betas (0.9, 0.95), fused; 2 fp32 states per parameter",
                        lambda params, factored: (8 * params, 0)),
     "adafactor": Optimizer(
-        _adafactor, "torch's Adafactor (foreach): factored second moment (rows + columns of each matrix), its lr "
+        _adafactor, "torch's Adafactor (foreach): factored second moment (rows + columns of each matrix), "
+                    "its lr "
         "the schedule's, the cap of its relative step, scaled by each matrix's RMS; it reads two norms per "
         "parameter on the host each step (torch's code), so on a GPU it syncs where AdamW does not",
         _factored_bytes, factored=True, shards=False),
     "sgd": Optimizer(_sgd, "SGD, momentum 0.9, Nesterov; 1 state per parameter",
                      lambda params, factored: (4 * params, 0)),
     "adafactor_relative": Optimizer(
-        _adafactor_relative, "Shazeer & Stern's Adafactor with relative step and parameter scaling (transformers' "
-        "Adafactor(lr=None, relative_step=True, scale_parameter=True, warmup_init=False), ChatLM's optimizer): "
-        "each step is min(1e-2, 1/sqrt(step)) x the parameter's RMS, so LEARNING_RATE and LR_SCHEDULE are unused",
+        _adafactor_relative, "Shazeer & Stern's Adafactor with relative step and parameter scaling "
+                             "(transformers' "
+        "Adafactor(lr=None, relative_step=True, scale_parameter=True, warmup_init=False), ChatLM's "
+        "optimizer): "
+        "each step is min(1e-2, 1/sqrt(step)) x the parameter's RMS, so LEARNING_RATE and LR_SCHEDULE are "
+        "unused",
         _factored_bytes, factored=True, shards=False, own_step="relative"),
 }
 
@@ -98,7 +103,8 @@ OPTIMIZERS = {
 def check_sharding(name: str, sharding: str) -> None:
     """OPTIMIZER with SHARDING: refused in one line where the optimizer cannot step sharded parameters."""
     if not OPTIMIZERS[name].shards and sharding != "none":  # Adafactor's norms need whole matrices
-        raise UsageError(f"OPTIMIZER={name} and SHARDING={sharding}: it cannot step FSDP2's sharded parameters; "
+        raise UsageError(f"OPTIMIZER={name} and SHARDING={sharding}: it cannot step FSDP2's sharded "
+                         f"parameters; "
                          "use OPTIMIZER=adamw or sgd, or SHARDING=none")
 
 

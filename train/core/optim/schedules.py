@@ -63,7 +63,9 @@ def onecycle(step: float, peak: float, warmup: float, total: float, min_ratio: f
     return anneal(peak, low, (step - rise_end) / max(1e-9, total - 1 - rise_end))
 
 
-def relative(step: float, peak: float = 0.0, warmup: float = 0.0, total: float = 0.0, min_ratio: float = 0.0) -> float:
+def relative(
+    step: float, peak: float = 0.0, warmup: float = 0.0, total: float = 0.0, min_ratio: float = 0.0
+) -> float:
     """Adafactor's relative step size min(1e-2, 1 / sqrt(step)), step counted from 1 as its
     optimizer counts: not a LR_SCHEDULE choice but the curve of an optimizer that sets its own
     step (OPTIMIZERS' own_step), logged as the run's lr; peak, warm-up and decay unused."""
@@ -82,7 +84,9 @@ def steps_or_share(warmup: float | None) -> float | int | None:
     if warmup is None or warmup < 1:
         return warmup
     if warmup % 1:
-        raise bad_value("warmup_steps", "a whole number of steps, or a share of the run below 1 (0.05: 5 %)", warmup)
+        raise bad_value(
+            "warmup_steps", "a whole number of steps, or a share of the run below 1 (0.05: 5 %)", warmup
+        )
     return int(warmup)
 
 
@@ -92,7 +96,9 @@ def warmup_of(warmup: float | int, total_steps: int) -> int:
     return warmup if warmup >= 1 else math.ceil(total_steps * warmup)
 
 
-def lr_at(step: float, peak: float, warmup: float, total: float, min_ratio: float, shape: str = "cosine") -> float:
+def lr_at(
+    step: float, peak: float, warmup: float, total: float, min_ratio: float, shape: str = "cosine"
+) -> float:
     """The learning rate of optimizer step `step` (from 0; fractional under a changed batch, see
     Schedule) on curve `shape` (SCHEDULES, or "relative"). cosine, linear, constant: linear
     warm-up to the peak over `warmup` steps, then cosine or linear decay to peak x min_ratio at
@@ -124,7 +130,11 @@ class Schedule:
 
     def state_dict(self) -> dict:
         """A checkpoint's meta.json "schedule": the curve in samples (peak and shape are the config's)."""
-        return {"unit_samples": self.unit, "warmup_samples": self.warmup_samples, "budget_samples": self.budget_samples}
+        return {
+            "unit_samples": self.unit,
+            "warmup_samples": self.warmup_samples,
+            "budget_samples": self.budget_samples,
+        }
 
     def load_state_dict(self, state: dict) -> Schedule:
         """The saved curve with this schedule's peak and shape (frozen: a new Schedule)."""

@@ -8,6 +8,13 @@ from train.core.preference.loss import DPO_LOSS, PreferenceObjective, preference
 from train.core.preference.reference import REFERENCES, build_reference, reference_over
 
 __all__ = [
-    "DPO_LOSS", "REFERENCES", "PreferenceObjective", "Responses", "build_reference", "preference_loss", "reference_over", "sequence_logps",
+    "DPO_LOSS",
+    "REFERENCES",
+    "PreferenceObjective",
+    "Responses",
+    "build_reference",
+    "preference_loss",
+    "reference_over",
+    "sequence_logps",
     "step_counts",
 ]

@@ -46,9 +46,11 @@ from train.core.units import IGNORE_INDEX
 class Responses:
     """Where a preference batch's response tokens are, read from its labels on the host."""
 
-    index: torch.Tensor  # (M,) flat positions in the (rows x width) hidden states that predict a response token
+    # (M,) flat positions in the (rows x width) hidden states that predict a response token
+    index: torch.Tensor
     targets: torch.Tensor  # (M,) the token each of them predicts
-    rows: torch.Tensor  # (M,) the sequence (of the 2P) each belongs to: its row, or a packed row's sequence_ids
+    # (M,) the sequence (of the 2P) each belongs to: its row, or a packed row's sequence_ids
+    rows: torch.Tensor
     counts: torch.Tensor  # (2P,) response tokens per row (the length normalisation's divisor)
     pairs: int  # P
     chosen_tokens: int  # response tokens of the P chosen rows (the SFT term's divisor)
@@ -70,7 +72,8 @@ class Responses:
             rows = (shift_targets(sequence_ids) if shifted else sequence_ids).reshape(-1)[index]
             counts = torch.bincount(rows, minlength=2 * pairs)
         elif labels.shape[0] % 2:
-            raise ValueError(f"a preference batch is 2P rows (P chosen, then P rejected); got {labels.shape[0]}")
+            raise ValueError(f"a preference batch is 2P rows (P chosen, then P rejected); got "
+                             f"{labels.shape[0]}")
         else:
             pairs, rows, counts = labels.shape[0] // 2, index // targets.shape[1], valid.sum(1)
         # a prepared (rows, 1, T, T) mask (packed, masked attention) is used as it is: None
@@ -92,8 +95,11 @@ def device_inputs(batch: dict, device: torch.device) -> dict:
     """The tensors the forward takes (input_ids, attention_mask, labels, a packed batch's PACKED),
     moved, and flash-attention's varlen host ints; the other host ints, sequence_ids (read by
     Responses.of) and the precomputed reference's columns stay where they are."""
-    moved = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "labels", *PACKED)
-             if k in batch}  # fmt: skip
+    moved = {
+        k: batch[k].to(device, non_blocking=True)
+        for k in ("input_ids", "attention_mask", "labels", *PACKED)
+        if k in batch
+    }
     return {**moved, **{k: batch[k] for k in VARLEN_INTS if k in batch}}
 
 
@@ -193,7 +199,9 @@ def seq2seq_tokens(model, inputs: dict, responses: Responses, chunk_tokens: int 
     states = torch.cat([encoded, encoded])
     scale = getattr(bare.config, "scale_decoder_outputs", None)  # T5: d_model ** -0.5 before a tied head
     if scale is None or getattr(bare, "final_logits_bias", None) is not None:
-        logits = bare(encoder_outputs=(states,), attention_mask=twice, decoder_input_ids=decoder_input_ids).logits
+        logits = bare(
+            encoder_outputs=(states,), attention_mask=twice, decoder_input_ids=decoder_input_ids
+        ).logits
         return _from_logits(logits, responses)
     hidden = bare.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=states,
                                 encoder_attention_mask=twice).last_hidden_state  # fmt: skip
@@ -222,7 +230,9 @@ def sequence_logps(model, inputs: dict, responses: Responses, chunk_tokens: int 
     seq2seq_tokens."""
     register_no_sync_mask()
     maskless = "attention_mask" not in inputs
-    padding = host_padding(responses.padded, maskless) if responses.padded is not None else contextlib.nullcontext()
+    padding = (
+        host_padding(responses.padded, maskless) if responses.padded is not None else contextlib.nullcontext()
+    )
     with padding:
         per_token = layout.token_logps(model, inputs, responses, chunk_tokens)
     # per sequence: a row's sum, or a packed row's sequences' (sequence_ids), by index_add on the device

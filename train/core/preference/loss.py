@@ -103,11 +103,18 @@ class PreferenceLoss:
 
 
 DPO_LOSS = {
-    "sigmoid": PreferenceLoss(_sigmoid, normalised=False, reference=True, reads=frozenset({"beta", "label_smoothing"})),
+    "sigmoid": PreferenceLoss(
+        _sigmoid, normalised=False, reference=True, reads=frozenset({"beta", "label_smoothing"})
+    ),
     "ipo": PreferenceLoss(_ipo, normalised=True, reference=True),
     "hinge": PreferenceLoss(_hinge, normalised=False, reference=True),
-    "simpo": PreferenceLoss(_simpo, normalised=True, reference=False,
-                            reads=frozenset({"beta", "label_smoothing", "simpo_gamma"}), logs_means=True),
+    "simpo": PreferenceLoss(
+        _simpo,
+        normalised=True,
+        reference=False,
+        reads=frozenset({"beta", "label_smoothing", "simpo_gamma"}),
+        logs_means=True,
+    ),
     "orpo": PreferenceLoss(_orpo, normalised=True, reference=False, nll=True, logs_means=True),
 }
 
@@ -135,9 +142,21 @@ def pair_metrics(c, r, rewards_c, rewards_r, extra: dict, share: Callable) -> di
 
 
 def preference_loss(
-    model, batch: dict, device: torch.device, precision: str, pairs: int | None = None, world_size: int = 1, *,
-    layout, chosen_tokens: int | None = None, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
-    simpo_gamma: float = 0.5, sft_weight: float = 0.0, reference: Callable | None = None,
+    model,
+    batch: dict,
+    device: torch.device,
+    precision: str,
+    pairs: int | None = None,
+    world_size: int = 1,
+    *,
+    layout,
+    chosen_tokens: int | None = None,
+    loss: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    sft_weight: float = 0.0,
+    reference: Callable | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(this micro-batch's share of the step's loss, metrics), as forward_loss shapes it: `pairs` and
@@ -150,7 +169,8 @@ def preference_loss(
     if row is None:
         raise ValueError(f"DPO_LOSS={loss!r}: expected one of {', '.join(DPO_LOSS)}")
     if row.reference and reference is None:
-        raise ValueError(f"DPO_LOSS={loss} compares with a reference model: give one (copy, precomputed, adapters)")
+        raise ValueError(f"DPO_LOSS={loss} compares with a reference model: give one (copy, precomputed, "
+                         f"adapters)")
     knobs = Knobs(beta, label_smoothing, simpo_gamma)
     host = layout.responses(batch)
     pairs, chosen_tokens = pairs or host.pairs, chosen_tokens or host.chosen_tokens
@@ -162,10 +182,14 @@ def preference_loss(
     p = host.pairs
     counts = responses.counts.clamp(min=1).float()  # a row with no response token: 0, not 0 / 0
     ref = torch.zeros_like(sums) if ref is None else ref
-    c, r, rc, rr = _sides(sums / counts if row.normalised else sums, ref / counts if row.normalised else ref, p)
+    c, r, rc, rr = _sides(
+        sums / counts if row.normalised else sums, ref / counts if row.normalised else ref, p
+    )
     losses, extra = row.per_pair(c, r, rc, rr, knobs)
     if row.logs_means != row.normalised:  # IPO: DPOTrainer logs the sums its loss normalised
-        c, r, rc, rr = _sides(sums / counts if row.logs_means else sums, ref / counts if row.logs_means else ref, p)
+        c, r, rc, rr = _sides(
+            sums / counts if row.logs_means else sums, ref / counts if row.logs_means else ref, p
+        )
 
     def share(total: torch.Tensor, divisor: int = pairs) -> torch.Tensor:
         return total / max(1, divisor) * world_size
@@ -205,10 +229,21 @@ class PreferenceObjective:
     def loss(self, model, batch, device, precision, counts, world_size: int = 1, accuracy: bool = False):
         pairs, chosen_tokens = counts
         return preference_loss(
-            model, batch, device, precision, pairs, world_size, layout=self.layout,
-            chosen_tokens=chosen_tokens, loss=self.loss_name, beta=self.beta, label_smoothing=self.label_smoothing,
-            simpo_gamma=self.simpo_gamma, sft_weight=self.sft_weight, reference=self.reference,
-        )  # fmt: skip
+            model,
+            batch,
+            device,
+            precision,
+            pairs,
+            world_size,
+            layout=self.layout,
+            chosen_tokens=chosen_tokens,
+            loss=self.loss_name,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            simpo_gamma=self.simpo_gamma,
+            sft_weight=self.sft_weight,
+            reference=self.reference,
+        )
 
     def returned(self, sums: dict) -> dict:
         """train_step's fourth value on a log step: every metric, summed over the micro-steps."""

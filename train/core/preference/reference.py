@@ -43,7 +43,8 @@ def precomputed_reference(model=None, layout=None) -> Callable:
     def logps(policy, batch, inputs, responses):
         missing = [key for key in PRECOMPUTED_KEYS if key not in batch]
         if missing:
-            raise ValueError(f"the precomputed reference reads {' and '.join(missing)} from each batch: missing")
+            raise ValueError(f"the precomputed reference reads {' and '.join(missing)} from each batch: "
+                             f"missing")
         both = torch.cat([batch[key].reshape(-1) for key in PRECOMPUTED_KEYS]).float()
         return both.to(responses.counts.device, non_blocking=True)
 
@@ -71,7 +72,8 @@ def adapters_off(model):
     bare = unwrapped(model)
     layers = [m for m in bare.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
     if not layers:
-        raise ValueError("the adapters reference is the base model under LoRA adapters: this model has none (LORA_R)")
+        raise ValueError("the adapters reference is the base model under LoRA adapters: this model has none "
+                         "(LORA_R)")
     for layer in layers:
         layer.enable_adapters(False)
     try:

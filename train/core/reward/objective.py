@@ -93,7 +93,11 @@ class GRPOObjective:
         index = [i for b in micro_batches for i in b["index"].tolist()]
         prompts, columns = self.for_rewards(index, g)
         texts = [t for r in rolls for t in r.texts]
-        ids = [row[:n] for r in rolls for row, n in zip(r.completion_ids.tolist(), r.lengths.tolist(), strict=True)]
+        ids = [
+            row[:n]
+            for r in rolls
+            for row, n in zip(r.completion_ids.tolist(), r.lengths.tolist(), strict=True)
+        ]
         scores = self.rewards.score(prompts, texts, ids, columns, State(self._steps, self.max_steps))
         advantages, metrics = group_advantages(scores, self.rewards.names, self.knobs)
         lengths = torch.cat([r.lengths.cpu() for r in rolls])
@@ -103,10 +107,13 @@ class GRPOObjective:
         out, at = [], 0
         for roll in rolls:
             rows = roll.completion_ids.shape[0]
-            batch = {"prompt_ids": roll.prompt_ids.cpu(), "prompt_mask": roll.prompt_mask.cpu(),
-                     "completion_ids": roll.completion_ids.cpu(),
-                     "completion_mask": loss_mask(roll.completion_mask.cpu(), roll.is_truncated.cpu(), self.knobs),
-                     "advantages": advantages[at: at + rows]}  # fmt: skip
+            batch = {
+                "prompt_ids": roll.prompt_ids.cpu(),
+                "prompt_mask": roll.prompt_mask.cpu(),
+                "completion_ids": roll.completion_ids.cpu(),
+                "completion_mask": loss_mask(roll.completion_mask.cpu(), roll.is_truncated.cpu(), self.knobs),
+                "advantages": advantages[at : at + rows],
+            }
             at += rows
             if self.knobs.num_iterations > 1:
                 batch["old_per_token_logps"] = self._logps(model, batch)
@@ -119,7 +126,9 @@ class GRPOObjective:
         """Per-token log-probs under `model`, no gradient, on the host (the loss moves them)."""
         where = Completions.of(batch).to(self.device)
         with torch.no_grad(), autocast(self.device, self.precision):
-            logps, _ = completion_logps(model, model_inputs(batch, self.device), where, self.knobs.temperature)
+            logps, _ = completion_logps(
+                model, model_inputs(batch, self.device), where, self.knobs.temperature
+            )
         return logps.float().cpu()
 
     def _reference_logps(self, model, batch: dict) -> torch.Tensor:
@@ -179,11 +188,17 @@ class GRPOObjective:
         return "" if reward is None else f"val_reward {float(reward):.3f}"
 
     def kept(self, metrics: dict) -> dict:
-        return {k: v for k, v in metrics.items() if k.startswith(("reward", "rewards/", "completions/mean_length"))}
+        return {
+            k: v
+            for k, v in metrics.items()
+            if k.startswith(("reward", "rewards/", "completions/mean_length"))
+        }
 
     def describe(self) -> str:
-        return f"GRPO loss (LOSS_TYPE={self.knobs.loss_type}, {self.knobs.num_generations} completions per prompt)"
+        return (f"GRPO loss (LOSS_TYPE={self.knobs.loss_type}, {self.knobs.num_generations} completions per "
+                f"prompt)")
 
     def generators(self) -> dict[str, torch.Generator]:
-        """The random-number generators this objective draws from, by name (a checkpoint keeps their state)."""
+        """The random-number generators this objective draws from, by name (a checkpoint keeps their
+        state)."""
         return {"sampler": self.sampler.generator}

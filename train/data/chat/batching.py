@@ -45,7 +45,8 @@ def padded_width(longest: int, multiple: int = 1, widths: Sequence[int] | None =
 
 
 class _Padded:
-    """What both padded collators share: pad_token_id, pad_to_multiple_of, and the widths bucket_lengths sets."""
+    """What both padded collators share: pad_token_id, pad_to_multiple_of, and the widths bucket_lengths
+    sets."""
 
     widths: tuple[int, ...] | None = None
 
@@ -159,7 +160,12 @@ class LengthGroupedSampler(Sampler[int]):
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0, epoch: int = 0,
                  mega_batch_mult: int = 50, budget: int | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = batch_size, seed, epoch, mega_batch_mult
+        self.batch_size, self.seed, self.epoch, self.mega_batch_mult = (
+            batch_size,
+            seed,
+            epoch,
+            mega_batch_mult,
+        )
         self.budget = budget
 
     def set_epoch(self, epoch: int) -> None:
@@ -195,7 +201,9 @@ class LengthGroupedSampler(Sampler[int]):
         for lo in range(0, len(order), mega):
             chunk = order[lo : lo + mega]
             chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            batches += [chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)]
+            batches += [
+                chunk[i : i + self.batch_size].tolist() for i in range(0, len(chunk), self.batch_size)
+            ]
         return batches
 
     def __iter__(self) -> Iterator[int]:
@@ -215,8 +223,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     size is rows x (longest source + longest target), both sides padded on their own.
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, mega_batch_mult: int = 50, source_lengths: Sequence[int] | None = None):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        mega_batch_mult: int = 50,
+        source_lengths: Sequence[int] | None = None,
+    ):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         # A causal example is all "source": its target side is 0 and the cost rows x longest.
         self.sources = self.lengths if source_lengths is None else np.asarray(source_lengths, dtype=np.int64)
@@ -361,9 +377,11 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
     for c in (collate, val_collate if device.type == "cuda" else None):
         if c is not None:
             c.widths = widths
-    why = ("COMPILE: one graph with dynamic lengths serves them all, a CUDA graph (COMPILE_MODE=reduce-overhead) "
+    why = ("COMPILE: one graph with dynamic lengths serves them all, a CUDA graph "
+           "(COMPILE_MODE=reduce-overhead) "
            "is recorded per bucket" if compile_on else f"{device.type}: the allocator reuses equal sizes")
     sides = layout.pick("", "; each side (source, target) bucketed on its own")
     decide("length_buckets", ",".join(map(str, widths)),
-           f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one below"
+           f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one "
+           f"below"
            f"{sides}; a packed row pads to rows x MAX_LENGTH")

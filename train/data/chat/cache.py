@@ -32,7 +32,8 @@ from train.data.chat.formats import all_bad
 from train.data.chat.templates import Rendering
 from train.models.family import CAUSAL_LM
 
-SFT_CACHE_VERSION = "6"  # 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos; 6: unfit
+# 3: typed parts, TEMPLATE; 4: history, cuts keep the marker; 5: alpaca's "\n", cut eos; 6: unfit
+SFT_CACHE_VERSION = "6"
 CHUNK_ROWS = 512  # records per task: big enough to batch the tokenizer, small enough to keep workers even
 
 
@@ -47,7 +48,8 @@ class Store:
     label: str
     root: str
     names: tuple[str, ...]
-    open: Callable  # (folder, verify=True, vocab=None) -> (cached, None) | (None, what's wrong) | (None, None)
+    # (folder, verify=True, vocab=None) -> (cached, None) | (None, what's wrong) | (None, None)
+    open: Callable
     build: Callable  # (folder, items, tok, fmt, max_length, workers, skip, total, data name, layout, ...)
     builtin_name: str  # the data's name in messages when DATA_PATH is empty
 
@@ -152,8 +154,14 @@ def open_files(folder: Path, what: str, parse, names_of, rows_bytes: Callable, v
             return None, f"{name} holds {sizes[name]:,} bytes, meta.json says {size:,}"
 
     def in_vocab(name: str) -> str | None:
-        top = int(np.memmap(folder / name, dtype=dtype, mode="r").max()) if name == "ids.bin" and sizes[name] else -1
-        return f"ids.bin holds id {top}, outside the tokenizer's {vocab} ids" if vocab and top >= vocab else None
+        top = (
+            int(np.memmap(folder / name, dtype=dtype, mode="r").max())
+            if name == "ids.bin" and sizes[name]
+            else -1
+        )
+        return (
+            f"ids.bin holds id {top}, outside the tokenizer's {vocab} ids" if vocab and top >= vocab else None
+        )
 
     damage = cache_files.verify_sums(folder, meta.sha256, names_of(meta), in_vocab) if verify else None
     return (None, damage) if damage else (meta, None)
@@ -204,7 +212,9 @@ class CachedRows:
         return {**self.__dict__, "_ids": None, "_trained": None, "_offsets": None}
 
 
-def data_fingerprint(data_path: str | None, builtin: list | None, sums: Path | None = None) -> tuple[str, int | None]:
+def data_fingerprint(
+    data_path: str | None, builtin: list | None, sums: Path | None = None
+) -> tuple[str, int | None]:
     """(sha256 of the data, rows expected or None): DATA_PATH's file names and bytes (every
     file of an Arrow folder), or the built-in conversations themselves. The row count comes
     with the same read (newlines of JSONL, parquet metadata) and only feeds the progress bar.
@@ -254,7 +264,9 @@ def cache_key(data_key: str, tok, max_length: int, skip_bad_records: bool, layou
 _WORKER: tuple = ()
 
 
-def _init_worker(tok, fmt: str, max_length: int, layout, rendering: Rendering, pool_worker: bool = True) -> None:
+def _init_worker(
+    tok, fmt: str, max_length: int, layout, rendering: Rendering, pool_worker: bool = True
+) -> None:
     global _WORKER
     _WORKER = (tok, fmt, max_length, layout, rendering)
     if pool_worker:
@@ -285,7 +297,9 @@ def encoded_chunks(items: Iterator, encode, tok, fmt: str, max_length: int, work
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     # Set while the workers are forked (at the first chunk handed out), so they fork single-threaded.
     with tokenize.single_threaded_tokenizers():
-        pool = tokenize.workers_pool(workers, context, _init_worker, (tok, fmt, max_length, layout, rendering))
+        pool = tokenize.workers_pool(
+            workers, context, _init_worker, (tok, fmt, max_length, layout, rendering)
+        )
         try:
             tagged = ((None, chunk) for chunk in chunks)
             yield from (result for _, result in tokenize.in_order(pool, encode, tagged, 2 * workers))

@@ -65,7 +65,8 @@ def _refuse_dropped(tokenizer, tools: list | None, turns: Sequence[dict]) -> Non
         missing = missing or "reasoning_content (REASONING=drop removes it)"
     if missing:
         raise UsageError(
-            f"the tokenizer's chat template does not render {missing}, which this data has; set TEMPLATE=builtin "
+            f"the tokenizer's chat template does not render {missing}, which this data has; set "
+            f"TEMPLATE=builtin "
             "to use the built-in template, which does"
         )
 
@@ -87,7 +88,8 @@ def _pinned_chars(tokenizer, conversation: Sequence[dict], tools, full: str, bud
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each content in the locating render
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
-_UNSTABLE = ("the tokenizer's chat template renders earlier turns differently as the conversation grows, so the "
+_UNSTABLE = ("the tokenizer's chat template renders earlier turns differently as the conversation grows, so "
+             "the "
              "assistant replies cannot be located; set TEMPLATE=builtin to use the built-in template")
 
 
@@ -100,7 +102,9 @@ def _prefix_bounds(tokenizer, conversation, tools, full: str, i: int, budget: Bu
     return len(before), len(through)
 
 
-def _content_spans(tokenizer, conversation, tools, full: str, budget: Budget) -> dict[int, tuple[int, int]] | None:
+def _content_spans(
+    tokenizer, conversation, tools, full: str, budget: Budget
+) -> dict[int, tuple[int, int]] | None:
     """{turn: (start, end) of its content in full}, from one render with each content between
     _OPEN and _CLOSE; None where the marks change what the template writes (a template that
     trims or rewrites contents) or do not come back once each, in order."""
@@ -129,7 +133,9 @@ def reply_bounds(tokenizer, conversation, tools, full: str, turns: list[int], bu
     bounded number of renders where the template's markup around each content is the same
     (module doc); per_turn: every turn by its prefixes (the square of the turns)."""
     exact = functools.partial(_prefix_bounds, tokenizer, conversation, tools, full, budget=budget)
-    spans = None if per_turn or len(turns) < 3 else _content_spans(tokenizer, conversation, tools, full, budget)
+    spans = (
+        None if per_turn or len(turns) < 3 else _content_spans(tokenizer, conversation, tools, full, budget)
+    )
     if spans is None:
         return {i: exact(i) for i in turns}
     learned: dict = {}  # kind -> (markup before the content, inside the reply; markup after it)
@@ -151,7 +157,9 @@ def reply_bounds(tokenizer, conversation, tools, full: str, turns: list[int], bu
     return bounds
 
 
-def template_segments(tokenizer, conversation: Sequence[dict], per_turn: bool = False) -> list[tuple[str, int]]:
+def template_segments(
+    tokenizer, conversation: Sequence[dict], per_turn: bool = False
+) -> list[tuple[str, int]]:
     """The conversation's (text, flag) segments; RenderFailed (a bad record) when its renders fail
     or, all together, outgrow one Budget (render_bounds). per_turn: reply_bounds' per_turn."""
     tools, conversation = split_tools(conversation)
@@ -163,7 +171,9 @@ def template_segments(tokenizer, conversation: Sequence[dict], per_turn: bool = 
     if pinned:
         segments, pos = [(full[:pinned], PINNED)], pinned
     turns = [i for i, turn in enumerate(conversation) if templates.trained(turn)]
-    for before, through in reply_bounds(tokenizer, conversation, tools, full, turns, budget, per_turn).values():
+    for before, through in reply_bounds(
+        tokenizer, conversation, tools, full, turns, budget, per_turn
+    ).values():
         if not pos <= before < through:
             raise UsageError(_UNSTABLE)
         # Trailing newlines after the end-of-turn token are markup, not something to learn.

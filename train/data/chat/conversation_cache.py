@@ -72,7 +72,9 @@ class CachedExamples(CachedRows):
 
     item = "example"
 
-    def __init__(self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, lengths=None, sources=None):
+    def __init__(
+        self, folder: Path, meta: Manifest, lo: int = 0, hi: int | None = None, lengths=None, sources=None
+    ):
         super().__init__(folder, meta, lo, hi)
         if lengths is None:
             lengths = np.fromfile(self.folder / "lengths.bin", dtype=np.int32)
@@ -103,15 +105,18 @@ class CachedExamples(CachedRows):
         return {"input_ids": ids.tolist(), "labels": labels.tolist()}
 
 
-def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> tuple[CachedExamples | None, str | None]:
+def open_cache(
+    folder: Path, verify: bool = True, vocab: int | None = None
+) -> tuple[CachedExamples | None, str | None]:
     """(examples, None) for a sound cache; (None, what is wrong) for a damaged one; (None, None)
     when there is none. verify: check the files' sha256, and ids.bin's ids against vocab, once
     (see the module doc): a meta.json rewritten to match poisoned files still meets the latter."""
     def rows_bytes(meta: Manifest) -> dict:
         return {name: meta.n * 4 for name in FILES_OF[meta.kind] if name in ("lengths.bin", SOURCE_LENGTHS)}
 
-    meta, why = open_files(folder, "the SFT cache", manifest_of(Manifest), lambda m: FILES_OF[m.kind], rows_bytes,
-                           vocab, verify)
+    meta, why = open_files(
+        folder, "the SFT cache", manifest_of(Manifest), lambda m: FILES_OF[m.kind], rows_bytes, vocab, verify
+    )
     if meta is None:
         return None, why
     examples = CachedExamples(folder, meta)
@@ -126,8 +131,12 @@ def open_cache(folder: Path, verify: bool = True, vocab: int | None = None) -> t
 def _conversation_arrays(examples: list[dict]) -> tuple:
     """A causal LM's conversations -> (ids, trained, lengths, None)."""
     lengths = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
-    labels = np.fromiter(chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(lengths.sum()))
-    ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels))
+    labels = np.fromiter(
+        chain.from_iterable(e["labels"] for e in examples), dtype=np.int64, count=int(lengths.sum())
+    )
+    ids = np.fromiter(
+        chain.from_iterable(e["input_ids"] for e in examples), dtype=np.int64, count=len(labels)
+    )
     return ids, (labels != IGNORE_INDEX).astype(np.uint8), lengths, None
 
 
@@ -136,8 +145,11 @@ def _source_target_arrays(examples: list[dict]) -> tuple:
     sources = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int32, count=len(examples))
     targets = np.fromiter((len(e["labels"]) for e in examples), dtype=np.int32, count=len(examples))
     lengths = sources + targets
-    ids = np.fromiter(chain.from_iterable(chain(e["input_ids"], e["labels"]) for e in examples), dtype=np.int64,
-                      count=int(lengths.sum()))
+    ids = np.fromiter(
+        chain.from_iterable(chain(e["input_ids"], e["labels"]) for e in examples),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
     flags = chain.from_iterable(chain([0] * len(e["input_ids"]), [1] * len(e["labels"])) for e in examples)
     return ids, np.fromiter(flags, dtype=np.uint8, count=len(ids)), lengths, sources
 
@@ -183,8 +195,14 @@ def _write(tmp: Path, items: Iterator, tok, fmt: str, max_length: int, workers: 
                 t["first_unfit"] = t["first_unfit"] or (unfit or [""])[0]
                 yield {"ids.bin": ids.astype(dtype), "trained.bin": trained, "lengths.bin": lengths,
                        **({} if sources is None else {SOURCE_LENGTHS: sources})}  # fmt: skip
-                counts = {"n": len(lengths), "n_tokens": len(ids), "n_skipped": len(bad), "n_truncated": truncated,
-                          "n_tools_kept": tools_kept, "n_unfit": len(unfit)}
+                counts = {
+                    "n": len(lengths),
+                    "n_tokens": len(ids),
+                    "n_skipped": len(bad),
+                    "n_truncated": truncated,
+                    "n_tools_kept": tools_kept,
+                    "n_unfit": len(unfit),
+                }
                 for name, count in counts.items():
                     t[name] += count
                 bar.update(len(lengths) + len(bad) + len(unfit))
@@ -201,7 +219,8 @@ def build(folder: Path, items: Iterator, tok, fmt: str, max_length: int, workers
         # SKIP_BAD_RECORDS=1 asked for the skip: then what fits trains (the SFT door says how much did not).
         if meta.n_unfit > meta.n and (not skip or meta.n == 0):
             hint = "" if skip else f" (SKIP_BAD_RECORDS=1 trains on the {meta.n} that fit)" if meta.n else ""
-            raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records cannot fit "
+            raise UsageError(f"DATA_PATH: {data_name}: {meta.n_unfit} of {meta.n_unfit + meta.n} records "
+                             f"cannot fit "
                              f"this model at MAX_LENGTH={max_length}{hint}; the first: {meta.first_unfit}")
 
     def write(tmp: Path) -> Manifest:
@@ -227,8 +246,21 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
 
     # what a plain-text record trains on
     key = (lambda k: k + f"\0text_field={text_field}") if text_field != "text" else str
-    return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir, workers, say,
-                       layout, rendering, key)
+    return keyed_cache(
+        STORE,
+        data_path,
+        builtin,
+        opened,
+        tok,
+        max_length,
+        skip_bad_records,
+        cache_dir,
+        workers,
+        say,
+        layout,
+        rendering,
+        key,
+    )
 
 
 class SFTDataset(Dataset):
@@ -242,7 +274,9 @@ class SFTDataset(Dataset):
         lengths, sources = getattr(examples, "lengths", None), getattr(examples, "source_lengths", None)
         if lengths is None:
             sources = [len(e["input_ids"]) for e in examples]
-            lengths = layout.pick(sources, [n + len(e["labels"]) for n, e in zip(sources, examples, strict=True)])
+            lengths = layout.pick(
+                sources, [n + len(e["labels"]) for n, e in zip(sources, examples, strict=True)]
+            )
             sources = layout.pick(None, sources)
         self.lengths = np.asarray(lengths)
         self.source_lengths = None if sources is None else np.asarray(sources)

@@ -99,7 +99,8 @@ def _segments(tokenizer, conversation: Sequence[dict], r: Rendering, mode: str) 
         doc = templates.bos_text(tokenizer) + conversation[0]["content"] + templates.eos_text(tokenizer)
         return [(doc, TRAINED)]
     segments = TEMPLATE[mode].segments(tokenizer, templates.prepared(conversation, r))
-    if r.loss_on == "all":  # TRL's assistant_only_loss=False: the whole sequence (pad excluded by the collator)
+    # TRL's assistant_only_loss=False: the whole sequence (pad excluded by the collator)
+    if r.loss_on == "all":
         segments = [(text, TRAINED) for text, _ in segments]
     merged: list[tuple[str, int]] = []
     for text, flag in segments:
@@ -262,8 +263,13 @@ def rendered_ids(conversations: Sequence[Sequence[dict]], tokenizer, rendering: 
             yield input_ids, labels, pinned
 
 
-def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max_length: int,
-                         rendering: Rendering = DEFAULT, tally: Tally | None = None) -> tuple[list[dict], int]:
+def encode_conversations(
+    conversations: Sequence[Sequence[dict]],
+    tokenizer,
+    max_length: int,
+    rendering: Rendering = DEFAULT,
+    tally: Tally | None = None,
+) -> tuple[list[dict], int]:
     """Conversations -> ([{"input_ids", "labels"}], number truncated to max_length).
 
     Every trained assistant turn of a multi-turn conversation is trained on. A conversation
@@ -286,7 +292,9 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
         if len(input_ids) > max_length:
             tools = split_tools(conversation)[0]
             known = None if tools and not pinned else pinned
-            kept = templates.cut_conversation(input_ids, labels, known, max_length, r.truncation, marker, ends)
+            kept = templates.cut_conversation(
+                input_ids, labels, known, max_length, r.truncation, marker, ends
+            )
             if kept is None:
                 _unfit(tally, at, conversation, known, max_length)
                 continue
@@ -299,20 +307,31 @@ def encode_conversations(conversations: Sequence[Sequence[dict]], tokenizer, max
 
 
 def _raw_pairs(tokenizer, conversation: Sequence[dict], r: Rendering) -> list[tuple[str, str, str, bool]]:
-    """(pinned source text, the rest of the source, reply, trained) of a plain document or under TEMPLATE=none."""
+    """(pinned source text, the rest of the source, reply, trained) of a plain document or under
+    TEMPLATE=none."""
     if templates.is_document(conversation):
         return [("", "", conversation[0]["content"], True)]
     tools, turns = split_tools(templates.prepared(conversation, r))
     return templates.raw_pairs(turns, tools)
 
 
-def _pairs_of(tokenizer, chunk, r: Rendering, mode: str, stops: set, max_length: int, tally: Tally | None = None,
-              first: int = 0) -> list[tuple[list | None, bool]]:
+def _pairs_of(
+    tokenizer,
+    chunk,
+    r: Rendering,
+    mode: str,
+    stops: set,
+    max_length: int,
+    tally: Tally | None = None,
+    first: int = 0,
+) -> list[tuple[list | None, bool]]:
     """Per conversation: (source ids without the tokenizer's specials, its pinned tokens, reply ids)
     per trained assistant turn, and whether it is raw (TEMPLATE=none or a plain document)."""
     raw = [TEMPLATE[mode].raw or templates.is_document(c) for c in chunk]
-    texts = [_raw_pairs(tokenizer, c, r) if is_raw else _rendered(tokenizer, [c], r, mode, tally, first + k)[0]
-             for k, (c, is_raw) in enumerate(zip(chunk, raw, strict=True))]  # fmt: skip
+    texts = [
+        _raw_pairs(tokenizer, c, r) if is_raw else _rendered(tokenizer, [c], r, mode, tally, first + k)[0]
+        for k, (c, is_raw) in enumerate(zip(chunk, raw, strict=True))
+    ]
     pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items or ()
               for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
     piece_ids = iter(_encode_bounded(tokenizer, pieces, max_length))
@@ -366,16 +385,26 @@ def encode_pairs(conversations: Sequence[Sequence[dict]], tokenizer, max_length:
     n_truncated = index = 0
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[lo : lo + _ENCODE_CHUNK]
-        for conversation, (pairs, raw) in zip(chunk, _pairs_of(tokenizer, chunk, r, mode, stops, max_length, tally, lo),
-                                              strict=True):  # fmt: skip
+        for conversation, (pairs, raw) in zip(
+            chunk, _pairs_of(tokenizer, chunk, r, mode, stops, max_length, tally, lo), strict=True
+        ):
             index, at = index + 1, index
             if pairs is None:  # refused in _rendered
                 continue
             tools = split_tools(conversation)[0]
             sides = raw_wrap if raw else wrap
-            fitted = [templates.fit_pair(source, None if tools and not pinned else pinned, reply + [eos], sides,
-                                         max_length, r.truncation, 0 if raw else marker)
-                      for source, pinned, reply in pairs]  # fmt: skip
+            fitted = [
+                templates.fit_pair(
+                    source,
+                    None if tools and not pinned else pinned,
+                    reply + [eos],
+                    sides,
+                    max_length,
+                    r.truncation,
+                    0 if raw else marker,
+                )
+                for source, pinned, reply in pairs
+            ]
             if not pairs:
                 _refuse(tally, at, "has nothing to train (every assistant turn has loss_weight 0)")
             elif None in fitted:

@@ -44,7 +44,8 @@ class Format:
 def _with_system(record: dict, conv: list[dict]) -> list[dict]:
     """A record-level "system" (LLaMA-Factory's alpaca and ShareGPT columns) as the first turn."""
     if record.get("system") and not any(turn["role"] == "system" for turn in conv):
-        at = 1 if conv and conv[0]["role"] == TOOLS_ROLE else 0  # after the tools list, which opens a conversation
+        # after the tools list, which opens a conversation
+        at = 1 if conv and conv[0]["role"] == TOOLS_ROLE else 0
         conv.insert(at, {"role": "system", "content": text(record["system"], "'system'")})
     return conv
 
@@ -56,12 +57,17 @@ def _alpaca(record: dict, _field: str) -> list[dict]:
         prompt = f"{prompt}\n{extra}"
     conv = []  # LLaMA-Factory's "history": [[instruction, response], ...] turns before this one, trained too
     history = record.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history):
+    if not isinstance(history, list) or not all(
+        isinstance(h, (list, tuple)) and len(h) == 2 for h in history
+    ):
         raise BadRecord("'history' is not a list of [instruction, response] pairs")
     for i, (asked, answered) in enumerate(history, 1):
         conv += [{"role": "user", "content": text(asked, f"'history' pair {i}")},
                  {"role": "assistant", "content": text(answered, f"'history' pair {i}")}]  # fmt: skip
-    conv += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text(record["output"], "'output'")}]
+    conv += [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": text(record["output"], "'output'")},
+    ]
     return _with_system(record, conv)
 
 
@@ -105,10 +111,21 @@ FORMATS = {
             lambda r, _: isinstance(r.get("conversations"), list),
             lambda r, _: _with_system(r, turns(r["conversations"], "from", "value", r.get("tools"))),
         ),
-        Format("alpaca", "instruction/input/output", lambda r, _: "instruction" in r and "output" in r, _alpaca),
-        Format("prompt_response", "prompt/response", lambda r, _: "prompt" in r and "response" in r, _prompt_response),
-        Format("prompt_completion", "prompt/completion (TRL)", lambda r, _: "prompt" in r and "completion" in r,
-               _prompt_completion),
+        Format(
+            "alpaca", "instruction/input/output", lambda r, _: "instruction" in r and "output" in r, _alpaca
+        ),
+        Format(
+            "prompt_response",
+            "prompt/response",
+            lambda r, _: "prompt" in r and "response" in r,
+            _prompt_response,
+        ),
+        Format(
+            "prompt_completion",
+            "prompt/completion (TRL)",
+            lambda r, _: "prompt" in r and "completion" in r,
+            _prompt_completion,
+        ),
         Format("text", "{field} = TEXT_FIELD, trained whole", lambda r, field: field in r, _plain_text),
     )
 }
@@ -145,7 +162,8 @@ def to_conversation(record: dict, fmt: str) -> list[dict]:
     row, field = _read_as(fmt)
     if detect_format(record, field) != fmt:
         keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-        raise BadRecord(f"does not match the file's format {fmt} ({row.keys.replace('{field}', field)}); has: {keys}")
+        raise BadRecord(f"does not match the file's format {fmt} ({row.keys.replace('{field}', field)}); "
+                        f"has: {keys}")
     conv = row.convert(record, field)
     for i, turn in enumerate(conv, 1):
         # An empty reply would teach the model to end its turn at once; a call or a thinking trace
@@ -177,7 +195,9 @@ def source_records(data_path: str | Path) -> Iterator[tuple[str, object]]:
             yield place, BadRecord(str(record)) if isinstance(record, records.BadLine) else record
 
 
-def first_format(stream: Iterator[tuple[str, object]], detect, skip_bad_records: bool) -> tuple[str | None, list]:
+def first_format(
+    stream: Iterator[tuple[str, object]], detect, skip_bad_records: bool
+) -> tuple[str | None, list]:
     """(the format detect finds in the first record it matches, or None; the records read up to it),
     the rest left in stream. Without skip_bad_records a bad record met on the way stops here, as
     it would later (a line over MAX_RECORD_MB in a .jsonl.gz is not read past: gigabytes to

@@ -77,8 +77,10 @@ def sequences(pairs: Sequence[dict]) -> list[dict]:
     for i, pair in enumerate(pairs):
         for k, side in enumerate(("chosen", "rejected")):
             prompt = list(pair["prompt_ids"])
-            out[k * len(pairs) + i] = {"input_ids": prompt + list(pair[f"{side}_ids"]),
-                                       "labels": [IGNORE_INDEX] * len(prompt) + list(pair[f"{side}_labels"])}  # fmt: skip
+            out[k * len(pairs) + i] = {
+                "input_ids": prompt + list(pair[f"{side}_ids"]),
+                "labels": [IGNORE_INDEX] * len(prompt) + list(pair[f"{side}_labels"]),
+            }
     return out
 
 
@@ -133,9 +135,9 @@ class PackedPairCollator(PackedCollator):
         return {**batch, "sequence_ids": ids, "n_pairs": n_pairs}
 
 
-# A micro-batch's flat row where the kit sets widths (CUDA, COMPILE=1): a multiple of 8 for the tensor cores, at most
-# 7 pad tokens. Not whole rows of MAX_LENGTH: 8 short pairs would fill a fifth of one (compiled, the row's length
-# is dynamic from the first call, as the length buckets' are: one graph, see length_varies).
+# A micro-batch's flat row where the kit sets widths (CUDA, COMPILE=1): a multiple of 8 for the tensor cores,
+# at most 7 pad tokens. Not whole rows of MAX_LENGTH: 8 short pairs would fill a fifth of one (compiled, the
+# row's length is dynamic from the first call, as the length buckets' are: one graph, see length_varies).
 FLAT_MULTIPLE = 8
 
 
@@ -192,7 +194,8 @@ def causal_pair_batches(d, dataset: PairDataset, padded, set_attention, tok, dev
         rows, packing = pack_pairs(dataset, max_length)
         decide("packing", f"{len(rows)} rows",
                f"{len(dataset)} pairs best-fit into rows of 2 x MAX_LENGTH = {2 * max_length} tokens (a "
-               f"pair's chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row tokens "
+               f"pair's chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row "
+               f"tokens "
                "are real; BATCH_SIZE counts rows")  # fmt: skip
         decide("attention", attention.kind, attention.why)
         collate = PackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)

@@ -112,9 +112,13 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     names = ("prompt_ids", "chosen_ids", "rejected_ids")
     sides = np.array([[len(e[name]) for name in names] for e in examples], dtype=np.int32).reshape(-1, 3)
     count = int(sides.sum())
-    ids = np.fromiter(chain.from_iterable(e[name] for e in examples for name in names), dtype=np.int64, count=count)
-    labels = chain.from_iterable(chain([IGNORE_INDEX] * len(e["prompt_ids"]), e["chosen_labels"], e["rejected_labels"])
-                                 for e in examples)  # fmt: skip
+    ids = np.fromiter(
+        chain.from_iterable(e[name] for e in examples for name in names), dtype=np.int64, count=count
+    )
+    labels = chain.from_iterable(
+        chain([IGNORE_INDEX] * len(e["prompt_ids"]), e["chosen_labels"], e["rejected_labels"])
+        for e in examples
+    )
     trained = (np.fromiter(labels, dtype=np.int64, count=count) != IGNORE_INDEX).astype(np.uint8)
     return ids, trained, sides, (n_cut, n_reply_cut, tally.tools_kept), bad
 
@@ -153,9 +157,18 @@ def build(folder: Path, items, tok, fmt: str, max_length: int, workers: int, ski
 STORE = Store("preference", "pref", FILES, open_cache, build, "the built-in pairs")
 
 
-def preference_cache(data_path: str | None, builtin: list | None, tok, max_length: int, skip_bad_records: bool,
-                     cache_dir: Path, workers: int, say, layout=CAUSAL_LM,
-                     rendering: Rendering | None = None) -> tuple[CachedPairs, str]:
+def preference_cache(
+    data_path: str | None,
+    builtin: list | None,
+    tok,
+    max_length: int,
+    skip_bad_records: bool,
+    cache_dir: Path,
+    workers: int,
+    say,
+    layout=CAUSAL_LM,
+    rendering: Rendering | None = None,
+) -> tuple[CachedPairs, str]:
     """The preference cache for this data (DATA_PATH, or the built-in pairs when it is None), tokenizer,
     rendering, MAX_LENGTH and layout: keyed_cache's, with the records read as preference formats."""
     def opened():
@@ -163,5 +176,18 @@ def preference_cache(data_path: str | None, builtin: list | None, tok, max_lengt
             return "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
         return open_pairs(data_path, skip_bad_records)
 
-    return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir, workers, say,
-                       layout, rendering or Rendering(), lambda k: f"pref-{PREF_CACHE_VERSION}\0{k}")
+    return keyed_cache(
+        STORE,
+        data_path,
+        builtin,
+        opened,
+        tok,
+        max_length,
+        skip_bad_records,
+        cache_dir,
+        workers,
+        say,
+        layout,
+        rendering or Rendering(),
+        lambda k: f"pref-{PREF_CACHE_VERSION}\0{k}",
+    )

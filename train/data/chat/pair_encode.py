@@ -175,7 +175,8 @@ def encode(pairs: Sequence[dict], tokenizer, max_length: int, layout=CAUSAL_LM,
     """encode_causal, or encode_seq2seq for an encoder-decoder (the model's layout)."""
     rendering = rendering or Rendering()
     if rendering.loss_on == "all":
-        raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same on "
+        raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same "
+                         "on "
                          "both sides); leave LOSS_ON empty")
     fn = layout.pick(encode_causal, encode_seq2seq)
     return fn(pairs, tokenizer, max_length, rendering, tally)

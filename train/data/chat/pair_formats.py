@@ -38,7 +38,8 @@ class Format:
     name: str
     keys: str  # what its records carry, for "accepted: ..." messages
     detect: Callable[[dict], bool]
-    convert: Callable[[dict], tuple[list[dict], list[dict], list[dict]]]  # record -> (prompt, chosen, rejected)
+    # record -> (prompt, chosen, rejected)
+    convert: Callable[[dict], tuple[list[dict], list[dict], list[dict]]]
 
 
 def _has_side(record: dict) -> bool:
@@ -76,12 +77,17 @@ def _turns(value: list, what: str, role_key: str, content_key: str, tools: objec
 
 def _same(a: dict, b: dict) -> bool:
     """Two turns alike, their loss_weight aside (a prompt's weights do not count)."""
-    return {k: v for k, v in a.items() if k != "loss_weight"} == {k: v for k, v in b.items() if k != "loss_weight"}
+    return {k: v for k, v in a.items() if k != "loss_weight"} == {
+        k: v for k, v in b.items() if k != "loss_weight"
+    }
 
 
 def split_shared(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     """Two whole conversations -> (their longest common prefix of turns, the rest of each)."""
-    k = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if not _same(a, b)), min(len(chosen), len(rejected)))
+    k = next(
+        (i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if not _same(a, b)),
+        min(len(chosen), len(rejected)),
+    )
     return chosen[:k], chosen[k:], rejected[k:]
 
 
@@ -102,10 +108,13 @@ def _implicit(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
     chosen, rejected = record["chosen"], record["rejected"]
     if isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_text(chosen, rejected)
-        replies = [[{"role": "assistant", "content": reply}] if reply.strip() else [] for reply in (chosen, rejected)]
+        replies = [
+            [{"role": "assistant", "content": reply}] if reply.strip() else [] for reply in (chosen, rejected)
+        ]
         return [{"role": "user", "content": prompt}] if prompt.strip() else [], *replies
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
-        raise BadRecord(f"'chosen' is {type(chosen).__name__} and 'rejected' {type(rejected).__name__}: with no "
+        raise BadRecord(f"'chosen' is {type(chosen).__name__} and 'rejected' {type(rejected).__name__}: with "
+                        f"no "
                         "'prompt', both are whole conversations (lists of messages) or both strings")
     tools = record.get("tools")
     return split_shared(_turns(chosen, "chosen", "role", "content", tools),
@@ -134,7 +143,8 @@ def _sharegpt(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
 def _alpaca(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
     """LLaMA-Factory's alpaca ranking data: instruction (+ input, system, history) and two strings."""
     chosen, rejected = _reply(record, "chosen"), _reply(record, "rejected")
-    prompt = formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]  # SFT's prompt, no reply
+    # SFT's prompt, no reply
+    prompt = formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]
     return prompt, chosen, rejected
 
 
@@ -160,7 +170,8 @@ FORMATS = {
                lambda r: "instruction" in r and _has_side(r), _alpaca),
         Format("prompt", "prompt/chosen/rejected: strings or message lists (TRL, ChatLM)",
                lambda r: "prompt" in r and _has_side(r), _explicit),
-        Format("implicit", "chosen/rejected: whole conversations or strings sharing their start (TRL implicit "
+        Format("implicit", "chosen/rejected: whole conversations or strings sharing their start (TRL "
+                           "implicit "
                "prompt, MiniMind dpo.jsonl)", _has_side, _implicit),
     )
 }
@@ -227,11 +238,15 @@ def builtin_pairs(limit: int | None = None) -> list[dict]:
     for i, (user, reply) in enumerate(conversations):
         other = conversations[(i + shift) % n][1]["content"] if n > 1 else ""
         if other and other != reply["content"]:
-            pairs.append({"prompt": [user], "chosen": [reply], "rejected": [{"role": "assistant", "content": other}]})
+            pairs.append(
+                {"prompt": [user], "chosen": [reply], "rejected": [{"role": "assistant", "content": other}]}
+            )
     return pairs
 
 
-def open_pairs(data_path: str | Path, skip_bad_records: bool = True) -> tuple[str, Iterator[tuple[str, object]]]:
+def open_pairs(
+    data_path: str | Path, skip_bad_records: bool = True
+) -> tuple[str, Iterator[tuple[str, object]]]:
     """(format name, every record of DATA_PATH as (place, record)), streamed; the format is the first
     matching record's (formats.first_format). An empty source or an unknown format is one line
     naming DATA_PATH."""
@@ -244,7 +259,8 @@ def open_pairs(data_path: str | Path, skip_bad_records: bool = True) -> tuple[st
     first = next((r for _, r in head if isinstance(r, dict)), None)
     seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
     hint = "; SFT data trains with `python -m train sft`" if first and formats.detect_format(first) else ""
-    raise UsageError(f"DATA_PATH: {data_path}: unknown preference format ({seen}){hint}; accepted: {accepted()}")
+    raise UsageError(f"DATA_PATH: {data_path}: unknown preference format ({seen}){hint}; accepted: "
+                     f"{accepted()}")
 
 
 def converted(items, fmt: str) -> tuple[list[dict], list[str], list[str]]:

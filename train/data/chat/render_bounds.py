@@ -58,7 +58,10 @@ class Budget:
 
     @classmethod
     def of(cls, conversation: Sequence[dict], tools=None) -> Budget:
-        size = sum(len(str(t.get("content") or "")) + len(str(t.get("reasoning_content") or "")) for t in conversation)
+        size = sum(
+            len(str(t.get("content") or "")) + len(str(t.get("reasoning_content") or ""))
+            for t in conversation
+        )
         return cls(max(RENDER_CHARS, PER_INPUT_CHAR * (size + len(str(tools or "")))))
 
     def check(self, spent: int = 0) -> None:
@@ -155,7 +158,9 @@ def _compile(template: str):
     env = _environment_class()(trim_blocks=base.trim_blocks, lstrip_blocks=base.lstrip_blocks,
                                extensions=[type(e) for e in base.extensions.values()])  # fmt: skip
     env.globals.update(base.globals, namespace=_bounded_namespace(base.globals["namespace"]))
-    env.filters.update({name: _checked_call(fn, 1 + hasattr(fn, "jinja_pass_arg")) for name, fn in base.filters.items()})
+    env.filters.update(
+        {name: _checked_call(fn, 1 + hasattr(fn, "jinja_pass_arg")) for name, fn in base.filters.items()}
+    )
     return env.from_string(template)
 
 
@@ -195,8 +200,14 @@ def _prepared(tokenizer, messages, tools, template):
     return chosen, chat, _plain_template_data(list(tools) if tools else None), extra
 
 
-def render_chat(tokenizer, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False,
-                template: str | None = None, budget: Budget | None = None) -> str:
+def render_chat(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: list | None = None,
+    add_generation_prompt: bool = False,
+    template: str | None = None,
+    budget: Budget | None = None,
+) -> str:
     """apply_chat_template(messages, tools=tools, tokenize=False, ...)'s text, within `budget`
     (a fresh one when None); RenderFailed with the reason otherwise."""
     budget = budget or Budget.of(messages, tools)

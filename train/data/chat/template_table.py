@@ -62,7 +62,9 @@ def check_markers(tokenizer) -> None:
     ids = tokenizer.convert_tokens_to_ids([END_TOKEN, TOOL_CALL_TOKEN])
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
         # A programming error, not a user one: the markers would be split into ordinary tokens.
-        raise RuntimeError("call ensure_special_tokens(tokenizer) before rendering with the built-in template")
+        raise RuntimeError(
+            "call ensure_special_tokens(tokenizer) before rendering with the built-in template"
+        )
 
 
 def builtin_segments(conversation: Sequence[dict]) -> list[tuple[str, int]]:
@@ -101,7 +103,9 @@ def _own_marker(tokenizer) -> int:
         rendered = render_chat(tokenizer, [{"role": "user", "content": probe}], add_generation_prompt=True)
     except RenderFailed:  # a template that will not render a lone user turn: no marker known
         return 0
-    return _marker_tokens(tokenizer, rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else "")
+    return _marker_tokens(
+        tokenizer, rendered[rendered.rfind(probe) + len(probe) :] if probe in rendered else ""
+    )
 
 
 def _own(tokenizer, template) -> str | None:
@@ -109,21 +113,34 @@ def _own(tokenizer, template) -> str | None:
     if tokenizer.chat_template in EARLIER_TEMPLATES:
         return None
     if template == "tokenizer" and tokenizer.chat_template is None:
-        raise UsageError("TEMPLATE=tokenizer: the tokenizer (MODEL_PATH or TOKENIZER_PATH) has no chat template of "
+        raise UsageError("TEMPLATE=tokenizer: the tokenizer (MODEL_PATH or TOKENIZER_PATH) has no chat "
+                         "template of "
                          "its own; use TEMPLATE=builtin, none or a Jinja file")
     return tokenizer.chat_template
 
 
 TEMPLATE = {
-    "builtin": Template(lambda tok, template: None, lambda tok, conversation: builtin_segments(conversation),
-                        lambda tok: _marker_tokens(tok, f"{END_TOKEN}\n{ROLE_TOKENS['assistant']}\n"),
-                        checks_markers=True),
-    "tokenizer": Template(_own, template_segments, _own_marker, own_markup=True,
-                          why="the tokenizer's own chat template"),
-    "file": Template(lambda tok, path: read_template(tok, path), template_segments, _own_marker, own_markup=True),
+    "builtin": Template(
+        lambda tok, template: None,
+        lambda tok, conversation: builtin_segments(conversation),
+        lambda tok: _marker_tokens(tok, f"{END_TOKEN}\n{ROLE_TOKENS['assistant']}\n"),
+        checks_markers=True,
+    ),
+    "tokenizer": Template(
+        _own, template_segments, _own_marker, own_markup=True, why="the tokenizer's own chat template"
+    ),
+    "file": Template(
+        lambda tok, path: read_template(tok, path), template_segments, _own_marker, own_markup=True
+    ),
     # final/ of a causal LM prompts as trained: the raw source + eos (RAW_CHAT_TEMPLATE)
-    "none": Template(lambda tok, template: None, _raw_segments, lambda tok: 1 if tok.eos_token_id is not None else 0,
-                     builtin_fills=False, raw=True, final=raw_template),
+    "none": Template(
+        lambda tok, template: None,
+        _raw_segments,
+        lambda tok: 1 if tok.eos_token_id is not None else 0,
+        builtin_fills=False,
+        raw=True,
+        final=raw_template,
+    ),
 }
 NAMES = templates.TEMPLATES  # TEMPLATE's words (config.py checks the same; a test holds them to the table)
 
@@ -148,7 +165,9 @@ def ensure_special_tokens(tokenizer, template: str | None = None) -> int:
     tokenizer.chat_template = entry.chat_template(tokenizer, template)
     added = 0
     if entry.builtin_fills and is_builtin(tokenizer):
-        added += tokenizer.add_special_tokens({"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False)
+        added += tokenizer.add_special_tokens(
+            {"additional_special_tokens": MARKERS}, replace_extra_special_tokens=False
+        )
         tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
@@ -173,4 +192,5 @@ def template_decision(d, tok, layout, say, decide) -> None:
         decide("template", mode, f"TEMPLATE empty: {entry.why}")
     if entry.own_markup and not templates.has_generation_markers(tok.chat_template):
         say("note: the chat template saved with final/ has no {% generation %} markers, so transformers' "
-            "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has them)")
+            "return_assistant_tokens_mask and TRL's assistant_only_loss cannot use it (TEMPLATE=builtin has "
+            "them)")

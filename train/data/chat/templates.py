@@ -41,7 +41,8 @@ from train.core.units import IGNORE_INDEX
 from train.data.chat.render_bounds import RenderFailed, render_chat
 from train.data.chat.turns import call_text
 
-TEMPLATES = ("builtin", "tokenizer", "none")  # TEMPLATE's words; anything else is a Jinja file (template_table)
+# TEMPLATE's words; anything else is a Jinja file (template_table)
+TEMPLATES = ("builtin", "tokenizer", "none")
 TEXT_ROLE = "text"  # a plain document (TEXT_FIELD): formats' one-turn conversation
 MASKED, TRAINED, PINNED = 0, 1, 2  # a segment's flag; PINNED: masked, and kept by truncation (tools, system)
 
@@ -61,9 +62,12 @@ BUILTIN_CHAT_TEMPLATE = (
     "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{% set body %}"
     "{% if message['reasoning_content'] %}<think>\n{{ message['reasoning_content'] }}\n</think>\n{% endif %}"
-    "{{ message['content'] or '' }}{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
-    "<|tool_call|>{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endfor %}<|end|>{% endset %}"
-    "{% if message['role'] == 'assistant' and (message['loss_weight'] is not defined or message['loss_weight'] != 0) %}"
+    "{{ message['content'] or '' }}{% for call in message['tool_calls'] or [] %}{% set f = call['function'] "
+    "or call %}"
+    "<|tool_call|>{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endfor %}<|end|>{% "
+    "endset %}"
+    "{% if message['role'] == 'assistant' and (message['loss_weight'] is not defined or "
+    "message['loss_weight'] != 0) %}"
     "{% generation %}{{ body }}{% endgeneration %}{% else %}{{ body }}{% endif %}{{ '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -88,14 +92,18 @@ RAW_CHAT_TEMPLATE = (
     "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}"
     "{%- if ns.src is not none -%}{{ ns.src ~ eos_token }}{%- endif -%}{%- set ns.src = none -%}"
     "{%- set ns.text = m['content'] or '' -%}{%- for call in m['tool_calls'] or [] -%}"
-    "{%- set f = call['function'] or call -%}{%- set c = {'name': f['name'], 'arguments': f['arguments']} | tojson -%}"
+    "{%- set f = call['function'] or call -%}{%- set c = {'name': f['name'], 'arguments': f['arguments']} | "
+    "tojson -%}"
     "{%- set ns.text = (ns.text ~ '\n' ~ c) if ns.text else c -%}{%- endfor -%}"
     "{%- set body = ('<think>\n' ~ m['reasoning_content'] ~ '\n</think>\n' if m['reasoning_content'] else '')"
     " ~ ns.text ~ eos_token -%}"
-    "{%- if m['loss_weight'] is not defined or m['loss_weight'] != 0 -%}{% generation %}{{ body }}{% endgeneration %}"
+    "{%- if m['loss_weight'] is not defined or m['loss_weight'] != 0 -%}{% generation %}{{ body }}{% "
+    "endgeneration %}"
     "{%- else -%}{{ body }}{%- endif -%}"
-    "{%- else -%}{%- set ns.src = m['content'] if ns.src is none else ns.src ~ '\n' ~ m['content'] -%}{%- endif -%}"
-    "{%- endfor -%}{%- if add_generation_prompt and ns.src is not none -%}{{ ns.src ~ eos_token }}{%- endif -%}"
+    "{%- else -%}{%- set ns.src = m['content'] if ns.src is none else ns.src ~ '\n' ~ m['content'] -%}{%- "
+    "endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt and ns.src is not none -%}{{ ns.src ~ eos_token }}{%- endif "
+    "-%}"
 )
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -113,18 +121,23 @@ class Rendering:
     @classmethod
     def of(cls, d) -> Rendering:
         """From a data config section (config.py's DataConfig)."""
-        return cls(d.template or None, d.loss_on or "assistant", d.truncation or "keep_end", d.reasoning or "keep")
+        return cls(
+            d.template or None, d.loss_on or "assistant", d.truncation or "keep_end", d.reasoning or "keep"
+        )
 
     def mode(self, tokenizer) -> str:
         """builtin | tokenizer | none: how this tokenizer renders (after ensure_special_tokens)."""
-        if self.template == "none" or (not self.template and tokenizer.chat_template == raw_template(tokenizer)):
+        if self.template == "none" or (
+            not self.template and tokenizer.chat_template == raw_template(tokenizer)
+        ):
             return "none"
         return "builtin" if is_builtin(tokenizer) else "tokenizer"
 
     def key(self) -> str:
         """What of it changes the ids, for the SFT cache's key (a file's text is the chat template)."""
         template = self.template if self.template in (None, *TEMPLATES) else "file"
-        return f"template={template} loss_on={self.loss_on} truncation={self.truncation} reasoning={self.reasoning}"
+        return (f"template={template} loss_on={self.loss_on} truncation={self.truncation} "
+                f"reasoning={self.reasoning}")
 
 
 DEFAULT = Rendering()
@@ -149,11 +162,14 @@ def read_template(tokenizer, path: str) -> str:
     try:
         text = read_user_file(path, "TEMPLATE (--template)").decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"TEMPLATE (--template): cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+        raise UsageError(
+            f"TEMPLATE (--template): cannot read {path}: {getattr(err, 'strerror', None) or err}"
+        ) from None
     try:
         render_chat(tokenizer, _PROBE, template=text)
     except RenderFailed as err:  # jinja's TemplateSyntaxError, a raise_exception() of the template, a loop
-        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: {err.reason}") from None
+        raise UsageError(f"TEMPLATE (--template): {path} does not render a user/assistant conversation: "
+                         f"{err.reason}") from None
     return text
 
 
@@ -197,7 +213,8 @@ def special_wrap(tokenizer) -> tuple[list[int], list[int]]:
 
 def eos_text(tokenizer) -> str:
     if tokenizer.eos_token is None:
-        raise UsageError("MODEL_PATH: the tokenizer has no eos token, which ends a raw (TEMPLATE=none) or plain-text turn")
+        raise UsageError("MODEL_PATH: the tokenizer has no eos token, which ends a raw (TEMPLATE=none) or "
+                         "plain-text turn")
     return tokenizer.eos_token
 
 
@@ -301,7 +318,10 @@ def cut_conversation(ids: list[int], labels: list[int], pinned: int | None, max_
         return None
     else:
         keep = max(max_length // 2, pinned + marker)
-        order = [*kept_source(first, pinned, keep, truncation, marker), *range(first, min(len(ids), first + max_length - keep))]
+        order = [
+            *kept_source(first, pinned, keep, truncation, marker),
+            *range(first, min(len(ids), first + max_length - keep)),
+        ]
     order = _closed(order, labels, ends)
     return [ids[i] for i in order], [labels[i] for i in order]
 
@@ -310,7 +330,11 @@ def kept_source(first: int, pinned: int, keep: int, truncation: str, marker: int
     """Which `keep` of a source's `first` tokens a cut keeps (their indices): the pinned prefix, the
     source's end (keep_end) or start (keep_start), and the `marker` tokens it ends with."""
     room = keep - pinned - marker
-    middle = range(first - marker - room, first - marker) if truncation == "keep_end" else range(pinned, pinned + room)
+    middle = (
+        range(first - marker - room, first - marker)
+        if truncation == "keep_end"
+        else range(pinned, pinned + room)
+    )
     return [*range(pinned), *middle, *range(first - marker, first)]
 
 
@@ -328,8 +352,13 @@ def fit_pair(source: list[int], pinned: int | None, target: list[int], wrap, max
     if len(source) > room:
         if pinned is None or pinned + marker > room:
             return None
-        if truncation == "keep_start":  # the start, and the marker the source ends with (its TEMPLATE entry's)
+        # the start, and the marker the source ends with (its TEMPLATE entry's)
+        if truncation == "keep_start":
             source = source[: room - marker] + source[len(source) - marker :]
         else:
             source = source[:pinned] + source[len(source) - (room - pinned) :]
-    return before + source + after, target if len(target) <= max_length else target[: max_length - 1] + target[-1:], cut
+    return (
+        before + source + after,
+        target if len(target) <= max_length else target[: max_length - 1] + target[-1:],
+        cut,
+    )

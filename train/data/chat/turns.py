@@ -62,9 +62,18 @@ TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 REASONING_PARTS = ("reasoning", "thinking")
 CALL_PARTS = ("tool_call", "tool_calls")
 PART_TYPES = (*TEXT_PARTS, *REASONING_PARTS, *CALL_PARTS, "tools")
-MEDIA_PARTS = {"image_url": "an image", "image": "an image", "input_image": "an image", "input_audio": "an audio",
-               "audio": "an audio", "audio_url": "an audio", "video": "a video", "video_url": "a video",
-               "file": "a file", "input_file": "a file"}  # fmt: skip
+MEDIA_PARTS = {
+    "image_url": "an image",
+    "image": "an image",
+    "input_image": "an image",
+    "input_audio": "an audio",
+    "audio": "an audio",
+    "audio_url": "an audio",
+    "video": "a video",
+    "video_url": "a video",
+    "file": "a file",
+    "input_file": "a file",
+}
 # A message's own thinking trace: DeepSeek and Qwen3 data say reasoning_content, others reasoning or
 # thinking (gpt-oss's template reads message.thinking).
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
@@ -208,7 +217,8 @@ def _empty(i: int, found: Parts | None) -> str:
     if not found.kinds:
         return f"no response (assistant turn {i} is empty: its content is an empty list of parts)"
     kinds = ", ".join(dict.fromkeys(found.kinds))
-    return f"no response (assistant turn {i} is empty: its {len(found.kinds)} content part(s), of type {kinds}, hold no text)"
+    return (f"no response (assistant turn {i} is empty: its {len(found.kinds)} content part(s), of type "
+            f"{kinds}, hold no text)")
 
 
 def _content(turn: dict, role: str, content: object, i: int, tools: list) -> dict:
@@ -220,7 +230,8 @@ def _content(turn: dict, role: str, content: object, i: int, tools: list) -> dic
         tools += found.tools
         extra = sorted({k for k in found.kinds if k in REASONING_PARTS + CALL_PARTS})
         if role != "assistant" and extra:
-            raise BadRecord(f"{what} ({role}) has {', '.join(extra)} parts; only an assistant turn carries them")
+            raise BadRecord(f"{what} ({role}) has {', '.join(extra)} parts; only an assistant turn carries "
+                            f"them")
         content, reasoning, calls = found.text, found.reasoning, found.calls
     elif content is None and given_calls:
         content = ""

@@ -40,5 +40,10 @@ class PromptCollate:
             input_ids[k, width - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[k, width - len(row):] = 1
         real = sum(len(r) for r in rows)
-        return {"index": torch.tensor(items, dtype=torch.long), "input_ids": input_ids, "attention_mask": mask,
-                "n_real_tokens": real, "n_padded_tokens": input_ids.numel()}
+        return {
+            "index": torch.tensor(items, dtype=torch.long),
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "n_real_tokens": real,
+            "n_padded_tokens": input_ids.numel(),
+        }

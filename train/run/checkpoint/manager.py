@@ -63,14 +63,23 @@ class CheckpointManager:
         return self.manager.last_saved or self.others_saved
 
     def settings(self, oom_guard=None) -> dict:
-        """What a later RESUME=1 compares. oom_guard: the OOM guard, whose micro-batch is the one trained now."""
+        """What a later RESUME=1 compares. oom_guard: the OOM guard, whose micro-batch is the one trained
+        now."""
         settings = {k: knobs.value(self.cfg, k) for k in COMPARED}
         if oom_guard is not None:  # smaller than the plan's after an out-of-memory
-            settings.update(batch_size=oom_guard.batch_size, gradient_accumulation_steps=oom_guard.accumulation)
+            settings.update(
+                batch_size=oom_guard.batch_size, gradient_accumulation_steps=oom_guard.accumulation
+            )
         settings.update(precision=self.plan.precision, num_workers=self.cfg.data.num_workers)
-        settings.update(effective_batch_size=self.effective, model_size=self.plan.model_size, max_length=self.plan.max_length)
+        settings.update(
+            effective_batch_size=self.effective,
+            model_size=self.plan.model_size,
+            max_length=self.plan.max_length,
+        )
         # what chose the model, for the changed-model message of a later RESUME=1
-        settings.update(model_config=self.cfg.model.model_config, model_path=self.plan.summary_extra.get("model_path"))
+        settings.update(
+            model_config=self.cfg.model.model_config, model_path=self.plan.summary_extra.get("model_path")
+        )
         settings.update(model_family=self.cfg.model.model_family, tokenizer=self.tokenizer_digest())
         settings.update(data_path=self.cfg.data.data_path, tokenizer_path=self.cfg.data.tokenizer_path)
         return settings
@@ -85,7 +94,8 @@ class CheckpointManager:
 
     def data_identity(self) -> dict:
         ds = self.plan.dataset
-        windows = getattr(getattr(ds, "dataset", ds), "windows", None)  # T5: span corruption over the packed windows
+        # T5: span corruption over the packed windows
+        windows = getattr(getattr(ds, "dataset", ds), "windows", None)
         source = getattr(ds if windows is None else windows, "_source", None)
         return {
             "sequences": len(self.plan.dataset),
@@ -138,7 +148,11 @@ class CheckpointManager:
             **({"asked": self.asked} if self.asked is not None else {}),
         }
         sharded = self.sharding != "none"  # then the optimizer's state is in the shards
-        state = {"optimizer": {} if sharded else s["optimizer"].state_dict(), "scaler": s["scaler"].state_dict(), **rng}
+        state = {
+            "optimizer": {} if sharded else s["optimizer"].state_dict(),
+            "scaler": s["scaler"].state_dict(),
+            **rng,
+        }
         if sharded:
             self.manager.save_sharded(steps_done, s["model"], s["optimizer"], state, record, self.plan.world)
         else:

@@ -223,7 +223,8 @@ class CheckpointFolder:
         if saved:
             return (
                 f"the previous checkpoint {saved} is intact",
-                f"free space or lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME={self.folder.parent.name} continues the run",
+                f"free space or lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME={self.folder.parent.name} "
+                f"continues the run",
             )
         return "no checkpoint yet", "free space, then run again (OVERWRITE=1 to reuse the run folder)"
 
@@ -268,7 +269,9 @@ class CheckpointFolder:
 
     # ---- loading ------------------------------------------------------------------------
 
-    def load(self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None) -> Loaded:
+    def load(
+        self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None
+    ) -> Loaded:
         """Check and load one checkpoint; raises BadCheckpoint with the reason, UsageError where
         the run's settings (SHARDING, the model) do not fit it. A sharded checkpoint is checked
         here but its weights and optimizer state are read later, into the sharded model
@@ -282,14 +285,19 @@ class CheckpointFolder:
         except FileNotFoundError:
             raise BadCheckpoint(f"{META} is missing (an incomplete save)") from None
         except files.LinkRefused:
-            raise BadCheckpoint(f"{META} is a link (a checkpoint's files are never read through one)") from None
+            raise BadCheckpoint(
+                f"{META} is a link (a checkpoint's files are never read through one)"
+            ) from None
         except (OSError, ValueError) as err:
             raise BadCheckpoint(f"{META} is not valid JSON ({err})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise BadCheckpoint(f"{META} is not a format-{FORMAT} checkpoint record")
         check_meta(meta)
-        changed = model_change(path.name, meta["settings"], settings) or tokenizer_change(path.name, meta, settings) \
+        changed = (
+            model_change(path.name, meta["settings"], settings)
+            or tokenizer_change(path.name, meta, settings)
             or optimizer_change(path.name, meta["settings"], settings)
+        )
         if changed:
             raise UsageError(changed)
         now = "sharded" if sharding != "none" else "whole"

@@ -68,16 +68,21 @@ def model_change(name: str, saved: dict, now: dict | None) -> str | None:
         return None
     rank = [s.get("lora_r") or None for s in (saved, now)]  # LoRA's adapters: the checkpoint's weights
     if rank[0] != rank[1]:
-        return (f"RESUME=1: checkpoint {name} holds {f'LoRA adapters of LORA_R={rank[0]}' if rank[0] else 'the whole model'}"
+        return (f"RESUME=1: checkpoint {name} holds "
+                f"{f'LoRA adapters of LORA_R={rank[0]}' if rank[0] else 'the whole model'}"
                 f", this run has LORA_R={rank[1] or '(empty)'}; resume with LORA_R={rank[0] or '(empty)'}")
-    family = [(s.get("model_family") or DEFAULT_FAMILY) for s in (saved, now)]  # MODEL_SIZE picks in its family
-    chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")  # MODEL_CONFIG / SFT: the knob is ignored
+    # MODEL_SIZE picks in its family
+    family = [(s.get("model_family") or DEFAULT_FAMILY) for s in (saved, now)]
+    # MODEL_CONFIG / SFT: the knob is ignored
+    chosen_elsewhere = saved["model_size"] == "custom" or saved.get("model_path")
     if saved["model_size"] == now.get("model_size") and (family[0] == family[1] or chosen_elsewhere):
         return None
     was, has = _model_of(saved), _model_of(now)
     return (
-        f"RESUME=1: checkpoint {name} was saved by {f'a {was} run' if was else 'a run with its own MODEL_CONFIG'}, "
-        f"this run has {has or 'its own MODEL_CONFIG'}; resume with {was or 'the MODEL_CONFIG it was saved with'}"
+        f"RESUME=1: checkpoint {name} was saved by "
+        f"{f'a {was} run' if was else 'a run with its own MODEL_CONFIG'}, "
+        f"this run has {has or 'its own MODEL_CONFIG'}; resume with "
+        f"{was or 'the MODEL_CONFIG it was saved with'}"
     )
 
 
@@ -96,8 +101,10 @@ def tokenizer_change(name: str, meta: dict, now: dict | None) -> str | None:
     was += [f"TOKENIZER_PATH={settings['tokenizer_path']}"] if settings.get("tokenizer_path") else []
     return (
         f"RESUME=1: checkpoint {name} was trained with another tokenizer than this run's"
-        f"{' (' + ', '.join(was) + ')' if was else ''}; a new DATA_PATH or TOKENIZER_PATH gives the same text "
-        "other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new data"
+        f"{' (' + ', '.join(was) + ')' if was else ''}; a new DATA_PATH or TOKENIZER_PATH gives the same "
+        f"text "
+        "other token ids: resume with the run's DATA_PATH and TOKENIZER_PATH, or start a new run on the new "
+        "data"
     )
 
 
@@ -109,8 +116,10 @@ def optimizer_change(name: str, saved: dict, now: dict | None) -> str | None:
         was, has = saved.get(key, default), (now or {}).get(key, default)
         if now and key in now and was != has:
             return (
-                f"RESUME=1: checkpoint {name} holds the optimizer state of {env}={was or '(empty)'}, this run has "
-                f"{env}={has or '(empty)'}; resume with {env}={was or '(empty)'}, or start a new run from the "
+                f"RESUME=1: checkpoint {name} holds the optimizer state of {env}={was or '(empty)'}, this "
+                f"run has "
+                f"{env}={has or '(empty)'}; resume with {env}={was or '(empty)'}, or start a new run from "
+                f"the "
                 "run's final/ (MODEL_PATH) to change it"
             )
     return None
@@ -121,7 +130,8 @@ def check_files(path: Path, meta: dict) -> None:
     if layout(meta) == "whole" and names != {WEIGHTS, STATE}:
         raise BadCheckpoint(f"{META} does not list {WEIGHTS} and {STATE}")
     if layout(meta) == "sharded" and not (
-        {STATE, f"{SHARDS}/.metadata"} <= names and all(n == STATE or n.startswith(f"{SHARDS}/") for n in names)
+        {STATE, f"{SHARDS}/.metadata"} <= names
+        and all(n == STATE or n.startswith(f"{SHARDS}/") for n in names)
     ):
         raise BadCheckpoint(f"{META} does not list {STATE} and {SHARDS}/.metadata")
     for name, expected in meta["files"].items():
@@ -153,7 +163,8 @@ def read_weights(model: torch.nn.Module, file: Path) -> dict:
         if key not in own:
             raise safe_load.OtherModel(f"its weights hold {key}, which this model lacks")
         if tuple(own[key].shape) != tuple(tensor.shape):
-            raise safe_load.OtherModel(f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in this model")
+            raise safe_load.OtherModel(f"{key} is {tuple(tensor.shape)} there but {tuple(own[key].shape)} in "
+                                       f"this model")
     loaded = {own[key].data_ptr() for key in tensors}
     missing = [key for key in own if key not in tensors and own[key].data_ptr() not in loaded]
     if missing:

@@ -30,12 +30,14 @@ LAUNCH_BOUND_MS = 20.0
 def compile_default(device: torch.device, sharding: str) -> tuple[bool, str]:
     """(COMPILE's value when empty, why)."""
     if device.type != "cuda":
-        return False, (f"{device.type}: no kernel launches to save, and inductor's build takes longer than a short "
+        return False, (f"{device.type}: no kernel launches to save, and inductor's build takes longer than a "
+                       f"short "
                        "run here gains (COMPILE=1 to compile anyway)")
     if sharding != "none":
         return False, (f"SHARDING={sharding}: the kit compiles the whole model, where FSDP2 wants each block "
                        "compiled on its own, as torchtitan does (COMPILE=1 to try)")
-    return True, ("a GPU: fused kernels, fewer launches (a small model's eager step leaves the GPU waiting on the "
+    return True, ("a GPU: fused kernels, fewer launches (a small model's eager step leaves the GPU waiting "
+                  "on the "
                   "host); shapes bounded by the length buckets; COMPILE=0 for eager")
 
 
@@ -71,12 +73,15 @@ def choose_mode(compiled: bool, device: torch.device, world_size: int, sharding:
     if packed:
         return "default", "PACKING: the varlen index changes shape with most batches, a CUDA graph for each"
     if math_ms is None:
-        return "default", "the GPU's peak FLOP/s is unknown: no estimate of whether launches or math bound the step"
+        return "default", ("the GPU's peak FLOP/s is unknown: no estimate of whether launches or math bound "
+                           "the step")
     if math_ms >= LAUNCH_BOUND_MS:
         return "default", (f"a micro-batch's math takes {math_ms:.1f} ms at the GPU's peak, at least "
                            f"{LAUNCH_BOUND_MS:.0f} ms: it hides the launches")
-    return GRAPHS, (f"a micro-batch's math takes {math_ms:.1f} ms at the GPU's peak, under {LAUNCH_BOUND_MS:.0f} ms: "
-                    "launch-bound, so each shape's step is replayed as CUDA graphs (one per length bucket; the "
+    return GRAPHS, (f"a micro-batch's math takes {math_ms:.1f} ms at the GPU's peak, under "
+                    f"{LAUNCH_BOUND_MS:.0f} ms: "
+                    "launch-bound, so each shape's step is replayed as CUDA graphs (one per length bucket; "
+                    "the "
                     "optimizer step stays outside); COMPILE_MODE=default to turn off")
 
 
@@ -85,7 +90,13 @@ def decide_mode(cfg, model, family, max_length: int, device: torch.device, preci
     """COMPILE_MODE empty -> reduce-overhead or default, once the model and micro-batch are known."""
     if cfg.model.compile_mode is not None or not cfg.model.compile:
         return
-    peak = peak_flops(torch.cuda.get_device_name(device), precision, cfg.system.tf32) if device.type == "cuda" else None
+    peak = (
+        peak_flops(torch.cuda.get_device_name(device), precision, cfg.system.tf32)
+        if device.type == "cuda"
+        else None
+    )
     math_ms = step_math_ms(cfg, model, family, max_length, peak)
-    cfg.model.compile_mode, why = choose_mode(True, device, world_size, cfg.system.sharding, cfg.data.packing, math_ms)
+    cfg.model.compile_mode, why = choose_mode(
+        True, device, world_size, cfg.system.sharding, cfg.data.packing, math_ms
+    )
     decide("compile_mode", cfg.model.compile_mode, why)

@@ -107,9 +107,19 @@ class GuardedModel:
 
 def not_compiled() -> dict:
     """summary.json's compile entries of a run without COMPILE (or before it is tried)."""
-    return {"compile": {"enabled": False, "mode": None, "graph_breaks": None, "recompiles": None, "graphs": None,
-                        "cuda_graphs": None, "cudagraph_skips": None},
-            "compile_error": None, "compile_s": None}
+    return {
+        "compile": {
+            "enabled": False,
+            "mode": None,
+            "graph_breaks": None,
+            "recompiles": None,
+            "graphs": None,
+            "cuda_graphs": None,
+            "cudagraph_skips": None,
+        },
+        "compile_error": None,
+        "compile_s": None,
+    }
 
 
 def _counted() -> tuple[int, int, int]:
@@ -188,7 +198,9 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
             for _ in range(trials):
                 model.zero_grad(set_to_none=True)
-                loss, _ = objective.loss(guarded, first, device, precision, objective.counts([first]), 1, False)
+                loss, _ = objective.loss(
+                    guarded, first, device, precision, objective.counts([first]), 1, False
+                )
                 loss.backward()
     except OOM:
         raise
@@ -201,7 +213,8 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
     counts.trial_done()
     info["compile"]["enabled"], info["compile"]["mode"] = True, mode
     info["compile_s"] = time.perf_counter() - start
-    say(f"torch.compile ({BACKEND}, mode {mode}): first step compiled in {info['compile_s']:.1f}s (kept out of "
+    say(f"torch.compile ({BACKEND}, mode {mode}): first step compiled in {info['compile_s']:.1f}s (kept out "
+        f"of "
         "throughput)")
     return guarded, batches, info
 

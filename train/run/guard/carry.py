@@ -74,13 +74,20 @@ def run_settings(run_path: Path, say) -> dict | None:
                 f"checkpoint {checkpoint}'s copy")  # fmt: skip
         return copy
     seal = record.get("asked_sha256")
-    if seal == asked_seal(asked) or (seal is None and copy in (None, flat)):  # the kit's own (an older one: no seal)
+    # the kit's own (an older one: no seal)
+    if seal == asked_seal(asked) or (seal is None and copy in (None, flat)):
         return flat
     differ = sorted(k for k in set(flat) | set(copy or {}) if copy is not None and flat.get(k) != copy.get(k))
-    which = f" ({', '.join(config.env_name(k) for k in differ)} differ from checkpoint {checkpoint}'s)" if differ else ""
+    which = (
+        f" ({', '.join(config.env_name(k) for k in differ)} differ from checkpoint {checkpoint}'s)"
+        if differ
+        else ""
+    )
     raise UsageError(
-        f"RESUME=1: {run_path / 'config.json'} was edited after the run wrote it{which}; a run resumes with the "
-        "settings it started with: put config.json back, remove it (the checkpoint's copy of the settings is then "
+        f"RESUME=1: {run_path / 'config.json'} was edited after the run wrote it{which}; a run resumes with "
+        f"the "
+        "settings it started with: put config.json back, remove it (the checkpoint's copy of the settings is "
+        "then "
         "used), or start a new run"
     )
 
@@ -100,8 +107,10 @@ def carry(cfg: config.TrainConfig, command: str, argv: list[str], say=print) -> 
     now = {k: v for section in asdict(cfg).values() for k, v in section.items()}
     skip = given(command, argv) | set(NEVER)
     taken = {k: v for k, v in saved.items() if k not in skip and v != now[k]}
-    if "reward_funcs" in taken and user_files(taken["reward_funcs"]):  # code runs by the command line's word only
-        raise UsageError(f"RESUME=1: {run_path.name} scored with REWARD_FUNCS={taken['reward_funcs']}, which runs a "
+    # code runs by the command line's word only
+    if "reward_funcs" in taken and user_files(taken["reward_funcs"]):
+        raise UsageError(f"RESUME=1: {run_path.name} scored with REWARD_FUNCS={taken['reward_funcs']}, which "
+                         f"runs a "
                          "file's code; name it again on this command (REWARD_FUNCS=...) to run it")
     if not taken:
         return cfg

@@ -41,7 +41,9 @@ class RunGuard:
         self.plan, self.cfg, self.say, self.run_path = plan, plan.cfg, say, Path(run_path)
         check_saveable(plan)  # what final/ needs, before a step is trained and the run folder touched
         self.effective = self.cfg.effective_batch_size(plan.world.world_size)
-        self.checkpoints = CheckpointManager(plan, self.run_path / "checkpoints", say, asdict(asked) if asked else None)
+        self.checkpoints = CheckpointManager(
+            plan, self.run_path / "checkpoints", say, asdict(asked) if asked else None
+        )
         self.manager, self.sharding = self.checkpoints.manager, self.checkpoints.sharding
         self.signals = StopSignals(announce=plan.world.is_main)
         self.stop_signal: int | None = None
@@ -83,9 +85,15 @@ class RunGuard:
         self.scaler, self.oom_guard = scaler, oom_guard
         self.health = Health(scaler, self.counters)
         self.checkpoints.track(
-            model=model, optimizer=optimizer, scaler=scaler, rng=RngStates(self.plan.world, self._generators()),
-            progress=self.progress, oom_guard=oom_guard, schedule=self.schedule, health=self.health,
-        )  # fmt: skip
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            rng=RngStates(self.plan.world, self._generators()),
+            progress=self.progress,
+            oom_guard=oom_guard,
+            schedule=self.schedule,
+            health=self.health,
+        )
         position = {"epoch": self.state.epoch, "position": self.state.consumed}
         self.checkpoints.restore(self.loaded, position)
         self.loaded = None  # free the host copies of the optimizer state
@@ -115,7 +123,8 @@ class RunGuard:
             last = getattr(last, "name", last)
             return self.stop(
                 "non_finite_loss",
-                f"loss non-finite for {streak} steps in a row from step {first_bad} (NAN_PATIENCE={r.nan_patience}); "
+                f"loss non-finite for {streak} steps in a row from step {first_bad} "
+                f"(NAN_PATIENCE={r.nan_patience}); "
                 f"newest good checkpoint: {last or 'none'}; lower LEARNING_RATE and resume with RESUME=1",
             )
         if save_due and not self.save(steps_done, counted):

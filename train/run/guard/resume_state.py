@@ -105,12 +105,16 @@ def trim_metrics(path: Path, step: int) -> int:
     return dropped
 
 
-def from_checkpoint(plan: Plan, run_path: Path, say, checkpoints: CheckpointManager, param_groups, effective: int):
+def from_checkpoint(
+    plan: Plan, run_path: Path, say, checkpoints: CheckpointManager, param_groups, effective: int
+):
     """RESUME=1: the newest valid checkpoint (its weights go into plan.model), checked against the
     settings, the data positioned, the remaining steps re-planned; only then is the run folder
     touched. Returns (ResumeState, the loaded checkpoint or None when the run is complete)."""
     manager = checkpoints.manager
-    loaded, rejected = manager.newest_valid(plan.model, param_groups, checkpoints.sharding, checkpoints.settings())
+    loaded, rejected = manager.newest_valid(
+        plan.model, param_groups, checkpoints.sharding, checkpoints.settings()
+    )
     if loaded is None:
         reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"
         raise UsageError(f"RESUME=1: no usable checkpoint in {manager.folder} ({reasons})")
@@ -155,7 +159,9 @@ def _counts(meta: dict, state: ResumeState) -> ResumeState:
     )  # fmt: skip
 
 
-def _compare_settings(plan: Plan, state: ResumeState, saved: dict, now: dict, effective: int, say) -> ResumeState:
+def _compare_settings(
+    plan: Plan, state: ResumeState, saved: dict, now: dict, effective: int, say
+) -> ResumeState:
     """Say what changed since the checkpoint; a changed length or warm-up re-plans them."""
     changed = [f"{env_name(k)} {saved.get(k)} -> {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
     if changed:
@@ -168,7 +174,8 @@ def _compare_settings(plan: Plan, state: ResumeState, saved: dict, now: dict, ef
             # MAX_STEPS given again counts steps: the run ends at that step, whatever batch it had
             if steps < state.first_step:
                 raise UsageError(
-                    f"RESUME=1: MAX_STEPS={steps} is below the step the checkpoint is at ({state.first_step}): "
+                    f"RESUME=1: MAX_STEPS={steps} is below the step the checkpoint is at "
+                    f"({state.first_step}): "
                     f"set MAX_STEPS above {state.first_step}, or leave it out to finish the run's own "
                     f"{saved.get('max_steps') or 'length'}"
                 )
@@ -207,11 +214,13 @@ def _finished(plan: Plan, run_path: Path, state: ResumeState, name: str, say) ->
     if missing is None:  # a finished run (a scheduler's requeue, a repeated command)
         say(
             f"{run_path} is complete: its checkpoint {name} is at {state.base_samples:,} of "
-            f"the schedule's {state.schedule.budget_samples:,} samples; nothing to do (raise MAX_STEPS, EPOCHS or "
+            f"the schedule's {state.schedule.budget_samples:,} samples; nothing to do (raise MAX_STEPS, "
+            f"EPOCHS or "
             "MAX_SAMPLES to train it further)"
         )
         return True
-    say(f"{run_path} is trained to the end but {missing}: writing final/ and summary.json from checkpoint {name}")
+    say(f"{run_path} is trained to the end but {missing}: writing final/ and summary.json from checkpoint "
+        f"{name}")
     return False
 
 

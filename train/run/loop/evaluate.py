@@ -111,8 +111,9 @@ class Evaluator:
             self.batches = -(-self.sequences // batch_size)
         # The eager model: a compiled one would recompile for eval mode and no_grad.
         objective = self.plan.objective
-        loss, metrics = validation_pass(self.plan.model, self.loader, self.batches, self.plan.device, self.plan.precision,
-                                        objective)
+        loss, metrics = validation_pass(
+            self.plan.model, self.loader, self.batches, self.plan.device, self.plan.precision, objective
+        )
         self.passes += 1
         self.last, self.last_metrics = loss, metrics
         ppl = objective.perplexity(loss)
@@ -150,7 +151,10 @@ class Evaluator:
         return {
             "final_val_loss": self.last,
             "final_val_ppl": perplexity(self.last),
-            **{f"final_val_{name}": value for name, value in self.plan.objective.kept(self.last_metrics).items()},
+            **{
+                f"final_val_{name}": value
+                for name, value in self.plan.objective.kept(self.last_metrics).items()
+            },
             "best_val_loss": self.best,
             "best_val_step": self.best_step,
             "val_sequences": None if self.loader is None else len(self.loader.dataset),

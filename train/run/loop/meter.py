@@ -94,7 +94,8 @@ class Meter:
         self.base = guard.samples_at(self.first)  # samples trained before this session
         self.skip = steady_start(guard.total_steps)
         self.seen = self.steady_at = self.interval_at = NO_COUNTS  # after whole steps, all ranks
-        self.loss: float | None = None  # the last logged loss (after the loop: the last step's, see last_loss)
+        # the last logged loss (after the loop: the last step's, see last_loss)
+        self.loss: float | None = None
         self.loss_step: int | None = None  # the step self.loss is of
         self.last_metrics: dict = {}  # and the last logged metrics (the objective's: token accuracy ...)
         self.first_step_s = None
@@ -102,7 +103,8 @@ class Meter:
         self.gpu = monitor_lib.GpuMonitor((self.device.index or 0) if self.device.type == "cuda" else None)
         self.host = monitor_lib.HostMemoryPeaks()
         self.host_syncs: list[str] | None = None  # the probed step's syncs, each with its line
-        self.rollout_at = self.interval_rollout = self._rollout_s()  # an objective's rollout (GRPO's sampling)
+        # an objective's rollout (GRPO's sampling)
+        self.rollout_at = self.interval_rollout = self._rollout_s()
 
     def _rollout_s(self) -> float | None:
         """Seconds the objective's rollout took so far (its generation, inside the steps), or None."""
@@ -162,7 +164,8 @@ class Meter:
         per_step = (now - self.t0 - self.excluded) / max(1, done - self.first)
         left = self.guard.total_steps - done
         if left > 0:
-            self.say(f"about {per_step:.2f} s per step on this machine (the first {done - self.first} steps), "
+            self.say(f"about {per_step:.2f} s per step on this machine (the first {done - self.first} "
+                     f"steps), "
                      f"{left} steps to go: ETA {format_eta(per_step * left)}")  # fmt: skip
 
     @contextlib.contextmanager
@@ -294,7 +297,9 @@ class Meter:
             "data_wait_frac": data_wait,
             "data_wait_s": wait_s,
             "compute_s": compute_s,
-            "compute_frac": min(1.0, compute_s / steady_s) if compute_s is not None and steady_s > 0 else None,
+            "compute_frac": min(1.0, compute_s / steady_s)
+            if compute_s is not None and steady_s > 0
+            else None,
             "input_bound": data_wait is not None and data_wait > INPUT_BOUND_FRAC,
             # syncs of one quiet steady optimizer step (None: the run had no such step)
             "host_syncs_per_step": None if self.host_syncs is None else self.host_syncs_count,
@@ -308,4 +313,7 @@ class Meter:
         if rollout is None:
             return {}
         seconds = rollout - (self.rollout_at if run_steps > self.skip else 0.0)
-        return {"generation_s": seconds, "generation_frac": min(1.0, seconds / steady_s) if steady_s > 0 else None}
+        return {
+            "generation_s": seconds,
+            "generation_frac": min(1.0, seconds / steady_s) if steady_s > 0 else None,
+        }

@@ -54,7 +54,9 @@ def smaller_micro_batch(batch_size: int, per_rank_effective: int) -> int | None:
     return None
 
 
-def remedies(cfg, max_length: int, precision: str, hint: bool = True, micro: tuple[int, int] | None = None) -> str:
+def remedies(
+    cfg, max_length: int, precision: str, hint: bool = True, micro: tuple[int, int] | None = None
+) -> str:
     """The guides' fixes for a run that does not fit, as variables to set, most effective first.
     micro: the (micro-batch, accumulation) that ran out (default: the config's)."""
     o = cfg.optim
@@ -93,7 +95,13 @@ class OomGuard:
     def __init__(self, plan: Plan, open_stream, optimizer, scaler, say):
         """open_stream(batch_size, epoch, start): a positioned batch stream (train/data/stream.py
         BatchStream, with epoch, consumed and sampler) of that micro-batch."""
-        self.plan, self.open_stream, self.optimizer, self.scaler, self.say = plan, open_stream, optimizer, scaler, say
+        self.plan, self.open_stream, self.optimizer, self.scaler, self.say = (
+            plan,
+            open_stream,
+            optimizer,
+            scaler,
+            say,
+        )
         o = plan.cfg.optim
         self.batch_size, self.accumulation = o.batch_size, o.gradient_accumulation_steps
         self.failures = 0
@@ -110,7 +118,11 @@ class OomGuard:
     def state_dict(self) -> dict:
         """The data position for a checkpoint (meta.json's data): the epoch and the samples of it
         all ranks consumed (global), and how many processes consumed them."""
-        return {"epoch": self.stream.epoch, "position": self.stream.consumed, "world_size": self.plan.world.world_size}
+        return {
+            "epoch": self.stream.epoch,
+            "position": self.stream.consumed,
+            "world_size": self.plan.world.world_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Open the stream at a saved (or a fresh run's) data position."""
@@ -160,7 +172,8 @@ class OomGuard:
             plan = self.plan
             fixes = remedies(plan.cfg, plan.max_length, plan.precision, micro=(old, self.accumulation))
             raise OutOfMemoryStop(
-                f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. Try: {fixes}"
+                f"stopped at step {step}: {why} ({reason}); the model trained so far is saved in final/. "
+                f"Try: {fixes}"
             )
         self.batch_size, self.accumulation = smaller, effective // smaller
         self.retries += 1

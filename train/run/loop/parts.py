@@ -28,8 +28,17 @@ def data_loader(plan: Plan, batch_size: int):
     """(loader, sampler) for this run at a micro-batch, from the one loader factory."""
     w = plan.world
     budget = plan.total_steps * plan.cfg.effective_batch_size(w.world_size)  # samples the whole run trains
-    return make_loader(plan.dataset, plan.cfg.data, batch_size, plan.cfg.system.seed, plan.device, plan.collate, w.rank, w.world_size,
-                       budget=budget)
+    return make_loader(
+        plan.dataset,
+        plan.cfg.data,
+        batch_size,
+        plan.cfg.system.seed,
+        plan.device,
+        plan.collate,
+        w.rank,
+        w.world_size,
+        budget=budget,
+    )
 
 
 @dataclass
@@ -59,12 +68,23 @@ class Parts:
         plan, oom_guard = self.plan, self.oom_guard
 
         def attempt():
-            return batches.attempt(lambda: train_step(
-                model=self.model, optimizer=self.optimizer, scaler=self.scaler, batches=probed or batches,
-                accum=oom_guard.accumulation, grad_clip=plan.cfg.optim.grad_clip, device=plan.device, precision=plan.precision,
-                gradient_sync=self.gradient_sync, step_total=step_total(plan.world), accuracy=accuracy,
-                layout=plan.family.layout, objective=plan.objective,
-            ))  # fmt: skip
+            return batches.attempt(
+                lambda: train_step(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scaler=self.scaler,
+                    batches=probed or batches,
+                    accum=oom_guard.accumulation,
+                    grad_clip=plan.cfg.optim.grad_clip,
+                    device=plan.device,
+                    precision=plan.precision,
+                    gradient_sync=self.gradient_sync,
+                    step_total=step_total(plan.world),
+                    accuracy=accuracy,
+                    layout=plan.family.layout,
+                    objective=plan.objective,
+                )
+            )
 
         return oom_guard.step(attempt)
 
@@ -89,19 +109,28 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
 
     # OOM: free, halve the micro-batch, double accumulation, redo the step (train/run/loop/oom.py)
     oom_guard = oom_lib.OomGuard(plan, open_stream, optimizer, scaler, say)
-    # Checkpoints, resume, signals: restores the saved state and positions the data (train/run/guard/resume.py).
+    # Checkpoints, resume, signals: restores the saved state and positions the data
+    # (train/run/guard/resume.py).
     guard.start(plan.model, optimizer, scaler, oom_guard)
     batches = oom_guard.batches()
     step_model, compiled = train_model, wrapper.not_compiled()
     if cfg.model.compile and guard.first_step < guard.total_steps:  # RESUME=1 rewriting final/ trains no step
-        # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic lengths
-        # (wrapper.mark_shapes); SFT's packed rows have one length already
-        # the collator knows (pretraining's has none)
+        # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic
+        # lengths (wrapper.mark_shapes); SFT's packed rows have one length already the collator knows
+        # (pretraining's has none)
         bucketed = getattr(plan.collate, "length_varies", False)
         mode = cfg.model.compile_mode or "default"
-        step_model, batches, compiled = wrapper.compile_model(train_model, batches, device, plan.precision, say,
-                                                                    bucketed, plan.family.layout, plan.objective,
-                                                                    mode)
+        step_model, batches, compiled = wrapper.compile_model(
+            train_model,
+            batches,
+            device,
+            plan.precision,
+            say,
+            bucketed,
+            plan.family.layout,
+            plan.objective,
+            mode,
+        )
         if compiled["compile"]["enabled"] and mode == cuda_graphs.GRAPHS and device.type == "cuda":
             cuda_graphs.keep_grads(train_model, optimizer)  # accumulation must not add into a replay's buffer
     return Parts(

@@ -100,7 +100,8 @@ def capacity_mb(device: torch.device, max_memory_mb: int | None) -> tuple[float 
         host = monitor.host_memory()
         avail, rss = host.get("ram_available_mb"), host.get("rss_mb") or 0.0
         cap = None if avail is None else avail + rss
-        why = "host RAM unknown" if avail is None else f"host RAM: {avail:.0f} MB available + {rss:.0f} MB this process holds"
+        why = "host RAM unknown" if avail is None else (f"host RAM: {avail:.0f} MB available + {rss:.0f} MB "
+                                                        f"this process holds")
     if max_memory_mb is not None and (cap is None or max_memory_mb < cap):
         return float(max_memory_mb), "MAX_MEMORY_MB"
     return cap, why
@@ -116,11 +117,21 @@ def over_memory(plan) -> str | None:
     cfg = plan.cfg
     if cfg.system.offload_optimizer:  # the state lives in host memory; the estimate is of the device
         return None
-    # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never come)
+    # at the rows the data gives, as the fill sized them (a MAX_LENGTH bound would warn of rows that never
+    # come)
     shape = row_shape(plan.dataset, plan.collate, plan.max_length, cfg.run.mode, plan.family.layout)
-    est = estimate_for_run(plan.model.config, count_params(plan.model), cfg, shape["max_length"], plan.precision, plan.device.type,
-                           plan.world.world_size, trainable_of(plan.model), target_length=shape.get("target_length"),
-                           packed=shape.get("packed"))
+    est = estimate_for_run(
+        plan.model.config,
+        count_params(plan.model),
+        cfg,
+        shape["max_length"],
+        plan.precision,
+        plan.device.type,
+        plan.world.world_size,
+        trainable_of(plan.model),
+        target_length=shape.get("target_length"),
+        packed=shape.get("packed"),
+    )
     # mem_get_info would make a CUDA context: properties only
     if cfg.run.dry_run and plan.device.type == "cuda":
         from train.core.device import memory_capacity
@@ -136,8 +147,10 @@ def over_memory(plan) -> str | None:
             else "swapping or the system killing the run")
     return (
         f"warning: the memory estimate is {peak:,.0f} MB, over the {cap:,.0f} MB this run can use ({what}); "
-        f"warned, not refused (the fit check refuses only where one sequence of {plan.max_length} tokens cannot fit): "
-        f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set ENABLE_GRAD_CKPT=1"
+        f"warned, not refused (the fit check refuses only where one sequence of {plan.max_length} tokens "
+        f"cannot fit): "
+        f"expect {then}; lower BATCH_SIZE and raise GRADIENT_ACCUM (same effective batch), or set "
+        f"ENABLE_GRAD_CKPT=1"
     )
 
 
@@ -156,7 +169,9 @@ def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
     def padded(n: int) -> int:
         from train.data.chat.batching import padded_width
 
-        width = padded_width(int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None))
+        width = padded_width(
+            int(n), getattr(collate, "pad_to_multiple_of", 1) or 1, getattr(collate, "widths", None)
+        )
         return min(max_length, width)
 
     return layout.data_shape(lengths, getattr(dataset, "source_lengths", None), padded)
@@ -172,7 +187,8 @@ def scaled_lr(lr: float, effective: int, reference: int, rule: str) -> tuple[flo
     if rule == "none" or ratio == 1:
         return lr, "kept"
     factor = ratio if rule == "linear" else math.sqrt(ratio)
-    why = f"LR_SCALING={rule}: {lr:g} x {'' if rule == 'linear' else 'sqrt'}({effective}/{reference}) = x{factor:.3g}"
+    why = (f"LR_SCALING={rule}: {lr:g} x {'' if rule == 'linear' else 'sqrt'}({effective}/{reference}) = "
+           f"x{factor:.3g}")
     return lr * factor, why
 
 
@@ -180,7 +196,13 @@ def scaled_lr(lr: float, effective: int, reference: int, rule: str) -> tuple[flo
 
 
 def adapt(
-    cfg, device: torch.device, dataset, decide, world: int = 1, host: dict | None = None, max_length: int | None = None
+    cfg,
+    device: torch.device,
+    dataset,
+    decide,
+    world: int = 1,
+    host: dict | None = None,
+    max_length: int | None = None,
 ) -> None:
     """Settings chosen from the machine at start, before the loader and the step plan exist, the
     same for every mode. Order matters: the effective batch and LR first (they define the run),
@@ -192,11 +214,13 @@ def adapt(
 
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        decide("vram_free_mb", round(free / MIB), f"of {total / MIB:.0f} MB on {torch.cuda.get_device_name(device)}")
+        decide("vram_free_mb", round(free / MIB), f"of {total / MIB:.0f} MB on "
+                                                  f"{torch.cuda.get_device_name(device)}")
         if cfg.system.max_memory_mb is not None:
             share = min(1.0, cfg.system.max_memory_mb * MIB / total)
             torch.cuda.set_per_process_memory_fraction(share, device)
-            decide("vram_cap_mb", cfg.system.max_memory_mb, f"MAX_MEMORY_MB: {share:.0%} of the card; beyond it a step runs out of memory")
+            decide("vram_cap_mb", cfg.system.max_memory_mb, f"MAX_MEMORY_MB: {share:.0%} of the card; beyond "
+                                                            f"it a step runs out of memory")
     host = monitor.host_memory() if host is None else host
     avail = host.get("ram_available_mb")
     swap = host.get("swap_used_pct") or 0.0
@@ -208,7 +232,8 @@ def adapt(
     if d.num_workers > 0:
         fits = max(0, int((avail - RAM_RESERVE_MB) // WORKER_MB))
         if fits < d.num_workers:
-            decide("num_workers", fits, f"{ram}: {d.num_workers} workers x ~{WORKER_MB} MB + {RAM_RESERVE_MB} MB reserve would not fit")
+            decide("num_workers", fits, f"{ram}: {d.num_workers} workers x ~{WORKER_MB} MB + "
+                                        f"{RAM_RESERVE_MB} MB reserve would not fit")
             d.num_workers = fits
             if fits == 0:
                 d.prefetch_factor, d.persistent_workers = None, False
@@ -231,10 +256,12 @@ def adapt(
         in_flight = d.num_workers * prefetch * batch_mb
         if prefetch != (d.prefetch_factor or 2):
             d.prefetch_factor = prefetch
-            decide("prefetch_factor", prefetch, f"{d.num_workers} workers x {prefetch} batches = {in_flight:.0f} MB in flight, "
+            decide("prefetch_factor", prefetch, f"{d.num_workers} workers x {prefetch} batches = "
+                                                f"{in_flight:.0f} MB in flight, "
                    f"under {PREFETCH_RAM_SHARE:.0%} of {ram}")
         else:
-            decide("prefetch_factor", prefetch, f"kept: {d.num_workers} workers x {prefetch} batches = {in_flight:.1f} MB in flight")
+            decide("prefetch_factor", prefetch, f"kept: {d.num_workers} workers x {prefetch} batches = "
+                                                f"{in_flight:.1f} MB in flight")
 
     tokens = getattr(dataset, "tokens", None)
     if tokens is None:  # SFT: encoded conversations in memory, no token cache to place
@@ -243,9 +270,11 @@ def adapt(
     if isinstance(tokens, np.memmap) and size_mb <= TOKENS_IN_RAM_SHARE * avail:
         # Forked workers share the copy; spawned ones reopen the memmap (PackedDataset.__getstate__).
         dataset.tokens = np.array(tokens)
-        decide("token_cache", "ram", f"{size_mb:.0f} MB, under {TOKENS_IN_RAM_SHARE:.0%} of {ram}: read once, no page faults")
+        decide("token_cache", "ram", f"{size_mb:.0f} MB, under {TOKENS_IN_RAM_SHARE:.0%} of {ram}: read "
+                                     f"once, no page faults")
     else:
-        decide("token_cache", "memmap", f"{size_mb:.0f} MB against {ram}: pages read on demand and shared by workers")
+        decide("token_cache", "memmap", f"{size_mb:.0f} MB against {ram}: pages read on demand and shared by "
+                                        f"workers")
 
 
 def batch_and_lr(o, token_budget: int | None, decide, world: int) -> None:
@@ -255,11 +284,15 @@ def batch_and_lr(o, token_budget: int | None, decide, world: int) -> None:
             f"EFFECTIVE_BATCH={o.effective_batch} counts rows of BATCH_SIZE, which TOKEN_BUDGET replaces; "
             "set GRADIENT_ACCUM instead"
         )
-    if o.effective_batch is not None and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world:
+    if (
+        o.effective_batch is not None
+        and o.effective_batch != o.batch_size * o.gradient_accumulation_steps * world
+    ):
         per = o.batch_size * world
         if o.effective_batch % per:
             raise UsageError(
-                f"EFFECTIVE_BATCH={o.effective_batch} is not a multiple of BATCH_SIZE={o.batch_size} x {world} process(es)"
+                f"EFFECTIVE_BATCH={o.effective_batch} is not a multiple of BATCH_SIZE={o.batch_size} x "
+                f"{world} process(es)"
             )
         o.gradient_accumulation_steps = o.effective_batch // per
         decide("gradient_accumulation_steps", o.gradient_accumulation_steps,

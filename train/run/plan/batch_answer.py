@@ -38,7 +38,8 @@ def settings_key(plan: Plan, effective: int, world_size: int) -> dict:
         "compile": plan.cfg.model.compile,
         "optimizer": plan.cfg.optim.optimizer,  # its state and what FREEZE leaves trained move the peak
         "freeze": plan.cfg.model.freeze,
-        "lora": [plan.cfg.model.lora_r or 0, plan.cfg.model.lora_targets],  # a list: as the saved JSON reads back  # adapters alone trained: a far lower peak
+        # a list: as the saved JSON reads back  # adapters alone trained: a far lower peak
+        "lora": [plan.cfg.model.lora_r or 0, plan.cfg.model.lora_targets],
         "device": device_name(plan.device),
         "target_vram": plan.cfg.system.target_vram,
         "max_memory_mb": plan.cfg.system.max_memory_mb,
@@ -80,7 +81,9 @@ def _rate(trials, size: int) -> tuple[float | None, str]:
         if isinstance(t, dict) and t.get("batch_size") == size:
             rate = t.get("samples_per_sec")
             ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
-            return (float(rate), "") if ok and t.get("status") == "fits" else (None, str(t.get("status", "?")))
+            return (
+                (float(rate), "") if ok and t.get("status") == "fits" else (None, str(t.get("status", "?")))
+            )
     return None, "not tried"
 
 
@@ -107,6 +110,7 @@ def faster_answer(plan: Plan, world_size: int) -> str | None:
         return None
     else:
         measured = f"{theirs / ours:.2f}x this run's {size} x {accum} ({ours:.1f} samples/s)"
-    return (f"find-batch measured BATCH_SIZE={answer[0]} GRADIENT_ACCUM={answer[1]} at {theirs:.1f} samples/s on "
+    return (f"find-batch measured BATCH_SIZE={answer[0]} GRADIENT_ACCUM={answer[1]} at {theirs:.1f} "
+            f"samples/s on "
             f"{device_name(plan.device)}, {measured}; AUTO_BATCH=1 takes it (effective batch kept), or set "
             "both")

@@ -72,8 +72,14 @@ class PretrainingSource:
         """The model's shape first (vocab set once the tokenizer is known), so a MAX_LENGTH longer
         than its context stops before any data work."""
         model_size, demo = choose_model_size(cfg, device, say, decide)
-        config = build_config(model_size, cfg.model.model_config, cfg.data.vocab_size, 0, cfg.model.model_family,
-                              cfg.model.dropout)
+        config = build_config(
+            model_size,
+            cfg.model.model_config,
+            cfg.data.vocab_size,
+            0,
+            cfg.model.model_family,
+            cfg.model.dropout,
+        )
         family = family_of(config)
         if cfg.model.model_config is not None:
             family.layout.decide_kind(decide, f"model_type {config.model_type!r}: AutoModelForSeq2SeqLM, "
@@ -88,16 +94,28 @@ class PretrainingSource:
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
-        return pretraining_data(cfg.data, tok, max_length=max_length, objective=choice.family.objective,
-                                eval_batches=cfg.run.eval_batches, seed=cfg.system.seed, say=say, decide=decide)
+        return pretraining_data(
+            cfg.data,
+            tok,
+            max_length=max_length,
+            objective=choice.family.objective,
+            eval_batches=cfg.run.eval_batches,
+            seed=cfg.system.seed,
+            say=say,
+            decide=decide,
+        )
 
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         return plan_steps(cfg, len(data.dataset), world_size)
 
-    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+    def model(
+        self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide
+    ) -> torch.nn.Module:
         """The new model, its vocabulary and special ids from the tokenizer (T5's sentinels included)."""
         size_vocab(choice.config, tok, decide)
-        return new_model(choice.config, cfg.model.gradient_checkpointing, cfg.system.seed, cfg.run.dry_run, device)
+        return new_model(
+            choice.config, cfg.model.gradient_checkpointing, cfg.system.seed, cfg.run.dry_run, device
+        )
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
                   say, decide):

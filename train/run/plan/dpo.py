@@ -43,10 +43,12 @@ def refuse_preference(cfg: TrainConfig) -> None:
     """What preference training cannot do, one line each, before any work."""
     if sft_scratch.asked(cfg):
         which = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
-        raise UsageError(f"{which}: preference training fine-tunes a trained chat model; set MODEL_PATH (or leave it "
+        raise UsageError(f"{which}: preference training fine-tunes a trained chat model; set MODEL_PATH (or "
+                         f"leave it "
                          "empty: the newest completed SFT run's final/)")
     if cfg.optim.loss_mean is not None:
-        raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the step's "
+        raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the "
+                         f"step's "
                          "pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
     if cfg.optim.beta == 0:  # one field with GRPO's BETA, where 0 means no reference
@@ -55,15 +57,18 @@ def refuse_preference(cfg: TrainConfig) -> None:
         value = knobs.value(cfg, name)
         if value not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:
             reads = ", ".join(knobs.env_name(n) for n in sorted(DPO_LOSS[loss].reads))
-            raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads {reads}); leave "
+            raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads "
+                             f"{reads}); leave "
                              f"{knobs.env_name(name)} empty")
     if reference is not None and not DPO_LOSS[loss].reference:
         raise UsageError(f"REFERENCE={reference}: DPO_LOSS={loss} is reference-free; leave REFERENCE empty")
     if reference == "adapters" and not cfg.model.lora_r:
-        raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set LORA_R "
+        raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set "
+                         "LORA_R "
                          "(or REFERENCE=copy / precomputed)")
     if cfg.system.sharding != "none" and reference == "copy":
-        raise UsageError(f"REFERENCE=copy with SHARDING={cfg.system.sharding}: a whole copy on every process defeats "
+        raise UsageError(f"REFERENCE=copy with SHARDING={cfg.system.sharding}: a whole copy on every process "
+                         f"defeats "
                          "the sharding; use REFERENCE=precomputed")
 
 
@@ -102,7 +107,9 @@ def tightest(rooms: list[dict]) -> dict:
     return min(rooms, key=left)
 
 
-def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: dict | None = None) -> str | None:
+def decide_reference(
+    cfg: TrainConfig, pairs: int, trained: int, decide, room: dict | None = None
+) -> str | None:
     """REFERENCE as the run uses it (set in the plan's config): the asked one, or the kit's choice.
     room: copy_room's figures; a copy that does not fit beside the run is never chosen."""
     loss = settings(cfg)["dpo_loss"]
@@ -113,22 +120,30 @@ def decide_reference(cfg: TrainConfig, pairs: int, trained: int, decide, room: d
     short = trained < pairs and cfg.system.sharding == "none"
     left = None if room is None or room["capacity"] is None else room["capacity"] - room["run"]
     if cfg.model.lora_r:
-        kind, why = "adapters", "LORA_R is set: the base model is the policy with its adapters off (no copy, no pass)"
+        kind, why = "adapters", ("LORA_R is set: the base model is the policy with its adapters off (no "
+                                 "copy, "
+                                 "no pass)")
     elif short and left is not None and room["copy"] > left:
         kind, why = "precomputed", (
-            f"a frozen copy's weights ({room['copy'] / MIB:,.1f} MB) do not fit beside the run (estimated peak "
+            f"a frozen copy's weights ({room['copy'] / MIB:,.1f} MB) do not fit beside the run (estimated "
+            f"peak "
             f"{room['run'] / MIB:,.1f} MB of {room['capacity'] / MIB:,.1f} MB, {room['what']}: "
             f"{max(0.0, left) / MIB:,.1f} MB left): one forward pass over the {pairs} pairs (cached) instead")
     elif trained >= pairs:
-        kind, why = "precomputed", (f"the run reads {trained} pairs, every one of the {pairs} at least once: one forward "
-                                    f"pass over the {pairs} before training (cached) costs less than a frozen copy's "
+        kind, why = "precomputed", (f"the run reads {trained} pairs, every one of the {pairs} at least once: "
+                                    f"one forward "
+                                    f"pass over the {pairs} before training (cached) costs less than a "
+                                    f"frozen copy's "
                                     "memory and its forward every step")
     elif not short:  # SHARDING: a whole copy on every process defeats it
-        kind, why = "precomputed", (f"SHARDING={cfg.system.sharding}: a frozen copy would be whole on every process; one "
+        kind, why = "precomputed", (f"SHARDING={cfg.system.sharding}: a frozen copy would be whole on every "
+                                    f"process; one "
                                     f"forward pass over the {pairs} pairs before training (cached) instead")
     else:
-        fits = "" if left is None else f"; its {room['copy'] / MIB:,.1f} MB fit in the {left / MIB:,.1f} MB left"
-        kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of weights on "
+        fits = "" if left is None else (f"; its {room['copy'] / MIB:,.1f} MB fit in the {left / MIB:,.1f} MB "
+                                        f"left")
+        kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of "
+                             f"weights on "
                              f"the device) costs less than a pass over them all{fits}")
     cfg.model.reference = kind
     decide("reference", kind, why)
@@ -145,7 +160,8 @@ def dropout_off(cfg: TrainConfig, model, choice: ModelChoice, decide) -> torch.n
     asked = "DROPOUT empty" if cfg.model.dropout is None else "DROPOUT=0"
     if changed := set_dropout(model, 0.0):
         decide("dropout", 0.0, f"{asked}: {changed} dropout settings off (MODEL_PATH's own: "
-               f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a pair "
+               f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a "
+               f"pair "
                "alike (the first step's loss is ln 2)")
     return model
 
@@ -154,8 +170,10 @@ def loaded_dropout(cfg: TrainConfig, model, choice: ModelChoice, decide) -> None
     """DROPOUT above 0 as SFT takes it; 0 or empty: dropout_off turns every dropout off, LoRA's too."""
     if cfg.model.dropout:
         sft.loaded_dropout(cfg, model, choice, decide)
-        decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with dropout, the "
-               "reference scores without it, so the first step's loss is not ln 2 (TRL: disable_dropout=False)")
+        decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with "
+                                             f"dropout, the "
+               "reference scores without it, so the first step's loss is not ln 2 (TRL: "
+               "disable_dropout=False)")
 
 
 class DPOSource:
@@ -184,10 +202,20 @@ class DPOSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded pairs, the held-out ones, and how to batch them (train/data/pref)."""
-        data = preference_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
-                               precision=precision, eval_batches=cfg.run.eval_batches,
-                               set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
-                               compile_on=cfg.model.compile, context=choice.context)
+        data = preference_data(
+            cfg.data,
+            tok,
+            layout=choice.family.layout,
+            max_length=max_length,
+            device=device,
+            precision=precision,
+            eval_batches=cfg.run.eval_batches,
+            set_attention=partial(attention_fits, choice.config),
+            say=say,
+            decide=decide,
+            compile_on=cfg.model.compile,
+            context=choice.context,
+        )
         data.summary = {"model_path": str(choice.path), **data.summary}
         return data
 

@@ -131,14 +131,18 @@ def _open(folder: Path, identity: dict, n: int):
     wrong) for a damaged or foreign one; (None, None) for none."""
     if not folder.exists():
         return None, None
-    read, why = cache_files.read_manifest(folder, "the reference log-probs", lambda raw: (raw["identity"], raw["sha256"]),
-                                          lambda meta: FILES)
+    read, why = cache_files.read_manifest(
+        folder, "the reference log-probs", lambda raw: (raw["identity"], raw["sha256"]), lambda meta: FILES
+    )
     if read is None:
         return None, why
     (made_for, sums), sizes = read
     if made_for != identity:
-        differ = sorted(k for k in identity if not isinstance(made_for, dict) or made_for.get(k) != identity[k])
-        return None, f"it was made for another {' and '.join(differ) or 'key'} than this run's (a copied folder?)"
+        differ = sorted(
+            k for k in identity if not isinstance(made_for, dict) or made_for.get(k) != identity[k]
+        )
+        return None, (f"it was made for another {' and '.join(differ) or 'key'} than this run's (a copied "
+                      f"folder?)")
     for name, size in sizes.items():
         if size != 4 * n:
             return None, f"{name} holds {size:,} bytes, {n} pairs need {4 * n:,}"
@@ -163,7 +167,9 @@ def _build(folder: Path, identity: dict, chosen: np.ndarray, rejected: np.ndarra
     """The cache written whole (cache_files: a temporary folder, meta.json last with the sha256 of
     each file, fsynced, renamed); another process that finished it first wins."""
     cache_files.remove_abandoned(cache_files.cache_folder(folder.parent))
-    with cache_files.building("computing the reference log-probs", "the reference log-probs", folder) as temps:
+    with cache_files.building(
+        "computing the reference log-probs", "the reference log-probs", folder
+    ) as temps:
         tmp = cache_files.temp_folder(folder, temps)
         sums = {}
         for name, values in zip(FILES, (chosen, rejected), strict=True):
@@ -202,10 +208,13 @@ def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str,
     bad = np.flatnonzero(~(np.isfinite(chosen) & np.isfinite(rejected)))
     if len(bad):
         raise UsageError(f"REFERENCE=precomputed: the reference model (MODEL_PATH's, before training) gives "
-                         f"non-finite log-probs for {len(bad)} of {len(dataset)} pairs (the first: pair {bad[0]}) "
-                         f"at PRECISION={precision}; nothing was cached (try PRECISION=fp32, or check MODEL_PATH)")
+                         f"non-finite log-probs for {len(bad)} of {len(dataset)} pairs (the first: pair "
+                         f"{bad[0]}) "
+                         f"at PRECISION={precision}; nothing was cached (try PRECISION=fp32, or check "
+                         f"MODEL_PATH)")
     _build(folder, identity, chosen, rejected)
-    say(f"reference log-probs: {len(dataset)} pairs in {time.perf_counter() - start:.1f} s, cached in {folder} "
+    say(f"reference log-probs: {len(dataset)} pairs in {time.perf_counter() - start:.1f} s, cached in "
+        f"{folder} "
         "(reused by a run of the same model, data and precision)")
     return RefExamples(dataset.examples, chosen, rejected)
 

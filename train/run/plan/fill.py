@@ -29,7 +29,8 @@ from train.run.plan import adapt
 
 @dataclass(frozen=True)
 class Fill:
-    """The command line's word to the plan (batch_set_by_user is False): fill the device, where it is a GPU."""
+    """The command line's word to the plan (batch_set_by_user is False): fill the device, where it is a
+    GPU."""
 
 
 SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to say what memory would allow
@@ -74,14 +75,35 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
 
     def peak(batch: int) -> float:
         sized.optim.batch_size, sized.optim.gradient_accumulation_steps = batch, 1 if batch >= per_rank else 2
-        return estimate_for_run(model.config, n_params, sized, shape["max_length"], precision, device_type, world,
-                                trainable, target_length=shape.get("target_length"), packed=shape.get("packed"))["peak"]
+        return estimate_for_run(
+            model.config,
+            n_params,
+            sized,
+            shape["max_length"],
+            precision,
+            device_type,
+            world,
+            trainable,
+            target_length=shape.get("target_length"),
+            packed=shape.get("packed"),
+        )["peak"]
 
     return _largest(peak, target, max(per_rank, len(dataset))), peak, shape
 
 
-def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, device: torch.device, world: int,
-                layout, decide, capacity: tuple[float | None, str] | None = None) -> bool:
+def fill_memory(
+    cfg,
+    model,
+    dataset,
+    collate,
+    max_length: int,
+    precision: str,
+    device: torch.device,
+    world: int,
+    layout,
+    decide,
+    capacity: tuple[float | None, str] | None = None,
+) -> bool:
     """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
     decide them with their reasons; False where the memory the run can use is unknown. capacity:
     (MB, where the number comes from), default adapt.capacity_mb's."""
@@ -91,14 +113,28 @@ def fill_memory(cfg, model, dataset, collate, max_length: int, precision: str, d
         return False
     effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
     per_rank = max(1, math.ceil(effective / world))
-    allowed, peak, shape = estimated_fit(cfg, model, dataset, collate, max_length, precision, device.type, world,
-                                         layout, cfg.system.target_vram * cap_mb * MIB, per_rank)
+    allowed, peak, shape = estimated_fit(
+        cfg,
+        model,
+        dataset,
+        collate,
+        max_length,
+        precision,
+        device.type,
+        world,
+        layout,
+        cfg.system.target_vram * cap_mb * MIB,
+        per_rank,
+    )
     rows = len(getattr(dataset, "dataset", dataset)) // world or 1
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
     o.batch_size, o.gradient_accumulation_steps = batch, accum
     at = peak(batch) / MIB
-    lengths = (f"source {shape['max_length']} / target {shape['target_length']} tokens" if "target_length" in shape
-               else f"rows of {shape['max_length']} tokens")
+    lengths = (
+        f"source {shape['max_length']} / target {shape['target_length']} tokens"
+        if "target_length" in shape
+        else f"rows of {shape['max_length']} tokens"
+    )
     if isinstance(shape.get("packed"), PackedGrid):
         g = shape["packed"]
         lengths += f", packed: {g.per_row:.1f} conversations a row, the longest {g.longest}"
@@ -146,7 +182,8 @@ def _split(most: int, per_rank: int, asked_effective: int | None, world: int) ->
     where EFFECTIVE_BATCH asks it (a divisor), else as close as whole numbers allow, the difference said."""
     if asked_effective is not None:
         batch = max(b for b in range(1, most + 1) if per_rank % b == 0)
-        return batch, per_rank // batch, f"kept exactly (EFFECTIVE_BATCH={asked_effective}, a multiple of {batch})"
+        return batch, per_rank // batch, (f"kept exactly (EFFECTIVE_BATCH={asked_effective}, a multiple of "
+                                          f"{batch})")
     accum = math.ceil(per_rank / most)
     candidates = {max(1, per_rank // accum), min(most, math.ceil(per_rank / accum))}
     batch = min(candidates, key=lambda b: (abs(b * accum - per_rank), -b))

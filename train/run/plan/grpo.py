@@ -49,36 +49,52 @@ def grpo_knobs(cfg: TrainConfig) -> GrpoKnobs:
     o = cfg.optim
     weights = None if not o.reward_weights else tuple(float(w) for w in o.reward_weights.split(","))
     return GrpoKnobs(
-        loss_type=o.loss_type, beta=beta(cfg), epsilon=o.epsilon, epsilon_high=o.epsilon_high, delta=o.delta,
-        sapo_temperature_pos=o.sapo_temperature_pos, sapo_temperature_neg=o.sapo_temperature_neg,
-        importance_sampling_level=o.importance_sampling_level, num_iterations=o.num_iterations,
-        max_completion_length=o.max_completion_length or COMPLETION_ROOM, temperature=o.temperature or 1.0,
-        mask_truncated_completions=o.mask_truncated_completions, num_generations=o.num_generations,
-        scale_rewards=o.scale_rewards, reward_weights=weights, multi_objective_aggregation=o.multi_objective_aggregation,
-    )  # fmt: skip
+        loss_type=o.loss_type,
+        beta=beta(cfg),
+        epsilon=o.epsilon,
+        epsilon_high=o.epsilon_high,
+        delta=o.delta,
+        sapo_temperature_pos=o.sapo_temperature_pos,
+        sapo_temperature_neg=o.sapo_temperature_neg,
+        importance_sampling_level=o.importance_sampling_level,
+        num_iterations=o.num_iterations,
+        max_completion_length=o.max_completion_length or COMPLETION_ROOM,
+        temperature=o.temperature or 1.0,
+        mask_truncated_completions=o.mask_truncated_completions,
+        num_generations=o.num_generations,
+        scale_rewards=o.scale_rewards,
+        reward_weights=weights,
+        multi_objective_aggregation=o.multi_objective_aggregation,
+    )
 
 
 def refuse_grpo(cfg: TrainConfig) -> None:
-    """What reward training cannot do, one line each, before any work (MODEL_SIZE and MODEL_CONFIG are no knobs
+    """What reward training cannot do, one line each, before any work (MODEL_SIZE and MODEL_CONFIG are no
+    knobs
     of its mode: refused by name before this)."""
     reference, b = cfg.model.reference, beta(cfg)
     if reference == "precomputed":
-        raise UsageError("REFERENCE=precomputed: GRPO's completions are sampled during training, so no pass before it "
+        raise UsageError("REFERENCE=precomputed: GRPO's completions are sampled during training, so no pass "
+                         "before it "
                          "can score them; use REFERENCE=copy or adapters")
     if reference is not None and b == 0:
-        raise UsageError(f"REFERENCE={reference}: BETA is 0, so no reference is used; set BETA above 0 or leave "
+        raise UsageError(f"REFERENCE={reference}: BETA is 0, so no reference is used; set BETA above 0 or "
+                         f"leave "
                          "REFERENCE empty")
     if reference == "adapters" and not cfg.model.lora_r:
-        raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set LORA_R "
+        raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set "
+                         "LORA_R "
                          "(or REFERENCE=copy)")
     if cfg.model.compile:
         raise UsageError("COMPILE=1: GRPO's sampling changes shape every token; reward training runs eager "
                          "(leave COMPILE empty)")
     if cfg.system.sharding != "none":
-        raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; use "
+        raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; "
+                         f"use "
                          "SHARDING=none (DDP with NPROC_PER_NODE works)")
     if cfg.data.val_path is not None:
-        raise UsageError("VAL_PATH: reward training holds no prompts out (its measure is the reward of each step's "
+        raise UsageError("VAL_PATH: reward training holds no prompts out (its measure is the reward of each "
+                         "step's "
                          "completions); leave VAL_PATH empty")
     try:
         grpo_knobs(cfg)
@@ -91,15 +107,21 @@ def newest_chat_model(cfg: TrainConfig, decide) -> str:
     if cfg.model.model_path is not None:
         return cfg.model.model_path
     out = Path(cfg.run.output_dir)
-    found = [c for c in (choose_pretrained(out, "sft", SFT_LAUNCHERS), choose_pretrained(out, "dpo", DPO_LAUNCHERS))
-             if c is not None]  # fmt: skip
+    found = [
+        c
+        for c in (choose_pretrained(out, "sft", SFT_LAUNCHERS), choose_pretrained(out, "dpo", DPO_LAUNCHERS))
+        if c is not None
+    ]
     if not found:
-        raise UsageError(f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed SFT or DPO run of a "
-                         "launcher; make one with `MAX_STEPS=50 ./train_sft_custom.sh` or set MODEL_PATH to a local "
+        raise UsageError(f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed SFT or DPO run of "
+                         f"a "
+                         "launcher; make one with `MAX_STEPS=50 ./train_sft_custom.sh` or set MODEL_PATH to "
+                         "a local "
                          "transformers chat model folder")
     chosen = max(found, key=lambda c: c.time)
     stage = chosen.config.get("config", {}).get("run", {}).get("mode", "sft").upper()
-    decide("model_path", str(chosen.final), f"the newest completed SFT or DPO run of a launcher (a {stage} run; "
+    decide("model_path", str(chosen.final), f"the newest completed SFT or DPO run of a launcher (a {stage} "
+                                            f"run; "
            "set MODEL_PATH to choose)")
     return str(chosen.final)
 
@@ -112,10 +134,12 @@ def prompt_room(cfg: TrainConfig, longest: int, max_length: int, device, decide)
     most = CPU_COMPLETION_ROOM if device.type == "cpu" else COMPLETION_ROOM
     room = min(most, max_length - longest)
     if room < 1:
-        raise UsageError(f"MAX_LENGTH={max_length}: the longest prompt is {longest} tokens, leaving no room for a "
+        raise UsageError(f"MAX_LENGTH={max_length}: the longest prompt is {longest} tokens, leaving no room "
+                         f"for a "
                          "completion; raise MAX_LENGTH or shorten the prompts")
     cfg.optim.max_completion_length = room
-    decide("max_completion_length", room, f"{most} at most{' on a CPU' if most != COMPLETION_ROOM else ''}, within "
+    decide("max_completion_length", room, f"{most} at most{' on a CPU' if most != COMPLETION_ROOM else ''}, "
+                                          f"within "
            f"MAX_LENGTH={max_length} after the longest prompt ({longest} tokens)")
     return room
 
@@ -136,8 +160,10 @@ class GRPOSource:
             decide("compile", False, "reward training runs eager: its sampling changes shape every token")
         cfg.model.model_path = newest_chat_model(cfg, decide)
         choice = sft.choose_fine_tuned(cfg, device, say, decide)
-        choice.family.layout.causal_only(True, f"MODEL_PATH={choice.path}: an encoder-decoder; reward training is "
-                                         "built for causal LMs (GPT-2, Llama, Qwen3): the loss's log-probs read "
+        choice.family.layout.causal_only(True, f"MODEL_PATH={choice.path}: an encoder-decoder; reward "
+                                               f"training is "
+                                         "built for causal LMs (GPT-2, Llama, Qwen3): the loss's log-probs "
+                                         "read "
                                          "prompt and completion as one sequence")
         return choice
 
@@ -153,8 +179,14 @@ class GRPOSource:
                                 pattern=o.reward_pattern or "", length=o.reward_length or 0,
                                 builtin_data=cfg.data.data_path is None)  # fmt: skip
         room = o.max_completion_length
-        prompts = prompt_set(cfg.data.data_path, tok, skip_bad_records=cfg.data.skip_bad_records,
-                             max_tokens=None if room is None else max_length - room, seed=cfg.system.seed, say=say)
+        prompts = prompt_set(
+            cfg.data.data_path,
+            tok,
+            skip_bad_records=cfg.data.skip_bad_records,
+            max_tokens=None if room is None else max_length - room,
+            seed=cfg.system.seed,
+            say=say,
+        )
         rewards.check_columns(prompts.column_names)
         room = prompt_room(cfg, max(len(r) for r in prompts.ids), max_length, device, decide)
         if cfg.data.val_fraction != knobs.default("val_fraction"):
@@ -162,10 +194,17 @@ class GRPOSource:
         summary = {"model_path": str(choice.path), "prompt_format": prompts.format, "prompts": len(prompts),
                    "skipped_records": prompts.n_skipped, "reward_funcs": ",".join(rewards.names),
                    "num_generations": o.num_generations, "max_completion_length": room}  # fmt: skip
-        return Data(tokenizer=tok, dataset=PromptDataset(prompts.ids), collate=PromptCollate(prompts.ids, tok.pad_token_id),
-                    summary=summary, conversations=SimpleNamespace(prompts=prompts, rewards=rewards))
+        return Data(
+            tokenizer=tok,
+            dataset=PromptDataset(prompts.ids),
+            collate=PromptCollate(prompts.ids, tok.pad_token_id),
+            summary=summary,
+            conversations=SimpleNamespace(prompts=prompts, rewards=rewards),
+        )
 
-    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+    def model(
+        self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide
+    ) -> torch.nn.Module:
         """SFT's model (MODEL_PATH, LoRA); DROPOUT empty: off, so sampling (eval mode) and the loss's forward
         score a completion alike (NUM_ITERATIONS > 1's ratios start at 1)."""
         model = sft.fine_tuned_model(cfg, choice, tok, data, device, decide)
@@ -187,7 +226,8 @@ class GRPOSource:
         lengths = data.dataset.lengths
         say(f"prompt lengths in tokens: median {int(lengths.median())}, max {int(lengths.max())}; "
             f"{o.num_generations} completions of each, at most {o.max_completion_length} tokens")
-        return steps, (f"{source}; one epoch is {per_epoch} steps of {per_step} prompts x {o.num_generations} "
+        return steps, (f"{source}; one epoch is {per_epoch} steps of {per_step} prompts x "
+                       f"{o.num_generations} "
                        "completions")
 
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
@@ -200,17 +240,43 @@ class GRPOSource:
         if k.beta > 0:
             reference = cfg.model.reference or ("adapters" if cfg.model.lora_r else "copy")
             if cfg.model.reference is None:
-                decide("reference", reference, "LORA_R is set: the policy with its adapters off" if cfg.model.lora_r
-                       else f"BETA={k.beta:g}: a frozen copy of the policy as it starts")
+                decide(
+                    "reference",
+                    reference,
+                    "LORA_R is set: the policy with its adapters off"
+                    if cfg.model.lora_r
+                    else f"BETA={k.beta:g}: a frozen copy of the policy as it starts",
+                )
             cfg.model.reference = reference
         world = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        settings = SamplingSettings(o.num_generations, o.max_completion_length, o.temperature, o.top_p, o.top_k)
-        sampler = Sampler(settings, eos_ids=stop_token_ids(data.tokenizer), pad_id=data.tokenizer.pad_token_id,
-                          device=device, precision=precision, seed=cfg.system.seed, rank=world, tokenizer=data.tokenizer)
+        settings = SamplingSettings(
+            o.num_generations, o.max_completion_length, o.temperature, o.top_p, o.top_k
+        )
+        sampler = Sampler(
+            settings,
+            eos_ids=stop_token_ids(data.tokenizer),
+            pad_id=data.tokenizer.pad_token_id,
+            device=device,
+            precision=precision,
+            seed=cfg.system.seed,
+            rank=world,
+            tokenizer=data.tokenizer,
+        )
         ref_model = frozen_copy(model) if reference == "copy" and not cfg.run.dry_run else None
-        objective = GRPOObjective(choice.family.layout, k, sampler, rewards, prompts.ids, prompts.for_rewards,
-                                  reference=reference, ref_model=ref_model, device=device, precision=precision)
-        objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)  # TRL's trainer_state
+        objective = GRPOObjective(
+            choice.family.layout,
+            k,
+            sampler,
+            rewards,
+            prompts.ids,
+            prompts.for_rewards,
+            reference=reference,
+            ref_model=ref_model,
+            device=device,
+            precision=precision,
+        )
+        # TRL's trainer_state
+        objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)
         summary = {**data.summary, "loss_type": k.loss_type, "beta": k.beta, "reference": reference,
                    "num_iterations": k.num_iterations, "temperature": k.temperature}  # fmt: skip
         return objective, replace(data, summary=summary)

@@ -202,7 +202,9 @@ def sequence_length(cfg: TrainConfig, context: int, cap: int, decide: Decisions)
     max_length = cfg.data.max_length
     if max_length is None:
         max_length = min(context, cap)
-        decide("max_length", max_length, "the model's context length" + (" (capped)" if context > cap else ""))
+        decide(
+            "max_length", max_length, "the model's context length" + (" (capped)" if context > cap else "")
+        )
     elif max_length > context:
         raise UsageError(f"MAX_LENGTH={max_length}: longer than the model's context ({context} tokens)")
     return max_length
@@ -237,12 +239,15 @@ def resolve_pacing(cfg: TrainConfig, total_steps: int, decide: Decisions) -> int
         decide("warmup_steps", warmup, "5 % of the run, at most 200")
     elif 0 < warmup < 1:
         share, warmup = warmup, warmup_of(warmup, total_steps)
-        decide("warmup_steps", warmup, f"WARMUP_STEPS={share:g}: that share of the run's {total_steps} steps, "
+        decide("warmup_steps", warmup, f"WARMUP_STEPS={share:g}: that share of the run's {total_steps} "
+                                       f"steps, "
                "rounded up")
     own = OPTIMIZERS[cfg.optim.optimizer].own_step
     if own:
-        decide("lr_schedule", own, f"OPTIMIZER={cfg.optim.optimizer} sets its own step, min(1e-2, 1/sqrt(step)) x "
-               "each parameter's RMS: LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused (the lr logged is "
+        decide("lr_schedule", own, f"OPTIMIZER={cfg.optim.optimizer} sets its own step, min(1e-2, "
+                                   f"1/sqrt(step)) x "
+               "each parameter's RMS: LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused (the lr logged "
+               "is "
                "its relative step)")
     return warmup
 
@@ -257,7 +262,8 @@ def sized_validation(cfg: TrainConfig, val, total_steps: int, world: Dist, decid
     trained = total_steps * cfg.effective_batch_size(world.world_size)
     if trained >= len(val):
         return val
-    decide("eval_size", f"{trained} of {len(val)} held-out sequences", f"a short run: no more than the {trained} it "
+    decide("eval_size", f"{trained} of {len(val)} held-out sequences", f"a short run: no more than the "
+                                                                       f"{trained} it "
            "trains on (the first ones, the same whatever BATCH_SIZE); a longer run evaluates them all")
     if isinstance(val, torch.utils.data.Subset):  # a split of the stream: keep its indices into it
         return torch.utils.data.Subset(val.dataset, val.indices[:trained])
@@ -280,7 +286,8 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     cfg = copy.deepcopy(asked)
     knobs.refuse_unread(cfg)  # a knob its mode does not read (knob(modes=...)), set: one line, no work
     source.refuse(cfg)
-    generation = read_generation_config(cfg.model.generation_config)  # before any work: final/'s generate() settings
+    # before any work: final/'s generate() settings
+    generation = read_generation_config(cfg.model.generation_config)
     decide = Decisions(say)
     device, precision = device_and_precision(cfg, world, decide)
     choose.decide_compile(cfg, device, decide)  # before the data: its padding follows COMPILE
@@ -291,29 +298,59 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     # Every model that cannot fit, from its config alone, before anything is loaded or built (MODEL_PATH's
     # too: a config asking for 2 TB was the kernel's out-of-memory kill); not a trusted folder's own classes,
     # which only its own code can build.
-    if not (choice.path is not None and getattr(choice.config, "auto_map", None) and cfg.model.trust_remote_code):
-        estimate.refuse_unfit(choice.config, cfg, max_length, precision, device, world.world_size, choice.variable)
+    if not (
+        choice.path is not None and getattr(choice.config, "auto_map", None) and cfg.model.trust_remote_code
+    ):
+        estimate.refuse_unfit(
+            choice.config, cfg, max_length, precision, device, world.world_size, choice.variable
+        )
     tok = source.tokenizer(cfg, choice, max_length, say, decide)
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
     # The model before the memory-adaptive settings: what they see free is what the run will have.
     model = source.model(cfg, choice, tok, data, device, decide)
     if isinstance(chosen, Chosen):
-        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = chosen.batch_size, chosen.gradient_accumulation_steps
-    elif isinstance(chosen, fill.Fill) and device.type == "cuda" and fill.applies(cfg.run.mode, choice.family.layout):
-        fill.fill_memory(cfg, model, data.dataset, data.collate, max_length, precision, device, world.world_size,
-                         choice.family.layout, decide)
+        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = (
+            chosen.batch_size,
+            chosen.gradient_accumulation_steps,
+        )
+    elif (
+        isinstance(chosen, fill.Fill)
+        and device.type == "cuda"
+        and fill.applies(cfg.run.mode, choice.family.layout)
+    ):
+        fill.fill_memory(
+            cfg,
+            model,
+            data.dataset,
+            data.collate,
+            max_length,
+            precision,
+            device,
+            world.world_size,
+            choice.family.layout,
+            decide,
+        )
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
-    if choice.demo and cfg.optim.max_steps is None and cfg.optim.epochs is None and cfg.optim.max_samples is None:
+    if (
+        choice.demo
+        and cfg.optim.max_steps is None
+        and cfg.optim.epochs is None
+        and cfg.optim.max_samples is None
+    ):
         cfg.optim.max_samples = CPU_DEMO_SAMPLES
-        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, EPOCHS or MAX_SAMPLES to change)")
+        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, "
+                                                "EPOCHS or MAX_SAMPLES to change)")
         if cfg.optim.gradient_accumulation_steps > 1 and cfg.optim.effective_batch is None:
             cfg.optim.gradient_accumulation_steps = 1  # more, shorter steps: the loss is seen falling
-            decide("gradient_accumulation_steps", 1, "CPU demo: one micro-batch per optimizer step (set MAX_STEPS, EPOCHS or MAX_SAMPLES to keep GRADIENT_ACCUM)")
+            decide("gradient_accumulation_steps", 1, "CPU demo: one micro-batch per optimizer step (set "
+                                                     "MAX_STEPS, EPOCHS or MAX_SAMPLES to keep "
+                                                     "GRADIENT_ACCUM)")
     total_steps, why = source.steps(cfg, data, world.world_size, say, decide)
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
-    frozen = apply_freeze(model, cfg.model.freeze)  # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
+    # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
+    frozen = apply_freeze(model, cfg.model.freeze)
     if frozen:
         decide("freeze", cfg.model.freeze, frozen)
         if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters

@@ -34,7 +34,9 @@ from train.models.build import attention_fits, context_length, new_model, size_v
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import sft_scratch
 from train.run.plan.make import ModelChoice, note_family_ignored, shortest_limit, token_objective
-from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401 (the tools' name)
+
+# (the tools' name)
+from train.run.plan.sft_model import model_label, model_source, newest_pretrained  # noqa: F401
 
 
 def plan_sft_steps(
@@ -118,7 +120,9 @@ def fine_tuned_model(cfg: TrainConfig, choice: ModelChoice, tok, data: Data, dev
     if data.summary.get("attention") in (FLASH, VARLEN):
         use_attention(model, data.summary["attention"])
     load.ready(model, m.gradient_checkpointing)
-    model = lora.wrap(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding)
+    model = lora.wrap(
+        model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_targets, decide, cfg.system.sharding
+    )
     return model if cfg.run.dry_run and choice.path is None else model.to(device)
 
 
@@ -155,10 +159,19 @@ class SFTSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        data = fine_tuning_data(cfg.data, tok, layout=choice.family.layout, max_length=max_length, device=device,
-                                precision=precision, eval_batches=cfg.run.eval_batches,
-                                set_attention=partial(attention_fits, choice.config), say=say, decide=decide,
-                                compile_on=cfg.model.compile)
+        data = fine_tuning_data(
+            cfg.data,
+            tok,
+            layout=choice.family.layout,
+            max_length=max_length,
+            device=device,
+            precision=precision,
+            eval_batches=cfg.run.eval_batches,
+            set_attention=partial(attention_fits, choice.config),
+            say=say,
+            decide=decide,
+            compile_on=cfg.model.compile,
+        )
         where = {"model_path": str(choice.path)} if choice.path else {"model_path": None,
                                                                        "model_config": cfg.model.model_config}
         data.summary = {**where, **data.summary}
@@ -168,7 +181,9 @@ class SFTSource:
         """Optimizer steps of BATCH_SIZE conversations (packed rows with PACKING=1); see said_steps."""
         return said_steps(cfg, data, world_size, say, decide)
 
-    def model(self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide) -> torch.nn.Module:
+    def model(
+        self, cfg: TrainConfig, choice: ModelChoice, tok, data: Data, device, decide
+    ) -> torch.nn.Module:
         return fine_tuned_model(cfg, choice, tok, data, device, decide)
 
     def objective(self, cfg, choice, model, data: Data, device, precision: str, max_length: int, trained: int,
@@ -178,7 +193,9 @@ class SFTSource:
         return token_objective(cfg, choice), data
 
 
-def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None) -> tuple[int, str, float]:
+def sft_steps(
+    cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str | None = None
+) -> tuple[int, str, float]:
     """(optimizer steps, why, rows per micro-batch): BATCH_SIZE rows, or TOKEN_BUDGET's mean. unit: what
     a row is (default: the dataset's own: conversations, source -> target pairs, pairs, packed rows)."""
     if cfg.data.token_budget is not None:
@@ -194,6 +211,11 @@ def sft_steps(cfg: TrainConfig, dataset, world_size: int, say, decide, unit: str
         if cfg.data.length_grouping:
             say("LENGTH_GROUPING=1 adds nothing with TOKEN_BUDGET, which groups by length itself")
     else:  # every rank reads 1/world_size of the epoch
-        micro, rows_per_micro = len(dataset) // world_size // cfg.optim.batch_size, float(cfg.optim.batch_size)
-    total_steps, why = plan_sft_steps(cfg, len(dataset), micro, rows_per_micro, world_size, unit or dataset.unit)
+        micro, rows_per_micro = (
+            len(dataset) // world_size // cfg.optim.batch_size,
+            float(cfg.optim.batch_size),
+        )
+    total_steps, why = plan_sft_steps(
+        cfg, len(dataset), micro, rows_per_micro, world_size, unit or dataset.unit
+    )
     return total_steps, why, rows_per_micro

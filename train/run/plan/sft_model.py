@@ -25,7 +25,8 @@ MAKE_A_MODEL = "MODEL_SIZE=nano MAX_STEPS=200 ./run_single_gpu_optimized.sh"
 PRETRAIN_LAUNCHERS = ("run_single_gpu", "run_single_gpu_optimized", "train")
 FEW_STEPS = 50  # fewer optimizer steps: the model still emits noise, and so will its SFT
 SFT_LAUNCHERS = ("train_sft_custom", "quick_start_sft_fast", "train")
-# A mode's default model: the mode of the run it continues, the launchers that make such runs, how to make one.
+# A mode's default model: the mode of the run it continues, the launchers that make such runs, how to make
+# one.
 STAGES = {"sft": ("pretrain", PRETRAIN_LAUNCHERS, MAKE_A_MODEL),
           "dpo": ("sft", SFT_LAUNCHERS, f"MAX_STEPS={FEW_STEPS} ./train_sft_custom.sh")}
 
@@ -54,8 +55,13 @@ def pretrained_run(run: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHE
     if not isinstance(run_cfg, dict) or run_cfg.get("launcher") not in launchers:
         return None
     family = (_json_of(run / "final" / "config.json") or {}).get("model_type")  # what was built, not asked
-    return SimpleNamespace(final=run / "final", steps=steps, family=family if isinstance(family, str) else "?",
-                           time=(run / "summary.json").stat().st_mtime, config=config)
+    return SimpleNamespace(
+        final=run / "final",
+        steps=steps,
+        family=family if isinstance(family, str) else "?",
+        time=(run / "summary.json").stat().st_mtime,
+        config=config,
+    )
 
 
 def longer_sft(chosen: SimpleNamespace, output_dir: Path) -> str:
@@ -69,7 +75,11 @@ def longer_sft(chosen: SimpleNamespace, output_dir: Path) -> str:
     default = choose_pretrained(output_dir)
     if isinstance(model_path, str) and ("latest" in Path(model_path).parts or not Path(model_path).is_dir()):
         model_path = None  # moved on, or gone: the newest pretraining run stands for it
-    if model_path is not None and default is not None and Path(model_path).resolve() == default.final.resolve():
+    if (
+        model_path is not None
+        and default is not None
+        and Path(model_path).resolve() == default.final.resolve()
+    ):
         model_path = None
     if model_path is None and default is None:
         return MAKE_A_MODEL + " first, then " + STAGES["dpo"][2]
@@ -87,7 +97,9 @@ def _causal(model_type: str) -> bool:
     return family is not None and not family.layout.encoder_decoder
 
 
-def choose_pretrained(output_dir: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHERS) -> SimpleNamespace | None:
+def choose_pretrained(
+    output_dir: Path, mode: str = "pretrain", launchers=PRETRAIN_LAUNCHERS
+) -> SimpleNamespace | None:
     """The newest completed launcher-made causal-LM pretraining run under output_dir (gpt2, llama;
     an encoder-decoder only where no causal run is there: a chat model is a causal LM). runs/latest
     is no help: it may be an SFT or compare run. mode: the run's mode (dpo asks for an SFT run)."""
@@ -123,7 +135,8 @@ def model_source(cfg: TrainConfig, decide, say=print) -> str:
     decide("model_path", str(chosen.final), why)
     if chosen.steps < FEW_STEPS:
         again = longer_sft(chosen, Path(cfg.run.output_dir)) if mode == "sft" else make
-        say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under {FEW_STEPS}): "
+        say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under "
+            f"{FEW_STEPS}): "
             f"fine-tuning it teaches little; train it longer (`{again}`) or set MODEL_PATH")
     return str(chosen.final)
 

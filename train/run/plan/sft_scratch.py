@@ -31,12 +31,16 @@ def refuse_both(cfg: TrainConfig) -> None:
     if cfg.model.model_path is not None and asked(cfg):
         both = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
         raise UsageError(
-            f"MODEL_PATH and {both} are both set: MODEL_PATH fine-tunes an existing model, {both} builds a new one; "
+            f"MODEL_PATH and {both} are both set: MODEL_PATH fine-tunes an existing model, {both} builds a "
+            f"new one; "
             "set one of them"
         )
-    if asked(cfg) and cfg.model.lora_r:  # said before the tokenizer trains, not after (models/lora.py's own check)
-        raise UsageError(f"LORA_R={cfg.model.lora_r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), and LoRA "
-                         "would keep its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, or leave "
+    # said before the tokenizer trains, not after (models/lora.py's own check)
+    if asked(cfg) and cfg.model.lora_r:
+        raise UsageError(f"LORA_R={cfg.model.lora_r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), "
+                         f"and LoRA "
+                         "would keep its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, "
+                         "or leave "
                          "LORA_R empty")
 
 
@@ -52,10 +56,17 @@ def choose_new(cfg: TrainConfig, say, decide) -> ModelChoice:
     config = build_config(size, m.model_config, cfg.data.vocab_size, 0, m.model_family, m.dropout)
     family = family_of(config)
     what = family.layout.pick("a causal LM: conversations", "an encoder-decoder: source -> target")
-    decide("model", f"new {config.model_type}", f"{variable}: random init (SEED={cfg.system.seed}), {what}; no MODEL_PATH")
+    decide("model", f"new {config.model_type}", f"{variable}: random init (SEED={cfg.system.seed}), {what}; "
+                                                f"no MODEL_PATH")
     refuse_packing(cfg, family.layout, variable)
-    return ModelChoice(family=family, size=size, context=context_length(config), variable=variable, config=config,
-                       declared=MappingProxyType(declared_ids(m.model_config)))
+    return ModelChoice(
+        family=family,
+        size=size,
+        context=context_length(config),
+        variable=variable,
+        config=config,
+        declared=MappingProxyType(declared_ids(m.model_config)),
+    )
 
 
 def refuse_packing(cfg: TrainConfig, layout, what: str) -> None:

@@ -19,7 +19,9 @@ except ImportError:  # no flock (Windows): runs are not locked there
     fcntl = None
 
 
-def plan_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite: bool, resume: bool = False) -> Path:
+def plan_run_dir(
+    output_dir: str, run_name: str | None, launcher: str, overwrite: bool, resume: bool = False
+) -> Path:
     """Pick the run folder without creating it (dry runs, doctor): a new unique name by default;
     an explicit RUN_NAME that exists is refused unless OVERWRITE=1; RESUME=1 picks the run to
     continue. A real run takes its folder with claim_run_dir."""
@@ -45,7 +47,8 @@ def _refuse_link(root: Path, run_name: str | None) -> None:
     would write, wherever it points."""
     if run_name is not None and (root / run_name).is_symlink():
         raise UsageError(
-            f"RUN_NAME={run_name}: {root / run_name} is a symbolic link; a run folder is never used through one "
+            f"RUN_NAME={run_name}: {root / run_name} is a symbolic link; a run folder is never used through "
+            f"one "
             "(set RUN_NAME to the folder it points to)"
         )
 
@@ -56,7 +59,8 @@ def _default_name(launcher: str) -> str:
 
 def _exists(run_name: str, path: Path) -> UsageError:
     return UsageError(
-        f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it, RESUME=1 to continue it, "
+        f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it, RESUME=1 to continue "
+        f"it, "
         "or pick another name"
     )
 
@@ -85,7 +89,9 @@ class RunClaim:
             self.fd = None
 
 
-def claim_run_dir(output_dir: str, run_name: str | None, launcher: str, overwrite: bool, resume: bool = False) -> RunClaim:
+def claim_run_dir(
+    output_dir: str, run_name: str | None, launcher: str, overwrite: bool, resume: bool = False
+) -> RunClaim:
     """plan_run_dir's rules without its race: a new folder is made by mkdir, which fails when
     another run made it first (then the next free name, or the refusal of an existing RUN_NAME),
     and every folder is locked; one that a live run holds is refused, naming its pid."""
@@ -123,7 +129,9 @@ def _refuse_if_busy(path: Path, label: str) -> None:
         busy.release()
 
 
-def _claim_once(root: Path, run_name: str | None, launcher: str, overwrite: bool, label: str) -> RunClaim | None:
+def _claim_once(
+    root: Path, run_name: str | None, launcher: str, overwrite: bool, label: str
+) -> RunClaim | None:
     if run_name is None:
         base = _default_name(launcher)
         path, n = root / base, 1
@@ -167,7 +175,8 @@ def _mkdir(path: Path) -> bool:
 
 def _cannot(path: Path, err: OSError) -> UsageError:
     reason = "a file is in the way" if isinstance(err, FileExistsError) else err.strerror or str(err)
-    return UsageError(f"OUTPUT_DIR (--output_dir): cannot create {path} ({reason}); pick a folder you can write to")
+    return UsageError(f"OUTPUT_DIR (--output_dir): cannot create {path} ({reason}); pick a folder you can "
+                      f"write to")
 
 
 def _lock(path: Path, created: list[Path], label: str) -> RunClaim | None:
@@ -185,7 +194,8 @@ def _lock(path: Path, created: list[Path], label: str) -> RunClaim | None:
     except BlockingIOError:
         os.close(fd)
         raise UsageError(
-            f"{label}: {path} is in use by another run (pid {holder_pid(path)}); wait for it or pick another RUN_NAME"
+            f"{label}: {path} is in use by another run (pid {holder_pid(path)}); wait for it or pick another "
+            f"RUN_NAME"
         ) from None
     try:
         now, held = os.stat(path), os.fstat(fd)
@@ -230,7 +240,8 @@ def find_run_dir(root: Path, run_name: str | None, launcher: str) -> Path:
             )
         if not list_checkpoints(path / "checkpoints"):
             raise UsageError(
-                f"RESUME=1: {path} has no checkpoint (it stopped before its first save; SAVE_EVERY sets how often)"
+                f"RESUME=1: {path} has no checkpoint (it stopped before its first save; SAVE_EVERY sets how "
+                f"often)"
             )
         return path
     candidates = []

@@ -167,7 +167,8 @@ class RunDir:
             self._log = files.open_append(path / "train.log")
         except OSError as err:  # a read-only file system, say (a link there: LinkRefused, one line)
             raise UsageError(
-                f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder you can write to"
+                f"OUTPUT_DIR (--output_dir): cannot write to {path} ({err.strerror or err}); pick a folder "
+                f"you can write to"
             ) from None
         self.mirror = mirror(path) if mirror else NoLog()
 

@@ -14,7 +14,8 @@ from train.run.rundir.folder import RunDir, point_latest, save_model, write_fail
 
 def save_final(plan, run_dir: RunDir, step: int, state_dict: dict | None = None) -> None:
     """final/: save_pretrained (safetensors) and the tokenizer, loads offline with from_pretrained;
-    written whole or not at all (train/run/rundir/folder.py). A sharded model passes its gathered state dict."""
+    written whole or not at all (train/run/rundir/folder.py). A sharded model passes its gathered state dict.
+    """
     save_model(plan, run_dir.path / "final", step, state_dict)
 
 
@@ -25,8 +26,18 @@ def check_saveable(plan) -> None:
     import copy
 
     m = plan.cfg.model
-    source = next((f"{var}={value}" for var, value in (("GENERATION_CONFIG", m.generation_config),
-                   ("MODEL_CONFIG", m.model_config), ("MODEL_PATH", m.model_path)) if value), "the model's config")  # fmt: skip
+    source = next(
+        (
+            f"{var}={value}"
+            for var, value in (
+                ("GENERATION_CONFIG", m.generation_config),
+                ("MODEL_CONFIG", m.model_config),
+                ("MODEL_PATH", m.model_path),
+            )
+            if value
+        ),
+        ("the model's config"),
+    )
     gen = getattr(plan.model, "generation_config", None)
     try:
         plan.model.config.to_json_string()

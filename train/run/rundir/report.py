@@ -74,7 +74,8 @@ def start_line(plan, run_path, total_steps: int) -> str:
     dropout = dropout_of(plan.model)
     shown_dropout = "" if dropout is None else f", dropout {dropout:g}"
     return (
-        f"run {run_path}  model {plan.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision {plan.precision}  "
+        f"run {run_path}  model {plan.model_size} ({n_params / 1e6:.1f}M params{shown_dropout})  precision "
+        f"{plan.precision}  "
         f"batch {batch} x accum {cfg.optim.gradient_accumulation_steps}{processes} = effective {shown}  "
         f"max_length {plan.max_length}  workers {cfg.data.num_workers}  steps {total_steps}"
     )
@@ -97,7 +98,8 @@ def config_record(plan, guard=None, asked: TrainConfig | None = None) -> dict:
             "device": str(plan.device),
             "precision": plan.precision,
             "model_size": plan.model_size,
-            "model_family": resolved_fields(plan).get("model_family"),  # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
+            # the model's own type (MODEL_PATH's, MODEL_CONFIG's)
+            "model_family": resolved_fields(plan).get("model_family"),
             "max_length": plan.max_length,
             "total_steps": total,
             "warmup_steps": warmup,
@@ -153,8 +155,16 @@ def summary(plan, run_dir, meter, parts, guard, done: int, exit_reason: str) -> 
     now = replace(cfg, optim=replace(cfg.optim, batch_size=parts.oom_guard.batch_size,
                                      gradient_accumulation_steps=parts.oom_guard.accumulation))
     trainable = trainable_of(model)
-    estimate = estimate_for_run(model.config, n_params, now, plan.max_length, plan.precision, device.type, plan.world.world_size,
-                                trainable)
+    estimate = estimate_for_run(
+        model.config,
+        n_params,
+        now,
+        plan.max_length,
+        plan.precision,
+        device.type,
+        plan.world.world_size,
+        trainable,
+    )
     gpu = meter.gpu_summary
     record = {
         "mode": cfg.run.mode,
@@ -201,9 +211,14 @@ KIT_ROOT = Path(__file__).resolve().parents[3]  # where the launchers are
 LAUNCHER_SCRIPTS = ("run_single_gpu", "run_single_gpu_optimized", "train_sft_custom", "quick_start_sft_fast",
                     "train_dpo", "train_grpo")
 # make's target of each side of scripts/compare.sh (its runs' launcher is compare-<script>)
-COMPARE_TARGETS = {"run_single_gpu": "compare", "run_single_gpu_optimized": "compare", "train_sft_custom": "compare-sft",
-                   "quick_start_sft_fast": "compare-sft", "train_dpo": "compare-dpo",
-                   "train_grpo": "compare-grpo"}  # fmt: skip
+COMPARE_TARGETS = {
+    "run_single_gpu": "compare",
+    "run_single_gpu_optimized": "compare",
+    "train_sft_custom": "compare-sft",
+    "quick_start_sft_fast": "compare-sft",
+    "train_dpo": "compare-dpo",
+    "train_grpo": "compare-grpo",
+}
 
 
 def launcher_defaults(launcher: str) -> dict[str, str]:
@@ -223,7 +238,11 @@ def set_again(run_path: Path, launcher: str) -> list[str]:
     asked, out = asked_settings(run_path) or {}, []
     for var, default in launcher_defaults(launcher).items():
         name = var.lower()
-        if name not in asked or asked[name] is None or (launcher == "train_sft_custom" and var == "BATCH_SIZE"):
+        if (
+            name not in asked
+            or asked[name] is None
+            or (launcher == "train_sft_custom" and var == "BATCH_SIZE")
+        ):
             continue
         try:
             if parse_value(name, default) == asked[name]:
@@ -242,7 +261,11 @@ def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = N
     (train_sft_custom.sh with its micro-batch argument, which would otherwise fall back to 16) with
     the settings its defaults would change; every other setting comes from the run."""
     run_name = Path(run_path).name
-    target = COMPARE_TARGETS.get((launcher or "").removeprefix("compare-")) if (launcher or "").startswith("compare-") else None
+    target = (
+        COMPARE_TARGETS.get((launcher or "").removeprefix("compare-"))
+        if (launcher or "").startswith("compare-")
+        else None
+    )
     if target:  # scripts/compare.sh's sides: the comparison resumes as a whole, by make's own variables
         asked = asked_settings(Path(run_path)) or {}
         again = [f"COMPARE_SAMPLES={asked['max_samples']}"] if asked.get("max_samples") else []
@@ -251,7 +274,11 @@ def resume_line(run_path: Path, launcher: str | None, batch_size: int | None = N
         repeat = " and REPEAT" if re.search(r"-r\d+$", run_name) else ""
         how = f"make {' '.join([target, 'RESUME=1', *again])} (with the other variables{repeat} you gave it)"
     elif launcher in LAUNCHER_SCRIPTS:
-        batch = f" {batch_size}" if launcher in ("train_sft_custom", "train_dpo", "train_grpo") and batch_size else ""
+        batch = (
+            f" {batch_size}"
+            if launcher in ("train_sft_custom", "train_dpo", "train_grpo") and batch_size
+            else ""
+        )
         again = "".join(f" {item}" for item in set_again(Path(run_path), launcher))
         how = f"RESUME=1 RUN_NAME={run_name}{again} ./{launcher}.sh{batch} (its other settings are kept)"
     else:
@@ -272,7 +299,8 @@ def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
         f"data-wait {fmt(s['data_wait_frac'], '.0%')}, MFU {fmt(s['mfu'], '.1%')}"
     )
     if s.get("final_val_loss") is not None:
-        best = "none finite" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} at step {s['best_val_step']}"
+        best = "none finite" if s["best_val_loss"] is None else (f"{s['best_val_loss']:.4f} at step "
+                                                                 f"{s['best_val_step']}")
         say(f"validation: final val_loss {s['final_val_loss']:.4f}, best {best}")
     if s.get("peak_vram_mb") is not None:
         say(f"peak memory: measured {s['peak_vram_mb']:,.0f} MB, estimated {s['estimate_peak_mb']:,.0f} MB")
@@ -283,8 +311,18 @@ def closing(s: dict, run_dir, say, launcher: str | None = None) -> None:
             f"the run was input-bound: {s['data_wait_frac']:.0%} of step time waiting for data "
             "(raise NUM_WORKERS, set PIN_MEMORY=1 and PERSISTENT_WORKERS=1)"
         )
-    names = ("summary.json", "metrics.jsonl", "train.log", "curves.png", "tensorboard/", "final/", "best/", "checkpoints/")
-    written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())  # a NaN stop writes no final/
+    names = (
+        "summary.json",
+        "metrics.jsonl",
+        "train.log",
+        "curves.png",
+        "tensorboard/",
+        "final/",
+        "best/",
+        "checkpoints/",
+    )
+    # a NaN stop writes no final/
+    written = ", ".join(n for n in names if (run_dir.path / n.rstrip("/")).exists())
     say(f"outputs: {run_dir.path}/ ({written})")
     for warning in os.environ.get("KIT_NAME_WARNINGS", "").splitlines():  # scripts/common.sh's, said again
         say(f"{warning} (so it had no effect on this run)")
