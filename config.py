@@ -25,11 +25,8 @@ MODEL_SIZES, MODEL_FAMILIES = SIZES, tuple(FAMILIES)  # train/models: one entry 
 PRECISIONS, LR_SCALINGS = ("fp32", "fp16", "bf16", "auto"), ("none", "linear", "sqrt")
 # a table's entry is a choice
 OPTIMIZERS, LR_SCHEDULES = tuple(registry.OPTIMIZERS), tuple(schedules.SCHEDULES)
-MODES, SHARDINGS, REPORT_TO = (
-    ("pretrain", "sft", "dpo", "grpo"),
-    ("none", "zero2", "zero3"),
-    ("none", "tensorboard"),
-)
+MODES = ("pretrain", "sft", "dpo", "grpo")
+SHARDINGS, REPORT_TO = ("none", "zero2", "zero3"), ("none", "tensorboard")
 EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}, {"sft", "dpo"}, {"pretrain", "sft"}
 # CHAT: the modes that train a chat model (MODEL_PATH, LoRA ...)
 CHAT, GRPO = {"sft", "dpo", "grpo"}, {"grpo"}

@@ -214,8 +214,8 @@ def test_a_new_mode_and_its_launcher_get_their_block_by_the_rules(tmp_path):
     # what a new mode brings: its name among the modes and in the knobs it reads (here the group of every
     # mode's and a field of its own), and a launcher; no other file
     cfg = (kit / "config.py").read_text()
-    for old, new in (('("pretrain", "sft", "dpo", "grpo"), ("none"',
-                      '("pretrain", "sft", "dpo", "grpo", "ppo"), ("none"'),
+    for old, new in (('MODES = ("pretrain", "sft", "dpo", "grpo")',
+                      'MODES = ("pretrain", "sft", "dpo", "grpo", "ppo")'),
                      ('EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}',
                       'EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo", "ppo"}'),
                      ('knob(False, modes={"sft"})', 'knob(False, modes={"ppo"})')):

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.core.reward.guard import REWARD_ARGS
+from train.data.chat import formats
 from train.data.chat.turns import ROLE_NAMES, BadRecord, split_tools, text, turns
-from train.data.sft import sft_formats
 
 ANSWER = "answer"  # the column a record's own reply fills where it has none
 
@@ -116,7 +116,7 @@ def _conversation(key: str, fmt: str) -> Callable:
             k -= 1
         if k == 0:
             raise BadRecord(f"no prompt ({key!r} has no turn before the reply)")
-        conversation = sft_formats.FORMATS[fmt].convert({**record, key: raw[:k]}, "text")
+        conversation = formats.FORMATS[fmt].convert({**record, key: raw[:k]}, "text")
         _checked(conversation, repr(key))
         reply = raw[-1].get("content", raw[-1].get("value")) if k < len(raw) else None
         return _for_rewards(conversation), conversation, _answer(reply, f"{key!r} reply")
@@ -126,7 +126,7 @@ def _conversation(key: str, fmt: str) -> Callable:
 
 def _alpaca(record: dict) -> tuple[list[dict], list[dict], dict]:
     """LLaMA-Factory's alpaca: SFT's prompt of the record, without its reply."""
-    conversation = sft_formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]
+    conversation = formats.FORMATS["alpaca"].convert({**record, "output": ""}, "text")[:-1]
     return _for_rewards(conversation), conversation, _answer(record.get("output"), "'output'")
 
 
@@ -198,8 +198,8 @@ def open_prompts(
     """(format name, every record of DATA_PATH as (place, record)), streamed through SFT's reader
     (JSON, JSONL(.gz), parquet, Arrow; a folder or glob of them); the format is the first matching
     record's. An empty source or an unknown format is one line naming DATA_PATH."""
-    stream = sft_formats.source_records(data_path)
-    fmt, head = sft_formats.first_format(stream, detect_format, skip_bad_records)
+    stream = formats.source_records(data_path)
+    fmt, head = formats.first_format(stream, detect_format, skip_bad_records)
     if fmt:
         return fmt, itertools.chain(head, stream)
     if not head:
@@ -228,7 +228,7 @@ def load_prompts(path: str | Path, skip_bad_records: bool = False) -> tuple[list
     fmt, items = open_prompts(path, skip_bad_records)
     prompts, bad = converted(items, fmt)
     if bad and not skip_bad_records:
-        raise sft_formats.refuse_bad(bad[0])
+        raise formats.refuse_bad(bad[0])
     if not prompts:
-        raise sft_formats.all_bad(path, len(bad), bad[0])
+        raise formats.all_bad(path, len(bad), bad[0])
     return prompts, fmt, len(bad)

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.data.chat import formats
 from train.data.chat.encode import prompt_for_generation
 from train.data.chat.render_bounds import RenderFailed
 from train.data.chat.turns import split_tools
 from train.data.prompt.arithmetic import TASK_NAME, arithmetic_prompts
 from train.data.prompt.prompt_formats import Prompt, converted, open_prompts
-from train.data.sft import sft_formats
 
 
 def render_prompt(tokenizer, conversation: Sequence[dict]) -> str:
@@ -111,10 +111,10 @@ def prompt_set(
     ids, bad = encode_prompts(prompts, tokenizer, max_tokens)
     bad = unusable + bad
     if bad and not skip_bad_records:
-        raise sft_formats.refuse_bad(bad[0])
+        raise formats.refuse_bad(bad[0])
     kept = [(p, row) for p, row in zip(prompts, ids, strict=True) if row is not None]
     if not kept:
-        raise sft_formats.all_bad(data_path or "built-in", len(bad), bad[0])
+        raise formats.all_bad(data_path or "built-in", len(bad), bad[0])
     say(f"prompt data: {data_path or 'built-in'}, {fmt}, {len(kept)} prompts")
     if bad:
         say(f"skipped {len(bad)} bad record(s) (SKIP_BAD_RECORDS=1); the rest train; the first: {bad[0]}")
