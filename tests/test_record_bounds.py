@@ -24,8 +24,7 @@ from test_sft_data import make_tokenizer
 from conftest import ROOT
 from data_tools import write_arrow_folder, write_jsonl
 from train.core.errors import UsageError
-from train.data import json_lines, records
-from train.data.chat import encode as chat_encode
+from train.data import json_lines, records, tokenize
 from train.data.chat.encode import encode_conversations, encode_pairs, ensure_special_tokens
 from train.data.chat.formats import load_conversations
 from train.data.chat.templates import Rendering
@@ -66,7 +65,7 @@ def test_a_long_piece_encoded_by_its_ends_gives_the_same_example(tok, truncation
     got = encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r)
     # the reference: every piece encoded whole, then cut (what the kit did before)
     monkeypatch.setattr(
-        chat_encode, "_encode_bounded", lambda t, pieces, _: chat_encode._encode_pieces(t, pieces)
+        tokenize, "encode_texts_bounded", lambda t, pieces, _: tokenize.encode_texts(t, pieces)
     )
     assert got == (encode_conversations(conversations, tok, 64, r), encode_pairs(conversations, tok, 64, r))
     assert got[0][1] == 3  # three of them were cut

@@ -73,7 +73,7 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
     unit (~1 MB) of it, so the sample is spread through the corpus rather than its first part."""
     from tqdm import tqdm
 
-    total, budget = sum(token_shards.source_size(p) for p in files), int(sample_mb * (1 << 20))
+    total, budget = sum(tokenize.source_size(p) for p in files), int(sample_mb * (1 << 20))
     stride = max(1, -(-total // max(budget, 1)))
     if stride == 1:
         say(f"training the tokenizer on the whole corpus ({total / 1e6:,.1f} MB; "
@@ -132,7 +132,7 @@ def load_tokenizer(
         if tok.eos_token is None:
             tok.add_special_tokens({"eos_token": EOS})
         return tok
-    total = sum(token_shards.source_size(p) for p in files)
+    total = sum(tokenize.source_size(p) for p in files)
     sampled = f"-s{sample_mb:g}" if total > sample_mb * (1 << 20) else ""
     laid = "" if specials == (EOS,) else "-" + hashlib.sha256("\0".join(specials).encode()).hexdigest()[:8]
     folder = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}{sampled}{laid}"

@@ -265,7 +265,7 @@ class _Build:
     def __init__(self, folder, manifest, sources, text_field, tok, dtype, workers, say):
         self.folder, self.manifest, self.files, self.field = folder, manifest, sources, text_field
         self.dtype, self.say = dtype, say
-        self.source_bytes = sum(source_size(p) for p in sources)
+        self.source_bytes = sum(tokenize.source_size(p) for p in sources)
         wanted = tokenize.all_cores() if workers is None else workers
         self.workers = wanted if self.source_bytes >= tokenize.POOL_MIN_BYTES else 1
         if not hasattr(tok, "backend_tokenizer"):
@@ -296,7 +296,7 @@ class _Build:
             self.say(f"token cache shard {path} was damaged ({damage}); rebuilding it alone")
             with self.encoder() as encoder, self._guard(path), ExitStack() as stack:
                 shard = _ShardFile(path, entry["start"], stack)
-                units = _until(
+                units = tokenize.units_until(
                     tokenize.iter_units(self.files, self.field, tuple(entry["start"])), tuple(entry["end"])
                 )
                 for _, ids in encoder.map((None, unit) for _, unit, _ in units):
@@ -390,17 +390,3 @@ class _Build:
             files.remove(stray)
         if not any(self.folder.iterdir()):
             self.folder.rmdir()
-
-
-def _until(units, end: tuple | None):
-    for pos, unit, n in units:
-        if end is not None and pos >= end:
-            return
-        yield pos, unit, n
-
-
-def source_size(path: Path) -> int:
-    """Bytes of a source on disk (an Arrow folder: its .arrow files)."""
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.glob("*.arrow"))
-    return path.stat().st_size

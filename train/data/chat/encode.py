@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
+from train.data import tokenize
 from train.data.chat import templates
 from train.data.chat.batching import (
     LengthGroupedSampler,
@@ -163,45 +164,6 @@ def _rendered(tokenizer, chunk, r: Rendering, mode: str, tally: Tally | None, fi
     return out
 
 
-def _encode_pieces(tokenizer, pieces: list[str]) -> list[list[int]]:
-    """Token ids of each piece, no special tokens added: the same ids as tokenizer(pieces), but
-    straight from the Rust tokenizer where there is one, without transformers turning every
-    encoding into a dict of lists (a quarter of the tokenizing time in a profile)."""
-    if not pieces:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
-    if encode is None:
-        return tokenizer(pieces, add_special_tokens=False)["input_ids"]
-    return [e.ids for e in encode(pieces, add_special_tokens=False)]
-
-
-_EDGE = 64  # tokens past what a cut keeps at a cut end (may differ from the whole piece's): dropped
-
-
-def _encode_bounded(tokenizer, pieces: list[str], max_length: int) -> list[list[int]]:
-    """_encode_pieces, a piece too long for max_length encoded by its two ends: every cut keeps at
-    most max_length tokens of a piece, from its start or end, so (max_length + _EDGE) tokens of each
-    end give the same example. Whole, each token cost ~235 bytes in the tokenizer (a 60 MB reasoning
-    part: 6.5 GB, then SIGABRT). Long: over 16 characters a token; ends read at 8, more if too few."""
-    need = max_length + _EDGE
-    long = {i for i, piece in enumerate(pieces) if len(piece) > 16 * need}
-    ids = _encode_pieces(tokenizer, ["" if i in long else piece for i, piece in enumerate(pieces)])
-    for i in long:
-        ids[i] = _ends(tokenizer, pieces[i], need)
-    return ids
-
-
-def _ends(tokenizer, text: str, need: int) -> list[int]:
-    chars = 8 * need
-    while 2 * chars < len(text):
-        head, tail = _encode_pieces(tokenizer, [text[:chars], text[-chars:]])
-        if len(head) >= need + _EDGE and len(tail) >= need + _EDGE:
-            return list(head[:need]) + list(tail[-need:])
-        chars *= 4
-    return list(_encode_pieces(tokenizer, [text])[0])
-
-
 def _refuse(tally: Tally | None, index: int, reason: str) -> None:
     if tally is None:
         raise UsageError(f"DATA_PATH: a conversation {reason}")
@@ -245,9 +207,9 @@ def rendered_ids(conversations: Sequence[Sequence[dict]], tokenizer, rendering: 
     for lo in range(0, len(conversations), _ENCODE_CHUNK):
         rendered = _rendered(tokenizer, conversations[lo : lo + _ENCODE_CHUNK], rendering, mode, tally, lo)
         texts = [text for segments in rendered for text, _ in segments or ()]
-        # a piece longer than a cut can keep is encoded by its two ends only (_encode_bounded)
-        piece_ids = iter(_encode_pieces(tokenizer, texts) if max_length is None else
-                         _encode_bounded(tokenizer, texts, max_length))
+        # a piece longer than a cut can keep is encoded by its two ends only (tokenize.encode_texts_bounded)
+        piece_ids = iter(tokenize.encode_texts(tokenizer, texts) if max_length is None else
+                         tokenize.encode_texts_bounded(tokenizer, texts, max_length))
         for segments in rendered:
             if segments is None:
                 yield None
@@ -334,7 +296,7 @@ def _pairs_of(
     ]
     pieces = [t for items, is_raw in zip(texts, raw, strict=True) for item in items or ()
               for t in (item[:3] if is_raw else item[:1])]  # fmt: skip
-    piece_ids = iter(_encode_bounded(tokenizer, pieces, max_length))
+    piece_ids = iter(tokenize.encode_texts_bounded(tokenizer, pieces, max_length))
     out = []
     for items, is_raw in zip(texts, raw, strict=True):
         if items is None:  # refused in _rendered
