@@ -22,10 +22,9 @@ from train.models.estimate import (
     estimate_for_run,
     estimate_memory,
     optimizer_bytes,
-    trainable_for,
 )
 from train.models.family import CAUSAL_LM, ENCODER_DECODER
-from train.models.freeze import apply_freeze, trainable_of
+from train.models.freeze import apply_freeze, trainable_for, trainable_of
 from train.run.checkpoint import on_disk
 
 CPU = torch.device("cpu")

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return import_main(rest)
     if command == "knobs":
-        from train.config.knob_docs import knobs_main
+        from train.config.knob_command import knobs_main
 
         return knobs_main(rest)
     if command in TOOL_COMMANDS:

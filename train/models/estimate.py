@@ -32,38 +32,14 @@ from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
 from train.models import estimate_seq2seq, estimate_terms, lora
 
 # (count_params: read here too)
-from train.models.checks import count_params, meta_model, refuse_unbuilt, with_layers  # noqa: F401
+from train.models.checks import count_params, meta_model, refuse_unbuilt  # noqa: F401
 from train.models.estimate_terms import PackedGrid
 from train.models.family import family_of
-from train.models.freeze import PARTS, Trainable, apply_freeze, trainable_of
+from train.models.freeze import Trainable, trainable_for
 
 HALF = ("fp16", "bf16")
 FUSED_GELU = ("gelu", "gelu_pytorch_tanh", "gelu_fast", "relu", "quick_gelu")
 GATED = ("silu", "swish", "gelu_pytorch_tanh_gated", "geglu")
-
-
-def _meta_trainable(hf_cfg, freeze: str | None) -> Trainable:
-    model = meta_model(hf_cfg)
-    apply_freeze(model, freeze)  # a FREEZE that names nothing stops here, before any data work
-    return trainable_of(model)
-
-
-def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
-    """What the optimizer of a model built from this config trains, with FREEZE applied, counted
-    on the meta device as count_params counts (a deep causal model from its one- and two-block
-    versions, unless a name pattern could pick out single blocks)."""
-    layers = hf_cfg.num_hidden_layers
-    parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
-    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder and parts_only:
-        try:
-            one, two = (_meta_trainable(with_layers(hf_cfg, n), freeze) for n in (1, 2))
-            return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
-                (one.params, one.factored), (two.params, two.factored), strict=True)))
-        except UsageError:
-            raise
-        except Exception:
-            pass
-    return _meta_trainable(hf_cfg, freeze)
 
 
 def optimizer_bytes(

@@ -11,6 +11,7 @@ is given only what requires grad), and DDP leaves it out of its gradient buckets
 - anything else: an fnmatch pattern of parameter names ("transformer.h.0.*").
 Tied weights are one tensor under two names (GPT-2's lm_head and wte, T5's shared table and its
 stacks' embed_tokens): freezing either freezes both, and the decision says so.
+trainable_for counts what FREEZE leaves trained on the meta device, before any build (the estimate's).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from train.core.errors import UsageError
+from train.models.checks import meta_model, with_layers
 from train.models.family import family_of
 
 PARTS = ("embeddings", "encoder", "decoder", "lm_head")
@@ -117,3 +119,27 @@ def apply_freeze(model: torch.nn.Module, spec: str | None) -> str | None:
     if tied:
         why += f"; tied, so frozen together: {', '.join(tied)}"
     return why
+
+
+def _meta_trainable(hf_cfg, freeze: str | None) -> Trainable:
+    model = meta_model(hf_cfg)
+    apply_freeze(model, freeze)  # a FREEZE that names nothing stops here, before any data work
+    return trainable_of(model)
+
+
+def trainable_for(hf_cfg, freeze: str | None = None) -> Trainable:
+    """What the optimizer of a model built from this config trains, with FREEZE applied, counted
+    on the meta device as count_params counts (a deep causal model from its one- and two-block
+    versions, unless a name pattern could pick out single blocks)."""
+    layers = hf_cfg.num_hidden_layers
+    parts_only = all(item.strip() in PARTS for item in (freeze or "").split(",") if item.strip())
+    if layers > 2 and not family_of(hf_cfg).layout.encoder_decoder and parts_only:
+        try:
+            one, two = (_meta_trainable(with_layers(hf_cfg, n), freeze) for n in (1, 2))
+            return Trainable(*(a + (layers - 1) * (b - a) for a, b in zip(
+                (one.params, one.factored), (two.params, two.factored), strict=True)))
+        except UsageError:
+            raise
+        except Exception:
+            pass
+    return _meta_trainable(hf_cfg, freeze)

@@ -38,7 +38,8 @@ from train.core.units import cpu_cores
 from train.run.compile.choose import compile_default
 from train.run.loop.oom import free_memory, is_oom
 from train.run.plan.adapt import PeakMeter, capacity_mb
-from train.tools.find_batch import divisors, mode_of, unit_of, wants_help
+from train.tools.find_batch import divisors
+from train.tools.tool_args import mode_of, unit_of, wants_help
 
 TRIAL_STEPS = 2
 CONFIRM = 3  # side-by-side re-measurements of the leader against the preset

@@ -35,7 +35,7 @@ from train.core.units import cpu_cores
 from train.observe import monitor
 from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.rundir.claim import plan_run_dir
-from train.tools.find_batch import unit_of
+from train.tools.tool_args import unit_of
 
 DOCTOR_STEPS = 10
 MEMORY_BOUND = 0.90  # peak at or above this share of the memory: memory-bound
@@ -235,7 +235,7 @@ def compare(before: Reading, after: Reading, verdict: Verdict) -> tuple[list[str
 def doctor_main(argv: list[str]) -> int:
     """`python -m train doctor [--apply] [--steps N] [training flags]`."""
     from train.config.flags import parse_training_args
-    from train.tools.find_batch import mode_of, wants_help
+    from train.tools.tool_args import mode_of, wants_help
 
     if wants_help(
         "doctor",

@@ -35,7 +35,6 @@ import torch
 
 from train.core.device import device_name, synchronize
 from train.core.errors import UsageError
-from train.core.objective import mode_of as mode_row
 from train.core.units import MIB
 from train.distributed.process_group import SINGLE, Dist
 from train.run.loop.oom import free_memory, is_oom, remedies
@@ -45,6 +44,7 @@ from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401
 from train.run.plan.fill import estimated_fit
 from train.run.plan.make import Chosen
+from train.tools.tool_args import mode_of, unit_of, wants_help
 
 if TYPE_CHECKING:
     from train.run.plan.make import Plan
@@ -256,11 +256,6 @@ def search(
     return (max(safe) if safe else 0), trials
 
 
-def unit_of(mode: str) -> str:
-    """What a micro-batch of `mode` counts (the tools' rates): its objective's unit (samples, pairs)."""
-    return mode_row(mode).unit
-
-
 def choose(trials: list[Trial], largest_safe: int) -> Trial:
     """The fastest safe size; within TIE of it, the smallest (same speed, more headroom)."""
     safe = [t for t in trials if t.status == "fits" and t.batch_size <= largest_safe]
@@ -375,38 +370,6 @@ def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
     say(f"AUTO_BATCH=1: BATCH_SIZE={result.batch_size} GRADIENT_ACCUM={result.gradient_accumulation_steps} "
         f"({why})")
     return Chosen(result.batch_size, result.gradient_accumulation_steps, f"AUTO_BATCH=1: {why}")
-
-
-def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -> bool:
-    """-h/--help for a tool command: its own usage, then its own flags (options: (flag, help)
-    pairs) listed apart, then the training flags it takes."""
-    if not {"-h", "--help"} & set(argv):
-        return False
-    from train.config.flags import training_parser
-
-    parser = training_parser(command)
-    parser.description = f"{usage[0].upper()}{usage[1:]}. {parser.description}"
-    # its own first
-    parser.usage = "%(prog)s " + "".join(f"[{flag}] " for flag, _ in options) + "[training flags]"
-    if options:
-        own = parser.add_argument_group(f"{command}'s own flags")
-        for flag, text in options:
-            name, _, metavar = flag.partition(" ")
-            kind = {"metavar": metavar} if metavar else {"action": "store_true"}
-            own.add_argument(name, help=text.replace("%", "%%"), **kind)
-    parser.print_help()
-    return True
-
-
-MODES = ("pretrain", "sft", "dpo")  # the training commands a tool's first word may name (train/cli.py's)
-
-
-def mode_of(argv: list[str]) -> tuple[str, list[str]]:
-    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), else
-    pretrain."""
-    if argv and argv[0] in MODES:
-        return argv[0], argv[1:]
-    return "pretrain", argv
 
 
 def find_batch_main(argv: list[str]) -> int:

@@ -277,6 +277,61 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
         decide("parallel", cfg.system.sharding if cfg.system.sharding != "none" else "ddp", how)
 
 
+def micro_batch(cfg: TrainConfig, chosen: Chosen | fill.Fill | None, choice: ModelChoice, model, data,
+                max_length: int, precision: str, device, world: Dist, decide: Decisions) -> None:
+    """The micro-batch found ahead of planning (AUTO_BATCH=1), or, with no micro-batch of the user's,
+    the one that fills a GPU (fill.py); else the one asked."""
+    if isinstance(chosen, Chosen):
+        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = (
+            chosen.batch_size,
+            chosen.gradient_accumulation_steps,
+        )
+    elif (
+        isinstance(chosen, fill.Fill)
+        and device.type == "cuda"
+        and fill.applies(cfg.run.mode, choice.family.layout)
+    ):
+        fill.fill_memory(
+            cfg,
+            model,
+            data.dataset,
+            data.collate,
+            max_length,
+            precision,
+            device,
+            world.world_size,
+            choice.family.layout,
+            decide,
+        )
+
+
+def demo_budget(cfg: TrainConfig, choice: ModelChoice, decide: Decisions) -> None:
+    """The CPU demo's budget, where the run sets no length of its own."""
+    if (
+        choice.demo
+        and cfg.optim.max_steps is None
+        and cfg.optim.epochs is None
+        and cfg.optim.max_samples is None
+    ):
+        cfg.optim.max_samples = CPU_DEMO_SAMPLES
+        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, "
+                                                "EPOCHS or MAX_SAMPLES to change)")
+        if cfg.optim.gradient_accumulation_steps > 1 and cfg.optim.effective_batch is None:
+            cfg.optim.gradient_accumulation_steps = 1  # more, shorter steps: the loss is seen falling
+            decide("gradient_accumulation_steps", 1, "CPU demo: one micro-batch per optimizer step (set "
+                                                     "MAX_STEPS, EPOCHS or MAX_SAMPLES to keep "
+                                                     "GRADIENT_ACCUM)")
+
+
+def decide_freeze(cfg: TrainConfig, model, decide: Decisions) -> None:
+    """FREEZE applied to the built model, and said."""
+    frozen = apply_freeze(model, cfg.model.freeze)
+    if frozen:
+        decide("freeze", cfg.model.freeze, frozen)
+        if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters
+            decide("trainable_params", trainable_of(model).params, "LoRA's adapters left trained by FREEZE")
+
+
 def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
               chosen: Chosen | fill.Fill | None = None) -> Plan:
     """The one plan function. `source` (build.PretrainingSource, sft.SFTSource, dpo.DPOSource) answers
@@ -308,53 +363,15 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
     # The model before the memory-adaptive settings: what they see free is what the run will have.
     model = source.model(cfg, choice, tok, data, device, decide)
-    if isinstance(chosen, Chosen):
-        cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = (
-            chosen.batch_size,
-            chosen.gradient_accumulation_steps,
-        )
-    elif (
-        isinstance(chosen, fill.Fill)
-        and device.type == "cuda"
-        and fill.applies(cfg.run.mode, choice.family.layout)
-    ):
-        fill.fill_memory(
-            cfg,
-            model,
-            data.dataset,
-            data.collate,
-            max_length,
-            precision,
-            device,
-            world.world_size,
-            choice.family.layout,
-            decide,
-        )
+    micro_batch(cfg, chosen, choice, model, data, max_length, precision, device, world, decide)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
-    if (
-        choice.demo
-        and cfg.optim.max_steps is None
-        and cfg.optim.epochs is None
-        and cfg.optim.max_samples is None
-    ):
-        cfg.optim.max_samples = CPU_DEMO_SAMPLES
-        decide("max_samples", CPU_DEMO_SAMPLES, "CPU demo budget, under a minute on 2 cores (set MAX_STEPS, "
-                                                "EPOCHS or MAX_SAMPLES to change)")
-        if cfg.optim.gradient_accumulation_steps > 1 and cfg.optim.effective_batch is None:
-            cfg.optim.gradient_accumulation_steps = 1  # more, shorter steps: the loss is seen falling
-            decide("gradient_accumulation_steps", 1, "CPU demo: one micro-batch per optimizer step (set "
-                                                     "MAX_STEPS, EPOCHS or MAX_SAMPLES to keep "
-                                                     "GRADIENT_ACCUM)")
+    demo_budget(cfg, choice, decide)
     total_steps, why = source.steps(cfg, data, world.world_size, say, decide)
     decide("total_steps", total_steps, why)
     warmup = resolve_pacing(cfg, total_steps, decide)
     # before DDP / FSDP2 and the optimizer (train/models/freeze.py)
-    frozen = apply_freeze(model, cfg.model.freeze)
-    if frozen:
-        decide("freeze", cfg.model.freeze, frozen)
-        if cfg.model.lora_r:  # LoRA's count was decided before FREEZE took its share of the adapters
-            decide("trainable_params", trainable_of(model).params, "LoRA's adapters left trained by FREEZE")
+    decide_freeze(cfg, model, decide)
     apply_generation_config(model, generation, decide, cfg.model.generation_config)
     # the mode's loss, and its reference model made from the policy as it starts (preference training)
     trained = total_steps * cfg.effective_batch_size(world.world_size)
