@@ -246,21 +246,8 @@ def sft_cache(data_path: str | None, builtin: list | None, tok, max_length: int,
 
     # what a plain-text record trains on
     key = (lambda k: k + f"\0text_field={text_field}") if text_field != "text" else str
-    return keyed_cache(
-        STORE,
-        data_path,
-        builtin,
-        opened,
-        tok,
-        max_length,
-        skip_bad_records,
-        cache_dir,
-        workers,
-        say,
-        layout,
-        rendering,
-        key,
-    )
+    return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir,
+                       workers, say, layout, rendering, key)
 
 
 class SFTDataset(Dataset):

@@ -176,18 +176,6 @@ def preference_cache(
             return "prompt", ((f"built-in pair {i}", pair) for i, pair in enumerate(builtin, 1))
         return open_pairs(data_path, skip_bad_records)
 
-    return keyed_cache(
-        STORE,
-        data_path,
-        builtin,
-        opened,
-        tok,
-        max_length,
-        skip_bad_records,
-        cache_dir,
-        workers,
-        say,
-        layout,
-        rendering or Rendering(),
-        lambda k: f"pref-{PREF_CACHE_VERSION}\0{k}",
-    )
+    return keyed_cache(STORE, data_path, builtin, opened, tok, max_length, skip_bad_records, cache_dir,
+                       workers, say, layout, rendering or Rendering(),
+                       lambda k: f"pref-{PREF_CACHE_VERSION}\0{k}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from functools import partial
 
 import torch
 
@@ -23,7 +22,6 @@ from train.core.units import MIB
 from train.data.loader import Data
 from train.data.preference import preference_data
 from train.distributed.process_group import gather
-from train.models.build import attention_fits
 from train.models.family import dropout_of, set_dropout
 from train.run.plan import dpo_reference, sft, sft_scratch
 from train.run.plan.make import ModelChoice
@@ -202,20 +200,8 @@ class DPOSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded pairs, the held-out ones, and how to batch them (train/data/pref)."""
-        data = preference_data(
-            cfg.data,
-            tok,
-            layout=choice.family.layout,
-            max_length=max_length,
-            device=device,
-            precision=precision,
-            eval_batches=cfg.run.eval_batches,
-            set_attention=partial(attention_fits, choice.config),
-            say=say,
-            decide=decide,
-            compile_on=cfg.model.compile,
-            context=choice.context,
-        )
+        settings = sft.door_settings(cfg, choice, max_length, device, precision, say, decide)
+        data = preference_data(cfg.data, tok, **settings, context=choice.context)
         data.summary = {"model_path": str(choice.path), **data.summary}
         return data
 

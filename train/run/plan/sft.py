@@ -139,6 +139,15 @@ def said_steps(cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tu
     return total_steps, why
 
 
+def door_settings(cfg: TrainConfig, choice: ModelChoice, max_length: int, device, precision: str, say,
+                  decide) -> dict:
+    """What a chat data door (SFT's, preference training's) is handed besides DATA_PATH's settings and the
+    tokenizer: the layout, the lengths, the device, the attention the model can take, the plan's voice."""
+    return dict(layout=choice.family.layout, max_length=max_length, device=device, precision=precision,
+                eval_batches=cfg.run.eval_batches, set_attention=partial(attention_fits, choice.config),
+                say=say, decide=decide, compile_on=cfg.model.compile)
+
+
 class SFTSource:
     """SFT: the model and tokenizer of MODEL_PATH (or the newest pretraining run's final/), or a
     new model of MODEL_CONFIG / MODEL_SIZE (sft_scratch.py), and conversations from DATA_PATH (or
@@ -159,19 +168,8 @@ class SFTSource:
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
         """The encoded conversations, the held-out ones, and how to batch them."""
-        data = fine_tuning_data(
-            cfg.data,
-            tok,
-            layout=choice.family.layout,
-            max_length=max_length,
-            device=device,
-            precision=precision,
-            eval_batches=cfg.run.eval_batches,
-            set_attention=partial(attention_fits, choice.config),
-            say=say,
-            decide=decide,
-            compile_on=cfg.model.compile,
-        )
+        settings = door_settings(cfg, choice, max_length, device, precision, say, decide)
+        data = fine_tuning_data(cfg.data, tok, **settings)
         where = {"model_path": str(choice.path)} if choice.path else {"model_path": None,
                                                                        "model_config": cfg.model.model_config}
         data.summary = {**where, **data.summary}
