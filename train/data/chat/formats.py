@@ -137,6 +137,18 @@ def accepted(text_field: str = TEXT_FIELD) -> str:
     return "; ".join(f"{f.name} ({f.keys.replace('{field}', text_field)})" for f in FORMATS.values())
 
 
+def listed(table: dict) -> str:
+    """A table of formats (the preference and prompt doors' own), for "accepted: ..." messages."""
+    return "; ".join(f"{f.name} ({f.keys})" for f in table.values())
+
+
+def first_match(table: dict, record: object) -> str | None:
+    """The name of the table's first format whose keys the record carries, or None."""
+    if not isinstance(record, dict):
+        return None
+    return next((f.name for f in table.values() if f.detect(record)), None)
+
+
 def _read_as(fmt: str) -> tuple[Format, str]:
     """A format name -> (its row, TEXT_FIELD): "text:body" is the text row reading "body"."""
     name, _, field = fmt.partition(":")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from train.core.errors import UsageError
@@ -177,14 +178,8 @@ FORMATS = {
 }
 
 
-def accepted() -> str:
-    return "; ".join(f"{f.name} ({f.keys})" for f in FORMATS.values())
-
-
-def detect_format(record: object) -> str | None:
-    if not isinstance(record, dict):
-        return None
-    return next((f.name for f in FORMATS.values() if f.detect(record)), None)
+accepted = partial(formats.listed, FORMATS)  # the formats, for "accepted: ..." messages
+detect_format = partial(formats.first_match, FORMATS)  # the first format whose keys a record carries, or None
 
 
 def _trained(turn: dict) -> bool:
