@@ -137,6 +137,25 @@ def accepted(text_field: str = TEXT_FIELD) -> str:
     return "; ".join(f"{f.name} ({f.keys.replace('{field}', text_field)})" for f in FORMATS.values())
 
 
+def open_table(
+    data_path: str | Path, what: str, table: dict, skip_bad_records: bool,
+    hint: Callable[[dict | None], str] = lambda first: "",
+) -> tuple[str, Iterator[tuple[str, object]]]:
+    """(format name, every record of DATA_PATH as (place, record)), streamed, for a door with its own table
+    of formats (preference pairs, prompts); the format is the first matching record's (first_format). An
+    empty source or an unknown format is one line naming DATA_PATH; hint(first record): a door's pointer."""
+    stream = source_records(data_path)
+    fmt, head = first_format(stream, partial(first_match, table), skip_bad_records)
+    if fmt:
+        return fmt, itertools.chain(head, stream)
+    if not head:
+        raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
+    first = next((r for _, r in head if isinstance(r, dict)), None)
+    seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
+    raise UsageError(f"DATA_PATH: {data_path}: unknown {what} format ({seen}){hint(first)}; accepted: "
+                     f"{listed(table)}")
+
+
 def listed(table: dict) -> str:
     """A table of formats (the preference and prompt doors' own), for "accepted: ..." messages."""
     return "; ".join(f"{f.name} ({f.keys})" for f in table.values())

@@ -19,13 +19,11 @@ or row (train/data/chat/formats.py's source_records).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from train.core.errors import UsageError
 from train.data.chat import formats
 from train.data.chat.turns import BadRecord, text, turns
 
@@ -242,20 +240,13 @@ def builtin_pairs(limit: int | None = None) -> list[dict]:
 def open_pairs(
     data_path: str | Path, skip_bad_records: bool = True
 ) -> tuple[str, Iterator[tuple[str, object]]]:
-    """(format name, every record of DATA_PATH as (place, record)), streamed; the format is the first
-    matching record's (formats.first_format). An empty source or an unknown format is one line
-    naming DATA_PATH."""
-    stream = formats.source_records(data_path)
-    fmt, head = formats.first_format(stream, detect_format, skip_bad_records)
-    if fmt:
-        return fmt, itertools.chain(head, stream)
-    if not head:
-        raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
-    first = next((r for _, r in head if isinstance(r, dict)), None)
-    seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
-    hint = "; SFT data trains with `python -m train sft`" if first and formats.detect_format(first) else ""
-    raise UsageError(f"DATA_PATH: {data_path}: unknown preference format ({seen}){hint}; accepted: "
-                     f"{accepted()}")
+    """(format name, every record of DATA_PATH as (place, record)), streamed (formats.open_table); SFT's
+    records are pointed to SFT's command."""
+    def hint(first: dict | None) -> str:
+        sft = first and formats.detect_format(first)
+        return "; SFT data trains with `python -m train sft`" if sft else ""
+
+    return formats.open_table(data_path, "preference", FORMATS, skip_bad_records, hint)
 
 
 def converted(items, fmt: str) -> tuple[list[dict], list[str], list[str]]:

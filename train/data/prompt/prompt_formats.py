@@ -24,13 +24,11 @@ line, or with SKIP_BAD_RECORDS=1 are skipped and counted, as SFT's and preferenc
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from train.core.errors import UsageError
 from train.core.reward.guard import REWARD_ARGS
 from train.data.chat import formats
 from train.data.chat.turns import ROLE_NAMES, BadRecord, split_tools, text, turns
@@ -193,15 +191,7 @@ def open_prompts(
     """(format name, every record of DATA_PATH as (place, record)), streamed through SFT's reader
     (JSON, JSONL(.gz), parquet, Arrow; a folder or glob of them); the format is the first matching
     record's. An empty source or an unknown format is one line naming DATA_PATH."""
-    stream = formats.source_records(data_path)
-    fmt, head = formats.first_format(stream, detect_format, skip_bad_records)
-    if fmt:
-        return fmt, itertools.chain(head, stream)
-    if not head:
-        raise UsageError(f"DATA_PATH: {data_path}: no records (the file is empty)")
-    first = next((r for _, r in head if isinstance(r, dict)), None)
-    seen = f"keys: {', '.join(sorted(first)) or 'none'}" if first is not None else "no JSON objects"
-    raise UsageError(f"DATA_PATH: {data_path}: unknown prompt format ({seen}); accepted: {accepted()}")
+    return formats.open_table(data_path, "prompt", FORMATS, skip_bad_records)
 
 
 def converted(items, fmt: str) -> tuple[list[Prompt], list[str]]:
