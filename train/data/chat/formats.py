@@ -26,7 +26,7 @@ from pathlib import Path
 
 from train.core.errors import UsageError
 from train.data import records
-from train.data.chat.turns import TEXT_ROLE, TOOLS_ROLE, BadRecord, text, turns
+from train.data.chat.turns import TEXT_ROLE, TOOLS_ROLE, BadRecord, all_bad, refuse_bad, text, turns
 
 TEXT_FIELD = "text"  # DataConfig.text_field's default
 
@@ -276,15 +276,6 @@ def converted(items, fmt: str) -> tuple[list[list[dict]], list[str]]:
         except BadRecord as e:
             bad.append(f"{place}: {e}")
     return conversations, bad
-
-
-def refuse_bad(first: str) -> UsageError:
-    """A bad record stops the run (without SKIP_BAD_RECORDS): one line with its place."""
-    return UsageError(f"DATA_PATH: {first} (SKIP_BAD_RECORDS=1 skips such records)")
-
-
-def all_bad(data_path, skipped: int, first: str) -> UsageError:
-    return UsageError(f"DATA_PATH: {data_path}: all {skipped} records are bad; the first: {first}")
 
 
 def load_conversations(path: Path, skip_bad_records: bool = False,

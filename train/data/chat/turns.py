@@ -38,6 +38,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from train.core.errors import UsageError
 from train.data import json_lines
 
 TOOLS_ROLE = "tools"
@@ -81,6 +82,15 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 class BadRecord(ValueError):
     """One record that cannot be used; the loader adds the file and place to the message."""
+
+
+def refuse_bad(first: str) -> UsageError:
+    """A bad record stops the run (without SKIP_BAD_RECORDS): one line with its place."""
+    return UsageError(f"DATA_PATH: {first} (SKIP_BAD_RECORDS=1 skips such records)")
+
+
+def all_bad(data_path, skipped: int, first: str) -> UsageError:
+    return UsageError(f"DATA_PATH: {data_path}: all {skipped} records are bad; the first: {first}")
 
 
 @dataclass
