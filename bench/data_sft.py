@@ -35,8 +35,7 @@ WORDS = (
     "list string number return data model train token batch memory loss step python file write read print "
     "error "
     "class object method call result example question answer explain simple small large fast slow first "
-    "second "
-    "next last input output order sort search tree graph node edge path"
+    "second next last input output order sort search tree graph node edge path"
 ).split()
 SECTION = "## SFT start-up: cold and warm cache"
 

@@ -216,8 +216,7 @@ def show(side: str, r: dict) -> str:
     return (f"{side} {r['pairs_s']:.2f} pairs/s {r['tokens_s']:.0f} tok/s (CPU time: {r['cpu_pairs_s']:.2f} "
             f"pairs/s "
             f"{r['cpu_tokens_s']:.0f} tok/s, {r['cpu_share']:.0%} of a core, {r['tokens_per_pair']:.1f} "
-            f"tok/pair, "
-            f"{r['padding']:.0%} real, {r['threads']} thread)")
+            f"tok/pair, {r['padding']:.0%} real, {r['threads']} thread)")
 
 
 def main() -> None:
@@ -284,8 +283,7 @@ def main() -> None:
         print(f"median of {a.repeat} pairs, kit / TRL {name}: {statistics.median(ratios):.2f}x "
               f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     print(f"(batch {a.batch} pairs, max_length {a.max_length}, {a.steps} steps of which the first {a.skip} "
-          f"left "
-          f"out, 1 thread, fp32, REFERENCE=copy)")
+          f"left out, 1 thread, fp32, REFERENCE=copy)")
 
 
 if __name__ == "__main__":

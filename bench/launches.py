@@ -307,8 +307,7 @@ def main() -> int:
     table = paths(work, prepare(work))
     rows = []
     print("| path | mode | launches / step | matmuls | CUDA launch calls | graphs | recompiles | graph "
-          "breaks | "
-          "host syncs / step |")
+          "breaks | host syncs / step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.paths.split(","):
         for mode in args.modes.split(","):

@@ -129,8 +129,7 @@ def main() -> int:
           f"{'; bias tables frozen' if args.frozen_bias else ''}")
     device = torch.device(args.device)
     print("| batch | attention | profiler events | GPU kernels | dispatched ops | score-shaped tensors | MB "
-          "| loss | "
-          "largest |")
+          "| loss | largest |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, target in (("pretrain", pretrain_target), ("sft", args.sft_target)):
         batch = batch_of(kind, args.batch, args.source, target)
@@ -146,8 +145,7 @@ def main() -> int:
             r = one_step(model, batch, pairs, device, args.precision)
             largest = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in r["by_op"].items())
             print(f"| {label} | {name} | {r['events']:,} | {r['kernels']} | {r['ops']:,} | {r['scores']} | "
-                  f"{r['mb']:.1f} | "
-                  f"{r['loss']:.6f} | {largest} |")
+                  f"{r['mb']:.1f} | {r['loss']:.6f} | {largest} |")
     return 0
 
 

@@ -148,16 +148,14 @@ def section(r: dict, note: str) -> str:
     lines = [
         SECTION, "",
         f"**{data_pretrain.device()}**, {time.strftime('%Y-%m-%d')}{', ' + note if note else ''}. One core: "
-        f"the "
-        "workers' own encode (encode_batch, its threads off) over the corpus's first units in a process "
+        f"the workers' own encode (encode_batch, its threads off) over the corpus's first units in a process "
         "pinned to one core. Every core: the whole token cache build (pool start, shard writes, checksums "
         "included), one TOKENIZE_WORKERS process per core; peak resident memory sampled every 0.2 s.", "",
         "| corpus | MB | tokens | workers | tokens/s | x one core | efficiency (target >= 90%) | seconds | "
         "peak RSS: main (all processes) |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| one core, first units | {one['mb']:,.0f} | {one['tokens']:,} | 1 | {one['tokens_per_s']:,.0f} | "
-        f"1.00 | | "
-        f"{one['seconds']:.1f} | {one['peak_main_mb']:,.0f} MB |",
+        f"1.00 | | {one['seconds']:.1f} | {one['peak_main_mb']:,.0f} MB |",
     ]
     x = alone["tokens_per_s"] / one["tokens_per_s"]
     lines.append(f"| one process per core, nothing shared (the machine's ceiling) | {alone['mb']:,.0f} | "

@@ -107,8 +107,7 @@ def test_resume_with_another_model_size_names_model_size(flags, tiny_config, tmp
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert errors == [
             f"error: RESUME=1: checkpoint step-00000002 was saved by a MODEL_SIZE=nano run, this run has "
-            f"{has}; "
-            "resume with MODEL_SIZE=nano"
+            f"{has}; resume with MODEL_SIZE=nano"
         ], err[-2000:]
         assert "optimizer" not in err and "Traceback" not in err
         assert tree(run) == before

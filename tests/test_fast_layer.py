@@ -157,8 +157,7 @@ def test_make_tests_workers_run_each_module_once_on_one_worker_longest_first(tmp
             "    while name == '5_0' and os.environ.get('PYTEST_XDIST_WORKER_COUNT') == '2' and "
             "time.monotonic() < deadline:\n"
             "        if os.path.exists(log) and any(line.split()[0] != str(os.getpid()) for line in "
-            "open(log)):\n"
-            "            break\n"
+            "open(log)):\n            break\n"
             "        time.sleep(0.05)\n"
             "    with open(log, 'a') as f:\n"
             "        f.write(f'{os.getpid()} {name}\\n')\n\n\n" + tests

@@ -213,8 +213,7 @@ def test_through_the_launchers_a_first_argument_or_a_variable_is_the_users(tmp_p
         "batch_set_by_user\n"
         "mode = sys.argv[4]; argv = sys.argv[5:]\n"
         "print(\"USER\" if batch_set_by_user(mode, argv, parse_training_args(mode, argv), os.environ) else "
-        "\"DEFAULT\")\n"
-        "' " + str(ROOT) + " \"$@\"\n")
+        "\"DEFAULT\")\n' " + str(ROOT) + " \"$@\"\n")
     os.chmod(judge, 0o755)
 
     def said(script: str, *args: str, **env: str) -> str:

@@ -173,8 +173,7 @@ def test_a_run_says_when_the_saved_answer_beat_its_own_micro_batch(tiny_flags, t
     log = run("own", "--batch_size", str(other), "--gradient_accumulation_steps", str(8 // other))
     assert (
         f"find-batch measured BATCH_SIZE={answer} GRADIENT_ACCUM={8 // answer} at {rate[answer]:.1f} "
-        f"samples/s"
-        f" on {saved['key']['device']}, 2.00x this run's {other} x {8 // other}"
+        f"samples/s on {saved['key']['device']}, 2.00x this run's {other} x {8 // other}"
     ) in log and "AUTO_BATCH=1 takes it" in log
     log = run("same", "--batch_size", str(answer), "--gradient_accumulation_steps", str(8 // answer))
     assert "find-batch measured" not in log  # already the answer: nothing to offer

@@ -95,15 +95,13 @@ def test_a_fifo_or_device_in_the_model_folder_or_as_tools_is_one_line(folder, tm
     os.mkfifo(fifo)
     done = run("generate", "--model", str(folder), "--prompt", "Hi", "--tools", str(fifo))
     assert done.returncode == 2 and done.stderr.strip() == (f"error: --tools: {fifo} is a FIFO, not a "
-                                                            f"regular "
-                                                            f"file; name a file")
+                                                            f"regular file; name a file")
     (folder / "generation_config.json").unlink()
     os.mkfifo(folder / "generation_config.json")
     done = run("generate", "--model", str(folder), "--prompt", "Hi")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (f"error: --model {folder}: generation_config.json is a FIFO, not a "
-                                   f"regular "
-                                   f"file")
+                                   f"regular file")
 
 
 def test_a_chat_template_that_loops_is_one_line(folder):
@@ -111,8 +109,7 @@ def test_a_chat_template_that_loops_is_one_line(folder):
     done = run("generate", "--model", str(folder), "--prompt", "Hi", "--max_new_tokens", "2")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (f"error: --model {folder}: its chat template cannot render the chat: it "
-                                   f"runs past "
-                                   "3 s (a loop without end?)")  # fmt: skip
+                                   f"runs past 3 s (a loop without end?)")  # fmt: skip
 
 
 def test_piped_chat_shows_the_prompt_and_where_the_reply_starts(base_model):

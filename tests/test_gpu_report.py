@@ -95,8 +95,7 @@ def test_table_written_then_replaced_in_a_copy_of_results(tmp_path, capsys):
     table = text[text.index(HEADING):]
     assert "**NVIDIA H100 80GB HBM3 (torch 2.13.0)**, 2026-11-23. GPT-2 small, T=1024" in table
     assert ("| bench, baseline preset | fp32, compile 0, batch 8 x 1, T=1024 | 310.0 | 26,400 | 20.5 | 2.1% "
-            "| "
-            "35 s |") in table
+            "| 35 s |") in table
     assert ("| bench, optimized preset | bf16, compile 1, batch 32 x 4, T=1024 | 600.0 | 218,000 | 170.2 | "
             "17.2% | 95 s |") in table
     assert "Optimized / baseline: **x8.26** tokens/s" in table and "about 41 s" in table
@@ -231,8 +230,7 @@ def _paths_session(out):
     )
     (out / "parts.tsv").write_text("find-batch\t90\tok\npretrain-preset\t61\tok\nsft-grouped\t36\tok\n"
                                    "sft-packing1\t55\tok\nt5-pretrain\t70\tok\nt5-sft\t60\tstopped after 60 "
-                                   "s\n"
-                                   "pretrain-auto\t58\tok\nbench-baseline\t46\tok\n")
+                                   "s\npretrain-auto\t58\tok\nbench-baseline\t46\tok\n")
     (out / "bench-baseline.json").write_text(
         json.dumps(_bench("fp32", False, 8, 1, 150.2, 54543.0, 36.3, 0.542))
     )
@@ -251,8 +249,7 @@ def test_paths_rows_targets_and_profiles(tmp_path):
     assert "Optimized / baseline: **x9.17** tokens/s (optimized: the pretrain-preset run below)." in t
     assert (
         "| GPT-2 small pretraining, optimized preset | bf16, 32 x 4, T=1024 | 500,000 | 31.0% | 28,000 "
-        "MB, "
-        "estimated 27,000 (-4%) | 1.00 | 1 graphs, 0 recompiles, 0 breaks | 97% | 93% of 240 ms | 61 s |"
+        "MB, estimated 27,000 (-4%) | 1.00 | 1 graphs, 0 recompiles, 0 breaks | 97% | 93% of 240 ms | 61 s |"
     ) in t
     assert "| GPT-2 small pretraining, AUTO_BATCH=1 | bf16, 64 x 2, T=1024 | 760,000 | 47.0% |" in t
     assert "| GPT-2 SFT, LENGTH_GROUPING=1 | bf16, 16 x 1, T=1024 | 300,000 | 19.0% | 28,000 MB, estimated " \
@@ -271,15 +268,13 @@ def test_paths_rows_targets_and_profiles(tmp_path):
     assert "| GPT-2 small pretraining (AUTO_BATCH=1) MFU >= 45% | 47.0% | met | |" in t
     assert "| packed SFT tokens/s >= 90% of pretraining's (500,000) | 460,000 | met | |" in t
     assert ("| grouped SFT tokens/s >= 0.8 x padding efficiency (90.0%) x pretraining's = 360,000 | 300,000 "
-            "| "
-            "missed by 60,000 tokens/s (17% short) | GPU busy 41% of the step; kernel time: matmul 50%, "
+            "| missed by 60,000 tokens/s (17% short) | GPU busy 41% of the step; kernel time: matmul 50%, "
             "attention 20%, optimizer 10% |") in t
     assert ("| T5 small pretraining (span corruption) MFU >= 25% | 3.9% | missed by 21.1 points | not "
             "profiled |") in t
     assert "| T5 small SFT MFU >= 15% | n/a | not measured | |" in t
     assert ("| T5 small pretraining (span corruption): memory estimate within 10% of the peak | estimate "
-            "6,099 MB "
-            "vs peak 9,053 MB (-33%) | missed by 23 points |") in t
+            "6,099 MB vs peak 9,053 MB (-33%) | missed by 23 points |") in t
     assert "| T5 small SFT: memory estimate within 10% of the peak | n/a | not measured | |" in t
     # the profile section: only the paths that were profiled
     assert (
@@ -353,28 +348,22 @@ def test_peers_ratios_and_the_json_table(tmp_path):
     assert ("| TRL SFTTrainer (trl-sft-packed): GPT-2 SFT, packed rows | sft-packing1 | bf16, packing bfd, "
             "batch 16, "
             "T=1024, checkpointing 0, compile 0, sdpa | 200,000 | 12.6% | 30,000 MB (21%) | 60% of 240 ms | "
-            "460,000 "
-            "| 2.30x | 47 s |") in t
+            "460,000 | 2.30x | 47 s |") in t
     assert ("| TRL SFTTrainer (trl-sft-padfree): GPT-2 SFT, one conversation per example | sft-grouped | | | "
-            "| | | | | "
-            "44 s, failed (exit 1) (see trl-sft-padfree.log) |") in t
+            "| | | | | 44 s, failed (exit 1) (see trl-sft-padfree.log) |") in t
     assert "Peer versions: torch 2.11.0, transformers 5.17.0, trl 1.16.0." in t
     # the ratios and the new targets
     assert ("| GPT-2 SFT, packed rows: the kit / TRL SFTTrainer real tokens/s >= 1.3x | 2.30x (460,000 / "
             "200,000) | met |") in t
     assert ("| GPT-2 DPO: the kit / TRL DPOTrainer real tokens/s >= 1.3x | 1.14x (400,000 / 350,000) | "
-            "missed by "
-            "0.16x |") in t
+            "missed by 0.16x |") in t
     assert ("| T5 small SFT: the kit / transformers Seq2SeqTrainer real tokens/s >= 1.3x | n/a | not "
-            "measured "
-            "|") in t
+            "measured |") in t
     assert "| DPO real tokens/s >= 0.8 x packed SFT's (460,000) | 400,000 | met |" in t
     assert ("| GPT-2 preference training (DPO, REFERENCE=copy): peak memory >= 60% of the device or GPU busy "
-            ">= 90% "
-            "| memory 70%, GPU busy n/a | met |") in t
+            ">= 90% | memory 70%, GPU busy n/a | met |") in t
     assert ("| GPT-2 SFT, LENGTH_GROUPING=1: peak memory >= 60% of the device or GPU busy >= 90% | memory "
-            "n/a, GPU "
-            "busy 41% | missed |") in t
+            "n/a, GPU busy 41% | missed |") in t
 
     j = json.loads(table.read_text())
     assert (j["device"], j["date"], j["out"]) == ("H200", "x", str(out))

@@ -182,8 +182,7 @@ def test_a_knob_its_mode_does_not_read_is_refused_when_set():
 
 
 DPO_REFUSAL = ("error: TEXT_FIELD does not apply to preference training (train_dpo.sh): it is read by "
-               "pretraining "
-               "and SFT only; leave it empty\n")
+               "pretraining and SFT only; leave it empty\n")
 
 
 def test_a_launcher_refuses_a_variable_its_mode_does_not_read_before_any_work(tmp_path):

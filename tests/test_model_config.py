@@ -297,8 +297,7 @@ def test_float8_weights_are_checked_for_nan_and_imported_as_bfloat16(base_model,
     assert run_cli("import", str(src), str(tmp_path / "bad")) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: SRC: weights.safetensors: transformer.h.0.mlp.c_fc.weight holds 3 non-finite "
-                   "value(s) (NaN "
-                   "or inf); these weights cannot be trained or used"), err
+                   "value(s) (NaN or inf); these weights cannot be trained or used"), err
     src = bare(base_model, tmp_path / "f8", dtype=f8)
     assert run_cli("import", str(src), str(tmp_path / "dest")) == 0
     assert "float8_e4m3fn weights are written as bfloat16" in capsys.readouterr().out

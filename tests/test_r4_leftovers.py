@@ -127,8 +127,7 @@ def test_a_large_legal_lora_r_that_cannot_fit_is_refused_by_the_fit_check(
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(
         "error: LORA_R=64: the adapters (0.13M parameters: r x (in + out) on each of 8 "
-        "layers) with "
-        "their gradients and adamw state, beside the 0.13M frozen parameters of MODEL_PATH="
+        "layers) with their gradients and adamw state, beside the 0.13M frozen parameters of MODEL_PATH="
     ), err
     assert (
         "need at least 3.4 MiB (one sequence of 64 tokens); a fake 3 MiB device has 3.0 MiB; lower LORA_R"

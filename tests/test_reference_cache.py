@@ -155,8 +155,7 @@ def test_another_models_cache_copied_under_the_key_is_not_taken(root, capsys):
     assert dpo(root, "copied") == 0
     out = capsys.readouterr().out
     assert (f"reference log-probs cache {mine} was damaged (it was made for another reference model than "
-            f"this "
-            f"run's") in out
+            f"this run's") in out
     assert (
         first_loss(root, "copied")
         == pytest.approx(math.log(2), abs=1e-5)

@@ -70,10 +70,8 @@ def test_file_size_limit_inside_a_checkpoint_write_is_one_line(file, done):
     line = one_line(proc)
     assert line == (
         f"error: disk full: writing checkpoint step-00000004 failed at {file} in {run / 'checkpoints'} (File "
-        f"too "
-        f"large); the previous checkpoint step-00000002 is intact; free space or lower KEEP_CHECKPOINTS, "
-        f"then "
-        f"RESUME=1 RUN_NAME={run.name} continues the run"
+        f"too large); the previous checkpoint step-00000002 is intact; free space or lower KEEP_CHECKPOINTS, "
+        f"then RESUME=1 RUN_NAME={run.name} continues the run"
     )
     assert not list((run / "checkpoints").glob(".*")) and not list(run.glob(".*tmp*"))
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")] == [
@@ -260,8 +258,7 @@ def test_a_real_full_disk_part_way_through_a_checkpoint_is_one_line(done, tiny_d
     assert errors[0].startswith("error: disk full: writing checkpoint step-00000004 failed at ")
     assert errors[0].endswith(
         f"in {folder} (No space left on device); the previous checkpoint step-00000002 is intact; free space "
-        f"or "
-        "lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME=full continues the run"
+        f"or lower KEEP_CHECKPOINTS, then RESUME=1 RUN_NAME=full continues the run"
     )
     assert [p.name for p in on_disk.list_checkpoints(folder)] == ["step-00000002"]
     meta = json.loads((folder / "step-00000002" / "meta.json").read_text())

@@ -203,8 +203,7 @@ def test_truncation_keeps_exact_ids_and_the_tools_list(tok):
     assert tally.unfit[0][1] == (f"cannot fit MAX_LENGTH={len(pinned)} tokens: its tools list and system "
                                  f"turn "
                                  f"take {len(pinned)} tokens, leaving no room for a reply (shorten it, or "
-                                 f"train a "
-                                 "model with a longer context)")  # fmt: skip
+                                 f"train a model with a longer context)")  # fmt: skip
 
 
 def test_plain_text_records_train_whole(tok, tmp_path):

@@ -26,8 +26,7 @@ def big_tools(n: int = 30) -> list[dict]:
         {
             "name": f"lookup_{i}",
             "description": f"Look up record {i} of the archive by its key and its "
-            f"year, "
-            "returning every field the archive keeps for it",
+            f"year, returning every field the archive keeps for it",
             "parameters": {
                 "type": "object",
                 "properties": {
@@ -84,8 +83,7 @@ def test_a_glaive_file_with_one_record_too_long_for_the_model_trains(world, caps
     assert result.returncode == 0, result.stderr[-3000:]
     warning = next(line for line in result.stdout.splitlines() if line.startswith("warning: skipped"))
     assert warning.startswith(f"warning: skipped 1 record(s) that cannot fit this model at MAX_LENGTH=256 "
-                              f"(not bad "
-                              f"input: the rest train); the first: {data} record 4: cannot fit "
+                              f"(not bad input: the rest train); the first: {data} record 4: cannot fit "
                               f"MAX_LENGTH=256 tokens: "
                               "its tools list alone takes ")  # fmt: skip
     assert "system turn" not in warning and "raise MAX_LENGTH" not in warning
@@ -106,8 +104,7 @@ def test_most_records_too_long_for_the_model_stop_the_run_in_one_line(world, cap
     ]
     assert lines[0].startswith(
         f"error: DATA_PATH: {data}: 9 of 12 records cannot fit this model at "
-        f"MAX_LENGTH=256 "
-        "(SKIP_BAD_RECORDS=1 trains on the 3 that fit); the first: "
+        f"MAX_LENGTH=256 (SKIP_BAD_RECORDS=1 trains on the 3 that fit); the first: "
         f"{data} line 1: cannot fit MAX_LENGTH=256 tokens: its tools list alone takes "
     )
     assert not (tmp_path / "runs" / "most").exists()
@@ -159,8 +156,7 @@ def test_skip_bad_records_trains_on_what_fits_when_most_records_cannot(world, ca
     assert result.returncode == 0, result.stderr[-3000:]
     warning = next(line for line in result.stdout.splitlines() if "cannot fit this model" in line)
     assert warning.startswith("warning: SKIP_BAD_RECORDS=1: skipped 40 of 50 records (80%) that cannot fit "
-                              "this model "
-                              "at MAX_LENGTH=256; only the 10 that fit train"), warning
+                              "this model at MAX_LENGTH=256; only the 10 that fit train"), warning
     summary = json.loads((tmp_path / "runs" / "skip" / "summary.json").read_text())
     assert summary["n_conversations"] == 10 and summary["exit_reason"] == "completed"
     assert not (tmp_path / "runs" / "no_skip").exists()

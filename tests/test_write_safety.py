@@ -124,8 +124,7 @@ def test_checkpoint_folders_that_are_links_are_not_checkpoints(finished, secret,
     assert run_cli("pretrain", *flags, "--max_steps", "4", "--resume", "1") == 2
     assert one_error(capsys) == (
         f"error: {run / 'checkpoints'} is a symbolic link; the kit never writes or reads through a link in "
-        f"its "
-        "own folders (remove it and run again)"
+        f"its own folders (remove it and run again)"
     )
 
 

@@ -80,8 +80,7 @@ class ArgParser(argparse.ArgumentParser):
 
 
 FLAGS_NOTE = (" Each flag is a config.py field; [VARIABLE] is its launcher variable. Precedence: config.py's "
-              "default <"
-              " --preset < the flag.")
+              "default < --preset < the flag.")
 DESCRIPTIONS = {
     "pretrain": "Pretrain a model from scratch on text: a GPT-2-style causal LM, or a T5 encoder-decoder on "
                 "span "
@@ -98,8 +97,7 @@ DESCRIPTIONS = {
            "newest completed SFT run's final/) on pairs of chosen and rejected replies (--data_path): "
            "--dpo_loss "
            "sigmoid | ipo | hinge | simpo | orpo, --beta, a reference model (--reference copy | precomputed "
-           "| "
-           "adapters). train_dpo.sh starts it; docs/dpo.md.",
+           "| adapters). train_dpo.sh starts it; docs/dpo.md.",
     "grpo": "Reward training (GRPO, the fourth stage) of a chat model (--model_path; default the newest "
             "completed SFT "
             "or DPO run's final/) on prompts (--data_path; default a built-in arithmetic task): "

@@ -115,8 +115,7 @@ def settings_problem(settings: dict, vocab: int | None = None) -> tuple[str, str
             and not (key == "num_beam_groups" and value == 1)
         ):
             return key, (f"{REMOTE_DECODING[key]} runs as code fetched from the Hub in transformers 5, which "
-                         f"the kit "
-                         "never runs; leave it out")
+                         f"the kit never runs; leave it out")
         if key in ID_SETTINGS and value is not None:
             ids = _ids(value)
             if ids is None or not _shaped(value, ID_LISTS.get(key, 0)):

@@ -5,6 +5,7 @@ families (sizes, configs, the Auto class, building and loading) is train/models/
 from __future__ import annotations
 
 import contextlib
+import copy
 
 
 def unwrapped(model):
@@ -13,6 +14,12 @@ def unwrapped(model):
     for attr in ("module", "_orig_mod"):
         model = getattr(model, attr, model)
     return model
+
+
+def frozen_copy(model):
+    """A frozen copy of `model` as it is now (DDP's or compile's wrapper left out), in eval mode: the
+    reference of REFERENCE=copy (preference and reward training)."""
+    return copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
 
 
 def padded_vocab(n: int, multiple: int = 64) -> int:

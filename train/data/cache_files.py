@@ -40,8 +40,7 @@ def refuse_link(*paths: Path) -> None:
     for path in paths:
         if path.is_symlink():
             raise UsageError(f"CACHE_DIR: {path} is a symbolic link; the kit never writes or reads through a "
-                             f"link "
-                             "in its own folders (remove it and run again)")  # fmt: skip
+                             f"link in its own folders (remove it and run again)")  # fmt: skip
 
 
 def cache_folder(path: Path) -> Path:

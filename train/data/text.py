@@ -80,8 +80,7 @@ def sample_pieces(files: list[Path], text_field: str, sample_mb: float, say) -> 
             f"TOKENIZER_SAMPLE_MB={sample_mb:g})")
     else:
         say(f"training the tokenizer on a {sample_mb:g} MB sample of the {total / 1e6:,.1f} MB corpus: one "
-            f"part in "
-            f"{stride}, spread through it (TOKENIZER_SAMPLE_MB)")  # fmt: skip
+            f"part in {stride}, spread through it (TOKENIZER_SAMPLE_MB)")  # fmt: skip
     taken = 0
     with tqdm(
         total=min(total, budget),

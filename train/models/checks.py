@@ -42,8 +42,7 @@ def refuse_unknown_type(model_type, variable: str, hint: str = "") -> None:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise UsageError(
             f"{variable}: unknown model_type {str(model_type)[:80]!r}; this kit trains causal LMs (gpt2, "
-            f"llama, "
-            f"qwen2 ...) and encoder-decoders (t5, bart ...){hint}"
+            f"llama, qwen2 ...) and encoder-decoders (t5, bart ...){hint}"
         )
 
 

@@ -369,8 +369,7 @@ def refuse_unfit(hf_cfg, cfg, max_length: int, precision: str, device, world_siz
             f"of {layers} layers) with their gradients and {optimizer} state, beside the {_count(n_params)} "
             f"frozen "
             f"parameters of {variable}, need at least {need} (one sequence of {max_length} tokens); {what} "
-            f"has {have}; "
-            "lower LORA_R (8 to 64 is usual)"
+            f"has {have}; lower LORA_R (8 to 64 is usual)"
         )
     raise UsageError(
         f"{variable}: this model ({n_params / 1e9:,.2f}B parameters) cannot fit: training it needs at least "

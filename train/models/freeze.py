@@ -104,8 +104,7 @@ def apply_freeze(model: torch.nn.Module, spec: str | None) -> str | None:
     chosen = _chosen(model, spec)
     if all(id(p) in chosen or not p.requires_grad for p in model.parameters()):  # LoRA froze the rest already
         raise UsageError(f"FREEZE={spec}: that freezes every parameter still trained (with LORA_R: the "
-                         f"adapters "
-                         "too); nothing would train")
+                         f"adapters too); nothing would train")
     for p in chosen.values():
         p.requires_grad_(False)
     names: dict[int, list[str]] = {}

@@ -80,8 +80,7 @@ def parse_targets(text: str | None, model) -> tuple[list[str] | str, str]:
                 "the output head (tied to the embeddings)" if module is head else None
             if what:
                 raise UsageError(f"LORA_TARGETS={text}: {name!r} is {what}; LoRA here adapts the attention "
-                                 f"and "
-                                 f"MLP layers {defaults}")  # fmt: skip
+                                 f"and MLP layers {defaults}")  # fmt: skip
     return names, "LORA_TARGETS"
 
 
@@ -106,8 +105,7 @@ def check_rank(model, r: int, chosen) -> None:
     ranks = [min(m.weight.shape) for m in _layers(model, chosen)]
     if ranks and r > max(ranks):
         raise UsageError(f"LORA_R={r}: above the rank of every adapted layer (at most {max(ranks)} here), so "
-                         f"each "
-                         f"adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most "
+                         f"each adapter would be bigger than its layer; LoRA's rank is low: 8 to 64, at most "
                          f"{max(ranks)}")
 
 
@@ -139,13 +137,11 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
         )
         if stray:  # set for a LoRA run that is not one: the user meant LoRA, or left a variable behind
             raise UsageError(f"{', '.join(stray)} set but LORA_R is empty: set LORA_R (e.g. 16) to train "
-                             f"LoRA "
-                             "adapters, or unset them for full fine-tuning")
+                             f"LoRA adapters, or unset them for full fine-tuning")
         return model
     if sharding != "none":  # FSDP2's gathered state and the merge of final/ are not joined up
         raise UsageError(f"LORA_R={r} with SHARDING={sharding}: not built; LoRA's frozen weights need no "
-                         f"sharded "
-                         "optimizer state, so use SHARDING=none (DDP with several processes)")
+                         f"sharded optimizer state, so use SHARDING=none (DDP with several processes)")
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
@@ -187,8 +183,7 @@ def wrap(model, r: int | None, alpha: float | None, dropout: float | None, targe
     decide("lora_dropout", dropout, "LORA_DROPOUT" if dropout != DROPOUT else "the default")
     n = trainable_of(model).params
     decide("trainable_params", n, f"LoRA r={r}: {n:,} of {total:,} parameters trained ({100 * n / total:.2f} "
-                                  f"%); "
-           "the rest frozen, without gradients or optimizer state")  # fmt: skip
+           f"%); the rest frozen, without gradients or optimizer state")  # fmt: skip
     return model
 
 

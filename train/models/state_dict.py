@@ -136,8 +136,7 @@ def read_weights(file: Path, variable: str) -> dict[str, torch.Tensor]:
                 f"{variable}: {file} is refused by torch.load(weights_only=True), which the kit uses so that "
                 f"no "
                 f"code in a pickle runs ({first}); save the weights with torch.save(model.state_dict()) or "
-                f"as "
-                "safetensors"
+                f"as safetensors"
             ) from None
     return _tensors_of(tensors, file, variable)
 

@@ -213,8 +213,7 @@ def tune(cfg, say, steps: int = TRIAL_STEPS, skip: tuple = ()) -> tuple[Outcome,
         return a if (a.samples_per_sec or -1) > (b.samples_per_sec or -1) else b
 
     say(f"autotune: {cfg.run.mode}, effective batch {effective} {unit_of(cfg.run.mode)}, {steps} timed steps "
-        f"per trial, on "
-        f"{device_name(device)}")
+        f"per trial, on {device_name(device)}")
     preset = run(preset_candidate(effective, cores, PRESET_OF[cfg.run.mode]))
     o = cfg.optim
     if effective % o.batch_size == 0:  # the user's own settings, when they keep the effective batch
@@ -303,8 +302,7 @@ def autotune_main(argv: list[str]) -> int:
     from train.config.flags import parse_training_args
 
     if wants_help("autotune", "time short trials of batch x accumulation, workers, precision and compile, "
-                              "rank them "
-                  "and write the winner to OUTPUT_DIR/autotune.env", argv, (
+                  "rank them and write the winner to OUTPUT_DIR/autotune.env", argv, (
                       ("--steps N", f"optimizer steps per trial (default {TRIAL_STEPS})"),
                       ("--skip LIST", f"dimensions to leave as they are, comma-separated: "
                                       f"{','.join(DIMENSIONS)}"))):

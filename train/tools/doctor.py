@@ -240,8 +240,7 @@ def doctor_main(argv: list[str]) -> int:
     if wants_help(
         "doctor",
         "profile a short run of your settings, say what limits it and what to change, "
-        "and with "
-        "--apply try the change",
+        "and with --apply try the change",
         argv,
         (
             ("--apply", "run the suggested change as a second profiled run and show before/after"),

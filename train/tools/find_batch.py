@@ -291,8 +291,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
         f"find-batch: {plan.model_size} model, MAX_LENGTH {plan.max_length}, {plan.precision} on "
         f"{device_name(plan.device)}, "
         f"{objective}; limit TARGET_VRAM {cfg.system.target_vram:g} x {capacity:.0f} MB ({source}) = "
-        f"{limit:.0f} MB; "
-        f"effective batch {effective} {unit} kept"
+        f"{limit:.0f} MB; effective batch {effective} {unit} kept"
     )
     # the estimate's answer beside the measured one: what a run without BATCH_SIZE takes
     # (train/run/plan/fill.py)
@@ -311,8 +310,7 @@ def find(cfg, say, reuse: bool = False, steps: int = TRIAL_STEPS, world: int = 1
     )
     largest, trials = search(plan, per_rank, limit, capacity, say, steps)
     say(f"find-batch: largest micro-batch under the limit: measured {largest}, estimated {estimated} (the "
-        f"memory "
-        "estimate's, which a run without BATCH_SIZE fills a GPU to)")
+        f"memory estimate's, which a run without BATCH_SIZE fills a GPU to)")
     device, fixes = plan.device, remedies(trial_cfg, plan.max_length, plan.precision, hint=False)
     del plan
     free_memory(device)
@@ -380,8 +378,7 @@ def find_batch_main(argv: list[str]) -> int:
     if wants_help(
         "find-batch",
         "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective "
-        "batch, "
-        "and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)",
+        "batch, and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)",
         argv,
     ):
         return 0

@@ -333,8 +333,7 @@ def generate_main(argv: list[str]) -> int:
         how = chat.layout.pick(
             "continuing the prompt as plain text",
             "the prompt + eos is the encoder's source (as TEMPLATE=none SFT trains it; for a span-corruption "
-            "model "
-            "write <extra_id_0> ... where it should fill in text)",
+            "model write <extra_id_0> ... where it should fill in text)",
         )
         print(f"note: {args.model} has no chat template: {how}", file=sys.stderr)
     if args.prompt is not None and not args.interactive:

@@ -113,8 +113,7 @@ def _settings(s: dict) -> str:
 
 def path_rows(found: dict, took) -> list[str]:
     lines = ["", "Every path, one run each (GPU busy: the share of one profiled step's wall time with a "
-                 "kernel "
-             "or copy running; tokens/s are real tokens, steady state):", "",
+             "kernel or copy running; tokens/s are real tokens, steady state):", "",
              "| path | settings | tokens/s | MFU | peak VRAM vs estimate | host syncs/step | compile | "
              "compute share | GPU busy | took |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -166,8 +165,7 @@ def peer_rows(found: dict, peers: dict, took) -> list[str]:
                  "MAX_LENGTH, "
              "batch and precision; the peer's own defaults otherwise; MFU by the kit's FLOPs per token):", "",
              "| peer | on the plan of | settings | real tokens/s | MFU | peak VRAM | GPU busy | the kit's "
-             "tokens/s "
-             "| kit / peer | took |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/s | kit / peer | took |", "|---|---|---|---|---|---|---|---|---|---|"]
     for peer, kit, what, trainer in PEERS:
         r, s = peers[peer]["result"], found[kit]["summary"] or {}
         if r is None:
@@ -235,8 +233,7 @@ def _fill(part: str, s: dict, profile: dict | None) -> dict:
     busy = (profile or {}).get("device_busy_frac")
     met = None if share is None and busy is None else (share or 0) >= FILL_MEMORY or (busy or 0) >= FILL_BUSY
     return {"part": part, "target": f"{dict(PATHS)[part]}: peak memory >= {FILL_MEMORY:.0%} of the device or "
-                                    f"GPU "
-            f"busy >= {FILL_BUSY:.0%}", "value": {"memory_share": share, "gpu_busy": busy},
+            f"GPU busy >= {FILL_BUSY:.0%}", "value": {"memory_share": share, "gpu_busy": busy},
             "goal": {"memory_share": FILL_MEMORY, "gpu_busy": FILL_BUSY}, "unit": "share", "met": met,
             "measured": f"memory {_fmt(share, '.0%')}, GPU busy {_fmt(busy, '.0%')}"}
 

@@ -168,8 +168,7 @@ def _sft_rows(fig: dict) -> list[str]:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(s is not None and "packing" not in s for s in sft.values()):
         lines += ["", "PACKING is not a setting of this checkout yet (no `packing` in summary.json): both "
-                      "SFT "
-                  "runs used one conversation per row."]
+                  "SFT runs used one conversation per row."]
     return lines
 
 

@@ -138,8 +138,7 @@ def import_main(argv: list[str], say=print) -> int:
     check_pair(model, tok, say)
     if dtype not in NATIVE:  # float8: from_pretrained cannot load a float8 folder (no float8 default dtype)
         say(f"note: the {str(dtype).removeprefix('torch.')} weights are written as bfloat16, which holds "
-            f"every one "
-            "of their values exactly and which from_pretrained loads")
+            f"every one of their values exactly and which from_pretrained loads")
         dtype = torch.bfloat16
     model.to(dtype)  # the weights as they were saved: fp16 stays half the size
     model.config.use_cache = model.generation_config.use_cache = True  # plain generate() at full speed

@@ -186,8 +186,7 @@ def run(command: str, rest: list[str]) -> int:
     cfg = parse_training_args(command, rest)
     if cfg.optim.auto_batch or cfg.run.dry_run:
         raise UsageError("step_profile: AUTO_BATCH=1 and DRY_RUN=1 are not profiled (find-batch's trial "
-                         "steps "
-                         "would be counted as the run's; a dry run has no step)")
+                         "steps would be counted as the run's; a dry run has no step)")
     return train(cfg)
 
 
@@ -232,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         handle.remove()
     record = hook.result or {"step": hook.step, "error": f"the run ended after {hook.done} optimizer "
-                                                         f"step(s), "
-                             f"before step {hook.step} was over"}
+                             f"step(s), before step {hook.step} was over"}
     write_json(Path(args.json), {"command": args.command, **record})
     print("\n".join(lines(record)) if hook.result else f"step_profile: {record['error']}")
     return code

@@ -104,8 +104,7 @@ def check_sharding(name: str, sharding: str) -> None:
     """OPTIMIZER with SHARDING: refused in one line where the optimizer cannot step sharded parameters."""
     if not OPTIMIZERS[name].shards and sharding != "none":  # Adafactor's norms need whole matrices
         raise UsageError(f"OPTIMIZER={name} and SHARDING={sharding}: it cannot step FSDP2's sharded "
-                         f"parameters; "
-                         "use OPTIMIZER=adamw or sgd, or SHARDING=none")
+                         f"parameters; use OPTIMIZER=adamw or sgd, or SHARDING=none")
 
 
 def build_optimizer(optim, model, device):

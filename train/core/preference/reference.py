@@ -13,14 +13,13 @@ losses (simpo, orpo) take none."""
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from train.core.device import autocast
-from train.core.model import unwrapped
+from train.core.model import frozen_copy, unwrapped
 from train.core.preference.logps import device_inputs, sequence_logps
 
 PRECOMPUTED_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -28,7 +27,7 @@ PRECOMPUTED_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 def copy_reference(model, layout) -> Callable:
     """A frozen copy of `model` (DDP's or compile's wrapper left out) as it is now."""
-    frozen = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
+    frozen = frozen_copy(model)
 
     def logps(policy, batch, inputs, responses):
         with torch.no_grad():

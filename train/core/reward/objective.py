@@ -16,7 +16,6 @@ Imports torch and train/core only."""
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,21 +24,12 @@ from typing import ClassVar
 import torch
 
 from train.core.device import autocast
-from train.core.model import unwrapped
 from train.core.reward.advantages import completion_metrics, group_advantages, loss_mask
 from train.core.reward.guard import RewardSet, State
 from train.core.reward.knobs import GrpoKnobs
 from train.core.reward.logps import Completions, completion_logps, model_inputs
 from train.core.reward.loss import StepCounts, grpo_loss
 from train.core.reward.sampling import Sampler
-
-
-def frozen_copy(model) -> torch.nn.Module:
-    """REFERENCE=copy: the policy as it starts, frozen, in eval mode (a wrapper's model left out)."""
-    ref = copy.deepcopy(unwrapped(model)).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
 
 
 @dataclass

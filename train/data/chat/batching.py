@@ -383,5 +383,4 @@ def bucket_lengths(compile_on: bool, device: torch.device, max_length: int, coll
     sides = layout.pick("", "; each side (source, target) bucketed on its own")
     decide("length_buckets", ",".join(map(str, widths)),
            f"{why}; batches pad to the smallest of {len(widths)} widths, each <= {BUCKET_RATIO}x the one "
-           f"below"
-           f"{sides}; a packed row pads to rows x MAX_LENGTH")
+           f"below{sides}; a packed row pads to rows x MAX_LENGTH")

@@ -89,8 +89,7 @@ def _pinned_chars(tokenizer, conversation: Sequence[dict], tools, full: str, bud
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each content in the locating render
 _MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
 _UNSTABLE = ("the tokenizer's chat template renders earlier turns differently as the conversation grows, so "
-             "the "
-             "assistant replies cannot be located; set TEMPLATE=builtin to use the built-in template")
+             "the assistant replies cannot be located; set TEMPLATE=builtin to use the built-in template")
 
 
 def _prefix_bounds(tokenizer, conversation, tools, full: str, i: int, budget: Budget) -> tuple[int, int]:

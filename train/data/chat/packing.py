@@ -293,16 +293,13 @@ def attention_for(model_or_device, precision: str | None = None) -> Attention:
         reason = f"flash-attention runs only in bf16/fp16, this run is {precision}"
     if impl == EAGER:
         return Attention(EAGER, f"packed attention: eager with an additive block-diagonal causal mask "
-                                f"({reason}; "
-                                "the model has no sdpa support)")
+                                f"({reason}; the model has no sdpa support)")
     return Attention(VARLEN, (
         f"packed attention: {VARLEN}, conversations flattened into one row and gathered side by side into "
-        f"one "
-        f"causal sdpa (conversations x longest), so no (T x T) mask and no work across conversations "
+        f"one causal sdpa (conversations x longest), so no (T x T) mask and no work across conversations "
         f"({reason}; "
         "not FlexAttention: no attention dropout, no backward on CPU; not torch's varlen_attn: CUDA "
-        "bf16/fp16 "
-        "only, no dropout)"
+        "bf16/fp16 only, no dropout)"
     ))
 
 

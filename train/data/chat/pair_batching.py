@@ -195,8 +195,7 @@ def causal_pair_batches(d, dataset: PairDataset, padded, set_attention, tok, dev
         decide("packing", f"{len(rows)} rows",
                f"{len(dataset)} pairs best-fit into rows of 2 x MAX_LENGTH = {2 * max_length} tokens (a "
                f"pair's chosen and rejected sequences share a row): {packing.efficiency:.1%} of the row "
-               f"tokens "
-               "are real; BATCH_SIZE counts rows")  # fmt: skip
+               f"tokens are real; BATCH_SIZE counts rows")  # fmt: skip
         decide("attention", attention.kind, attention.why)
         collate = PackedPairCollator(tok.pad_token_id, attention=attention.kind, pad_to_multiple_of=multiple)
         return rows, collate, {"packed_rows": len(rows), "packing_efficiency": packing.efficiency,

@@ -176,7 +176,6 @@ def encode(pairs: Sequence[dict], tokenizer, max_length: int, layout=CAUSAL_LM,
     rendering = rendering or Rendering()
     if rendering.loss_on == "all":
         raise UsageError("LOSS_ON=all: preference training scores the replies only (the prompt is the same "
-                         "on "
-                         "both sides); leave LOSS_ON empty")
+                         "on both sides); leave LOSS_ON empty")
     fn = layout.pick(encode_causal, encode_seq2seq)
     return fn(pairs, tokenizer, max_length, rendering, tally)

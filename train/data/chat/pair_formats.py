@@ -113,8 +113,7 @@ def _implicit(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
         return [{"role": "user", "content": prompt}] if prompt.strip() else [], *replies
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         raise BadRecord(f"'chosen' is {type(chosen).__name__} and 'rejected' {type(rejected).__name__}: with "
-                        f"no "
-                        "'prompt', both are whole conversations (lists of messages) or both strings")
+                        f"no 'prompt', both are whole conversations (lists of messages) or both strings")
     tools = record.get("tools")
     return split_shared(_turns(chosen, "chosen", "role", "content", tools),
                         _turns(rejected, "rejected", "role", "content", tools))  # fmt: skip
@@ -170,8 +169,7 @@ FORMATS = {
         Format("prompt", "prompt/chosen/rejected: strings or message lists (TRL, ChatLM)",
                lambda r: "prompt" in r and _has_side(r), _explicit),
         Format("implicit", "chosen/rejected: whole conversations or strings sharing their start (TRL "
-                           "implicit "
-               "prompt, MiniMind dpo.jsonl)", _has_side, _implicit),
+               "implicit prompt, MiniMind dpo.jsonl)", _has_side, _implicit),
     )
 }
 

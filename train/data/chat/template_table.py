@@ -114,8 +114,7 @@ def _own(tokenizer, template) -> str | None:
         return None
     if template == "tokenizer" and tokenizer.chat_template is None:
         raise UsageError("TEMPLATE=tokenizer: the tokenizer (MODEL_PATH or TOKENIZER_PATH) has no chat "
-                         "template of "
-                         "its own; use TEMPLATE=builtin, none or a Jinja file")
+                         "template of its own; use TEMPLATE=builtin, none or a Jinja file")
     return tokenizer.chat_template
 
 

@@ -119,8 +119,7 @@ def optimizer_change(name: str, saved: dict, now: dict | None) -> str | None:
                 f"RESUME=1: checkpoint {name} holds the optimizer state of {env}={was or '(empty)'}, this "
                 f"run has "
                 f"{env}={has or '(empty)'}; resume with {env}={was or '(empty)'}, or start a new run from "
-                f"the "
-                "run's final/ (MODEL_PATH) to change it"
+                f"the run's final/ (MODEL_PATH) to change it"
             )
     return None
 

@@ -31,14 +31,12 @@ def compile_default(device: torch.device, sharding: str) -> tuple[bool, str]:
     """(COMPILE's value when empty, why)."""
     if device.type != "cuda":
         return False, (f"{device.type}: no kernel launches to save, and inductor's build takes longer than a "
-                       f"short "
-                       "run here gains (COMPILE=1 to compile anyway)")
+                       f"short run here gains (COMPILE=1 to compile anyway)")
     if sharding != "none":
         return False, (f"SHARDING={sharding}: the kit compiles the whole model, where FSDP2 wants each block "
                        "compiled on its own, as torchtitan does (COMPILE=1 to try)")
     return True, ("a GPU: fused kernels, fewer launches (a small model's eager step leaves the GPU waiting "
-                  "on the "
-                  "host); shapes bounded by the length buckets; COMPILE=0 for eager")
+                  "on the host); shapes bounded by the length buckets; COMPILE=0 for eager")
 
 
 def decide_compile(cfg, device: torch.device, decide) -> None:
@@ -81,8 +79,7 @@ def choose_mode(compiled: bool, device: torch.device, world_size: int, sharding:
     return GRAPHS, (f"a micro-batch's math takes {math_ms:.1f} ms at the GPU's peak, under "
                     f"{LAUNCH_BOUND_MS:.0f} ms: "
                     "launch-bound, so each shape's step is replayed as CUDA graphs (one per length bucket; "
-                    "the "
-                    "optimizer step stays outside); COMPILE_MODE=default to turn off")
+                    "the optimizer step stays outside); COMPILE_MODE=default to turn off")
 
 
 def decide_mode(cfg, model, family, max_length: int, device: torch.device, precision: str, world_size: int,

@@ -214,8 +214,7 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
     info["compile"]["enabled"], info["compile"]["mode"] = True, mode
     info["compile_s"] = time.perf_counter() - start
     say(f"torch.compile ({BACKEND}, mode {mode}): first step compiled in {info['compile_s']:.1f}s (kept out "
-        f"of "
-        "throughput)")
+        f"of throughput)")
     return guarded, batches, info
 
 

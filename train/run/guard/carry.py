@@ -87,8 +87,7 @@ def run_settings(run_path: Path, say) -> dict | None:
         f"RESUME=1: {run_path / 'config.json'} was edited after the run wrote it{which}; a run resumes with "
         f"the "
         "settings it started with: put config.json back, remove it (the checkpoint's copy of the settings is "
-        "then "
-        "used), or start a new run"
+        "then used), or start a new run"
     )
 
 
@@ -110,8 +109,7 @@ def carry(cfg: config.TrainConfig, command: str, argv: list[str], say=print) -> 
     # code runs by the command line's word only
     if "reward_funcs" in taken and user_files(taken["reward_funcs"]):
         raise UsageError(f"RESUME=1: {run_path.name} scored with REWARD_FUNCS={taken['reward_funcs']}, which "
-                         f"runs a "
-                         "file's code; name it again on this command (REWARD_FUNCS=...) to run it")
+                         f"runs a file's code; name it again on this command (REWARD_FUNCS=...) to run it")
     if not taken:
         return cfg
     carried = config.TrainConfig.from_flat({**now, **taken})  # validated as any flag is

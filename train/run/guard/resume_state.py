@@ -215,8 +215,7 @@ def _finished(plan: Plan, run_path: Path, state: ResumeState, name: str, say) ->
         say(
             f"{run_path} is complete: its checkpoint {name} is at {state.base_samples:,} of "
             f"the schedule's {state.schedule.budget_samples:,} samples; nothing to do (raise MAX_STEPS, "
-            f"EPOCHS or "
-            "MAX_SAMPLES to train it further)"
+            f"EPOCHS or MAX_SAMPLES to train it further)"
         )
         return True
     say(f"{run_path} is trained to the end but {missing}: writing final/ and summary.json from checkpoint "

@@ -165,8 +165,7 @@ class Meter:
         left = self.guard.total_steps - done
         if left > 0:
             self.say(f"about {per_step:.2f} s per step on this machine (the first {done - self.first} "
-                     f"steps), "
-                     f"{left} steps to go: ETA {format_eta(per_step * left)}")  # fmt: skip
+                     f"steps), {left} steps to go: ETA {format_eta(per_step * left)}")  # fmt: skip
 
     @contextlib.contextmanager
     def sync_probe(self, done: int, quiet: bool):

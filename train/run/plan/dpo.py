@@ -42,12 +42,10 @@ def refuse_preference(cfg: TrainConfig) -> None:
     if sft_scratch.asked(cfg):
         which = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
         raise UsageError(f"{which}: preference training fine-tunes a trained chat model; set MODEL_PATH (or "
-                         f"leave it "
-                         "empty: the newest completed SFT run's final/)")
+                         f"leave it empty: the newest completed SFT run's final/)")
     if cfg.optim.loss_mean is not None:
         raise UsageError(f"LOSS_MEAN={cfg.optim.loss_mean}: preference training's loss is the mean over the "
-                         f"step's "
-                         "pairs; leave LOSS_MEAN empty")
+                         f"step's pairs; leave LOSS_MEAN empty")
     loss, reference = settings(cfg)["dpo_loss"], cfg.model.reference
     if cfg.optim.beta == 0:  # one field with GRPO's BETA, where 0 means no reference
         raise UsageError("BETA=0: preference training's beta scales the log-ratios; above 0 (empty: 0.1)")
@@ -56,18 +54,15 @@ def refuse_preference(cfg: TrainConfig) -> None:
         if value not in (None, DEFAULTS[name]) and name not in DPO_LOSS[loss].reads:
             reads = ", ".join(knobs.env_name(n) for n in sorted(DPO_LOSS[loss].reads))
             raise UsageError(f"{knobs.env_name(name)}={value:g}: DPO_LOSS={loss} ignores it (it reads "
-                             f"{reads}); leave "
-                             f"{knobs.env_name(name)} empty")
+                             f"{reads}); leave {knobs.env_name(name)} empty")
     if reference is not None and not DPO_LOSS[loss].reference:
         raise UsageError(f"REFERENCE={reference}: DPO_LOSS={loss} is reference-free; leave REFERENCE empty")
     if reference == "adapters" and not cfg.model.lora_r:
         raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set "
-                         "LORA_R "
-                         "(or REFERENCE=copy / precomputed)")
+                         "LORA_R (or REFERENCE=copy / precomputed)")
     if cfg.system.sharding != "none" and reference == "copy":
         raise UsageError(f"REFERENCE=copy with SHARDING={cfg.system.sharding}: a whole copy on every process "
-                         f"defeats "
-                         "the sharding; use REFERENCE=precomputed")
+                         f"defeats the sharding; use REFERENCE=precomputed")
 
 
 def copy_room(cfg: TrainConfig, model, device, precision: str, max_length: int) -> dict:
@@ -119,20 +114,17 @@ def decide_reference(
     left = None if room is None or room["capacity"] is None else room["capacity"] - room["run"]
     if cfg.model.lora_r:
         kind, why = "adapters", ("LORA_R is set: the base model is the policy with its adapters off (no "
-                                 "copy, "
-                                 "no pass)")
+                                 "copy, no pass)")
     elif short and left is not None and room["copy"] > left:
         kind, why = "precomputed", (
             f"a frozen copy's weights ({room['copy'] / MIB:,.1f} MB) do not fit beside the run (estimated "
-            f"peak "
-            f"{room['run'] / MIB:,.1f} MB of {room['capacity'] / MIB:,.1f} MB, {room['what']}: "
+            f"peak {room['run'] / MIB:,.1f} MB of {room['capacity'] / MIB:,.1f} MB, {room['what']}: "
             f"{max(0.0, left) / MIB:,.1f} MB left): one forward pass over the {pairs} pairs (cached) instead")
     elif trained >= pairs:
         kind, why = "precomputed", (f"the run reads {trained} pairs, every one of the {pairs} at least once: "
                                     f"one forward "
                                     f"pass over the {pairs} before training (cached) costs less than a "
-                                    f"frozen copy's "
-                                    "memory and its forward every step")
+                                    f"frozen copy's memory and its forward every step")
     elif not short:  # SHARDING: a whole copy on every process defeats it
         kind, why = "precomputed", (f"SHARDING={cfg.system.sharding}: a frozen copy would be whole on every "
                                     f"process; one "
@@ -141,8 +133,7 @@ def decide_reference(
         fits = "" if left is None else (f"; its {room['copy'] / MIB:,.1f} MB fit in the {left / MIB:,.1f} MB "
                                         f"left")
         kind, why = "copy", (f"a short run reads {trained} of {pairs} pairs: a frozen copy (a second set of "
-                             f"weights on "
-                             f"the device) costs less than a pass over them all{fits}")
+                             f"weights on the device) costs less than a pass over them all{fits}")
     cfg.model.reference = kind
     decide("reference", kind, why)
     return kind
@@ -159,8 +150,7 @@ def dropout_off(cfg: TrainConfig, model, choice: ModelChoice, decide) -> torch.n
     if changed := set_dropout(model, 0.0):
         decide("dropout", 0.0, f"{asked}: {changed} dropout settings off (MODEL_PATH's own: "
                f"{dropout_of(choice.config)}), LoRA's too, as TRL's DPO does: policy and reference score a "
-               f"pair "
-               "alike (the first step's loss is ln 2)")
+               f"pair alike (the first step's loss is ln 2)")
     return model
 
 
@@ -169,8 +159,7 @@ def loaded_dropout(cfg: TrainConfig, model, choice: ModelChoice, decide) -> None
     if cfg.model.dropout:
         sft.loaded_dropout(cfg, model, choice, decide)
         decide("dropout", cfg.model.dropout, f"DROPOUT={cfg.model.dropout:g}: the policy trains with "
-                                             f"dropout, the "
-               "reference scores without it, so the first step's loss is not ln 2 (TRL: "
+               f"dropout, the reference scores without it, so the first step's loss is not ln 2 (TRL: "
                "disable_dropout=False)")
 
 

@@ -214,8 +214,7 @@ def precompute(model, dataset: PairDataset, pad_id: int, device, precision: str,
                          f"MODEL_PATH)")
     _build(folder, identity, chosen, rejected)
     say(f"reference log-probs: {len(dataset)} pairs in {time.perf_counter() - start:.1f} s, cached in "
-        f"{folder} "
-        "(reused by a run of the same model, data and precision)")
+        f"{folder} (reused by a run of the same model, data and precision)")
     return RefExamples(dataset.examples, chosen, rejected)
 
 

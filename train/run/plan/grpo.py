@@ -21,8 +21,9 @@ import torch
 from config import MODE_DEFAULTS, TrainConfig
 from train.config import knobs
 from train.core.errors import UsageError
+from train.core.model import frozen_copy
 from train.core.reward.knobs import GrpoKnobs
-from train.core.reward.objective import GRPOObjective, frozen_copy
+from train.core.reward.objective import GRPOObjective
 from train.core.reward.sampling import Sampler, SamplingSettings
 from train.data.chat.encode import stop_token_ids
 from train.data.loader import Data
@@ -75,27 +76,22 @@ def refuse_grpo(cfg: TrainConfig) -> None:
     reference, b = cfg.model.reference, beta(cfg)
     if reference == "precomputed":
         raise UsageError("REFERENCE=precomputed: GRPO's completions are sampled during training, so no pass "
-                         "before it "
-                         "can score them; use REFERENCE=copy or adapters")
+                         "before it can score them; use REFERENCE=copy or adapters")
     if reference is not None and b == 0:
         raise UsageError(f"REFERENCE={reference}: BETA is 0, so no reference is used; set BETA above 0 or "
-                         f"leave "
-                         "REFERENCE empty")
+                         f"leave REFERENCE empty")
     if reference == "adapters" and not cfg.model.lora_r:
         raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set "
-                         "LORA_R "
-                         "(or REFERENCE=copy)")
+                         "LORA_R (or REFERENCE=copy)")
     if cfg.model.compile:
         raise UsageError("COMPILE=1: GRPO's sampling changes shape every token; reward training runs eager "
                          "(leave COMPILE empty)")
     if cfg.system.sharding != "none":
         raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; "
-                         f"use "
-                         "SHARDING=none (DDP with NPROC_PER_NODE works)")
+                         f"use SHARDING=none (DDP with NPROC_PER_NODE works)")
     if cfg.data.val_path is not None:
         raise UsageError("VAL_PATH: reward training holds no prompts out (its measure is the reward of each "
-                         "step's "
-                         "completions); leave VAL_PATH empty")
+                         "step's completions); leave VAL_PATH empty")
     try:
         grpo_knobs(cfg)
     except ValueError as err:
@@ -116,13 +112,11 @@ def newest_chat_model(cfg: TrainConfig, decide) -> str:
         raise UsageError(f"MODEL_PATH is empty and {cfg.run.output_dir} holds no completed SFT or DPO run of "
                          f"a "
                          "launcher; make one with `MAX_STEPS=50 ./train_sft_custom.sh` or set MODEL_PATH to "
-                         "a local "
-                         "transformers chat model folder")
+                         "a local transformers chat model folder")
     chosen = max(found, key=lambda c: c.time)
     stage = chosen.config.get("config", {}).get("run", {}).get("mode", "sft").upper()
     decide("model_path", str(chosen.final), f"the newest completed SFT or DPO run of a launcher (a {stage} "
-                                            f"run; "
-           "set MODEL_PATH to choose)")
+           f"run; set MODEL_PATH to choose)")
     return str(chosen.final)
 
 
@@ -135,12 +129,10 @@ def prompt_room(cfg: TrainConfig, longest: int, max_length: int, device, decide)
     room = min(most, max_length - longest)
     if room < 1:
         raise UsageError(f"MAX_LENGTH={max_length}: the longest prompt is {longest} tokens, leaving no room "
-                         f"for a "
-                         "completion; raise MAX_LENGTH or shorten the prompts")
+                         f"for a completion; raise MAX_LENGTH or shorten the prompts")
     cfg.optim.max_completion_length = room
     decide("max_completion_length", room, f"{most} at most{' on a CPU' if most != COMPLETION_ROOM else ''}, "
-                                          f"within "
-           f"MAX_LENGTH={max_length} after the longest prompt ({longest} tokens)")
+           f"within MAX_LENGTH={max_length} after the longest prompt ({longest} tokens)")
     return room
 
 
@@ -163,8 +155,7 @@ class GRPOSource:
         choice.family.layout.causal_only(True, f"MODEL_PATH={choice.path}: an encoder-decoder; reward "
                                                f"training is "
                                          "built for causal LMs (GPT-2, Llama, Qwen3): the loss's log-probs "
-                                         "read "
-                                         "prompt and completion as one sequence")
+                                         "read prompt and completion as one sequence")
         return choice
 
     def tokenizer(self, cfg: TrainConfig, choice: ModelChoice, max_length: int, say, decide):

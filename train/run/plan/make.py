@@ -240,15 +240,13 @@ def resolve_pacing(cfg: TrainConfig, total_steps: int, decide: Decisions) -> int
     elif 0 < warmup < 1:
         share, warmup = warmup, warmup_of(warmup, total_steps)
         decide("warmup_steps", warmup, f"WARMUP_STEPS={share:g}: that share of the run's {total_steps} "
-                                       f"steps, "
-               "rounded up")
+               f"steps, rounded up")
     own = OPTIMIZERS[cfg.optim.optimizer].own_step
     if own:
         decide("lr_schedule", own, f"OPTIMIZER={cfg.optim.optimizer} sets its own step, min(1e-2, "
                                    f"1/sqrt(step)) x "
                "each parameter's RMS: LEARNING_RATE, LR_SCHEDULE and WARMUP_STEPS are unused (the lr logged "
-               "is "
-               "its relative step)")
+               "is its relative step)")
     return warmup
 
 

@@ -172,8 +172,7 @@ def build_rewards(
         else:
             raise UsageError(
                 f"REWARD_FUNCS: unknown reward {item!r}; built-ins: "
-                f"{'; '.join(f'{b.name} ({b.doc})' for b in BUILTINS.values())}; your own: "
-                "file.py:function"
+                f"{'; '.join(f'{b.name} ({b.doc})' for b in BUILTINS.values())}; your own: file.py:function"
             )
     scaled = weights_of(weights, items)
     return RewardSet(

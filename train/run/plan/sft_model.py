@@ -136,8 +136,7 @@ def model_source(cfg: TrainConfig, decide, say=print) -> str:
     if chosen.steps < FEW_STEPS:
         again = longer_sft(chosen, Path(cfg.run.output_dir)) if mode == "sft" else make
         say(f"warning: MODEL_PATH={chosen.final} trained only {chosen.steps} optimizer steps (under "
-            f"{FEW_STEPS}): "
-            f"fine-tuning it teaches little; train it longer (`{again}`) or set MODEL_PATH")
+            f"{FEW_STEPS}): fine-tuning it teaches little; train it longer (`{again}`) or set MODEL_PATH")
     return str(chosen.final)
 
 

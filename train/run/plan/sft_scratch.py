@@ -32,16 +32,14 @@ def refuse_both(cfg: TrainConfig) -> None:
         both = "MODEL_CONFIG" if cfg.model.model_config is not None else "MODEL_SIZE"
         raise UsageError(
             f"MODEL_PATH and {both} are both set: MODEL_PATH fine-tunes an existing model, {both} builds a "
-            f"new one; "
-            "set one of them"
+            f"new one; set one of them"
         )
     # said before the tokenizer trains, not after (models/lora.py's own check)
     if asked(cfg) and cfg.model.lora_r:
         raise UsageError(f"LORA_R={cfg.model.lora_r}: SFT builds this model new (MODEL_CONFIG / MODEL_SIZE), "
                          f"and LoRA "
                          "would keep its random weights frozen; LoRA adapts a trained model: set MODEL_PATH, "
-                         "or leave "
-                         "LORA_R empty")
+                         "or leave LORA_R empty")
 
 
 def choose_new(cfg: TrainConfig, say, decide) -> ModelChoice:

@@ -48,8 +48,7 @@ def _refuse_link(root: Path, run_name: str | None) -> None:
     if run_name is not None and (root / run_name).is_symlink():
         raise UsageError(
             f"RUN_NAME={run_name}: {root / run_name} is a symbolic link; a run folder is never used through "
-            f"one "
-            "(set RUN_NAME to the folder it points to)"
+            f"one (set RUN_NAME to the folder it points to)"
         )
 
 
@@ -60,8 +59,7 @@ def _default_name(launcher: str) -> str:
 def _exists(run_name: str, path: Path) -> UsageError:
     return UsageError(
         f"RUN_NAME={run_name}: {path} already exists; set OVERWRITE=1 to replace it, RESUME=1 to continue "
-        f"it, "
-        "or pick another name"
+        f"it, or pick another name"
     )
 
 
