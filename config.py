@@ -32,7 +32,7 @@ EVERY, FINE_TUNING, FROM_SCRATCH = {"pretrain", "sft", "dpo", "grpo"}, {"sft", "
 CHAT, GRPO = {"sft", "dpo", "grpo"}, {"grpo"}
 # GRPO's choices: train/core/reward/knobs.py's (imports torch, which the launchers' config read has not)
 LOSS_TYPES, SCALE_REWARDS = (
-    ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"),
+    ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
     ("group", "batch", "none"),
 )
 LEVELS, AGGREGATIONS = ("token", "sequence"), ("sum_then_normalize", "normalize_then_sum")
@@ -270,7 +270,7 @@ class OptimConfig:
     top_k: int = knob(0, modes=GRPO, least=0)
     """Only the TOP_K likeliest tokens are drawn from (0: all)."""
     loss_type: str = knob("dapo", "compared", modes=GRPO, choices=LOSS_TYPES)
-    """dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo
+    """dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo | vespo
     (docs/grpo.md)."""
     epsilon: float = knob(0.2, modes=GRPO, least=0.0, below=1.0)
     """The policy ratio is clipped to 1 - EPSILON (and 1 + EPSILON without EPSILON_HIGH)."""
@@ -282,6 +282,15 @@ class OptimConfig:
     """sapo's gate temperature where the advantage is positive."""
     sapo_temperature_neg: float = knob(1.05, modes=GRPO, above=0.0)
     """sapo's gate temperature elsewhere."""
+    vespo_k_pos: float = knob(2.0, modes=GRPO, least=0.0)
+    """vespo's power k where the advantage is >= 0: how hard a completion whose ratio fell below 1 is
+    down-weighted."""
+    vespo_lambda_pos: float = knob(3.0, modes=GRPO, above=0.0)
+    """vespo's decay lambda where the advantage is >= 0: how hard a ratio above 1 is down-weighted."""
+    vespo_k_neg: float = knob(3.0, modes=GRPO, least=0.0)
+    """vespo's k where the advantage is negative."""
+    vespo_lambda_neg: float = knob(2.0, modes=GRPO, above=0.0)
+    """vespo's lambda where the advantage is negative."""
     scale_rewards: str = knob("group", modes=GRPO, choices=SCALE_REWARDS)
     """Advantages divided by the std of the group's rewards | the batch's | none (Dr. GRPO)."""
     importance_sampling_level: str = knob("token", modes=GRPO, choices=LEVELS)

@@ -66,12 +66,16 @@ MAX_COMPLETION_LENGTH=${MAX_COMPLETION_LENGTH:-} # tokens a completion may run t
 TEMPERATURE=${TEMPERATURE:-}            # sampling temperature (0: greedy); the log-probs are taken at it too, as TRL takes them; empty: 1
 TOP_P=${TOP_P:-}                        # nucleus sampling: the likeliest tokens whose probability reaches TOP_P (1: all); empty: 1
 TOP_K=${TOP_K:-}                        # only the TOP_K likeliest tokens are drawn from (0: all); empty: 0
-LOSS_TYPE=${LOSS_TYPE:-}                # dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo (docs/grpo.md); empty: dapo
+LOSS_TYPE=${LOSS_TYPE:-}                # dapo (tokens of the step) | grpo (per completion) | bnpo | dr_grpo | cispo | sapo | luspo | vespo (docs/grpo.md); empty: dapo
 EPSILON=${EPSILON:-}                    # the policy ratio is clipped to 1 - EPSILON (and 1 + EPSILON without EPSILON_HIGH); empty: 0.2
 EPSILON_HIGH=${EPSILON_HIGH:-}          # the ratio's upper clip, 1 + EPSILON_HIGH (DAPO: 0.28; cispo's cap); empty: EPSILON
 DELTA=${DELTA:-}                        # two-sided GRPO: the unclipped ratio capped at DELTA; empty: off
 SAPO_TEMPERATURE_POS=${SAPO_TEMPERATURE_POS:-} # sapo's gate temperature where the advantage is positive; empty: 1
 SAPO_TEMPERATURE_NEG=${SAPO_TEMPERATURE_NEG:-} # sapo's gate temperature elsewhere; empty: 1.05
+VESPO_K_POS=${VESPO_K_POS:-}            # vespo's power k where the advantage is >= 0: how hard a completion whose ratio fell below 1 is down-weighted; empty: 2
+VESPO_LAMBDA_POS=${VESPO_LAMBDA_POS:-}  # vespo's decay lambda where the advantage is >= 0: how hard a ratio above 1 is down-weighted; empty: 3
+VESPO_K_NEG=${VESPO_K_NEG:-}            # vespo's k where the advantage is negative; empty: 3
+VESPO_LAMBDA_NEG=${VESPO_LAMBDA_NEG:-}  # vespo's lambda where the advantage is negative; empty: 2
 SCALE_REWARDS=${SCALE_REWARDS:-}        # advantages divided by the std of the group's rewards | the batch's | none (Dr; empty: group
 IMPORTANCE_SAMPLING_LEVEL=${IMPORTANCE_SAMPLING_LEVEL:-} # token | sequence (GSPO: one ratio per completion); empty: token
 MULTI_OBJECTIVE_AGGREGATION=${MULTI_OBJECTIVE_AGGREGATION:-} # sum_then_normalize | normalize_then_sum; empty: sum_then_normalize

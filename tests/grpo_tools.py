@@ -7,6 +7,8 @@ trl/trainer/grpo_trainer.py (_generate_and_score_completions, _compute_loss) and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from train.core.reward import (
@@ -91,6 +93,7 @@ EXTRA = {
     "cispo": dict(epsilon_high=1.05),  # the weight's cap (TRL suggests 5): low enough here to bite
     "sapo": dict(sapo_temperature_neg=1.5, sapo_temperature_pos=0.8),
     "luspo": dict(epsilon=0.1),
+    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
 }
 
 
@@ -186,6 +189,21 @@ def _nanmax(t):
     return torch.tensor(float("nan")) if torch.isnan(t).all() else torch.max(t[~torch.isnan(t)])
 
 
+@torch.no_grad()
+def get_gamma_weights(advantages, log_ratio_per_token, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    """GRPOTrainer.get_gamma_weights without vLLM's importance_sampling_ratio (None here)."""
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tensor, dict]:
     """_compute_loss after the forward, one process, current_gradient_accumulation_steps 1, with
     num_items_in_batch = the batch's kept tokens (a generation batch of one micro-batch). k: GrpoKnobs."""
@@ -218,6 +236,10 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
         per_token_loss1 = coef_1 * advantages
         per_token_loss2 = coef_2 * advantages
         per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    elif k.loss_type == "vespo":
+        phi_seq = get_gamma_weights(advantages, log_ratio, mask, k.vespo_k_pos, k.vespo_lambda_pos,
+                                    k.vespo_k_neg, k.vespo_lambda_neg)  # fmt: skip
+        per_token_loss = -phi_seq * advantages * per_token_logps
     else:  # sapo
         temperatures = torch.where(advantages > 0, k.sapo_temperature_pos, k.sapo_temperature_neg)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
@@ -230,7 +252,7 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     elif k.loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * k.max_completion_length)
-    elif k.loss_type in ["cispo", "dapo"]:
+    elif k.loss_type in ["cispo", "dapo", "vespo"]:
         normalizer = mask.sum().clamp(min=1.0) / 1  # num_items_in_batch / num_processes, x 1 / 1
         loss = (per_token_loss * mask).sum() / normalizer
     else:  # luspo
@@ -255,6 +277,9 @@ def plain_loss(per_token_logps, entropies, inputs: dict, k) -> tuple[torch.Tenso
     if k.loss_type == "cispo":
         is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
         metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped.float())
+        return loss, metrics
+    if k.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = global_masked_mean(phi_seq)
         return loss, metrics
     if k.loss_type == "sapo":
         return loss, metrics

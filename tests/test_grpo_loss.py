@@ -1,10 +1,10 @@
-"""GRPO's loss core (train/core/reward) against TRL 1.16's formulas transcribed plainly (grpo_tools):
-the full logits of a plain forward, then _compute_loss's and _generate_and_score_completions's math.
-On tiny GPT-2 and Llama models, loss, every parameter's gradient and every metric agree to 1e-5 for
-each LOSS_TYPE (the seven built), token and sequence level, BETA 0 and > 0 (a reference copy),
-NUM_ITERATIONS 1 and 2 (the second iteration after a real optimizer step, its old log-probs kept from
-generation time); the advantages, the reward and completion metrics likewise; accumulation and ranks
-give the one big batch's number."""
+"""GRPO's loss core (train/core/reward) against TRL 1.16's formulas transcribed plainly (grpo_tools): the
+full logits of a plain forward, then _compute_loss's and _generate_and_score_completions's math. On tiny
+GPT-2 and Llama models, loss, every parameter's gradient and every metric agree to 1e-5 for each
+LOSS_TYPE (TRL's eight), token and sequence level (vespo: token, sequence refused), BETA 0 and > 0 (a
+reference copy), NUM_ITERATIONS 1 and 2 (the second iteration after a real optimizer step, its old
+log-probs kept from generation time); the advantages, the reward and completion metrics likewise;
+accumulation and ranks give the one big batch's number."""
 
 from __future__ import annotations
 
@@ -66,10 +66,13 @@ def grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# vespo makes its own sequence ratio, so IMPORTANCE_SAMPLING_LEVEL=sequence is refused for it
+LEVELS = [(t, v) for t in LOSS_TYPES for v in ("token", "sequence") if (t, v) != ("vespo", "sequence")]
+
+
 @pytest.mark.parametrize("mu", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.05])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type, level", LEVELS)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_loss_gradients_and_metrics_equal_trl(family, loss_type, level, beta, mu):
     knobs = GrpoKnobs(loss_type=loss_type, importance_sampling_level=level, beta=beta, num_iterations=mu,
@@ -106,10 +109,10 @@ def test_loss_gradients_and_metrics_equal_trl(family, loss_type, level, beta, mu
         assert metrics["kl"].item() == pytest.approx(0.0, abs=1e-7)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
 def test_the_clip_and_the_kl_are_exercised(loss_type):
     """The comparisons above are not vacuous: after one step the ratios leave [1 - eps, 1 + eps_high]
-    on both sides (cispo's cap bites) and the KL to the reference is positive."""
+    on both sides (cispo's cap bites), vespo's weights leave 1 and the KL to the reference is positive."""
     knobs = GrpoKnobs(loss_type=loss_type, beta=0.05, num_iterations=2, num_generations=G,
                       **{**EXTRA[loss_type], "epsilon": 0.05})  # fmt: skip
     policy = tiny("gpt2", seed=0)
@@ -121,6 +124,8 @@ def test_the_clip_and_the_kl_are_exercised(loss_type):
     assert metrics["kl"] > 1e-4
     if loss_type == "cispo":
         assert metrics["cispo_clip_ratio"] > 0
+    elif loss_type == "vespo":
+        assert abs(metrics["vespo/phi_seq_mean"] - 1) > 1e-2
     else:
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
 
@@ -301,6 +306,8 @@ def test_bf16_autocast_matches_the_full_logits_under_it():
     (dict(temperature=0.0), "TEMPERATURE"), (dict(beta=-1.0), "BETA"), (dict(epsilon=1.5), "EPSILON"),
     (dict(delta=0.9), "DELTA"), (dict(num_iterations=0), "NUM_ITERATIONS"),
     (dict(multi_objective_aggregation="mean"), "MULTI_OBJECTIVE_AGGREGATION"),
+    (dict(loss_type="vespo", importance_sampling_level="sequence"), "IMPORTANCE_SAMPLING_LEVEL=sequence"),
+    (dict(vespo_k_pos=-1.0), "VESPO_K_POS=-1.0"), (dict(vespo_lambda_neg=0.0), "VESPO_LAMBDA_NEG=0.0"),
 ])  # fmt: skip
 def test_bad_knobs_name_their_variable(bad, variable):
     with pytest.raises(ValueError, match=variable):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-"""The loss types built here (loss.LOSS_TYPE): TRL 1.16's but vespo."""
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+"""The loss types built here (loss.LOSS_TYPE): TRL 1.16's eight."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -33,6 +33,15 @@ class GrpoKnobs:
     """SAPO_TEMPERATURE_POS: sapo's gate temperature where the advantage is positive."""
     sapo_temperature_neg: float = 1.05
     """SAPO_TEMPERATURE_NEG: sapo's gate temperature elsewhere."""
+    vespo_k_pos: float = 2.0
+    """VESPO_K_POS: vespo's power k where the advantage is >= 0 (how hard a sequence ratio below 1 is
+    down-weighted)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO_LAMBDA_POS: vespo's decay lambda where the advantage is >= 0 (how hard a ratio above 1 is)."""
+    vespo_k_neg: float = 3.0
+    """VESPO_K_NEG: vespo's k elsewhere."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO_LAMBDA_NEG: vespo's lambda elsewhere."""
     importance_sampling_level: str = "token"
     """IMPORTANCE_SAMPLING_LEVEL: token, or sequence (GSPO: the mean log-ratio of each completion)."""
     num_iterations: int = 1
@@ -78,6 +87,16 @@ class GrpoKnobs:
         if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
             raise ValueError(f"SAPO_TEMPERATURE_POS={self.sapo_temperature_pos}, SAPO_TEMPERATURE_NEG="
                              f"{self.sapo_temperature_neg}: each above 0")  # fmt: skip
+        ks, lambdas = (self.vespo_k_pos, self.vespo_k_neg), (self.vespo_lambda_pos, self.vespo_lambda_neg)
+        if min(ks) < 0 or min(lambdas) <= 0:
+            raise ValueError(f"VESPO_K_POS={ks[0]}, VESPO_K_NEG={ks[1]}, VESPO_LAMBDA_POS={lambdas[0]}, "
+                             f"VESPO_LAMBDA_NEG={lambdas[1]}: k at least 0, lambda above 0")  # fmt: skip
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            # vespo makes its own sequence weight from the token log-ratios; the level would change
+            # nothing but the KL term's correction (TRL warns)
+            raise ValueError(f"LOSS_TYPE=vespo, IMPORTANCE_SAMPLING_LEVEL={self.importance_sampling_level}: "
+                             "vespo weighs each completion by its own sequence ratio; set "
+                             "IMPORTANCE_SAMPLING_LEVEL=token (the default)")  # fmt: skip
         if self.delta is not None and self.delta <= 1:
             raise ValueError(f"DELTA={self.delta}: above 1 (TRL recommends above 1 + EPSILON_HIGH), or unset")
 

@@ -8,14 +8,18 @@ For completion token t of sequence i, with A_i its advantage (advantages.group_a
   token loss -min(w A_i, clip(w, 1 - EPSILON, 1 + EPSILON_HIGH) A_i), the unclipped w capped at DELTA
              where it is set (two-sided GRPO); cispo: -min(w, EPSILON_HIGH) A_i logp_it, the weight
              detached (MiniMax-M1); sapo: -A_i (4 / tau) sigmoid(tau (w - 1)), tau SAPO_TEMPERATURE_POS
-             where A_i > 0, else SAPO_TEMPERATURE_NEG; plus BETA x kl_it where BETA > 0:
+             where A_i > 0, else SAPO_TEMPERATURE_NEG; vespo: -phi_i A_i logp_it, phi_i detached (below);
+             plus BETA x kl_it where BETA > 0:
   kl_it      exp(ref_it - logp_it) - (ref_it - logp_it) - 1 (k3), times w (TRL's default
              use_bias_correction_kl)
+  vespo      phi_i = exp(lambda + k log W_i - lambda W_i) (a gamma weight, phi(1) = 1), log W_i = sum_t m
+             clamp(r_it, -20, 20) clamped to [log 1e-8, 20]; k, lambda VESPO_K_POS, VESPO_LAMBDA_POS where
+             A_i >= 0, else VESPO_K_NEG, VESPO_LAMBDA_NEG; a non-finite phi reads 0 (TRL's get_gamma_weights)
 LOSS_TYPE is how the token losses l_it, over the kept tokens (mask m_it), become the step's number:
   grpo, sapo    mean over sequences of (sum_t m l / sum_t m)
   bnpo          sum m l / sum m over the micro-batch, averaged over the step's micro-batches
   dr_grpo       sum m l / (sequences x MAX_COMPLETION_LENGTH)
-  dapo, cispo   sum m l / (kept tokens of the whole step)
+  dapo, cispo, vespo  sum m l / (kept tokens of the whole step)
   luspo         mean over sequences of sum_t m l (GSPO's loss scaled by each length)
 Accumulation and ranks. The kit's rule is that an optimizer step's loss is the loss of one big batch;
 each micro-batch returns its share, with the step's totals counted on the host first (step_counts), and
@@ -24,7 +28,7 @@ gradient accumulation TRL divides grpo, bnpo and dr_grpo by the number of accumu
 and dr_grpo are the one big batch's number wherever the micro-batches hold equal numbers of
 completions (TRL's always do), and so are the shares here. bnpo is the one exception by definition: TRL
 normalises it per local (micro-)batch, and so does this share (one micro-batch per step: bnpo = dapo).
-sapo and luspo are divided by the accumulation in TRL as grpo is; cispo's divisor is dapo's.
+sapo and luspo are divided by the accumulation in TRL as grpo is; cispo's and vespo's divisor is dapo's.
 dapo: TRL divides by num_items_in_batch (the kept tokens of the whole generation batch, gathered over
 processes) / processes x accumulation / steps_per_generation; with one generation per optimizer step
 (TRL's default steps_per_generation = accumulation, the kit's only case) that is the step's kept tokens
@@ -36,6 +40,7 @@ that train_step makes is TRL's mean over them. Counts for DDP must be summed ove
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -88,40 +93,58 @@ def _dapo(masked, mask, counts: StepCounts, knobs: GrpoKnobs, world_size: int):
     return masked.sum() / max(1, counts.tokens) * world_size
 
 
-def _clipped(coef_1, advantages, logps, knobs: GrpoKnobs):
+def _clipped(coef_1, advantages, logps, knobs: GrpoKnobs, *_):
     coef_2 = torch.clamp(coef_1, 1 - knobs.epsilon_low, 1 + knobs.upper_epsilon)
     if knobs.delta is not None:  # TRL caps after coef_2 is made, and its clip metrics read the capped ratio
         coef_1 = torch.clamp(coef_1, max=knobs.delta)
     return -torch.min(coef_1 * advantages, coef_2 * advantages), coef_1
 
 
-def _cispo(coef_1, advantages, logps, knobs: GrpoKnobs):
+def _cispo(coef_1, advantages, logps, knobs: GrpoKnobs, *_):
     return -torch.clamp(coef_1, max=knobs.upper_epsilon).detach() * advantages * logps, coef_1
 
 
-def _sapo(coef_1, advantages, logps, knobs: GrpoKnobs):
+def _sapo(coef_1, advantages, logps, knobs: GrpoKnobs, *_):
     tau = torch.where(advantages > 0, knobs.sapo_temperature_pos, knobs.sapo_temperature_neg)
     return -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * advantages, coef_1
 
 
+LOG_1E_8 = math.log(1e-8)  # vespo's floor of log W: TRL clamps there so that W itself is >= 1e-8
+
+
+@torch.no_grad()  # phi only scales each completion's gradient, as TRL's weight
+def _vespo_weights(log_ratio, advantages, mask, knobs: GrpoKnobs) -> torch.Tensor:
+    """Each completion's gamma weight phi (B, 1) from its token log-ratios (module doc)."""
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(LOG_1E_8, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, knobs.vespo_k_pos, knobs.vespo_k_neg)
+    lam = torch.where(nonneg, knobs.vespo_lambda_pos, knobs.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(coef_1, advantages, logps, knobs: GrpoKnobs, log_ratio, mask):
+    phi = _vespo_weights(log_ratio, advantages, mask, knobs)
+    return -phi * advantages * logps, phi
+
+
 @dataclass(frozen=True)
 class LossType:
-    """One row of LOSS_TYPE: token_loss(ratio, advantages, logps, knobs) -> (token losses, the ratio
-    the metrics read); share(masked token losses (B, C), mask, counts, knobs, world_size) -> this
-    micro-batch's share of the step; clip: which of TRL's clip metrics it logs."""
+    """One row of LOSS_TYPE: token_loss(ratio, advantages, logps, knobs, log_ratio, mask) -> (token
+    losses, the ratio the metrics read: vespo's phi); share(masked token losses (B, C), mask, counts,
+    knobs, world_size) -> this micro-batch's share of the step; clip: which of TRL's metrics it logs."""
 
     token_loss: Callable
     share: Callable
-    clip: str  # "region" (clip_ratio/*), "cispo" (cispo_clip_ratio) or "" (none)
+    clip: str  # "region" (clip_ratio/*), "cispo" (cispo_clip_ratio), "vespo" (vespo/phi_seq_mean), ""
 
 
 LOSS_TYPE: dict[str, LossType] = {
     "grpo": LossType(_clipped, _grpo, "region"), "bnpo": LossType(_clipped, _bnpo, "region"),
     "dr_grpo": LossType(_clipped, _dr_grpo, "region"), "dapo": LossType(_clipped, _dapo, "region"),
     "cispo": LossType(_cispo, _dapo, "cispo"), "sapo": LossType(_sapo, _grpo, ""),
-    "luspo": LossType(_clipped, _luspo, "region"),
+    "luspo": LossType(_clipped, _luspo, "region"), "vespo": LossType(_vespo, _dapo, "vespo"),
 }  # fmt: skip
-"""LOSS_TYPE -> its token loss and its normalisation, TRL 1.16's (vespo is not built)."""
+"""LOSS_TYPE -> its token loss and its normalisation, TRL 1.16's."""
 
 
 # TRL tells a per-sequence (B, 1) value from a per-token one by its width; so would a batch whose
@@ -153,6 +176,8 @@ def _clip_metrics(coef_1, advantages, mask, knobs: GrpoKnobs) -> dict:
     if kind == "cispo":
         return {"cispo_clip_ratio": _masked_mean(((coef_1 > knobs.upper_epsilon) & (advantages > 0)).float(),
                                                  mask, seq)}  # fmt: skip
+    if kind == "vespo":  # phi is one value per completion at either level
+        return {"vespo/phi_seq_mean": _masked_mean(coef_1, mask, per_sequence=True)}
     if not kind:
         return {}
     low = ((coef_1 < 1 - knobs.epsilon_low) & (advantages < 0)).float()
@@ -175,8 +200,8 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
     logps (B, C) (with their gradient), advantages (B,), the loss mask (B, C), the old log-probs (B, C)
     (None: logps detached) and the reference's (B, C) (needed where BETA > 0). Metrics: kl (BETA > 0),
     entropy (given entropies), clip_ratio/{low,high,region}_mean, clip_ratio/low_min, /high_max (the
-    clipped losses), cispo_clip_ratio (cispo), each this micro-batch's share (module doc), detached
-    device tensors: nothing here reads the device."""
+    clipped losses), cispo_clip_ratio (cispo), vespo/phi_seq_mean (vespo), each this micro-batch's share
+    (module doc), detached device tensors: nothing here reads the device."""
     if knobs.loss_type not in LOSS_TYPE:
         raise ValueError(f"LOSS_TYPE={knobs.loss_type}: expected one of {', '.join(LOSS_TYPE)}")
     if knobs.beta != 0.0 and ref is None:
@@ -195,7 +220,7 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
         if knobs.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
     row = LOSS_TYPE[knobs.loss_type]
-    per_token_loss, coef_1 = row.token_loss(coef_1, advantages, logps, knobs)
+    per_token_loss, coef_1 = row.token_loss(coef_1, advantages, logps, knobs, log_ratio, mask)
     if knobs.beta != 0.0:
         per_token_loss = per_token_loss + knobs.beta * per_token_kl
     share = row.share(per_token_loss * mask, mask, counts, knobs, world_size)
