@@ -162,6 +162,10 @@ def test_lora_adapters_accumulation_iterations_bf16_and_a_users_reward_file(sft_
         (("--model_size", "nano"), "MODEL_SIZE (--model_size) does not apply to reward training"),
         (("--reward_funcs", "nope"), "REWARD_FUNCS: unknown reward 'nope'"),
         (("--loss_mean", "tokens"), "LOSS_MEAN (--loss_mean) does not apply to reward training"),
+        (
+            ("--loss_type", "vespo", "--importance_sampling_level", "sequence"),
+            "LOSS_TYPE=vespo, IMPORTANCE_SAMPLING_LEVEL=sequence: vespo weighs each completion",
+        ),
     ],
 )
 def test_what_grpo_cannot_do_is_one_line_exit_2_and_no_run_folder(sft_runs, capsys, flags, message):
