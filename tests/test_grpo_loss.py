@@ -330,13 +330,13 @@ def test_bad_rewards_name_their_variable():
         grpo_loss(tiny("gpt2"), scored_batch(knobs), CPU, "fp32", knobs=knobs)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_no_host_sync_in_a_micro_step(level):
+@pytest.mark.parametrize("loss_type, level", [("dapo", "token"), ("dapo", "sequence"), ("vespo", "token")])
+def test_no_host_sync_in_a_micro_step(loss_type, level):
     """Counting the step, forward and backward of a micro-batch read nothing back from the device (the
     counter plays the GPU on the CPU: the loader's batches are host tensors until they move)."""
     from train.core.measure.syncs import HostSyncs
 
-    knobs = GrpoKnobs(loss_type="dapo", beta=0.05, num_iterations=2, num_generations=G,
+    knobs = GrpoKnobs(loss_type=loss_type, beta=0.05, num_iterations=2, num_generations=G,
                       importance_sampling_level=level)  # fmt: skip
     policy = tiny("llama", seed=0)
     batch = scored_batch(knobs)
