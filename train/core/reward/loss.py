@@ -16,11 +16,11 @@ For completion token t of sequence i, with A_i its advantage (advantages.group_a
              clamp(r_it, -20, 20) clamped to [log 1e-8, 20]; k, lambda VESPO_K_POS, VESPO_LAMBDA_POS where
              A_i >= 0, else VESPO_K_NEG, VESPO_LAMBDA_NEG; a non-finite phi reads 0 (TRL's get_gamma_weights)
 LOSS_TYPE is how the token losses l_it, over the kept tokens (mask m_it), become the step's number:
-  grpo, sapo    mean over sequences of (sum_t m l / sum_t m)
-  bnpo          sum m l / sum m over the micro-batch, averaged over the step's micro-batches
-  dr_grpo       sum m l / (sequences x MAX_COMPLETION_LENGTH)
+  grpo, sapo          mean over sequences of (sum_t m l / sum_t m)
+  bnpo                sum m l / sum m over the micro-batch, averaged over the step's micro-batches
+  dr_grpo             sum m l / (sequences x MAX_COMPLETION_LENGTH)
   dapo, cispo, vespo  sum m l / (kept tokens of the whole step)
-  luspo         mean over sequences of sum_t m l (GSPO's loss scaled by each length)
+  luspo               mean over sequences of sum_t m l (GSPO's loss scaled by each length)
 Accumulation and ranks. The kit's rule is that an optimizer step's loss is the loss of one big batch;
 each micro-batch returns its share, with the step's totals counted on the host first (step_counts), and
 backward of the shares, added up (and averaged over ranks by DDP), is the step's gradient. Under
