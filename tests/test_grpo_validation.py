@@ -60,33 +60,44 @@ def test_validation_logs_val_reward_and_leaves_the_training_draws_as_they_were(r
     assert [r["step"] for r in trained] == [r["step"] for r in resumed] == [1, 2, 3]
     for a, b, c in zip(plain, trained, resumed, strict=True):  # the same completions drawn, the same steps
         for name in TRAINED:
-            assert a[name] == b[name] and a[name] == pytest.approx(c[name], rel=1e-5, abs=1e-6), (a["step"], name)
+            assert a[name] == b[name], (a["step"], name)
+            assert a[name] == pytest.approx(c[name], rel=1e-5, abs=1e-6), (a["step"], name)
     assert [r["step"] for r in checked] == [r["step"] for r in again] == [1, 2, 3]
     for a, b in zip(checked, again, strict=True):  # every pass draws alike: the resumed run's are the same
         for name in ("val_loss", "val_reward", "val_rewards/accuracy/mean", "val_rewards/format/mean"):
             assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (a["step"], name)
     assert all(r["val_ppl"] is None and r["samples"] == 2 * r["step"] for r in checked)
-    assert len({r["val_rewards/format/mean"] for r in checked}) > 1  # the weights moved, and the passes see it
+    assert len({r["val_reward"] for r in checked}) > 1  # the weights moved, and the passes see it
     summary = json.loads((root / "runs" / "val" / "summary.json").read_text())
     assert summary["final_val_reward"] == pytest.approx(checked[-1]["val_reward"])
-    assert summary["final_val_rewards/accuracy/mean"] == pytest.approx(checked[-1]["val_rewards/accuracy/mean"])
+    last = checked[-1]
+    assert summary["final_val_rewards/format/mean"] == pytest.approx(last["val_rewards/format/mean"])
     assert summary["final_val_ppl"] is None and summary["val_prompts"] == 4 and summary["eval_passes"] == 3
     assert "final_val_reward" not in json.loads((root / "runs" / "plain" / "summary.json").read_text())
 
 
-def test_val_fraction_holds_out_the_last_prompts(root, base_model, capsys):
-    assert run_cli(*argv(root, base_model, "frac", "--val_fraction", "0.25", "--max_steps", "1")) == 0
+def test_val_fraction_holds_out_the_last_prompts_and_tensorboard_gets_val_reward(root, base_model, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    frac = ("--val_fraction", "0.25", "--max_steps", "1", "--report_to", "tensorboard")
+    assert run_cli(*argv(root, base_model, "frac", *frac)) == 0
     out = capsys.readouterr().out
-    assert "validation = 3 prompts" in out
-    summary = json.loads((root / "runs" / "frac" / "summary.json").read_text())
+    assert "validation = 3 prompts" in out and "eval step 1: val_loss" in out
+    run = root / "runs" / "frac"
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["prompts"] == 12 and summary["val_prompts"] == 3 and summary["val_sequences"] == 2
-    _, checked = rows(root / "runs" / "frac")
-    assert [r["step"] for r in checked] == [1] and "val_reward" in checked[0]
+    _, checked = rows(run)
+    assert [r["step"] for r in checked] == [1] and "val_rewards/format/mean" in checked[0]
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"val/reward", "val/rewards/format/mean", "summary/final_val_reward"} <= scalars, scalars
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--val_path", "{root}/empty.jsonl"), "VAL_PATH: {root}/empty.jsonl: no records"),
-    (("--val_path", "{root}/bare.jsonl"), "REWARD_FUNCS=accuracy: VAL_PATH has no 'answer' or 'solution' column"),
+    (("--val_path", "{root}/bare.jsonl"), "REWARD_FUNCS=accuracy: VAL_PATH has no 'answer' or 'solution'"),
     (("--val_fraction", "0.3", "--batch_size", "10", "--max_steps", "1"),
      "DATA_PATH: 8 prompts (VAL_FRACTION held out 4 more) are fewer than one optimizer step needs"),
     (("--keep_best", "1", "--val_fraction", "0.1"), "KEEP_BEST=1: best/ keeps the lowest val_loss"),

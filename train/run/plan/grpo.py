@@ -3,7 +3,8 @@
 The plan is make_plan's, and the step, loop, checkpoints and run folder are shared. The model and its
 tokenizer are SFT's (sft.py's functions, composed as DPOSource composes them): MODEL_PATH, default the
 newest completed SFT or DPO run's final/ (a decision, printed); LoRA. The prompts come through
-train/data/prompt's front door (DATA_PATH, or the built-in arithmetic task), the rewards are REWARD_FUNCS
+train/data/prompt's front door (DATA_PATH, or the built-in arithmetic task; the held-out ones of VAL_PATH or
+VAL_FRACTION, split as the chat doors split theirs, for validation), the rewards are REWARD_FUNCS
 (train/run/plan/reward_funcs.py), and the loss is train/core/reward's, handed to the step as the plan's
 objective (GRPOObjective), whose rollout samples and scores the completions inside each step. BETA > 0
 compares with a reference: REFERENCE=copy (a frozen copy) or adapters (LoRA's base); precomputed cannot
