@@ -182,10 +182,11 @@ class DataConfig:
     val_fraction: float = knob(0.01, least=0.0)
     """Share of the data held out for validation (the last part of the token stream, never trained on); raised
     to fill EVAL_BATCHES x 8 sequences where the data allows (at most 10 %), the same whatever BATCH_SIZE, so
-    runs that differ in it hold out the same data. 0: no validation. DPO: share of the pairs held out."""
+    runs that differ in it hold out the same data. 0: no validation. DPO: share of the pairs held out. GRPO:
+    share of the prompts held out, 0 unless set (a pass samples NUM_GENERATIONS completions of each)."""
     val_path: str | None = None
     """A separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer;
-    used instead of VAL_FRACTION."""
+    used instead of VAL_FRACTION. GRPO: prompts, in any format DATA_PATH's prompts take."""
 
     def __post_init__(self):
         check_fields(self)
@@ -544,7 +545,8 @@ PRESETS: dict[str, dict] = {
     "grpo": dict(batch_size=4, learning_rate=1e-5, weight_decay=0.0, tf32=True, dropout=0.0),
 }
 MODE_DEFAULTS = {"dpo": dict(dpo_loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
-                             sft_weight=0.0), "grpo": dict(beta=0.0)}  # TRL's
+                             sft_weight=0.0),
+                 "grpo": dict(beta=0.0, val_fraction=0.0)}  # TRL's (GRPOTrainer evaluates only if asked)
 
 
 def resolve(preset: str | None, overrides: dict) -> TrainConfig:

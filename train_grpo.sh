@@ -44,8 +44,8 @@ PERSISTENT_WORKERS=${PERSISTENT_WORKERS:-} # keep worker processes alive between
 CACHE_DIR=${CACHE_DIR:-}                # where trained tokenizers and token caches live, keyed by data content and tokenizer; empty: .cache
 SKIP_BAD_RECORDS=${SKIP_BAD_RECORDS:-}  # skip records that cannot be used (bad JSON, no response, wrong shape) and print how many; empty: 0
 TEMPLATE=${TEMPLATE:-}                  # builtin | tokenizer | none (raw: source + eos -> target + eos, as ChatLM) | a Jinja file; empty: the tokenizer's own chat template where it has one, else builtin
-VAL_FRACTION=${VAL_FRACTION:-}          # share of the data held out for validation (the last part of the token stream, never trained on); empty: 0.01
-VAL_PATH=${VAL_PATH:-}                  # a separate validation file or folder (same formats as DATA_PATH), tokenized with the same tokenizer
+VAL_FRACTION=${VAL_FRACTION:-}          # share of the prompts held out, 0 unless set (a pass samples NUM_GENERATIONS completions of each); empty: 0
+VAL_PATH=${VAL_PATH:-}                  # prompts, in any format DATA_PATH's prompts take
 
 # ---- batch, learning rate, how long ----
 BATCH_SIZE=${BATCH_SIZE:-}              # prompts per micro-batch, NUM_GENERATIONS completions each; empty: 4 (preset grpo)

@@ -192,14 +192,15 @@ class RewardSet:
     def weights(self) -> torch.Tensor:
         return torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
 
-    def check_columns(self, columns: Iterable[str]) -> None:
-        """Before any work: each built-in's column is in the data (one line naming it otherwise)."""
+    def check_columns(self, columns: Iterable[str], source: str = "DATA_PATH") -> None:
+        """Before any work: each built-in's column is in the data (one line naming it, and the source's
+        variable, otherwise)."""
         have = set(columns)
         for reward in self.rewards:
             if reward.needs and not have.intersection(reward.needs):
                 listed = ", ".join(sorted(have)) or "none besides the prompt"
                 raise RewardFailed(
-                    f"REWARD_FUNCS={reward.name}: DATA_PATH has no "
+                    f"REWARD_FUNCS={reward.name}: {source} has no "
                     f"{' or '.join(map(repr, reward.needs))} column to compare the completions "
                     f"with (its columns: {listed})"
                 )

@@ -16,9 +16,10 @@ Imports torch and train/core only."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -30,6 +31,8 @@ from train.core.reward.knobs import GrpoKnobs
 from train.core.reward.logps import Completions, completion_logps, model_inputs
 from train.core.reward.loss import StepCounts, grpo_loss
 from train.core.reward.sampling import Sampler
+
+VAL_SEED = 1 << 32  # validation's generators, apart from the training ones (SEED + rank)
 
 
 @dataclass
@@ -51,6 +54,9 @@ class GRPOObjective:
     reference: str | None = None
     """BETA > 0: copy (ref_model, made by the caller) or adapters (the policy with its LoRA off)."""
     ref_model: torch.nn.Module | None = None
+    held_out: object | None = None
+    """Validation's prompts (VAL_PATH's or VAL_FRACTION's PromptSet: ids, for_rewards), by their batches'
+    index; None: no validation."""
     max_steps: int = 0
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
@@ -159,16 +165,25 @@ class GRPOObjective:
 
     def evaluate(self, model, batch: dict, device, precision: str):
         """Held-out prompts sampled and scored under the current weights, no gradient: (prompts, the policy
-        loss, the reward metrics). Draws from the sampler's generator, at the same steps every run."""
-        was = self._metrics
+        loss, the reward metrics). A view of this objective on the held-out prompts does it, drawing from a
+        generator of its own seeded SEED + VAL_SEED + the batch's first prompt: the training draws (the
+        sampler's generator, a checkpoint's) are untouched, and every pass draws alike (RESUME=1 too), so
+        passes differ by the weights alone. NUM_ITERATIONS is 1 there: with no step between the sampling
+        and the loss the old log-probs are the policy's own, and their extra forward is saved."""
+        if self.held_out is None:
+            raise ValueError("evaluate: no held-out prompts (VAL_PATH or VAL_FRACTION)")
+        sampler = copy.copy(self.sampler)
+        sampler.generator = torch.Generator(device=sampler.device)
+        sampler.generator.manual_seed(sampler.seed + VAL_SEED + int(batch["index"][0]))
+        view = replace(self, sampler=sampler, knobs=replace(self.knobs, num_iterations=1),
+                       prompt_ids=self.held_out.ids, for_rewards=self.held_out.for_rewards, _cached=None,
+                       _metrics={})  # fmt: skip
         with torch.no_grad():
-            scored = self._score(model, [batch])
-            counts = self.counts(scored)
-            loss, _ = self.loss(model, scored[0], device, precision, counts)
-        metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in self._metrics.items()
+            scored = view._score(model, [batch])
+            loss, _ = view.loss(model, scored[0], device, precision, view.counts(scored))
+        metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in view._metrics.items()
                    if k == "reward" or k.startswith("rewards/")}  # fmt: skip
-        self._metrics = was
-        return self.samples(batch), loss, metrics
+        return view.samples(batch), loss, metrics
 
     def perplexity(self, loss: float | None) -> None:
         return None

@@ -1,6 +1,7 @@
 """Reward training's front door for prompts: DATA_PATH (or the built-in arithmetic task) -> Prompts ->
 the prompt text as the chat template frames it -> token ids, and each batch's prompts and columns as
-the rewards get them.
+the rewards get them; VAL_PATH's prompts come through the same door, VAL_FRACTION's are a PromptSet's
+last part.
 
 A prompt is rendered as SFT frames the prompt of a conversation and as `python -m train generate`
 prompts a model: train/data/sft/sft_data.py's prompt_for_generation, the text up to where the
@@ -19,8 +20,9 @@ Imports train/core and train/data only, never the root config.py or a model.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 from train.data.chat import formats
 from train.data.chat.encode import prompt_for_generation
@@ -68,6 +70,7 @@ def encode_prompts(
 class PromptSet:
     """The run's prompts, their ids, the format read, and the records skipped (SKIP_BAD_RECORDS=1)."""
 
+    unit: ClassVar[str] = "prompts"  # what train/data/holdout.py's held-out split counts
     prompts: list[Prompt]
     ids: list[list[int]]
     format: str
@@ -81,6 +84,10 @@ class PromptSet:
     def column_names(self) -> list[str]:
         """Every extra column any prompt has, in order of first appearance (RewardSet.check_columns)."""
         return list(dict.fromkeys(k for p in self.prompts for k in p.columns))
+
+    def part(self, lo: int, hi: int) -> PromptSet:
+        """Prompts lo .. hi - 1 (VAL_FRACTION's split: holdout.held_out), indexed from 0."""
+        return replace(self, prompts=self.prompts[lo:hi], ids=self.ids[lo:hi])
 
     def for_rewards(self, index: Sequence[int], repeat: int = 1) -> tuple[list, dict[str, list]]:
         """(prompts, columns) of the prompts at `index` as rewards get them, each repeated `repeat`

@@ -3,7 +3,8 @@
 The plan is make_plan's, and the step, loop, checkpoints and run folder are shared. The model and its
 tokenizer are SFT's (sft.py's functions, composed as DPOSource composes them): MODEL_PATH, default the
 newest completed SFT or DPO run's final/ (a decision, printed); LoRA. The prompts come through
-train/data/prompt's front door (DATA_PATH, or the built-in arithmetic task), the rewards are REWARD_FUNCS
+train/data/prompt's front door (DATA_PATH, or the built-in arithmetic task; the held-out ones of VAL_PATH or
+VAL_FRACTION, split as the chat doors split theirs, for validation), the rewards are REWARD_FUNCS
 (train/run/plan/reward_funcs.py), and the loss is train/core/reward's, handed to the step as the plan's
 objective (GRPOObjective), whose rollout samples and scores the completions inside each step. BETA > 0
 compares with a reference: REFERENCE=copy (a frozen copy) or adapters (LoRA's base); precomputed cannot
@@ -19,16 +20,16 @@ from types import SimpleNamespace
 import torch
 
 from config import MODE_DEFAULTS, TrainConfig
-from train.config import knobs
 from train.core.errors import UsageError
 from train.core.model import frozen_copy
 from train.core.reward.knobs import GrpoKnobs
 from train.core.reward.objective import GRPOObjective
 from train.core.reward.sampling import Sampler, SamplingSettings
 from train.data.chat.encode import stop_token_ids
+from train.data.holdout import held_out
 from train.data.loader import Data
 from train.data.prompt.prompt_batches import PromptCollate, PromptDataset
-from train.data.prompt.prompts import prompt_set
+from train.data.prompt.prompts import PromptSet, prompt_set
 from train.models.family import set_dropout
 from train.run.plan import sft, sft_scratch
 from train.run.plan.make import ModelChoice, shortest_limit
@@ -93,13 +94,25 @@ def refuse_grpo(cfg: TrainConfig) -> None:
     if cfg.system.sharding != "none":
         raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; "
                          f"use SHARDING=none (DDP with NPROC_PER_NODE works)")
-    if cfg.data.val_path is not None:
-        raise UsageError("VAL_PATH: reward training holds no prompts out (its measure is the reward of each "
-                         "step's completions); leave VAL_PATH empty")
+    if cfg.run.keep_best:
+        raise UsageError("KEEP_BEST=1: best/ keeps the lowest val_loss, and reward training's measure is "
+                         "val_reward, not its policy loss; leave KEEP_BEST empty")
     try:
         grpo_knobs(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def held_out_prompts(cfg: TrainConfig, prompts: PromptSet, load, decide):
+    """(training prompts, held-out prompts): VAL_PATH's (read by load, errors naming VAL_PATH) or the last
+    VAL_FRACTION of DATA_PATH's (or the built-in task's); None: no validation. VAL_FRACTION is 0 by default
+    here (config.MODE_DEFAULTS): each pass samples NUM_GENERATIONS completions of every held-out prompt."""
+    d = cfg.data
+    train, val = held_out(d, cfg.run.eval_batches, prompts, load, decide)
+    if val is None and d.val_fraction > 0:
+        raise UsageError(f"VAL_FRACTION={d.val_fraction:g}: {len(prompts)} prompt(s) leave none to hold out "
+                         "beside one to train on; add prompts, set VAL_PATH, or set VAL_FRACTION=0")
+    return train, val
 
 
 def newest_chat_model(cfg: TrainConfig, decide) -> str:
@@ -167,34 +180,39 @@ class GRPOSource:
 
     def data(self, cfg: TrainConfig, choice: ModelChoice, tok, device, precision: str, max_length: int, say,
              decide) -> Data:
-        """The prompts (rendered and encoded), the rewards (checked against the prompts' columns), no held-out
-        set, and the prompt batches' collator."""
+        """The prompts (rendered and encoded), the rewards (checked against the prompts' columns), the
+        held-out prompts (VAL_PATH's, or VAL_FRACTION's last share: the chat doors' one split), and their
+        collators."""
         o = cfg.optim
         rewards = build_rewards(o.reward_funcs, o.reward_weights, timeout=o.reward_timeout,
                                 pattern=o.reward_pattern or "", length=o.reward_length or 0,
                                 builtin_data=cfg.data.data_path is None)  # fmt: skip
         room = o.max_completion_length
-        prompts = prompt_set(
-            cfg.data.data_path,
-            tok,
-            skip_bad_records=cfg.data.skip_bad_records,
-            max_tokens=None if room is None else max_length - room,
-            seed=cfg.system.seed,
-            say=say,
-        )
-        rewards.check_columns(prompts.column_names)
-        room = prompt_room(cfg, max(len(r) for r in prompts.ids), max_length, device, decide)
-        if cfg.data.val_fraction != knobs.default("val_fraction"):
-            say(f"VAL_FRACTION={cfg.data.val_fraction:g} is unused: reward training holds no prompts out")
-        summary = {"model_path": str(choice.path), "prompt_format": prompts.format, "prompts": len(prompts),
+
+        def load(d):
+            return prompt_set(d.data_path, tok, skip_bad_records=d.skip_bad_records,
+                              max_tokens=None if room is None else max_length - room, seed=cfg.system.seed,
+                              say=say)  # fmt: skip
+
+        loaded = load(cfg.data)
+        rewards.check_columns(loaded.column_names)
+        prompts, val = held_out_prompts(cfg, loaded, load, decide)
+        if val is not None and cfg.data.val_path is not None:
+            rewards.check_columns(val.column_names, "VAL_PATH")
+        room = prompt_room(cfg, max(len(r) for r in prompts.ids + (val.ids if val else [])), max_length,
+                           device, decide)  # fmt: skip
+        summary = {"model_path": str(choice.path), "prompt_format": prompts.format, "prompts": len(loaded),
+                   "val_prompts": len(val) if val is not None else 0,
                    "skipped_records": prompts.n_skipped, "reward_funcs": ",".join(rewards.names),
                    "num_generations": o.num_generations, "max_completion_length": room}  # fmt: skip
         return Data(
             tokenizer=tok,
             dataset=PromptDataset(prompts.ids),
+            val_dataset=None if val is None else PromptDataset(val.ids),
             collate=PromptCollate(prompts.ids, tok.pad_token_id),
+            val_collate=None if val is None else PromptCollate(val.ids, tok.pad_token_id),
             summary=summary,
-            conversations=SimpleNamespace(prompts=prompts, rewards=rewards),
+            conversations=SimpleNamespace(prompts=prompts, rewards=rewards, held_out=val),
         )
 
     def model(
@@ -214,8 +232,10 @@ class GRPOSource:
         n = len(data.dataset)
         per_epoch = n // world_size // o.batch_size // o.gradient_accumulation_steps
         if per_epoch == 0:
-            raise UsageError(f"DATA_PATH: {n} prompts are fewer than one optimizer step needs (BATCH_SIZE x "
-                             "GRADIENT_ACCUM x processes); add prompts or lower those")
+            held = data.summary["prompts"] - n  # VAL_FRACTION's
+            kept = f" (VAL_FRACTION held out {held} more)" if held else ""
+            raise UsageError(f"DATA_PATH: {n} prompts{kept} are fewer than one optimizer step needs "
+                             "(BATCH_SIZE x GRADIENT_ACCUM x processes); add prompts or lower those")
         per_step = o.batch_size * o.gradient_accumulation_steps * world_size
         steps, source = shortest_limit(cfg, per_epoch, per_step)
         lengths = data.dataset.lengths
@@ -267,6 +287,7 @@ class GRPOSource:
             prompts.for_rewards,
             reference=reference,
             ref_model=ref_model,
+            held_out=data.conversations.held_out,
             device=device,
             precision=precision,
         )
