@@ -29,6 +29,7 @@ from train.data.chat.encode import stop_token_ids
 from train.data.loader import Data
 from train.data.prompt.prompt_batches import PromptCollate, PromptDataset
 from train.data.prompt.prompts import prompt_set
+from train.distributed import process_group
 from train.models.family import set_dropout
 from train.run.plan import sft, sft_scratch
 from train.run.plan.make import ModelChoice, shortest_limit
@@ -265,6 +266,7 @@ class GRPOSource:
             ref_model=ref_model,
             device=device,
             precision=precision,
+            gather=process_group.gather_rows if torch.distributed.is_initialized() else None,
         )
         # TRL's trainer_state
         objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)
