@@ -245,8 +245,10 @@ class GRPOObjective:
             for b in cached
         ):
             raise ValueError("the objective's scored micro-batches are not tensors by name")
-        if any(not MADE <= set(b) for b in cached) or (uses > 0) != bool(cached):
+        if any(not MADE <= set(b) for b in cached):
             raise ValueError("the objective's scored micro-batches lack their completions or advantages")
+        if (uses > 0) != bool(cached):
+            raise ValueError(f"the objective holds {len(cached)} scored micro-batches used by {uses} steps")
         needed = {"old_per_token_logps"} if self.knobs.num_iterations > 1 else set()
         needed |= {"ref_per_token_logps"} if self.knobs.beta != 0.0 else set()
         fits = bool(cached) and all(needed <= set(b) for b in cached)
