@@ -137,7 +137,8 @@ class CheckpointFolder:
         state: state.pt's entries (optimizer, scaler, rng); meta: meta.json's record."""
         self._make_folder()
         name = checkpoint_name(step)
-        needed = self.needed_bytes(model, optimizer)
+        # an objective's scored micro-batches (GRPO mid-generation) go into state.pt too
+        needed = self.needed_bytes(model, optimizer) + _tensor_bytes([state.get(k) for k in OBJECTIVE])
         free = self.free_bytes()
         if free < needed:
             raise self._disk_full(name, needed, free)
