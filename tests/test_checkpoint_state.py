@@ -1,8 +1,10 @@
 """The objects the checkpoint manager saves and restores own their state: what state_dict()
-returns, load_state_dict() puts back (the schedule, the RNG states, the oom_guard's data position)."""
+returns, load_state_dict() puts back (the schedule, the RNG states, the oom_guard's data position, GRPO's
+objective mid-generation)."""
 
 from __future__ import annotations
 
+import io
 import random
 import types
 
@@ -13,7 +15,14 @@ import torch
 from config import OptimConfig
 from train.core.optim.registry import build_schedule
 from train.core.optim.schedules import lr_at
+from train.core.reward.guard import RewardSet
+from train.core.reward.knobs import GrpoKnobs
+from train.core.reward.objective import GRPOObjective
+from train.core.reward.sampling import Sampler, SamplingSettings
+from train.distributed.world import SINGLE, Dist
+from train.run.checkpoint.manager import ObjectiveState
 from train.run.checkpoint.rng import RngStates
+from train.run.checkpoint.verify import BadCheckpoint, check_objective
 from train.run.loop.oom import OomGuard
 
 
@@ -61,3 +70,75 @@ def test_feed_saves_and_reopens_its_data_position():
     assert opened == [(4, 2, 96)]
     oom_guard.stream.consumed += 24
     assert oom_guard.state_dict() == {"epoch": 2, "position": 120, "world_size": 3}
+
+
+def grpo(**knobs) -> GRPOObjective:
+    sampler = Sampler(SamplingSettings(), eos_ids=[0], pad_id=0, device="cpu")
+    return GRPOObjective(False, GrpoKnobs(**knobs), sampler, RewardSet(()), [[1]], lambda i, repeat: ([], {}))
+
+
+def scored(rows: int = 4) -> dict:
+    g = torch.Generator().manual_seed(rows)
+    return {"prompt_ids": torch.randint(2, 9, (rows, 3), generator=g), "prompt_mask": torch.ones(rows, 3),
+            "completion_ids": torch.randint(2, 9, (rows, 5), generator=g),
+            "completion_mask": torch.ones(rows, 5), "advantages": torch.randn(rows, generator=g),
+            "old_per_token_logps": torch.randn(rows, 5, generator=g)}
+
+
+def test_grpo_keeps_a_generations_scored_micro_batches_through_a_checkpoint():
+    """NUM_ITERATIONS=2, saved after a generation's first step: the resumed objective trains its second step
+    on the same micro-batches (no sampling: the model is never asked), then samples anew."""
+    saving = grpo(num_iterations=2)
+    saving._cached, saving._uses, saving._steps = [scored(), scored(6)], 1, 3
+    saving._metrics = {"reward": 0.5}
+    handle = io.BytesIO()
+    torch.save(ObjectiveState(SINGLE, saving, print).state_dict(), handle)  # state.pt's entries
+    handle.seek(0)
+    entries = torch.load(handle, weights_only=True)
+    resumed = grpo(num_iterations=2)
+    check_objective(entries, resumed)  # the load's check leaves the objective as it was
+    assert resumed._cached is None and resumed._steps == 0
+    ObjectiveState(SINGLE, resumed, print).load_state_dict(entries)
+    batches = resumed.rollout(None, [{"index": torch.tensor([0])}])
+    pairs = zip(batches, saving._cached, strict=True)
+    assert len(batches) == 2 and all(torch.equal(a[k], b[k]) for a, b in pairs for k in a)
+    assert (resumed._uses, resumed._steps, resumed._metrics) == (2, 4, {"reward": 0.5})
+    # the generation is used up: a checkpoint now keeps no micro-batches, the next step samples
+    assert resumed.state_dict() == {"steps": 4, "metrics": {"reward": 0.5}, "uses": 0, "cached": []}
+    # saved by two processes, resumed by one: another split of the prompts, so nothing is taken
+    said = []
+    ObjectiveState(SINGLE, (fresh := grpo(num_iterations=2)), said.append).load_state_dict(
+        {"objective": entries["objective"], "objective_ranks": [entries["objective"]] * 2})
+    assert fresh._cached is None and "saved by 2 process(es), this run has 1" in said[0]
+    ObjectiveState(Dist(rank=1, world_size=2), fresh, said.append).load_state_dict(
+        {"objective": {}, "objective_ranks": [{}, entries["objective"]]})  # each rank its own
+    assert fresh._uses == 1 and len(said) == 1
+
+
+@pytest.mark.parametrize("broken, why", [
+    ({"steps": -1}, "not counts"),
+    ({"metrics": {"reward": "high"}}, "not numbers by name"),
+    ({"cached": [{"advantages": [1.0]}]}, "not tensors by name"),
+    ({"cached": [{"advantages": torch.zeros(2)}]}, "lack their completions"),
+    ({"uses": 0}, "used by 0 steps"),  # micro-batches no step made
+])  # fmt: skip
+def test_a_malformed_objective_state_is_a_bad_checkpoint_and_changes_nothing(broken, why):
+    own = grpo(num_iterations=2)
+    own._cached, own._uses, own._steps = [scored()], 1, 7
+    state = {**own.state_dict(), "steps": 5, **broken}
+    with pytest.raises(BadCheckpoint, match=why):
+        check_objective({"objective": state}, own)
+    assert own._steps == 7 and own._uses == 1 and own._cached is not None
+    with pytest.raises(BadCheckpoint, match="not one state per rank"):
+        check_objective({"objective": [state]}, own)
+
+
+def test_micro_batches_the_knobs_no_longer_fit_are_dropped_not_refused():
+    """BETA set since the checkpoint: its micro-batches hold no reference log-probs, so the next step
+    samples a new generation (a knob change is no broken checkpoint)."""
+    saving = grpo(num_iterations=2)
+    saving._cached, saving._uses, saving._steps = [scored()], 1, 3
+    now = grpo(num_iterations=2, beta=0.1)
+    check_objective({"objective": saving.state_dict()}, now)
+    now.load_state_dict(saving.state_dict())
+    assert now._cached is None and now._uses == 0 and now._steps == 3

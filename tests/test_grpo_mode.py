@@ -1,8 +1,9 @@
 """Reward training as a mode of the kit (`python -m train grpo`), end to end on a tiny real GPT-2 made by the
 tests (a pretraining run, then a 2-step SFT run: GRPO's default MODEL_PATH): TRL's metric names in
 metrics.jsonl, summary.json and the generation share, final/ loadable; BETA > 0 with a frozen copy reads kl 0
-at the first step; RESUME=1 from a checkpoint repeats the uninterrupted run's steps (the sampler's generator
-is in the checkpoint); LoRA with REFERENCE=adapters, accumulation, NUM_ITERATIONS=2, bf16 autocast and a
+at the first step; RESUME=1 from a checkpoint mid-generation (NUM_ITERATIONS=2) repeats the uninterrupted
+run's steps and weights (the sampler's generator and the generation's scored completions are in the
+checkpoint); LoRA with REFERENCE=adapters, accumulation, NUM_ITERATIONS=2, bf16 autocast and a
 user's reward file on DATA_PATH's prompts; the refusals are one line, exit 2, no run folder."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import read_jsonl, run_cli
 
@@ -88,18 +91,32 @@ def test_a_grpo_run_from_the_newest_sft_run_logs_trls_metrics_and_saves_a_model(
     )
 
 
-def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(sft_runs):
-    same = ("--lr_schedule", "constant", "--warmup_steps", "1", "--save_every", "2")
-    assert run_cli(*grpo_argv(sft_runs, "whole", *same, "--max_steps", "4")) == 0
-    assert run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "2")) == 0
-    assert (
-        run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "4", "--resume", "1", fresh=False)) == 0
-    )
-    whole, split = rows_of(sft_runs / "runs" / "whole"), rows_of(sft_runs / "runs" / "split")
-    assert [r["step"] for r in split] == [1, 2, 3, 4]
+def test_resume_mid_generation_repeats_the_uninterrupted_run(sft_runs):
+    """NUM_ITERATIONS=2: steps 1-2, 3-4 and 5 are generations. The split run stops after step 3, the
+    first of a generation, so the checkpoint holds its scored micro-batches (the objective's state) for
+    step 4; step 5 samples anew from the restored generator."""
+    same = ("--lr_schedule", "constant", "--warmup_steps", "1", "--save_every", "3", "--num_iterations", "2",
+            "--learning_rate", "3e-3", "--reward_funcs", "format", "--reward_pattern", "e")  # fmt: skip
+    assert run_cli(*grpo_argv(sft_runs, "whole", *same, "--max_steps", "5")) == 0
+    assert run_cli(*grpo_argv(sft_runs, "split", *same, "--max_steps", "3")) == 0
+    runs = sft_runs / "runs"
+    state = torch.load(runs / "split" / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
+    kept = state["objective"]
+    assert (kept["steps"], kept["uses"], len(kept["cached"])) == (3, 1, 1)
+    assert {"old_per_token_logps", "advantages", "completion_ids"} <= set(kept["cached"][0])
+    resume = grpo_argv(sft_runs, "split", *same, "--max_steps", "5", "--resume", "1", fresh=False)
+    assert run_cli(*resume) == 0
+    whole, split = rows_of(runs / "whole"), rows_of(runs / "split")
+    assert [r["step"] for r in split] == [1, 2, 3, 4, 5]
+    assert whole[3]["loss"] != 0.0 and whole[3]["grad_norm"] > 0  # step 4 trains off-policy on step 3's
     for a, b in zip(whole, split, strict=True):  # the completions drawn again: the same rewards and losses
-        for name in ("loss", "reward", "completions/mean_length", "entropy"):
+        for name in ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", "entropy",
+                     "clip_ratio/region_mean"):  # fmt: skip
             assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (a["step"], name)
+    one, two = (load_file(runs / name / "final" / "model.safetensors") for name in ("whole", "split"))
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(one[key], two[key], rtol=0, atol=1e-6, msg=key)
 
 
 def test_lora_adapters_accumulation_iterations_bf16_and_a_users_reward_file(sft_runs, tmp_path):

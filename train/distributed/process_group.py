@@ -148,6 +148,34 @@ def gather(value) -> list:
     return values
 
 
+def gather_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's rows of a small host tensor (their number may differ by rank) in rank order, and
+    where this rank's start; (rows, 0) with one process. Two all-gathers on the host group (GRPO's
+    rewards of a generation batch: TRL gathers them to scale over the whole batch)."""
+    if not _active() or dist.get_world_size() == 1:
+        return rows, 0
+    n = dist.get_world_size()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64), group=_host_group)
+    sizes = [int(c) for c in counts]
+    padded = torch.zeros((max(sizes), *rows.shape[1:]), dtype=rows.dtype)
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=_host_group)
+    every = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+    return every, sum(sizes[: dist.get_rank()])
+
+
+def gather_names(names: list[str]) -> list[str]:
+    """The sorted union of every rank's names (what GRPO's rewards logged with log_metric: a rank's
+    functions may log a name another's did not); the names themselves with one process."""
+    if not _active() or dist.get_world_size() == 1:
+        return sorted(names)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(names), group=_host_group)
+    return sorted({n for part in every for n in part})
+
+
 def _on_host(world: Dist, values, op) -> list[int]:
     """One all-reduce of a few integers on the host (no device sync); the numbers themselves
     with one process."""

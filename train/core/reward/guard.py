@@ -5,7 +5,9 @@ keyword arguments only: prompts, completions, completion_ids (each completion's 
 data's extra columns as lists (one value per completion; `answer=[...]`), and TRL's extras:
 trainer_state (a State: global_step and max_steps, the fields of TRL's TrainerState a reward reads
 to shape itself by progress), log_metric(name, value) and log_extra(column, values) (kept in
-RewardSet.logged for the run to report). TRL's `environments` (its tool-use environments) has no
+RewardSet.logged: the log_metric values are each log line's metrics, named as logged, averaged over
+the calls since the last line and every rank's as TRL averages them; the log_extra columns, TRL's
+completions table's, are taken and not shown). TRL's `environments` (its tool-use environments) has no
 counterpart here. A reward returns one float per completion, or None for a completion it does not
 judge (TRL: NaN, left out of the weighted sum; a completion no reward judges has no reward at all).
 
@@ -82,6 +84,14 @@ class Logged:
 
     def log_extra(self, column: str, values: list) -> None:
         self.extra[str(column)].extend(values)
+
+    def take_totals(self, names: list[str]) -> tuple[list[float], list[int]]:
+        """Each named metric's (sum, count) of its values since the last take (0, 0 where it logged none);
+        every metric emptied, the extra columns kept."""
+        sums = [sum(self.metrics.get(n, ())) for n in names]
+        counts = [len(self.metrics.get(n, ())) for n in names]
+        self.metrics.clear()
+        return sums, counts
 
     def drain(self) -> tuple[dict[str, float], dict[str, list]]:
         """(each metric's mean, the extra columns) since the last drain; both emptied."""

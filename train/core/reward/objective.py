@@ -12,6 +12,13 @@ per prompt micro-batch. With NUM_ITERATIONS = mu the same scored micro-batches s
 (the prompts fetched for the mu - 1 later steps are not sampled: TRL repeats a generation batch's prompts
 mu times; here they are the stream's next ones, left unused). The seconds it takes are rollout_seconds,
 which the meter reports apart (generation_frac), as it reports data wait.
+Under DDP (`gather`, the plan's) the rewards and completion lengths of every rank are gathered first, as
+TRL gathers them: the advantages are made over the whole generation batch and each rank keeps its own
+slice (SCALE_REWARDS=batch divides by the std of all ranks' rewards), and the reward and completion
+metrics are the whole batch's, the same on every rank.
+state_dict() / load_state_dict() (a checkpoint's "objective" entry): what the steps of one generation
+share (its scored micro-batches, the steps left on them, its metrics, the step count the rewards see),
+so RESUME=1 from any step repeats the uninterrupted run.
 Imports torch and train/core only."""
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from train.core.reward.loss import StepCounts, grpo_loss
 from train.core.reward.sampling import Sampler
 
 VAL_SEED = 1 << 32  # validation's generators, apart from the training ones (SEED + rank)
+MADE = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"}
+"""What _score makes of every micro-batch (the log-probs besides, as the knobs ask)."""
 
 
 @dataclass
@@ -62,6 +71,11 @@ class GRPOObjective:
     precision: str = "fp32"
     rollout_seconds: float = 0.0
     """Seconds spent in rollout so far (sampling, rewards, the extra log-prob passes), host clock."""
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
+    """Under DDP: a host tensor's rows from every rank in rank order, and where this rank's start
+    (distributed.process_group.gather_rows); None: one process."""
+    gather_names: Callable[[list[str]], list[str]] | None = None
+    """Under DDP: the sorted union of every rank's names (distributed.process_group.gather_names)."""
     _cached: list | None = field(default=None, repr=False)
     _uses: int = 0
     _metrics: dict = field(default_factory=dict, repr=False)
@@ -82,7 +96,7 @@ class GRPOObjective:
         self.rollout_seconds += time.perf_counter() - start
         return scored
 
-    def _score(self, model, micro_batches: list[dict]) -> list[dict]:
+    def _score(self, model, micro_batches: list[dict], everyone: bool = True) -> list[dict]:
         g = self.knobs.num_generations
         rolls = [self.sampler.sample(model, [self.prompt_ids[i] for i in b["index"].tolist()])
                  for b in micro_batches]  # fmt: skip
@@ -95,9 +109,11 @@ class GRPOObjective:
             for row, n in zip(r.completion_ids.tolist(), r.lengths.tolist(), strict=True)
         ]
         scores = self.rewards.score(prompts, texts, ids, columns, State(self._steps, self.max_steps))
-        advantages, metrics = group_advantages(scores, self.rewards.names, self.knobs)
         lengths = torch.cat([r.lengths.cpu() for r in rolls])
         truncated = torch.cat([r.is_truncated.cpu() for r in rolls])
+        scores, lengths, truncated, mine = self._whole_batch(scores, lengths, truncated, everyone)
+        advantages, metrics = group_advantages(scores, self.rewards.names, self.knobs)
+        advantages = advantages[mine]
         metrics.update(completion_metrics(lengths, truncated))
         self._metrics = metrics
         out, at = [], 0
@@ -117,6 +133,18 @@ class GRPOObjective:
                 batch["ref_per_token_logps"] = self._reference_logps(model, batch)
             out.append(batch)
         return out
+
+    def _whole_batch(self, scores, lengths, truncated, everyone: bool):
+        """(scores, lengths, truncated) of every rank's completions and the slice of them that is this
+        rank's: one host gather (TRL gathers them too: a group lives on one rank, but the batch std and the
+        logged figures are the whole batch's). Validation stays each rank's own (`everyone` False): its
+        batches need not be as many on every rank."""
+        if self.gather is None or not everyone:
+            return scores, lengths, truncated, slice(None)
+        rows = torch.cat([scores.float(), lengths[:, None].float(), truncated[:, None].float()], dim=1)
+        every, start = self.gather(rows)
+        whole = every[:, :-2].contiguous(), every[:, -2].long(), every[:, -1].bool()
+        return (*whole, slice(start, start + rows.shape[0]))
 
     def _logps(self, model, batch: dict) -> torch.Tensor:
         """Per-token log-probs under `model`, no gradient, on the host (the loss moves them)."""
@@ -150,8 +178,24 @@ class GRPOObjective:
     def returned(self, sums: dict) -> dict:
         """The loss's metrics summed over the micro-steps (device tensors), then the rollout's (host floats,
         put on the device: a copy, no sync), in one order every step."""
-        host = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in self._metrics.items()}
+        figures = {**self._metrics, **self._reward_logged()}
+        host = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in figures.items()}
         return {**host, **sums}
+
+    def _reward_logged(self) -> dict[str, float]:
+        """What the rewards logged with log_metric since the last log line, each name's mean over its calls
+        (over every rank's calls with several processes, as TRL averages them: the names gathered first,
+        so that every rank reports the same figures in the same order)."""
+        logged = self.rewards.logged
+        names = sorted(logged.metrics)
+        if self.gather_names is not None:
+            names = self.gather_names(names)
+        sums, counts = logged.take_totals(names)
+        if self.gather is not None and names:
+            every, _ = self.gather(torch.tensor([sums + counts], dtype=torch.float64))
+            total = every.sum(0).tolist()
+            sums, counts = total[: len(names)], total[len(names) :]
+        return {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c}
 
     def named(self, returned: dict) -> dict:
         return returned
@@ -179,7 +223,7 @@ class GRPOObjective:
                        prompt_ids=self.held_out.ids, for_rewards=self.held_out.for_rewards, _cached=None,
                        _metrics={})  # fmt: skip
         with torch.no_grad():
-            scored = view._score(model, [batch])
+            scored = view._score(model, [batch], everyone=False)
             loss, _ = view.loss(model, scored[0], device, precision, view.counts(scored))
         metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in view._metrics.items()
                    if k == "reward" or k.startswith("rewards/")}  # fmt: skip
@@ -207,3 +251,38 @@ class GRPOObjective:
         """The random-number generators this objective draws from, by name (a checkpoint keeps their
         state)."""
         return {"sampler": self.sampler.generator}
+
+    def state_dict(self) -> dict:
+        """What one generation's steps share, for a checkpoint (plain values and host tensors): the step
+        count, the last generation's metrics, and, where steps of it are left (NUM_ITERATIONS > 1 and the
+        checkpoint mid-generation), its scored micro-batches and how many steps used them."""
+        live = self._cached is not None and self._uses < self.knobs.num_iterations
+        return {"steps": self._steps, "metrics": dict(self._metrics), "uses": self._uses if live else 0,
+                "cached": [dict(b) for b in self._cached] if live else []}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's state_dict(); ValueError, before anything changes, where it is malformed. Scored
+        micro-batches the knobs no longer fit (BETA set since, and no reference log-probs) are dropped:
+        the next step samples a new generation."""
+        steps, uses, metrics, cached = (state.get(k) if isinstance(state, dict) else None
+                                        for k in ("steps", "uses", "metrics", "cached"))  # fmt: skip
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (steps, uses)):
+            raise ValueError("the objective's steps and uses are not counts")
+        if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()
+        ):
+            raise ValueError("the objective's metrics are not numbers by name")
+        if not isinstance(cached, list) or not all(
+            isinstance(b, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in b.items())
+            for b in cached
+        ):
+            raise ValueError("the objective's scored micro-batches are not tensors by name")
+        if any(not MADE <= set(b) for b in cached):
+            raise ValueError("the objective's scored micro-batches lack their completions or advantages")
+        if (uses > 0) != bool(cached):
+            raise ValueError(f"the objective holds {len(cached)} scored micro-batches used by {uses} steps")
+        needed = {"old_per_token_logps"} if self.knobs.num_iterations > 1 else set()
+        needed |= {"ref_per_token_logps"} if self.knobs.beta != 0.0 else set()
+        fits = bool(cached) and all(needed <= set(b) for b in cached)
+        self._steps, self._metrics = steps, dict(metrics)
+        self._cached, self._uses = (cached, uses) if fits else (None, 0)

@@ -9,6 +9,8 @@ objects:
   oom_guard  the data position: epoch and samples consumed (meta.json's data)
   schedule   the LR schedule in samples (meta.json)
   health     the skipped and non-finite steps (meta.json's counters)
+  objective  the objective's own state, where it keeps one (state.pt; ObjectiveState): GRPO's scored
+             micro-batches, which the steps of one generation share
 It decides when a save is worth making (healthy weights on every rank), who writes (rank 0, or
 every rank its own shards), records the settings and data identity a later RESUME=1 compares,
 and the time spent saving (left out of throughput). The files are train/run/checkpoint/
@@ -41,6 +43,37 @@ def tokenizer_digest(tok) -> str | None:
     else:
         what = sorted(tok.get_vocab().items())
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ObjectiveState:
+    """The objective's own state (state_dict / load_state_dict, an optional hook of the objective) as one
+    entry of the checkpoint: state.pt's objective, and objective_ranks with several processes, each rank's
+    own, as the RNG states are kept. Nothing where the objective keeps no state."""
+
+    def __init__(self, world, objective, say):
+        self.world, self.say = world, say
+        self.objective = objective if hasattr(objective, "load_state_dict") else None
+
+    def state_dict(self) -> dict:
+        """Every rank's state (a collective: every rank calls it at the same step)."""
+        if self.objective is None:
+            return {}
+        states = process_group.gather(self.objective.state_dict())
+        return {"objective": states[0], **({"objective_ranks": states} if len(states) > 1 else {})}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Each rank its own. Saved by another number of processes, the states belong to another split of
+        the data: none is taken (GRPO samples a new generation at the next step), and that is said."""
+        if self.objective is None or not state:
+            return
+        ranks = state.get("objective_ranks")
+        saved = len(ranks) if isinstance(ranks, list) else 1
+        if saved != self.world.world_size:
+            if self.world.is_main:
+                self.say(f"the objective's state was saved by {saved} process(es), this run has "
+                         f"{self.world.world_size}: it starts afresh (GRPO: a new generation next step)")
+            return
+        self.objective.load_state_dict(ranks[self.world.rank] if ranks else state["objective"])
 
 
 class CheckpointManager:
@@ -120,6 +153,8 @@ class CheckpointManager:
             if s["scaler"].is_enabled() and loaded.scaler:
                 s["scaler"].load_state_dict(loaded.scaler)
         s["oom_guard"].load_state_dict(position)
+        if loaded is not None and "objective" in s:
+            s["objective"].load_state_dict(loaded.objective)
         if loaded is not None:
             s["rng"].load_state_dict({"rng": loaded.rng, "rng_ranks": loaded.rng_ranks})
 
@@ -134,6 +169,7 @@ class CheckpointManager:
             self.say(f"not saving at step {steps_done}: the loss or weights are non-finite")
             return
         rng = s["rng"].state_dict()  # collectives, on every rank in this order
+        objective = s["objective"].state_dict() if "objective" in s else {}
         progress = s["progress"].state_dict()
         if not self.saves:
             self.others_saved = checkpoint_name(steps_done)  # as rank 0 will have it
@@ -152,6 +188,7 @@ class CheckpointManager:
             "optimizer": {} if sharded else s["optimizer"].state_dict(),
             "scaler": s["scaler"].state_dict(),
             **rng,
+            **objective,
         }
         if sharded:
             self.manager.save_sharded(steps_done, s["model"], s["optimizer"], state, record, self.plan.world)

@@ -3,7 +3,7 @@ leaves the previous one intact, and read back without running any code from the 
 
 One checkpoint folder holds
   model.safetensors   the weights (safetensors: plain tensors, nothing to execute)
-  state.pt            optimizer, GradScaler and RNG states (torch.save; read with
+  state.pt            optimizer, GradScaler and RNG states, an objective's own state (torch.save; read with
                       torch.load(weights_only=True), which refuses anything but tensors,
                       numbers, strings and containers)
   meta.json           counters, data position, schedule, settings, and each file's size and
@@ -40,12 +40,14 @@ from train.models import lora
 from train.run.checkpoint.rng import rng_state, set_rng_state
 from train.run.checkpoint.verify import (
     META,
+    OBJECTIVE,
     SHARDS,
     STATE,
     WEIGHTS,
     BadCheckpoint,
     check_files,
     check_meta,
+    check_objective,
     check_optimizer,
     layout,
     model_change,
@@ -101,6 +103,7 @@ class Loaded:
     scaler: dict
     rng: dict
     rng_ranks: list | None = None  # every rank's RNG states, where several processes saved
+    objective: dict | None = None  # the objective's own state entries (verify.OBJECTIVE), where it has one
 
 
 class CheckpointFolder:
@@ -134,7 +137,8 @@ class CheckpointFolder:
         state: state.pt's entries (optimizer, scaler, rng); meta: meta.json's record."""
         self._make_folder()
         name = checkpoint_name(step)
-        needed = self.needed_bytes(model, optimizer)
+        # an objective's scored micro-batches (GRPO mid-generation) go into state.pt too
+        needed = self.needed_bytes(model, optimizer) + _tensor_bytes([state.get(k) for k in OBJECTIVE])
         free = self.free_bytes()
         if free < needed:
             raise self._disk_full(name, needed, free)
@@ -270,12 +274,13 @@ class CheckpointFolder:
     # ---- loading ------------------------------------------------------------------------
 
     def load(
-        self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None
+        self, path: Path, model, param_groups, sharding: str = "none", settings: dict | None = None,
+        objective=None,
     ) -> Loaded:
         """Check and load one checkpoint; raises BadCheckpoint with the reason, UsageError where
         the run's settings (SHARDING, the model) do not fit it. A sharded checkpoint is checked
         here but its weights and optimizer state are read later, into the sharded model
-        (RunGuard.start)."""
+        (RunGuard.start). objective: the run's, whose own state (if it keeps one) is checked too."""
         from train.distributed import (
             safe_load,  # torch.distributed.checkpoint: a second to import, read on resume only
         )
@@ -337,22 +342,24 @@ class CheckpointFolder:
             raise BadCheckpoint(f"{STATE} holds unusable RNG states ({type(err).__name__})") from None
         finally:
             set_rng_state(current)
+        check_objective(state, objective)
         if tensors is not None:
             model.load_state_dict(tensors, strict=False)
         return Loaded(
             path=path, meta=meta, optimizer=state["optimizer"], scaler=state["scaler"], rng=state["rng"],
             rng_ranks=ranks if isinstance(ranks, list) else None,
+            objective={k: state[k] for k in OBJECTIVE if k in state} or None,
         )
 
     def newest_valid(
-        self, model, param_groups, sharding: str = "none", settings: dict | None = None
+        self, model, param_groups, sharding: str = "none", settings: dict | None = None, objective=None
     ) -> tuple[Loaded | None, list[tuple[Path, str]]]:
         """The newest checkpoint that loads, and the (folder, reason) of each newer one that
         did not (each reported by name). settings: the run's own (RunGuard._settings)."""
         rejected = []
         for path in list_checkpoints(self.folder):
             try:
-                loaded = self.load(path, model, param_groups, sharding, settings)
+                loaded = self.load(path, model, param_groups, sharding, settings, objective)
             except BadCheckpoint as err:
                 rejected.append((path, str(err)))
                 self.say(f"checkpoint {path.name} cannot be used: {err}; trying the previous one")

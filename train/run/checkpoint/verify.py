@@ -1,7 +1,7 @@
 """What a checkpoint must pass before anything of it is used: meta.json's fields and types,
 each file's size and sha256, weights whose names and shapes are this model's, an optimizer
-state of this model's groups, and the model it was saved for (a changed MODEL_SIZE is named
-as that, not as a mismatch further down)."""
+state of this model's groups, an objective's own state that its objective takes, and the model
+it was saved for (a changed MODEL_SIZE is named as that, not as a mismatch further down)."""
 
 from __future__ import annotations
 
@@ -201,3 +201,25 @@ def check_optimizer(saved: dict, param_groups: list[list[torch.Tensor]]) -> None
 def _fits(state: torch.Size, param: torch.Size) -> bool:
     """The parameter's shape, or a factor of it (Adafactor's rows (R, 1) and columns (1, C))."""
     return len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param, strict=True))
+
+
+OBJECTIVE = ("objective", "objective_ranks")  # state.pt's entries of an objective's own state
+
+
+def check_objective(state: dict, objective) -> None:
+    """state.pt's objective entries (GRPO: a generation's scored micro-batches) must load into this run's
+    objective: each rank's is tried on it, then its own state put back (as the RNG states are tried). An
+    objective without the hook, or a checkpoint without the entries (saved before them), is not checked."""
+    entries = state.get("objective"), state.get("objective_ranks")
+    if entries == (None, None) or not hasattr(objective, "load_state_dict"):
+        return
+    if not isinstance(entries[0], dict) or not (entries[1] is None or isinstance(entries[1], list)):
+        raise BadCheckpoint(f"{STATE} holds an unusable objective state (not one state per rank)")
+    own = objective.state_dict()
+    try:
+        for entry in [entries[0], *(entries[1] or [])]:
+            objective.load_state_dict(entry)
+    except ValueError as err:
+        raise BadCheckpoint(f"{STATE} holds an unusable objective state ({err})") from None
+    finally:
+        objective.load_state_dict(own)

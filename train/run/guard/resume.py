@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from train.distributed import process_group
-from train.run.checkpoint.manager import CheckpointManager
+from train.run.checkpoint.manager import CheckpointManager, ObjectiveState
 from train.run.checkpoint.on_disk import DiskFull, checkpoint_name, list_checkpoints
 from train.run.checkpoint.rng import RngStates
 from train.run.guard import resume_state
@@ -89,6 +89,7 @@ class RunGuard:
             optimizer=optimizer,
             scaler=scaler,
             rng=RngStates(self.plan.world, self._generators()),
+            objective=ObjectiveState(self.plan.world, self.plan.objective, self.say),
             progress=self.progress,
             oom_guard=oom_guard,
             schedule=self.schedule,

@@ -113,7 +113,7 @@ def from_checkpoint(
     touched. Returns (ResumeState, the loaded checkpoint or None when the run is complete)."""
     manager = checkpoints.manager
     loaded, rejected = manager.newest_valid(
-        plan.model, param_groups, checkpoints.sharding, checkpoints.settings()
+        plan.model, param_groups, checkpoints.sharding, checkpoints.settings(), plan.objective
     )
     if loaded is None:
         reasons = "; ".join(f"{p.name}: {why}" for p, why in rejected) or "none saved"

@@ -30,6 +30,7 @@ from train.data.holdout import held_out
 from train.data.loader import Data
 from train.data.prompt.prompt_batches import PromptCollate, PromptDataset
 from train.data.prompt.prompts import PromptSet, prompt_set
+from train.distributed import process_group
 from train.models.family import set_dropout
 from train.run.plan import sft, sft_scratch
 from train.run.plan.make import ModelChoice, shortest_limit
@@ -290,6 +291,8 @@ class GRPOSource:
             held_out=data.conversations.held_out,
             device=device,
             precision=precision,
+            gather=process_group.gather_rows if torch.distributed.is_initialized() else None,
+            gather_names=process_group.gather_names if torch.distributed.is_initialized() else None,
         )
         # TRL's trainer_state
         objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)
