@@ -48,6 +48,9 @@ def scrambled(completion_ids, trainer_state, **kwargs):
         lengths = [len(ids) for ids in completion_ids]
         row = {{"step": trainer_state.global_step, "rewards": values, "lengths": lengths}}
         handle.write(json.dumps(row) + "\\n")
+    kwargs["log_metric"]("seen/rank", float(rank))  # every rank's, averaged: 0.5
+    if rank == 1:
+        kwargs["log_metric"]("seen/rank_one", 5.0)  # one rank's name: every rank reports it
     return values
 """
 
@@ -166,3 +169,10 @@ def test_batch_scaling_and_the_reward_metrics_are_the_whole_batchs(runs):
         each = torch.cat([group_advantages(r, ["scrambled"], knobs)[0] for r in rewards.split(8)])
         apart.append(abs(row["loss"] + float((each * lengths).sum() / lengths.sum())))
     assert max(apart) > 1e-3  # each rank's own std would have given other losses
+
+
+def test_what_the_rewards_log_is_every_ranks_mean_at_the_steps_they_ran(runs):
+    for row in rows(runs["root"] / "whole"):
+        generated = row["step"] % 2 == 1  # NUM_ITERATIONS=2: the rewards run on steps 1, 3, 5
+        assert row.get("seen/rank") == (0.5 if generated else None), row["step"]
+        assert row.get("seen/rank_one") == (5.0 if generated else None), row["step"]
