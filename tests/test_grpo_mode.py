@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_tools import add_fake_oom
 
 from conftest import read_jsonl, run_cli
 
@@ -287,3 +288,36 @@ def test_a_dry_run_says_the_plan_and_the_estimate_with_sampling_s_kv_cache_and_m
     out = capsys.readouterr().out
     assert "reference = copy" in out and "sampling's KV cache" in out and "estimated peak" in out
     assert not (sft_runs / "runs" / "dry").exists()
+
+
+def test_an_oom_inside_a_generation_redoes_the_step_on_the_same_completions(sft_runs, monkeypatch):
+    """NUM_ITERATIONS=2: step 2 reuses step 1's 8 completions. Its forward runs out of memory (fake); the
+    OOM guard halves the micro-batch, and the redone step trains on the same completions cut in two
+    micro-batches, the failed attempt not counted as a use: the run equals the uninterrupted one."""
+    import train.run.plan.sft as sft_plan
+
+    real, calls, limit = sft_plan.fine_tuned_model, [], [10**9, 1]
+
+    def fine_tuned_model(*args, **kwargs):
+        model = real(*args, **kwargs)
+        calls.clear()
+        add_fake_oom(model, limit[0], limit[1], calls)
+        return model
+
+    monkeypatch.setattr(sft_plan, "fine_tuned_model", fine_tuned_model)
+    same = ("--lr_schedule", "constant", "--warmup_steps", "1", "--num_iterations", "2", "--max_steps", "2",
+            "--learning_rate", "3e-3", "--reward_funcs", "format", "--reward_pattern", "e")  # fmt: skip
+    assert run_cli(*grpo_argv(sft_runs, "no-oom", *same)) == 0
+    assert calls[-1] == 8  # the last forward: step 2's loss over the 8 completions step 1 drew
+    limit[:] = [4, len(calls)]
+    assert run_cli(*grpo_argv(sft_runs, "oom", *same)) == 0
+    runs = sft_runs / "runs"
+    s = json.loads((runs / "oom" / "summary.json").read_text())
+    assert (s["oom_retries"], s["batch_size"], s["gradient_accumulation_steps"]) == (1, 1, 2)
+    assert calls[-2:] == [4, 4]  # the redone step: two micro-batches of one prompt's 4 completions
+    for a, b in zip(rows_of(runs / "no-oom"), rows_of(runs / "oom"), strict=True):
+        for name in ("loss", "grad_norm", "reward", "completions/mean_length", "entropy"):
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (a["step"], name)
+    one, two = (load_file(runs / name / "final" / "model.safetensors") for name in ("no-oom", "oom"))
+    for key in one:
+        torch.testing.assert_close(one[key], two[key], rtol=0, atol=1e-6, msg=key)

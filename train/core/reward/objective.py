@@ -88,6 +88,9 @@ class GRPOObjective:
         if self._cached is not None and self._uses < self.knobs.num_iterations:
             self._uses += 1
             self._steps += 1
+            if len(self._cached) != len(micro_batches):  # the OOM guard's smaller micro-batch since
+                sizes = [len(b["index"]) * self.knobs.num_generations for b in micro_batches]
+                self._cached = regroup(self._cached, sizes)
             return self._cached
         start = time.perf_counter()
         scored = self._score(model, micro_batches)
@@ -286,3 +289,23 @@ class GRPOObjective:
         fits = bool(cached) and all(needed <= set(b) for b in cached)
         self._steps, self._metrics = steps, dict(metrics)
         self._cached, self._uses = (cached, uses) if fits else (None, 0)
+
+
+LEFT_PADDED = ("prompt_ids", "prompt_mask")  # a prompt sits at the right end of its row
+
+
+def regroup(batches: list[dict], sizes: list[int]) -> list[dict]:
+    """Scored micro-batches cut again into micro-batches of `sizes` rows (a generation the OOM guard's
+    smaller micro-batch reuses): every field's rows side by side, the narrower ones padded where their
+    mask says nothing (prompts on the left, completions and their log-probs on the right: inert)."""
+    if sum(sizes) != sum(b["advantages"].shape[0] for b in batches):
+        raise ValueError(f"regroup: {sum(sizes)} rows asked of a generation of another size")
+    whole = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if parts[0].dim() == 2:
+            width = max(p.shape[1] for p in parts)
+            pad = [(width - p.shape[1], 0) if key in LEFT_PADDED else (0, width - p.shape[1]) for p in parts]
+            parts = [torch.nn.functional.pad(p, where) for p, where in zip(parts, pad, strict=True)]
+        whole[key] = torch.cat(parts)
+    return [{k: v.split(sizes)[i] for k, v in whole.items()} for i in range(len(sizes))]

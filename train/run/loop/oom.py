@@ -142,6 +142,7 @@ class OomGuard:
         mark = (self.stream.epoch, self.stream.consumed)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self.plan.device.type == "cuda" else None
+        kept = _objective_state(self.plan.objective)
         while True:
             try:
                 out = fn()
@@ -153,6 +154,7 @@ class OomGuard:
                 reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
             # Out of the except block: the traceback (and the activations its frames hold) is gone.
             self._recover(mark, reason)
+            _restore_objective(self.plan.objective, kept)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
@@ -187,3 +189,20 @@ class OomGuard:
             epoch, offset = epoch + 1, 0  # the old loader would have ended the epoch here (drop_last)
         self.stream.close()
         self.open(epoch, offset)
+
+
+def _objective_state(objective) -> tuple[dict | None, dict]:
+    """What an objective with a state of its own (GRPO's: a generation's scored completions and how many
+    steps used them; its sampler's generator) holds before a step, for the redone step to start from:
+    a failed attempt's rollout must not count as a use, nor move the draws on."""
+    state = objective.state_dict() if hasattr(objective, "state_dict") else None
+    generators = getattr(objective, "generators", dict)()
+    return state, {name: g.get_state() for name, g in generators.items()}
+
+
+def _restore_objective(objective, kept: tuple[dict | None, dict]) -> None:
+    state, draws = kept
+    if state is not None:
+        objective.load_state_dict(state)
+    for name, g in getattr(objective, "generators", dict)().items():
+        g.set_state(draws[name])
