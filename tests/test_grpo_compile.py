@@ -4,11 +4,11 @@ completions pad to the length buckets (logps.widen), which leaves the loss and i
 a compiled run is one graph per grad mode over several widths, with no graph break and no recompile after
 the trial step (dynamo's own counters, as summary.json writes them), and its losses equal the eager run's;
 LoRA with REFERENCE=adapters and BETA > 0 with REFERENCE=copy (both references eager) train compiled too.
-COMPILE empty on a CPU stays off (a decision).
+COMPILE empty stays off on a CPU and on on a GPU (decisions).
 
 The runs use dynamo's "aot_eager" backend (the backward traced with the same symbolic lengths inductor
-gets; LoRA's run "eager", dynamo's graphs alone): graphs, guards and recompiles are dynamo's and do not depend on the code generator, which on these
-2 cores (inductor) would take minutes."""
+gets; LoRA's run "eager", dynamo's graphs alone): graphs, guards and recompiles are dynamo's and do not
+depend on the code generator, which on these 2 cores (inductor) would take minutes."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def loss_and_grads(model, batch: dict, knobs: GrpoKnobs):
     model.zero_grad(set_to_none=True)
     loss, metrics = grpo_loss(model, batch, CPU, "fp32", knobs=knobs)
     loss.backward()
-    return loss.item(), {k: float(v) for k, v in metrics.items()}, [p.grad.clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    return loss.item(), {k: float(v) for k, v in metrics.items()}, grads
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -127,17 +128,23 @@ def same_steps(compiled: list, eager: list, names: tuple[str, ...]) -> None:
             assert a[name] == pytest.approx(b[name], **TOLERANCE), (a["step"], name, a[name], b[name])
 
 
-def test_compiled_loss_with_old_logps_and_a_reference_copy_equals_eager_without_recompiles(
-    sft_runs, tmp_path, monkeypatch  # noqa: F811
-):
+@pytest.fixture
+def prompts_and_reward(tmp_path) -> tuple[str, ...]:
+    """DATA_PATH and REWARD_FUNCS flags: PROMPTS, and a reward that tells completions apart from the first
+    step (zero advantages would leave the KL term's rounding noise as the only gradient, which Adam scales
+    up to a whole step, and a compiled and an eager forward round apart)."""
     data, rewards = tmp_path / "prompts.jsonl", tmp_path / "my_rewards.py"
     data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    # a reward that tells every completion apart from the first step (zero advantages would leave only the
-    # KL term's rounding noise as a gradient, which Adam scales up to a full step)
     rewards.write_text("def chars(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n")
+    return "--data_path", str(data), "--reward_funcs", f"{rewards}:chars"
+
+
+def test_compiled_loss_with_old_logps_and_a_reference_copy_equals_eager_without_recompiles(
+    sft_runs, prompts_and_reward, monkeypatch  # noqa: F811
+):
     summary, compiled, eager, widths = compiled_and_eager(
-        sft_runs, monkeypatch, "full", "--data_path", str(data), "--reward_funcs", f"{rewards}:chars",
-        "--beta", "0.04", "--num_iterations", "2", "--max_steps", "4",
+        sft_runs, monkeypatch, "full", *prompts_and_reward, "--beta", "0.04", "--num_iterations", "2",
+        "--max_steps", "4",
     )  # fmt: skip
     print("compile", summary["compile"], "widths", sorted(widths))
     # two graphs, both made by the trial step: the loss's (with grad) and the old log-probs' (no grad)
@@ -148,12 +155,14 @@ def test_compiled_loss_with_old_logps_and_a_reference_copy_equals_eager_without_
     same_steps(compiled, eager, ("loss", "reward", "kl", "entropy", "completions/mean_length"))
 
 
-def test_lora_with_the_adapters_reference_trains_compiled_as_eager(sft_runs, monkeypatch):  # noqa: F811
+def test_lora_with_the_adapters_reference_trains_compiled_as_eager(
+    sft_runs, prompts_and_reward, monkeypatch  # noqa: F811
+):
     summary, compiled, eager, _ = compiled_and_eager(
-        sft_runs, monkeypatch, "lora", "--lora_r", "4", "--beta", "0.1", "--gradient_accumulation_steps", "2",
-        "--max_steps", "2", backend="eager",
+        sft_runs, monkeypatch, "lora", *prompts_and_reward, "--lora_r", "4", "--beta", "0.1",
+        "--gradient_accumulation_steps", "2", "--max_steps", "2", backend="eager",
     )  # fmt: skip
-    print("compile", summary["compile"])
+    print("compile", summary["compile"], [(r["loss"], r["kl"], r["reward"]) for r in compiled])
     c = summary["compile"]
     assert (c["graph_breaks"], c["recompiles"], c["graphs"]) == (0, 0, 1), c
     same_steps(compiled, eager, ("loss", "reward", "kl", "entropy"))
