@@ -84,10 +84,13 @@ class Objective(Protocol):
     # Optional, asked only where an objective has it (getattr): rollout(model, micro_batches) -> the
     # micro-batches the step trains on, made under the current weights before the step is counted (GRPO's
     # sampled, scored completions), its seconds in rollout_seconds (the meter's generation_frac); and
-    # generators() -> {name: torch.Generator} whose states a checkpoint keeps; and state_dict() /
+    # generators() -> {name: torch.Generator} whose states a checkpoint keeps; state_dict() /
     # load_state_dict(state) -> what else of its own a checkpoint keeps, each rank's (plain values and host
     # tensors; GRPO's scored micro-batches, shared by one generation's steps), load_state_dict raising
-    # ValueError before it changes anything where a state is malformed (the checkpoint's check tries it).
+    # ValueError before it changes anything where a state is malformed (the checkpoint's check tries it);
+    # trial_batch(model, batch) -> the batch COMPILE's trial step trains on in place of the loader's (GRPO's:
+    # scored rows made without sampling); length_varies: its rows pad to length buckets (compiled: lengths
+    # dynamic).
 
 
 def perplexity(loss: float | None) -> float | None:

@@ -68,6 +68,23 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
             "attention_mask": mask.to(device, non_blocking=True)}  # fmt: skip
 
 
+# COMPILE's length buckets. The completions are padded, not the prompts: more left padding would move
+# every real token to a later position (the forward counts positions from the row's start, not the mask).
+def widen(batch: dict, widths: tuple[int, ...], pad_id: int) -> dict:
+    """The scored batch with its completions right-padded (pad_id, mask 0, log-probs 0) until prompt +
+    completion is the smallest of `widths` that holds it (wider than the last: as it is), so the compiled
+    forward meets a few widths. The padding follows every real token of its row, so causal attention never
+    reads it, and the masks leave it out of every sum: the loss and its gradient are the unpadded ones."""
+    prompt, width = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    extra = next((w for w in widths if w >= prompt + width), prompt + width) - prompt - width
+    if extra == 0:
+        return batch
+    fill = {"completion_ids": pad_id, "completion_mask": 0, "old_per_token_logps": 0.0,
+            "ref_per_token_logps": 0.0}  # fmt: skip
+    pad = torch.nn.functional.pad
+    return {k: pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in batch.items()}
+
+
 def _scaled_chunk(h: torch.Tensor, w: torch.Tensor, inv_t: float) -> torch.Tensor:
     """A chunk's fp32 logits times 1 / TEMPERATURE (TRL's fused head multiplies by inv_t)."""
     logits = (h @ w.T).float()

@@ -35,7 +35,7 @@ from train.core.device import autocast
 from train.core.reward.advantages import completion_metrics, group_advantages, loss_mask
 from train.core.reward.guard import RewardSet, State
 from train.core.reward.knobs import GrpoKnobs
-from train.core.reward.logps import Completions, completion_logps, model_inputs
+from train.core.reward.logps import Completions, completion_logps, model_inputs, widen
 from train.core.reward.loss import StepCounts, grpo_loss
 from train.core.reward.sampling import Sampler
 
@@ -69,6 +69,9 @@ class GRPOObjective:
     max_steps: int = 0
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    widths: tuple[int, ...] | None = None
+    """COMPILE's length buckets: each scored micro-batch's prompt + completion width is one of these
+    (logps.widen); None: its own."""
     rollout_seconds: float = 0.0
     """Seconds spent in rollout so far (sampling, rewards, the extra log-prob passes), host clock."""
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
@@ -130,11 +133,7 @@ class GRPOObjective:
                 "advantages": advantages[at : at + rows],
             }
             at += rows
-            if self.knobs.num_iterations > 1:
-                batch["old_per_token_logps"] = self._logps(model, batch)
-            if self.knobs.beta != 0.0:
-                batch["ref_per_token_logps"] = self._reference_logps(model, batch)
-            out.append(batch)
+            out.append(self._kept(model, batch))
         return out
 
     def _whole_batch(self, scores, lengths, truncated, everyone: bool):
@@ -148,6 +147,40 @@ class GRPOObjective:
         every, start = self.gather(rows)
         whole = every[:, :-2].contiguous(), every[:, -2].long(), every[:, -1].bool()
         return (*whole, slice(start, start + rows.shape[0]))
+
+    def _kept(self, model, batch: dict) -> dict:
+        """The scored batch widened to its length bucket, with the log-probs the loss will read: the
+        policy's where NUM_ITERATIONS > 1, the reference's where BETA > 0."""
+        if self.widths is not None:
+            batch = widen(batch, self.widths, self.sampler.pad_id)
+        if self.knobs.num_iterations > 1:
+            batch["old_per_token_logps"] = self._logps(model, batch)
+        if self.knobs.beta != 0.0:
+            batch["ref_per_token_logps"] = self._reference_logps(model, batch)
+        return batch
+
+    @property
+    def length_varies(self) -> bool:
+        """COMPILE: the forward's widths are the length buckets' (one graph, its lengths dynamic)."""
+        return self.widths is not None
+
+    def trial_batch(self, model, batch: dict) -> dict:
+        """COMPILE's trial step (train/run/compile/wrapper.py) from a batch of prompts: its NUM_GENERATIONS
+        rows with completions as long as MAX_COMPLETION_LENGTH allows, every token kept, advantages 0, and
+        the log-probs the rollout keeps, through `model` as the rollout makes them: the trial compiles every
+        forward training calls (the no-grad one of NUM_ITERATIONS > 1 too). Nothing is sampled or scored,
+        so the sampler's generator and the rewards' state are untouched."""
+        g, room = self.knobs.num_generations, self.knobs.max_completion_length
+        ids = batch["input_ids"].repeat_interleave(g, 0)
+        rows = ids.shape[0]
+        scored = {
+            "prompt_ids": ids,
+            "prompt_mask": batch["attention_mask"].repeat_interleave(g, 0),
+            "completion_ids": torch.full((rows, room), self.sampler.pad_id, dtype=torch.long),
+            "completion_mask": torch.ones((rows, room), dtype=torch.long),
+            "advantages": torch.zeros(rows),
+        }
+        return self._kept(model, scored)
 
     def _logps(self, model, batch: dict) -> torch.Tensor:
         """Per-token log-probs under `model`, no gradient, on the host (the loss moves them)."""

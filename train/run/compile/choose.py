@@ -9,7 +9,7 @@ run trains (bench/RESULTS.md, "Kernel launches per step").
 
 COMPILE_MODE empty: reduce-overhead (CUDA graphs: a step's kernels replayed by one launch) where
 the step is still launch-bound after compiling: one process, shapes from a bounded set (fixed
-windows, or the length buckets of SFT and DPO), and a micro-batch whose math at the GPU's peak
+windows, or the length buckets of SFT, DPO and GRPO's loss), and a micro-batch whose math at the GPU's peak
 takes under LAUNCH_BOUND_MS. Elsewhere default: a larger step hides the launches behind its math,
 and CUDA graphs would only add a memory pool per shape.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from train.core.measure.mfu import peak_flops
+from train.core.objective import mode_of
 from train.models.flops import model_flops_per_token, sample_lengths
 from train.run.compile.cuda_graphs import GRAPHS
 
@@ -48,11 +49,12 @@ def decide_compile(cfg, device: torch.device, decide) -> None:
 
 def step_math_ms(cfg, model, family, max_length: int, peak: float | None) -> float | None:
     """Milliseconds the largest micro-batch's forward and backward take at `peak` FLOP/s (6N +
-    attention FLOPs per token, BATCH_SIZE x MAX_LENGTH tokens, or TOKEN_BUDGET); None when the
-    peak is unknown (a CPU, a GPU missing from core/measure/mfu.py's table)."""
+    attention FLOPs per token, BATCH_SIZE x MAX_LENGTH tokens, x NUM_GENERATIONS for GRPO's rows, or
+    TOKEN_BUDGET); None when the peak is unknown (a CPU, a GPU missing from core/measure/mfu.py's table)."""
     if not peak:
         return None
-    tokens = cfg.data.token_budget or cfg.optim.batch_size * max_length
+    rows = cfg.optim.num_generations if mode_of(cfg.run.mode).sampled else 1  # GRPO: a prompt's G completions
+    tokens = cfg.data.token_budget or cfg.optim.batch_size * rows * max_length
     fpt = model_flops_per_token(model, *sample_lengths(family, cfg.run.mode, max_length))
     return 1e3 * fpt * tokens / peak
 

@@ -194,12 +194,15 @@ def compile_model(model, batches, device: torch.device, precision: str, say, buc
     guarded.strict = True  # the trial compiles what training will call: the same shape marks
     # CUDA graphs: the first call runs as cudagraph trees' warm-up, the second records; both are tried
     trials = 2 if mode == cuda_graphs.GRAPHS and device.type == "cuda" else 1
+    # an objective whose step makes its own rows (GRPO's rollout) makes the trial's from the loader's batch
+    trial_batch = getattr(objective, "trial_batch", None)
     try:
         with torch.random.fork_rng(devices=devices):  # the trial leaves dropout's RNG untouched
             for _ in range(trials):
                 model.zero_grad(set_to_none=True)
+                batch = first if trial_batch is None else trial_batch(guarded, first)
                 loss, _ = objective.loss(
-                    guarded, first, device, precision, objective.counts([first]), 1, False
+                    guarded, batch, device, precision, objective.counts([batch]), 1, False
                 )
                 loss.backward()
     except OOM:

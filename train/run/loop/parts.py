@@ -118,7 +118,8 @@ def prepare(plan: Plan, run_dir, say, guard) -> Parts:
         # batches padded to the length buckets, or DPO's flat row per micro-batch: one graph with dynamic
         # lengths (wrapper.mark_shapes); SFT's packed rows have one length already the collator knows
         # (pretraining's has none)
-        bucketed = getattr(plan.collate, "length_varies", False)
+        # GRPO's rows are the objective's: its scored micro-batches pad to its buckets
+        bucketed = any(getattr(x, "length_varies", False) for x in (plan.collate, plan.objective))
         mode = cfg.model.compile_mode or "default"
         step_model, batches, compiled = wrapper.compile_model(
             train_model,

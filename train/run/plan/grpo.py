@@ -25,6 +25,7 @@ from train.core.model import frozen_copy
 from train.core.reward.knobs import GrpoKnobs
 from train.core.reward.objective import GRPOObjective
 from train.core.reward.sampling import Sampler, SamplingSettings
+from train.data.chat.batching import length_buckets
 from train.data.chat.encode import stop_token_ids
 from train.data.holdout import held_out
 from train.data.loader import Data
@@ -89,9 +90,6 @@ def refuse_grpo(cfg: TrainConfig) -> None:
     if reference == "adapters" and not cfg.model.lora_r:
         raise UsageError("REFERENCE=adapters: the reference is the base model under LoRA's adapters; set "
                          "LORA_R (or REFERENCE=copy)")
-    if cfg.model.compile:
-        raise UsageError("COMPILE=1: GRPO's sampling changes shape every token; reward training runs eager "
-                         "(leave COMPILE empty)")
     if cfg.system.sharding != "none":
         raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; "
                          f"use SHARDING=none (DDP with NPROC_PER_NODE works)")
@@ -165,9 +163,6 @@ class GRPOSource:
         refuse_grpo(cfg)
 
     def choose(self, cfg: TrainConfig, device: torch.device, say, decide) -> ModelChoice:
-        if cfg.model.compile is not False:  # COMPILE empty on a GPU was decided on; the sampling runs eager
-            cfg.model.compile = False
-            decide("compile", False, "reward training runs eager: its sampling changes shape every token")
         cfg.model.model_path = newest_chat_model(cfg, decide)
         choice = sft.choose_fine_tuned(cfg, device, say, decide)
         choice.family.layout.causal_only(True, f"MODEL_PATH={choice.path}: an encoder-decoder; reward "
@@ -278,6 +273,13 @@ class GRPOSource:
             rank=world,
             tokenizer=data.tokenizer,
         )
+        widths = None
+        if cfg.model.compile:  # the loss's forwards; sampling (a KV cache that grows each token) stays eager
+            widths = length_buckets(max(map(len, prompts.ids)) + o.max_completion_length)
+            decide("length_buckets", ",".join(map(str, widths)),
+                   f"COMPILE: the loss's forward pads the completions until prompt + completion is the "
+                   f"smallest of {len(widths)} widths; one graph with dynamic lengths serves them all; the "
+                   "sampling runs eager")  # fmt: skip
         ref_model = frozen_copy(model) if reference == "copy" and not cfg.run.dry_run else None
         objective = GRPOObjective(
             choice.family.layout,
@@ -293,6 +295,7 @@ class GRPOSource:
             precision=precision,
             gather=process_group.gather_rows if torch.distributed.is_initialized() else None,
             gather_names=process_group.gather_names if torch.distributed.is_initialized() else None,
+            widths=widths,
         )
         # TRL's trainer_state
         objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)
