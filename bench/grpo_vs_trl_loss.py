@@ -94,6 +94,20 @@ class TrlSide:
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
 
+def drawn_positions(model) -> None:
+    """TRL's forward passes no position_ids; the kit scores at the sampler's (counted from each prompt's
+    first token: its one deliberate difference, for GPT-2's learned positions). TRL's side is given them
+    too, from its attention mask (the same on every kept token), so the two compute one thing."""
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None and kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def grads(model) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -115,6 +129,7 @@ def one_case(family, loss_type, level, beta, mu) -> dict:
         take_step(policy, batch, knobs)
     models = {side: copy.deepcopy(policy) for side in ("trl", "plain", "kit")}
     add_fused_lm_head(models["trl"], temperature=knobs.temperature, outputs=("log_probs", "entropy"))
+    drawn_positions(models["trl"])
     trl = TrlSide(models["trl"], knobs)
     inputs = {**batch, "num_items_in_batch": batch["completion_mask"].sum()}
     trl_loss = trl._compute_loss(models["trl"], inputs)
@@ -145,6 +160,7 @@ def accumulation_case(loss_type: str) -> float:
     halves = [{k: v[i * G : (i + 1) * G] for k, v in whole.items()} for i in range(2)]
     theirs, ours = copy.deepcopy(policy), copy.deepcopy(policy)
     add_fused_lm_head(theirs, temperature=knobs.temperature, outputs=("log_probs", "entropy"))
+    drawn_positions(theirs)
     trl = TrlSide(theirs, knobs, accumulation=2)
     counts = step_counts(halves)
     for half in halves:

@@ -72,7 +72,10 @@ def plain_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     c = batch["completion_ids"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    # the kit's one difference from TRL's forward: the positions the sampler drew at (TRL passes none)
+    positions = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_mask"])], 1).cumsum(1) - 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.clamp(min=0))
+    logits = logits.logits[:, :-1].float() / temperature
     labels = input_ids[:, 1:]
     logp_all = logits.log_softmax(-1)
     logps = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from train.core.reward.kv_cache import cache_dtype, kv_cache_bytes
+from train.core.reward.logps import Completions, completion_logps, model_inputs
 from train.core.reward.sampling import Rollout, Sampler, SamplingSettings, filter_logits, left_pad, pick
 from train.models import FAMILIES
 from train.models.build import build_model
@@ -270,6 +271,13 @@ def test_forward_inputs_give_back_the_sampling_log_probs(family):
         with torch.no_grad():
             shifted = policy_logps(model, r, 0.8, drop=("position_ids",))
         assert float(((shifted - again) * r.completion_mask).abs().max()) > 1e-2
+    if r.decoder_start_id is None:  # the training path (the loss's, the old log-probs') scores the same
+        scored = {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask,
+                  "completion_ids": r.completion_ids, "completion_mask": r.completion_mask}  # fmt: skip
+        with torch.no_grad():
+            inputs = model_inputs(scored, torch.device("cpu"))
+            trained, _ = completion_logps(model, inputs, Completions.of(scored), 0.8)
+        torch.testing.assert_close(trained, r.sampling_logps, atol=1e-5, rtol=1e-5)
     model.train()  # and the ids feed a backward
     loss = -(policy_logps(model, r, 0.8) * r.completion_mask).sum()
     loss.backward()

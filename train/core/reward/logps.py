@@ -60,12 +60,18 @@ class Completions:
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
-    """The forward's input_ids and attention_mask: prompt then completion, moved (TRL's concatenation;
-    a masked completion token, MASK_TRUNCATED_COMPLETIONS's, is masked in attention too, as there)."""
+    """The forward's input_ids, attention_mask and position_ids: prompt then completion, moved (TRL's
+    concatenation; a masked completion token, MASK_TRUNCATED_COMPLETIONS's, is masked in attention too, as
+    there). The positions are the sampler's, counted from each prompt's first token (Rollout.forward_inputs):
+    TRL passes none, so a left-padded prompt's completion is scored at other positions than it was drawn
+    at; rotary models are indifferent, but GPT-2's learned positions then score other log-probs than the
+    sampling's (tests/test_grpo_sampling.py)."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    positions = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_mask"])], 1).cumsum(1) - 1
     return {"input_ids": ids.to(device, non_blocking=True),
-            "attention_mask": mask.to(device, non_blocking=True)}  # fmt: skip
+            "attention_mask": mask.to(device, non_blocking=True),
+            "position_ids": positions.clamp(min=0).to(device, non_blocking=True)}  # fmt: skip
 
 
 # COMPILE's length buckets. The completions are padded, not the prompts: more left padding would move
