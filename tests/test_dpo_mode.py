@@ -94,6 +94,9 @@ def test_a_dpo_run_from_the_newest_sft_run_starts_at_ln2_and_writes_trls_metrics
     val = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
     assert val and all(f"val_{name}" in val[-1] for name in TRL_NAMES)
     summary = json.loads((run / "summary.json").read_text())
+    # a preference loss is no token loss: no perplexity of it, in the rows, the summary or the log line
+    assert val[-1]["val_ppl"] is None and summary["final_val_ppl"] is None  # was exp(val_loss)
+    assert summary["final_val_loss"] == pytest.approx(val[-1]["val_loss"]) and "val_ppl" not in out
     assert summary["mode"] == "dpo" and summary["dpo_loss"] == "sigmoid" and summary["beta"] == 0.1
     assert summary["reference"] == "copy" and summary["final_loss"] == pytest.approx(rows[-1]["loss"])
     assert summary["final_rewards/accuracies"] == pytest.approx(rows[-1]["rewards/accuracies"])

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Subset
 
-from train.core.objective import perplexity
 from train.data.holdout import VAL_ROWS
 from train.data.loader import make_val_loader
 from train.distributed import parallel, process_group
@@ -150,7 +149,7 @@ class Evaluator:
     def summary(self) -> dict:
         return {
             "final_val_loss": self.last,
-            "final_val_ppl": perplexity(self.last),
+            "final_val_ppl": self.plan.objective.perplexity(self.last),  # null for a preference loss
             **{
                 f"final_val_{name}": value
                 for name, value in self.plan.objective.kept(self.last_metrics).items()
