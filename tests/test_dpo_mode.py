@@ -152,6 +152,29 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
     assert said and int(said[1]) >= int(said[2])
 
 
+def test_a_gpu_fill_leaves_room_for_a_copy_only_where_the_run_may_take_one(sft_runs, monkeypatch, capsys):
+    """No BATCH_SIZE on a (fake) GPU: the fill sizes the micro-batch before REFERENCE is decided. It left
+    room for a frozen copy even where the run then took the precomputed pass; now only where a copy may be
+    chosen (a short run), so the run that reads every pair is sized without one."""
+    from tiny_tools import plan_on_a_fake_gpu
+
+    plan_on_a_fake_gpu(monkeypatch, 24)
+    fills, references = {}, {}
+    for name, more in (("short", ("--max_steps", "1")), ("whole", ("--epochs", "2", "--max_steps", ""))):
+        argv = dpo_argv(sft_runs, "filled", *more, "--dry_run", "1")
+        at = argv.index("--batch_size")
+        del argv[at : at + 2]  # the fill's: no BATCH_SIZE of the user's
+        assert run_cli(*argv) == 0
+        out = capsys.readouterr().out
+        fills[name] = re.search(r"batch_size = \d+  \(BATCH_SIZE not set: estimated peak ([\d,]+) MB "
+                                r"at (\d+).*", out)  # fmt: skip
+        references[name] = re.search(r"reference = (\w+)", out)[1]
+    assert references == {"short": "copy", "whole": "precomputed"}
+    assert fills["short"][2] == fills["whole"][2]  # the same micro-batch: its peak with and without the copy
+    assert int(fills["whole"][1].replace(",", "")) < int(fills["short"][1].replace(",", ""))  # was equal
+    assert "with room for REFERENCE=copy" in fills["short"][0] and "room for" not in fills["whole"][0]
+
+
 @pytest.mark.parametrize(
     "mode, argv, message",
     [
