@@ -280,9 +280,9 @@ def test_dpo_leaves_room_only_for_the_reference_it_may_choose(monkeypatch):
         return int(re.search(r"allows (\d+)", said["batch_size"])[1]), said["batch_size"]
 
     short, why = filled_dpo(max_steps=10)  # 320 of 20,000 pairs: a copy may be chosen
-    assert short == 2 and "with room for REFERENCE=copy, which an empty REFERENCE may choose" in why
+    assert short == 2 and "with room for REFERENCE=copy, which the run may still choose" in why
     assert filled_dpo(max_steps=10, reference="copy") == (2, why.replace(
-        " with room for REFERENCE=copy, which an empty REFERENCE may choose for this short run", ""))
+        " with room for REFERENCE=copy, which the run may still choose (REFERENCE empty)", ""))
     for settings in ({"epochs": 2}, {"max_steps": 10, "dpo_loss": "simpo"}, {"max_steps": 10, "lora_r": 8}):
         allowed, why = filled_dpo(**settings)
         assert allowed == 3 and "room for REFERENCE" not in why, settings  # was 2: room for a copy never made

@@ -211,6 +211,7 @@ class DPOSource:
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); see sft.said_steps."""
         return sft.said_steps(cfg, data, world_size, say, decide)
+
     def fill_reference(self, cfg: TrainConfig, data: Data, world_size: int, effective: int) -> str | None:
         """The reference the fill (no BATCH_SIZE of the user's, on a GPU) leaves room for, before
         REFERENCE is decided from the room left: "copy" where decide_reference may choose one at the

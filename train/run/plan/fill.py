@@ -147,7 +147,7 @@ def fill_memory(
            f"{cap_mb:,.0f} MB ({what}); TARGET_VRAM={cfg.system.target_vram:g} allows "
            + (f"{allowed}" if allowed > 0 else "none (even 1 is over it; out-of-memory recovery is the net)"))
     if reference is not None:
-        why += f" with room for REFERENCE={reference}, which an empty REFERENCE may choose for this short run"
+        why += f" with room for REFERENCE={reference}, which the run may still choose (REFERENCE empty)"
     if allowed > per_rank:
         why += f", more than the effective batch {effective} needs"
     if allowed > rows and rows < per_rank:
