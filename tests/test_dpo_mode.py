@@ -94,6 +94,9 @@ def test_a_dpo_run_from_the_newest_sft_run_starts_at_ln2_and_writes_trls_metrics
     val = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
     assert val and all(f"val_{name}" in val[-1] for name in TRL_NAMES)
     summary = json.loads((run / "summary.json").read_text())
+    # a preference loss is no token loss: no perplexity of it, in the rows, the summary or the log line
+    assert val[-1]["val_ppl"] is None and summary["final_val_ppl"] is None  # was exp(val_loss)
+    assert summary["final_val_loss"] == pytest.approx(val[-1]["val_loss"]) and "val_ppl" not in out
     assert summary["mode"] == "dpo" and summary["dpo_loss"] == "sigmoid" and summary["beta"] == 0.1
     assert summary["reference"] == "copy" and summary["final_loss"] == pytest.approx(rows[-1]["loss"])
     assert summary["final_rewards/accuracies"] == pytest.approx(rows[-1]["rewards/accuracies"])
@@ -147,6 +150,29 @@ def test_the_kit_decides_the_reference_and_says_why(sft_runs, capsys):
                      r"forward pass over the \2 before training \(cached\)", capsys.readouterr().out)
     # was "the run reads 120 pair(s) of 108: one forward pass over them"
     assert said and int(said[1]) >= int(said[2])
+
+
+def test_a_gpu_fill_leaves_room_for_a_copy_only_where_the_run_may_take_one(sft_runs, monkeypatch, capsys):
+    """No BATCH_SIZE on a (fake) GPU: the fill sizes the micro-batch before REFERENCE is decided. It left
+    room for a frozen copy even where the run then took the precomputed pass; now only where a copy may be
+    chosen (a short run), so the run that reads every pair is sized without one."""
+    from tiny_tools import plan_on_a_fake_gpu
+
+    plan_on_a_fake_gpu(monkeypatch, 24)
+    fills, references = {}, {}
+    for name, more in (("short", ("--max_steps", "1")), ("whole", ("--epochs", "2", "--max_steps", ""))):
+        argv = dpo_argv(sft_runs, "filled", *more, "--dry_run", "1")
+        at = argv.index("--batch_size")
+        del argv[at : at + 2]  # the fill's: no BATCH_SIZE of the user's
+        assert run_cli(*argv) == 0
+        out = capsys.readouterr().out
+        fills[name] = re.search(r"batch_size = \d+  \(BATCH_SIZE not set: estimated peak ([\d,]+) MB "
+                                r"at (\d+).*", out)  # fmt: skip
+        references[name] = re.search(r"reference = (\w+)", out)[1]
+    assert references == {"short": "copy", "whole": "precomputed"}
+    assert fills["short"][2] == fills["whole"][2]  # the same micro-batch: its peak with and without the copy
+    assert int(fills["whole"][1].replace(",", "")) < int(fills["short"][1].replace(",", ""))  # was equal
+    assert "with room for REFERENCE=copy" in fills["short"][0] and "room for" not in fills["whole"][0]
 
 
 @pytest.mark.parametrize(

@@ -225,3 +225,64 @@ def test_through_the_launchers_a_first_argument_or_a_variable_is_the_users(tmp_p
     assert said("train_sft_custom.sh", "16") == "USER"  # 16 given as the argument: never changed
     assert said("train_sft_custom.sh", BATCH_SIZE="16") == "USER"
     assert said("train_dpo.sh") == "DEFAULT" and said("train_dpo.sh", "8") == "USER"
+
+
+def test_dry_run_shows_the_micro_batch_a_gpu_run_fills_with(monkeypatch, base_model, tmp_path, capsys):
+    """DRY_RUN=1 made its plan without the fill, so on a GPU it showed the preset's micro-batch while the
+    run took another. Now it shows the fill's, the one the real plan takes."""
+    import json
+
+    from tiny_tools import plan_on_a_fake_gpu
+
+    from conftest import run_cli
+    from train.config.flags import parse_training_args
+    from train.run.plan.build import build
+
+    plan_on_a_fake_gpu(monkeypatch, 24)
+    data = tmp_path / "sft.jsonl"
+    rows = ({"prompt": f"Say {i}.", "response": f"{i} {i}."} for i in range(200))
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--model_path", str(base_model), "--data_path", str(data), "--output_dir", str(tmp_path / "runs"),
+            "--cache_dir", str(tmp_path / "cache"), "--max_length", "64",
+            "--gradient_accumulation_steps", "4", "--max_steps", "2", "--num_workers", "0"]  # fmt: skip
+    assert run_cli("sft", *argv, "--dry_run", "1") == 0
+    out = capsys.readouterr().out
+    batch = re.search(r"batch_size = (\d+)  \(BATCH_SIZE not set: estimated peak .* of 22,888 MB "
+                      r"\(a fake 24 GB GPU, DRY_RUN: its whole memory", out)  # fmt: skip
+    accum = re.search(r"gradient_accumulation_steps = (\d+)  \(effective batch 32: ", out)
+    assert batch and accum, out  # was no fill at all: BATCH_SIZE 8 x GRADIENT_ACCUM 4
+    assert f"= BATCH_SIZE {batch[1]} x GRADIENT_ACCUM {accum[1]} x 1 GPU" in out and int(batch[1]) > 8
+    assert not (tmp_path / "runs").exists()
+    plan = build(parse_training_args("sft", argv), lambda line: None, chosen=fill.Fill())  # the run's plan
+    o = plan.cfg.optim
+    assert (o.batch_size, o.gradient_accumulation_steps) == (int(batch[1]), int(accum[1]))
+
+
+def test_dpo_leaves_room_only_for_the_reference_it_may_choose(monkeypatch):
+    """REFERENCE empty is decided after the micro-batch, from the room left: the fill kept room for a frozen
+    copy even where the run would take the precomputed pass (every pair read), a reference-free loss, or
+    adapters. 9.3 GB: GPT-2 small at 1024 tokens takes 3 pairs without a copy, 2 with one."""
+    from train.data.loader import Data
+    from train.run.plan.dpo import DPOSource
+
+    fake_gpu(monkeypatch, 9.3)
+    model, pairs = meta_model("small"), range(20_000)
+    data, source = Data(tokenizer=None, dataset=pairs, conversations=pairs), DPOSource()
+
+    def filled_dpo(**settings):
+        asked = {"mode": "dpo", "batch_size": 8, "gradient_accumulation_steps": 4, **settings}
+        cfg = config.resolve(None, asked)
+        said = {}
+        assert fill.fill_memory(cfg, model, pairs, None, 1024, "bf16", CUDA, 1, CAUSAL_LM,
+                                lambda setting, value, why: said.setdefault(setting, why),
+                                reference_for=lambda effective: source.fill_reference(cfg, data, 1,
+                                                                                      effective))
+        return int(re.search(r"allows (\d+)", said["batch_size"])[1]), said["batch_size"]
+
+    short, why = filled_dpo(max_steps=10)  # 320 of 20,000 pairs: a copy may be chosen
+    assert short == 2 and "with room for REFERENCE=copy, which the run may still choose" in why
+    assert filled_dpo(max_steps=10, reference="copy") == (2, why.replace(
+        " with room for REFERENCE=copy, which the run may still choose (REFERENCE empty)", ""))
+    for settings in ({"epochs": 2}, {"max_steps": 10, "dpo_loss": "simpo"}, {"max_steps": 10, "lora_r": 8}):
+        allowed, why = filled_dpo(**settings)
+        assert allowed == 3 and "room for REFERENCE" not in why, settings  # was 2: room for a copy never made

@@ -209,6 +209,18 @@ def test_earlier_builtin_template_is_brought_up_to_date():
     assert ensure_special_tokens(tokenizer) == 3 and tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
 
 
+def test_a_tokenizer_without_a_chat_template_prompts_with_the_plain_text():
+    """A pretraining run's tokenizer: no chat template, no built-in markers. Its prompt is the turns' text,
+    as generate's and the reward prompts' template-less path gives it (was a RuntimeError traceback)."""
+    tokenizer = make_tokenizer()
+    assert tokenizer.chat_template is None
+    assert prompt_for_generation(tokenizer, "Hi") == "Hi"
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert prompt_for_generation(tokenizer, turns) == "Be brief.\nHi"
+    ensure_special_tokens(tokenizer)  # with the markers, the built-in template frames it as before
+    assert prompt_for_generation(tokenizer, "Hi") == "<|user|>\nHi<|end|>\n<|assistant|>\n"
+
+
 def test_glaive_file_trains_without_skipping_and_final_chats(base_model, tmp_path, capsys):
     records = []
     for i in range(12):

@@ -56,3 +56,32 @@ def patch_fake_oom(monkeypatch, limit: int, from_call: int = 1) -> list:
 
 def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
+
+
+def plan_on_a_fake_gpu(monkeypatch, gb: float) -> None:
+    """The plan's micro-batch decision (train/run/plan/make.py micro_batch, where the fill runs) sees a
+    CUDA device of `gb` GB, by free memory and by its properties alike (what this machine lacks); the
+    model, data and everything else stay on this machine's CPU."""
+    import inspect
+
+    from train.core import device as device_lib
+    from train.core.units import MIB
+    from train.run.plan import adapt, make
+
+    real_micro, real_free, real_whole = make.micro_batch, adapt.capacity_mb, device_lib.memory_capacity
+    what = f"a fake {gb:g} GB GPU"
+
+    def micro_batch(*args, **kwargs):
+        bound = inspect.signature(real_micro).bind(*args, **kwargs)
+        bound.arguments["device"] = torch.device("cuda")  # a device object only: nothing touches a GPU
+        return real_micro(*bound.args, **bound.kwargs)
+
+    def capacity_mb(device, cap):
+        return (gb * 1000**3 / MIB, what) if device.type == "cuda" else real_free(device, cap)
+
+    def memory_capacity(device, cap=None):
+        return (int(gb * 1000**3), what) if device.type == "cuda" else real_whole(device, cap)
+
+    monkeypatch.setattr(make, "micro_batch", micro_batch)
+    monkeypatch.setattr(adapt, "capacity_mb", capacity_mb)
+    monkeypatch.setattr(device_lib, "memory_capacity", memory_capacity)

@@ -1,6 +1,7 @@
 """`python -m train ...`: bad input becomes one line on stderr and exit code 2."""
 
 import errno
+import os
 import signal
 import sys
 
@@ -23,11 +24,26 @@ def describe_os_error(err: OSError) -> str:
     return f"file-system error{where}: {err.strerror or err}"
 
 
+def reader_gone() -> int:
+    """stdout's reader has gone (`python -m train knobs --markdown | head`): stop quietly, as a tool
+    that SIGPIPE ends does, with the code the shell gives such a tool (128 + SIGPIPE). stdout is pointed
+    at /dev/null first, so the interpreter's last flush at exit finds no closed pipe to report."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no stdout file descriptor to point elsewhere (an embedding host)
+        pass
+    return 128 + signal.SIGPIPE
+
+
 def run() -> int:
     try:
         from train.cli import main
 
-        return main()
+        code = main()
+        sys.stdout.flush()  # the last buffered lines: a closed pipe is met here, not in the exit's flush
+        return code
+    except BrokenPipeError:  # before OSError: EPIPE is the reader's choice, not a fault to report
+        return reader_gone()
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -49,19 +49,17 @@ def _ahead_of_the_run(cfg, say, world, fill: bool = False):
     """DRY_RUN=1: show the plan and stop (an exit code); AUTO_BATCH=1: find-batch chooses
     BATCH_SIZE x GRADIENT_ACCUM for the plan (a plan.Chosen), then the run goes on; fill (no
     BATCH_SIZE of the user's): a fill.Fill, the plan's word to fill a GPU by the estimate."""
+    from train.run.plan.fill import Fill
+
     if cfg.run.dry_run:
         from train.tools.dryrun import dry_run
 
-        return dry_run(cfg, say)
+        return dry_run(cfg, say, Fill() if fill else None)  # the plan a real run makes: filled on a GPU
     if cfg.optim.auto_batch:
         from train.tools.find_batch import auto_batch
 
         return auto_batch(cfg, say, world)
-    if fill:
-        from train.run.plan.fill import Fill
-
-        return Fill()
-    return None
+    return Fill() if fill else None
 
 
 def main(argv: list[str] | None = None) -> int:

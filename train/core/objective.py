@@ -117,9 +117,6 @@ class Mode:
     row_lengths: bool = False
     """The dataset's lengths are its rows' (the estimate reads the longest padded row); else the mode's
     bound (a pair's lengths are the samplers' cost, not a row)."""
-    reference: bool = False
-    """Compares with a reference model that REFERENCE picks after the micro-batch (fill leaves room for a
-    copy)."""
     sampled: bool = False
     """Its rows are sampled in the step: NUM_GENERATIONS per sample, with a KV cache before the forwards (the
     estimate counts both)."""
@@ -143,7 +140,7 @@ REWARD = "train.core.reward.objective:GRPOObjective"
 MODES = {
     "pretrain": Mode(TOKEN, span_targets=True, fills_causal=False),
     "sft": Mode(TOKEN, throughput="tokens_per_sec", row_lengths=True),
-    "dpo": Mode(PREFERENCE, reference=True),
+    "dpo": Mode(PREFERENCE),  # the fill's room for REFERENCE: DPOSource.fill_reference
     # GRPO: its rows are sampled (NUM_GENERATIONS per prompt), not the data's; fill does not size them
     "grpo": Mode(REWARD, fills_causal=False, sampled=True),
 }

@@ -20,6 +20,7 @@ from train.run.plan.adapt import over_memory, row_shape
 from train.run.rundir.report import config_lines
 
 if TYPE_CHECKING:
+    from train.run.plan.fill import Fill
     from train.run.plan.make import Plan
 
 NEAR_FULL = 0.9  # above this share of the GPU's memory a run is likely to hit OOM
@@ -66,7 +67,9 @@ def device_total_mb(device) -> float | None:
     return torch.cuda.get_device_properties(device).total_memory / MIB
 
 
-def dry_run(cfg, say) -> int:
+def dry_run(cfg, say, chosen: Fill | None = None) -> int:
+    """chosen: fill.Fill where no BATCH_SIZE is the user's, so that on a GPU the micro-batch shown is the
+    one the real run fills the device with (train/run/plan/fill.py), not the preset's."""
     from train.run.plan.build import build
     from train.run.rundir.claim import plan_run_dir
 
@@ -79,7 +82,7 @@ def dry_run(cfg, say) -> int:
         where = f"a real run would write {run_path}/"
     except UsageError as err:
         where = f"warning: a real run would stop here: {err}"
-    plan = build(cfg, say)
+    plan = build(cfg, say, chosen=chosen)
     cfg = plan.cfg  # as decided
     say("resolved config:")
     for line in config_lines(cfg, plan):

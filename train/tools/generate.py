@@ -36,6 +36,7 @@ from train.core.generation import settings_problem, value_problem
 from train.core.remote_code import refuse_custom_code
 from train.data.chat.encode import TOOL_CALL_TOKEN, prompt_for_generation, stop_token_ids
 from train.data.chat.render_bounds import RenderFailed
+from train.data.chat.template_table import plain_prompt
 from train.data.chat.turns import TOOLS_ROLE, BadRecord, parse_tools
 from train.models.build import context_length
 from train.models.family import CAUSAL, family_of
@@ -161,7 +162,7 @@ class Chat:
                 raise UsageError(f"--model {self.args.model}: its chat template cannot render the chat: "
                                  f"{err.reason}") from None
         else:
-            text = "\n".join(t["content"] for t in self.turns)
+            text = plain_prompt(self.turns)
         return self.layout.prompt_ids(self.tok, text, self.templated)
 
     def reply(self, message: str, keep: bool) -> str:

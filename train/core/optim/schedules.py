@@ -77,11 +77,12 @@ CURVES = {**SCHEDULES, "relative": relative}  # what a Schedule may run: LR_SCHE
 
 
 def steps_or_share(warmup: float | None) -> float | int | None:
-    """WARMUP_STEPS as config.py keeps it: a whole number of steps (an int) from 1 up, or a share of
-    the run below 1 (TRL 1.16's and transformers' float warmup_steps; warmup_ratio is gone there),
-    which warmup_of turns into steps once the run's length is known. 2.5 steps is refused, where
-    transformers would take int(2.5)."""
-    if warmup is None or warmup < 1:
+    """WARMUP_STEPS as config.py keeps it: a whole number of steps (an int) from 0 up, or a share of
+    the run between 0 and 1 (TRL 1.16's and transformers' float warmup_steps; warmup_ratio is gone
+    there), which warmup_of turns into steps once the run's length is known. 2.5 steps is refused,
+    where transformers would take int(2.5). 0 is the int 0: the flag's 0.0 would reach a checkpoint's
+    warmup_samples as a float, which resume refuses."""
+    if warmup is None or 0 < warmup < 1:
         return warmup
     if warmup % 1:
         raise bad_value(

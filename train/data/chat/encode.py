@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from train.core.errors import UsageError
 from train.core.units import IGNORE_INDEX
 from train.data import tokenize
-from train.data.chat import templates
+from train.data.chat import template_table, templates
 from train.data.chat.batching import (
     LengthGroupedSampler,
     PadCollator,
@@ -132,9 +132,12 @@ def render(tokenizer, conversation: Sequence[dict], checked: bool = False,
 
 def prompt_for_generation(tokenizer, conversation: Sequence[dict] | str) -> str:
     """The text up to where the assistant's reply starts, for `python -m train generate`.
-    A plain string is taken as one user turn."""
+    A plain string is taken as one user turn. A tokenizer with neither a chat template nor the
+    built-in one's markers (a pretraining run's) never learnt a chat: its plain_prompt."""
     if isinstance(conversation, str):
         conversation = [{"role": "user", "content": conversation}]
+    if tokenizer.chat_template is None and not template_table.has_markers(tokenizer):
+        return template_table.plain_prompt(conversation)
     if _builtin(tokenizer):
         check_markers(tokenizer)
         return "".join(text for text, _ in builtin_segments(conversation)) + ROLE_TOKENS["assistant"] + "\n"

@@ -56,11 +56,22 @@ class Template:
     why: str = "the tokenizer has no other chat template"
 
 
-def check_markers(tokenizer) -> None:
+def has_markers(tokenizer) -> bool:
+    """The built-in template's marker tokens are in the vocabulary (ensure_special_tokens ran)."""
     # One id lookup, not get_vocab(): that builds a dict of the whole vocabulary per call, and
     # once per conversation it was most of SFT's start-up (a profile of 100k records).
     ids = tokenizer.convert_tokens_to_ids([END_TOKEN, TOOL_CALL_TOKEN])
-    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+    return not any(i is None or i == tokenizer.unk_token_id for i in ids)
+
+
+def plain_prompt(conversation: Sequence[dict]) -> str:
+    """A chat without a template to frame it (a pretraining run's tokenizer, TEMPLATE=none): the
+    turns' texts, one a line, as a text model continues them; tools have nowhere to go."""
+    return "\n".join(t.get("content") or "" for t in split_tools(conversation)[1])
+
+
+def check_markers(tokenizer) -> None:
+    if not has_markers(tokenizer):
         # A programming error, not a user one: the markers would be split into ordinary tokens.
         raise RuntimeError(
             "call ensure_special_tokens(tokenizer) before rendering with the built-in template"

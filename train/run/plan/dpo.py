@@ -10,6 +10,7 @@ with the reference model REFERENCE decides (train/run/plan/dpo_reference.py).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 
 import torch
@@ -100,6 +101,19 @@ def tightest(rooms: list[dict]) -> dict:
     return min(rooms, key=left)
 
 
+def short_run(cfg: TrainConfig, pairs: int, trained: int) -> bool:
+    """The run reads fewer pairs than there are, one whole model per process: a copy may cost less."""
+    return trained < pairs and cfg.system.sharding == "none"
+
+
+def copy_may_be_chosen(cfg: TrainConfig, pairs: int, trained: int) -> bool:
+    """Whether decide_reference may choose a frozen copy: REFERENCE empty, a loss with a reference, no
+    LoRA, and a short run; the room left beside the run then decides (copy_room)."""
+    loss = settings(cfg)["dpo_loss"]
+    return (cfg.model.reference is None and DPO_LOSS[loss].reference and not cfg.model.lora_r
+            and short_run(cfg, pairs, trained))
+
+
 def decide_reference(
     cfg: TrainConfig, pairs: int, trained: int, decide, room: dict | None = None
 ) -> str | None:
@@ -110,7 +124,7 @@ def decide_reference(
         return None
     if cfg.model.reference is not None:
         return cfg.model.reference
-    short = trained < pairs and cfg.system.sharding == "none"
+    short = short_run(cfg, pairs, trained)
     left = None if room is None or room["capacity"] is None else room["capacity"] - room["run"]
     if cfg.model.lora_r:
         kind, why = "adapters", ("LORA_R is set: the base model is the policy with its adapters off (no "
@@ -197,6 +211,21 @@ class DPOSource:
     def steps(self, cfg: TrainConfig, data: Data, world_size: int, say, decide) -> tuple[int, str]:
         """Optimizer steps of BATCH_SIZE pairs (packed rows with PACKING=1); see sft.said_steps."""
         return sft.said_steps(cfg, data, world_size, say, decide)
+
+    def fill_reference(self, cfg: TrainConfig, data: Data, world_size: int, effective: int) -> str | None:
+        """The reference the fill (no BATCH_SIZE of the user's, on a GPU) leaves room for, before
+        REFERENCE is decided from the room left: "copy" where decide_reference may choose one at the
+        steps this effective batch gives; None where it will not (every pair read: precomputed; LoRA;
+        SHARDING; a reference-free loss) or REFERENCE is set (the estimate reads it)."""
+        per_rank, n = max(1, math.ceil(effective / world_size)), len(data.dataset)
+        sized = copy.deepcopy(cfg)
+        sized.optim.batch_size, sized.optim.gradient_accumulation_steps = per_rank, 1
+        try:  # the fill keeps the effective batch, so these are the run's steps (whole-number rounding aside)
+            steps, _ = sft.plan_sft_steps(sized, n, n // world_size // per_rank, per_rank, world_size)
+        except UsageError:  # less data than one step: the plan's step count refuses it after the fill
+            return None
+        return "copy" if copy_may_be_chosen(cfg, len(data.conversations), steps * effective) else None
+
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
                   max_length: int, trained: int, say, decide):
         """(the preference objective, a new Data): the reference REFERENCE decides, made now from the

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from train.core.objective import mode_of
 from train.core.units import MIB
 from train.models.estimate_terms import PackedGrid
 from train.run.plan import adapt
@@ -59,10 +58,11 @@ def batch_set_by_user(command: str, argv: list[str], cfg, environ: Mapping[str, 
 
 
 def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str, device_type: str, world: int,
-                  layout, target: float, per_rank: int):
+                  layout, target: float, per_rank: int, reference: str | None = None):
     """(the largest micro-batch whose estimated peak is at most `target` bytes, 0 if none; the peak at a
     micro-batch; the rows it is estimated at). Searched up to the data's rows or per_rank, whichever is
-    more, with accumulation (held gradients) counted below per_rank."""
+    more, with accumulation (held gradients) counted below per_rank. reference: the REFERENCE to size for
+    where the run decides it after the micro-batch (the mode's fill_reference); else cfg's."""
     from train.core.model import count_params
     from train.models.estimate import estimate_for_run
     from train.models.freeze import trainable_of
@@ -70,8 +70,8 @@ def estimated_fit(cfg, model, dataset, collate, max_length: int, precision: str,
     shape = adapt.row_shape(dataset, collate, max_length, cfg.run.mode, layout)
     n_params, trainable = count_params(model), trainable_of(model)
     sized = copy.deepcopy(cfg)
-    if mode_of(cfg.run.mode).reference and cfg.model.reference is None and not cfg.model.lora_r:
-        sized.model.reference = "copy"  # REFERENCE is chosen later, from the room left: leave room for a copy
+    if reference is not None:
+        sized.model.reference = reference
 
     def peak(batch: int) -> float:
         sized.optim.batch_size, sized.optim.gradient_accumulation_steps = batch, 1 if batch >= per_rank else 2
@@ -103,16 +103,20 @@ def fill_memory(
     layout,
     decide,
     capacity: tuple[float | None, str] | None = None,
+    reference_for: Callable[[int], str | None] | None = None,
 ) -> bool:
     """Set cfg.optim's batch_size and gradient_accumulation_steps to fill the device (module doc) and
     decide them with their reasons; False where the memory the run can use is unknown. capacity:
-    (MB, where the number comes from), default adapt.capacity_mb's."""
+    (MB, where the number comes from), default adapt.capacity_mb's. reference_for(effective batch): the
+    REFERENCE the run may still choose, to leave room for (a mode's fill_reference: DPO's copy)."""
     o = cfg.optim
-    cap_mb, what = capacity if capacity is not None else _capacity(device, cfg.system.max_memory_mb, world)
+    cap_mb, what = (capacity if capacity is not None
+                    else _capacity(device, cfg.system.max_memory_mb, world, cfg.run.dry_run))
     if cap_mb is None:
         return False
     effective = o.effective_batch or o.batch_size * o.gradient_accumulation_steps * world
     per_rank = max(1, math.ceil(effective / world))
+    reference = reference_for(effective) if reference_for is not None else None
     allowed, peak, shape = estimated_fit(
         cfg,
         model,
@@ -125,6 +129,7 @@ def fill_memory(
         layout,
         cfg.system.target_vram * cap_mb * MIB,
         per_rank,
+        reference,
     )
     rows = len(getattr(dataset, "dataset", dataset)) // world or 1
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
@@ -141,6 +146,8 @@ def fill_memory(
     why = (f"BATCH_SIZE not set: estimated peak {at:,.0f} MB at {batch} ({lengths}) = {at / cap_mb:.0%} of "
            f"{cap_mb:,.0f} MB ({what}); TARGET_VRAM={cfg.system.target_vram:g} allows "
            + (f"{allowed}" if allowed > 0 else "none (even 1 is over it; out-of-memory recovery is the net)"))
+    if reference is not None:
+        why += f" with room for REFERENCE={reference}, which the run may still choose (REFERENCE empty)"
     if allowed > per_rank:
         why += f", more than the effective batch {effective} needs"
     if allowed > rows and rows < per_rank:
@@ -150,16 +157,19 @@ def fill_memory(
     return True
 
 
-def _capacity(device: torch.device, max_memory_mb: int | None, world: int) -> tuple[float | None, str]:
+def _capacity(device: torch.device, max_memory_mb: int | None, world: int,
+              dry_run: bool = False) -> tuple[float | None, str]:
     """adapt.capacity_mb's free memory with one process. With several, every rank must take the same
     micro-batch, and the plan is made on each rank in turn (distributed.main_first), where a collective
-    would meet another rank's: the card's whole memory (or MAX_MEMORY_MB), the same on every rank."""
+    would meet another rank's: the card's whole memory (or MAX_MEMORY_MB), the same on every rank. A dry
+    run reads the card's properties too: free memory would need a CUDA context, which it never makes."""
     from train.core.device import memory_capacity
 
-    if world == 1:
+    if world == 1 and not dry_run:
         return adapt.capacity_mb(device, max_memory_mb)
     cap, what = memory_capacity(device, max_memory_mb)
-    return (None if cap is None else cap / MIB), f"{what}, the same on every rank"
+    note = "the same on every rank" if world > 1 else "DRY_RUN: its whole memory; a run reads the free VRAM"
+    return (None if cap is None else cap / MIB), f"{what}, {note}"
 
 
 def _largest(peak, target: float, upper: int) -> int:

@@ -147,6 +147,10 @@ class Source(Protocol):
         """(the mode's objective, the data its batches come from: the same, or one whose batches carry
         more)."""
 
+    # Optional, asked only where a source has it (getattr): fill_reference(cfg, data, world_size,
+    # effective) -> the REFERENCE the fill leaves room for, where the objective decides it afterwards
+    # from the room left (dpo.DPOSource's).
+
 
 class Decisions:
     """Every automatic choice, printed as it is made and saved in config.json with its reason."""
@@ -276,9 +280,12 @@ def parallel(cfg: TrainConfig, world: Dist, decide: Decisions) -> None:
 
 
 def micro_batch(cfg: TrainConfig, chosen: Chosen | fill.Fill | None, choice: ModelChoice, model, data,
-                max_length: int, precision: str, device, world: Dist, decide: Decisions) -> None:
+                max_length: int, precision: str, device, world: Dist, decide: Decisions,
+                source: Source | None = None) -> None:
     """The micro-batch found ahead of planning (AUTO_BATCH=1), or, with no micro-batch of the user's,
-    the one that fills a GPU (fill.py); else the one asked."""
+    the one that fills a GPU (fill.py), with room for what the source's fill_reference says the run may
+    still choose; else the one asked."""
+    own = getattr(source, "fill_reference", None)  # the Source protocol's optional method
     if isinstance(chosen, Chosen):
         cfg.optim.batch_size, cfg.optim.gradient_accumulation_steps = (
             chosen.batch_size,
@@ -300,6 +307,7 @@ def micro_batch(cfg: TrainConfig, chosen: Chosen | fill.Fill | None, choice: Mod
             world.world_size,
             choice.family.layout,
             decide,
+            reference_for=own and (lambda effective: own(cfg, data, world.world_size, effective)),
         )
 
 
@@ -361,7 +369,7 @@ def make_plan(asked: TrainConfig, say, world: Dist, source: Source,
     data = source.data(cfg, choice, tok, device, precision, max_length, say, decide)
     # The model before the memory-adaptive settings: what they see free is what the run will have.
     model = source.model(cfg, choice, tok, data, device, decide)
-    micro_batch(cfg, chosen, choice, model, data, max_length, precision, device, world, decide)
+    micro_batch(cfg, chosen, choice, model, data, max_length, precision, device, world, decide, source)
     # EFFECTIVE_BATCH, LR_SCALING, then workers / pin / prefetch / token cache from free memory
     adapt.adapt(cfg, device, data.dataset, decide, world.world_size, max_length=max_length)
     demo_budget(cfg, choice, decide)
