@@ -38,13 +38,17 @@
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
-# about 640 s expected in all before the peers and GRPO (the peers ~180 s, the GRPO pair ~125 s more):
-# more than one call's budget. A part gets the smaller of its limit and
-# what is left of GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report),
-# so the parts the issue's targets need come first and bench-baseline, measured before, last.
+# about 640 s expected in all before the peers and GRPO (the peers ~180 s more, the GRPO pair ~125 s):
+# more than one call's budget. A part gets the smaller of its limit and what is left of
+# GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report), so the parts the
+# issue's targets need come first and bench-baseline, measured before, last.
 # GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed);
 # GPU_REPORT_PARTS=peers names the peers and the kit parts they are measured against (about 445 s);
 # GPU_REPORT_PARTS=grpo,grpo-trl the GRPO pair (about 125 s, 160 s with grpo-base on a fresh machine).
+# One session (15 minutes of device time, start-up included) in two calls, the second at once on the
+# warm machine with the same GPU_REPORT_DIR (so GRPO starts from the first call's sft-grouped final/):
+# GPU_REPORT_PARTS=peers (~445 s), then grpo,grpo-trl,tokenize-scaling,pretrain-auto,bench-baseline
+# (~325 s; bench-baseline, 30 s, is the one to leave out where start-up took more than ~100 s).
 # GPU_REPORT_DRY=1 runs the parts on this machine's CPU at toy sizes (MODEL_SIZE nano, MAX_LENGTH 128,
 # T5 64, MAX_STEPS 4, MAX_COMPLETION_LENGTH 8, fp32, eager; no tokenize-scaling; each part 3x its
 # seconds, the budget 3x too): the parts' own commands checked without a GPU, the table written to
@@ -56,7 +60,7 @@
 # run's batch and precision, and runs the peer on it; the peers come from .whl/ (bash
 # bench/peer_wheels.sh here, then carry .whl to the GPU machine), installed once into
 # GPU_REPORT_PEER_SITE (/tmp/site) where python3 has no trl. The
-# paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo) run under
+# paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo, grpo) run under
 # train/tools/step_profile.py, which traces optimizer step 2 (inside the warm-up the throughput
 # leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table"
 # section of bench/RESULTS.md (device, date, every row, the issue's targets as met / missed by
@@ -226,6 +230,10 @@ fi
 # lengths (a host read per step, beside the sampler's own), which the completion tokens/s are made of.
 grpo_base=
 for m in sft-grouped dpo grpo-base; do [ -d "$OUT/$m/final" ] && { grpo_base=$OUT/$m/final; break; }; done
+if ! wanted grpo && [ -f "$OUT/grpo/summary.json" ]; then  # grpo-trl alone: the model of the run it is measured against
+  grpo_base=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("model_path") or "")' \
+    "$OUT/grpo/summary.json" 2>/dev/null)
+fi
 if [ -z "$grpo_base" ] && { wanted grpo || wanted grpo-trl; }; then
   run_part grpo-base 75 env MODEL_SIZE=$SIZE ENABLE_BF16=$BF16 NUM_WORKERS=0 COMPILE=0 BATCH_SIZE=16 \
     MAX_STEPS=$BASE_STEPS RUN_NAME=grpo-base ./train_sft_custom.sh
