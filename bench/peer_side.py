@@ -1,8 +1,8 @@
-"""What every peer side shares (bench/peer_sft.py, bench/peer_seq2seq.py, bench/dpo_trl_side.py --kit):
-the kit's plan as bench/peers.py wrote it, the training arguments that make a peer do the kit's
-work, and the figures, taken the way the kit's meter takes them. Runs in the peer's Python
-(a scratch venv, or the GPU machine's with the carried wheels); imports nothing of train/ but
-step_profile's global optimizer-step hook (torch alone).
+"""What every peer side shares (bench/peer_sft.py, bench/peer_seq2seq.py, bench/dpo_trl_side.py --kit,
+bench/grpo_trl_side.py --kit): the kit's plan as bench/peers.py wrote it, the training arguments that
+make a peer do the kit's work, and the figures, taken the way the kit's meter takes them. Runs in the
+peer's Python (a scratch venv, or the GPU machine's with the carried wheels); imports nothing of train/
+but step_profile's global optimizer-step hook (torch alone; GRPO's side also the kit's rewards).
 
 Set to do the kit's work, no more and no less (the trainers' own defaults differ):
 - precision: the kit run's. bf16 / fp16 autocast on CUDA; fp32 on a CPU. TRL's configs turn
@@ -94,10 +94,20 @@ class Counting:
         self.counts.append(count_tokens(batch, self.seq2seq))
         return batch
 
+    def install(self, trainer) -> None:
+        trainer.data_collator = self
 
-def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: bool = False) -> dict:
+    def steady(self, skip: int, steps: int, accum: int) -> list[tuple[int, int, int]]:
+        """The counts of optimizer steps skip+1 .. steps (accum micro-steps each)."""
+        return self.counts[skip * accum : steps * accum]
+
+
+def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: bool = False,
+        counting=None, extra=None) -> dict:
     """Train `trainer` for s["steps"] optimizer steps; its figures (see the module doc), printed as
-    one JSON line and written to args.json; args.profile gets step 2 under torch.profiler."""
+    one JSON line and written to args.json; args.profile gets step 2 under torch.profiler. counting:
+    what counts the samples and tokens (install(trainer), steady(skip, steps, accum); default: the
+    collator's Counting); extra(result): figures of the peer's own, added to the result."""
     from transformers import TrainerCallback
 
     sys.path.insert(0, str(ROOT))  # step_profile's hook: torch alone, the kit's own record format
@@ -114,8 +124,8 @@ def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: 
                     torch.cuda.synchronize()
                 stamps[state.global_step] = time.perf_counter()
 
-    counting = Counting(trainer.data_collator, seq2seq)
-    trainer.data_collator = counting
+    counting = counting or Counting(trainer.data_collator, seq2seq)
+    counting.install(trainer)
     trainer.add_callback(Clock())
     hook = OneStep(2) if args.profile else None
     handle = register_optimizer_step_post_hook(hook) if hook else None
@@ -127,7 +137,7 @@ def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: 
         if handle:
             handle.remove()
     accum = s["gradient_accumulation_steps"]
-    steady = counting.counts[skip * accum : s["steps"] * accum]
+    steady = counting.steady(skip, s["steps"], accum)
     span = stamps[s["steps"]] - stamps[skip]
     steps = s["steps"] - skip
     samples, real, padded = (sum(c[i] for c in steady) for i in range(3))
@@ -148,6 +158,7 @@ def run(trainer, s: dict, trainer_name: str, settings_ran: dict, args, seq2seq: 
         "final_loss": losses[-1] if losses else None,
         "threads": torch.get_num_threads(),
     }
+    result.update(extra(result) if extra else {})
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

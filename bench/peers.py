@@ -8,10 +8,11 @@ COMMAND FLAGS are the kit's own (`SHOW_COMMAND=1 ./train_sft_custom.sh` prints t
 `python -m train`). They are planned as a dry run plans them (train/run/plan: the same SFT or
 preference cache, template, truncation, held-out split and resized vocabulary as the real run),
 and DIR gets what the peer reads: model/ (the plan's model and tokenizer, chat tokens included),
-examples.jsonl (the training examples as token ids, held-out ones left out) and settings.json
-(batch, accumulation, MAX_LENGTH, precision, learning rate, weight decay, clip, log interval,
-beta). --run names the kit's run of those flags: its decided batch, accumulation and precision
-(summary.json) are what the peer gets, so a batch the kit chose at run time is matched too.
+examples.jsonl (the training examples as token ids, held-out ones left out; GRPO: the prompts, their
+text and columns) and settings.json (batch, accumulation, MAX_LENGTH, precision, learning rate, weight
+decay, clip, log interval, beta; GRPO: its "grpo" section). --run names the kit's run of those flags:
+its decided batch, accumulation and precision (summary.json) are what the peer gets, so a batch the
+kit chose at run time is matched too.
 
 PEER (each a scratch environment's trainer, never the kit's requirements; bench/peer_wheels.sh
 fetches them for a machine without an index):
@@ -19,6 +20,8 @@ fetches them for a machine without an index):
   trl-sft-padfree  TRL's SFTTrainer, padding_free=True, one conversation per example
   trl-dpo          TRL's DPOTrainer (bench/dpo_trl_side.py --kit DIR)
   seq2seq-t5-sft   transformers' Seq2SeqTrainer on an encoder-decoder's source -> target pairs
+  grpo-trl         TRL's GRPOTrainer (bench/grpo_trl_side.py --kit DIR): the prompts' token ids, their
+                   columns, the sampling, loss and reward settings of the kit's GRPO plan
 The peer prints one JSON line (bench/peer_side.py: steady real tokens/s over the steps after the
 kit's warm-up share, peak memory, the settings it ran); --json writes it, --profile one step of
 it under torch.profiler as train/tools/step_profile.py records the kit's.
@@ -41,6 +44,7 @@ PEERS = {
     "trl-sft-padfree": ("peer_sft.py", [], "sft"),
     "trl-dpo": ("dpo_trl_side.py", [], "dpo"),
     "seq2seq-t5-sft": ("peer_seq2seq.py", [], "sft"),
+    "grpo-trl": ("grpo_trl_side.py", [], "grpo"),
 }
 
 
@@ -51,6 +55,32 @@ def examples_of(dataset):
     for i in range(len(items)):
         item = items[i]
         yield from (item if isinstance(item, list) else [item])
+
+
+def grpo_prompts(plan):
+    """GRPO's prompts as the plan holds them: each one's token ids, its text (the ids decoded: TRL's
+    dataset rows key on it) and its columns (what the rewards read, e.g. the built-in task's answer)."""
+    objective = plan.objective
+    for i, ids in enumerate(objective.prompt_ids):
+        _, columns = objective.for_rewards([i])
+        yield {"prompt": plan.tokenizer.decode(ids), "prompt_ids": [int(t) for t in ids],
+               **{k: v[0] for k, v in columns.items()}}
+
+
+def grpo_settings(plan) -> dict:
+    """The GRPO plan's loss knobs (GrpoKnobs), its sampling (TOP_P, TOP_K, the ids a completion stops
+    at) and its rewards as REWARD_FUNCS resolved them (names, weights; REWARD_PATTERN, REWARD_LENGTH
+    and whether the prompts are the built-in task's, whose pattern the format reward takes)."""
+    import dataclasses
+
+    objective, o = plan.objective, plan.cfg.optim
+    sampling = objective.sampler.settings
+    return {
+        **dataclasses.asdict(objective.knobs), "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "eos_ids": list(objective.sampler.eos_ids), "reward_funcs": objective.rewards.names,
+        "reward_weights": [r.weight for r in objective.rewards.rewards], "reward_pattern": o.reward_pattern,
+        "reward_length": o.reward_length, "builtin_data": plan.cfg.data.data_path is None,
+    }
 
 
 def export(command: str, flags: list[str], work: Path, run: Path | None, steps: int, say) -> dict:
@@ -67,10 +97,15 @@ def export(command: str, flags: list[str], work: Path, run: Path | None, steps: 
     unwrapped(plan.model).save_pretrained(work / "model")
     plan.tokenizer.save_pretrained(work / "model")
     fields = ("prompt_ids", "chosen_ids", "rejected_ids") if command == "dpo" else ("input_ids", "labels")
+    rows = (
+        grpo_prompts(plan)
+        if command == "grpo"
+        else ({k: [int(t) for t in example[k]] for k in fields} for example in examples_of(plan.dataset))
+    )
     n = 0
     with (work / "examples.jsonl").open("w") as f:
-        for example in examples_of(plan.dataset):
-            f.write(json.dumps({k: [int(t) for t in example[k]] for k in fields}) + "\n")
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
             n += 1
     o, objective = plan.cfg.optim, plan.objective
     settings = {
@@ -82,6 +117,7 @@ def export(command: str, flags: list[str], work: Path, run: Path | None, steps: 
         "encoder_decoder": bool(getattr(plan.model.config, "is_encoder_decoder", False)),
         "beta": getattr(objective, "beta", None), "dpo_loss": getattr(objective, "loss_name", None),
         "steps": steps, "skip": steady_start(steps),
+        **({"grpo": grpo_settings(plan)} if command == "grpo" else {}),
     }
     if run is not None:  # what the kit's run decided at run time wins over the dry run's plan
         summary = json.loads((run / "summary.json").read_text())

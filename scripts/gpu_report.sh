@@ -20,6 +20,16 @@
 #                           REFERENCE=copy, the launcher's batch and packing, default compile and CUDA
 #                           graphs (25 s eager at 16 pairs)
 #   trl-dpo           90 s  TRL's DPOTrainer on dpo's plan (45 s)
+#   grpo-base         75 s  only where grpo or grpo-trl runs and the session has no SFT or DPO final/ (a call of
+#                           the GRPO pair alone): SFT from scratch, MODEL_SIZE=small, batch 16, 10 steps, eager
+#                           (estimated 35 s: its BPE on the built-in conversations, 10 steps, the 0.5 GB save)
+#   grpo             100 s  reward training (GRPO) from sft-grouped's final/ (else dpo's, else grpo-base's) on
+#                           the built-in arithmetic task, NUM_GENERATIONS 8, MAX_COMPLETION_LENGTH 128 (fixed,
+#                           so the sides' steps compare at one length), bf16, the launcher's batch (4 prompts,
+#                           32 rows), eager (GRPO refuses COMPILE), a log line every step (estimated 55 s:
+#                           ~0.8 s a step, 128 sampled tokens at ~5 ms each, and the profiled step's trace)
+#   grpo-trl         120 s  TRL's GRPOTrainer on grpo's plan: its prompts' token ids, rows, lengths, stop ids,
+#                           loss and rewards, bf16, no vLLM (bench/grpo_trl_side.py --kit; estimated 70 s)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
 #                           against one core's encode rate and the machine's ceiling, memory sampled
 #                           (bench/tokenize_scaling.py; the corpus is made in the background while
@@ -28,11 +38,21 @@
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
-# about 640 s expected in all: more than one call's budget. A part gets the smaller of its limit and
-# what is left of GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report),
-# so the parts the issue's targets need come first and bench-baseline, measured before, last.
+# about 640 s expected in all before the peers and GRPO (the peers ~180 s more, the GRPO pair ~125 s):
+# more than one call's budget. A part gets the smaller of its limit and what is left of
+# GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report), so the parts the
+# issue's targets need come first and bench-baseline, measured before, last.
 # GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed);
-# GPU_REPORT_PARTS=peers names the peers and the kit parts they are measured against (about 445 s).
+# GPU_REPORT_PARTS=peers names the peers and the kit parts they are measured against (about 445 s);
+# GPU_REPORT_PARTS=grpo,grpo-trl the GRPO pair (about 125 s, 160 s with grpo-base on a fresh machine).
+# One session (15 minutes of device time, start-up included) in two calls, the second at once on the
+# warm machine with the same GPU_REPORT_DIR (so GRPO starts from the first call's sft-grouped final/):
+# GPU_REPORT_PARTS=peers (~445 s), then grpo,grpo-trl,tokenize-scaling,pretrain-auto,bench-baseline
+# (~325 s; bench-baseline, 30 s, is the one to leave out where start-up took more than ~100 s).
+# GPU_REPORT_DRY=1 runs the parts on this machine's CPU at toy sizes (MODEL_SIZE nano, MAX_LENGTH 128,
+# T5 64, MAX_STEPS 4, MAX_COMPLETION_LENGTH 8, fp32, eager; no tokenize-scaling; each part 3x its
+# seconds, the budget 3x too): the parts' own commands checked without a GPU, the table written to
+# GPU_REPORT_DIR (RESULTS.md, gpu_table.json), never to bench/.
 # The kit's parts run the launchers' defaults (batch, COMPILE, DPO's packing) except where the peer
 # needs the same setting: bf16 (ENABLE_BF16=1; the peers' bf16 too), the DataLoader in the
 # training process (NUM_WORKERS=0, the trainers' default), DPO's REFERENCE=copy (TRL's frozen copy).
@@ -40,7 +60,7 @@
 # run's batch and precision, and runs the peer on it; the peers come from .whl/ (bash
 # bench/peer_wheels.sh here, then carry .whl to the GPU machine), installed once into
 # GPU_REPORT_PEER_SITE (/tmp/site) where python3 has no trl. The
-# paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo) run under
+# paths (pretrain-preset, sft-grouped, sft-packing1, t5-pretrain, t5-sft, dpo, grpo) run under
 # train/tools/step_profile.py, which traces optimizer step 2 (inside the warm-up the throughput
 # leaves out) into NAME.profile.json. Then train/tools/gpu_report.py writes the "GPU table"
 # section of bench/RESULTS.md (device, date, every row, the issue's targets as met / missed by
@@ -53,13 +73,15 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 
 PY=$(kit_python)
-PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, one step of each profiled, TRL's SFT and DPO trainers and transformers' Seq2SeqTrainer on the same plans; tokenizing 1 GB on every CPU core"
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+PLAN="bench (GPT-2 small, T=1024, baseline preset), find-batch, doctor (optimized, bf16 + compile), AUTO_BATCH=1, SFT PACKING=0 vs 1 (LENGTH_GROUPING=1 vs packed), T5 small pretraining and SFT, DPO, GRPO (NUM_GENERATIONS 8), one step of each profiled, TRL's SFT and DPO trainers, TRL's GRPOTrainer and transformers' Seq2SeqTrainer on the same plans; tokenizing 1 GB on every CPU core"
+DRY=${GPU_REPORT_DRY:-0}
+[[ $DRY =~ ^[01]$ ]] || kit_fail "GPU_REPORT_DRY: expected 0 or 1, got '$DRY'"
+if [ "$DRY" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu-report: no CUDA GPU here; on one it runs $PLAN (under 10 minutes) and writes the GPU table of bench/RESULTS.md and bench/gpu_table.json"
   exit 0
 fi
 
-BUDGET=${GPU_REPORT_BUDGET_S:-560}
+BUDGET=${GPU_REPORT_BUDGET_S:-$((560 * (1 + 2 * DRY)))}
 [[ $BUDGET =~ ^[1-9][0-9]*$ ]] || kit_fail "GPU_REPORT_BUDGET_S: expected a whole number of seconds, got '$BUDGET'"
 OUT=${GPU_REPORT_DIR:-runs/gpu-report-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT" || kit_fail "GPU_REPORT_DIR: cannot create $OUT"
@@ -67,9 +89,14 @@ deadline=$((SECONDS + BUDGET))
 # Every part: GPT-2 small at T=1024 unless it says otherwise, runs and find-batch's result inside
 # $OUT, not runs/; 30 steps, so that step 2 (the profiled one) is inside the 3 warm-up steps the
 # throughput leaves out (step 1 was no steady step on an H200: 2,358 ms where steady ones took 278).
-export MODEL_SIZE=small MAX_LENGTH=1024 OUTPUT_DIR="$OUT" MAX_STEPS=30
+SIZE=small LENGTH=1024 T5_LENGTH=512 STEPS=30 BASE_STEPS=10 COMPLETION=128 BF16=1 COMPILE_ON=1 SLOWER=1
+if [ "$DRY" = 1 ]; then  # the same commands at toy sizes on the CPU (step 2 still inside the 4 steps)
+  SIZE=nano LENGTH=128 T5_LENGTH=64 STEPS=4 BASE_STEPS=4 COMPLETION=8 BF16=0 COMPILE_ON=0 SLOWER=3
+fi
+export MODEL_SIZE=$SIZE MAX_LENGTH=$LENGTH OUTPUT_DIR="$OUT" MAX_STEPS=$STEPS
 export KIT_MADE_BY=gpu-report  # launcher gpu-report-<script>: never SFT's default model
 echo "gpu-report: $PLAN -> $OUT (budget ${BUDGET} s)"
+[ "$DRY" = 0 ] || echo "gpu-report: GPU_REPORT_DRY=1: on $("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "the CPU")') at toy sizes (MODEL_SIZE $SIZE, MAX_LENGTH $LENGTH, $STEPS steps); the table goes to $OUT"
 
 PEERS=pretrain-preset,sft-grouped,trl-sft-padfree,sft-packing1,trl-sft-packed,t5-pretrain,t5-sft,seq2seq-t5-sft,dpo,trl-dpo
 [[ ",${GPU_REPORT_PARTS:-}," == *",peers,"* ]] && GPU_REPORT_PARTS="$GPU_REPORT_PARTS,$PEERS"
@@ -79,9 +106,14 @@ wanted() { [ -z "${GPU_REPORT_PARTS:-}" ] || [[ ",$GPU_REPORT_PARTS," == *",$1,"
 # part NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget;
 # NAME, seconds and status go to parts.tsv, the output to NAME.log.
 part() {
-  local name=$1 limit=$2 left status start=$SECONDS
+  wanted "$1" || return 0  # not asked for this time (GPU_REPORT_PARTS)
+  run_part "$@"
+}
+# run_part NAME LIMIT_S COMMAND...: part's run, whether or not GPU_REPORT_PARTS names NAME (a part that
+# another part needs: grpo-base)
+run_part() {
+  local name=$1 limit=$(($2 * SLOWER)) left status start=$SECONDS
   shift 2
-  wanted "$name" || return 0  # not asked for this time (GPU_REPORT_PARTS)
   left=$((deadline - SECONDS))
   ((left < limit)) && limit=$left
   if ((limit < 10)); then
@@ -153,18 +185,18 @@ peer() {
 # The tokenize-scaling part's corpus (1 GB) is made on one core while the GPU parts run.
 TOKENIZE_WORK="$OUT/tokenize"
 prepare_pid=
-if wanted tokenize-scaling; then
+if [ "$DRY" = 0 ] && wanted tokenize-scaling; then
   "$PY" bench/tokenize_scaling.py --prepare --work "$TOKENIZE_WORK" >"$OUT/tokenize-prepare.log" 2>&1 &
   prepare_pid=$!
 fi
 
-GPT2="env ENABLE_BF16=1 COMPILE=1"
-profiled pretrain-preset 120 $GPT2 bash scripts/kit.sh doctor optimized --steps 30
+GPT2="env ENABLE_BF16=$BF16 COMPILE=$COMPILE_ON"
+profiled pretrain-preset 120 $GPT2 bash scripts/kit.sh doctor optimized --steps "$STEPS"
 
 # SFT starts from the model the doctor run trained (MODEL_SIZE does not apply to SFT).
 doctor_json=$(ls "$OUT"/*/doctor.json 2>/dev/null | head -n 1)
 base=${doctor_json:+$(dirname "$doctor_json")/final}
-SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=1 NUM_WORKERS=0"
+SFT="env -u MODEL_SIZE MODEL_PATH=$base ENABLE_BF16=$BF16 NUM_WORKERS=0"
 if [ -n "$base" ] && [ -d "$base" ]; then
   profiled sft-grouped 90 $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
   peer trl-sft-padfree 90 sft-grouped $SFT LENGTH_GROUPING=1 RUN_NAME=sft-grouped ./train_sft_custom.sh
@@ -174,9 +206,9 @@ else
   for name in sft-grouped trl-sft-padfree sft-packing1 trl-sft-packed; do skip $name "no doctor run to start from"; done
 fi
 
-T5="env MODEL_FAMILY=t5 MODEL_SIZE=small MAX_LENGTH=512 ENABLE_BF16=1"
-profiled t5-pretrain 110 $T5 COMPILE=1 RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
-T5_SFT="env -u MODEL_SIZE MODEL_PATH=$OUT/t5-pretrain/final MAX_LENGTH=512 ENABLE_BF16=1 NUM_WORKERS=0 RUN_NAME=t5-sft"
+T5="env MODEL_FAMILY=t5 MODEL_SIZE=$SIZE MAX_LENGTH=$T5_LENGTH ENABLE_BF16=$BF16"
+profiled t5-pretrain 110 $T5 COMPILE=$COMPILE_ON RUN_NAME=t5-pretrain ./run_single_gpu_optimized.sh
+T5_SFT="env -u MODEL_SIZE MODEL_PATH=$OUT/t5-pretrain/final MAX_LENGTH=$T5_LENGTH ENABLE_BF16=$BF16 NUM_WORKERS=0 RUN_NAME=t5-sft"
 if [ -d "$OUT/t5-pretrain/final" ]; then
   profiled t5-sft 90 $T5_SFT ./train_sft_custom.sh
   peer seq2seq-t5-sft 75 t5-sft $T5_SFT ./train_sft_custom.sh
@@ -192,11 +224,43 @@ else
   skip trl-dpo "no doctor run to start from"
 fi
 
+# GRPO (pretrain -> SFT -> GRPO) from this session's chat model; a call of the GRPO pair alone makes one
+# (grpo-base: SFT from scratch, the same GPT-2 shape). NUM_GENERATIONS and MAX_COMPLETION_LENGTH are set
+# so that both sides sample the same rows to the same bound; LOG_EVERY=1 logs each step's completion
+# lengths (a host read per step, beside the sampler's own), which the completion tokens/s are made of.
+grpo_base=
+for m in sft-grouped dpo grpo-base; do [ -d "$OUT/$m/final" ] && { grpo_base=$OUT/$m/final; break; }; done
+if ! wanted grpo && [ -f "$OUT/grpo/summary.json" ]; then  # grpo-trl alone: the model of the run it is measured against
+  grpo_base=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("model_path") or "")' \
+    "$OUT/grpo/summary.json" 2>/dev/null)
+fi
+if [ -z "$grpo_base" ] && { wanted grpo || wanted grpo-trl; }; then
+  run_part grpo-base 75 env MODEL_SIZE=$SIZE ENABLE_BF16=$BF16 NUM_WORKERS=0 COMPILE=0 BATCH_SIZE=16 \
+    MAX_STEPS=$BASE_STEPS RUN_NAME=grpo-base ./train_sft_custom.sh
+  [ -d "$OUT/grpo-base/final" ] && grpo_base=$OUT/grpo-base/final
+fi
+GRPO="env -u MODEL_SIZE MODEL_PATH=$grpo_base ENABLE_BF16=$BF16 NUM_WORKERS=0 NUM_GENERATIONS=8 MAX_COMPLETION_LENGTH=$COMPLETION LOG_EVERY=1 RUN_NAME=grpo"
+if [ -n "$grpo_base" ]; then
+  profiled grpo 100 $GRPO ./train_grpo.sh
+  peer grpo-trl 120 grpo $GRPO ./train_grpo.sh
+else
+  skip grpo "no chat model to start from (see grpo-base.log)"
+  skip grpo-trl "no chat model to start from (see grpo-base.log)"
+fi
+
 [ -z "$prepare_pid" ] || wait "$prepare_pid" || echo "gpu-report: the tokenize corpus was not made (see $OUT/tokenize-prepare.log)" >&2
-part tokenize-scaling 100 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
+if [ "$DRY" = 1 ]; then
+  skip tokenize-scaling "GPU_REPORT_DRY: its 1 GB corpus is no toy"
+else
+  part tokenize-scaling 100 "$PY" bench/tokenize_scaling.py --work "$TOKENIZE_WORK" --json "$OUT/tokenize-scaling.json"
+fi
 rm -rf "$TOKENIZE_WORK"
 
 part pretrain-auto 80 $GPT2 AUTO_BATCH=1 RUN_NAME=pretrain-auto ./run_single_gpu_optimized.sh
 part bench-baseline 60 env PRESET=baseline COMPILE=0 VS_PLAIN=0 ROUNDS=1 bash scripts/bench.sh --json "$OUT/bench-baseline.json"
 
-"$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md --table bench/gpu_table.json
+if [ "$DRY" = 1 ]; then  # a toy table: never bench/'s
+  "$PY" -m train.tools.gpu_report --out "$OUT" --results "$OUT/RESULTS.md" --table "$OUT/gpu_table.json"
+else
+  "$PY" -m train.tools.gpu_report --out "$OUT" --results bench/RESULTS.md --table bench/gpu_table.json
+fi

@@ -226,14 +226,15 @@ def _goal(part: str, target: str, value, goal, unit: str, shown: str, at_most: b
             "measured": shown, **({"at_most": True} if at_most else {})}
 
 
-def _fill(part: str, s: dict, profile: dict | None) -> dict:
-    """A default run fills the device: peak memory >= FILL_MEMORY of it, or the GPU busy >= FILL_BUSY."""
+def _fill(part: str, s: dict, profile: dict | None, label: str | None = None) -> dict:
+    """A default run fills the device: peak memory >= FILL_MEMORY of it, or the GPU busy >= FILL_BUSY
+    (label: the part's, where it is no row of PATHS)."""
     peak, total = s.get("peak_vram_mb"), s.get("vram_total_mb")
     share = peak / total if peak is not None and total else None
     busy = (profile or {}).get("device_busy_frac")
     met = None if share is None and busy is None else (share or 0) >= FILL_MEMORY or (busy or 0) >= FILL_BUSY
-    return {"part": part, "target": f"{dict(PATHS)[part]}: peak memory >= {FILL_MEMORY:.0%} of the device or "
-            f"GPU busy >= {FILL_BUSY:.0%}", "value": {"memory_share": share, "gpu_busy": busy},
+    return {"part": part, "target": f"{label or dict(PATHS)[part]}: peak memory >= {FILL_MEMORY:.0%} of the "
+            f"device or GPU busy >= {FILL_BUSY:.0%}", "value": {"memory_share": share, "gpu_busy": busy},
             "goal": {"memory_share": FILL_MEMORY, "gpu_busy": FILL_BUSY}, "unit": "share", "met": met,
             "measured": f"memory {_fmt(share, '.0%')}, GPU busy {_fmt(busy, '.0%')}"}
 

@@ -8,7 +8,8 @@ section of RESULTS.md, replacing the previous one, naming the device and date, a
 figures as a machine-readable table (--table, bench/gpu_table.json: every part's tokens/s, MFU,
 GPU busy share, peak memory and its share of the device, the estimate, its targets and whether
 each was met; the peers' rows named by their trainer; the kit / peer ratios). The per-path rows,
-the peers, the issue's targets and the profiles are train/tools/gpu_paths.py's.
+the peers, the issue's targets and the profiles are train/tools/gpu_paths.py's; GRPO's against TRL's
+GRPOTrainer, per step, train/tools/gpu_grpo.py's.
 
     python -m train.tools.gpu_report --out runs/gpu-report-... [--results bench/RESULTS.md] [--table F]
 """
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from train.core import files
-from train.tools import gpu_paths
+from train.tools import gpu_grpo, gpu_paths
 
 HEADING = "## GPU table"
 # SFT runs by folder name -> the PACKING cell of their row (plain, grouped, packed)
@@ -52,6 +53,7 @@ def collect(out: Path) -> dict:
         "sft": {p: _json(out / f"sft-{p}" / "summary.json") for p in SFT_RUNS},
         "paths": gpu_paths.collect_paths(out, doctor),
         "peers": gpu_paths.collect_peers(out),
+        "grpo": gpu_grpo.collect(out),
         "out": str(out),
     }
 
@@ -115,6 +117,7 @@ def section(fig: dict, device: str, date: str) -> str:
     lines += gpu_paths.peer_rows(found, fig["peers"], lambda part: _took(fig, part))
     lines += gpu_paths.target_rows(found, fig["peers"])
     lines += gpu_paths.profile_rows(found)
+    lines += gpu_grpo.rows(fig["grpo"], lambda part: _took(fig, part))
     return "\n".join(lines) + "\n"
 
 
@@ -177,13 +180,15 @@ def table(fig: dict, device: str, date: str) -> dict:
     (met: true / false, null where not measured; a part's met: every target of it met), and the
     kit / peer ratios."""
     found, peers = fig["paths"], fig["peers"]
-    goals = gpu_paths.goals(found, peers)
+    goals = gpu_paths.goals(found, peers) + gpu_grpo.goals(fig["grpo"])
     paths = {part for part, _ in gpu_paths.PATHS}
     parts = []
     for name, p in fig["parts"].items():
         row = {"name": name, "status": p["status"], "seconds": p["seconds"]}
         if name in paths or name in peers:
             row |= gpu_paths.part_figures(name, found, peers)
+        elif name in gpu_grpo.PARTS:
+            row |= gpu_grpo.part_figures(name, fig["grpo"])
         elif name == "bench-baseline" and fig["bench_baseline"]:
             k = fig["bench_baseline"]["kit"]
             row |= {"kind": "kit", "tokens_per_sec": k["tokens_per_sec"], "mfu": k["mfu"]}
@@ -193,7 +198,8 @@ def table(fig: dict, device: str, date: str) -> dict:
         parts.append(row)
     ratios = [{"name": f"{g['part']} / {g['peer']}", "kit": g["part"], "peer": g["peer"],
                "trainer": g["trainer"], "ratio": g["value"],
-               "target": g["goal"], "met": g["met"]} for g in goals if "peer" in g]
+               "target": g["goal"], "met": g["met"], **{k: g[k] for k in ("measure",) if k in g}}
+              for g in goals if "peer" in g]
     return {"device": device, "date": date, "written_by": "make gpu-report (scripts/gpu_report.sh)",
             "out": fig["out"], "parts": parts, "ratios": ratios}
 

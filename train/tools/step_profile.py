@@ -2,8 +2,9 @@
 
     python -m train.tools.step_profile --json FILE [--step K] COMMAND [training flags]
 
-COMMAND is pretrain, sft or dpo (the launchers' commands; `SHOW_COMMAND=1 ./train_sft_custom.sh`
-prints a launcher's flags) or doctor (its short run). The run is the real one, unchanged: torch's
+COMMAND is pretrain, sft, dpo or grpo (the launchers' commands; `SHOW_COMMAND=1 ./train_sft_custom.sh`
+prints a launcher's flags) or doctor (its short run). A GRPO step holds its rollout: the sampling, the
+rewards and the loss's pass. The run is the real one, unchanged: torch's
 global optimizer-step hook marks the step boundaries, so no line of the loop knows it is watched.
 Step K (0-based; default 1, the second) is traced: its time from the end of optimizer step K-1
 to the end of step K, with a device sync at both ends so the window holds exactly that step's
@@ -31,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from train.core.errors import UsageError
 from train.core.files import write_json
 
-COMMANDS = ("pretrain", "sft", "dpo", "doctor")
+COMMANDS = ("pretrain", "sft", "dpo", "grpo", "doctor")
 MARK = "step_profile: profiled step"
 TOP = 8
 # kineto's activity types of work on the device (not its annotations, runtime calls or syncs)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", required=True, help="where the step's record goes")
     parser.add_argument("--step", default="1", help="the optimizer step to trace, 0-based (>= 1; default 1)")
-    parser.add_argument("command", help="pretrain, sft, dpo or doctor")
+    parser.add_argument("command", help="pretrain, sft, dpo, grpo or doctor")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the command's flags")
     args = parser.parse_args(argv)
     if args.command not in COMMANDS:
