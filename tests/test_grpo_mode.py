@@ -80,6 +80,13 @@ def test_a_grpo_run_from_the_newest_sft_run_logs_trls_metrics_and_saves_a_model(
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the copy is the policy before its first step
     assert all(0 < r["generation_frac"] <= 1 and r["completions/mean_length"] <= 6 for r in rows)
     assert rows[-1]["samples"] == 3 * 2  # prompts, not completions
+    # tokens: what the steps trained on, 8 rows of prompt + completion (the completions' lengths, and each
+    # prompt's tokens 4 times), not the loader's 2 prompts
+    before = 0
+    for r in rows:
+        prompts = r["tokens"] - before - round(8 * r["completions/mean_length"])
+        assert prompts >= 2 * 4 and prompts % 4 == 0, (r["step"], r["tokens"], before)
+        before = r["tokens"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == "grpo" and summary["reward_funcs"] == "accuracy,format"
     assert summary["num_generations"] == 4 and summary["beta"] == 0.04 and summary["reference"] == "copy"

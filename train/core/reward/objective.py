@@ -79,6 +79,10 @@ class GRPOObjective:
     (distributed.process_group.gather_rows); None: one process."""
     gather_names: Callable[[list[str]], list[str]] | None = None
     """Under DDP: the sorted union of every rank's names (distributed.process_group.gather_names)."""
+    trained: list[int] = field(default_factory=lambda: [0, 0])
+    """[real, padded] tokens the steps trained on so far (prompt + completion of every row, each step of a
+    generation again): the meter's token count (tokens_per_sec, MFU of the training part), as TRL's
+    num_tokens counts prompt and completion."""
     _cached: list | None = field(default=None, repr=False)
     _uses: int = 0
     _metrics: dict = field(default_factory=dict, repr=False)
@@ -94,12 +98,18 @@ class GRPOObjective:
             if len(self._cached) != len(micro_batches):  # the OOM guard's smaller micro-batch since
                 sizes = [len(b["index"]) * self.knobs.num_generations for b in micro_batches]
                 self._cached = regroup(self._cached, sizes)
-            return self._cached
+            return self._count(self._cached)
         start = time.perf_counter()
         scored = self._score(model, micro_batches)
         self._cached, self._uses = scored, 1
         self._steps += 1
         self.rollout_seconds += time.perf_counter() - start
+        return self._count(scored)
+
+    def _count(self, scored: list[dict]) -> list[dict]:
+        for b in scored:  # host masks: no sync
+            self.trained[0] += int(b["prompt_mask"].sum()) + int(b["completion_mask"].sum())
+            self.trained[1] += b["prompt_mask"].numel() + b["completion_mask"].numel()
         return scored
 
     def _score(self, model, micro_batches: list[dict], everyone: bool = True) -> list[dict]:

@@ -69,7 +69,11 @@ class BatchCounter:
         return batch
 
     def counts(self) -> tuple[int, int, int]:
-        return self.rows, self.real, self.padded
+        """(samples, real tokens, padded tokens). An objective whose rollout makes what its steps train on
+        (GRPO: prompt + completion, NUM_GENERATIONS rows a prompt) counts those tokens itself (`trained`):
+        the loader's batches hold the prompts alone."""
+        trained = getattr(self.objective, "trained", None)
+        return (self.rows, *trained) if trained is not None else (self.rows, self.real, self.padded)
 
     def attempt(self, fn):
         """fn() (one optimizer step); a failed attempt (an OOM, redone smaller) leaves no count."""
@@ -78,6 +82,8 @@ class BatchCounter:
             return fn()
         except BaseException:
             self.rows, self.real, self.padded = mark
+            if getattr(self.objective, "trained", None) is not None:
+                self.objective.trained[:] = mark[1:]
             raise
 
 
