@@ -18,10 +18,11 @@ GRPO_SECTION = "GPT-2 reward training (GRPO, built-in task) against TRL GRPOTrai
 
 def _kit_summary(**kw) -> dict:
     """summary.json of a GRPO run as report.summary writes it (the fields the GRPO rows read): 5 prompts/s of
-    21 prompt tokens each (the loader's count: tokens_per_sec is prompt tokens)."""
+    21 prompt tokens each, 8 rows of prompt + completion a prompt (tokens_per_sec: what the steps trained
+    on; 100 tokens the steady completions' mean length)."""
     return {"mode": "grpo", "precision": "bf16", "batch_size": 4, "gradient_accumulation_steps": 1,
             "num_generations": 8, "max_completion_length": 128, "steps": 30, "steady_state_steps": 27,
-            "step_time_ms": 800.0, "generation_frac": 0.75, "samples_per_sec": 5.0, "tokens_per_sec": 105.0,
+            "step_time_ms": 800.0, "generation_frac": 0.75, "samples_per_sec": 5.0, "tokens_per_sec": 4840.0,
             "flops_per_token": 1e9, "peak_tflops": 989.0, "peak_vram_mb": 20000.0, "vram_total_mb": 143771.0,
             "estimate_peak_mb": 19000.0, "final_completions/mean_length": 77.0, **kw}  # fmt: skip
 

@@ -8,9 +8,9 @@ A GRPO step samples, scores, then trains, so its figures are its own:
 - generation share: the steady steps' share spent making the completions (sampling, rewards, advantages:
   summary.json's generation_frac; TRL's _generate_and_score_completions);
 - completion tokens/s: prompts/s x NUM_GENERATIONS x the completions' mean length over the steady steps
-  (metrics.jsonl: the part logs every step). summary.json's own tokens_per_sec counts the prompt batches'
-  tokens (the loader's), not the completions, so it is not read as GRPO's throughput; sampling tokens/s is
-  the same completion count over the generation seconds alone;
+  (metrics.jsonl: the part logs every step). summary.json's own tokens_per_sec counts what the steps
+  trained on (prompt + completion of every row), so a prompt's tokens are that per prompt / NUM_GENERATIONS
+  less the mean completion; sampling tokens/s is the completion count over the generation seconds alone;
 - MFU: the training pass's FLOPs (the loss's forward and backward over prompt + completion tokens,
   summary.json's flops_per_token each: 6N + attention) per second of the whole step, and per second of
   the step outside the rollout (the training part). Sampling's FLOPs are not counted: the whole-step
@@ -76,10 +76,13 @@ def _rates(step_ms, gen, prompts_s, g, length, prompt_len, fpt, peak_tflops) -> 
     }  # fmt: skip
 
 
-def _shared(s: dict) -> tuple:
-    """(prompt tokens per prompt, flops_per_token, peak TFLOP/s) of the kit's run: both sides' counts."""
-    prompts_s, tokens_s = s.get("samples_per_sec"), s.get("tokens_per_sec")
-    prompt_len = tokens_s / prompts_s if prompts_s and tokens_s is not None else None
+def _shared(s: dict, metrics: list[dict]) -> tuple:
+    """(prompt tokens per prompt, flops_per_token, peak TFLOP/s) of the kit's run: both sides' counts. Its
+    tokens_per_sec is prompt + completion of NUM_GENERATIONS rows a prompt."""
+    prompts_s, tokens_s, g = s.get("samples_per_sec"), s.get("tokens_per_sec"), s.get("num_generations")
+    length = _mean_length(s, metrics)
+    known = prompts_s and g and None not in (tokens_s, length)
+    prompt_len = tokens_s / prompts_s / g - length if known else None
     return prompt_len, s.get("flops_per_token"), s.get("peak_tflops")
 
 
@@ -93,8 +96,9 @@ def kit_figures(found: dict) -> dict:
     s = found["summary"]
     if not s:
         return {}
+    length = _mean_length(s, found["metrics"])
     figures = _rates(s.get("step_time_ms"), s.get("generation_frac"), s.get("samples_per_sec"),
-                     s.get("num_generations"), _mean_length(s, found["metrics"]), *_shared(s))  # fmt: skip
+                     s.get("num_generations"), length, *_shared(s, found["metrics"]))  # fmt: skip
     return figures | _peak(s) | {"estimate_mb": s.get("estimate_peak_mb")}
 
 
@@ -104,7 +108,8 @@ def peer_figures(found: dict) -> dict:
         return {}
     g = (r.get("settings") or {}).get("num_generations")
     figures = _rates(r.get("step_time_ms"), r.get("generation_frac"), r.get("samples_per_sec"), g,
-                     r.get("completion_mean_length"), *_shared(found["summary"] or {}))  # fmt: skip
+                     r.get("completion_mean_length"),
+                     *_shared(found["summary"] or {}, found.get("metrics") or []))  # fmt: skip
     return figures | _peak(r) | {"estimate_mb": None}
 
 
