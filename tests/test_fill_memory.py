@@ -162,6 +162,7 @@ def test_the_command_line_asks_the_plan_to_fill_only_without_a_users_batch(tiny_
     assert (
         fill.applies("sft", CAUSAL_LM)
         and fill.applies("dpo", CAUSAL_LM)
+        and fill.applies("grpo", CAUSAL_LM)  # its micro-batch counts prompts (tests/test_grpo_fill.py)
         and fill.applies("pretrain", ENCODER_DECODER)
     )
     # GPT-2 pretraining keeps its preset (find-batch: compute-bound)
@@ -225,6 +226,7 @@ def test_through_the_launchers_a_first_argument_or_a_variable_is_the_users(tmp_p
     assert said("train_sft_custom.sh", "16") == "USER"  # 16 given as the argument: never changed
     assert said("train_sft_custom.sh", BATCH_SIZE="16") == "USER"
     assert said("train_dpo.sh") == "DEFAULT" and said("train_dpo.sh", "8") == "USER"
+    assert said("train_grpo.sh") == "DEFAULT" and said("train_grpo.sh", "8") == "USER"
 
 
 def test_dry_run_shows_the_micro_batch_a_gpu_run_fills_with(monkeypatch, base_model, tmp_path, capsys):

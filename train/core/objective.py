@@ -119,7 +119,7 @@ class Mode:
     bound (a pair's lengths are the samplers' cost, not a row)."""
     sampled: bool = False
     """Its rows are sampled in the step: NUM_GENERATIONS per sample, with a KV cache before the forwards (the
-    estimate counts both)."""
+    estimate counts both), each a prompt and up to its dataset's completion_length tokens after it."""
 
     @property
     def objective_class(self) -> type:
@@ -141,8 +141,9 @@ MODES = {
     "pretrain": Mode(TOKEN, span_targets=True, fills_causal=False),
     "sft": Mode(TOKEN, throughput="tokens_per_sec", row_lengths=True),
     "dpo": Mode(PREFERENCE),  # the fill's room for REFERENCE: DPOSource.fill_reference
-    # GRPO: its rows are sampled (NUM_GENERATIONS per prompt), not the data's; fill does not size them
-    "grpo": Mode(REWARD, fills_causal=False, sampled=True),
+    # GRPO: the fill sizes prompts, NUM_GENERATIONS rows each at the longest prompt + MAX_COMPLETION_LENGTH
+    # (adapt.row_shape); its room for REFERENCE: GRPOSource.fill_reference
+    "grpo": Mode(REWARD, sampled=True),
 }
 
 

@@ -144,8 +144,8 @@ class Layout:
         return {"max_length": padded(np.max(lengths))}
 
     def fills(self, mode: str) -> bool:
-        """Whether the command line's fill (a GPU's largest micro-batch) applies: SFT, DPO and an
-        encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (train/core/objective.py
+        """Whether the command line's fill (a GPU's largest micro-batch) applies: SFT, DPO, GRPO and
+        an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (train/core/objective.py
         fills_causal)."""
         from train.core.objective import mode_of
 

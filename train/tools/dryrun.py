@@ -161,8 +161,8 @@ def describe(estimate: dict) -> list[str]:
         f"{mb('activations_per_layer')} per layer)",
     ]
     if "kv_cache" in estimate:  # a sampled mode's (GRPO's): its generation's cache, before the forwards
-        lines.append(f"  sampling's KV cache {mb('kv_cache')} (BATCH_SIZE x NUM_GENERATIONS rows at "
-                     f"MAX_LENGTH)")
+        lines.append(f"  sampling's KV cache {mb('kv_cache')} (BATCH_SIZE x NUM_GENERATIONS rows at the "
+                     f"longest prompt + MAX_COMPLETION_LENGTH)")
     lines += [
         f"  estimated peak {mb('peak')} (torch max_memory_allocated; the CUDA context and the "
         "allocator's cache come on top)",

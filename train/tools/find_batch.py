@@ -16,7 +16,9 @@ keeps the effective batch exactly. Under torchrun, rank 0 searches and broadcast
 Preference training (`find-batch dpo ...`, or AUTO_BATCH=1 in a dpo run): the micro-batch counts
 pairs, each trial step is the run's own (the preference objective with the reference the plan chose:
 a frozen copy on the device, the precomputed log-probs the batches carry, or the adapters switched
-off), on the longest pairs of the data (a batch of them is the widest the run can meet).
+off), on the longest pairs of the data (a batch of them is the widest the run can meet). Reward training
+(`find-batch grpo`): prompts, each trial step the run's own, sampling the longest prompts' completions;
+those that stop early hold less than MAX_COMPLETION_LENGTH, so the estimate beside the answer counts more.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from train.run.plan.adapt import PeakMeter, capacity_mb
 from train.run.plan.batch_answer import RESULT_FILE, read_saved, settings_key  # noqa: F401
 from train.run.plan.fill import estimated_fit
 from train.run.plan.make import Chosen
-from train.tools.tool_args import mode_of, unit_of, wants_help
+from train.tools.tool_args import MODES, mode_of, unit_of, wants_help
 
 if TYPE_CHECKING:
     from train.run.plan.make import Plan
@@ -371,18 +373,19 @@ def auto_batch(cfg, say, world: Dist = SINGLE) -> Chosen:
 
 
 def find_batch_main(argv: list[str]) -> int:
-    """`python -m train find-batch [pretrain|sft|dpo] [training flags]`: search, print the variables, save
-    them."""
+    """`python -m train find-batch [pretrain|sft|dpo|grpo] [training flags]`: search, print the variables,
+    save them."""
     from train.config.flags import parse_training_args
 
     if wants_help(
         "find-batch",
         "find the fastest micro-batch that fits TARGET_VRAM, keeping the effective "
-        "batch, and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo: the mode; empty: pretrain)",
+        "batch, and save it for AUTO_BATCH=1 (first word pretrain | sft | dpo | grpo: the mode; empty: "
+        "pretrain)",
         argv,
     ):
         return 0
-    mode, argv = mode_of(argv)
+    mode, argv = mode_of(argv, (*MODES, "grpo"))
     cfg = parse_training_args(mode, argv)
     result = find_everywhere(cfg, print)
     rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} {result.unit}/s"

@@ -31,10 +31,10 @@ def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -
 MODES = ("pretrain", "sft", "dpo")  # the training commands a tool's first word may name (train/cli.py's)
 
 
-def mode_of(argv: list[str]) -> tuple[str, list[str]]:
-    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), else
-    pretrain."""
-    if argv and argv[0] in MODES:
+def mode_of(argv: list[str], modes: tuple[str, ...] = MODES) -> tuple[str, list[str]]:
+    """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), one of
+    `modes`, else pretrain."""
+    if argv and argv[0] in modes:
         return argv[0], argv[1:]
     return "pretrain", argv
 

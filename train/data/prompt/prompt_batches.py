@@ -11,10 +11,12 @@ import torch
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Prompt i is item i (its index); lengths: each prompt's tokens."""
+    """Prompt i is item i (its index); lengths: each prompt's tokens; completion_length: the tokens sampled
+    after each at most (MAX_COMPLETION_LENGTH), so a row the step trains on is at most the longest prompt
+    and these (the memory estimate's row: train/run/plan/adapt.py row_shape)."""
 
-    def __init__(self, ids: list[list[int]]):
-        self.ids = ids
+    def __init__(self, ids: list[list[int]], completion_length: int = 0):
+        self.ids, self.completion_length = ids, completion_length
         self.lengths = torch.tensor([len(row) for row in ids])
 
     def __len__(self) -> int:

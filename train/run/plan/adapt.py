@@ -157,12 +157,17 @@ def over_memory(plan) -> str | None:
 def row_shape(dataset, collate, max_length: int, mode: str, layout) -> dict:
     """The longest rows a micro-batch of this data can hold, as estimate_for_run takes them:
     max_length (and target_length), and packed rows' grid. Pretraining's windows and preference pairs:
-    the mode's bound."""
+    the mode's bound. A sampled mode's (GRPO's): the longest prompt + its completion_length, both said."""
     dataset = getattr(dataset, "dataset", dataset)
     grid = packed_grid_of(dataset)
     if grid is not None:
         return {"max_length": max_length, "packed": grid}
     lengths = getattr(dataset, "lengths", None)
+    if mode_of(mode).sampled and lengths is not None and len(lengths):
+        # GRPO: a prompt (left-padded to its batch's longest) and the completion sampled after it; COMPILE's
+        # widest length bucket is this width (length_buckets' largest is the width it is made from)
+        longest, room = int(lengths.max()), dataset.completion_length
+        return {"max_length": longest + room, "prompt_length": longest, "completion_length": room}
     if not mode_of(mode).row_lengths or lengths is None or not len(lengths):
         return layout.bound_shape(mode, max_length)  # T5 pretraining: span corruption's target
 

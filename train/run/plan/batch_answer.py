@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from train.core.device import device_name
+from train.core.objective import mode_of
 
 if TYPE_CHECKING:
     from train.run.plan.make import Plan
@@ -28,7 +29,7 @@ WORTH = 1.05
 def settings_key(plan: Plan, effective: int, world_size: int) -> dict:
     """What the answer depends on; a saved result is reused only when all of it matches."""
     model_cfg = json.dumps(plan.model.config.to_dict(), sort_keys=True, default=str)
-    return {
+    key = {
         "model": hashlib.sha256(model_cfg.encode()).hexdigest()[:16],
         "mode": plan.cfg.run.mode,  # dpo's micro-batch counts pairs, its step holds the reference
         "reference": plan.cfg.model.reference,
@@ -47,6 +48,9 @@ def settings_key(plan: Plan, effective: int, world_size: int) -> dict:
         "world_size": world_size,
         "torch": torch.__version__,
     }
+    if mode_of(plan.cfg.run.mode).sampled:  # GRPO: a prompt's rows, and how long they run, move the peak
+        key["rows"] = [plan.cfg.optim.num_generations, plan.cfg.optim.max_completion_length]
+    return key
 
 
 def load(path: Path) -> tuple[dict | None, str]:

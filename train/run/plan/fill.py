@@ -1,10 +1,12 @@
 """The micro-batch that fills the GPU by itself: with neither BATCH_SIZE nor TOKEN_BUDGET set by the
-user, an SFT, DPO or T5 run on CUDA takes the largest micro-batch whose estimated peak
+user, an SFT, DPO, GRPO or T5 run on CUDA takes the largest micro-batch whose estimated peak
 (train/models/estimate.py, at the longest rows the data gives) is at most TARGET_VRAM of the memory
 the run can use (adapt.capacity_mb: free VRAM plus what this process holds, or MAX_MEMORY_MB), and
 the gradient accumulation that keeps the effective batch, as close as whole numbers allow. Both are
-decisions with their numbers, in the plan. AUTO_BATCH=1 (find-batch) measures instead of estimating;
-an out-of-memory error still halves the micro-batch (train/run/loop/oom.py), the safety net.
+decisions with their numbers, in the plan. GRPO's micro-batch counts prompts, each NUM_GENERATIONS rows
+of the longest prompt + MAX_COMPLETION_LENGTH (COMPILE's widest bucket), with sampling's KV cache and,
+where BETA > 0 takes one, the reference copy counted. AUTO_BATCH=1 (find-batch) measures instead of
+estimating; an out-of-memory error still halves the micro-batch (train/run/loop/oom.py), the safety net.
 
 "Set by the user": a flag on the command line, except the value a launcher passes as its own
 default (`BATCH_SIZE=${BATCH_SIZE:-16}`): a variable the user set reaches the run in its
@@ -36,7 +38,7 @@ SEARCH_LIMIT = 1 << 16  # micro-batches searched above the effective batch, to s
 
 
 def applies(mode: str, layout) -> bool:
-    """SFT, DPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (the
+    """SFT, DPO, GRPO and an encoder-decoder's pretraining (T5); GPT-2 pretraining keeps its preset (the
     layout's fills)."""
     return layout.fills(mode)
 
@@ -135,11 +137,14 @@ def fill_memory(
     batch, accum, note = _split(max(1, min(allowed, per_rank, rows)), per_rank, o.effective_batch, world)
     o.batch_size, o.gradient_accumulation_steps = batch, accum
     at = peak(batch) / MIB
-    lengths = (
-        f"source {shape['max_length']} / target {shape['target_length']} tokens"
-        if "target_length" in shape
-        else f"rows of {shape['max_length']} tokens"
-    )
+    if "target_length" in shape:
+        lengths = f"source {shape['max_length']} / target {shape['target_length']} tokens"
+    elif "completion_length" in shape:  # a sampled mode's (GRPO's): BATCH_SIZE counts prompts
+        prompt, room = shape["prompt_length"], shape["completion_length"]
+        lengths = (f"prompts, {cfg.optim.num_generations} rows each of {shape['max_length']} tokens: the "
+                   f"longest prompt {prompt} + MAX_COMPLETION_LENGTH {room}")
+    else:
+        lengths = f"rows of {shape['max_length']} tokens"
     if isinstance(shape.get("packed"), PackedGrid):
         g = shape["packed"]
         lengths += f", packed: {g.per_row:.1f} conversations a row, the longest {g.longest}"
@@ -151,7 +156,8 @@ def fill_memory(
     if allowed > per_rank:
         why += f", more than the effective batch {effective} needs"
     if allowed > rows and rows < per_rank:
-        why += f"; the data gives only {rows} rows per process an epoch"
+        unit = "prompts" if "completion_length" in shape else "rows"
+        why += f"; the data gives only {rows} {unit} per process an epoch"
     decide("batch_size", batch, why)
     decide("gradient_accumulation_steps", accum, f"effective batch {effective}: " + note)
     return True

@@ -48,6 +48,13 @@ def beta(cfg: TrainConfig) -> float:
     return DEFAULTS["beta"] if cfg.optim.beta is None else cfg.optim.beta
 
 
+def taken_reference(cfg: TrainConfig) -> str | None:
+    """The reference BETA > 0 compares with: REFERENCE, else LoRA's base (adapters) or a frozen copy."""
+    if beta(cfg) == 0:
+        return None
+    return cfg.model.reference or ("adapters" if cfg.model.lora_r else "copy")
+
+
 def grpo_knobs(cfg: TrainConfig) -> GrpoKnobs:
     """config.py's GRPO knobs as the loss core takes them (its own checks repeat config.py's ranges)."""
     o = cfg.optim
@@ -203,8 +210,8 @@ class GRPOSource:
                    "num_generations": o.num_generations, "max_completion_length": room}  # fmt: skip
         return Data(
             tokenizer=tok,
-            dataset=PromptDataset(prompts.ids),
-            val_dataset=None if val is None else PromptDataset(val.ids),
+            dataset=PromptDataset(prompts.ids, room),
+            val_dataset=None if val is None else PromptDataset(val.ids, room),
             collate=PromptCollate(prompts.ids, tok.pad_token_id),
             val_collate=None if val is None else PromptCollate(val.ids, tok.pad_token_id),
             summary=summary,
@@ -241,15 +248,19 @@ class GRPOSource:
                        f"{o.num_generations} "
                        "completions")
 
+    def fill_reference(self, cfg: TrainConfig, data: Data, world_size: int, effective: int) -> str | None:
+        """The reference the fill (no BATCH_SIZE of the user's, on a GPU) leaves room for: the frozen copy
+        objective() takes after the micro-batch where REFERENCE is empty (REFERENCE set: the estimate's)."""
+        return "copy" if cfg.model.reference is None and taken_reference(cfg) == "copy" else None
+
     def objective(self, cfg: TrainConfig, choice: ModelChoice, model, data: Data, device, precision: str,
                   max_length: int, trained: int, say, decide):
         """(the GRPO objective, the data as it is): its sampler (seeded SEED + rank), the rewards, and where
         BETA > 0 the reference REFERENCE decides (copy: made now, from the policy as it starts)."""
         k = grpo_knobs(cfg)
         o, prompts, rewards = cfg.optim, data.conversations.prompts, data.conversations.rewards
-        reference = None
-        if k.beta > 0:
-            reference = cfg.model.reference or ("adapters" if cfg.model.lora_r else "copy")
+        reference = taken_reference(cfg)
+        if reference is not None:
             if cfg.model.reference is None:
                 decide(
                     "reference",
