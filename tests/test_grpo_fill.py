@@ -114,17 +114,6 @@ def test_beta_leaves_room_for_the_frozen_copy_grpo_takes_and_not_for_adapters():
     assert allowed(beta=0.04, lora_r=8) == (none, allowed()[1])  # adapters: no copy, no room
 
 
-def test_the_rows_said_are_the_compiled_widest_bucket():
-    """COMPILE pads the loss's rows to length buckets made from the longest prompt + MAX_COMPLETION_LENGTH
-    (GRPOSource.objective): the widest is that width, the one the fill sizes at."""
-    from train.data.chat.batching import length_buckets
-    from train.run.plan.adapt import row_shape
-
-    shape = row_shape(prompts(50, 37, 200), None, 1024, "grpo", CAUSAL_LM)
-    assert shape == {"max_length": 237, "prompt_length": 37, "completion_length": 200}
-    assert max(length_buckets(37 + 200)) == shape["max_length"]
-
-
 # ---- a tiny real model's plan and dry run (the built-in arithmetic prompts: 35 tokens, 29 completion) ----
 
 
@@ -134,21 +123,41 @@ def grpo_argv(base_model, tmp_path, *more: str) -> list[str]:
             *more]  # fmt: skip
 
 
-@pytest.fixture
-def planned(monkeypatch, base_model, tmp_path):
-    """The plan a GRPO run makes with no BATCH_SIZE of the user's (fill.Fill) on a fake GPU of `gb` GB."""
-    from tiny_tools import plan_on_a_fake_gpu
-
+def plan_of(base_model, tmp_path, *more: str):
+    """The plan a GRPO run makes with no BATCH_SIZE of the user's (fill.Fill)."""
     from train.config.flags import parse_training_args
     from train.run.plan.build import build
 
+    return build(parse_training_args("grpo", grpo_argv(base_model, tmp_path, *more)), lambda line: None,
+                 chosen=fill.Fill())  # fmt: skip
+
+
+@pytest.fixture
+def planned(monkeypatch, base_model, tmp_path):
+    """(micro-batch, accumulation) of that plan on a fake GPU of `gb` GB."""
+    from tiny_tools import plan_on_a_fake_gpu
+
     def plan(gb: float, *more: str):
         plan_on_a_fake_gpu(monkeypatch, gb)
-        cfg = parse_training_args("grpo", grpo_argv(base_model, tmp_path, *more))
-        o = build(cfg, lambda line: None, chosen=fill.Fill()).cfg.optim
+        o = plan_of(base_model, tmp_path, *more).cfg.optim
         return o.batch_size, o.gradient_accumulation_steps
 
     return plan
+
+
+def test_on_a_cpu_nothing_is_filled_and_compiles_widest_bucket_is_the_row_sized(base_model, tmp_path):
+    """The fill runs on a GPU only: a CPU plan keeps 8 x 16. COMPILE pads the loss's rows to length buckets
+    made from the longest prompt + MAX_COMPLETION_LENGTH (GRPOSource.objective): the widest is the row the
+    fill sizes at (adapt.row_shape)."""
+    from train.run.plan.adapt import row_shape
+
+    plan = plan_of(base_model, tmp_path, "--compile", "1")
+    assert (plan.cfg.optim.batch_size, plan.cfg.optim.gradient_accumulation_steps) == (8, 16)
+    decided = {d["setting"]: d["value"] for d in plan.decisions}
+    assert "batch_size" not in decided
+    shape = row_shape(plan.dataset, plan.collate, plan.max_length, "grpo", plan.family.layout)
+    assert shape == {"max_length": 64, "prompt_length": 35, "completion_length": 29}
+    assert max(int(w) for w in decided["length_buckets"].split(",")) == shape["max_length"]
 
 
 def test_a_grpo_dry_run_shows_the_fills_micro_batch_and_keeps_a_users(monkeypatch, base_model, tmp_path,
