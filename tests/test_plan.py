@@ -91,7 +91,8 @@ def test_oom_guard_holds_the_smaller_micro_batch_and_leaves_the_plan_alone(tiny_
     cfg = parse_training_args(
         "pretrain", [*tiny_flags, "--batch_size", "8", "--gradient_accumulation_steps", "2"]
     )
-    plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), max_length=64, precision="fp32")
+    plan = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), max_length=64, precision="fp32",
+                                 objective=None)
     opened = []
 
     class Stream:

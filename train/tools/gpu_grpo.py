@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from train.tools.gpu_paths import KIT_OVER_PEER, _busy, _fill, _fmt, _goal, _verdict, _where
+from train.tools.gpu_paths import KIT_OVER_PEER, _busy, _fill, _fmt, _goal, _json, _verdict, _where
 
 PART, PEER, TRAINER = "grpo", "grpo-trl", "TRL GRPOTrainer"
 PARTS = (PART, PEER)
@@ -32,13 +32,6 @@ LABEL = "GPT-2 reward training (GRPO, built-in task)"
 FIGURES = ("step_time_ms", "generation_frac", "tokens_per_sec", "sampling_tokens_per_sec",
            "completion_mean_length", "mfu", "mfu_training", "peak_memory_mb", "memory_share",
            "estimate_mb")  # each part's in bench/gpu_table.json
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def collect(out: Path) -> dict:

@@ -17,24 +17,17 @@ GRPOTrainer, per step, train/tools/gpu_grpo.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from train.core import files
 from train.tools import gpu_grpo, gpu_paths
+from train.tools.gpu_paths import _json
 
 HEADING = "## GPU table"
 # SFT runs by folder name -> the PACKING cell of their row (plain, grouped, packed)
 SFT_RUNS = {"packing0": "0", "grouped": "0, LENGTH_GROUPING=1", "packing1": "1"}
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def collect(out: Path) -> dict:

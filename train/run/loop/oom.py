@@ -142,7 +142,8 @@ class OomGuard:
         mark = (self.stream.epoch, self.stream.consumed)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self.plan.device.type == "cuda" else None
-        kept = _objective_state(self.plan.objective)
+        objective = self.plan.objective
+        kept = _objective_state(objective)
         while True:
             try:
                 out = fn()
@@ -154,7 +155,7 @@ class OomGuard:
                 reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
             # Out of the except block: the traceback (and the activations its frames hold) is gone.
             self._recover(mark, reason)
-            _restore_objective(self.plan.objective, kept)
+            _restore_objective(objective, kept)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
