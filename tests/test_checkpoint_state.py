@@ -99,7 +99,7 @@ def test_grpo_keeps_a_generations_scored_micro_batches_through_a_checkpoint():
     check_objective(entries, resumed)  # the load's check leaves the objective as it was
     assert resumed._cached is None and resumed._steps == 0
     ObjectiveState(SINGLE, resumed, print).load_state_dict(entries)
-    batches = resumed.rollout(None, [{"index": torch.tensor([0])}])
+    batches = resumed.rollout(None, [{"index": torch.tensor([0])}] * 2)  # as many as the generation had
     pairs = zip(batches, saving._cached, strict=True)
     assert len(batches) == 2 and all(torch.equal(a[k], b[k]) for a, b in pairs for k in a)
     assert (resumed._uses, resumed._steps, resumed._metrics) == (2, 4, {"reward": 0.5})
