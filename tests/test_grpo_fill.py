@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import config
+from conftest import run_cli
 from train.core.units import MIB
 from train.data.prompt.prompt_batches import PromptDataset
 from train.models.build import build_config
@@ -206,3 +207,10 @@ def test_find_batch_reuses_an_answer_only_for_the_same_rows_a_prompt():
 
     assert key() == key() and key() != key(num_generations=16) and key() != key(max_completion_length=8)
     assert "rows" not in key("sft")  # the other modes' keys as they were
+
+
+@pytest.mark.parametrize("tool", ["doctor", "autotune"])
+def test_a_tool_not_built_for_grpo_says_so_in_one_line(tool, capsys):
+    assert run_cli(tool, "grpo", "--max_steps", "2") == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {tool} grpo: {tool} is not built for grpo; it takes pretrain, sft, dpo"

@@ -315,7 +315,7 @@ def autotune_main(argv: list[str]) -> int:
     if not mine.steps.isdigit() or int(mine.steps) < 1 or set(skip) - set(DIMENSIONS):
         raise UsageError(f"autotune: --steps takes a whole number >= 1 and --skip some of "
                          f"{','.join(DIMENSIONS)}")
-    mode, rest = mode_of(rest)
+    mode, rest = mode_of(rest, "autotune")
     cfg = parse_training_args(mode, rest)
     winner, preset, outcomes = tune(cfg, print, int(mine.steps), skip)
     note = (f"(TARGET_VRAM {cfg.system.target_vram:g}; each rate the mean of its runs; a single run never "

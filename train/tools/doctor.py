@@ -255,7 +255,7 @@ def doctor_main(argv: list[str]) -> int:
     mine, rest = parser.parse_known_args(argv)
     if not mine.steps.isdigit() or int(mine.steps) < 2:
         raise UsageError(f"doctor --steps: expected a whole number >= 2, got {mine.steps!r}")
-    mode, rest = mode_of(rest)
+    mode, rest = mode_of(rest, "doctor")
     cfg = parse_training_args(mode, rest)
     steps = int(mine.steps)
     print(f"doctor: profiling {steps} steps of your {mode} config")

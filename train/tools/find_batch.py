@@ -385,7 +385,7 @@ def find_batch_main(argv: list[str]) -> int:
         argv,
     ):
         return 0
-    mode, argv = mode_of(argv, (*MODES, "grpo"))
+    mode, argv = mode_of(argv, "find-batch", (*MODES, "grpo"))
     cfg = parse_training_args(mode, argv)
     result = find_everywhere(cfg, print)
     rate = "" if result.samples_per_sec is None else f", {result.samples_per_sec:.1f} {result.unit}/s"

@@ -4,6 +4,8 @@ rates count."""
 
 from __future__ import annotations
 
+from train.core.errors import UsageError
+from train.core.objective import MODES as TRAINING_MODES
 from train.core.objective import mode_of as mode_row
 
 
@@ -31,11 +33,14 @@ def wants_help(command: str, usage: str, argv: list[str], options: tuple = ()) -
 MODES = ("pretrain", "sft", "dpo")  # the training commands a tool's first word may name (train/cli.py's)
 
 
-def mode_of(argv: list[str], modes: tuple[str, ...] = MODES) -> tuple[str, list[str]]:
+def mode_of(argv: list[str], tool: str, modes: tuple[str, ...] = MODES) -> tuple[str, list[str]]:
     """(the mode, the rest): a tool's optional first word (`find-batch dpo --model_path ...`), one of
-    `modes`, else pretrain."""
+    `modes`, else pretrain. A training mode the tool is not built for is one line (a UsageError), not
+    argparse's "unrecognized arguments"."""
     if argv and argv[0] in modes:
         return argv[0], argv[1:]
+    if argv and argv[0] in TRAINING_MODES:
+        raise UsageError(f"{tool} {argv[0]}: {tool} is not built for {argv[0]}; it takes {', '.join(modes)}")
     return "pretrain", argv
 
 
