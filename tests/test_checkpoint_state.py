@@ -88,31 +88,64 @@ def scored(rows: int = 4) -> dict:
 def test_grpo_keeps_a_generations_scored_micro_batches_through_a_checkpoint():
     """NUM_ITERATIONS=2, saved after a generation's first step: the resumed objective trains its second step
     on the same micro-batches (no sampling: the model is never asked), then samples anew."""
-    saving = grpo(num_iterations=2)
+    saving = grpo(num_iterations=2, num_generations=2)
     saving._cached, saving._uses, saving._steps = [scored(), scored(6)], 1, 3
     saving._metrics = {"reward": 0.5}
     handle = io.BytesIO()
     torch.save(ObjectiveState(SINGLE, saving, print).state_dict(), handle)  # state.pt's entries
     handle.seek(0)
     entries = torch.load(handle, weights_only=True)
-    resumed = grpo(num_iterations=2)
+    resumed = grpo(num_iterations=2, num_generations=2)
     check_objective(entries, resumed)  # the load's check leaves the objective as it was
     assert resumed._cached is None and resumed._steps == 0
     ObjectiveState(SINGLE, resumed, print).load_state_dict(entries)
-    batches = resumed.rollout(None, [{"index": torch.tensor([0])}] * 2)  # as many as the generation had
+    prompts = [{"index": torch.zeros(2)}, {"index": torch.zeros(3)}]  # 2 x 2 and 3 x 2 rows, as saved
+    batches = resumed.rollout(None, prompts)
     pairs = zip(batches, saving._cached, strict=True)
     assert len(batches) == 2 and all(torch.equal(a[k], b[k]) for a, b in pairs for k in a)
     assert (resumed._uses, resumed._steps, resumed._metrics) == (2, 4, {"reward": 0.5})
     # the generation is used up: a checkpoint now keeps no micro-batches, the next step samples
-    assert resumed.state_dict() == {"steps": 4, "metrics": {"reward": 0.5}, "uses": 0, "cached": []}
+    assert resumed.state_dict() == {"steps": 4, "metrics": {"reward": 0.5}, "uses": 0, "cached": [],
+                                    "logged": {}}
     # saved by two processes, resumed by one: another split of the prompts, so nothing is taken
     said = []
     ObjectiveState(SINGLE, (fresh := grpo(num_iterations=2)), said.append).load_state_dict(
         {"objective": entries["objective"], "objective_ranks": [entries["objective"]] * 2})
     assert fresh._cached is None and "saved by 2 process(es), this run has 1" in said[0]
+    assert fresh._steps == 3 and fresh._metrics == {"reward": 0.5}  # the rewards' global_step goes on
     ObjectiveState(Dist(rank=1, world_size=2), fresh, said.append).load_state_dict(
         {"objective": {}, "objective_ranks": [{}, entries["objective"]]})  # each rank its own
     assert fresh._uses == 1 and len(said) == 1
+
+
+def test_a_generation_serves_a_step_cut_otherwise_and_not_a_step_of_another_size():
+    """A resumed (or OOM-redone) step whose micro-batches hold the generation's rows cut otherwise trains on
+    them regrouped; one that holds another number of rows (BATCH_SIZE or accumulation changed on a resume)
+    samples a new generation instead of training on the wrong rows."""
+    one = grpo(num_iterations=2, num_generations=2)
+    one._cached, one._uses = [scored(), scored()], 1
+    (whole,) = one.rollout(None, [{"index": torch.zeros(4)}])  # 8 rows in one micro-batch
+    for key, value in whole.items():
+        assert torch.equal(value, torch.cat([scored()[key]] * 2)), key
+    assert one._uses == 2
+    other = grpo(num_iterations=2, num_generations=2)
+    other._cached, other._uses, sampled = [scored(), scored()], 1, scored(12)
+    other._score = lambda model, micro_batches: [sampled]  # the sampler's part: no model here
+    assert other.rollout(None, [{"index": torch.zeros(6)}]) == [sampled] and other._uses == 1
+
+
+def test_what_the_rewards_log_goes_through_a_checkpoint_and_keeps_apart_from_the_kits_names():
+    own = grpo()
+    own._metrics = {"reward": 0.5}
+    own.rewards.logged.log_metric("reward", 2.0)  # a reward's own figure named like the kit's
+    own.rewards.logged.log_metric("mine", 1.0)
+    state = own.state_dict()
+    assert state["logged"] == {"reward": [2.0], "mine": [1.0]}
+    back = grpo()
+    back.load_state_dict(state)
+    figures = {k: float(v) for k, v in back.returned({"kl": torch.tensor(0.25)}).items()}
+    assert figures == {"reward": 0.5, "log_metric/reward": 2.0, "mine": 1.0, "kl": 0.25}
+    assert back.state_dict()["logged"] == {}  # reported: taken
 
 
 @pytest.mark.parametrize("broken, why", [

@@ -33,7 +33,7 @@ import torch
 
 from train.core.device import autocast
 from train.core.reward.advantages import completion_metrics, group_advantages, loss_mask
-from train.core.reward.guard import RewardSet, State
+from train.core.reward.guard import Logged, RewardSet, State
 from train.core.reward.knobs import GrpoKnobs
 from train.core.reward.logps import Completions, completion_logps, model_inputs, widen
 from train.core.reward.loss import StepCounts, grpo_loss
@@ -93,12 +93,17 @@ class GRPOObjective:
     def rollout(self, model, micro_batches: list[dict]) -> list[dict]:
         """The step's scored micro-batches (the module doc), one per prompt micro-batch."""
         if self._cached is not None and self._uses < self.knobs.num_iterations:
-            self._uses += 1
-            self._steps += 1
-            if len(self._cached) != len(micro_batches):  # the OOM guard's smaller micro-batch since
-                sizes = [len(b["index"]) * self.knobs.num_generations for b in micro_batches]
+            sizes = [len(b["index"]) * self.knobs.num_generations for b in micro_batches]
+            held = [b["advantages"].shape[0] for b in self._cached]
+            if sizes != held and sum(sizes) == sum(held):  # the OOM guard's smaller micro-batch since
                 self._cached = regroup(self._cached, sizes)
-            return self._count(self._cached)
+            if sizes == held or sum(sizes) == sum(held):
+                self._uses += 1
+                self._steps += 1
+                return self._count(self._cached)
+            # a resumed run whose step holds another number of rows (BATCH_SIZE, accumulation or the
+            # processes changed): the generation cannot serve it, a new one is sampled
+            self._cached, self._uses = None, 0
         start = time.perf_counter()
         scored = self._score(model, micro_batches)
         self._cached, self._uses = scored, 1
@@ -223,8 +228,11 @@ class GRPOObjective:
 
     def returned(self, sums: dict) -> dict:
         """The loss's metrics summed over the micro-steps (device tensors), then the rollout's (host floats,
-        put on the device: a copy, no sync), in one order every step."""
-        figures = {**self._metrics, **self._reward_logged()}
+        put on the device: a copy, no sync), in one order every step. A name a reward logs that the kit's
+        own figures use (reward, kl, ...) is kept apart as log_metric/<name>."""
+        taken = set(self._metrics) | set(sums)
+        logged = {f"log_metric/{k}" if k in taken else k: v for k, v in self._reward_logged().items()}
+        figures = {**self._metrics, **logged}
         host = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in figures.items()}
         return {**host, **sums}
 
@@ -265,7 +273,10 @@ class GRPOObjective:
         sampler = copy.copy(self.sampler)
         sampler.generator = torch.Generator(device=sampler.device)
         sampler.generator.manual_seed(sampler.seed + VAL_SEED + int(batch["index"][0]))
-        view = replace(self, sampler=sampler, knobs=replace(self.knobs, num_iterations=1),
+        # its own log of what the rewards log_metric (not the training's next log line), its own token count
+        rewards = replace(self.rewards, logged=Logged())
+        view = replace(self, sampler=sampler, knobs=replace(self.knobs, num_iterations=1), rewards=rewards,
+                       trained=[0, 0],
                        prompt_ids=self.held_out.ids, for_rewards=self.held_out.for_rewards, _cached=None,
                        _metrics={})  # fmt: skip
         with torch.no_grad():
@@ -303,8 +314,9 @@ class GRPOObjective:
         count, the last generation's metrics, and, where steps of it are left (NUM_ITERATIONS > 1 and the
         checkpoint mid-generation), its scored micro-batches and how many steps used them."""
         live = self._cached is not None and self._uses < self.knobs.num_iterations
+        logged = {k: list(v) for k, v in self.rewards.logged.metrics.items() if v}
         return {"steps": self._steps, "metrics": dict(self._metrics), "uses": self._uses if live else 0,
-                "cached": [dict(b) for b in self._cached] if live else []}  # fmt: skip
+                "cached": [dict(b) for b in self._cached] if live else [], "logged": logged}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's state_dict(); ValueError, before anything changes, where it is malformed. Scored
@@ -327,11 +339,26 @@ class GRPOObjective:
             raise ValueError("the objective's scored micro-batches lack their completions or advantages")
         if (uses > 0) != bool(cached):
             raise ValueError(f"the objective holds {len(cached)} scored micro-batches used by {uses} steps")
+        logged = state.get("logged", {})  # what the rewards logged since the last log line (absent: older)
+        if not isinstance(logged, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+            for k, v in logged.items()
+        ):
+            raise ValueError("the objective's logged reward metrics are not lists of numbers by name")
         needed = {"old_per_token_logps"} if self.knobs.num_iterations > 1 else set()
         needed |= {"ref_per_token_logps"} if self.knobs.beta != 0.0 else set()
         fits = bool(cached) and all(needed <= set(b) for b in cached)
         self._steps, self._metrics = steps, dict(metrics)
         self._cached, self._uses = (cached, uses) if fits else (None, 0)
+        self.rewards.logged.metrics.clear()
+        self.rewards.logged.metrics.update({k: list(v) for k, v in logged.items()})
+
+    def load_progress(self, state: dict) -> None:
+        """The step count and last metrics of a state saved by another number of processes: its generation
+        belongs to another split of the prompts, not taken (ValueError as load_state_dict's)."""
+        if not isinstance(state, dict):
+            raise ValueError("the objective's state is not a dict")
+        self.load_state_dict({**state, "uses": 0, "cached": [], "logged": {}})
 
 
 LEFT_PADDED = ("prompt_ids", "prompt_mask")  # a prompt sits at the right end of its row

@@ -72,6 +72,8 @@ class ObjectiveState:
             if self.world.is_main:
                 self.say(f"the objective's state was saved by {saved} process(es), this run has "
                          f"{self.world.world_size}: it starts afresh (GRPO: a new generation next step)")
+            if hasattr(self.objective, "load_progress"):  # the step count goes on (the rewards read it)
+                self.objective.load_progress(state.get("objective"))
             return
         self.objective.load_state_dict(ranks[self.world.rank] if ranks else state["objective"])
 
