@@ -23,11 +23,12 @@
 #   grpo-base         75 s  only where grpo or grpo-trl runs and the session has no SFT or DPO final/ (a call of
 #                           the GRPO pair alone): SFT from scratch, MODEL_SIZE=small, batch 16, 10 steps, eager
 #                           (estimated 35 s: its BPE on the built-in conversations, 10 steps, the 0.5 GB save)
-#   grpo             100 s  reward training (GRPO) from sft-grouped's final/ (else dpo's, else grpo-base's) on
+#   grpo             150 s  reward training (GRPO) from sft-grouped's final/ (else dpo's, else grpo-base's) on
 #                           the built-in arithmetic task, NUM_GENERATIONS 8, MAX_COMPLETION_LENGTH 128 (fixed,
 #                           so the sides' steps compare at one length), bf16, the launcher's batch (4 prompts,
-#                           32 rows), eager (GRPO refuses COMPILE), a log line every step (estimated 55 s:
-#                           ~0.8 s a step, 128 sampled tokens at ~5 ms each, and the profiled step's trace)
+#                           32 rows), the default compile (the loss's forwards; sampling eager; TRL's default
+#                           is eager), a log line every step (estimated 95 s: 55 s eager, ~0.8 s a step, 128
+#                           sampled tokens at ~5 ms each, and the profiled step's trace, + ~40 s compile warm-up)
 #   grpo-trl         120 s  TRL's GRPOTrainer on grpo's plan: its prompts' token ids, rows, lengths, stop ids,
 #                           loss and rewards, bf16, no vLLM (bench/grpo_trl_side.py --kit; estimated 70 s)
 #   tokenize-scaling 100 s  the token cache build of a generated 1 GB JSONL corpus on every CPU core
@@ -38,17 +39,17 @@
 #                           answer saved as find-batch saves it (the find-batch row), 30 steps (79 s)
 #   bench-baseline    60 s  bench of the baseline preset (fp32, 8 x 1), 20 steps: the optimized / baseline
 #                           ratio against pretrain-preset (30 s)
-# about 640 s expected in all before the peers and GRPO (the peers ~180 s more, the GRPO pair ~125 s):
+# about 640 s expected in all before the peers and GRPO (the peers ~180 s more, the GRPO pair ~165 s):
 # more than one call's budget. A part gets the smaller of its limit and what is left of
 # GPU_REPORT_BUDGET_S (560 s: one 10-minute device call with room for the report), so the parts the
 # issue's targets need come first and bench-baseline, measured before, last.
 # GPU_REPORT_PARTS=a,b runs only the parts named (a second call's re-run of what changed);
 # GPU_REPORT_PARTS=peers names the peers and the kit parts they are measured against (about 445 s);
-# GPU_REPORT_PARTS=grpo,grpo-trl the GRPO pair (about 125 s, 160 s with grpo-base on a fresh machine).
+# GPU_REPORT_PARTS=grpo,grpo-trl the GRPO pair (about 165 s, 200 s with grpo-base on a fresh machine).
 # One session (15 minutes of device time, start-up included) in two calls, the second at once on the
 # warm machine with the same GPU_REPORT_DIR (so GRPO starts from the first call's sft-grouped final/):
 # GPU_REPORT_PARTS=peers (~445 s), then grpo,grpo-trl,tokenize-scaling,pretrain-auto,bench-baseline
-# (~325 s; bench-baseline, 30 s, is the one to leave out where start-up took more than ~100 s).
+# (~365 s; bench-baseline, 30 s, is the one to leave out where start-up took more than ~60 s).
 # GPU_REPORT_DRY=1 runs the parts on this machine's CPU at toy sizes (MODEL_SIZE nano, MAX_LENGTH 128,
 # T5 64, MAX_STEPS 4, MAX_COMPLETION_LENGTH 8, fp32, eager; no tokenize-scaling; each part 3x its
 # seconds, the budget 3x too): the parts' own commands checked without a GPU, the table written to
@@ -228,6 +229,7 @@ fi
 # (grpo-base: SFT from scratch, the same GPT-2 shape). NUM_GENERATIONS and MAX_COMPLETION_LENGTH are set
 # so that both sides sample the same rows to the same bound; LOG_EVERY=1 logs each step's completion
 # lengths (a host read per step, beside the sampler's own), which the completion tokens/s are made of.
+# COMPILE is left empty, as a user runs it (on with a GPU: the loss's forwards; TRL's default is eager).
 grpo_base=
 for m in sft-grouped dpo grpo-base; do [ -d "$OUT/$m/final" ] && { grpo_base=$OUT/$m/final; break; }; done
 if ! wanted grpo && [ -f "$OUT/grpo/summary.json" ]; then  # grpo-trl alone: the model of the run it is measured against
@@ -241,7 +243,7 @@ if [ -z "$grpo_base" ] && { wanted grpo || wanted grpo-trl; }; then
 fi
 GRPO="env -u MODEL_SIZE MODEL_PATH=$grpo_base ENABLE_BF16=$BF16 NUM_WORKERS=0 NUM_GENERATIONS=8 MAX_COMPLETION_LENGTH=$COMPLETION LOG_EVERY=1 RUN_NAME=grpo"
 if [ -n "$grpo_base" ]; then
-  profiled grpo 100 $GRPO ./train_grpo.sh
+  profiled grpo 150 $GRPO ./train_grpo.sh
   peer grpo-trl 120 grpo $GRPO ./train_grpo.sh
 else
   skip grpo "no chat model to start from (see grpo-base.log)"

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from conftest import ROOT, TINY_CONFIG, launch, run_cli
+from train.tools import gpu_grpo
 from train.tools.gpu_report import main
 
 GRPO_SECTION = "GPT-2 reward training (GRPO, built-in task) against TRL GRPOTrainer"
@@ -24,7 +25,9 @@ def _kit_summary(**kw) -> dict:
             "num_generations": 8, "max_completion_length": 128, "steps": 30, "steady_state_steps": 27,
             "step_time_ms": 800.0, "generation_frac": 0.75, "samples_per_sec": 5.0, "tokens_per_sec": 4840.0,
             "flops_per_token": 1e9, "peak_tflops": 989.0, "peak_vram_mb": 20000.0, "vram_total_mb": 143771.0,
-            "estimate_peak_mb": 19000.0, "final_completions/mean_length": 77.0, **kw}  # fmt: skip
+            "estimate_peak_mb": 19000.0, "final_completions/mean_length": 77.0,
+            "compile": {"enabled": True, "mode": "reduce-overhead", "graphs": 2}, "compile_error": None,
+            **kw}  # fmt: skip
 
 
 def _trl_result(step_ms: float) -> dict:
@@ -73,7 +76,8 @@ def test_grpo_rows_targets_and_the_json_table(tmp_path):
     # completion tokens/s: 5 prompts/s x 8 x 100 (the steady mean length); sampling: that / 0.75; MFU: 5 x 8 x
     # (21 + 100) tokens x 1e9 FLOPs over 989 TFLOP/s (0.49 %), over the training part's 25 % of the step
     assert (
-        "| the kit (grpo) | bf16, 4 prompts x 8 = 32 rows x 1, completions <= 128 | 800 | 75% | 4,000 | "
+        "| the kit (grpo) | bf16, 4 prompts x 8 = 32 rows x 1, completions <= 128, compile reduce-overhead "
+        "| 800 | 75% | 4,000 | "
         "5,333 | 100.0 | 0.5% | 2.0% | 20,000 MB (14%) | 35% of 900 ms | 55 s |"
     ) in section
     assert (
@@ -124,6 +128,16 @@ def test_grpo_rows_targets_and_the_json_table(tmp_path):
     text, table = _report(tmp_path / "missed", tmp_path)
     assert "| 1.12x (900 / 800 ms a step) | missed by 0.18x |" in text
     assert {r["name"]: r for r in table["ratios"]}["grpo / grpo-trl"]["met"] is False
+
+
+def test_the_kit_row_states_the_runs_compile_as_summary_json_has_it():
+    base = "bf16, 4 prompts x 8 = 32 rows x 1, completions <= 128"
+    assert gpu_grpo._kit_settings(_kit_summary()) == base + ", compile reduce-overhead"
+    eager = {"enabled": False, "mode": None}
+    assert gpu_grpo._kit_settings(_kit_summary(compile=eager)) == base + ", eager"
+    failed = _kit_summary(compile=eager, compile_error="no triton")
+    assert gpu_grpo._kit_settings(failed) == base + ", eager (compile failed: no triton)"
+    assert gpu_grpo._kit_settings(_kit_summary(compile=None)) == base  # an older summary: nothing claimed
 
 
 def test_no_grpo_section_without_its_parts_and_a_peer_that_failed(tmp_path):
@@ -234,7 +248,8 @@ def test_the_dry_report_runs_the_grpo_part_on_the_cpu(chat_base, tmp_path):
         "step_ms"
     ] > 0
     text = (out / "RESULTS.md").read_text()
-    assert "| the kit (grpo) | fp32, 4 prompts x 8 = 32 rows x 1, completions <= 8 |" in text
+    # COMPILE left empty, as a user runs it: off on the CPU, and the row says so
+    assert "| the kit (grpo) | fp32, 4 prompts x 8 = 32 rows x 1, completions <= 8, eager |" in text
     kit = {p["name"]: p for p in json.loads((out / "gpu_table.json").read_text())["parts"]}["grpo"]
     assert kit["status"] == "ok" and kit["tokens_per_sec"] > 0 and 0 < kit["generation_frac"] <= 1
     assert before == {name: (ROOT / "bench" / name).read_bytes() for name in before}

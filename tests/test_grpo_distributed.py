@@ -46,7 +46,8 @@ def scrambled(completion_ids, trainer_state, **kwargs):
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{dump}-{{rank}}.jsonl", "a") as handle:
         lengths = [len(ids) for ids in completion_ids]
-        row = {{"step": trainer_state.global_step, "rewards": values, "lengths": lengths}}
+        row = {{"step": trainer_state.global_step, "max_steps": trainer_state.max_steps, "rewards": values,
+               "lengths": lengths}}
         handle.write(json.dumps(row) + "\\n")
     kwargs["log_metric"]("seen/rank", float(rank))  # every rank's, averaged: 0.5
     if rank == 1:
@@ -158,6 +159,7 @@ def test_batch_scaling_and_the_reward_metrics_are_the_whole_batchs(runs):
     sampled = rows(runs["root"] / "whole")[::2]  # a generation's first step: its loss is on-policy
     for row, *mine in zip(sampled, *ranks, strict=True):
         assert [m["step"] for m in mine] == [row["step"] - 1] * 2
+        assert [m["max_steps"] for m in mine] == [5] * 2  # the run's optimizer steps, not x world size
         rewards = torch.tensor([m["rewards"] for m in mine]).reshape(-1, 1)  # rank 0's rows, then rank 1's
         lengths = torch.tensor([m["lengths"] for m in mine], dtype=torch.float32).reshape(-1)
         whole, metrics = group_advantages(rewards, ["scrambled"], knobs)

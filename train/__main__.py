@@ -2,7 +2,9 @@
 
 import errno
 import os
+import select
 import signal
+import stat
 import sys
 
 from train.core.errors import EXIT_USAGE, Interrupted, UsageError
@@ -35,14 +37,36 @@ def reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
+def stdout_gone() -> bool:
+    """Whether stdout itself is the pipe (or socket) whose reader has closed: another pipe's EPIPE (a
+    worker's, a subprocess's) is a fault to report. A failed write leaves its bytes in stdout's buffer,
+    so flushing meets the error again; with nothing buffered, poll() says POLLERR for a readerless pipe."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError, AttributeError):  # closed or no stdout: not a reader that went
+        return False
+    try:
+        fd = sys.stdout.fileno()
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor, or no poll() (Windows)
+        return False
+
+
 def run() -> int:
     try:
         from train.cli import main
 
         code = main()
-        sys.stdout.flush()  # the last buffered lines: a closed pipe is met here, not in the exit's flush
-        return code
-    except BrokenPipeError:  # before OSError: EPIPE is the reader's choice, not a fault to report
+    except BrokenPipeError:  # before OSError: EPIPE on stdout is the reader's choice, not a fault
+        if not stdout_gone():
+            raise
         return reader_gone()
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -70,6 +94,12 @@ def run() -> int:
             raise
         print(f"error: {describe_os_error(err)}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        sys.stdout.flush()  # the last buffered lines: a closed pipe is met here, not in the exit's flush
+    except BrokenPipeError:
+        gone = reader_gone()
+        return code or gone  # main()'s own failure stays the code
+    return code
 
 
 if __name__ == "__main__":

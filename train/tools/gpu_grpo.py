@@ -111,7 +111,17 @@ def _kit_settings(s: dict) -> str:
     rows = s["batch_size"] * g if s.get("batch_size") and g else "?"
     return (f"{s.get('precision', '?')}, {s.get('batch_size', '?')} prompts x {g} = {rows} rows x "
             f"{s.get('gradient_accumulation_steps', '?')}, completions <= "
-            f"{s.get('max_completion_length', '?')}")
+            f"{s.get('max_completion_length', '?')}" + _compiled(s))
+
+
+def _compiled(s: dict) -> str:
+    """The run's compile as summary.json has it (COMPILE empty compiles on a GPU; TRL's side is eager)."""
+    c = s.get("compile")
+    if not isinstance(c, dict):  # a summary from before the entry: nothing to claim
+        return ""
+    if not c.get("enabled"):
+        return ", eager" + (f" (compile failed: {s['compile_error']})" if s.get("compile_error") else "")
+    return f", compile {c.get('mode') or 'default'}"
 
 
 def _peer_settings(r: dict) -> str:

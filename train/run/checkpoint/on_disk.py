@@ -93,6 +93,13 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+def objective_bytes(state: dict) -> int:
+    """state.pt's bytes of an objective's scored micro-batches (GRPO mid-generation): every rank's under
+    DDP, where "objective" is objective_ranks[0] again (saved once by torch.save, counted once here)."""
+    ranks = state.get("objective_ranks")
+    return _tensor_bytes(ranks if ranks is not None else state.get("objective"))
+
+
 @dataclass
 class Loaded:
     """A checkpoint that passed every check; the weights are already in the model."""
@@ -137,8 +144,7 @@ class CheckpointFolder:
         state: state.pt's entries (optimizer, scaler, rng); meta: meta.json's record."""
         self._make_folder()
         name = checkpoint_name(step)
-        # an objective's scored micro-batches (GRPO mid-generation) go into state.pt too
-        needed = self.needed_bytes(model, optimizer) + _tensor_bytes([state.get(k) for k in OBJECTIVE])
+        needed = self.needed_bytes(model, optimizer) + objective_bytes(state)
         free = self.free_bytes()
         if free < needed:
             raise self._disk_full(name, needed, free)

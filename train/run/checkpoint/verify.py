@@ -39,7 +39,11 @@ def check_meta(meta, fields=META_FIELDS, where="") -> None:
         value = meta.get(key) if isinstance(meta, dict) else None
         if isinstance(kind, dict):
             check_meta(value, kind, f"{where}{key}.")
-        elif not isinstance(value, kind) or isinstance(value, bool):
+            continue
+        if kind is int and isinstance(value, float) and value.is_integer() and value >= 0:
+            # WARMUP_STEPS=0 wrote warmup_samples 0.0 before it became the int 0: such runs resume
+            value = meta[key] = int(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
             raise BadCheckpoint(f"{META} has no valid {where}{key}")
 
 

@@ -308,8 +308,9 @@ class GRPOSource:
             gather_names=process_group.gather_names if torch.distributed.is_initialized() else None,
             widths=widths,
         )
-        # TRL's trainer_state
-        objective.max_steps = trained // max(1, o.batch_size * o.gradient_accumulation_steps)
+        # TRL's trainer_state: the run's optimizer steps (trained counts every rank's samples)
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        objective.max_steps = trained // max(1, cfg.effective_batch_size(ranks))
         summary = {**data.summary, "loss_type": k.loss_type, "beta": k.beta, "reference": reference,
                    "num_iterations": k.num_iterations, "temperature": k.temperature}  # fmt: skip
         return objective, replace(data, summary=summary)
