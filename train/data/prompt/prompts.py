@@ -27,7 +27,7 @@ from typing import ClassVar
 from train.data.chat import formats
 from train.data.chat.encode import prompt_for_generation
 from train.data.chat.render_bounds import RenderFailed
-from train.data.chat.turns import split_tools
+from train.data.chat.template_table import plain_prompt
 from train.data.prompt.arithmetic import TASK_NAME, arithmetic_prompts
 from train.data.prompt.prompt_formats import Prompt, converted, open_prompts
 
@@ -37,7 +37,7 @@ def render_prompt(tokenizer, conversation: Sequence[dict]) -> str:
     that fails, loops or grows past its bound. The tokenizer is ready for SFT's templates (its
     final/ folder's, or ensure_special_tokens'd)."""
     if tokenizer.chat_template is None:
-        return "\n".join(t.get("content") or "" for t in split_tools(conversation)[1])
+        return plain_prompt(conversation)
     return prompt_for_generation(tokenizer, conversation)
 
 
