@@ -423,11 +423,10 @@ class RunConfig:
     reads EVAL_BATCHES x 8 held-out sequences, forward only (about a third of training on them)."""
     eval_batches: int = knob(20, least=1)
     """Validation batches of 8 sequences per pass (read BATCH_SIZE at a time): the same sequences every pass
-    and
-    for any BATCH_SIZE, at most as many as a short run trains on. More gives a steadier number."""
-    keep_best: bool = False
+    and for any BATCH_SIZE, at most as many as a short run trains on. More gives a steadier number."""
+    keep_best: bool = knob(False, modes=FINE_TUNING | FROM_SCRATCH)
     """Also save the model with the lowest validation loss so far in best/ (final/ is always the last
-    model)."""
+    model). Not GRPO's: its policy loss is not its measure (val_reward is)."""
     report_to: str = knob("none", choices=REPORT_TO)
     """none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in
     runs/<name>/tensorboard/ (`tensorboard --logdir runs`), as the transformers Trainer does."""

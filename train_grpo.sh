@@ -115,7 +115,6 @@ RESUME=${RESUME:-}                      # continue runs/RUN_NAME (empty RUN_NAME
 NAN_PATIENCE=${NAN_PATIENCE:-}          # stop after this many optimizer steps in a row with a non-finite loss, keeping the newest checkpoint from before them; empty: 5
 EVAL_EVERY=${EVAL_EVERY:-}              # optimizer steps between validation passes; one always runs at the end; empty: 250
 EVAL_BATCHES=${EVAL_BATCHES:-}          # validation batches of 8 sequences per pass (read BATCH_SIZE at a time); empty: 20
-KEEP_BEST=${KEEP_BEST:-}                # also save the model with the lowest validation loss so far in best/ (final/ is always the last model); empty: 0
 REPORT_TO=${REPORT_TO:-}                # none | tensorboard: also write the metrics rows and the summary as TensorBoard scalars in runs/<name>/tensorboard/; empty: none
 DRY_RUN=${DRY_RUN:-}                    # print the resolved settings, the derived numbers and a peak-memory estimate, then exit: no model on the device; empty: 0
 # END knobs

@@ -100,7 +100,8 @@ def test_val_fraction_holds_out_the_last_prompts_and_tensorboard_gets_val_reward
     (("--val_path", "{root}/bare.jsonl"), "REWARD_FUNCS=accuracy: VAL_PATH has no 'answer' or 'solution'"),
     (("--val_fraction", "0.3", "--batch_size", "10", "--max_steps", "1"),
      "DATA_PATH: 8 prompts (VAL_FRACTION held out 4 more) are fewer than one optimizer step needs"),
-    (("--keep_best", "1", "--val_fraction", "0.1"), "KEEP_BEST=1: best/ keeps the lowest val_loss"),
+    (("--keep_best", "1", "--val_fraction", "0.1"),
+     "KEEP_BEST (--keep_best) does not apply to reward training"),
 ])  # fmt: skip
 def test_a_bad_held_out_set_is_one_line_exit_2_and_no_run_folder(root, base_model, capsys, flags, message):
     (root / "empty.jsonl").write_text("")

@@ -84,9 +84,8 @@ def grpo_knobs(cfg: TrainConfig) -> GrpoKnobs:
 
 
 def refuse_grpo(cfg: TrainConfig) -> None:
-    """What reward training cannot do, one line each, before any work (MODEL_SIZE and MODEL_CONFIG are no
-    knobs
-    of its mode: refused by name before this)."""
+    """What reward training cannot do, one line each, before any work (MODEL_SIZE, MODEL_CONFIG and KEEP_BEST
+    are no knobs of its mode: refused by name before this)."""
     reference, b = cfg.model.reference, beta(cfg)
     if reference == "precomputed":
         raise UsageError("REFERENCE=precomputed: GRPO's completions are sampled during training, so no pass "
@@ -100,9 +99,6 @@ def refuse_grpo(cfg: TrainConfig) -> None:
     if cfg.system.sharding != "none":
         raise UsageError(f"SHARDING={cfg.system.sharding}: GRPO's sampling is not built for sharded weights; "
                          f"use SHARDING=none (DDP with NPROC_PER_NODE works)")
-    if cfg.run.keep_best:
-        raise UsageError("KEEP_BEST=1: best/ keeps the lowest val_loss, and reward training's measure is "
-                         "val_reward, not its policy loss; leave KEEP_BEST empty")
     try:
         grpo_knobs(cfg)
     except ValueError as err:
