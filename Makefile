@@ -27,7 +27,7 @@ help:
 	@echo "make bench     time the real training loop vs a plain PyTorch loop (THREADS=1 MODEL_SIZE=nano ...)"
 	@echo "make bench-data  pretraining data at 100 MB and 1 GB (JSONL, parquet): kit vs encode_batch tokens/s, RSS, first step"
 	@echo "make gpu-report  on a CUDA GPU: find-batch, doctor, AUTO_BATCH, SFT grouped/packed, T5, DPO, GRPO, the peers (TRL, Seq2SeqTrainer), bench, one step of each profiled; writes bench/RESULTS.md's GPU table and bench/gpu_table.json"
-	@echo "make test      run the test suite (CPU only; two pytest-xdist workers, TEST_WORKERS=N for more; 5 1/2 minutes on 2 quiet cores)"
+	@echo "make test      run the test suite (CPU only; two pytest-xdist workers, TEST_WORKERS=N for more; 6 1/2 minutes on 2 quiet cores)"
 	@echo "make test-fast the unit tests only: no test that starts a process or a whole run (tests/conftest.py)"
 	@echo "make knobs     rewrite docs/knobs.md's tables and the launchers' knob lines from config.py"
 	@echo "make lint      ruff check"
